@@ -1,0 +1,52 @@
+"""The one place that decides which array library runs the model: NumPy or CuPy.
+
+Set the environment variable ``MT_BACKEND`` before importing minitransformer:
+
+    MT_BACKEND=numpy   (default) everything runs on the CPU
+    MT_BACKEND=cupy    the same model code runs on an NVIDIA GPU through CuPy
+
+It is read once, at import; an unknown value or a missing CuPy is an error right here rather
+than a surprise later. Model code does ``from minitransformer.backend import xp`` and never
+imports numpy for array math, so the code on the screen is the code that ran on either device.
+
+Two CuPy traps this module exists to contain (CuPy's "differences from NumPy" page):
+reductions return 0-d device arrays, not Python numbers, so convert with ``int()``/``float()``
+at the boundaries; and out-of-bounds integer indices wrap around silently instead of raising,
+so indices (slots, block tables) are validated on the host before they reach the device.
+"""
+import os
+
+import numpy
+
+BACKEND = os.environ.get("MT_BACKEND", "numpy").strip().lower() or "numpy"
+
+if BACKEND == "numpy":
+    xp = numpy
+elif BACKEND == "cupy":
+    try:
+        import cupy as xp
+    except ImportError as e:  # pragma: no cover - depends on the machine
+        raise ImportError(
+            "MT_BACKEND=cupy but CuPy is not installed: pip install -e '.[gpu]' "
+            "(a CuPy wheel matching your CUDA), or unset MT_BACKEND to run on NumPy"
+        ) from e
+else:
+    raise ValueError(f"MT_BACKEND={BACKEND!r} is not a backend: use 'numpy' (default) or 'cupy'")
+
+
+def to_numpy(a):
+    """Any backend array (or scalar) -> a host numpy array."""
+    if BACKEND == "cupy":
+        return xp.asnumpy(a)
+    return numpy.asarray(a)
+
+
+def to_device(a):
+    """A host array -> an array of the active backend (no copy on NumPy)."""
+    return xp.asarray(a)
+
+
+def synchronize():
+    """Wait for the device to finish queued work, so wall-clock timings mean something."""
+    if BACKEND == "cupy":
+        xp.cuda.Stream.null.synchronize()

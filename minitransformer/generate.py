@@ -1,0 +1,86 @@
+"""Generation: the slow way (recompute everything each step) and the fast way (KV cache).
+
+    slow:   for each new token, forward(whole sequence so far), read the last position
+    fast:   prefill = forward(prompt) once into the cache; then decode = forward(one token)
+            per step, attending over the cache
+
+Both feed the same logits to the same sampling rule, so greedy decoding gives the same tokens
+either way: that is experiment 1, and the tests check it token for token.
+"""
+import numpy as np
+
+from minitransformer.backend import to_numpy
+from minitransformer.kvcache import KVCache
+from minitransformer.model import forward, head
+from minitransformer.sampling import SamplingSettings, next_token
+
+
+def check_prompt(model, ids, max_new_tokens) -> np.ndarray:
+    """Validate a prompt and a length against the model; -> ids as an int64 array (T,)."""
+    c = model.config
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)) \
+            or max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens must be an integer >= 0, got {max_new_tokens!r}")
+    ids = np.asarray(ids)
+    if ids.ndim != 1 or ids.size == 0:
+        raise ValueError(f"the prompt must be a non-empty 1-D list of token ids, got shape {ids.shape}")
+    if not np.issubdtype(ids.dtype, np.integer):
+        raise ValueError(f"token ids must be integers, got dtype {ids.dtype}")
+    if ids.min() < 0 or ids.max() >= c.vocab_size:
+        raise ValueError(f"token ids must be in [0, {c.vocab_size}), got {ids.min()}..{ids.max()}")
+    if ids.size + max_new_tokens > c.max_position_embeddings:
+        raise ValueError(f"prompt of {ids.size} tokens + max_new_tokens={max_new_tokens} exceeds "
+                         f"the model's {c.max_position_embeddings} positions")
+    return ids.astype(np.int64)
+
+
+def last_logits(model, hidden) -> np.ndarray:
+    """Hidden states (B, T, D) -> host logits (B, V) of the last position only."""
+    return to_numpy(head(model, hidden[:, -1:]))[:, -1]
+
+
+def stream(model, ids, max_new_tokens: int, cache: bool = True, do_sample: bool = False,
+           temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
+           repetition_penalty: float = 1.0, seed=None, eos_token_id=None):
+    """Yield new token ids one at a time. Stops at an eos id or after max_new_tokens.
+
+    eos_token_id: an id or list of ids; None uses the model's (generation_config.json), and
+    an empty list never stops early.
+    """
+    settings = SamplingSettings(do_sample, temperature, top_k, top_p, repetition_penalty)
+    ids = check_prompt(model, ids, max_new_tokens)
+    if eos_token_id is None:
+        eos = set(model.eos_token_ids)
+    else:
+        eos = set(np.atleast_1d(eos_token_id).tolist())
+    if max_new_tokens == 0:
+        return
+    rng = np.random.default_rng(seed)
+    tokens = ids.tolist()
+    if cache:
+        kv = KVCache.allocate(model.config, batch=1, max_len=len(tokens) + max_new_tokens)
+        hidden = forward(model, ids[None], kv)                    # prefill: (1, P, D)
+    else:
+        hidden = forward(model, ids[None])                        # (1, P, D)
+    for step in range(max_new_tokens):
+        token = next_token(last_logits(model, hidden)[0], tokens, settings, rng)
+        yield token
+        tokens.append(token)
+        if token in eos or step == max_new_tokens - 1:
+            return
+        if cache:
+            hidden = forward(model, np.array([[token]]), kv)      # decode: (1, 1, D)
+        else:
+            hidden = forward(model, np.array([tokens]))           # recompute: (1, P+step+1, D)
+
+
+def generate(model, ids, max_new_tokens: int, cache: bool = True, **sampling) -> list[int]:
+    """The new token ids (the prompt not included). Keyword arguments as in ``stream``."""
+    return list(stream(model, ids, max_new_tokens, cache=cache, **sampling))
+
+
+def logits(model, ids) -> np.ndarray:
+    """Float32 logits (T, V) for one sequence of token ids, by one full forward pass."""
+    ids = check_prompt(model, ids, 0)
+    return to_numpy(head(model, forward(model, ids[None])))[0]
+

@@ -1,0 +1,80 @@
+"""The KV cache: keys and values of every token seen so far, kept so they are never recomputed.
+
+Causality makes this exact: the key and value at position 7 depend only on positions 0..7, so
+when position 8 arrives they are the same numbers as before. The cache is explicit state: it is
+allocated once, up front, for the longest sequence it will hold (growing it by concatenation
+would copy O(T^2) bytes over a generation), passed into ``model.forward`` and filled there.
+
+Per layer it holds one key and one value array of shape (B, Hkv, S_max, d): only the Hkv
+key/value heads, never the H query heads they serve. So its size is the chapter's formula by
+construction:  bytes per token = 2 (k and v) x L x Hkv x d x bytes per element.
+
+Each row b of the batch has its own length: row b's next token goes to slot ``lengths[b]``, which
+is also its position. Rows may differ (batched decode of sequences of different lengths); the
+attention mask hides every slot at or beyond a row's length. ``trim`` rolls back tokens
+(rejected speculative drafts): the slots are simply reused.
+"""
+from dataclasses import dataclass
+
+import numpy as np
+
+from minitransformer.backend import to_device, xp
+
+
+@dataclass
+class KVCache:
+    k: list                # L arrays (B, Hkv, S_max, d)
+    v: list                # L arrays (B, Hkv, S_max, d)
+    lengths: np.ndarray    # (B,) tokens held by each row, on the host
+
+    @classmethod
+    def allocate(cls, config, batch: int, max_len: int, dtype=xp.float32) -> "KVCache":
+        if batch < 1 or max_len < 1:
+            raise ValueError(f"a cache needs batch >= 1 and max_len >= 1, got {batch}, {max_len}")
+        shape = (batch, config.num_key_value_heads, max_len, config.head_dim)
+        L = config.num_hidden_layers
+        return cls(k=[xp.zeros(shape, dtype) for _ in range(L)],
+                   v=[xp.zeros(shape, dtype) for _ in range(L)],
+                   lengths=np.zeros(batch, dtype=np.int64))
+
+    @property
+    def max_len(self) -> int:
+        return self.k[0].shape[2]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the arrays actually held (all slots, filled or not)."""
+        return sum(int(a.nbytes) for a in self.k + self.v)
+
+    def positions(self, T: int) -> np.ndarray:
+        """Positions (B, T) of T new tokens per row; they are also the slots they go to."""
+        positions = self.lengths[:, None] + np.arange(T)
+        if positions.max() >= self.max_len:
+            raise ValueError(f"the cache holds {self.max_len} positions; appending {T} token(s) "
+                             f"to a row of {int(self.lengths.max())} would overflow it")
+        return positions
+
+    def update(self, layer: int, k, v):
+        """Write the new keys/values of one layer; return everything held for attention.
+
+        k, v (B, T, Hkv, d) -> k, v (B, Hkv, S, d) views, S = longest row after the append.
+        """
+        B, T = k.shape[:2]
+        positions = to_device(self.positions(T))             # (B, T)
+        rows = xp.arange(B)[:, None]                         # (B, 1)
+        # cache[b, :, positions[b, t]] = k[b, t]: advanced indices on axes 0 and 2
+        self.k[layer][rows, :, positions] = k
+        self.v[layer][rows, :, positions] = v
+        S = int(self.lengths.max()) + T
+        return self.k[layer][:, :, :S], self.v[layer][:, :, :S]
+
+    def advance(self, T: int) -> None:
+        """Called by forward after every layer has stored its T new tokens."""
+        self.lengths += T
+
+    def trim(self, n) -> None:
+        """Forget the last n tokens of every row (or n[b] of row b)."""
+        n = np.broadcast_to(np.asarray(n, dtype=np.int64), self.lengths.shape)
+        if (n < 0).any() or (n > self.lengths).any():
+            raise ValueError(f"cannot trim {n.tolist()} tokens from rows of {self.lengths.tolist()}")
+        self.lengths -= n

@@ -1,0 +1,119 @@
+"""Reading and writing the safetensors format, including bfloat16, with NumPy alone.
+
+A safetensors file is: 8 bytes (little-endian u64) giving the length N of a JSON header; the N
+header bytes, mapping each tensor name to its dtype, shape and [begin, end) byte range; then the
+raw little-endian tensor bytes. Reading it ourselves (rather than through a framework) lets every
+malformed or truncated file get an error that names the file and the tensor.
+
+NumPy has no bfloat16, and Qwen2.5 ships its weights in it. bfloat16 is the top half of a
+float32 (same sign and 8-bit exponent, mantissa cut from 23 to 7 bits), so widening it is exact:
+put the 16 stored bits in the high half of a uint32 and view the result as float32. Narrowing
+(for writing test checkpoints) rounds to nearest, ties to even, as torch does.
+"""
+import json
+import struct
+from pathlib import Path
+
+import numpy as np
+
+from minitransformer.errors import CheckpointError
+
+# safetensors dtype name -> numpy dtype of the stored bytes (BF16 is read as raw uint16)
+STORED = {"F32": np.dtype("<f4"), "F16": np.dtype("<f2"), "BF16": np.dtype("<u2"),
+          "F64": np.dtype("<f8"), "I64": np.dtype("<i8"), "I32": np.dtype("<i4"),
+          "I8": np.dtype("i1"), "U8": np.dtype("u1")}
+NAMES = {"float32": "F32", "float16": "F16", "bfloat16": "BF16"}
+
+
+def bf16_to_f32(raw: np.ndarray) -> np.ndarray:
+    """uint16 bfloat16 bit patterns -> float32, exactly."""
+    return (raw.astype(np.uint32) << 16).view(np.float32)
+
+
+def f32_to_bf16(x: np.ndarray) -> np.ndarray:
+    """float32 -> uint16 bfloat16 bit patterns, round to nearest even (NaN stays NaN)."""
+    bits = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
+    rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+    return np.where(np.isnan(x), 0x7FC0, rounded).astype(np.uint16)
+
+
+def read_header(file: Path) -> tuple[dict, int]:
+    """-> (header without __metadata__, offset of the data section). Checks every entry."""
+    size = file.stat().st_size
+    with open(file, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            raise CheckpointError(f"{file}: truncated safetensors file ({size} bytes, no header)")
+        (n,) = struct.unpack("<Q", head)
+        if n > size - 8:
+            raise CheckpointError(f"{file}: header length {n} exceeds the file size {size}: "
+                                  "truncated or not a safetensors file")
+        try:
+            header = json.loads(f.read(n))
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise CheckpointError(f"{file}: malformed safetensors header ({e})") from None
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{file}: malformed safetensors header (not a JSON object)")
+    header.pop("__metadata__", None)
+    data_bytes = size - 8 - n
+    for name, entry in header.items():
+        try:
+            dtype, shape, (begin, end) = entry["dtype"], list(entry["shape"]), entry["data_offsets"]
+        except (KeyError, TypeError, ValueError):
+            raise CheckpointError(f"{file}: tensor {name!r} has a malformed header entry") from None
+        if dtype not in STORED:
+            raise CheckpointError(f"{file}: tensor {name!r} has unsupported dtype {dtype}")
+        expected = int(np.prod(shape, dtype=np.int64)) * STORED[dtype].itemsize
+        if end - begin != expected or begin < 0:
+            raise CheckpointError(f"{file}: tensor {name!r} {dtype}{shape} should take {expected} "
+                                  f"bytes but its offsets [{begin}, {end}) span {end - begin}")
+        if end > data_bytes:
+            raise CheckpointError(f"{file}: truncated: tensor {name!r} needs bytes up to {end} of "
+                                  f"the data section but the file holds only {data_bytes}")
+    return header, 8 + n
+
+
+def read_tensors(file) -> dict[str, tuple[str, np.ndarray]]:
+    """file -> {name: (safetensors dtype, array as stored)}. Arrays are read-only memory maps,
+    so a large checkpoint is only paged in as each tensor is converted."""
+    file = Path(file)
+    if not file.is_file():
+        raise CheckpointError(f"{file}: safetensors file not found")
+    header, offset = read_header(file)
+    if not header:
+        return {}
+    data = np.memmap(file, dtype=np.uint8, mode="r", offset=offset)
+    out = {}
+    for name, e in header.items():
+        begin, end = e["data_offsets"]
+        out[name] = (e["dtype"], data[begin:end].view(STORED[e["dtype"]]).reshape(e["shape"]))
+    return out
+
+
+def to_float32(dtype: str, stored: np.ndarray) -> np.ndarray:
+    """A stored tensor (F32, F16 or BF16) -> a new float32 array."""
+    if dtype == "BF16":
+        return bf16_to_f32(stored)
+    return np.array(stored, dtype=np.float32)
+
+
+def write_tensors(file, tensors: dict[str, np.ndarray], dtype: str = "float32") -> None:
+    """Write float arrays as one safetensors file, stored as float32, float16 or bfloat16."""
+    if dtype not in NAMES:
+        raise ValueError(f"dtype must be one of {sorted(NAMES)}, got {dtype!r}")
+    header, chunks, offset = {}, [], 0
+    for name in sorted(tensors):
+        x = np.asarray(tensors[name], dtype=np.float32)
+        raw = f32_to_bf16(x) if dtype == "bfloat16" else x.astype(STORED[NAMES[dtype]])
+        raw = np.ascontiguousarray(raw).tobytes()
+        header[name] = {"dtype": NAMES[dtype], "shape": list(x.shape),
+                        "data_offsets": [offset, offset + len(raw)]}
+        chunks.append(raw)
+        offset += len(raw)
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % 8)  # the format pads the header to 8-byte alignment
+    with open(file, "wb") as f:
+        f.write(struct.pack("<Q", len(blob)))
+        f.write(blob)
+        for raw in chunks:
+            f.write(raw)

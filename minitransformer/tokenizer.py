@@ -1,0 +1,57 @@
+"""Text <-> token ids through a Hugging Face ``tokenizer.json`` (the `tokenizers` library).
+
+The one family difference that matters for generation is the beginning-of-sequence token:
+Llama checkpoints want ``<s>`` in front of every prompt, Qwen2 checkpoints use none. Most
+tokenizer.json files already say so in their post-processor; ``tokenizer_config.json``'s
+``add_bos_token`` is honoured as well, for files whose post-processor does not add it.
+"""
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from minitransformer.errors import CheckpointError
+
+
+@dataclass(frozen=True)
+class Tokenizer:
+    backend: object          # tokenizers.Tokenizer
+    bos_token_id: int | None  # prepended by encode() when the family expects it
+    add_bos: bool
+
+    def encode(self, text: str) -> list[int]:
+        ids = self.backend.encode(text).ids
+        if self.add_bos and self.bos_token_id is not None and ids[:1] != [self.bos_token_id]:
+            ids = [self.bos_token_id] + ids
+        return ids
+
+    def decode(self, ids) -> str:
+        return self.backend.decode([int(i) for i in ids], skip_special_tokens=True)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.backend.get_vocab_size(with_added_tokens=True)
+
+
+def load_tokenizer(path) -> Tokenizer | None:
+    """Checkpoint directory -> Tokenizer, or None when it has no tokenizer.json."""
+    from tokenizers import Tokenizer as HFTokenizer  # imported here: a model runs without it
+
+    path = Path(path)
+    file = path / "tokenizer.json"
+    if not file.is_file():
+        return None
+    try:
+        backend = HFTokenizer.from_file(str(file))
+    except Exception as e:  # tokenizers raises a bare Exception on bad JSON
+        raise CheckpointError(f"{file}: cannot be read as a tokenizer ({e})") from None
+    settings = {}
+    config_file = path / "tokenizer_config.json"
+    if config_file.is_file():
+        try:
+            settings = json.loads(config_file.read_text())
+        except json.JSONDecodeError as e:
+            raise CheckpointError(f"{config_file}: not valid JSON ({e})") from None
+    bos = settings.get("bos_token")
+    bos = bos.get("content") if isinstance(bos, dict) else bos
+    bos_id = backend.token_to_id(bos) if isinstance(bos, str) else None
+    return Tokenizer(backend, bos_id, bool(settings.get("add_bos_token", False)))

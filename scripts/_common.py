@@ -1,0 +1,40 @@
+"""What every experiment script shares: the --model argument, loading, progress on stderr.
+
+Scripts print their table on stdout and everything else (progress, timing, notes) on stderr,
+so `python scripts/expNN_....py > table.txt` captures exactly the chapter's table.
+"""
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import minitransformer as mt  # noqa: E402
+from minitransformer.synth import default_model  # noqa: E402
+
+
+def add_model_argument(parser):
+    parser.add_argument("--model", default=None, metavar="PATH",
+                        help="Hugging Face checkpoint directory (config.json + safetensors); "
+                             "default: the embedded default model, generated on first use")
+
+
+def load_model(path):
+    """--model PATH (or the default model) -> Model, saying on stderr what was loaded."""
+    path = path or default_model()
+    start = time.perf_counter()
+    model = mt.load(path)
+    c = model.config
+    say(f"loaded {path}: {c.model_type}, {c.num_hidden_layers} layers x {c.hidden_size}, "
+        f"{c.num_attention_heads} q heads / {c.num_key_value_heads} kv heads "
+        f"({time.perf_counter() - start:.1f} s)")
+    return model
+
+
+def say(message):
+    print(message, file=sys.stderr, flush=True)
+
+
+def progress(i, n, message=""):
+    """One line per unit of work: '[i/n] message'."""
+    say(f"[{i}/{n}] {message}")

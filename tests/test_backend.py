@@ -1,0 +1,28 @@
+"""The backend switch: chosen once from MT_BACKEND, with a clear error for a bad value."""
+import os
+import subprocess
+import sys
+
+
+def run(value):
+    env = dict(os.environ, MT_BACKEND=value)
+    return subprocess.run([sys.executable, "-c", "import minitransformer.backend as b; print(b.xp.__name__)"],
+                          env=env, capture_output=True, text=True)
+
+
+def test_default_is_numpy():
+    assert run("numpy").stdout.strip() == "numpy"
+
+
+def test_unknown_backend_is_a_clear_error():
+    result = run("tensorflow")
+    assert result.returncode != 0
+    assert "MT_BACKEND='tensorflow' is not a backend" in result.stderr
+
+
+def test_missing_cupy_is_a_clear_error():
+    try:
+        import cupy  # noqa: F401
+    except ImportError:
+        result = run("cupy")
+        assert result.returncode != 0 and "CuPy is not installed" in result.stderr

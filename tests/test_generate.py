@@ -1,0 +1,100 @@
+"""Generation: the KV cache changes no token; sampling settings behave and fail clearly."""
+import numpy as np
+import pytest
+
+import minitransformer as mt
+
+# ../shared/models/stories260K/README.md: transformers and llama2.c's run.c agree on these ids
+# for the greedy continuation of "<s> Once upon a time" (an outside reference, not our output).
+STORIES_GREEDY_60 = [
+    432, 383, 286, 261, 376, 298, 315, 421, 395, 317, 426, 338, 401, 396, 267, 337, 410, 408,
+    419, 292, 411, 322, 265, 282, 295, 433, 426, 385, 328, 432, 358, 394, 261, 370, 432, 352,
+    266, 268, 388, 426, 338, 391, 266, 267, 337, 335, 312, 432, 398, 312, 286, 267, 414, 270,
+    333, 415, 426, 13, 438, 310]
+
+
+@pytest.mark.parametrize("length", [1, 4, 17])
+@pytest.mark.parametrize("n_new", [1, 9, 30])
+def test_cache_and_recompute_give_identical_greedy_tokens(tiny_model, length, n_new):
+    rng = np.random.default_rng(length * 100 + n_new)
+    for _ in range(3):
+        ids = rng.integers(0, tiny_model.config.vocab_size, length).tolist()
+        fast = mt.generate(tiny_model, ids, n_new, cache=True, eos_token_id=[])
+        slow = mt.generate(tiny_model, ids, n_new, cache=False, eos_token_id=[])
+        assert fast == slow and len(fast) == n_new
+
+
+def test_cache_and_recompute_identical_when_sampling(tiny_model):
+    ids = [1, 2, 3]
+    kw = dict(do_sample=True, temperature=0.8, top_k=20, top_p=0.9, repetition_penalty=1.3,
+              seed=7, eos_token_id=[])
+    assert mt.generate(tiny_model, ids, 25, cache=True, **kw) == \
+        mt.generate(tiny_model, ids, 25, cache=False, **kw)
+
+
+def test_real_checkpoint_greedy_story(stories):
+    ids = stories.tokenizer.encode("Once upon a time")
+    assert ids == [1, 403, 407, 261, 378]
+    fast = mt.generate(stories, ids, 60)
+    assert fast == STORIES_GREEDY_60
+    assert mt.generate(stories, ids, 60, cache=False) == fast
+    assert stories.tokenizer.decode(fast).startswith(", there was a little girl named Lily.")
+
+
+@pytest.mark.parametrize("prompt", ["Lily saw a dog", "The sun was hot", "Tom and Sue"])
+def test_real_checkpoint_cache_identical_on_many_prompts(stories, prompt):
+    ids = stories.tokenizer.encode(prompt)
+    assert mt.generate(stories, ids, 40) == mt.generate(stories, ids, 40, cache=False)
+
+
+def test_seeded_sampling_is_reproducible_and_seed_dependent(tiny_model):
+    kw = dict(do_sample=True, temperature=1.5, eos_token_id=[])
+    a = mt.generate(tiny_model, [1, 2], 30, seed=1, **kw)
+    assert a == mt.generate(tiny_model, [1, 2], 30, seed=1, **kw)
+    assert a != mt.generate(tiny_model, [1, 2], 30, seed=2, **kw)
+
+
+def test_stream_yields_what_generate_returns(tiny_model):
+    assert list(mt.stream(tiny_model, [3, 4], 12, eos_token_id=[])) == \
+        mt.generate(tiny_model, [3, 4], 12, eos_token_id=[])
+
+
+def test_stops_at_eos(tiny_model):
+    free = mt.generate(tiny_model, [3, 4], 12, eos_token_id=[])
+    stop = free[4]
+    out = mt.generate(tiny_model, [3, 4], 12, eos_token_id=stop)
+    assert out == free[: free.index(stop) + 1]
+
+
+def test_max_new_tokens_zero_gives_nothing(tiny_model):
+    assert mt.generate(tiny_model, [1], 0) == []
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(ids=[]), "non-empty"),
+    (dict(ids=[[1, 2]]), "1-D"),
+    (dict(ids=[1.5]), "integers"),
+    (dict(ids=[-1]), r"\[0, "),
+    (dict(ids=[10_000]), r"\[0, "),
+    (dict(max_new_tokens=-1), "max_new_tokens"),
+    (dict(max_new_tokens=2.5), "max_new_tokens"),
+    (dict(ids=[1] * 250, max_new_tokens=10), "positions"),
+    (dict(temperature=-0.1), "temperature"),
+    (dict(top_p=0.0), "top_p"),
+    (dict(top_p=1.5), "top_p"),
+    (dict(top_k=-2), "top_k"),
+    (dict(repetition_penalty=0.0), "repetition_penalty"),
+])
+def test_bad_settings_are_clear_errors(checkpoint_dir, kwargs, message):
+    model = mt.load(checkpoint_dir("qwen2-gqa-tied-bf16"))  # 256 positions, vocab 96
+    args = dict(ids=[1, 2], max_new_tokens=3) | kwargs
+    with pytest.raises(ValueError, match=message):
+        mt.generate(model, args.pop("ids"), args.pop("max_new_tokens"), do_sample=True, **args)
+
+
+def test_logits_rejects_bad_ids(checkpoint_dir):
+    model = mt.load(checkpoint_dir("qwen2-gqa-tied-bf16"))
+    with pytest.raises(ValueError, match="non-empty"):
+        mt.logits(model, [])
+    with pytest.raises(ValueError, match="positions"):
+        mt.logits(model, [1] * 257)

@@ -1,0 +1,181 @@
+"""The loader: real formats read exactly, and every malformed checkpoint named in its error."""
+import json
+import shutil
+import struct
+
+import numpy as np
+import pytest
+
+import minitransformer as mt
+from minitransformer import CheckpointError
+from minitransformer.safetensors_io import bf16_to_f32, f32_to_bf16, read_tensors, write_tensors
+
+
+def copy(checkpoint_dir, tmp_path, name="qwen2-gqa-tied-bf16"):
+    dst = tmp_path / "ckpt"
+    shutil.copytree(checkpoint_dir(name), dst)
+    return dst
+
+
+def edit_config(path, **changes):
+    config = json.loads((path / "config.json").read_text())
+    config.update(changes)
+    for key, value in changes.items():
+        if value is None:
+            del config[key]
+    (path / "config.json").write_text(json.dumps(config))
+
+
+def rewrite_weights(path, change):
+    """Load the stored float32 tensors, let `change` edit the dict, write fp32."""
+    tensors = {k: np.array(v, dtype=np.float32) if d == "F32" else bf16_to_f32(v)
+               for k, (d, v) in read_tensors(path / "model.safetensors").items()}
+    change(tensors)
+    write_tensors(path / "model.safetensors", tensors, "float32")
+
+
+def test_bf16_widening_is_exact_and_narrowing_rounds_to_nearest_even():
+    bits = np.arange(0, 2 ** 16, dtype=np.uint32).astype(np.uint16)
+    finite = ~np.isnan(bf16_to_f32(bits))
+    # every bf16 value survives a round trip through float32 unchanged
+    np.testing.assert_array_equal(f32_to_bf16(bf16_to_f32(bits))[finite], bits[finite])
+    one = np.float32(1.0)
+    halfway = np.array([one + np.float32(2 ** -8)], dtype=np.float32)      # tie -> even (1.0)
+    above = np.array([one + np.float32(2 ** -8 + 2 ** -20)], dtype=np.float32)
+    assert bf16_to_f32(f32_to_bf16(halfway))[0] == 1.0
+    assert bf16_to_f32(f32_to_bf16(above))[0] == one + np.float32(2 ** -7)
+
+
+def test_our_reader_agrees_with_the_safetensors_library(tmp_path):
+    from safetensors.numpy import load_file, save_file
+    x = {"a": np.random.default_rng(0).standard_normal((3, 5)).astype(np.float32),
+         "b": np.arange(6, dtype=np.float16).reshape(2, 3)}
+    save_file(x, str(tmp_path / "m.safetensors"))
+    ours = read_tensors(tmp_path / "m.safetensors")
+    for k, v in load_file(str(tmp_path / "m.safetensors")).items():
+        assert ours[k][1].dtype == v.dtype
+        np.testing.assert_array_equal(ours[k][1], v)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+def test_storage_dtypes_load_to_float32(tmp_path, dtype):
+    from minitransformer.synth import make_checkpoint, qwen2_config, random_weights
+    path = make_checkpoint(tmp_path / dtype, qwen2_config(), seed=3, dtype=dtype)
+    model = mt.load(path)
+    w = model.weights["model.layers.0.mlp.up_proj.weight"]
+    assert w.dtype == np.float32
+    exact = random_weights(qwen2_config(), seed=3)["model.layers.0.mlp.up_proj.weight"]
+    stored = {"float32": exact, "float16": exact.astype(np.float16).astype(np.float32),
+              "bfloat16": bf16_to_f32(f32_to_bf16(exact))}[dtype]
+    np.testing.assert_array_equal(w, stored)
+
+
+def test_sharded_checkpoint_loads_the_same(checkpoint_dir, tmp_path):
+    src = checkpoint_dir("qwen2-mha-untied")
+    dst = tmp_path / "sharded"
+    shutil.copytree(src, dst)
+    tensors = {k: v for k, (_, v) in read_tensors(dst / "model.safetensors").items()}
+    (dst / "model.safetensors").unlink()
+    names = sorted(tensors)
+    shards = {"model-00001-of-00002.safetensors": names[::2],
+              "model-00002-of-00002.safetensors": names[1::2]}
+    for file, part in shards.items():
+        write_tensors(dst / file, {k: tensors[k] for k in part})
+    (dst / "model.safetensors.index.json").write_text(json.dumps(
+        {"weight_map": {k: f for f, part in shards.items() for k in part}}))
+    ids = [1, 2, 3, 4]
+    np.testing.assert_array_equal(mt.logits(mt.load(dst), ids), mt.logits(mt.load(src), ids))
+
+
+def test_missing_directory_and_files(tmp_path, checkpoint_dir):
+    with pytest.raises(CheckpointError, match="directory not found"):
+        mt.load(tmp_path / "nope")
+    path = copy(checkpoint_dir, tmp_path)
+    (path / "model.safetensors").unlink()
+    with pytest.raises(CheckpointError, match="no model.safetensors"):
+        mt.load(path)
+    (path / "config.json").unlink()
+    with pytest.raises(CheckpointError, match="config.json not found"):
+        mt.load(path)
+
+
+@pytest.mark.parametrize("changes, message", [
+    (dict(architectures=["GPT2LMHeadModel"], model_type="gpt2"), "unsupported architecture"),
+    (dict(hidden_size=None), "'hidden_size' is missing"),
+    (dict(num_key_value_heads=3), "not a multiple"),
+    (dict(hidden_size="32"), "must be an integer"),
+    (dict(rope_scaling={"type": "linear", "factor": 2.0}), "rope_scaling"),
+    (dict(hidden_act="gelu"), "hidden_act"),
+    (dict(use_sliding_window=True), "sliding-window"),
+    (dict(num_hidden_layers=0), "must be positive"),
+])
+def test_bad_config_fields(tmp_path, checkpoint_dir, changes, message):
+    path = copy(checkpoint_dir, tmp_path)
+    edit_config(path, **changes)
+    with pytest.raises(CheckpointError, match=message):
+        mt.load(path)
+
+
+def test_malformed_config_json(tmp_path, checkpoint_dir):
+    path = copy(checkpoint_dir, tmp_path)
+    (path / "config.json").write_text("{not json")
+    with pytest.raises(CheckpointError, match=r"config.json: not valid JSON"):
+        mt.load(path)
+
+
+def test_config_disagreeing_with_tensors_names_the_tensor(tmp_path, checkpoint_dir):
+    path = copy(checkpoint_dir, tmp_path)
+    edit_config(path, intermediate_size=65)
+    with pytest.raises(CheckpointError, match=r"'model.layers.0.mlp.gate_proj.weight' has shape \(64, 32\) but config.json implies \(65, 32\)"):
+        mt.load(path)
+
+
+def test_missing_extra_and_wrongly_typed_tensors(tmp_path, checkpoint_dir):
+    path = copy(checkpoint_dir, tmp_path)
+    rewrite_weights(path, lambda t: t.pop("model.layers.1.self_attn.k_proj.bias"))
+    with pytest.raises(CheckpointError, match=r"missing tensor\(s\) model.layers.1.self_attn.k_proj"):
+        mt.load(path)
+    path = copy(checkpoint_dir, tmp_path / "b")
+    rewrite_weights(path, lambda t: t.update({"model.layers.0.extra.weight": np.zeros(3)}))
+    with pytest.raises(CheckpointError, match=r"unexpected tensor\(s\) model.layers.0.extra"):
+        mt.load(path)
+    path = copy(checkpoint_dir, tmp_path / "c", "qwen2-mha-untied")  # float32 storage
+    from safetensors.numpy import save_file
+    tensors = {k: v for k, (_, v) in read_tensors(path / "model.safetensors").items()}
+    tensors["model.norm.weight"] = np.zeros(32, dtype=np.int32)  # right shape, wrong type
+    save_file(tensors, str(path / "model.safetensors"))
+    with pytest.raises(CheckpointError, match=r"'model.norm.weight' has dtype I32"):
+        mt.load(path)
+
+
+def test_truncated_and_malformed_safetensors(tmp_path, checkpoint_dir):
+    path = copy(checkpoint_dir, tmp_path)
+    file = path / "model.safetensors"
+    data = file.read_bytes()
+    file.write_bytes(data[:-10])
+    with pytest.raises(CheckpointError, match="truncated"):
+        mt.load(path)
+    file.write_bytes(data[:5])
+    with pytest.raises(CheckpointError, match="truncated"):
+        mt.load(path)
+    file.write_bytes(struct.pack("<Q", 10) + b"{garbage!}" + data[100:])
+    with pytest.raises(CheckpointError, match="malformed safetensors header"):
+        mt.load(path)
+    file.write_bytes(struct.pack("<Q", 10 ** 9) + data[8:])
+    with pytest.raises(CheckpointError, match="header length"):
+        mt.load(path)
+
+
+def test_bad_tokenizer_file_is_named(tmp_path, checkpoint_dir):
+    from minitransformer.synth import make_checkpoint, qwen2_config, train_tokenizer
+    path = make_checkpoint(tmp_path / "t", qwen2_config(vocab_size=1024), tokenizer=train_tokenizer())
+    assert mt.load(path).tokenizer.decode(mt.load(path).tokenizer.encode("the cache")) == "the cache"
+    (path / "tokenizer.json").write_text("{}")
+    with pytest.raises(CheckpointError, match="tokenizer.json: cannot be read"):
+        mt.load(path)
+
+
+def test_eos_ids_from_generation_config(tmp_path, checkpoint_dir):
+    path = copy(checkpoint_dir, tmp_path)
+    (path / "generation_config.json").write_text(json.dumps({"eos_token_id": [5, 9]}))
+    assert mt.load(path).eos_token_ids == (5, 9)

@@ -1,0 +1,83 @@
+"""The forward pass against an independent reference, and its float32 discipline."""
+import numpy as np
+import pytest
+
+import minitransformer as mt
+from minitransformer.kvcache import KVCache
+from minitransformer.model import forward, head, rope
+from reference import reference_logits
+
+
+def test_logits_match_independent_reference(tiny_model):
+    ids = np.random.default_rng(0).integers(0, tiny_model.config.vocab_size, 11)
+    ours = mt.logits(tiny_model, ids)
+    ref = reference_logits(tiny_model, ids)
+    assert ours.shape == (11, tiny_model.config.vocab_size) and ours.dtype == np.float32
+    np.testing.assert_allclose(ours, ref, rtol=1e-4, atol=1e-5)
+
+
+def test_logits_match_reference_on_real_checkpoint(stories):
+    ids = stories.tokenizer.encode("Once upon a time, there was a cat")
+    np.testing.assert_allclose(mt.logits(stories, ids), reference_logits(stories, ids),
+                               rtol=1e-4, atol=1e-4)
+
+
+def test_cached_logits_equal_full_forward_stepwise(tiny_model):
+    """Prefill 5 tokens, then feed the rest one at a time: same logits as one full pass."""
+    ids = np.random.default_rng(1).integers(0, tiny_model.config.vocab_size, 12)
+    full = mt.logits(tiny_model, ids)
+    cache = KVCache.allocate(tiny_model.config, batch=1, max_len=12)
+    steps = [head(tiny_model, forward(tiny_model, ids[None, :5], cache))[0]]
+    for t in range(5, 12):
+        steps.append(head(tiny_model, forward(tiny_model, ids[None, t:t + 1], cache))[0])
+    np.testing.assert_allclose(np.concatenate(steps), full, rtol=1e-5, atol=1e-5)
+    assert cache.lengths.tolist() == [12]
+
+
+def test_batched_rows_of_different_lengths_match_single_rows(tiny_model):
+    """A batch whose rows hold different lengths decodes each row as if it were alone."""
+    c, rng = tiny_model.config, np.random.default_rng(2)
+    prompts = [rng.integers(0, c.vocab_size, n) for n in (3, 8)]
+    cache = KVCache.allocate(c, batch=2, max_len=16)
+    for b, p in enumerate(prompts):  # prefill row by row into one shared cache
+        row = KVCache(k=[a[b:b + 1] for a in cache.k], v=[a[b:b + 1] for a in cache.v],
+                      lengths=cache.lengths[b:b + 1])
+        forward(tiny_model, p[None], row)
+    nxt = np.array([[5], [7]])
+    batched = head(tiny_model, forward(tiny_model, nxt, cache))[:, 0]
+    for b, p in enumerate(prompts):
+        alone = mt.logits(tiny_model, np.concatenate([p, nxt[b]]))[-1]
+        np.testing.assert_allclose(batched[b], alone, rtol=1e-5, atol=1e-5)
+
+
+def test_rope_is_a_rotation_of_half_split_pairs():
+    """Pair (x[i], x[i+d/2]) turns by position * theta^(-2i/d), and norms are kept."""
+    x = np.random.default_rng(3).standard_normal((1, 1, 1, 8)).astype(np.float32)
+    pos = np.array([[3]])
+    y = rope(x, pos, 100.0)
+    i = np.arange(4)
+    angle = 3 * 100.0 ** (-2 * i / 8)
+    z = (x[0, 0, 0, :4] + 1j * x[0, 0, 0, 4:]) * np.exp(1j * angle)
+    np.testing.assert_allclose(y[0, 0, 0], np.concatenate([z.real, z.imag]), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(np.linalg.norm(y), np.linalg.norm(x), rtol=1e-6)
+
+
+class NoFloat64(np.ndarray):
+    """An ndarray that refuses to exist as float64: every array derived from one is checked."""
+
+    def __array_finalize__(self, obj):
+        if self.dtype == np.float64:
+            raise AssertionError("a float64 array appeared on the decode path")
+
+
+def test_no_float64_on_the_decode_path(tiny_model):
+    weights = {k: v.view(NoFloat64) for k, v in tiny_model.weights.items()}
+    model = type(tiny_model)(tiny_model.config, weights)
+    cache = KVCache.allocate(model.config, batch=1, max_len=8)
+    cache.k = [a.view(NoFloat64) for a in cache.k]
+    cache.v = [a.view(NoFloat64) for a in cache.v]
+    forward(model, np.array([[1, 2, 3]]), cache)                         # prefill
+    out = head(model, forward(model, np.array([[4]]), cache))           # decode
+    assert isinstance(out, NoFloat64) and out.dtype == np.float32
+    with pytest.raises(AssertionError, match="float64"):                # the tripwire works
+        weights["model.norm.weight"] * np.float64(1.5) + np.zeros(1)
