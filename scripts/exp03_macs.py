@@ -1,0 +1,64 @@
+"""Experiment 3: multiply-accumulates to generate T tokens from a cold start, with and without
+the KV cache, counted from the model's config (no weights are read, nothing is timed).
+
+Per step the cached way is linear in the context and the uncached way quadratic; summed over a
+generation, O(T^2) against O(T^3), so the ratio grows without bound. What is and is not
+counted is listed in sim/macs.py and printed under the table.
+"""
+import argparse
+import time
+
+from _common import add_model_argument, say
+from minitransformer.config import load_config
+from minitransformer.synth import default_model, qwen25_05b_config
+from sim.arch import arch
+from sim.macs import compare
+
+
+def gmac(n):
+    return f"{n / 1e9:,.2f}"
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_model_argument(parser)
+    parser.add_argument("--chapter-model", action="store_true",
+                        help="use the chapter's Qwen2.5-0.5B shape instead of --model")
+    parser.add_argument("--tokens", default="64,128,256,512,1024,2048",
+                        help="generation lengths T, comma-separated (default: %(default)s)")
+    parser.add_argument("--prompt-len", type=int, default=1,
+                        help="prompt tokens before the first generated one (default: 1)")
+    args = parser.parse_args(argv)
+    tokens = [int(t) for t in args.tokens.split(",")]
+
+    source = "Qwen2.5-0.5B shape" if args.chapter_model else str(args.model or default_model())
+    a = arch(qwen25_05b_config() if args.chapter_model else load_config(args.model or
+                                                                        default_model()))
+    start = time.perf_counter()
+    rows = [compare(a, t, args.prompt_len) for t in tokens]
+    say(f"counted {len(rows)} generation lengths in {time.perf_counter() - start:.2f} s")
+
+    print(f"Experiment 3: multiply-accumulates to generate T tokens from a cold start "
+          f"({args.prompt_len}-token prompt)")
+    print(f"model: {source}: L {a.num_hidden_layers}, D {a.hidden_size}, "
+          f"H {a.num_attention_heads}, Hkv {a.num_key_value_heads}, d {a.head_dim}, "
+          f"F {a.intermediate_size}, V {a.vocab_size:,}")
+    print()
+    print(f"{'':7}{'summed over the generation (GMAC)':>41}{'its last step (GMAC)':>33}")
+    print(f"{'T':>7}{'no cache':>16}{'KV cache':>14}{'ratio':>11}"
+          f"{'no cache':>14}{'KV cache':>10}{'ratio':>11}")
+    for r in rows:
+        last_ratio = r.last_step_uncached / r.last_step_cached
+        print(f"{r.tokens:>7,}{gmac(r.uncached):>16}{gmac(r.cached):>14}{r.ratio:>10,.1f}x"
+              f"{gmac(r.last_step_uncached):>14}{gmac(r.last_step_cached):>10}"
+              f"{last_ratio:>10,.1f}x")
+    print()
+    print("counted: q/k/v/o projections (GQA shapes), MLP gate/up/down, attention scores QK^T and")
+    print("         P V (dense: the masked half of the causal scores included), LM head on the")
+    print("         last position")
+    print("not counted: RMSNorm, RoPE, softmax, SiLU and gating, residual adds, biases, embedding")
+    print("         lookup, sampling (none is a multiply-accumulate over a weight or the context)")
+
+
+if __name__ == "__main__":
+    main()

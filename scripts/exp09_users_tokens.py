@@ -1,0 +1,53 @@
+"""Experiment 9: KV-cache size for users x tokens, from the model's config.
+
+Thirty-two users with 2,048 tokens each, sixty-four with 1,024, a hundred and twenty-eight with
+512: all three hold 65,536 tokens, so the cache is the same size. Only the total number of
+resident tokens matters, not how they are spread over users.
+"""
+import argparse
+
+from _common import add_model_argument
+from minitransformer.config import load_config
+from minitransformer.synth import default_model, qwen25_05b_config
+from sim.arch import kv_dims
+from sim.kv_memory import format_bytes, kv_bytes_per_token, users_tokens_table
+
+
+def parse_shapes(text):
+    """'32x2048,64x1024' -> [(32, 2048), (64, 1024)]"""
+    try:
+        return [tuple(int(n) for n in item.split("x")) for item in text.split(",")]
+    except ValueError:
+        raise SystemExit(f"--shapes {text!r}: expected USERSxTOKENS,... e.g. 32x2048") from None
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_model_argument(parser)
+    parser.add_argument("--chapter-model", action="store_true",
+                        help="use the chapter's Qwen2.5-0.5B shape instead of --model")
+    parser.add_argument("--shapes", default="1x295,1x2048,8x2048,32x2048,64x1024,128x512",
+                        help="USERSxTOKENS rows, comma-separated (default: %(default)s)")
+    parser.add_argument("--bytes-per-elem", type=int, default=2,
+                        help="bytes per cached number: 2 for fp16 as in the chapter (default: 2)")
+    args = parser.parse_args(argv)
+
+    source = "Qwen2.5-0.5B shape" if args.chapter_model else str(args.model or default_model())
+    config = qwen25_05b_config() if args.chapter_model else load_config(args.model or
+                                                                       default_model())
+    layers, kv_heads, head_dim = kv_dims(config)
+    per_token = kv_bytes_per_token(config, args.bytes_per_elem)
+    rows = users_tokens_table(config, parse_shapes(args.shapes), args.bytes_per_elem)
+
+    print(f"Experiment 9: KV cache for users x tokens ({source})")
+    print(f"2 x {layers} layers x {kv_heads} kv heads x {head_dim} x {args.bytes_per_elem} B"
+          f" = {per_token:,} B/token")
+    print()
+    print(f"{'users':>6}{'tokens each':>13}{'total tokens':>14}{'cache bytes':>16}{'size':>11}")
+    for r in rows:
+        print(f"{r.users:>6,}{r.tokens_each:>13,}{r.total_tokens:>14,}{r.nbytes:>16,}"
+              f"{format_bytes(r.nbytes):>11}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,41 @@
+"""Experiment 10: the same model's KV cache per token with MHA, GQA and MQA.
+
+Only the number of key-value heads changes: every query head with its own (MHA, H kv heads),
+the model as configured (GQA for the chapter's model: 14 query heads share 2 kv heads), or
+one shared by all (MQA). None of them buys arithmetic; they divide the cache by an integer.
+"""
+import argparse
+
+from _common import add_model_argument
+from minitransformer.config import load_config
+from minitransformer.synth import default_model, qwen25_05b_config
+from sim.arch import kv_dims, query_heads
+from sim.kv_memory import attention_variants, format_bytes
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_model_argument(parser)
+    parser.add_argument("--chapter-model", action="store_true",
+                        help="use the chapter's Qwen2.5-0.5B shape instead of --model")
+    parser.add_argument("--bytes-per-elem", type=int, default=2,
+                        help="bytes per cached number: 2 for fp16 as in the chapter (default: 2)")
+    args = parser.parse_args(argv)
+
+    source = "Qwen2.5-0.5B shape" if args.chapter_model else str(args.model or default_model())
+    config = qwen25_05b_config() if args.chapter_model else load_config(args.model or
+                                                                       default_model())
+    layers, _, head_dim = kv_dims(config)
+
+    print(f"Experiment 10: MHA vs GQA vs MQA ({source})")
+    print(f"{layers} layers, {query_heads(config)} query heads, head dim {head_dim}, "
+          f"{args.bytes_per_elem} B per number")
+    print()
+    print(f"{'variant':<18}{'kv heads':>9}{'bytes/token':>20}{'size':>9}{'vs configured':>15}")
+    for v in attention_variants(config, args.bytes_per_elem):
+        print(f"{v.name:<18}{v.kv_heads:>9}{v.bytes_per_token:>12,} B/token"
+              f"{format_bytes(v.bytes_per_token):>9}{v.vs_configured:>14.2f}x")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,128 @@
+"""Experiment 13: static vs continuous batching, simulated at a per-step cost.
+
+64 requests with skewed output lengths (median 18, max 231, 1,874 tokens in all: the chapter's
+statistics, met exactly) go through 8 slots under both policies. The step cost t(B) is the
+measured one of experiment 12 when --step-costs gives it (JSON: {"batch size": seconds}),
+otherwise an affine default with the chapter's 1 -> 16 ratios. Printed: throughput, mean /
+p50 / p99 latency, normalised latency and TTFT per policy, then a sweep over the Poisson
+arrival rate showing where the chapter's two figures (1.6x throughput, >10x mean latency) fall.
+"""
+import argparse
+import math
+import time
+
+import numpy as np
+
+from _common import say
+from sim.batching import (AffineCost, TableCost, capacity_rate, first_crossing, metrics,
+                          simulate_continuous, simulate_static, sweep)
+from sim.workload import make_workload, skewed_lengths
+
+LOADS = "0.05,0.1,0.2,0.3,0.4,0.5,0.6,0.7,0.8,0.9,1,1.25,1.5,2,3,5,inf"
+
+
+def describe(cost, path):
+    if isinstance(cost, AffineCost):
+        return (f"default affine model t(B) = {cost.a * 1e3:g} ms + {cost.b * 1e3:g} ms x B, "
+                "not a measurement\n  (chosen so 1 -> 16 gives the chapter's x6.0 throughput and"
+                " x2.67 latency;\n  pass --step-costs FILE with experiment 12's measured costs)")
+    points = ", ".join(f"B={b} {s * 1e3:.1f} ms" for b, s in zip(cost.batch_sizes, cost.seconds))
+    return f"measured, from {path}: {points}\n  (linear in between)"
+
+
+def policy_table(runs):
+    print(f"{'policy':<12}{'tokens/s':>10}{'mean (s)':>10}{'p50 (s)':>9}{'p99 (s)':>9}"
+          f"{'s/token':>9}{'TTFT (s)':>10}{'steps':>7}")
+    for run in runs:
+        m = metrics(run)
+        print(f"{run.policy:<12}{m.throughput:>10.1f}{m.latency_mean:>10.2f}"
+              f"{m.latency_p50:>9.2f}{m.latency_p99:>9.2f}{m.normalised:>9.3f}"
+              f"{m.ttft_mean:>10.2f}{run.steps:>7,}")
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--step-costs", metavar="FILE",
+                        help="JSON {batch size: seconds per decode step} measured by "
+                             "experiment 12 (default: the affine model)")
+    parser.add_argument("--slots", type=int, default=8, help="batch slots (default: 8)")
+    parser.add_argument("--prefill-ms", type=float, default=0.0,
+                        help="prefill charged per admitted request, added to the step that "
+                             "admits it (default: 0, decode steps only, as the chapter)")
+    parser.add_argument("--requests", type=int, default=64)
+    parser.add_argument("--median", type=float, default=18)
+    parser.add_argument("--max-len", type=int, default=231)
+    parser.add_argument("--total", type=int, default=1874)
+    parser.add_argument("--sigma", type=float, default=1.0,
+                        help="log-normal spread of the drawn lengths (default: 1.0)")
+    parser.add_argument("--lengths-seed", type=int, default=0)
+    parser.add_argument("--rate", type=float, default=math.inf,
+                        help="arrival rate (requests/s) of the first table (default: inf, "
+                             "all at t = 0)")
+    parser.add_argument("--loads", default=LOADS,
+                        help="sweep rates as multiples of what full continuous slots serve "
+                             "(default: %(default)s)")
+    parser.add_argument("--seeds", type=int, default=5,
+                        help="arrival seeds averaged per sweep point (default: 5)")
+    args = parser.parse_args(argv)
+
+    try:
+        cost = TableCost.from_json(args.step_costs) if args.step_costs else AffineCost()
+        lengths = skewed_lengths(args.requests, args.median, args.max_len, args.total,
+                                 args.sigma, args.lengths_seed)
+        requests = make_workload(lengths, args.rate, seed=0)
+        prefill = args.prefill_ms / 1e3
+        runs = [simulate_static(requests, args.slots, cost, prefill),
+                simulate_continuous(requests, args.slots, cost, prefill)]
+    except ValueError as e:
+        parser.error(str(e))
+
+    print("Experiment 13: static vs continuous batching (simulated)")
+    print(f"workload: {len(lengths)} requests, output tokens median {np.median(lengths):g}, "
+          f"max {max(lengths)}, total {sum(lengths):,} (log-normal sigma {args.sigma:g}, "
+          f"seed {args.lengths_seed})")
+    print(f"step cost: {describe(cost, args.step_costs)}")
+    print(f"slots {args.slots}; prefill {args.prefill_ms:g} ms per admitted request")
+    print()
+    when = "all requests at t = 0" if math.isinf(args.rate) else f"Poisson, {args.rate:g} req/s"
+    print(f"{when}:")
+    policy_table(runs)
+    static, cont = (metrics(r) for r in runs)
+    print(f"continuous vs static: throughput {cont.throughput / static.throughput:.2f}x, "
+          f"mean latency {static.latency_mean / cont.latency_mean:.2f}x better, "
+          f"p99 {static.latency_p99 / cont.latency_p99:.2f}x better")
+
+    capacity = capacity_rate(lengths, args.slots, cost)
+    loads = [float(x) for x in args.loads.split(",")]
+    start = time.perf_counter()
+    points = sweep(lengths, [x * capacity for x in loads], args.slots, cost, prefill,
+                   range(args.seeds))
+    say(f"swept {len(loads)} arrival rates x {args.seeds} seeds x 2 policies in "
+        f"{time.perf_counter() - start:.1f} s")
+    print()
+    print(f"arrival-rate sweep (Poisson, mean of {args.seeds} arrival seeds;")
+    print(f"load = rate / {capacity:.2f} req/s, the rate {args.slots} always-busy slots serve):")
+    print(f"{'rate':>8}{'load':>6}{'tokens/s static':>17}{'cont.':>8}{'gain':>7}"
+          f"{'mean s static':>15}{'cont.':>7}{'gain':>7}")
+    for p in points:
+        print(f"{p.rate:>8.2f}{p.load:>6.2f}{p.static.throughput:>17.1f}"
+              f"{p.continuous.throughput:>8.1f}{p.throughput_gain:>6.2f}x"
+              f"{p.static.latency_mean:>15.2f}{p.continuous.latency_mean:>7.2f}"
+              f"{p.latency_gain:>6.1f}x")
+    print()
+    finite = [p for p in points if math.isfinite(p.rate)]
+    rates = [p.rate for p in finite]
+    at = first_crossing(rates, [p.throughput_gain for p in finite], 1.6)
+    if at is None:
+        print("the throughput gain never reaches 1.6x in this sweep")
+    else:
+        latency_gain = np.interp(at, rates, [p.latency_gain for p in finite])
+        print(f"throughput gain reaches 1.6x at {at:.2f} req/s (load {at / capacity:.2f}); "
+              f"the mean latency gain there is {latency_gain:.1f}x")
+    both = [p.load for p in finite if p.throughput_gain >= 1.6 and p.latency_gain > 10]
+    print("both chapter figures (>= 1.6x throughput, > 10x mean latency) at loads: "
+          + (", ".join(f"{x:g}" for x in both) if both else "none of the sweep's"))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,230 @@
+"""Experiment 13: static vs continuous batching, simulated one decode step at a time.
+
+A step decodes one token for every request in the batch and costs t(B) seconds, B the
+batch size (the measured curve of experiment 12, or the affine default below).
+
+static      collects requests until it has `slots` of them (or no more will come), runs
+            them together, and returns nobody before the longest member ends: a finished
+            request keeps its slot, as padding, and its step cost is still t(B).
+continuous  the batch is a set of slots: a slot freed at the end of a step admits the next
+            waiting request at the very next step (Orca's iteration-level scheduling).
+
+Both take requests first come, first served. Prefill: the chapter prices its simulation at
+the measured decode-step cost only, so `prefill_s` (seconds per admitted request, added to the
+step that admits it and so stalling the whole batch for it) defaults to 0. TTFT is when the
+first token is computed (what a streaming server could send); end-to-end latency is when the
+response is returned, which for static batching is the end of its batch. Percentiles are
+numpy's (linear interpolation).
+Leaves out: memory limits on slots (experiment 14), preemption, prompt-length-dependent
+prefill, and the gap between a finished step and the host noticing it.
+
+`sweep` runs both policies over a range of Poisson arrival rates: how much continuous batching
+wins depends on the load as much as on the lengths (all at t = 0 no request waits for a batch
+to fill, so the latency gain is at its smallest), and scripts/exp13_batching_sim.py prints
+where the chapter's two figures fall.
+"""
+import json
+from dataclasses import astuple, dataclass
+from pathlib import Path
+
+import numpy as np
+
+from sim.workload import make_workload
+
+
+@dataclass(frozen=True)
+class AffineCost:
+    """Default step cost t(B) = a + b * B seconds: a fixed cost (reading every weight once
+    per step) plus a per-request part. a = 20 ms, b = 2.5 ms make t(16) / t(1) = 2.67 and
+    16 / 2.67 = 6.0x the throughput, the chapter's measured 1 -> 16 figures (experiment 12).
+    An affine cost has no knee: beyond the compute-bound point use a measured table."""
+    a: float = 0.020
+    b: float = 0.0025
+
+    def __post_init__(self):
+        if not (self.a >= 0 and self.b >= 0 and self.a + self.b > 0):
+            raise ValueError(f"step cost a={self.a!r}, b={self.b!r}: expected a, b >= 0 and "
+                             "a positive t(1)")
+
+    def __call__(self, batch):
+        return self.a + self.b * batch
+
+
+@dataclass(frozen=True)
+class TableCost:
+    """Measured step latencies per batch size, linearly interpolated in between."""
+    batch_sizes: tuple
+    seconds: tuple
+
+    def __post_init__(self):
+        if len(self.batch_sizes) == 0 or len(self.batch_sizes) != len(self.seconds):
+            raise ValueError("a step-cost table needs one latency per batch size, and some")
+        if list(self.batch_sizes) != sorted(set(self.batch_sizes)) or self.batch_sizes[0] < 1:
+            raise ValueError(f"batch sizes {self.batch_sizes}: expected increasing, >= 1")
+        if not all(s > 0 for s in self.seconds):
+            raise ValueError(f"step latencies {self.seconds}: expected positive seconds")
+
+    def __call__(self, batch):
+        if not self.batch_sizes[0] <= batch <= self.batch_sizes[-1]:
+            raise ValueError(f"batch size {batch} is outside the measured step costs "
+                             f"({self.batch_sizes[0]}..{self.batch_sizes[-1]})")
+        return float(np.interp(batch, self.batch_sizes, self.seconds))
+
+    @classmethod
+    def from_json(cls, path):
+        """A JSON object {"batch size": seconds, ...}, e.g. written by experiment 12."""
+        try:
+            table = json.loads(Path(path).read_text())
+            pairs = sorted((int(b), float(s)) for b, s in table.items())
+        except (OSError, ValueError, AttributeError) as e:
+            raise ValueError(f"{str(path)!r}: expected a JSON object of batch size -> "
+                             f"seconds ({e})") from None
+        return cls(tuple(b for b, _ in pairs), tuple(s for _, s in pairs))
+
+
+@dataclass(frozen=True)
+class Served:
+    """What happened to one request. Times in seconds from the start of the simulation."""
+    id: int
+    arrival: float
+    output_len: int
+    first_token: float
+    done: float
+
+
+@dataclass(frozen=True)
+class Run:
+    policy: str
+    served: tuple   # Served, in request order
+    steps: int      # forward passes run
+
+
+def _check(requests, slots):
+    if not requests:
+        raise ValueError("no requests to simulate")
+    if isinstance(slots, bool) or not isinstance(slots, int) or slots < 1:
+        raise ValueError(f"slots={slots!r}: expected an integer >= 1")
+    if any(r.output_len < 1 for r in requests):
+        raise ValueError("every request must generate at least one token")
+    if any(b.arrival < a.arrival for a, b in zip(requests, requests[1:])):
+        raise ValueError("requests must be in arrival order")
+
+
+def simulate_static(requests, slots=8, step_cost=AffineCost(), prefill_s=0.0):
+    """Fixed batches of `slots` requests, each held until its longest member ends."""
+    _check(requests, slots)
+    t, steps, served = 0.0, 0, []
+    for start in range(0, len(requests), slots):
+        batch = requests[start:start + slots]
+        t = max(t, batch[-1].arrival)  # wait for a full batch, or for the last request
+        step = step_cost(len(batch))   # paid by every step, finished members included
+        first = t + prefill_s * len(batch) + step
+        longest = max(r.output_len for r in batch)
+        t = first + step * (longest - 1)
+        steps += longest
+        served += [Served(r.id, r.arrival, r.output_len, first, t) for r in batch]
+    return Run("static", tuple(served), steps)
+
+
+def simulate_continuous(requests, slots=8, step_cost=AffineCost(), prefill_s=0.0):
+    """Iteration-level scheduling: any free slot takes the next arrived request each step."""
+    _check(requests, slots)
+    t, steps, nxt = 0.0, 0, 0
+    active = {}  # request index -> tokens produced so far
+    first, done = {}, {}
+    while nxt < len(requests) or active:
+        if not active:  # idle: jump to the next arrival
+            t = max(t, requests[nxt].arrival)
+        admitted = 0
+        while nxt < len(requests) and len(active) < slots and requests[nxt].arrival <= t:
+            active[nxt] = 0
+            nxt += 1
+            admitted += 1
+        t += step_cost(len(active)) + prefill_s * admitted
+        steps += 1
+        for i in list(active):
+            active[i] += 1
+            if active[i] == 1:
+                first[i] = t
+            if active[i] == requests[i].output_len:
+                done[i] = t
+                del active[i]  # the slot is free for the next step
+    served = tuple(Served(r.id, r.arrival, r.output_len, first[i], done[i])
+                   for i, r in enumerate(requests))
+    return Run("continuous", served, steps)
+
+
+@dataclass(frozen=True)
+class Metrics:
+    throughput: float       # generated tokens / s, first arrival to last response
+    latency_mean: float     # end-to-end seconds, arrival to response
+    latency_p50: float
+    latency_p99: float
+    normalised: float       # mean of latency / output tokens, s/token (Orca, vLLM)
+    ttft_mean: float        # seconds from arrival to the first token computed
+
+
+def metrics(run):
+    s = run.served
+    latency = np.array([r.done - r.arrival for r in s])
+    tokens = np.array([r.output_len for r in s])
+    span = max(r.done for r in s) - min(r.arrival for r in s)
+    return Metrics(
+        throughput=float(tokens.sum() / span),
+        latency_mean=float(latency.mean()),
+        latency_p50=float(np.percentile(latency, 50)),
+        latency_p99=float(np.percentile(latency, 99)),
+        normalised=float((latency / tokens).mean()),
+        ttft_mean=float(np.mean([r.first_token - r.arrival for r in s])),
+    )
+
+
+@dataclass(frozen=True)
+class SweepPoint:
+    rate: float             # requests / s (inf: all at t = 0)
+    load: float             # offered tokens/s over what full continuous slots can serve
+    static: Metrics         # each averaged over the arrival seeds
+    continuous: Metrics
+
+    @property
+    def throughput_gain(self):
+        return self.continuous.throughput / self.static.throughput
+
+    @property
+    def latency_gain(self):
+        return self.static.latency_mean / self.continuous.latency_mean
+
+
+def capacity_rate(lengths, slots=8, step_cost=AffineCost()):
+    """Requests/s that `slots` always-busy slots can serve: slots / t(slots) / mean length."""
+    return slots / step_cost(slots) / float(np.mean(lengths))
+
+
+def _average(ms):
+    return Metrics(*(float(x) for x in np.mean([astuple(m) for m in ms], axis=0)))
+
+
+def sweep(lengths, rates, slots=8, step_cost=AffineCost(), prefill_s=0.0, seeds=range(5)):
+    """Both policies on the same requests at each arrival rate, averaged over arrival seeds."""
+    capacity = capacity_rate(lengths, slots, step_cost)
+    points = []
+    for rate in rates:
+        static, continuous = [], []
+        for seed in seeds:
+            requests = make_workload(lengths, rate, seed)
+            static.append(metrics(simulate_static(requests, slots, step_cost, prefill_s)))
+            continuous.append(metrics(simulate_continuous(requests, slots, step_cost,
+                                                          prefill_s)))
+        points.append(SweepPoint(rate, rate / capacity, _average(static),
+                                 _average(continuous)))
+    return points
+
+
+def first_crossing(xs, ys, target):
+    """Smallest x where the piecewise-linear curve (xs, ys) reaches target; None if never."""
+    for (x0, y0), (x1, y1) in zip(zip(xs, ys), zip(xs[1:], ys[1:])):
+        if y0 >= target:
+            return x0
+        if y1 >= target:
+            return x0 + (x1 - x0) * (target - y0) / (y1 - y0)
+    return xs[-1] if ys and ys[-1] >= target else None
