@@ -78,7 +78,7 @@ def main(argv=None):
     for m in models:
         print(f"  {m.name}: {m.parameters:,.0f} parameters, {m.num_hidden_layers} layers x "
               f"{m.num_key_value_heads} kv heads x {m.head_dim}")
-    w = max(len(m.name) for m in models) + 2
+    w = max(len("model"), *(len(m.name) for m in models)) + 2
     for card in args.cards:
         print()
         print(f"{card:g} GB")

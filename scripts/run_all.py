@@ -44,7 +44,11 @@ def main(argv=None):
             args_for = []  # experiment 12 did not run: the simulation's default cost model
         t = time.perf_counter()
         print(f"\n{'=' * 78}\n{script.stem}\n{'=' * 78}", flush=True)
-        result = subprocess.run([sys.executable, str(script), "--model", model, *args_for])
+        # Formula-only experiments (7B-class tables, the speculative formula) take no model.
+        takes_model = "add_model_argument" in script.read_text()
+        command = [sys.executable, str(script), *(["--model", model] if takes_model else []),
+                   *args_for]
+        result = subprocess.run(command)
         say(f"=== {script.name}: {'ok' if result.returncode == 0 else 'FAILED'} "
             f"in {time.perf_counter() - t:.1f} s ===")
         if result.returncode != 0:
