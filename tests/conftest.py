@@ -56,6 +56,7 @@ def assert_same(actual, expected, rtol=None, atol=None):
     assert actual.dtype == expected.dtype, f"dtype {actual.dtype} != {expected.dtype}"
     if np.issubdtype(actual.dtype, np.floating):
         eps = np.finfo(actual.dtype).eps
-        np.testing.assert_allclose(actual, expected, rtol=rtol or 100 * eps, atol=atol or 100 * eps)
+        np.testing.assert_allclose(actual, expected, rtol=100 * eps if rtol is None else rtol,
+                                   atol=100 * eps if atol is None else atol)
     else:
         np.testing.assert_array_equal(actual, expected)

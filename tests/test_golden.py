@@ -1,0 +1,83 @@
+"""minitransformer's logits against Hugging Face transformers' own, in the default run (no torch).
+
+scripts/make_golden.py (optional, needs torch + transformers) built each case's random checkpoint
+with minitransformer.synth, ran it through HF's Qwen2/Llama in float32 with eager attention and
+stored the logits in tests/fixtures/hf_golden.{json,npz}. Here the same checkpoints are rebuilt
+from their seeds and run through minitransformer: the logits must agree to float32 rounding
+(100 eps of the logit scale) and the greedy argmax exactly. The cases cover GQA, MHA and MQA;
+Qwen2's q/k/v bias, Llama with and without q/k/v/o bias; tied and untied heads; bf16, fp16 and
+fp32 storage; rope_theta 100 to 1e6; a head_dim that is not hidden / heads.
+"""
+import hashlib
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import minitransformer as mt
+import minitransformer.model
+from conftest import assert_same
+from minitransformer.synth import make_checkpoint
+
+FIXTURES = Path(__file__).resolve().parent / "fixtures"
+MANIFEST = json.loads((FIXTURES / "hf_golden.json").read_text())
+CASES = {case["name"]: case for case in MANIFEST["cases"]}
+EPS = np.finfo(np.float32).eps
+
+
+@pytest.fixture(scope="module")
+def golden():
+    """HF's logits: "<case>/<prompt index>" -> float32 (T, V)."""
+    with np.load(FIXTURES / MANIFEST["logits_file"]) as stored:
+        return {key: stored[key] for key in stored.files}
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    """Case name -> path of its checkpoint, regenerated from the recorded config/seed/dtype."""
+    root = tmp_path_factory.mktemp("golden")
+    return {name: make_checkpoint(root / name, case["config"], seed=case["seed"],
+                                  dtype=case["dtype"]) for name, case in CASES.items()}
+
+
+def tolerance(reference) -> float:
+    """Float32 rounding, scaled to the logits' size: both sides compute in float32."""
+    return 100 * EPS * float(np.abs(reference).max())
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_synth_rebuilds_the_fixture_checkpoint(name, checkpoints):
+    digest = hashlib.sha256((checkpoints[name] / "model.safetensors").read_bytes()).hexdigest()
+    assert digest == CASES[name]["safetensors_sha256"], (
+        f"{name}: minitransformer.synth no longer writes the checkpoint the golden logits were "
+        "made from; if that change is intended, rerun scripts/make_golden.py")
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_logits_match_hugging_face(name, checkpoints, golden):
+    model = mt.load(checkpoints[name])
+    for i, ids in enumerate(CASES[name]["prompts"]):
+        ref = golden[f"{name}/{i}"]                                   # (T, V)
+        ours = mt.logits(model, ids)
+        assert_same(ours, ref, rtol=100 * EPS, atol=tolerance(ref))
+        assert_same(ours.argmax(axis=-1), ref.argmax(axis=-1))        # greedy choice, exactly
+
+
+ROPE = minitransformer.model.rope  # the real one, kept before the test below replaces it
+
+
+def interleaved_rope(x, positions, theta):
+    """The classic porting bug: llama2.c's adjacent pairs (2i, 2i+1) instead of (i, i + d/2)."""
+    d = x.shape[-1]
+    pairs = np.concatenate([np.arange(0, d, 2), np.arange(1, d, 2)])  # (2i, 2i+1) -> (i, i+d/2)
+    return ROPE(x[..., pairs], positions, theta)[..., np.argsort(pairs)]
+
+
+def test_the_fixture_catches_a_wrong_rope(checkpoints, golden, monkeypatch):
+    """A comparison that cannot fail proves nothing: break RoPE and every case must notice."""
+    monkeypatch.setattr(minitransformer.model, "rope", interleaved_rope)
+    for name, case in CASES.items():
+        model = mt.load(checkpoints[name])
+        ids, ref = case["prompts"][-1], golden[f"{name}/{len(case['prompts']) - 1}"]
+        assert np.abs(mt.logits(model, ids) - ref).max() > 10 * tolerance(ref), name
