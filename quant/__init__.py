@@ -1,0 +1,15 @@
+"""quant: weight quantization for the chapter's experiments 15 to 21.
+
+    absmax.py      symmetric absmax at 8 and 4 bits: absmax_per_tensor / _per_row / _per_group
+    nf4.py         NF4 (QLoRA's 4-bit NormalFloat), blocks of 64
+    packing.py     two 4-bit codes per byte
+    qweight.py     QWeight: packed codes + float16 scales, with .matmul(x) and .nbytes
+    qmodel.py      quantize_model (every projection matrix), resident_bytes
+    analysis.py    error table over all projection matrices, one matrix's outlier statistics
+    activations.py outlier features in the residual stream, INT8 levels used
+    techniques.py  LLM.int8, vector-wise, SmoothQuant-style, weight-only: measured on a matmul
+    evaluate.py    perplexity, the question battery, agreement with full precision
+    data.py        the evaluation text (fetched with pip, cached, never committed)
+
+Each quantizer returns a QWeight that carries its own reconstruction error.
+"""

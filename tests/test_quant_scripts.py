@@ -1,0 +1,63 @@
+"""Experiments 15 to 21 run end to end on a tiny checkpoint and print their tables' shape."""
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from minitransformer.synth import make_checkpoint, qwen2_config, train_tokenizer
+
+SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    root = tmp_path_factory.mktemp("scriptmodel")
+    path = make_checkpoint(root / "model", qwen2_config(vocab_size=320, num_hidden_layers=3),
+                           seed=7, tokenizer=train_tokenizer(vocab_size=300))
+    text = root / "text.txt"
+    text.write_text("The boats came home to the harbour at dusk, one by one. " * 30)
+    return path, text
+
+
+def run(script, *args):
+    done = subprocess.run([sys.executable, str(SCRIPTS / script), *map(str, args)],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return done.stdout
+
+
+@pytest.mark.parametrize("script, args, expected", [
+    ("exp15_weight_memory.py", [], ["INT4 group-128", "expected (B)", "NF4 (block 64)"]),
+    ("exp16_quant_error.py", [], ["INT8 per-row", "worst matrix", "mean error /"]),
+    ("exp17_weight_outliers.py", [], ["mean |w|", "weights beyond 6 sigma", "INT4: step"]),
+    ("exp18_activation_outliers.py", ["--layer", 1], ["median dim", "log2 bins", " - "]),
+    ("exp19_int8_activation_levels.py", [], ["single tensor-wide scale", "distinct level"]),
+    ("exp20_outlier_techniques.py", [], ["LLM.int8 decomposition", "GPTQ / AWQ"]),
+])
+def test_script_prints_its_table(tiny, script, args, expected):
+    out = run(script, "--model", tiny[0], *args)
+    for text in expected:
+        assert text in out
+
+
+def test_exp16_rows_follow_the_schemes(tiny):
+    out = run("exp16_quant_error.py", "--model", tiny[0], "--schemes", "int8-row,nf4")
+    assert "INT8 per-row" in out and "NF4" in out and "INT4 per-tensor" not in out
+
+
+def test_exp21_quality_table(tiny):
+    out = run("exp21_quantized_quality.py", "--model", tiny[0], "--text", tiny[1],
+              "--tokens", 64, "--window", 32, "--questions", 2, "--max-new-tokens", 3,
+              "--positions", 8, "--schemes", "int8-row,nf4", "--llm-int8", 6)
+    lines = [line for line in out.splitlines() if "/8" in line]
+    assert [line.split()[0] for line in lines] == ["fp32", "INT8", "NF4", "INT8"]
+    assert "8/8" in lines[0]  # the full-precision model agrees with itself everywhere
+    assert "perplexity: 64 tokens" in out
+
+
+def test_exp21_says_when_the_text_is_too_short(tiny):
+    done = subprocess.run([sys.executable, str(SCRIPTS / "exp21_quantized_quality.py"),
+                           "--model", str(tiny[0]), "--text", str(tiny[1]), "--tokens", "100000"],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode != 0 and "are needed; use --tokens or a longer --text" in done.stderr
