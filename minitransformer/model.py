@@ -16,6 +16,8 @@ head order); leaves out training, dropout, rope scaling and sliding windows.
 """
 from dataclasses import dataclass
 
+import numpy as np  # host-side bookkeeping only (positions); the math goes through xp
+
 from minitransformer.backend import to_device, xp
 from minitransformer.config import ModelConfig
 
@@ -84,21 +86,36 @@ def attention(q, k, v, positions):
 
 
 def attention_block(model, i, x, positions, cache):
-    """Layer i's self-attention on normed input x (B, T, D) -> (B, T, D)."""
+    """Layer i's self-attention on normed input x (B, T, D) -> (B, T, D).
+
+    positions (B, T) on the host. Rows of a batch may hold different lengths (sequences decoding
+    side by side); each group of rows of equal length attends over exactly its own slots.
+    Padding short rows with masked slots would be exact in real arithmetic but not in floats
+    (softmax's pairwise sum groups its terms by count, BLAS picks its kernel by size), and a
+    batched request must get the very bits it gets alone.
+    """
     c, w, p = model.config, model.weights, f"model.layers.{i}.self_attn."
     B, T, _ = x.shape
+    where = to_device(positions)
     q = linear(x, w[p + "q_proj.weight"], w.get(p + "q_proj.bias"))  # (B, T, H*d)
     k = linear(x, w[p + "k_proj.weight"], w.get(p + "k_proj.bias"))  # (B, T, Hkv*d)
     v = linear(x, w[p + "v_proj.weight"], w.get(p + "v_proj.bias"))  # (B, T, Hkv*d)
-    q = rope(q.reshape(B, T, c.num_attention_heads, c.head_dim), positions, c.rope_theta)
-    k = rope(k.reshape(B, T, c.num_key_value_heads, c.head_dim), positions, c.rope_theta)
+    q = rope(q.reshape(B, T, c.num_attention_heads, c.head_dim), where, c.rope_theta)
+    k = rope(k.reshape(B, T, c.num_key_value_heads, c.head_dim), where, c.rope_theta)
     v = v.reshape(B, T, c.num_key_value_heads, c.head_dim)
     if cache is None:  # recompute: this call's tokens are the whole sequence
         k, v = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)     # (B, Hkv, T, d)
     else:              # store the new keys/values, attend over everything held
         k, v = cache.update(i, k, v)                                 # (B, Hkv, S, d)
-    out = attention(q, k, v, positions)                              # (B, T, H*d)
-    return linear(out, w[p + "o_proj.weight"], w.get(p + "o_proj.bias"))
+    lengths = positions[:, -1] + 1                                   # (B,) slots each row sees
+    if (lengths == lengths[0]).all():                                # the usual case: one group
+        out = attention(q, k[:, :, :lengths[0]], v[:, :, :lengths[0]], where)
+    else:
+        out = xp.empty((B, T, c.num_attention_heads * c.head_dim), dtype=q.dtype)
+        for S in np.unique(lengths):
+            rows = to_device(np.flatnonzero(lengths == S))
+            out[rows] = attention(q[rows], k[rows, :, :S], v[rows, :, :S], where[rows])
+    return linear(out, w[p + "o_proj.weight"], w.get(p + "o_proj.bias"))      # (B, T, D)
 
 
 def mlp(model, i, x):
@@ -118,13 +135,15 @@ def forward(model: Model, ids, cache=None, residuals=None):
     grown by T when this returns. ``residuals``, if a list, receives h (B, T, D) after each layer.
     """
     c, w = model.config, model.weights
-    ids = to_device(ids)
+    ids = np.asarray(ids)  # host token ids, checked here: on CuPy a bad id would wrap around
     B, T = ids.shape
+    if ids.min() < 0 or ids.max() >= c.vocab_size:
+        raise ValueError(f"token ids must be in [0, {c.vocab_size}), got {ids.min()}..{ids.max()}")
     if cache is None:
-        positions = xp.broadcast_to(xp.arange(T), (B, T))            # (B, T)
+        positions = np.broadcast_to(np.arange(T), (B, T))            # (B, T)
     else:
-        positions = to_device(cache.positions(T))                    # (B, T), checked on host
-    h = w["model.embed_tokens.weight"][ids]                          # (B, T, D)
+        positions = cache.positions(T)                               # (B, T), checked on host
+    h = w["model.embed_tokens.weight"][to_device(ids)]               # (B, T, D)
     for i in range(c.num_hidden_layers):
         p = f"model.layers.{i}."
         h = h + attention_block(model, i, rms_norm(h, w[p + "input_layernorm.weight"],

@@ -1,0 +1,310 @@
+"""The paged KV cache: every sequence's keys and values in fixed-size blocks (experiment 14).
+
+Sequences come and go, and nobody knows how long each will grow: a contiguous cache reserves
+each one's longest possible context, and most of it is never filled. PagedAttention (Kwon et
+al., 2023; vLLM) borrows the operating system's answer:
+
+    pool         per layer, one array of N blocks; a block holds block_size (bs) token slots
+    free list    the blocks nobody holds
+    block table  per sequence, the blocks holding its tokens in order: position p lives in
+                 block table[p // bs] at offset p % bs, so the cache of a sequence is scattered
+                 in memory and contiguous to the model
+    refcount     how many block tables hold each block
+
+A sequence wastes at most the unfilled slots of its last block. A prompt that starts with the
+same full blocks of tokens as one already held shares those blocks (prefix sharing, through an
+index keyed by the tokens up to each block's end); a shared block is copied before anyone
+writes into it (copy on write). Room is made first (``add``, ``make_room``): allocation can
+fail, and a failure changes nothing. ``view(seq_ids)`` is what ``model.forward`` talks to:
+``positions``, ``update`` (write the new keys/values into their slots, return all held,
+gathered through the block tables) and ``advance``.
+
+Shapes: N blocks in the pool, bs slots per block, nb blocks in a table; B, T, S, Hkv, d as in
+model.py. Leaves out: keeping freed prefix blocks for later requests (vLLM's evictor), kernels
+that read blocks in place (we gather a copy per layer and step), sharing partial blocks.
+"""
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from minitransformer.backend import to_device, to_numpy, xp
+
+
+class PoolExhausted(RuntimeError):
+    """Too few free blocks; nothing was changed. The caller waits, preempts or rejects."""
+
+
+@dataclass
+class SeqBlocks:
+    blocks: list            # the block table: physical block ids, in position order
+    length: int = 0         # tokens written
+    max_len: int = 0        # the most it may grow to (what a reservation would hold)
+
+
+@dataclass(frozen=True)
+class Swapped:
+    """A preempted sequence's cache, in host memory: (blocks, Hkv, bs, d) per layer."""
+    length: int
+    max_len: int
+    k: list
+    v: list
+
+    @property
+    def blocks(self) -> int:
+        return len(self.k[0])
+
+
+@dataclass(frozen=True)
+class PagedStats:
+    """A snapshot of the pool. Token counts are slots; bytes = slots x bytes_per_token."""
+    block_size: int
+    bytes_per_token: int
+    blocks_total: int
+    blocks_held: int        # blocks with refcount > 0
+    blocks_shared: int      # blocks held by more than one sequence
+    sequences: int
+    slots_filled: int       # slots holding a token, each physical block counted once
+    tokens_logical: int     # sum of sequence lengths (a shared prefix counted per sequence)
+    tokens_reserved: int    # sum of max_len: what reserving each sequence's maximum would hold
+
+    @property
+    def slots_wasted(self) -> int:
+        """Held but unfilled: the free tail of each sequence's last block."""
+        return self.blocks_held * self.block_size - self.slots_filled
+
+
+@dataclass
+class PagedCache:
+    k: list                 # L arrays (N, Hkv, bs, d): a block is a small (Hkv, bs, d) cache
+    v: list
+    block_size: int
+    refcount: np.ndarray    # (N,) host ints
+    free: list              # free block ids, used as a stack
+    seqs: dict = field(default_factory=dict)      # seq id -> SeqBlocks
+    prefix: dict = field(default_factory=dict)    # tuple(tokens up to a block's end) -> block
+    prefix_of: dict = field(default_factory=dict)  # block -> its key in `prefix`
+
+    @classmethod
+    def allocate(cls, config, num_blocks: int, block_size: int, dtype=xp.float32):
+        if num_blocks < 1 or block_size < 1:
+            raise ValueError(f"a paged cache needs num_blocks >= 1 and block_size >= 1, "
+                             f"got {num_blocks}, {block_size}")
+        shape = (num_blocks, config.num_key_value_heads, block_size, config.head_dim)
+        L = config.num_hidden_layers
+        return cls(k=[xp.zeros(shape, dtype) for _ in range(L)],
+                   v=[xp.zeros(shape, dtype) for _ in range(L)], block_size=block_size,
+                   refcount=np.zeros(num_blocks, dtype=np.int64),
+                   free=list(range(num_blocks - 1, -1, -1)))  # pop() hands out 0, 1, 2, ...
+
+    @property
+    def num_blocks(self) -> int:
+        return self.k[0].shape[0]
+
+    @property
+    def num_free(self) -> int:
+        return len(self.free)
+
+    @property
+    def bytes_per_token(self) -> int:
+        """2 (k and v) x L x Hkv x d x bytes per element: the chapter's formula."""
+        _, Hkv, _, d = self.k[0].shape
+        return 2 * len(self.k) * Hkv * d * self.k[0].dtype.itemsize
+
+    def blocks_for(self, tokens: int) -> int:
+        return -(-tokens // self.block_size)
+
+    # --- allocation --------------------------------------------------------------------------
+    def _take(self) -> int:
+        self.refcount[self.free[-1]] = 1
+        return self.free.pop()
+
+    def _release(self, block: int) -> None:
+        self.refcount[block] -= 1
+        if self.refcount[block] == 0:  # last holder gone: back to the pool, out of the index
+            self.free.append(block)
+            self.prefix.pop(self.prefix_of.pop(block, None), None)
+
+    def _copy_block(self, src: int) -> int:
+        """Copy on write: a private copy of a shared block, and one holder less for the old."""
+        dst = self._take()
+        for k, v in zip(self.k, self.v):
+            k[dst], v[dst] = k[src], v[src]
+        self._release(src)
+        return dst
+
+    def shared_prefix(self, prompt) -> list:
+        """Blocks already holding the prompt's leading full blocks of tokens, in order."""
+        blocks, bs = [], self.block_size
+        for end in range(bs, len(prompt) + 1, bs):
+            block = self.prefix.get(tuple(prompt[:end]))
+            if block is None:
+                break
+            blocks.append(block)
+        return blocks
+
+    def add_cost(self, prompt) -> int:
+        """Free blocks ``add(prompt)`` would take (the engine asks before it admits)."""
+        shared = len(self.shared_prefix(prompt))
+        held = min(shared * self.block_size, len(prompt) - 1)
+        return self.blocks_for(len(prompt)) - shared + (held < shared * self.block_size)
+
+    def add(self, seq_id, prompt, max_len: int = 0) -> int:
+        """Give a new sequence blocks for its prompt, sharing what is already held.
+
+        -> how many prompt tokens are already in the cache; the caller prefills the rest. The
+        last prompt token is always left to compute (its logits pick the first new token), so
+        a prompt held in full gets its last block copied, to be overwritten at that slot.
+        """
+        if seq_id in self.seqs:
+            raise ValueError(f"sequence {seq_id!r} is already in the cache")
+        if len(prompt) < 1:
+            raise ValueError("a sequence needs a prompt of at least one token")
+        if self.add_cost(prompt) > self.num_free:
+            raise PoolExhausted(f"a prompt of {len(prompt)} tokens needs "
+                                f"{self.add_cost(prompt)} blocks, {self.num_free} free")
+        shared = self.shared_prefix(prompt)
+        self.refcount[shared] += 1
+        held = min(len(shared) * self.block_size, len(prompt) - 1)
+        self.seqs[seq_id] = SeqBlocks(shared, held, max(max_len, len(prompt)))
+        self.make_room([seq_id], len(prompt) - held)  # cannot fail: counted above
+        return held
+
+    def blocks_needed(self, seq_id, T: int) -> int:
+        """Free blocks that appending T tokens to a sequence takes (new ones, copies)."""
+        seq = self.seqs[seq_id]
+        new = self.blocks_for(seq.length + T) - len(seq.blocks)
+        first = seq.length // self.block_size  # the block the first new token goes to
+        copies = sum(self.refcount[b] > 1 for b in seq.blocks[first:])  # shared: copy first
+        return max(new, 0) + int(copies)
+
+    def make_room(self, seq_ids, T: int) -> None:
+        """Blocks for T more tokens in each sequence: all of it, or PoolExhausted and nothing."""
+        need = sum(self.blocks_needed(s, T) for s in seq_ids)
+        if need > self.num_free:
+            raise PoolExhausted(f"{need} blocks needed, {self.num_free} free")
+        for s in seq_ids:
+            seq = self.seqs[s]
+            for i in range(seq.length // self.block_size, len(seq.blocks)):
+                if self.refcount[seq.blocks[i]] > 1:  # about to be written: copy on write
+                    seq.blocks[i] = self._copy_block(seq.blocks[i])
+            while len(seq.blocks) < self.blocks_for(seq.length + T):
+                seq.blocks.append(self._take())
+
+    def register_prefix(self, seq_id, prompt) -> None:
+        """Offer the prompt's full blocks to later sequences (call once they are written)."""
+        seq, bs = self.seqs[seq_id], self.block_size
+        for i in range(min(len(prompt), seq.length) // bs):
+            key = tuple(prompt[:(i + 1) * bs])
+            if key not in self.prefix:
+                self.prefix[key] = seq.blocks[i]
+                self.prefix_of[seq.blocks[i]] = key
+
+    def trim(self, seq_id, n: int) -> None:
+        """Forget a sequence's last n tokens (rejected drafts, a benchmark's rollback)."""
+        seq = self.seqs[seq_id]
+        if not 0 <= n <= seq.length:
+            raise ValueError(f"cannot trim {n} tokens from a sequence of {seq.length}")
+        seq.length -= n
+        while len(seq.blocks) > self.blocks_for(seq.length):
+            self._release(seq.blocks.pop())
+        if seq.length % self.block_size and self.refcount[seq.blocks[-1]] == 1:
+            # its last block is about to be rewritten: no longer the prefix the index says
+            self.prefix.pop(self.prefix_of.pop(seq.blocks[-1], None), None)
+
+    def free_seq(self, seq_id) -> None:
+        """Drop a sequence: each of its blocks loses a holder, and unheld ones are free."""
+        for block in self.seqs.pop(seq_id).blocks:
+            self._release(block)
+
+    # --- preemption by swapping --------------------------------------------------------------
+    def swap_out(self, seq_id) -> "Swapped":
+        """Copy a sequence's keys/values to host memory and free its blocks."""
+        seq = self.seqs[seq_id]
+        index = to_device(np.array(seq.blocks))
+        swapped = Swapped(seq.length, seq.max_len, [to_numpy(k[index]) for k in self.k],
+                          [to_numpy(v[index]) for v in self.v])
+        self.free_seq(seq_id)
+        return swapped
+
+    def swap_in(self, seq_id, swapped: "Swapped") -> None:
+        """Bring a swapped-out sequence back, bit for bit, into fresh private blocks."""
+        if swapped.blocks > self.num_free:
+            raise PoolExhausted(f"{swapped.blocks} blocks needed, {self.num_free} free")
+        blocks = [self._take() for _ in range(swapped.blocks)]
+        index = to_device(np.array(blocks))  # host-made ids, in range by construction
+        for layer in range(len(self.k)):
+            self.k[layer][index] = to_device(swapped.k[layer])
+            self.v[layer][index] = to_device(swapped.v[layer])
+        self.seqs[seq_id] = SeqBlocks(blocks, swapped.length, swapped.max_len)
+
+    # --- what the forward pass sees ----------------------------------------------------------
+    def view(self, seq_ids) -> "PagedView":
+        """The sequences seq_ids as one batch for model.forward (row b = seq_ids[b])."""
+        return PagedView(self, [self.seqs[s] for s in seq_ids])
+
+    def stats(self) -> PagedStats:
+        filled = {}  # physical block -> slots filled in it (a shared block counted once)
+        for seq in self.seqs.values():
+            for i, block in enumerate(seq.blocks):
+                used = min(self.block_size, max(seq.length - i * self.block_size, 0))
+                filled[block] = max(filled.get(block, 0), used)
+        return PagedStats(self.block_size, self.bytes_per_token, self.num_blocks,
+                          int((self.refcount > 0).sum()), int((self.refcount > 1).sum()),
+                          len(self.seqs), sum(filled.values()),
+                          sum(s.length for s in self.seqs.values()),
+                          sum(s.max_len for s in self.seqs.values()))
+
+
+@dataclass
+class PagedView:
+    cache: PagedCache
+    seqs: list
+
+    def positions(self, T: int) -> np.ndarray:
+        """Positions (B, T) of T new tokens per row: where they go, and their RoPE angle."""
+        lengths = np.array([s.length for s in self.seqs])
+        rooms = np.array([len(s.blocks) for s in self.seqs]) * self.cache.block_size
+        if (lengths + T > rooms).any():
+            raise ValueError(f"no room for {T} token(s) in rows of {lengths.tolist()} "
+                             f"(slots {rooms.tolist()}): call make_room first")
+        return lengths[:, None] + np.arange(T)
+
+    def update(self, layer: int, k, v):
+        """Write k, v (B, T, Hkv, d) into their slots -> k, v (B, Hkv, S, d), S longest row."""
+        cache, bs = self.cache, self.cache.block_size
+        B, T = k.shape[:2]
+        positions = self.positions(T)                                     # (B, T)
+        S, N = int(positions.max()) + 1, cache.num_blocks
+        nb = cache.blocks_for(S)
+        # Short rows are padded with their own first block: slots past a row's length, which
+        # the attention mask hides. Checked here: CuPy would wrap a bad id around silently.
+        table = np.array([(s.blocks + s.blocks[:1] * nb)[:nb] for s in self.seqs])  # (B, nb)
+        if table.min() < 0 or table.max() >= N:
+            raise ValueError(f"block ids {table.min()}..{table.max()} outside a pool of {N}")
+        blocks = np.take_along_axis(table, positions // bs, axis=1)       # (B, T)
+        if (cache.refcount[blocks] != 1).any():  # a shared block must never change under us
+            raise RuntimeError("write into a shared block: make_room copies it first")
+        blocks, offsets = to_device(blocks), to_device(positions % bs)
+        # pool[blocks[b, t], :, offsets[b, t]] = k[b, t]: advanced indices on axes 0 and 2
+        cache.k[layer][blocks, :, offsets] = k
+        cache.v[layer][blocks, :, offsets] = v
+        table = to_device(table)
+        return gather(cache.k[layer], table, S), gather(cache.v[layer], table, S)
+
+    def advance(self, T: int) -> None:
+        """Called by forward after every layer has stored its T new tokens."""
+        for s in self.seqs:
+            s.length += T
+
+
+def gather(pool, table, S: int):
+    """Pool (N, Hkv, bs, d), tables (B, nb) -> (B, Hkv, S, d): each row's blocks end to end."""
+    B, nb = table.shape
+    _, Hkv, bs, d = pool.shape
+    heads = xp.arange(Hkv)[None, :, None]                                # (1, Hkv, 1)
+    # One gather straight into the contiguous cache's layout, keys d floats apart. (A
+    # transpose-and-reshape view instead leaves them Hkv*d apart when bs = 1, and numpy then
+    # computes q @ k.T by another path that rounds differently: measured, and enough to make
+    # a batched row differ from the same row alone.)
+    blocks = pool[table[:, None, :], heads]                              # (B, Hkv, nb, bs, d)
+    return blocks.reshape(B, Hkv, nb * bs, d)[:, :, :S]

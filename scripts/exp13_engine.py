@@ -1,0 +1,172 @@
+"""Experiment 13 on the real engine: the chapter's 64 requests through 8 slots, both policies.
+
+The simulation (exp13_batching_sim.py) charges a step cost per batch size; here the same
+workload (sim/workload.py: 64 output lengths, median 18, max 231, 1,874 tokens) runs through
+minitransformer.engine on a real model: seeded random prompts of --prompt-len tokens, greedy,
+end-of-sequence off so every request makes exactly its workload length. The engine's clock is
+its own measured compute time. Printed per policy: throughput, mean / p50 / p99 end-to-end
+latency, mean time to first token, mean time per later token, steps, preemptions; then the
+simulation of the same workload at the step costs this run measured (or --step-costs FILE,
+experiment 12's), so the two can be compared, and the chapter's figures (continuous: 1.6x the
+throughput, mean latency more than 10x better).
+
+Two differences from the simulation, on purpose: the engine's static batch does not compute
+its finished members (they leave the step; the simulation charges t(slots) for every step of
+a batch, padding included), and prefill is a real pass over each prompt (charged in the
+simulation as this run's mean prefill time per admitted request).
+"""
+import argparse
+import math
+import time
+
+import numpy as np
+
+from _common import add_model_argument, load_model, mt, progress, say
+from minitransformer.engine import Engine, Request, metrics
+from sim.batching import TableCost, simulate_continuous, simulate_static
+from sim.batching import metrics as sim_metrics
+from sim.workload import make_workload, skewed_lengths
+
+
+def workload(args, vocab_size):
+    """-> (lengths, engine requests) for the chapter's skewed lengths."""
+    lengths = skewed_lengths(args.requests, args.median, args.max_len, args.total,
+                             args.sigma, args.lengths_seed)
+    arrivals = [r.arrival for r in make_workload(lengths, args.rate, seed=0)]
+    rng = np.random.default_rng(args.seed)
+    requests = [Request(tuple(rng.integers(0, vocab_size, args.prompt_len).tolist()), n,
+                        arrival=t, eos_token_id=[]) for n, t in zip(lengths, arrivals)]
+    return lengths, requests
+
+
+def serve(model, requests, policy, args):
+    engine = Engine(model, slots=args.slots, num_blocks=args.num_blocks,
+                    block_size=args.block_size, policy=policy)
+    start, done = time.perf_counter(), [0]
+
+    def report(e):
+        finished = sum(r.status == "finished" for r in e.results)
+        if finished >= done[0] + 8 or finished == len(requests) > done[0]:
+            done[0] = finished
+            progress(finished, len(requests), f"{policy}: {e.steps} steps, "
+                                              f"{time.perf_counter() - start:.1f} s")
+    return engine.run(requests, on_step=report)
+
+
+def measured_costs(runs, slots):
+    """Median decode-step seconds per batch size seen in these runs -> a TableCost; sizes
+    never seen at the ends (1, slots) take the nearest measured one's cost."""
+    by_size = {}
+    for run in runs:
+        for B, seconds in run.decode_times:
+            by_size.setdefault(B, []).append(seconds)
+    table = {B: float(np.median(t)) for B, t in by_size.items()}
+    table.setdefault(1, table[min(table)])
+    table.setdefault(slots, table[max(table)])
+    sizes = sorted(table)
+    return TableCost(tuple(sizes), tuple(table[B] for B in sizes))
+
+
+def header():
+    print(f"{'policy':<12}{'tokens/s':>10}{'mean (s)':>10}{'p50 (s)':>9}{'p99 (s)':>9}"
+          f"{'TTFT (s)':>10}{'ms/token':>10}{'steps':>7}{'preempted':>11}")
+
+
+def ratios(static, cont):
+    return (f"continuous vs static: throughput {cont.throughput / static.throughput:.2f}x, "
+            f"mean latency {static.latency_mean / cont.latency_mean:.1f}x better, "
+            f"p99 {static.latency_p99 / cont.latency_p99:.1f}x better")
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_model_argument(parser)
+    parser.add_argument("--slots", type=int, default=8)
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--num-blocks", type=int, default=None,
+                        help="paged pool size (default: every slot can hold its longest "
+                             "request, so nobody is preempted)")
+    parser.add_argument("--prompt-len", type=int, default=16, help="tokens per prompt")
+    parser.add_argument("--requests", type=int, default=64)
+    parser.add_argument("--median", type=float, default=18)
+    parser.add_argument("--max-len", type=int, default=231)
+    parser.add_argument("--total", type=int, default=1874)
+    parser.add_argument("--sigma", type=float, default=1.0)
+    parser.add_argument("--lengths-seed", type=int, default=0)
+    parser.add_argument("--rate", type=float, default=math.inf,
+                        help="Poisson arrivals, requests/s (default: inf, all at t = 0)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the random prompts")
+    parser.add_argument("--step-costs", metavar="FILE",
+                        help="simulate at experiment 12's step costs (JSON) instead of the "
+                             "ones this run measured")
+    parser.add_argument("--check", action="store_true",
+                        help="also generate every request alone and compare the tokens (slow)")
+    args = parser.parse_args(argv)
+    if min(args.slots, args.block_size, args.prompt_len) < 1:
+        parser.error("--slots, --block-size and --prompt-len must be >= 1")
+
+    model = load_model(args.model)
+    try:
+        lengths, requests = workload(args, model.config.vocab_size)
+    except ValueError as e:
+        parser.error(str(e))
+    if args.num_blocks is None:
+        args.num_blocks = args.slots * -(-(args.prompt_len + max(lengths)) // args.block_size)
+    runs = [serve(model, requests, policy, args) for policy in ("static", "continuous")]
+
+    print("Experiment 13 on the real engine: static vs continuous batching")
+    print(f"workload: {len(lengths)} requests, output tokens median {np.median(lengths):g}, "
+          f"max {max(lengths)}, total {sum(lengths):,}; prompts of {args.prompt_len} tokens; "
+          + ("all at t = 0" if math.isinf(args.rate) else f"Poisson {args.rate:g} req/s"))
+    print(f"{args.slots} slots; paged cache of {args.num_blocks} blocks x {args.block_size} "
+          "tokens; greedy; times are this machine's compute time")
+    print()
+    header()
+    for run in runs:
+        m = metrics(run.results)
+        print(f"{run.policy:<12}{m.throughput:>10.1f}{m.latency_mean:>10.2f}"
+              f"{m.latency_p50:>9.2f}{m.latency_p99:>9.2f}{m.ttft_mean:>10.2f}"
+              f"{m.per_token_mean * 1e3:>10.1f}{run.steps:>7,}{run.preemptions:>11}")
+    engine = [metrics(r.results) for r in runs]
+    print(ratios(*engine))
+
+    try:
+        cost = TableCost.from_json(args.step_costs) if args.step_costs else \
+            measured_costs(runs, args.slots)
+    except ValueError as e:
+        parser.error(str(e))
+    prefill = float(np.mean([s for run in runs for _, s in run.prefill_times]))
+    sim_requests = make_workload(lengths, args.rate, seed=0)
+    sims = [simulate_static(sim_requests, args.slots, cost, prefill),
+            simulate_continuous(sim_requests, args.slots, cost, prefill)]
+    source = args.step_costs or "measured in this run"
+    points = ", ".join(f"B={b} {s * 1e3:.1f}" for b, s in zip(cost.batch_sizes, cost.seconds))
+    print()
+    print(f"simulation (sim/batching.py) of the same workload, step costs {source}:")
+    print(f"  {points} ms; prefill {prefill * 1e3:.1f} ms per admitted request")
+    header()
+    for run in sims:
+        m = sim_metrics(run)
+        print(f"{run.policy:<12}{m.throughput:>10.1f}{m.latency_mean:>10.2f}"
+              f"{m.latency_p50:>9.2f}{m.latency_p99:>9.2f}{m.ttft_mean:>10.2f}"
+              f"{'':>10}{run.steps:>7,}{'':>11}")
+    print(ratios(*[sim_metrics(r) for r in sims]))
+    print()
+    print("chapter (simulated): continuous 1.6x the throughput, mean latency more than 10x better")
+
+    if args.check:
+        same = 0
+        for i, result in enumerate(runs[1].results, 1):
+            r = result.request
+            same += result.tokens == mt.generate(model, list(r.prompt), r.max_new_tokens,
+                                                 eos_token_id=[])
+            if i % 8 == 0 or i == len(requests):
+                progress(i, len(requests), f"checked against generate: {same} identical")
+        static_same = all(a.tokens == b.tokens for a, b in zip(*(run.results for run in runs)))
+        print(f"tokens identical to generating each request alone: {same} of {len(requests)}"
+              f" (continuous); static gave the same tokens: {static_same}")
+    say("done")
+
+
+if __name__ == "__main__":
+    main()

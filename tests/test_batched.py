@@ -1,0 +1,109 @@
+"""Batched decode: B sequences of different lengths, one step, the same bits as each alone."""
+import numpy as np
+import pytest
+
+import minitransformer as mt
+from minitransformer.generate import last_logits
+from minitransformer.kvcache import KVCache
+from minitransformer.model import forward
+from minitransformer.paged import PagedCache
+from minitransformer.synth import make_checkpoint, qwen2_config
+
+
+def decode_step(model, tokens, cache):
+    """One new token per row, (B,) -> hidden (B, 1, D): forward with T = 1."""
+    return forward(model, np.asarray(tokens).reshape(-1, 1), cache)
+
+
+def solo_decode_logits(model, prompt, token):
+    """Prefill the prompt alone, then decode one token: logits (V,), as generate computes."""
+    kv = KVCache.allocate(model.config, 1, len(prompt) + 1)
+    forward(model, np.array([prompt]), kv)
+    return last_logits(model, forward(model, np.array([[token]]), kv))[0]
+
+
+def paged_batch(model, prompts, block_size):
+    """Each prompt prefilled alone into one paged cache -> the cache."""
+    cache = PagedCache.allocate(model.config, sum(len(p) // block_size + 2 for p in prompts),
+                                block_size)
+    for i, prompt in enumerate(prompts):
+        held = cache.add(i, prompt)
+        forward(model, np.array([prompt[held:]]), cache.view([i]))
+    return cache
+
+
+@pytest.mark.parametrize("block_size", [1, 4, 16])
+def test_decode_step_is_bitwise_the_solo_step(tiny_model, block_size):
+    rng = np.random.default_rng(block_size)
+    V = tiny_model.config.vocab_size
+    lengths = [1, 3, 3, 8, 17, 40]  # equal lengths share an attention call, others do not
+    prompts = [rng.integers(0, V, n).tolist() for n in lengths]
+    tokens = rng.integers(0, V, len(prompts)).tolist()
+    cache = paged_batch(tiny_model, prompts, block_size)
+    cache.make_room(range(len(prompts)), 1)
+    batched = last_logits(tiny_model, decode_step(tiny_model, tokens, cache.view(range(6))))
+    for row, (prompt, token) in enumerate(zip(prompts, tokens)):
+        expected = solo_decode_logits(tiny_model, prompt, token)
+        assert batched[row].dtype == expected.dtype
+        assert np.array_equal(batched[row], expected), f"row {row} ({len(prompt)} tokens)"
+
+
+def test_decode_step_on_the_contiguous_cache(tiny_model):
+    """Same-length rows prefilled together into a KVCache, then decoded together."""
+    rng = np.random.default_rng(3)
+    prompts = rng.integers(0, tiny_model.config.vocab_size, (4, 9))
+    kv = KVCache.allocate(tiny_model.config, 4, 12)
+    forward(tiny_model, prompts, kv)
+    batched = last_logits(tiny_model, decode_step(tiny_model, [5, 6, 7, 8], kv))
+    assert kv.lengths.tolist() == [10] * 4
+    for row in range(4):
+        assert np.array_equal(batched[row],
+                              solo_decode_logits(tiny_model, prompts[row].tolist(), 5 + row))
+
+
+def test_many_batched_steps_give_generate_s_tokens(tiny_model):
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(0, tiny_model.config.vocab_size, n).tolist() for n in (2, 5, 11, 30)]
+    cache = PagedCache.allocate(tiny_model.config, 64, 4)
+    tokens = []
+    for i, prompt in enumerate(prompts):  # prefill alone: it picks the first token
+        cache.add(i, prompt)
+        hidden = forward(tiny_model, np.array([prompt]), cache.view([i]))
+        tokens.append([int(np.argmax(last_logits(tiny_model, hidden)[0]))])
+    for _ in range(19):                   # then 19 batched steps, greedy
+        cache.make_room(range(4), 1)
+        hidden = decode_step(tiny_model, [t[-1] for t in tokens], cache.view(range(4)))
+        for row, logits in enumerate(last_logits(tiny_model, hidden)):
+            tokens[row].append(int(np.argmax(logits)))
+    for prompt, made in zip(prompts, tokens):
+        assert made == mt.generate(tiny_model, prompt, 20, eos_token_id=[])
+
+
+def test_long_rows_past_the_blas_size_switch(tmp_path):
+    """Attention shaped like the default model's (8 q heads, 2 kv heads, d = 64), rows long
+    enough (> 300 slots) that OpenBLAS picks another kernel for q @ k.T than for short rows:
+    padding the short rows would change their bits; the per-length groups keep them."""
+    config = qwen2_config(hidden_size=64, intermediate_size=96, num_attention_heads=8,
+                          num_key_value_heads=2, head_dim=64, max_position_embeddings=1024)
+    model = mt.load(make_checkpoint(tmp_path / "wide-heads", config, seed=5))
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(0, 96, n).tolist() for n in (5, 64, 64, 299, 301, 420)]
+    tokens = rng.integers(0, 96, len(prompts)).tolist()
+    cache = paged_batch(model, prompts, 16)
+    cache.make_room(range(len(prompts)), 1)
+    batched = last_logits(model, decode_step(model, tokens, cache.view(range(len(prompts)))))
+    for row, (prompt, token) in enumerate(zip(prompts, tokens)):
+        assert np.array_equal(batched[row], solo_decode_logits(model, prompt, token)), row
+
+
+def test_bad_token_ids_are_refused(tiny_model):
+    cache = paged_batch(tiny_model, [[1, 2]], 4)
+    cache.make_room([0], 1)
+    with pytest.raises(ValueError, match="token ids"):
+        decode_step(tiny_model, [tiny_model.config.vocab_size], cache.view([0]))
+
+
+def test_decode_without_room_is_refused(tiny_model):
+    cache = paged_batch(tiny_model, [[1, 2, 3, 4]], 4)  # one full block, no room made
+    with pytest.raises(ValueError, match="make_room"):
+        decode_step(tiny_model, [1], cache.view([0]))

@@ -1,0 +1,218 @@
+"""The serving engine changes no token: every request gets what decoding it alone gives."""
+import math
+
+import numpy as np
+import pytest
+
+import minitransformer as mt
+from minitransformer.engine import Engine, Request, Result, metrics
+from minitransformer.sampling import SamplingSettings
+
+
+def solo(model, request):
+    """What minitransformer.generate gives the request alone, same settings and seed."""
+    s = request.settings
+    return mt.generate(model, list(request.prompt), request.max_new_tokens,
+                       do_sample=s.do_sample, temperature=s.temperature, top_k=s.top_k,
+                       top_p=s.top_p, repetition_penalty=s.repetition_penalty,
+                       seed=request.seed, eos_token_id=request.eos_token_id)
+
+
+def assert_pool_whole(engine):
+    cache = engine.cache
+    assert cache.num_free == cache.num_blocks and not cache.refcount.any()
+    assert not cache.seqs and not cache.prefix and not engine.running() and not engine.padding
+
+
+def random_mix(rng, V, n):
+    """n requests: random prompts (60% start with a common stem), lengths, arrivals, greedy
+    or sampled with random knobs and a seed each, stopping at eos or not."""
+    stem, t, requests = rng.integers(0, V, 24).tolist(), 0.0, []
+    for _ in range(n):
+        own = rng.integers(0, V, rng.integers(1, 20)).tolist()
+        prompt = stem[:rng.integers(0, 25)] + own if rng.random() < 0.6 else own
+        settings = SamplingSettings(
+            do_sample=bool(rng.random() < 0.5), temperature=float(rng.choice([0.7, 1.0, 1.5])),
+            top_k=int(rng.choice([0, 5, 40])), top_p=float(rng.choice([1.0, 0.9])),
+            repetition_penalty=float(rng.choice([1.0, 1.3])))
+        t += float(rng.exponential(0.003))
+        requests.append(Request(tuple(prompt), int(rng.integers(1, 30)), t, settings,
+                                seed=int(rng.integers(2**31)),
+                                eos_token_id=None if rng.random() < 0.5 else []))
+    return requests
+
+
+@pytest.mark.parametrize("name", ["qwen2-gqa-tied-bf16", "llama-gqa"])
+@pytest.mark.parametrize("seed", range(6))
+def test_random_mixes_give_every_request_its_solo_tokens(checkpoint_dir, name, seed):
+    model = mt.load(checkpoint_dir(name))
+    rng = np.random.default_rng(seed)
+    requests = random_mix(rng, model.config.vocab_size, 16)
+    bs = int(rng.choice([1, 4, 16]))
+    tight = seed % 2 == 0  # half the mixes get a pool that forces waiting and preemption
+    blocks = -(-60 // bs) + 2 if tight else 400
+    engine = Engine(model, slots=int(rng.choice([1, 3, 8])), num_blocks=blocks, block_size=bs,
+                    policy=["static", "continuous"][seed % 3 != 0],
+                    share_prefixes=bool(seed % 4 != 1))
+    run = engine.run(requests)
+    for result in run.results:
+        r = result.request
+        if -(-(len(r.prompt) + r.max_new_tokens) // bs) > blocks:
+            assert result.status == "rejected" and result.tokens == []
+            continue
+        assert result.status == "finished"
+        assert result.tokens == solo(model, r), f"request {result.id}"
+        assert result.first_token >= r.arrival and result.returned >= result.finished
+    # paging wastes at most the unfilled tail of one block per sequence
+    assert all(m.slots_wasted <= (bs - 1) * m.sequences for m in run.memory)
+    assert_pool_whole(engine)
+
+
+def test_shared_prefix_holds_the_expected_fewer_blocks(tiny_model):
+    stem = list(range(1, 13))                              # three blocks of 4
+    requests = [Request(tuple(stem + [40, 41]), 3, eos_token_id=[]),
+                Request(tuple(stem + [50]), 3, eos_token_id=[])]
+    held = {}
+    for share in (True, False):
+        engine = Engine(tiny_model, slots=2, num_blocks=20, block_size=4, share_prefixes=share)
+        run = engine.run(requests)
+        held[share] = run.memory[0].blocks_held           # both admitted in the first step
+        assert run.results[1].shared_tokens == (12 if share else 0)
+        assert [r.tokens for r in run.results] == [solo(tiny_model, r) for r in requests]
+        assert_pool_whole(engine)
+    assert held[False] - held[True] == 3
+
+
+def test_pool_exhaustion_preempts_and_resumes_without_losing_anything(tiny_model):
+    rng = np.random.default_rng(1)
+    requests = [Request(tuple(rng.integers(0, 96, 6).tolist()), 26, eos_token_id=[],
+                        settings=SamplingSettings(do_sample=True), seed=i) for i in range(4)]
+    engine = Engine(tiny_model, slots=4, num_blocks=12, block_size=4)  # 4 x 8 blocks wanted
+    run = engine.run(requests)
+    assert run.preemptions > 0
+    assert all(r.status == "finished" for r in run.results)
+    assert [r.tokens for r in run.results] == [solo(tiny_model, r) for r in requests]
+    assert_pool_whole(engine)
+
+
+def test_a_request_waits_while_the_pool_is_short(tiny_model):
+    a = Request((1, 2, 3, 4, 5, 6, 7, 8), 8, eos_token_id=[])  # up to 4 blocks of 4
+    b = Request((9, 10, 11, 12, 13, 14, 15, 16), 8, eos_token_id=[])
+    engine = Engine(tiny_model, slots=2, num_blocks=4, block_size=4)
+    run = engine.run([a, b])
+    assert run.preemptions == 0
+    assert run.results[1].first_token > run.results[0].finished  # b waited for a's blocks
+    assert [r.tokens for r in run.results] == [solo(tiny_model, a), solo(tiny_model, b)]
+    assert_pool_whole(engine)
+
+
+def test_a_request_longer_than_the_pool_is_rejected_and_the_rest_served(tiny_model):
+    ok = Request((1, 2, 3), 5, eos_token_id=[])
+    huge = Request(tuple(range(1, 30)), 20, eos_token_id=[])  # 49 tokens > 8 blocks x 4
+    engine = Engine(tiny_model, slots=2, num_blocks=8, block_size=4)
+    run = engine.run([ok, huge])
+    assert run.results[1].status == "rejected" and run.results[1].tokens == []
+    assert "13 blocks" in run.results[1].reason and "pool has 8" in run.results[1].reason
+    assert run.results[1].returned == 0.0                   # answered at once
+    assert run.results[0].status == "finished" and run.results[0].tokens == solo(tiny_model, ok)
+    assert_pool_whole(engine)
+
+
+def test_cancel_waiting_running_and_finished_requests(tiny_model):
+    requests = [Request((1, 2, 3), 20, eos_token_id=[]), Request((4, 5), 20, eos_token_id=[]),
+                Request((6,), 1, eos_token_id=[])]
+    engine = Engine(tiny_model, slots=1, num_blocks=16, block_size=4)
+    ids = [engine.submit(r) for r in requests]
+    for _ in range(5):
+        engine.step()                                       # request 0 runs, 1 and 2 wait
+    assert engine.cancel(ids[1]) is True                    # waiting: leaves with no tokens
+    assert engine.cancel(ids[0]) is True                    # running: stops, keeps its tokens
+    assert engine.cache.num_free == 16                      # its blocks are back at once
+    r0, r1 = engine.results[0], engine.results[1]
+    assert (r0.status, r1.status) == ("cancelled", "cancelled") and r1.tokens == []
+    assert r0.tokens == solo(tiny_model, requests[0])[:5]   # a prefix of its solo tokens
+    while engine.waiting or engine.running():
+        engine.step()
+    assert engine.results[2].status == "finished"
+    assert engine.results[2].tokens == solo(tiny_model, requests[2])
+    assert engine.cancel(ids[2]) is False and engine.cancel(99) is False
+    assert_pool_whole(engine)
+
+
+def test_cancelling_the_last_member_ends_a_static_batch(tiny_model):
+    requests = [Request((1, 2), 2, eos_token_id=[]), Request((3, 4), 30, eos_token_id=[]),
+                Request((5, 6), 3, eos_token_id=[])]
+    engine = Engine(tiny_model, slots=2, num_blocks=12, block_size=4, policy="static")
+    for r in requests:
+        engine.submit(r)
+    for _ in range(4):
+        engine.step()               # request 0 finished after 2 steps: now a padding row
+    assert len(engine.padding) == 1 and math.isnan(engine.results[0].returned)
+    engine.cancel(1)                # the batch's last running member
+    while engine.waiting or engine.running():
+        engine.step()
+    r0, r1, r2 = engine.results
+    assert (r0.status, r1.status, r2.status) == ("finished", "cancelled", "finished")
+    assert r0.returned <= r2.first_token and r2.tokens == solo(tiny_model, requests[2])
+    assert_pool_whole(engine)
+
+
+def test_static_admits_only_when_every_slot_is_free(tiny_model):
+    requests = [Request((i + 1,), n, eos_token_id=[]) for i, n in enumerate([2, 6, 2, 2])]
+    static = Engine(tiny_model, slots=2, policy="static").run(requests)
+    cont = Engine(tiny_model, slots=2, policy="continuous").run(requests)
+    assert (static.steps, cont.steps) == (8, 6)  # 6 + 2 steps vs slot 0 reused twice
+    # static computes a finished member's row as padding until its batch ends
+    assert [B for B, _ in static.decode_times] == [2] * 6
+    assert [B for B, _ in cont.decode_times] == [2, 1, 2, 1, 2]  # newcomers prefill first
+    s, c = static.results, cont.results
+    assert s[2].first_token > s[1].finished and c[2].first_token < c[1].finished
+    assert s[0].returned == s[1].returned > s[0].finished   # returned with its batch
+    assert c[0].returned == c[0].finished
+    assert [r.tokens for r in s] == [r.tokens for r in c] == [solo(tiny_model, r)
+                                                              for r in requests]
+
+
+def test_zero_tokens_and_model_eos_behave_like_generate(tiny_model):
+    requests = [Request((3, 4), 0), Request((1, 2, 3), 40)]  # model's eos stops the second
+    run = Engine(tiny_model, slots=2).run(requests)
+    assert run.results[0].status == "finished" and run.results[0].tokens == []
+    assert [r.tokens for r in run.results] == [solo(tiny_model, r) for r in requests]
+
+
+def test_late_arrivals_wait_for_their_time(tiny_model):
+    requests = [Request((1, 2), 3, arrival=0.0, eos_token_id=[]),
+                Request((3, 4), 3, arrival=100.0, eos_token_id=[])]
+    run = Engine(tiny_model, slots=2).run(requests)
+    late = run.results[1]
+    assert late.first_token > 100.0 and 0 < late.ttft < 100.0 and run.elapsed > 100.0
+
+
+def test_bad_settings_and_requests_are_refused(tiny_model):
+    with pytest.raises(ValueError, match="policy"):
+        Engine(tiny_model, policy="fifo")
+    with pytest.raises(ValueError, match="slots"):
+        Engine(tiny_model, slots=0)
+    engine = Engine(tiny_model)
+    with pytest.raises(ValueError, match="token ids"):
+        engine.submit(Request((1, 96), 3))
+    with pytest.raises(ValueError, match="positions"):
+        engine.submit(Request((1, 2), 10_000))
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        engine.submit(Request((1, 2), -1))
+    assert engine.results == [] and not engine.waiting
+
+
+def test_metrics_of_known_results():
+    def result(i, arrival, first, finished, returned, n):
+        r = Result(i, Request((1,), n, arrival=arrival), tokens=[0] * n, status="finished")
+        r.first_token, r.finished, r.returned = first, finished, returned
+        return r
+    m = metrics([result(0, 0.0, 1.0, 3.0, 3.0, 3), result(1, 1.0, 2.0, 2.0, 5.0, 1),
+                 Result(2, Request((1,), 4), status="cancelled")])
+    assert (m.requests, m.tokens) == (2, 4)
+    assert m.throughput == 4 / 5.0 and m.latency_mean == (3.0 + 4.0) / 2
+    assert m.ttft_mean == 1.0 and m.per_token_mean == 1.0 and m.latency_p50 == 3.5
+    with pytest.raises(ValueError, match="no finished request"):
+        metrics([])
+    assert math.isnan(result(3, 0.0, 1.0, 1.0, 1.0, 1).per_token)

@@ -1,0 +1,207 @@
+"""The paged cache: block tables, reference counts, prefix sharing, copy on write, swapping."""
+import numpy as np
+import pytest
+
+from minitransformer.kvcache import KVCache
+from minitransformer.model import forward
+from minitransformer.paged import PagedCache, PoolExhausted
+
+
+def prefill(model, cache, seq_id, prompt):
+    held = cache.add(seq_id, prompt)
+    forward(model, np.array([prompt[held:]]), cache.view([seq_id]))
+    cache.register_prefix(seq_id, prompt)
+    return held
+
+
+def keys(cache, seq_id, layer=0):
+    """A sequence's keys read back through its block table: (Hkv, length, d)."""
+    seq = cache.seqs[seq_id]
+    blocks = cache.k[layer][np.array(seq.blocks)]                     # (nb, Hkv, bs, d)
+    return np.concatenate(list(blocks), axis=1)[:, :seq.length]
+
+
+def check_invariants(cache):
+    """refcount = how many tables hold a block; free = exactly the unheld blocks, once."""
+    held = np.zeros(cache.num_blocks, dtype=np.int64)
+    for seq in cache.seqs.values():
+        np.add.at(held, seq.blocks, 1)
+        assert len(seq.blocks) == cache.blocks_for(seq.length) or seq.length == 0
+    assert held.tolist() == cache.refcount.tolist()
+    assert sorted(cache.free) == np.flatnonzero(held == 0).tolist()
+    assert set(cache.prefix.values()) <= set(np.flatnonzero(held > 0).tolist())
+
+
+@pytest.mark.parametrize("block_size", [1, 3, 16])
+def test_keys_through_the_block_table_equal_the_contiguous_cache(tiny_model, block_size):
+    prompt = list(range(1, 30))
+    kv = KVCache.allocate(tiny_model.config, 1, len(prompt))
+    forward(tiny_model, np.array([prompt]), kv)
+    cache = PagedCache.allocate(tiny_model.config, 40, block_size)
+    cache.add("other", [7] * 5)  # so the sequence's blocks are not 0, 1, 2, ...
+    prefill(tiny_model, cache, "s", prompt)
+    for layer in range(tiny_model.config.num_hidden_layers):
+        assert np.array_equal(keys(cache, "s", layer), kv.k[layer][0])
+    assert len(cache.seqs["s"].blocks) == -(-29 // block_size)
+    check_invariants(cache)
+
+
+def test_every_block_returns_to_the_pool(tiny_model):
+    cache = PagedCache.allocate(tiny_model.config, 20, 4)
+    for i, n in enumerate([1, 4, 5, 13]):
+        prefill(tiny_model, cache, i, list(range(n)))
+    check_invariants(cache)
+    for i in range(4):
+        cache.free_seq(i)
+    assert cache.num_free == 20 and not cache.refcount.any() and not cache.prefix
+
+
+@pytest.mark.parametrize("common", [0, 3, 4, 9, 12])
+def test_shared_prefix_holds_fewer_blocks_by_the_expected_count(tiny_model, common):
+    bs = 4
+    a = list(range(1, 1 + common)) + [50] * 7
+    b = list(range(1, 1 + common)) + [60] * 6
+    held = {}
+    for share in (True, False):
+        cache = PagedCache.allocate(tiny_model.config, 30, bs)
+        prefill(tiny_model, cache, "a", a)
+        if not share:
+            cache.prefix.clear(), cache.prefix_of.clear()
+        got = prefill(tiny_model, cache, "b", b)
+        assert got == (common // bs * bs if share else 0)
+        held[share] = cache.stats().blocks_held
+        assert cache.stats().blocks_shared == (common // bs if share else 0)
+        check_invariants(cache)
+    assert held[False] - held[True] == common // bs
+
+
+def test_a_prompt_held_in_full_copies_its_last_block_on_write(tiny_model):
+    prompt = list(range(1, 13))  # three full blocks of 4
+    cache = PagedCache.allocate(tiny_model.config, 10, 4)
+    prefill(tiny_model, cache, "a", prompt)
+    before = [k.copy() for k in cache.k]
+    assert prefill(tiny_model, cache, "b", prompt) == 11  # the last token is recomputed
+    a, b = cache.seqs["a"].blocks, cache.seqs["b"].blocks
+    assert a[:2] == b[:2] and a[2] != b[2]                 # two shared, the third copied
+    assert cache.refcount[a[:2]].tolist() == [2, 2] and cache.refcount[b[2]] == 1
+    for k, k0 in zip(cache.k, before):                     # a's blocks untouched
+        assert np.array_equal(k[np.array(a)], k0[np.array(a)])
+    np.testing.assert_allclose(keys(cache, "b"), keys(cache, "a"), rtol=1e-5, atol=1e-6)
+    check_invariants(cache)
+
+
+def test_exhaustion_raises_and_changes_nothing(tiny_model):
+    cache = PagedCache.allocate(tiny_model.config, 3, 4)
+    prefill(tiny_model, cache, "a", list(range(8)))        # two blocks
+    state = (list(cache.free), cache.refcount.copy(), list(cache.seqs["a"].blocks))
+    with pytest.raises(PoolExhausted, match="2 blocks"):
+        cache.add("b", list(range(20, 28)))
+    cache.seqs["a"].length = 8
+    with pytest.raises(PoolExhausted):
+        cache.make_room(["a"], 9)                          # needs 3 more, 1 free
+    assert "b" not in cache.seqs
+    assert (list(cache.free), cache.refcount.tolist(), cache.seqs["a"].blocks) == \
+        (state[0], state[1].tolist(), state[2])
+    cache.make_room(["a"], 4)                              # exactly the last free block
+    assert cache.num_free == 0
+
+
+def test_writing_without_room_or_with_a_bad_table_is_refused(tiny_model):
+    cache = PagedCache.allocate(tiny_model.config, 4, 4)
+    prefill(tiny_model, cache, "a", [1, 2, 3, 4])
+    with pytest.raises(ValueError, match="make_room"):
+        forward(tiny_model, np.array([[5]]), cache.view(["a"]))
+    cache.make_room(["a"], 1)
+    cache.seqs["a"].blocks[1] = 9                          # corrupted: not a block of the pool
+    with pytest.raises(ValueError, match="outside a pool of 4"):
+        forward(tiny_model, np.array([[5]]), cache.view(["a"]))
+    with pytest.raises(ValueError, match="already in the cache"):
+        cache.add("a", [1])
+    with pytest.raises(ValueError, match="num_blocks >= 1"):
+        PagedCache.allocate(tiny_model.config, 0, 4)
+
+
+def test_swap_out_and_in_is_bit_exact(tiny_model):
+    cache = PagedCache.allocate(tiny_model.config, 6, 4)
+    prefill(tiny_model, cache, "a", list(range(1, 11)))
+    saved = [keys(cache, "a", layer) for layer in range(tiny_model.config.num_hidden_layers)]
+    swapped = cache.swap_out("a")
+    assert cache.num_free == 6 and swapped.blocks == 3 and swapped.length == 10
+    prefill(tiny_model, cache, "b", [9] * 9)               # reuses the freed blocks
+    cache.swap_in("a", swapped)
+    for layer, k in enumerate(saved):
+        assert np.array_equal(keys(cache, "a", layer), k)
+    check_invariants(cache)
+    with pytest.raises(PoolExhausted):
+        cache.swap_in("c", swapped)                        # 3 blocks needed, 0 free
+
+
+def test_trim_frees_blocks_and_unindexes_a_block_it_will_rewrite(tiny_model):
+    cache = PagedCache.allocate(tiny_model.config, 8, 4)
+    prefill(tiny_model, cache, "a", list(range(1, 11)))   # blocks of 4, 4, 2; two indexed
+    assert len(cache.prefix) == 2
+    cache.trim("a", 5)                                     # 5 tokens left: 2 blocks
+    assert len(cache.seqs["a"].blocks) == 2 and cache.num_free == 6
+    assert len(cache.prefix) == 1                          # block 2 will be rewritten
+    assert cache.shared_prefix(list(range(1, 11))) == cache.seqs["a"].blocks[:1]
+    check_invariants(cache)
+    with pytest.raises(ValueError, match="cannot trim 6"):
+        cache.trim("a", 6)
+
+
+def test_waste_is_under_one_block_per_sequence_and_reservation_is_the_max(tiny_model):
+    cache = PagedCache.allocate(tiny_model.config, 50, 8)
+    lengths = [1, 7, 8, 9, 30]
+    for i, n in enumerate(lengths):
+        cache.add(i, list(range(100, 100 + n)), max_len=64)
+        cache.seqs[i].length = n                           # as if prefilled
+    s = cache.stats()
+    assert s.slots_filled == s.tokens_logical == sum(lengths)
+    assert s.slots_wasted == sum(-n % 8 for n in lengths) < 8 * len(lengths)
+    assert s.tokens_reserved == 64 * len(lengths)
+    assert s.bytes_per_token == 2 * tiny_model.config.num_hidden_layers * \
+        tiny_model.config.num_key_value_heads * tiny_model.config.head_dim * 4
+
+
+def test_random_operations_keep_the_books(tiny_model):
+    """Random adds (with shared prefixes), growth, swaps and frees: the invariants hold and
+    the pool is whole at the end."""
+    rng = np.random.default_rng(0)
+    cache = PagedCache.allocate(tiny_model.config, 24, 3)
+    stem = list(range(1, 10))
+    live, swapped = [], {}
+    for step in range(300):
+        op = rng.integers(4)
+        if op == 0:
+            prompt = stem[:rng.integers(0, 10)] + rng.integers(20, 40, rng.integers(1, 6)).tolist()
+            try:
+                cache.add(step, prompt)
+                cache.seqs[step].length = len(prompt)      # as if prefilled
+                cache.register_prefix(step, prompt)
+                live.append(step)
+            except PoolExhausted:
+                pass
+        elif op == 1 and live:
+            s = live[rng.integers(len(live))]
+            try:
+                cache.make_room([s], 1)
+                cache.seqs[s].length += 1
+            except PoolExhausted:
+                pass
+        elif op == 2 and live:
+            s = live.pop(rng.integers(len(live)))
+            swapped[s] = cache.swap_out(s)
+        elif op == 3 and (live or swapped):
+            if swapped and rng.integers(2):
+                s, handle = swapped.popitem()
+                try:
+                    cache.swap_in(s, handle)
+                    live.append(s)
+                except PoolExhausted:
+                    pass
+            elif live:
+                cache.free_seq(live.pop(rng.integers(len(live))))
+        check_invariants(cache)
+    for s in live:
+        cache.free_seq(s)
+    assert cache.num_free == 24 and not cache.refcount.any() and not cache.prefix
