@@ -1,0 +1,140 @@
+"""Experiment 8: KV-cache bytes per token, the formula against the arrays actually held.
+
+    bytes/token = 2 (key and value) x layers x kv_heads x head_dim x bytes per element
+
+(sim/kv_memory.py) is checked against ``KVCache.nbytes``, the sum of the bytes of the cache's
+arrays. The comparison is made honest in one way: the cache is allocated with exactly as many
+slots as tokens it then holds (``KVCache`` preallocates ``max_len`` slots, and a cache
+preallocated for more tokens than it holds would count its empty slots too; the last line shows
+that slack). First the chapter's check on --model: a cache of N slots in float16, filled by a
+real prefill of N tokens, its per-layer shape printed. Then a table over several shapes
+(--model's, the chapter's Qwen2.5-0.5B, the same with full MHA and with MQA, a 7B-class model),
+float32 and float16, and users x tokens; those caches are filled through ``KVCache.update``, the
+write the forward pass makes, with constant keys/values (the bytes held do not depend on them).
+Equality is exact or the script fails. The chapter: 12,288 B/token, exact in every shape tried.
+"""
+import argparse
+from dataclasses import replace
+
+import numpy as np
+
+from _common import add_model_argument, load_model, progress
+from minitransformer.backend import xp
+from minitransformer.config import ModelConfig
+from minitransformer.kvcache import KVCache
+from minitransformer.model import forward
+from minitransformer.synth import qwen25_05b_config
+from sim.kv_memory import format_bytes, kv_bytes_per_token
+
+F32, F16 = xp.float32, xp.float16
+# The chapter's rows (its model in fp16, users x tokens; the last three hold 65,536 tokens each).
+CHAPTER_ROWS = ((1, 1), (1, 295), (1, 2048), (8, 2048), (32, 2048), (64, 1024), (128, 512))
+
+
+def cases(model_config):
+    """-> [(name, config, dtype, users, tokens), ...]: the table's rows, in order."""
+    qwen = ModelConfig.from_dict(qwen25_05b_config())
+    seven_b = replace(qwen, num_hidden_layers=32, num_attention_heads=32,
+                      num_key_value_heads=8, head_dim=128, hidden_size=4096)
+    rows = [("--model", model_config, dtype, users, tokens)
+            for dtype, users, tokens in ((F32, 1, 295), (F16, 1, 295), (F16, 4, 256))]
+    rows += [("Qwen2.5-0.5B", qwen, F16, users, tokens) for users, tokens in CHAPTER_ROWS]
+    rows += [("Qwen2.5-0.5B", qwen, F32, 1, 295),
+             ("  same, MHA", replace(qwen, num_key_value_heads=14), F16, 1, 295),
+             ("  same, MQA", replace(qwen, num_key_value_heads=1), F16, 1, 295),
+             ("7B-class", seven_b, F16, 1, 295), ("7B-class", seven_b, F32, 1, 295)]
+    return rows
+
+
+def fill(cache, tokens):
+    """Write `tokens` tokens into every row of every layer, as the forward pass does."""
+    B, Hkv, _, d = cache.k[0].shape
+    kv = xp.ones((B, tokens, Hkv, d), dtype=xp.float32)            # (B, T, Hkv, d)
+    for layer in range(len(cache.k)):
+        cache.update(layer, kv, kv)
+    cache.advance(tokens)
+
+
+def formula_text(config, itemsize):
+    return (f"2 * {config.num_hidden_layers} * {config.num_key_value_heads} * "
+            f"{config.head_dim} * {itemsize}")
+
+
+def row(name, config, dtype, users, tokens):
+    """Allocate exactly users x tokens slots, fill them -> one table row (a dict)."""
+    cache = KVCache.allocate(config, batch=users, max_len=tokens, dtype=dtype)
+    fill(cache, tokens)
+    itemsize = np.dtype(dtype).itemsize
+    formula = users * tokens * kv_bytes_per_token(config, itemsize)
+    return {"name": name, "shape": f"{config.num_hidden_layers}x{config.num_key_value_heads}"
+            f"x{config.head_dim}", "dtype": np.dtype(dtype).name, "users": users,
+            "tokens": tokens, "layer_shape": tuple(cache.k[0].shape), "measured": cache.nbytes,
+            "formula": formula, "per_token": kv_bytes_per_token(config, itemsize)}
+
+
+def headline(model, tokens, dtype=xp.float16):
+    """The chapter's check: a real prefill of `tokens` tokens into exactly that many slots."""
+    c = model.config
+    cache = KVCache.allocate(c, batch=1, max_len=tokens, dtype=dtype)
+    ids = np.random.default_rng(0).integers(0, c.vocab_size, (1, tokens))
+    forward(model, ids, cache)                                       # (1, N) -> cache of N
+    assert int(cache.lengths[0]) == tokens
+    itemsize = np.dtype(dtype).itemsize
+    return cache, kv_bytes_per_token(c, itemsize), formula_text(c, itemsize)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_model_argument(parser)
+    parser.add_argument("--tokens", type=int, default=295,
+                        help="tokens of the headline check (default: 295, the chapter's)")
+    args = parser.parse_args(argv)
+    model = load_model(args.model)
+    N = args.tokens
+    if not 1 <= N <= model.config.max_position_embeddings:
+        parser.error(f"--tokens must be in 1..{model.config.max_position_embeddings}")
+
+    cache, per_token, formula = headline(model, N)
+    todo = cases(model.config)
+    rows = []
+    for i, case in enumerate(todo, 1):
+        rows.append(row(*case))
+        r = rows[-1]
+        progress(i, len(todo), f"{r['name'].strip()} {r['dtype']} {r['users']} x {r['tokens']}: "
+                               f"{r['measured']:,} B")
+
+    print("Experiment 8: KV-cache bytes per token, formula against the arrays held")
+    print()
+    print(f"KV cache tensors per layer: {tuple(cache.k[0].shape)} {cache.k[0].dtype} "
+          f"(k and v, {len(cache.k)} layers; {N} slots allocated, {N} filled by prefill)")
+    measured = f"{cache.nbytes:,} bytes for {N} tokens"
+    width = max(len(measured), len(formula))
+    print(f"measured: {measured:<{width}} = {cache.nbytes // N:,} bytes/token")
+    print(f"formula : {formula:<{width}} = {per_token:,} bytes/token")
+    print()
+    print(f"{'shape':<15}{'L x Hkv x d':>12}{'dtype':>9}{'users x tokens':>17}"
+          f"{'per-layer k/v':>22}{'measured B':>15}{'formula B':>15}{'B/token':>9}{'size':>9}"
+          "  equal")
+    for r in rows:
+        print(f"{r['name']:<15}{r['shape']:>12}{r['dtype']:>9}"
+              f"{r['users']:>8,} x {r['tokens']:<6,}{str(r['layer_shape']):>22}"
+              f"{r['measured']:>15,}{r['formula']:>15,}{r['per_token']:>9,}"
+              f"{format_bytes(r['measured']):>9}  "
+              f"{'yes' if r['measured'] == r['formula'] else 'NO'}")
+    exact = cache.nbytes == N * per_token and all(r["measured"] == r["formula"] for r in rows)
+    by_total = {}  # (shape, dtype, users x tokens) -> the measured bytes of each such row
+    for r in rows:
+        by_total.setdefault((r["name"], r["dtype"], r["users"] * r["tokens"]), set()).add(
+            r["measured"])
+    same_total = all(len(held) == 1 for held in by_total.values())
+    slack = KVCache.allocate(model.config, 1, 2 * N, xp.float16)
+    print()
+    print(f"formula == measured in {sum(r['measured'] == r['formula'] for r in rows)} of "
+          f"{len(rows)} rows; same users x tokens, same bytes: {'yes' if same_total else 'NO'}")
+    print(f"preallocation: a cache allocated for {2 * N} slots holds {slack.nbytes:,} B "
+          f"= {2 * N} x {per_token:,} whatever it is filled to")
+    return 0 if exact and same_total else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
