@@ -23,19 +23,13 @@ import numpy as np
 
 from _common import add_model_argument, load_model, mt, say
 from minitransformer.kvcache import KVCache
+from minitransformer.measure import median_time
 from minitransformer.model import forward, head
 from minitransformer.synth import make_checkpoint, qwen25_05b_config, weights_dir
 
 
 def median_seconds(fn, repeat, warmup=1):
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeat):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return float(np.median(times))
+    return median_time(fn, warmup, repeat).median
 
 
 def read_bandwidth(nbytes=1 << 30, repeat=5):

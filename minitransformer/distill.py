@@ -1,0 +1,99 @@
+"""Distillation's soft labels and loss (experiment 23).
+
+A student learns from the teacher's whole next-token distribution, not just its argmax: the
+hard label says "jug"; the soft label says jug 0.14, cup 0.11, bowl 0.06, ... and the
+similarities are information. Distillation softens the labels further with a temperature T:
+
+    soft label      p_T = softmax(z / T)             z: the teacher's logits (V,)
+    ratio           p_T[i] / p_T[j] = exp((z[i] - z[j]) / T)  = (p_1[i] / p_1[j]) ** (1 / T)
+
+so at T = 2 the ratio of any two tokens is the square root of the ratio at T = 1: the order is
+kept, the runners-up gain weight (the chapter: top/third 2.24 at T = 1, 1.50 at T = 2).
+
+The loss (Hinton, Vinyals and Dean, 2015) compares teacher and student at the same T:
+
+    loss = T^2 * KL(p_T || q_T),   q_T = softmax(s / T),  s: the student's logits
+    d loss / d s = T * (q_T - p_T)
+
+Why T^2: at high T, q_T - p_T shrinks like (s - z) / (V T), so the plain KL's gradient
+(q_T - p_T) / T fades like 1 / T^2; scaled, it tends to (s - z) / V whatever T is, and the
+soft-label term keeps its weight beside a hard-label one when T changes. KL rather than
+cross-entropy: they differ by the teacher's entropy, a constant with the same gradient, and KL
+is exactly zero when the distributions agree. Computed in float64 from any float logits.
+Leaves out: training (no optimiser here), the hard-label term, the student model itself.
+"""
+import numpy as np
+
+
+def check_logits(logits, name: str = "logits") -> np.ndarray:
+    """Host float64 array (..., V) of finite logits, or a ValueError naming the problem."""
+    z = np.asarray(logits)
+    if z.ndim == 0 or z.shape[-1] < 2:
+        raise ValueError(f"{name} must have a vocabulary axis of at least 2, got shape {z.shape}")
+    if not np.issubdtype(z.dtype, np.floating):
+        raise ValueError(f"{name} must be floats, got dtype {z.dtype}")
+    if not np.isfinite(z).all():
+        raise ValueError(f"{name} contain inf or nan")
+    return z.astype(np.float64)
+
+
+def check_temperature(temperature) -> float:
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) \
+            or not 0 < temperature < float("inf"):
+        raise ValueError(f"temperature must be a finite number > 0, got {temperature!r}")
+    return float(temperature)
+
+
+def log_softmax(z):
+    """(..., V) -> (..., V). Subtracting the max keeps exp from overflowing."""
+    z = z - z.max(axis=-1, keepdims=True)
+    return z - np.log(np.exp(z).sum(axis=-1, keepdims=True))
+
+
+def soft_labels(logits, temperature: float = 1.0) -> np.ndarray:
+    """Teacher logits (..., V) -> p_T = softmax(logits / T) (..., V), float64."""
+    z = check_logits(logits)
+    return np.exp(log_softmax(z / check_temperature(temperature)))
+
+
+def top_tokens(p, k: int = 5):
+    """The k most likely tokens of p (V,): -> (ids (k,), probabilities (k,)), most likely first.
+    Ties go to the lower id (a stable sort), so the order is reproducible."""
+    p = np.asarray(p)
+    if p.ndim != 1:
+        raise ValueError(f"expected one distribution of shape (V,), got shape {p.shape}")
+    if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or not 1 <= k <= p.size:
+        raise ValueError(f"k must be an integer in [1, {p.size}], got {k!r}")
+    ids = np.argsort(-p, kind="stable")[:k]
+    return ids, p[ids]
+
+
+def rank_ratio(p, rank: int = 3) -> float:
+    """p(most likely token) / p(token ranked `rank`): the chapter's top/third for rank 3."""
+    _, probs = top_tokens(p, rank)
+    return float(probs[0] / probs[-1])
+
+
+def _both(student_logits, teacher_logits, temperature):
+    """-> log q_T, log p_T (N, V) over all leading positions, and T."""
+    s = check_logits(student_logits, "student logits")
+    z = check_logits(teacher_logits, "teacher logits")
+    if s.shape != z.shape:
+        raise ValueError(f"student logits {s.shape} and teacher logits {z.shape} differ in shape")
+    T = check_temperature(temperature)
+    V = s.shape[-1]
+    return log_softmax(s.reshape(-1, V) / T), log_softmax(z.reshape(-1, V) / T), T
+
+
+def distillation_loss(student_logits, teacher_logits, temperature: float) -> float:
+    """T^2 * KL(p_T || q_T), averaged over positions. Logits (..., V), the same shape."""
+    log_q, log_p, T = _both(student_logits, teacher_logits, temperature)
+    kl = (np.exp(log_p) * (log_p - log_q)).sum(axis=-1)              # (N,)
+    return float(T * T * kl.mean())
+
+
+def distillation_grad(student_logits, teacher_logits, temperature: float) -> np.ndarray:
+    """d distillation_loss / d student_logits, (..., V) float64: T * (q_T - p_T) / N."""
+    log_q, log_p, T = _both(student_logits, teacher_logits, temperature)
+    grad = T * (np.exp(log_q) - np.exp(log_p)) / log_q.shape[0]       # (N, V)
+    return grad.reshape(np.shape(student_logits))

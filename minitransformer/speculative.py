@@ -1,0 +1,192 @@
+"""Speculative decoding: a cheap draft model guesses, the target model checks (experiment 22).
+
+One round, with gamma the draft length:
+
+    draft:   gamma one-token decode steps on its own cache  -> proposals x1..x_gamma
+    target:  ONE forward pass over [last token, x1..x_gamma] -> its logits at every proposal
+    keep:    the longest prefix of proposals the target accepts, then one token of the
+             target's own (the correction at the first rejection, or a bonus if none)
+    undo:    trim the rejected proposals out of both caches (KVCache.trim)
+
+so every round costs one target pass and yields between 1 and gamma + 1 tokens. Where decode
+is bound by reading the weights (a GPU), the pass over gamma + 1 positions costs about as much
+as a one-token step: the same bytes, matrix-matrix instead of matrix-vector work. That is where
+the speedup comes from (experiment 22 measures what it costs on NumPy).
+
+It is exact, the chapter's second exact optimisation:
+  - greedy: a proposal is kept only if it is the target's own argmax (after the same
+    repetition penalty), so the tokens are those of plain greedy ``generate``, one by one;
+  - sampling: Leviathan et al. (2023)'s modified rejection rule (``leviathan_step``) makes
+    every kept token a draw from the target's own distribution, the one ``generate`` samples
+    from (temperature, top-k, top-p, repetition penalty: the same ``sampling`` functions).
+    The distribution is the same; the draws are not (the random numbers are used differently).
+Exact up to float rounding: the target scores a token inside a pass over gamma + 1 positions,
+plain decode in a pass over one, and the two logits differ in the last bits (about 1e-6 of
+their size), so greedy could part only at a near-tie of two logits (the tests compare tens of
+thousands of tokens).
+
+Between rounds each cache lags one token behind the sequence: the round's last token (the
+target's own, which no model has seen) goes into the next round's first pass. So after the
+trim a cache holds only kept tokens, and a rollback is a trim, never a recomputation.
+Leaves out: batches (one sequence), tree-shaped drafts, a draft length that adapts to alpha.
+"""
+from dataclasses import dataclass, replace
+
+import numpy as np
+
+from minitransformer.backend import to_numpy
+from minitransformer.generate import check_prompt
+from minitransformer.kvcache import KVCache
+from minitransformer.model import forward, head
+from minitransformer.sampling import (SamplingSettings, apply_repetition_penalty, draw,
+                                      next_token, probabilities)
+
+
+@dataclass(frozen=True)
+class SpeculativeResult:
+    tokens: list         # the new token ids (prompt not included), as generate returns them
+    target_passes: int   # target forward calls = rounds (the first one also reads the prompt)
+    draft_passes: int    # draft forward calls (one per proposal)
+    proposed: int        # proposals put to the target
+    accepted: int        # proposals it kept
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Kept / proposed. Lower than the per-token alpha: proposals after a rejection are
+        counted as proposed but never get the chance to be accepted."""
+        return self.accepted / self.proposed if self.proposed else float("nan")
+
+    @property
+    def tokens_per_pass(self) -> float:
+        return len(self.tokens) / self.target_passes if self.target_passes else float("nan")
+
+
+def first_layers(model, n: int):
+    """A draft made of the target's first n layers, then its own final norm and head.
+
+    An early-exit ("self-speculative") draft: nothing to train or load, costs about n / L of a
+    target step, and shares the tokenizer by construction. The weights are shared, not copied.
+    """
+    L = model.config.num_hidden_layers
+    if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or not 1 <= n <= L:
+        raise ValueError(f"a draft of the first n layers needs 1 <= n <= {L}, got {n!r}")
+    return replace(model, config=replace(model.config, num_hidden_layers=int(n)))
+
+
+def leviathan_step(p, q, x: int, rng) -> tuple[bool, int]:
+    """Accept draft token x (drawn from q) or replace it; the result is distributed as p.
+
+    p, q (V,): target and draft distributions at this position. Accept with probability
+    min(1, p[x] / q[x]); on rejection draw from max(0, p - q), normalised. Why it is exact:
+    P(emit t) = q[t] min(1, p[t]/q[t]) + P(reject) * max(0, p[t] - q[t]) / P(reject)
+              = min(q[t], p[t]) + max(0, p[t] - q[t]) = p[t].
+    """
+    if rng.random() * q[x] < p[x]:  # u < p/q without dividing; q[x] > 0 since x came from q
+        return True, x
+    residual = np.maximum(p - q, np.float32(0))
+    if not residual.sum() > 0:  # p == q up to rounding: rejection had probability ~0
+        residual = p
+    return False, draw(residual, rng)  # draw normalises by the total itself
+
+
+def propose(draft, kv: KVCache, tokens: list, n: int, settings, rng):
+    """n draft tokens, one decode step each, and the distributions q (V,) they came from.
+
+    The first step also feeds whatever the draft's cache has not seen yet (the prompt at the
+    start, then the one or two tokens kept last round). In greedy mode q is None.
+    """
+    drafts, dists = [], []
+    fresh = tokens[int(kv.lengths[0]):]
+    for _ in range(n):
+        hidden = forward(draft, np.array([fresh]), kv)                 # (1, len(fresh), D)
+        logits = to_numpy(head(draft, hidden[:, -1:]))[0, -1]          # (V,)
+        if settings.greedy:
+            x, q = next_token(logits, tokens + drafts, settings, rng), None
+        else:
+            z = apply_repetition_penalty(logits, tokens + drafts, settings.repetition_penalty)
+            q = probabilities(z, settings)                             # (V,)
+            x = draw(q, rng)
+        drafts.append(x)
+        dists.append(q)
+        fresh = [x]
+    return drafts, dists
+
+
+def verify(logits, drafts: list, dists: list, tokens: list, settings, rng) -> list:
+    """The tokens this round keeps: accepted proposals, then one token of the target's own.
+
+    logits (n+1, V): the target's logits after tokens + drafts[:i], for i = 0..n.
+    """
+    kept = []
+    for i, z in enumerate(logits):
+        if settings.greedy:
+            # The very rule plain greedy generate applies: penalty, then argmax.
+            own = next_token(z, tokens + kept, settings, rng)
+            if i == len(drafts) or own != drafts[i]:
+                return kept + [own]
+            kept.append(own)
+            continue
+        z = apply_repetition_penalty(z, tokens + kept, settings.repetition_penalty)
+        p = probabilities(z, settings)                                  # (V,)
+        if i == len(drafts):  # every proposal accepted: a bonus token, straight from p
+            return kept + [draw(p, rng)]
+        accepted, token = leviathan_step(p, dists[i], drafts[i], rng)
+        if not accepted:
+            return kept + [token]
+        kept.append(token)
+    raise AssertionError("unreachable: the last row of logits always returns")
+
+
+def rollback(kv: KVCache, valid: int) -> None:
+    """Trim the cache back to its first `valid` tokens (the ones still in the sequence)."""
+    held = int(kv.lengths[0])
+    kv.trim(max(0, held - valid))
+
+
+def speculative_generate(target, draft, ids, max_new_tokens: int, gamma: int = 4,
+                         do_sample: bool = False, temperature: float = 1.0, top_k: int = 0,
+                         top_p: float = 1.0, repetition_penalty: float = 1.0, seed=None,
+                         eos_token_id=None) -> SpeculativeResult:
+    """Generate like ``generate(target, ...)``, with `draft` proposing `gamma` tokens a round.
+
+    Sampling keywords and eos handling as in ``minitransformer.generate.stream``. The draft
+    must share the target's vocabulary (same tokenizer); anything else about it may differ.
+    """
+    settings = SamplingSettings(do_sample, temperature, top_k, top_p, repetition_penalty)
+    if isinstance(gamma, bool) or not isinstance(gamma, (int, np.integer)) or gamma < 1:
+        raise ValueError(f"gamma (tokens drafted per round) must be an integer >= 1, got {gamma!r}")
+    if draft.config.vocab_size != target.config.vocab_size:
+        raise ValueError(f"draft and target must share a vocabulary: the draft has "
+                         f"{draft.config.vocab_size} tokens, the target "
+                         f"{target.config.vocab_size}")
+    ids = check_prompt(target, ids, max_new_tokens)
+    check_prompt(draft, ids, max_new_tokens)
+    eos = set(target.eos_token_ids if eos_token_id is None
+              else np.atleast_1d(eos_token_id).tolist())
+    rng = np.random.default_rng(seed)
+    tokens = ids.tolist()
+    P = len(tokens)
+    # Each cache lags one token behind the sequence: P + max_new_tokens slots always suffice.
+    target_kv = KVCache.allocate(target.config, batch=1, max_len=P + max_new_tokens)
+    draft_kv = KVCache.allocate(draft.config, batch=1, max_len=P + max_new_tokens)
+    passes = draft_passes = proposed = accepted = 0
+    while len(tokens) - P < max_new_tokens:
+        # Never draft past the end: a round yields up to n + 1 tokens.
+        n = min(gamma, max_new_tokens - (len(tokens) - P) - 1)
+        drafts, dists = propose(draft, draft_kv, tokens, n, settings, rng)
+        draft_passes += n
+        fresh = tokens[int(target_kv.lengths[0]):] + drafts            # last token(s) + drafts
+        hidden = forward(target, np.array([fresh]), target_kv)         # (1, len(fresh), D)
+        logits = to_numpy(head(target, hidden[:, -(n + 1):]))[0]       # (n+1, V)
+        passes += 1
+        kept = verify(logits, drafts, dists, tokens, settings, rng)
+        proposed += n
+        accepted += len(kept) - 1
+        # Both caches now hold tokens + some drafts; keep only the accepted ones.
+        rollback(target_kv, len(tokens) + len(kept) - 1)
+        rollback(draft_kv, len(tokens) + len(kept) - 1)
+        for token in kept:
+            tokens.append(token)
+            if token in eos:
+                return SpeculativeResult(tokens[P:], passes, draft_passes, proposed, accepted)
+    return SpeculativeResult(tokens[P:], passes, draft_passes, proposed, accepted)

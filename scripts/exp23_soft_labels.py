@@ -1,0 +1,98 @@
+"""Experiment 23: distillation's soft labels, and what the temperature does to them.
+
+The teacher's next-token distribution for a prompt (default "She poured the milk into the"):
+the top tokens at T = 1 and T = 2, and the ratio of the top token's probability to the third's
+at each (the chapter: jug 0.1355, cup 0.1051, bowl 0.0605, large 0.0380, milk 0.0360; top /
+third 2.24 at T = 1, 1.50 at T = 2, its square root). Then the distillation loss
+T^2 KL(p_T || q_T) of a student against this teacher over every position of the prompt, at a
+few temperatures, with the size of its gradient with and without the T^2. The student is the
+teacher's own first half of layers (an untrained half-depth starting point).
+
+On the default model (random weights) the labels mean nothing; the arithmetic is the same. With
+--model pointing at a trained checkpoint (stories260K, Qwen2.5-0.5B) they are real.
+"""
+import argparse
+
+import numpy as np
+
+from _common import add_model_argument, load_model, mt
+from minitransformer.distill import (distillation_grad, distillation_loss, rank_ratio,
+                                     soft_labels, top_tokens)
+from minitransformer.speculative import first_layers
+
+
+def continuation(tokenizer, ids, new) -> str:
+    """The text token(s) `new` add after the prompt (keeps the leading space a lone token
+    loses when decoded on its own)."""
+    new = [int(t) for t in np.atleast_1d(new)]
+    before, after = tokenizer.decode(ids), tokenizer.decode(list(ids) + new)
+    return after[len(before):] if after.startswith(before) else tokenizer.decode(new)
+
+
+def word(model, ids, token) -> str:
+    """The whole word a (sub-word) token starts, completed greedily: ' p' -> ' pot'."""
+    more = mt.generate(model, list(ids) + [int(token)], 4, eos_token_id=[])
+    text = continuation(model.tokenizer, ids, [int(token)] + more)
+    cut = len(text) - len(text.lstrip())                       # keep the leading space
+    return text[:cut] + text[cut:].split(" ")[0].split("\n")[0]
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_model_argument(parser)
+    parser.add_argument("--prompt", default="She poured the milk into the", help="prompt text")
+    parser.add_argument("--top", type=int, default=5, help="tokens shown (default: 5)")
+    parser.add_argument("--temperatures", default="1,2,4,8",
+                        help="temperatures of the loss table, comma-separated")
+    args = parser.parse_args(argv)
+    try:
+        temperatures = [float(t) for t in args.temperatures.split(",")]
+    except ValueError:
+        parser.error(f"--temperatures must be numbers separated by commas, "
+                     f"got {args.temperatures!r}")
+    if not all(0 < t < float("inf") for t in temperatures):
+        parser.error(f"every temperature must be a finite number > 0, got {args.temperatures}")
+
+    teacher = load_model(args.model)
+    if teacher.tokenizer is None:
+        raise SystemExit(f"{teacher.path}: no tokenizer.json, cannot encode --prompt")
+    ids = teacher.tokenizer.encode(args.prompt)
+    if not 3 <= args.top <= teacher.config.vocab_size:
+        parser.error(f"--top must be in [3, {teacher.config.vocab_size}]")
+    z = mt.logits(teacher, ids)                                       # (T, V) teacher logits
+    p1, p2 = soft_labels(z[-1], 1.0), soft_labels(z[-1], 2.0)        # (V,) each
+    top1, _ = top_tokens(p1, args.top)
+    top2, _ = top_tokens(p2, args.top)
+
+    print(f"Experiment 23: soft labels, next token after {args.prompt!r}")
+    print()
+    print(f"{'rank':<6}{'T = 1':<16}{'p':>8}     {'T = 2':<16}{'p':>8}     "
+          f"{'the word it starts (greedy)'}")
+    for rank, (a, b) in enumerate(zip(top1, top2), 1):
+        print(f"{rank:<6}{continuation(teacher.tokenizer, ids, a)!r:<16}{p1[a]:>8.4f}     "
+              f"{continuation(teacher.tokenizer, ids, b)!r:<16}{p2[b]:>8.4f}     "
+              f"{word(teacher, ids, a)!r}")
+    r1, r2 = rank_ratio(p1), rank_ratio(p2)
+    print()
+    print(f"top / third: {r1:.2f} at T = 1, {r2:.2f} at T = 2 "
+          f"(square root of {r1:.2f} = {np.sqrt(r1):.2f}); same order: "
+          f"{'yes' if top1.tolist() == top2.tolist() else 'no'}")
+    print(f"hard label: {continuation(teacher.tokenizer, ids, top1[0])!r}; the soft label "
+          f"spreads {1 - p1[top1[0]]:.4f} of the mass over the other tokens at T = 1, "
+          f"{1 - p2[top2[0]]:.4f} at T = 2")
+
+    student = first_layers(teacher, max(1, teacher.config.num_hidden_layers // 2))
+    s = mt.logits(student, ids)                                       # (T, V) student logits
+    print()
+    print(f"distillation loss over the prompt's {len(ids)} positions, student = the teacher's "
+          f"first {student.config.num_hidden_layers} of {teacher.config.num_hidden_layers} layers")
+    print(f"{'T':>5}{'KL(p_T || q_T)':>16}{'T^2 KL (loss)':>15}{'|grad|':>11}"
+          f"{'|grad| without T^2':>20}")
+    for T in temperatures:
+        loss = distillation_loss(s, z, T)
+        grad = float(np.linalg.norm(distillation_grad(s, z, T)))
+        print(f"{T:>5g}{loss / T**2:>16.5f}{loss:>15.5f}{grad:>11.5f}{grad / T**2:>20.6f}")
+
+
+if __name__ == "__main__":
+    main()

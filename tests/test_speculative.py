@@ -1,0 +1,234 @@
+"""Speculative decoding keeps the target's output: token for token when greedy, in
+distribution when sampling (chi-square against the target's exact distribution), and a wrong
+acceptance rule is caught by the same test."""
+from collections import Counter
+from dataclasses import replace
+
+import numpy as np
+import pytest
+from scipy.stats import chisquare
+
+import minitransformer as mt
+from minitransformer import speculative
+from minitransformer.sampling import SamplingSettings, apply_repetition_penalty, probabilities
+from minitransformer.speculative import first_layers, leviathan_step, speculative_generate
+from minitransformer.synth import default_model, make_checkpoint, qwen2_config
+from quant.qmodel import quantize_model
+
+
+# ---------------------------------------------------------------------------- drafts
+def contrarian(model):
+    """The worst draft: the target's own hidden states read through the negated head, so the
+    draft proposes the target's argmin, which greedy decoding never accepts."""
+    w = model.weights
+    head = w["model.embed_tokens.weight" if model.config.tie_word_embeddings else "lm_head.weight"]
+    return replace(model, config=replace(model.config, tie_word_embeddings=False),
+                   weights={**w, "lm_head.weight": -head})
+
+
+def drafts_of(model):
+    return {"itself": model, "contrarian": contrarian(model), "nf4": quantize_model(model, "nf4"),
+            "first layer": first_layers(model, 1)}
+
+
+# ---------------------------------------------------------------------------- greedy
+@pytest.mark.parametrize("draft_name", ["itself", "contrarian", "nf4", "first layer"])
+def test_greedy_equals_plain_greedy_on_tiny_models(tiny_model, draft_name):
+    draft = drafts_of(tiny_model)[draft_name]
+    rng = np.random.default_rng(0)
+    for length in (1, 5, 12):
+        ids = rng.integers(0, tiny_model.config.vocab_size, length).tolist()
+        plain = mt.generate(tiny_model, ids, 25, eos_token_id=[])
+        for gamma in (1, 2, 3, 5, 8):
+            r = speculative_generate(tiny_model, draft, ids, 25, gamma=gamma, eos_token_id=[])
+            assert r.tokens == plain, (length, gamma)
+            # every round yields its accepted proposals plus one token of the target's own
+            assert len(r.tokens) == r.accepted + r.target_passes
+            assert r.draft_passes == r.proposed
+            if draft_name == "itself":
+                assert r.accepted == r.proposed  # a perfect draft is never rejected
+            if draft_name == "contrarian":
+                assert r.accepted == 0 and r.target_passes == 25
+
+
+@pytest.fixture(scope="module")
+def story_drafts(stories):
+    """Drafts of stories260K that agree with it from always (INT8) to rarely (3 layers)."""
+    return [quantize_model(stories, scheme) for scheme in ("int8-row", "int4-row", "nf4",
+                                                           "int4-tensor")] + \
+        [first_layers(stories, 4), first_layers(stories, 3)]
+
+
+@pytest.mark.parametrize("prompt", ["Once upon a time", "Lily saw a dog", "The sun was hot"])
+def test_greedy_equals_plain_greedy_on_a_real_model(stories, story_drafts, prompt):
+    ids = stories.tokenizer.encode(prompt)
+    plain = mt.generate(stories, ids, 60, eos_token_id=[])
+    partial = 0
+    for i, draft in enumerate(story_drafts):
+        for gamma in (1, 3, 4, 7):
+            r = speculative_generate(stories, draft, ids, 60, gamma=gamma, eos_token_id=[])
+            assert r.tokens == plain, (i, gamma)
+            partial += 0 < r.accepted < r.proposed
+    assert partial > 10  # most runs had rounds with rejections to roll back
+
+
+def test_greedy_with_repetition_penalty_and_eos(stories):
+    ids = stories.tokenizer.encode("Once upon a time")
+    draft = quantize_model(stories, "int4-row")
+    plain = mt.generate(stories, ids, 50, repetition_penalty=1.3, eos_token_id=[])
+    r = speculative_generate(stories, draft, ids, 50, gamma=4, repetition_penalty=1.3,
+                             eos_token_id=[])
+    assert r.tokens == plain
+    eos = plain[20]  # stop at this token's first appearance, as generate does
+    assert speculative_generate(stories, draft, ids, 50, gamma=4, repetition_penalty=1.3,
+                                eos_token_id=eos).tokens == \
+        mt.generate(stories, ids, 50, repetition_penalty=1.3, eos_token_id=eos)
+
+
+def test_greedy_on_the_default_model():
+    model = mt.load(default_model())
+    ids = model.tokenizer.encode("Once upon a time")
+    plain = mt.generate(model, ids, 20, eos_token_id=[])
+    r = speculative_generate(model, first_layers(model, 7), ids, 20, gamma=4, eos_token_id=[])
+    assert r.tokens == plain and 0 < r.accepted < r.proposed
+
+
+# ---------------------------------------------------------------------------- bad input
+def test_bad_input_is_refused_clearly(checkpoint_dir):
+    model = mt.load(checkpoint_dir("qwen2-gqa-tied-bf16"))
+    with pytest.raises(ValueError, match="gamma"):
+        speculative_generate(model, model, [1, 2], 5, gamma=0)
+    with pytest.raises(ValueError, match="gamma"):
+        speculative_generate(model, model, [1, 2], 5, gamma=True)
+    other = replace(model, config=replace(model.config, vocab_size=model.config.vocab_size + 1))
+    with pytest.raises(ValueError, match="vocabulary"):
+        speculative_generate(model, other, [1, 2], 5)
+    with pytest.raises(ValueError, match="token ids"):
+        speculative_generate(model, model, [1, 10_000], 5)
+    with pytest.raises(ValueError, match="temperature"):
+        speculative_generate(model, model, [1, 2], 5, do_sample=True, temperature=-1.0)
+    r = speculative_generate(model, model, [1, 2], 0)
+    assert r.tokens == [] and r.target_passes == 0
+    for n in (0, model.config.num_hidden_layers + 1, 1.5):
+        with pytest.raises(ValueError, match="first n layers"):
+            first_layers(model, n)
+
+
+# ---------------------------------------------------------------------------- sampling
+def test_the_rule_alone_turns_draws_from_q_into_draws_from_p():
+    """Leviathan et al.'s step in isolation, 30,000 times: the output frequencies are p."""
+    rng = np.random.default_rng(0)
+    p = np.array([0.5, 0.3, 0.2, 0.0, 0.0], np.float32)
+    q = np.array([0.1, 0.1, 0.3, 0.4, 0.1], np.float32)  # mass where p has none, and vice versa
+    n = 30_000
+    out = [leviathan_step(p, q, int(rng.choice(5, p=q)), rng)[1] for _ in range(n)]
+    counts = np.bincount(out, minlength=5)
+    assert counts[3] == counts[4] == 0
+    expected = p[:3].astype(np.float64) / p[:3].sum() * n
+    assert chisquare(counts[:3], expected).pvalue > 1e-3
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    """A tiny target and a different draft over 6 tokens (untied heads, so they disagree)."""
+    config = qwen2_config(vocab_size=6, hidden_size=32, intermediate_size=64,
+                          num_hidden_layers=1, tie_word_embeddings=False)
+    root = tmp_path_factory.mktemp("pair")
+    return (mt.load(make_checkpoint(root / "target", config, seed=1)),
+            mt.load(make_checkpoint(root / "draft", config, seed=2)))
+
+
+def exact_joint(model, prompt, k, settings):
+    """{(t1, ..., tk): probability} under the target's own sampling, by enumerating prefixes
+    (full forward passes without a cache: independent of the decoder under test)."""
+    joint = {(): 1.0}
+    for _ in range(k):
+        longer = {}
+        for prefix, pr in joint.items():
+            seq = prompt + list(prefix)
+            z = apply_repetition_penalty(mt.logits(model, seq)[-1], seq,
+                                         settings.repetition_penalty)
+            p = probabilities(z, settings).astype(np.float64)
+            for t in np.flatnonzero(p):
+                longer[prefix + (int(t),)] = pr * p[t]
+        joint = longer
+    return joint
+
+
+def goodness_of_fit(samples, joint) -> float:
+    """Chi-square p-value of the samples against the exact joint; 0 if any sample is one the
+    target can never produce. Cells expecting fewer than 5 samples are pooled."""
+    counts, n = Counter(samples), len(samples)
+    if any(s not in joint for s in counts):
+        return 0.0
+    cells = sorted(joint, key=joint.get)
+    expected = np.array([joint[c] for c in cells]) * n
+    observed = np.array([counts[c] for c in cells], dtype=float)
+    small = np.cumsum(expected) < 5  # pool the rarest cells until they expect 5
+    pooled = int(small.sum()) + 1
+    expected = np.concatenate([[expected[:pooled].sum()], expected[pooled:]])
+    observed = np.concatenate([[observed[:pooled].sum()], observed[pooled:]])
+    return float(chisquare(observed, expected * n / expected.sum()).pvalue)
+
+
+def sample_runs(target, draft, n_runs, k, gamma, **settings):
+    prompt = [1, 2, 3]
+    return [tuple(speculative_generate(target, draft, prompt, k, gamma=gamma, do_sample=True,
+                                       seed=seed, eos_token_id=[], **settings).tokens)
+            for seed in range(n_runs)]
+
+
+N_RUNS = 1500  # seeded runs per test: a few seconds, and a wrong rule misses by miles
+SAMPLING_CASES = {  # name -> (tokens compared, gamma, sampling settings)
+    "bonus path": (2, 1, dict(temperature=0.1)),
+    "all knobs": (3, 3, dict(temperature=0.1, top_k=4, top_p=0.95, repetition_penalty=1.5)),
+}
+
+
+@pytest.mark.parametrize("case", sorted(SAMPLING_CASES))
+def test_sampling_keeps_the_targets_distribution(pair, case):
+    k, gamma, settings = SAMPLING_CASES[case]
+    target, draft = pair
+    joint = exact_joint(target, [1, 2, 3], k, SamplingSettings(do_sample=True, **settings))
+    samples = sample_runs(target, draft, N_RUNS, k, gamma, **settings)
+    # Fixed seeds: this p-value is one deterministic number, not a coin flip per run.
+    assert goodness_of_fit(samples, joint) > 1e-3
+    # ...and the draft really is different: its own distribution fails the same test.
+    draft_samples = [tuple(mt.generate(draft, [1, 2, 3], k, do_sample=True, seed=s,
+                                       eos_token_id=[], **settings)) for s in range(N_RUNS)]
+    assert goodness_of_fit(draft_samples, joint) < 1e-6
+
+
+def accept_always(p, q, x, rng):
+    return True, x
+
+
+def resample_from_p(p, q, x, rng):
+    """Right acceptance test, wrong fallback: p instead of the residual max(0, p - q)."""
+    if rng.random() * q[x] < p[x]:
+        return True, x
+    return False, speculative.draw(p, rng)
+
+
+@pytest.mark.parametrize("wrong_rule", [accept_always, resample_from_p])
+def test_a_wrong_rule_fails_the_same_test(pair, monkeypatch, wrong_rule):
+    k, gamma, settings = SAMPLING_CASES["bonus path"]
+    target, draft = pair
+    joint = exact_joint(target, [1, 2, 3], k, SamplingSettings(do_sample=True, **settings))
+    monkeypatch.setattr(speculative, "leviathan_step", wrong_rule)
+    samples = sample_runs(target, draft, N_RUNS, k, gamma, **settings)
+    assert goodness_of_fit(samples, joint) < 1e-6
+
+
+def test_exp22_script_runs_and_finds_every_output_identical(stories):
+    import subprocess
+    import sys
+    from pathlib import Path
+    script = Path(__file__).resolve().parents[1] / "scripts" / "exp22_speculative.py"
+    done = subprocess.run([sys.executable, str(script), "--model", stories.path, "--positions",
+                           "24", "--gammas", "3", "--time-budget", "0"],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    for text in ("INT4 per-row", "first 4 of 5 layers", "c (bytes)",
+                 "tokens identical to plain greedy in every run: yes"):
+        assert text in done.stdout
