@@ -96,7 +96,7 @@ def main(argv=None):
     parser.add_argument("--repeats", type=int, default=1,
                         help="least timed runs of each measurement, more while they take under "
                              "--time-budget s a draft; the fastest counts (default: %(default)s)")
-    parser.add_argument("--time-budget", type=float, default=3.0, metavar="SECONDS",
+    parser.add_argument("--time-budget", type=float, default=1.0, metavar="SECONDS",
                         help="keep timing each draft while under this (default: %(default)s)")
     args = parser.parse_args(argv)
     try:
