@@ -19,6 +19,29 @@ def add_model_argument(parser):
                              "default: the embedded default model, generated on first use")
 
 
+def add_chapter_model_argument(parser):
+    parser.add_argument("--chapter-model", action="store_true",
+                        help="use the chapter's Qwen2.5-0.5B shape instead of --model")
+
+
+def model_config(args):
+    """-> (label, ModelConfig) for scripts that need only a model's shape, not its weights:
+    --chapter-model gives Qwen2.5-0.5B's, else the config.json of --model (or the default)."""
+    from minitransformer.config import ModelConfig, load_config
+    from minitransformer.synth import qwen25_05b_config
+    if args.chapter_model:
+        return "Qwen2.5-0.5B shape", ModelConfig.from_dict(qwen25_05b_config())
+    path = args.model or default_model()
+    return str(path), load_config(path)
+
+
+def encode_prompt(model, text):
+    """Prompt text -> token ids, or exit with a message when the checkpoint has no tokenizer."""
+    if model.tokenizer is None:
+        raise SystemExit(f"{model.path}: no tokenizer.json, cannot encode the prompt")
+    return model.tokenizer.encode(text)
+
+
 def load_model(path):
     """--model PATH (or the default model) -> Model, saying on stderr what was loaded."""
     path = path or default_model()

@@ -12,7 +12,7 @@ two times cover the same work.
 import argparse
 import time
 
-from _common import add_model_argument, load_model, mt, say
+from _common import add_model_argument, encode_prompt, load_model, mt, say
 
 PROMPT = ("The key and value vectors of position seven are computed from the input at position "
           "seven and the positions before it. When position eight arrives, nothing about "
@@ -37,9 +37,7 @@ def main(argv=None):
     args = parser.parse_args(argv)
 
     model = load_model(args.model)
-    if model.tokenizer is None:
-        raise SystemExit(f"{args.model}: no tokenizer.json, cannot encode --prompt")
-    ids = model.tokenizer.encode(args.prompt)
+    ids = encode_prompt(model, args.prompt)
     n = args.max_new_tokens
     mt.generate(model, ids[:4], 2)  # warm-up: first-call allocations out of the timings
     slow, t_slow = timed_generation(model, ids, n, cache=False, label="no cache (recompute)")

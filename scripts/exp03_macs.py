@@ -8,9 +8,7 @@ counted is listed in sim/macs.py and printed under the table.
 import argparse
 import time
 
-from _common import add_model_argument, say
-from minitransformer.config import load_config
-from minitransformer.synth import default_model, qwen25_05b_config
+from _common import add_chapter_model_argument, add_model_argument, model_config, say
 from sim.arch import arch
 from sim.macs import compare
 
@@ -22,8 +20,7 @@ def gmac(n):
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_model_argument(parser)
-    parser.add_argument("--chapter-model", action="store_true",
-                        help="use the chapter's Qwen2.5-0.5B shape instead of --model")
+    add_chapter_model_argument(parser)
     parser.add_argument("--tokens", default="64,128,256,512,1024,2048",
                         help="generation lengths T, comma-separated (default: %(default)s)")
     parser.add_argument("--prompt-len", type=int, default=1,
@@ -31,9 +28,8 @@ def main(argv=None):
     args = parser.parse_args(argv)
     tokens = [int(t) for t in args.tokens.split(",")]
 
-    source = "Qwen2.5-0.5B shape" if args.chapter_model else str(args.model or default_model())
-    a = arch(qwen25_05b_config() if args.chapter_model else load_config(args.model or
-                                                                        default_model()))
+    source, config = model_config(args)
+    a = arch(config)
     start = time.perf_counter()
     rows = [compare(a, t, args.prompt_len) for t in tokens]
     say(f"counted {len(rows)} generation lengths in {time.perf_counter() - start:.2f} s")

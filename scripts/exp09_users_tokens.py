@@ -6,9 +6,7 @@ resident tokens matters, not how they are spread over users.
 """
 import argparse
 
-from _common import add_model_argument
-from minitransformer.config import load_config
-from minitransformer.synth import default_model, qwen25_05b_config
+from _common import add_chapter_model_argument, add_model_argument, model_config
 from sim.arch import kv_dims
 from sim.kv_memory import format_bytes, kv_bytes_per_token, users_tokens_table
 
@@ -24,17 +22,14 @@ def parse_shapes(text):
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_model_argument(parser)
-    parser.add_argument("--chapter-model", action="store_true",
-                        help="use the chapter's Qwen2.5-0.5B shape instead of --model")
+    add_chapter_model_argument(parser)
     parser.add_argument("--shapes", default="1x295,1x2048,8x2048,32x2048,64x1024,128x512",
                         help="USERSxTOKENS rows, comma-separated (default: %(default)s)")
     parser.add_argument("--bytes-per-elem", type=int, default=2,
                         help="bytes per cached number: 2 for fp16 as in the chapter (default: 2)")
     args = parser.parse_args(argv)
 
-    source = "Qwen2.5-0.5B shape" if args.chapter_model else str(args.model or default_model())
-    config = qwen25_05b_config() if args.chapter_model else load_config(args.model or
-                                                                       default_model())
+    source, config = model_config(args)
     layers, kv_heads, head_dim = kv_dims(config)
     per_token = kv_bytes_per_token(config, args.bytes_per_elem)
     rows = users_tokens_table(config, parse_shapes(args.shapes), args.bytes_per_elem)

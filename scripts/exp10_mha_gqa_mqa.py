@@ -6,9 +6,7 @@ one shared by all (MQA). None of them buys arithmetic; they divide the cache by 
 """
 import argparse
 
-from _common import add_model_argument
-from minitransformer.config import load_config
-from minitransformer.synth import default_model, qwen25_05b_config
+from _common import add_chapter_model_argument, add_model_argument, model_config
 from sim.arch import kv_dims, query_heads
 from sim.kv_memory import attention_variants, format_bytes
 
@@ -16,15 +14,12 @@ from sim.kv_memory import attention_variants, format_bytes
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_model_argument(parser)
-    parser.add_argument("--chapter-model", action="store_true",
-                        help="use the chapter's Qwen2.5-0.5B shape instead of --model")
+    add_chapter_model_argument(parser)
     parser.add_argument("--bytes-per-elem", type=int, default=2,
                         help="bytes per cached number: 2 for fp16 as in the chapter (default: 2)")
     args = parser.parse_args(argv)
 
-    source = "Qwen2.5-0.5B shape" if args.chapter_model else str(args.model or default_model())
-    config = qwen25_05b_config() if args.chapter_model else load_config(args.model or
-                                                                       default_model())
+    source, config = model_config(args)
     layers, _, head_dim = kv_dims(config)
 
     print(f"Experiment 10: MHA vs GQA vs MQA ({source})")

@@ -11,7 +11,7 @@ import argparse
 
 import numpy as np
 
-from _common import add_model_argument, load_model, say
+from _common import add_model_argument, encode_prompt, load_model, say
 from quant.activations import (PROMPT, capture_residuals, default_layer, log2_histogram,
                                longest_run, per_dim_max, persistence, top_dims)
 
@@ -25,9 +25,7 @@ def main(argv=None):
     parser.add_argument("--top", type=int, default=4, help="how many dimensions count as top")
     args = parser.parse_args(argv)
     model = load_model(args.model)
-    if model.tokenizer is None:
-        raise SystemExit(f"{model.path}: no tokenizer.json, cannot encode --prompt")
-    ids = model.tokenizer.encode(args.prompt)
+    ids = encode_prompt(model, args.prompt)
     L = model.config.num_hidden_layers
     layer = default_layer(L) if args.layer is None else args.layer
     if not 0 <= layer < L:

@@ -12,7 +12,7 @@ import argparse
 
 import numpy as np
 
-from _common import add_model_argument, load_model, say
+from _common import add_model_argument, encode_prompt, load_model, say
 from quant.activations import PROMPT, capture_residuals, default_layer, int8_levels, quantile_dims
 
 
@@ -26,9 +26,7 @@ def main(argv=None):
     parser.add_argument("--dims", default=None, help="comma-separated dimensions to show")
     args = parser.parse_args(argv)
     model = load_model(args.model)
-    if model.tokenizer is None:
-        raise SystemExit(f"{model.path}: no tokenizer.json, cannot encode --prompt")
-    ids = model.tokenizer.encode(args.prompt)
+    ids = encode_prompt(model, args.prompt)
     L = model.config.num_hidden_layers
     layer = default_layer(L) if args.layer is None else args.layer
     if not 0 <= layer < L:

@@ -23,7 +23,7 @@ from dataclasses import replace
 
 import numpy as np
 
-from _common import add_model_argument, load_model, mt, progress
+from _common import add_model_argument, encode_prompt, load_model, mt, progress
 from minitransformer.kvcache import KVCache
 from minitransformer.model import forward
 from minitransformer.speculative import first_layers, speculative_generate
@@ -107,9 +107,7 @@ def main(argv=None):
         parser.error("--positions, --repeats and every gamma must be >= 1")
 
     target = load_model(args.model)
-    if target.tokenizer is None:
-        raise SystemExit(f"{target.path}: no tokenizer.json, cannot encode --prompt")
-    ids = target.tokenizer.encode(args.prompt)
+    ids = encode_prompt(target, args.prompt)
     n = args.positions
     mt.generate(target, ids, 2)  # warm-up: first-call allocations out of the timings
     plain = reference_tokens(target, ids, n)

@@ -15,7 +15,7 @@ import argparse
 
 import numpy as np
 
-from _common import add_model_argument, load_model, mt
+from _common import add_model_argument, encode_prompt, load_model, mt
 from minitransformer.distill import (distillation_grad, distillation_loss, rank_ratio,
                                      soft_labels, top_tokens)
 from minitransformer.speculative import first_layers
@@ -54,9 +54,7 @@ def main(argv=None):
         parser.error(f"every temperature must be a finite number > 0, got {args.temperatures}")
 
     teacher = load_model(args.model)
-    if teacher.tokenizer is None:
-        raise SystemExit(f"{teacher.path}: no tokenizer.json, cannot encode --prompt")
-    ids = teacher.tokenizer.encode(args.prompt)
+    ids = encode_prompt(teacher, args.prompt)
     if not 3 <= args.top <= teacher.config.vocab_size:
         parser.error(f"--top must be in [3, {teacher.config.vocab_size}]")
     z = mt.logits(teacher, ids)                                       # (T, V) teacher logits
