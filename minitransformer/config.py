@@ -52,15 +52,18 @@ class ModelConfig:
     @classmethod
     def from_dict(cls, cfg: dict, source: str = "config.json") -> "ModelConfig":
         def field(name, kind, default=None):
-            value = cfg.get(name, default)
+            value = cfg.get(name)
+            value = default if value is None else value  # null means "the default", as in HF
             if value is None:
                 raise CheckpointError(f"{source}: required field {name!r} is missing")
             if kind is int and (isinstance(value, bool) or not isinstance(value, int)):
-                raise CheckpointError(f"{source}: field {name!r} must be an integer, got {value!r}")
+                raise CheckpointError(f"{source}: field {name!r} must be an integer, "
+                                      f"got {value!r}")
             if kind is float and (isinstance(value, bool) or not isinstance(value, (int, float))):
                 raise CheckpointError(f"{source}: field {name!r} must be a number, got {value!r}")
             if kind is bool and not isinstance(value, bool):
-                raise CheckpointError(f"{source}: field {name!r} must be true or false, got {value!r}")
+                raise CheckpointError(f"{source}: field {name!r} must be true or false, "
+                                      f"got {value!r}")
             return kind(value)
 
         archs = cfg.get("architectures") or []
@@ -71,7 +74,8 @@ class ModelConfig:
                 f"{source}: unsupported architecture {archs or model_type!r}; "
                 f"supported: {', '.join(ARCHITECTURES)}")
         if cfg.get("rope_scaling") not in (None, {}):
-            raise CheckpointError(f"{source}: rope_scaling={cfg['rope_scaling']!r} is not supported")
+            raise CheckpointError(f"{source}: rope_scaling={cfg['rope_scaling']!r} "
+                                  "is not supported")
         if cfg.get("hidden_act", "silu") != "silu":
             raise CheckpointError(f"{source}: hidden_act={cfg['hidden_act']!r} is not supported "
                                   "(only silu, the SwiGLU MLP)")
@@ -82,9 +86,13 @@ class ModelConfig:
 
         heads = field("num_attention_heads", int)
         hidden = field("hidden_size", int)
-        if "rope_theta" not in cfg and isinstance(cfg.get("rope_parameters"), dict):
-            # Newer transformers versions nest rope_theta inside "rope_parameters".
-            cfg = {**cfg, "rope_theta": cfg["rope_parameters"].get("rope_theta", 10000.0)}
+        rope = cfg.get("rope_parameters")
+        if isinstance(rope, dict):  # newer transformers nest RoPE settings here
+            if rope.get("rope_type", "default") != "default":
+                raise CheckpointError(f"{source}: rope_parameters.rope_type="
+                                      f"{rope['rope_type']!r} (rope scaling) is not supported")
+            if "rope_theta" not in cfg:
+                cfg = {**cfg, "rope_theta": rope.get("rope_theta", 10000.0)}
         config = cls(
             model_type=model_type,
             vocab_size=field("vocab_size", int),
@@ -110,7 +118,8 @@ class ModelConfig:
                      "num_attention_heads", "num_key_value_heads", "head_dim",
                      "max_position_embeddings"):
             if getattr(self, name) <= 0:
-                raise CheckpointError(f"{source}: {name} must be positive, got {getattr(self, name)}")
+                raise CheckpointError(f"{source}: {name} must be positive, "
+                                      f"got {getattr(self, name)}")
         if self.num_attention_heads % self.num_key_value_heads:
             raise CheckpointError(
                 f"{source}: num_attention_heads={self.num_attention_heads} is not a multiple of "

@@ -11,10 +11,11 @@ a finished member's row stays in each step as padding (computed, thrown away, bl
 until the longest member ends, and the whole batch is returned then.
 
 Exactness: each request owns its settings and seeded generator and uses generate's
-``next_token``; it is prefilled alone and decoded with per-row-exact arithmetic (rows of
-equal length attend together, see model.attention_block), so its tokens are the ones ``generate`` gives it alone. Prefix sharing is the exception: shared
-keys/values were computed inside another prompt's prefill, whose sums group their terms
-differently, and may differ in the last bit (so far no test has seen a token change).
+``next_token``; it is prefilled alone and decoded with per-row-exact arithmetic (rows of equal
+length attend together, see model.attention_block), so its tokens are the ones ``generate``
+gives it alone. Prefix sharing is the exception: shared keys/values were computed inside
+another prompt's prefill, whose sums group their terms differently, and may differ in the
+last bit (so far no test has seen a token change).
 
 Memory: a request is admitted only if the pool can take its prompt and every running
 sequence's next block. When the running sequences outgrow the pool, the latest admitted is
@@ -32,7 +33,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from minitransformer.backend import synchronize
-from minitransformer.generate import check_prompt, last_logits
+from minitransformer.generate import check_prompt, eos_ids, last_logits, seeded_rng
 from minitransformer.model import forward
 from minitransformer.paged import PagedCache
 from minitransformer.sampling import SamplingSettings, next_token
@@ -103,8 +104,9 @@ class Engine:
                  policy: str = "continuous", share_prefixes: bool = True):
         if policy not in ("static", "continuous"):
             raise ValueError(f"policy={policy!r}: use 'static' or 'continuous'")
-        if isinstance(slots, bool) or not isinstance(slots, int) or slots < 1:
-            raise ValueError(f"slots={slots!r}: expected an integer >= 1")
+        for name, n in (("slots", slots), ("block_size", block_size), ("num_blocks", num_blocks)):
+            if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
+                raise ValueError(f"{name}={n!r}: expected an integer >= 1")
         if num_blocks is None:
             num_blocks = slots * -(-1024 // block_size)  # 1,024 tokens per slot
         self.model, self.policy, self.share = model, policy, share_prefixes
@@ -118,11 +120,10 @@ class Engine:
     def submit(self, request: Request) -> int:
         """Queue a request -> its id. Bad ids or lengths raise ValueError."""
         prompt = check_prompt(self.model, request.prompt, request.max_new_tokens).tolist()
+        rng, eos = seeded_rng(request.seed), eos_ids(self.model, request.eos_token_id)
         result = Result(len(self.results), request)
         self.results.append(result)
-        eos = self.model.eos_token_ids if request.eos_token_id is None else request.eos_token_id
-        live = _Live(result, prompt, np.random.default_rng(request.seed),
-                     set(np.atleast_1d(eos).tolist()))
+        live = _Live(result, prompt, rng, eos)
         need = self.cache.blocks_for(len(prompt) + request.max_new_tokens)
         if need > self.cache.num_blocks:
             self._end(live, "rejected", f"needs up to {need} blocks of "

@@ -23,7 +23,8 @@ def check_prompt(model, ids, max_new_tokens) -> np.ndarray:
         raise ValueError(f"max_new_tokens must be an integer >= 0, got {max_new_tokens!r}")
     ids = np.asarray(ids)
     if ids.ndim != 1 or ids.size == 0:
-        raise ValueError(f"the prompt must be a non-empty 1-D list of token ids, got shape {ids.shape}")
+        raise ValueError(f"the prompt must be a non-empty 1-D list of token ids, "
+                         f"got shape {ids.shape}")
     if not np.issubdtype(ids.dtype, np.integer):
         raise ValueError(f"token ids must be integers, got dtype {ids.dtype}")
     if ids.min() < 0 or ids.max() >= c.vocab_size:
@@ -32,6 +33,24 @@ def check_prompt(model, ids, max_new_tokens) -> np.ndarray:
         raise ValueError(f"prompt of {ids.size} tokens + max_new_tokens={max_new_tokens} exceeds "
                          f"the model's {c.max_position_embeddings} positions")
     return ids.astype(np.int64)
+
+
+def eos_ids(model, eos_token_id) -> set:
+    """None -> the model's eos ids; an id or a list of ids -> that set ([] never stops)."""
+    if eos_token_id is None:
+        return set(model.eos_token_ids)
+    ids = np.atleast_1d(np.asarray(eos_token_id))
+    if ids.size and (ids.ndim != 1 or not np.issubdtype(ids.dtype, np.integer)):
+        raise ValueError(f"eos_token_id must be an id or a list of ids, got {eos_token_id!r}")
+    return set(ids.tolist())
+
+
+def seeded_rng(seed) -> np.random.Generator:
+    """A request's own random generator; seed None draws a fresh one from the OS."""
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, (int, np.integer))
+                             or seed < 0):
+        raise ValueError(f"seed must be None or an integer >= 0, got {seed!r}")
+    return np.random.default_rng(seed)
 
 
 def last_logits(model, hidden) -> np.ndarray:
@@ -49,13 +68,10 @@ def stream(model, ids, max_new_tokens: int, cache: bool = True, do_sample: bool 
     """
     settings = SamplingSettings(do_sample, temperature, top_k, top_p, repetition_penalty)
     ids = check_prompt(model, ids, max_new_tokens)
-    if eos_token_id is None:
-        eos = set(model.eos_token_ids)
-    else:
-        eos = set(np.atleast_1d(eos_token_id).tolist())
+    eos = eos_ids(model, eos_token_id)
+    rng = seeded_rng(seed)
     if max_new_tokens == 0:
         return
-    rng = np.random.default_rng(seed)
     tokens = ids.tolist()
     if cache:
         kv = KVCache.allocate(model.config, batch=1, max_len=len(tokens) + max_new_tokens)

@@ -29,8 +29,9 @@ class KVCache:
 
     @classmethod
     def allocate(cls, config, batch: int, max_len: int, dtype=xp.float32) -> "KVCache":
-        if batch < 1 or max_len < 1:
-            raise ValueError(f"a cache needs batch >= 1 and max_len >= 1, got {batch}, {max_len}")
+        for name, n in (("batch", batch), ("max_len", max_len)):
+            if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1:
+                raise ValueError(f"a cache needs an integer {name} >= 1, got {n!r}")
         shape = (batch, config.num_key_value_heads, max_len, config.head_dim)
         L = config.num_hidden_layers
         return cls(k=[xp.zeros(shape, dtype) for _ in range(L)],
@@ -76,5 +77,6 @@ class KVCache:
         """Forget the last n tokens of every row (or n[b] of row b)."""
         n = np.broadcast_to(np.asarray(n, dtype=np.int64), self.lengths.shape)
         if (n < 0).any() or (n > self.lengths).any():
-            raise ValueError(f"cannot trim {n.tolist()} tokens from rows of {self.lengths.tolist()}")
+            raise ValueError(f"cannot trim {n.tolist()} tokens from rows of "
+                             f"{self.lengths.tolist()}")
         self.lengths -= n

@@ -26,7 +26,7 @@ FLOAT_DTYPES = ("F32", "F16", "BF16")
 
 
 def expected_shapes(c: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Every tensor name the config implies -> its shape (HF layout: Linear weights are (out, in))."""
+    """Every tensor name the config implies -> its shape (HF layout: a Linear is (out, in))."""
     D, F, d = c.hidden_size, c.intermediate_size, c.head_dim
     H, Hkv = c.num_attention_heads, c.num_key_value_heads
     shapes = {"model.embed_tokens.weight": (c.vocab_size, D), "model.norm.weight": (D,)}
@@ -46,7 +46,8 @@ def expected_shapes(c: ModelConfig) -> dict[str, tuple[int, ...]]:
             p + "mlp.down_proj.weight": (D, F),
         }
         if c.qkv_bias:
-            shapes |= {p + "self_attn.q_proj.bias": (H * d,), p + "self_attn.k_proj.bias": (Hkv * d,),
+            shapes |= {p + "self_attn.q_proj.bias": (H * d,),
+                       p + "self_attn.k_proj.bias": (Hkv * d,),
                        p + "self_attn.v_proj.bias": (Hkv * d,)}
         if c.o_bias:
             shapes[p + "self_attn.o_proj.bias"] = (D,)

@@ -136,6 +136,9 @@ def forward(model: Model, ids, cache=None, residuals=None):
     """
     c, w = model.config, model.weights
     ids = np.asarray(ids)  # host token ids, checked here: on CuPy a bad id would wrap around
+    if ids.ndim != 2 or ids.size == 0 or not np.issubdtype(ids.dtype, np.integer):
+        raise ValueError(f"ids must be a non-empty integer array (B, T), got shape {ids.shape} "
+                         f"of {ids.dtype}")
     B, T = ids.shape
     if ids.min() < 0 or ids.max() >= c.vocab_size:
         raise ValueError(f"token ids must be in [0, {c.vocab_size}), got {ids.min()}..{ids.max()}")
@@ -143,6 +146,9 @@ def forward(model: Model, ids, cache=None, residuals=None):
         positions = np.broadcast_to(np.arange(T), (B, T))            # (B, T)
     else:
         positions = cache.positions(T)                               # (B, T), checked on host
+    if positions.max() >= c.max_position_embeddings:
+        raise ValueError(f"position {positions.max()} is beyond the model's "
+                         f"{c.max_position_embeddings} positions")
     h = w["model.embed_tokens.weight"][to_device(ids)]               # (B, T, D)
     for i in range(c.num_hidden_layers):
         p = f"model.layers.{i}."

@@ -9,6 +9,7 @@ whatever the temperature; with sampling, temperature 0 also means greedy.
 This runs on the host in float32, on one vector of V logits per step. Each request owns its
 seeded ``numpy.random.Generator``, so a request samples the same tokens alone or in a batch.
 """
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -23,15 +24,17 @@ class SamplingSettings:
     repetition_penalty: float = 1.0  # 1.0: off
 
     def __post_init__(self):
-        if not isinstance(self.temperature, (int, float)) or not self.temperature >= 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature!r}")
+        if not isinstance(self.temperature, (int, float)) or not 0 <= self.temperature < math.inf:
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, (int, np.integer)) \
                 or self.top_k < 0:
             raise ValueError(f"top_k must be an integer >= 0 (0 turns it off), got {self.top_k!r}")
         if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if not isinstance(self.repetition_penalty, (int, float)) or not self.repetition_penalty > 0:
-            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty!r}")
+        if not isinstance(self.repetition_penalty, (int, float)) \
+                or not 0 < self.repetition_penalty < math.inf:
+            raise ValueError(f"repetition_penalty must be a finite number > 0, "
+                             f"got {self.repetition_penalty!r}")
 
     @property
     def greedy(self) -> bool:

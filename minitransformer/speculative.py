@@ -35,7 +35,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from minitransformer.backend import to_numpy
-from minitransformer.generate import check_prompt
+from minitransformer.generate import check_prompt, eos_ids, seeded_rng
 from minitransformer.kvcache import KVCache
 from minitransformer.model import forward, head
 from minitransformer.sampling import (SamplingSettings, apply_repetition_penalty, draw,
@@ -161,9 +161,8 @@ def speculative_generate(target, draft, ids, max_new_tokens: int, gamma: int = 4
                          f"{target.config.vocab_size}")
     ids = check_prompt(target, ids, max_new_tokens)
     check_prompt(draft, ids, max_new_tokens)
-    eos = set(target.eos_token_ids if eos_token_id is None
-              else np.atleast_1d(eos_token_id).tolist())
-    rng = np.random.default_rng(seed)
+    eos = eos_ids(target, eos_token_id)
+    rng = seeded_rng(seed)
     tokens = ids.tolist()
     P = len(tokens)
     # Each cache lags one token behind the sequence: P + max_new_tokens slots always suffice.

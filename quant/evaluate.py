@@ -71,6 +71,10 @@ def perplexity(model, ids, window: int, progress=None, chunk: int = 256) -> Perp
     need a (window, V) float array all at once. progress(i, n) after window i of n is scored.
     """
     ids = np.asarray(ids, dtype=np.int64)
+    if len(ids) < 2:
+        raise ValueError(f"perplexity needs at least 2 tokens (one to predict), got {len(ids)}")
+    if window < 1 or chunk < 1:
+        raise ValueError(f"window and chunk must be at least 1, got {window} and {chunk}")
     window = min(window, model.config.max_position_embeddings)
     starts = range(0, len(ids) - 1, window)
     nll, count = 0.0, 0
@@ -104,6 +108,8 @@ def answered(continuation: str, answers) -> bool:
 def battery(model, repetition_penalty: float, max_new_tokens: int = 8,
             questions=BATTERY) -> Battery:
     """Greedy answers to the questions (repetition_penalty 1.0 turns the penalty off)."""
+    if not questions:
+        raise ValueError("no questions to ask: 0 correct of 0 would say nothing")
     outputs = []
     for prompt, answers in questions:
         new = generate(model, encode(model, prompt), max_new_tokens,
@@ -120,6 +126,10 @@ def reference_tokens(model, prefix, n: int) -> list[int]:
 
 def agreement(model, prefix, reference) -> int:
     """Positions where the model's argmax, given prefix + reference[:i], is reference[i]."""
+    if len(prefix) == 0:
+        raise ValueError("agreement needs a non-empty prefix: the first pick is made after it")
+    if len(reference) == 0:
+        raise ValueError("agreement needs a non-empty reference: no positions to compare")
     ids = np.asarray(list(prefix) + list(reference[:-1]), dtype=np.int64)
     hidden = forward(model, ids[None])[:, len(prefix) - 1:]                # (1, n, D)
     picks = to_numpy(head(model, hidden)).argmax(axis=-1)[0]               # (n,)

@@ -13,6 +13,7 @@ Leaves out: quantizing the embedding or head, saving quantized checkpoints.
 """
 import re
 from dataclasses import replace
+from numbers import Real
 
 from quant.absmax import absmax_per_group, absmax_per_row, absmax_per_tensor
 from quant.nf4 import nf4
@@ -43,6 +44,16 @@ def check_scheme(scheme: str) -> str:
     return scheme
 
 
+def check_threshold(threshold):
+    """None (weight-only) or a magnitude >= 0 (inf: every column INT8); else a ValueError."""
+    if threshold is None:
+        return None
+    if isinstance(threshold, bool) or not isinstance(threshold, Real) or not threshold >= 0:
+        raise ValueError(f"outlier_threshold must be None or a number >= 0 (inf allowed), "
+                         f"got {threshold!r}")
+    return float(threshold)
+
+
 def quantize_model(model, scheme: str, outlier_threshold: float | None = None, progress=None):
     """Model -> the same model with every projection matrix quantized by `scheme`.
 
@@ -52,6 +63,7 @@ def quantize_model(model, scheme: str, outlier_threshold: float | None = None, p
     called before each matrix.
     """
     _, quantize = SCHEMES[check_scheme(scheme)]
+    outlier_threshold = check_threshold(outlier_threshold)
     names = projection_names(model.weights)
     if not names:
         raise ValueError(f"{model.path or 'model'}: no projection matrices to quantize")
@@ -67,12 +79,15 @@ def quantize_model(model, scheme: str, outlier_threshold: float | None = None, p
     return replace(model, weights=weights)
 
 
-def resident_bytes(weights: dict) -> dict:
-    """Bytes held by a weights dict, each buffer counted once.
+def resident_bytes(weights) -> dict:
+    """Bytes held by a weights dict (or a Model: its .weights), each buffer counted once.
 
     -> {"projections": codes + scales (or floats) of the projection matrices,
         "levels": the shared code tables, "other": embedding, norms, biases}
     """
+    weights = getattr(weights, "weights", weights)
+    if not isinstance(weights, dict):
+        raise ValueError(f"expected a weights dict or a Model, got {type(weights).__name__}")
     seen, total = set(), {"projections": 0, "levels": 0, "other": 0}
 
     def count(kind, array):

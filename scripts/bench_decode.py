@@ -105,18 +105,19 @@ def main(argv=None):
         t_recompute = time.perf_counter() - start
         assert slow_tokens == cached_tokens, "cache and recompute disagree"
 
-    print(f"Decode benchmark: {c.num_hidden_layers} layers x {c.hidden_size}, vocab {c.vocab_size}, "
-          f"float32 math, batch 1")
+    print(f"Decode benchmark: {c.num_hidden_layers} layers x {c.hidden_size}, "
+          f"vocab {c.vocab_size}, float32 math, batch 1")
     print()
     print(f"weights read per decode step     {step_bytes / 1e9:10.3f} GB")
     print(f"read bandwidth (measured)        {bandwidth / 1e9:10.2f} GB/s")
-    print(f"bandwidth floor per step         {floor * 1e3:10.1f} ms   ({1 / floor:6.2f} tokens/s)")
-    print(f"decode step (median)             {decode * 1e3:10.1f} ms   ({1 / decode:6.2f} tokens/s)")
+    for label, t in (("bandwidth floor per step", floor), ("decode step (median)", decode)):
+        print(f"{label:<33}{t * 1e3:10.1f} ms   ({1 / t:6.2f} tokens/s)")
     print(f"decode / floor                   {decode / floor:10.2f}x   (target <= 1.3x)")
     print()
     print(f"{'prefill P':>10}{'time (ms)':>12}{'ms/token':>10}{'tokens/s':>10}")
     for n in lengths:
-        print(f"{n:>10}{prefill[n] * 1e3:>12.1f}{prefill[n] * 1e3 / n:>10.2f}{n / prefill[n]:>10.1f}")
+        t = prefill[n]
+        print(f"{n:>10}{t * 1e3:>12.1f}{t * 1e3 / n:>10.2f}{n / t:>10.1f}")
     print()
     print(f"generation of {N} tokens after a {P}-token prompt")
     print(f"  with cache  (measured)         {t_cached:10.2f} s")

@@ -32,7 +32,8 @@ def timed_generation(model, ids, n, cache, label):
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_model_argument(parser)
-    parser.add_argument("--prompt", default=PROMPT, help="prompt text (default: a 40-odd token passage)")
+    parser.add_argument("--prompt", default=PROMPT,
+                        help="prompt text (default: a 40-odd token passage on Qwen's tokenizer)")
     parser.add_argument("--max-new-tokens", type=int, default=48)
     args = parser.parse_args(argv)
 
@@ -44,13 +45,15 @@ def main(argv=None):
     fast, t_fast = timed_generation(model, ids, n, cache=True, label="KV cache")
 
     same = sum(a == b for a, b in zip(slow, fast))
-    print(f"Experiment 1: slow vs fast generation ({len(ids)}-token prompt, {n} new tokens, greedy)")
+    print(f"Experiment 1: slow vs fast generation "
+          f"({len(ids)}-token prompt, {n} new tokens, greedy)")
     print()
     print(f"{'method':<28}{'time (s)':>10}{'tokens/s':>10}")
     print(f"{'no cache (full recompute)':<28}{t_slow:>10.3f}{n / t_slow:>10.1f}")
     print(f"{'KV cache (prefill + decode)':<28}{t_fast:>10.3f}{n / t_fast:>10.1f}")
     print()
-    print(f"tokens identical: {same} of {n}" + ("  -> identical output" if same == n else "  -> DIFFERENT"))
+    verdict = "identical output" if same == n else "DIFFERENT"
+    print(f"tokens identical: {same} of {n}  -> {verdict}")
     print(f"speedup: {t_slow / t_fast:.1f}x")
     print()
     print(f"prompt : {model.tokenizer.decode(ids)!r}")

@@ -10,10 +10,10 @@ simulation of the same workload at the step costs this run measured (or --step-c
 experiment 12's), so the two can be compared, and the chapter's figures (continuous: 1.6x the
 throughput, mean latency more than 10x better).
 
-Two differences from the simulation, on purpose: the engine's static batch does not compute
-its finished members (they leave the step; the simulation charges t(slots) for every step of
-a batch, padding included), and prefill is a real pass over each prompt (charged in the
-simulation as this run's mean prefill time per admitted request).
+Both compute a static batch's finished members as padding until its longest member ends (the
+simulation charges t(slots) for every step of a batch). The one difference: here prefill is a
+real pass over each prompt; the simulation charges this run's mean prefill time per admitted
+request.
 """
 import argparse
 import math

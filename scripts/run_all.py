@@ -53,8 +53,9 @@ def main(argv=None):
             f"in {time.perf_counter() - t:.1f} s ===")
         if result.returncode != 0:
             failed.append(script.name)
+    failures = f"; failed: {', '.join(failed)}" if failed else ""
     say(f"{len(scripts) - len(failed)} of {len(scripts)} experiments ran in "
-        f"{time.perf_counter() - start:.0f} s" + (f"; failed: {', '.join(failed)}" if failed else ""))
+        f"{time.perf_counter() - start:.0f} s{failures}")
     return 1 if failed else 0
 
 

@@ -16,7 +16,8 @@ SHAPES = {
     "qwen2-gqa-tied-bf16": (qwen2_config(), "bfloat16"),
     "qwen2-mha-untied": (qwen2_config(num_key_value_heads=4, tie_word_embeddings=False), "float32"),
     "qwen2-mqa-fp16": (qwen2_config(num_key_value_heads=1, rope_theta=1e6), "float16"),
-    "llama-gqa": (llama_config(num_attention_heads=8, num_key_value_heads=2, head_dim=8), "float32"),
+    "llama-gqa": (llama_config(num_attention_heads=8, num_key_value_heads=2, head_dim=8),
+                  "float32"),
     "llama-bias-headdim": (llama_config(attention_bias=True, head_dim=16), "bfloat16"),
 }
 

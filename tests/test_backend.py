@@ -8,8 +8,8 @@ import pytest
 
 def run(value):
     env = dict(os.environ, MT_BACKEND=value)
-    return subprocess.run([sys.executable, "-c", "import minitransformer.backend as b; print(b.xp.__name__)"],
-                          env=env, capture_output=True, text=True)
+    code = "import minitransformer.backend as b; print(b.xp.__name__)"
+    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
 
 
 def test_default_is_numpy():

@@ -193,7 +193,13 @@ def test_bad_settings_and_requests_are_refused(tiny_model):
         Engine(tiny_model, policy="fifo")
     with pytest.raises(ValueError, match="slots"):
         Engine(tiny_model, slots=0)
+    with pytest.raises(ValueError, match="block_size"):
+        Engine(tiny_model, block_size=0)
+    with pytest.raises(ValueError, match="num_blocks"):
+        Engine(tiny_model, num_blocks=2.5)
     engine = Engine(tiny_model)
+    with pytest.raises(ValueError, match="seed"):
+        engine.submit(Request((1, 2), 3, seed="x"))
     with pytest.raises(ValueError, match="token ids"):
         engine.submit(Request((1, 96), 3))
     with pytest.raises(ValueError, match="positions"):

@@ -84,6 +84,11 @@ def test_max_new_tokens_zero_gives_nothing(tiny_model):
     (dict(top_p=1.5), "top_p"),
     (dict(top_k=-2), "top_k"),
     (dict(repetition_penalty=0.0), "repetition_penalty"),
+    (dict(repetition_penalty=float("inf")), "repetition_penalty"),
+    (dict(temperature=float("inf")), "temperature"),
+    (dict(seed="x"), "seed"),
+    (dict(seed=-1), "seed"),
+    (dict(eos_token_id="a"), "eos_token_id"),
 ])
 def test_bad_settings_are_clear_errors(checkpoint_dir, kwargs, message):
     model = mt.load(checkpoint_dir("qwen2-gqa-tied-bf16"))  # 256 positions, vocab 96
@@ -98,3 +103,17 @@ def test_logits_rejects_bad_ids(checkpoint_dir):
         mt.logits(model, [])
     with pytest.raises(ValueError, match="positions"):
         mt.logits(model, [1] * 257)
+
+
+@pytest.mark.parametrize("ids, message", [
+    (np.array([1, 2]), r"\(B, T\)"),
+    (np.zeros((1, 0), dtype=np.int64), r"\(B, T\)"),
+    (np.array([[1.0, 2.0]]), r"\(B, T\)"),
+    (np.array([[1, 96]]), r"\[0, 96\)"),
+    (np.ones((1, 257), dtype=np.int64), "beyond the model's 256 positions"),
+])
+def test_forward_rejects_bad_ids(checkpoint_dir, ids, message):
+    from minitransformer.model import forward
+    model = mt.load(checkpoint_dir("qwen2-gqa-tied-bf16"))  # 256 positions, vocab 96
+    with pytest.raises(ValueError, match=message):
+        forward(model, ids)

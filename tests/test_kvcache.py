@@ -41,3 +41,9 @@ def test_fp16_cache_stays_close(tiny_model):
     out = head(tiny_model, forward(tiny_model, np.array([[1, 2, 3, 4]]), cache))[0]
     assert out.dtype == np.float32
     np.testing.assert_allclose(out, mt.logits(tiny_model, [1, 2, 3, 4]), atol=5e-3)
+
+
+@pytest.mark.parametrize("batch, max_len", [(0, 4), (1.5, 4), (1, 0), (True, 4)])
+def test_allocate_rejects_bad_sizes(tiny_model, batch, max_len):
+    with pytest.raises(ValueError, match="a cache needs an integer"):
+        KVCache.allocate(tiny_model.config, batch, max_len)

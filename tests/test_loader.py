@@ -108,6 +108,7 @@ def test_missing_directory_and_files(tmp_path, checkpoint_dir):
     (dict(hidden_act="gelu"), "hidden_act"),
     (dict(use_sliding_window=True), "sliding-window"),
     (dict(num_hidden_layers=0), "must be positive"),
+    (dict(rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e6}), "rope_type"),
 ])
 def test_bad_config_fields(tmp_path, checkpoint_dir, changes, message):
     path = copy(checkpoint_dir, tmp_path)
@@ -126,14 +127,16 @@ def test_malformed_config_json(tmp_path, checkpoint_dir):
 def test_config_disagreeing_with_tensors_names_the_tensor(tmp_path, checkpoint_dir):
     path = copy(checkpoint_dir, tmp_path)
     edit_config(path, intermediate_size=65)
-    with pytest.raises(CheckpointError, match=r"'model.layers.0.mlp.gate_proj.weight' has shape \(64, 32\) but config.json implies \(65, 32\)"):
+    with pytest.raises(CheckpointError, match=r"'model.layers.0.mlp.gate_proj.weight' has shape "
+                                              r"\(64, 32\) but config.json implies \(65, 32\)"):
         mt.load(path)
 
 
 def test_missing_extra_and_wrongly_typed_tensors(tmp_path, checkpoint_dir):
     path = copy(checkpoint_dir, tmp_path)
     rewrite_weights(path, lambda t: t.pop("model.layers.1.self_attn.k_proj.bias"))
-    with pytest.raises(CheckpointError, match=r"missing tensor\(s\) model.layers.1.self_attn.k_proj"):
+    with pytest.raises(CheckpointError,
+                       match=r"missing tensor\(s\) model.layers.1.self_attn.k_proj"):
         mt.load(path)
     path = copy(checkpoint_dir, tmp_path / "b")
     rewrite_weights(path, lambda t: t.update({"model.layers.0.extra.weight": np.zeros(3)}))
@@ -168,8 +171,10 @@ def test_truncated_and_malformed_safetensors(tmp_path, checkpoint_dir):
 
 def test_bad_tokenizer_file_is_named(tmp_path, checkpoint_dir):
     from minitransformer.synth import make_checkpoint, qwen2_config, train_tokenizer
-    path = make_checkpoint(tmp_path / "t", qwen2_config(vocab_size=1024), tokenizer=train_tokenizer())
-    assert mt.load(path).tokenizer.decode(mt.load(path).tokenizer.encode("the cache")) == "the cache"
+    path = make_checkpoint(tmp_path / "t", qwen2_config(vocab_size=1024),
+                           tokenizer=train_tokenizer())
+    tokenizer = mt.load(path).tokenizer
+    assert tokenizer.decode(tokenizer.encode("the cache")) == "the cache"
     (path / "tokenizer.json").write_text("{}")
     with pytest.raises(CheckpointError, match="tokenizer.json: cannot be read"):
         mt.load(path)
@@ -179,3 +184,19 @@ def test_eos_ids_from_generation_config(tmp_path, checkpoint_dir):
     path = copy(checkpoint_dir, tmp_path)
     (path / "generation_config.json").write_text(json.dumps({"eos_token_id": [5, 9]}))
     assert mt.load(path).eos_token_ids == (5, 9)
+
+
+def test_null_fields_take_the_hugging_face_defaults(tmp_path, checkpoint_dir):
+    """num_key_value_heads: null means MHA; head_dim: null means hidden / heads."""
+    path = copy(checkpoint_dir, tmp_path, "qwen2-mha-untied")  # 4 q heads, 4 kv heads, 32 / 4
+    edit_config(path, num_key_value_heads=None)
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps(config | {"head_dim": None}))
+    c = mt.load(path).config
+    assert (c.num_key_value_heads, c.head_dim) == (4, 8)
+
+
+def test_nested_rope_theta(tmp_path, checkpoint_dir):
+    path = copy(checkpoint_dir, tmp_path)
+    edit_config(path, rope_theta=None, rope_parameters={"rope_type": "default", "rope_theta": 5e5})
+    assert mt.load(path).config.rope_theta == 5e5

@@ -6,9 +6,11 @@ import pytest
 import minitransformer as mt
 from minitransformer.backend import to_numpy
 from minitransformer.model import forward
+from quant.absmax import absmax_per_group, absmax_per_row, absmax_per_tensor
 from quant.activations import (capture_residuals, default_layer, int8_levels, log2_histogram,
                                longest_run, per_dim_max, persistence, quantile_dims, top_dims)
 from quant.analysis import default_outlier_matrix, error_table, outlier_stats
+from quant.nf4 import nf4
 from quant.qmodel import SCHEMES, projection_names, quantize_model, resident_bytes
 from quant.techniques import matmul_operands, measure
 
@@ -22,12 +24,20 @@ def test_error_table_rows_are_the_per_matrix_errors(model):
     table = error_table(model.weights)
     names = projection_names(model.weights)
     assert [row.scheme for row in table] == list(SCHEMES)
+    by_hand = {  # the quantizers called directly, not through the SCHEMES table
+        "int8-tensor": lambda w: absmax_per_tensor(w, 8),
+        "int8-row": lambda w: absmax_per_row(w, 8),
+        "int4-tensor": lambda w: absmax_per_tensor(w, 4),
+        "int4-row": lambda w: absmax_per_row(w, 4),
+        "int4-g128": lambda w: absmax_per_group(w, 4, 128),
+        "nf4": lambda w: nf4(w, 64),
+    }
     for row in table:
-        direct = {n: SCHEMES[row.scheme][1](model.weights[n]).error for n in names}
+        direct = {n: by_hand[row.scheme](model.weights[n]).error for n in names}
         assert row.errors == direct
         assert row.mean == pytest.approx(np.mean(list(direct.values())), rel=1e-12)
         assert row.worst == max(direct.items(), key=lambda item: item[1])
-        stored = sum(SCHEMES[row.scheme][1](model.weights[n]).nbytes for n in names)
+        stored = sum(by_hand[row.scheme](model.weights[n]).nbytes for n in names)
         params = sum(model.weights[n].size for n in names)
         assert row.bits_per_weight == 8 * stored / params
 
@@ -90,6 +100,12 @@ def test_captured_residuals_are_the_forward_pass(model):
     last = h[-1] / np.sqrt((h[-1] ** 2).mean(-1, keepdims=True) + c.rms_norm_eps) * g
     np.testing.assert_allclose(last, final, rtol=1e-5, atol=1e-5)
     assert per_dim_max(h).shape == (c.num_hidden_layers, c.hidden_size)
+
+
+def test_per_dim_max_is_the_largest_magnitude_over_the_tokens():
+    h = np.array([[[1.0, -5.0, 0.0], [-3.0, 2.0, 0.5]],       # layer 0: 2 tokens x 3 dims
+                  [[0.0, 0.5, -9.0], [-7.0, 4.0, 1.0]]])      # layer 1
+    np.testing.assert_array_equal(per_dim_max(h), [[3.0, 5.0, 0.5], [7.0, 4.0, 9.0]])
 
 
 def test_techniques_order_on_an_outlier_column(model):

