@@ -7,10 +7,12 @@ agree, neither is likely to share a bug with the other.
 """
 import numpy as np
 
+from minitransformer.backend import to_numpy
+
 
 def reference_logits(model, ids):
     c = model.config
-    w = {k: np.asarray(v, dtype=np.float64) for k, v in model.weights.items()}
+    w = {k: to_numpy(v).astype(np.float64) for k, v in model.weights.items()}
     d, H, Hkv = c.head_dim, c.num_attention_heads, c.num_key_value_heads
     T = len(ids)
 

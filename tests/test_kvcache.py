@@ -3,6 +3,7 @@ import numpy as np
 import pytest
 
 import minitransformer as mt
+from minitransformer.backend import to_numpy
 from minitransformer.kvcache import KVCache
 from minitransformer.model import forward, head
 
@@ -30,7 +31,7 @@ def test_trim_rolls_back_exactly(tiny_model):
     forward(tiny_model, np.array([[9, 9, 9]]), cache)
     cache.trim(3)
     assert cache.lengths.tolist() == [3]
-    out = head(tiny_model, forward(tiny_model, np.array([[4]]), cache))[0, -1]
+    out = to_numpy(head(tiny_model, forward(tiny_model, np.array([[4]]), cache)))[0, -1]
     np.testing.assert_allclose(out, mt.logits(tiny_model, [1, 2, 3, 4])[-1], rtol=1e-5, atol=1e-6)
     with pytest.raises(ValueError, match="cannot trim"):
         cache.trim(5)
@@ -38,7 +39,7 @@ def test_trim_rolls_back_exactly(tiny_model):
 
 def test_fp16_cache_stays_close(tiny_model):
     cache = KVCache.allocate(tiny_model.config, batch=1, max_len=8, dtype=np.float16)
-    out = head(tiny_model, forward(tiny_model, np.array([[1, 2, 3, 4]]), cache))[0]
+    out = to_numpy(head(tiny_model, forward(tiny_model, np.array([[1, 2, 3, 4]]), cache)))[0]
     assert out.dtype == np.float32
     np.testing.assert_allclose(out, mt.logits(tiny_model, [1, 2, 3, 4]), atol=5e-3)
 

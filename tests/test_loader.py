@@ -8,6 +8,7 @@ import pytest
 
 import minitransformer as mt
 from minitransformer import CheckpointError
+from minitransformer.backend import to_numpy
 from minitransformer.safetensors_io import bf16_to_f32, f32_to_bf16, read_tensors, write_tensors
 
 
@@ -62,7 +63,7 @@ def test_storage_dtypes_load_to_float32(tmp_path, dtype):
     from minitransformer.synth import make_checkpoint, qwen2_config, random_weights
     path = make_checkpoint(tmp_path / dtype, qwen2_config(), seed=3, dtype=dtype)
     model = mt.load(path)
-    w = model.weights["model.layers.0.mlp.up_proj.weight"]
+    w = to_numpy(model.weights["model.layers.0.mlp.up_proj.weight"])
     assert w.dtype == np.float32
     exact = random_weights(qwen2_config(), seed=3)["model.layers.0.mlp.up_proj.weight"]
     stored = {"float32": exact, "float16": exact.astype(np.float16).astype(np.float32),
