@@ -11,8 +11,9 @@ two times cover the same work.
 """
 import argparse
 import time
+from pathlib import Path
 
-from _common import add_model_argument, encode_prompt, load_model, mt, say
+from _common import default_model, add_model_argument, encode_prompt, load_model, mt, say
 
 PROMPT = ("The key and value vectors of position seven are computed from the input at position "
           "seven and the positions before it. When position eight arrives, nothing about "
@@ -58,7 +59,7 @@ def main(argv=None):
     print()
     print(f"prompt : {model.tokenizer.decode(ids)!r}")
     print(f"output : {model.tokenizer.decode(fast)!r}")
-    if args.model is None:
+    if Path(model.path).resolve() == default_model().resolve():
         print("(the default model's weights are random, so its text is nonsense: the point is"
               " that both ways agree)")
     return 0 if same == n else 1
