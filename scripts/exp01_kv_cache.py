@@ -13,7 +13,7 @@ import argparse
 import time
 from pathlib import Path
 
-from _common import default_model, add_model_argument, encode_prompt, load_model, mt, say
+from _common import add_model_argument, default_model, encode_prompt, load_model, mt, say
 
 PROMPT = ("The key and value vectors of position seven are computed from the input at position "
           "seven and the positions before it. When position eight arrives, nothing about "
