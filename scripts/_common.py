@@ -3,6 +3,7 @@
 Scripts print their table on stdout and everything else (progress, timing, notes) on stderr,
 so `python scripts/expNN_....py > table.txt` captures exactly the chapter's table.
 """
+import argparse
 import os
 import sys
 import time
@@ -40,6 +41,35 @@ def encode_prompt(model, text):
     if model.tokenizer is None:
         raise SystemExit(f"{model.path}: no tokenizer.json, cannot encode the prompt")
     return model.tokenizer.encode(text)
+
+
+def choose_layer(requested, num_layers, followed=False):
+    """--layer, or two thirds of the way up when not given, checked against the model.
+
+    followed: the layer must have another after it (experiment 20 feeds the next layer)."""
+    from quant.activations import default_layer
+    layer = default_layer(num_layers) if requested is None else requested
+    top = num_layers - 2 if followed else num_layers - 1
+    if not 0 <= layer <= top:
+        why = " (a layer must follow it)" if followed else ""
+        raise SystemExit(f"--layer must be in 0..{top}{why}, got {layer}")
+    return layer
+
+
+def add_schemes_argument(parser):
+    """--schemes: quantization schemes by name, checked when parsed."""
+    from quant.qmodel import SCHEMES
+
+    def schemes(text):
+        names = [s for s in text.split(",") if s]
+        unknown = [s for s in names if s not in SCHEMES]
+        if unknown or not names:
+            raise argparse.ArgumentTypeError(
+                f"unknown scheme(s) {', '.join(unknown) or '(none given)'}; "
+                f"choose from {', '.join(SCHEMES)}")
+        return names
+    parser.add_argument("--schemes", type=schemes, default=list(SCHEMES),
+                        help=f"comma-separated, from {', '.join(SCHEMES)} (default: all)")
 
 
 def load_model(path):

@@ -13,7 +13,7 @@ import tracemalloc
 
 import numpy as np
 
-from _common import add_model_argument, load_model, progress
+from _common import add_model_argument, add_schemes_argument, load_model, progress
 from minitransformer.backend import BACKEND, to_numpy
 from quant.qmodel import SCHEMES, projection_names, quantize_model, resident_bytes
 
@@ -40,11 +40,10 @@ def decimal(n: float) -> str:
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_model_argument(parser)
-    parser.add_argument("--schemes", default=",".join(SCHEMES),
-                        help=f"comma-separated, from {', '.join(SCHEMES)}")
+    add_schemes_argument(parser)
     args = parser.parse_args(argv)
     model = load_model(args.model)
-    schemes = args.schemes.split(",")
+    schemes = args.schemes
 
     names = projection_names(model.weights)
     shapes = [tuple(model.weights[n].shape) for n in names]

@@ -8,16 +8,15 @@ group-128 (0.0952 vs 0.1323) at 4.25 vs 4.125 bits per weight.
 import argparse
 import time
 
-from _common import add_model_argument, load_model, progress, say
+from _common import add_model_argument, add_schemes_argument, load_model, progress, say
 from quant.analysis import error_table
-from quant.qmodel import SCHEMES, projection_names
+from quant.qmodel import projection_names
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_model_argument(parser)
-    parser.add_argument("--schemes", default=",".join(SCHEMES),
-                        help=f"comma-separated, from {', '.join(SCHEMES)}")
+    add_schemes_argument(parser)
     args = parser.parse_args(argv)
     model = load_model(args.model)
 
@@ -29,7 +28,7 @@ def main(argv=None):
         if (i + 1) % every == 0 or i + 1 == n:
             progress(i + 1, n, f"{name} ({time.perf_counter() - start:.1f} s)")
 
-    table = error_table(model.weights, args.schemes.split(","), progress=report)
+    table = error_table(model.weights, args.schemes, progress=report)
     say(f"quantized {len(names)} matrices x {len(table)} schemes in "
         f"{time.perf_counter() - start:.1f} s")
 

