@@ -28,7 +28,7 @@ Leaves out: chunked prefill, priorities, recompute-preemption, caching freed pre
 import math
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -36,45 +36,8 @@ from minitransformer.backend import synchronize
 from minitransformer.generate import check_prompt, eos_ids, last_logits, seeded_rng
 from minitransformer.model import forward
 from minitransformer.paged import PagedCache
-from minitransformer.sampling import SamplingSettings, next_token
-
-
-@dataclass(frozen=True)
-class Request:
-    prompt: tuple                   # token ids
-    max_new_tokens: int
-    arrival: float = 0.0            # seconds on the engine's clock
-    settings: SamplingSettings = SamplingSettings()
-    seed: int = None                # of the request's own numpy Generator
-    eos_token_id: object = None     # as generate: None = the model's ids, [] = never stop
-
-
-@dataclass
-class Result:
-    id: int
-    request: Request
-    tokens: list = field(default_factory=list)   # new tokens only, as generate returns them
-    status: str = "waiting"         # waiting, running, finished, cancelled, rejected
-    reason: str = ""
-    first_token: float = math.nan   # engine-clock times (seconds)
-    finished: float = math.nan      # last token made (or cancelled)
-    returned: float = math.nan      # handed back: static batching returns a batch as a whole
-    shared_tokens: int = 0          # prompt tokens found in shared blocks
-    preemptions: int = 0
-
-    @property
-    def ttft(self) -> float:
-        return self.first_token - self.request.arrival
-
-    @property
-    def latency(self) -> float:
-        return self.returned - self.request.arrival
-
-    @property
-    def per_token(self) -> float:
-        """Seconds between consecutive tokens after the first (nan for one token)."""
-        n = len(self.tokens)
-        return (self.finished - self.first_token) / (n - 1) if n > 1 else math.nan
+from minitransformer.sampling import next_token
+from minitransformer.serving import Request, Result, Run, metrics  # noqa: F401 (the API)
 
 
 @dataclass(eq=False)                # compared by identity: it is a place, not a value
@@ -85,18 +48,6 @@ class _Live:                        # a request the engine is serving
     eos: set
     order: int = 0                  # admission counter: the latest admitted is preempted first
     swapped: object = None          # host copy of its cache while preempted
-
-
-@dataclass(frozen=True)
-class EngineRun:
-    policy: str
-    results: tuple                  # Result, in submission order (run: arrival order)
-    steps: int
-    elapsed: float                  # engine-clock seconds
-    decode_times: tuple             # (batch size, seconds) per decode step
-    prefill_times: tuple            # (tokens prefilled, seconds) per prefill
-    memory: tuple                   # PagedStats after each step's work, before retiring
-    preemptions: int
 
 
 class Engine:
@@ -121,7 +72,7 @@ class Engine:
         """Queue a request -> its id. Bad ids or lengths raise ValueError."""
         prompt = check_prompt(self.model, request.prompt, request.max_new_tokens).tolist()
         rng, eos = seeded_rng(request.seed), eos_ids(self.model, request.eos_token_id)
-        result = Result(len(self.results), request)
+        result = Result(len(self.results), request.arrival, request)
         self.results.append(result)
         live = _Live(result, prompt, rng, eos)
         need = self.cache.blocks_for(len(prompt) + request.max_new_tokens)
@@ -172,7 +123,7 @@ class Engine:
         if self.policy == "static" and not self.running():
             self._end_batch()
 
-    def run(self, requests, on_step=None) -> EngineRun:
+    def run(self, requests, on_step=None) -> Run:
         """Serve requests (in arrival order) until every one is over; on_step(engine), if
         given, is called after each step (a script's progress line)."""
         for request in sorted(requests, key=lambda r: r.arrival):
@@ -181,7 +132,7 @@ class Engine:
             self.step()
             if on_step is not None:
                 on_step(self)
-        return EngineRun(self.policy, tuple(self.results), self.steps, self.clock,
+        return Run(self.policy, tuple(self.results), self.steps, self.clock,
                          tuple(self.decode_times), tuple(self.prefill_times),
                          tuple(self.memory), sum(r.preemptions for r in self.results))
 
@@ -280,30 +231,3 @@ class Engine:
         for result in self.results:  # padding rows dropped for memory are returned now too
             if result.status == "finished" and math.isnan(result.returned):
                 result.returned = self.clock
-
-
-@dataclass(frozen=True)
-class Metrics:
-    requests: int
-    tokens: int
-    throughput: float               # new tokens / s, first arrival to last return
-    latency_mean: float             # end-to-end seconds, arrival to return
-    latency_p50: float
-    latency_p99: float
-    ttft_mean: float                # arrival to first token
-    per_token_mean: float           # seconds between tokens after the first
-
-
-def metrics(results) -> Metrics:
-    """Over the finished requests (percentiles are numpy's, linear interpolation)."""
-    done = [r for r in results if r.status == "finished" and r.tokens]
-    if not done:
-        raise ValueError("no finished request with tokens to measure")
-    latency = np.array([r.latency for r in done])
-    tokens = sum(len(r.tokens) for r in done)
-    span = max(r.returned for r in done) - min(r.request.arrival for r in done)
-    per_token = [r.per_token for r in done if len(r.tokens) > 1]
-    return Metrics(len(done), tokens, tokens / span, float(latency.mean()),
-                   float(np.percentile(latency, 50)), float(np.percentile(latency, 99)),
-                   float(np.mean([r.ttft for r in done])),
-                   float(np.mean(per_token)) if per_token else math.nan)

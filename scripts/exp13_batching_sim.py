@@ -14,7 +14,8 @@ import time
 import numpy as np
 
 from _common import say
-from sim.batching import (AffineCost, TableCost, capacity_rate, first_crossing, metrics,
+from minitransformer.serving import metrics
+from sim.batching import (AffineCost, TableCost, capacity_rate, first_crossing,
                           simulate_continuous, simulate_static, sweep)
 from sim.workload import make_workload, skewed_lengths
 
@@ -34,7 +35,7 @@ def policy_table(runs):
     print(f"{'policy':<12}{'tokens/s':>10}{'mean (s)':>10}{'p50 (s)':>9}{'p99 (s)':>9}"
           f"{'s/token':>9}{'TTFT (s)':>10}{'steps':>7}")
     for run in runs:
-        m = metrics(run)
+        m = metrics(run.results)
         print(f"{run.policy:<12}{m.throughput:>10.1f}{m.latency_mean:>10.2f}"
               f"{m.latency_p50:>9.2f}{m.latency_p99:>9.2f}{m.normalised:>9.3f}"
               f"{m.ttft_mean:>10.2f}{run.steps:>7,}")
@@ -70,10 +71,10 @@ def main(argv=None):
         cost = TableCost.from_json(args.step_costs) if args.step_costs else AffineCost()
         lengths = skewed_lengths(args.requests, args.median, args.max_len, args.total,
                                  args.sigma, args.lengths_seed)
-        requests = make_workload(lengths, args.rate, seed=0)
+        arrivals = make_workload(lengths, args.rate, seed=0)
         prefill = args.prefill_ms / 1e3
-        runs = [simulate_static(requests, args.slots, cost, prefill),
-                simulate_continuous(requests, args.slots, cost, prefill)]
+        runs = [simulate_static(arrivals, args.slots, cost, prefill),
+                simulate_continuous(arrivals, args.slots, cost, prefill)]
     except ValueError as e:
         parser.error(str(e))
 
@@ -87,7 +88,7 @@ def main(argv=None):
     when = "all requests at t = 0" if math.isinf(args.rate) else f"Poisson, {args.rate:g} req/s"
     print(f"{when}:")
     policy_table(runs)
-    static, cont = (metrics(r) for r in runs)
+    static, cont = (metrics(r.results) for r in runs)
     print(f"continuous vs static: throughput {cont.throughput / static.throughput:.2f}x, "
           f"mean latency {static.latency_mean / cont.latency_mean:.2f}x better, "
           f"p99 {static.latency_p99 / cont.latency_p99:.2f}x better")

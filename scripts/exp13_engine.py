@@ -22,9 +22,9 @@ import time
 import numpy as np
 
 from _common import add_model_argument, load_model, mt, progress, say
-from minitransformer.engine import Engine, Request, metrics
+from minitransformer.engine import Engine
+from minitransformer.serving import Request, metrics
 from sim.batching import TableCost, simulate_continuous, simulate_static
-from sim.batching import metrics as sim_metrics
 from sim.workload import make_workload, skewed_lengths
 
 
@@ -32,7 +32,7 @@ def workload(args, vocab_size):
     """-> (lengths, engine requests) for the chapter's skewed lengths."""
     lengths = skewed_lengths(args.requests, args.median, args.max_len, args.total,
                              args.sigma, args.lengths_seed)
-    arrivals = [r.arrival for r in make_workload(lengths, args.rate, seed=0)]
+    arrivals = [a.time for a in make_workload(lengths, args.rate, seed=0)]
     rng = np.random.default_rng(args.seed)
     requests = [Request(tuple(rng.integers(0, vocab_size, args.prompt_len).tolist()), n,
                         arrival=t, eos_token_id=[]) for n, t in zip(lengths, arrivals)]
@@ -136,9 +136,9 @@ def main(argv=None):
     except ValueError as e:
         parser.error(str(e))
     prefill = float(np.mean([s for run in runs for _, s in run.prefill_times]))
-    sim_requests = make_workload(lengths, args.rate, seed=0)
-    sims = [simulate_static(sim_requests, args.slots, cost, prefill),
-            simulate_continuous(sim_requests, args.slots, cost, prefill)]
+    arrivals = make_workload(lengths, args.rate, seed=0)
+    sims = [simulate_static(arrivals, args.slots, cost, prefill),
+            simulate_continuous(arrivals, args.slots, cost, prefill)]
     source = args.step_costs or "measured in this run"
     points = ", ".join(f"B={b} {s * 1e3:.1f}" for b, s in zip(cost.batch_sizes, cost.seconds))
     print()
@@ -146,11 +146,11 @@ def main(argv=None):
     print(f"  {points} ms; prefill {prefill * 1e3:.1f} ms per admitted request")
     header()
     for run in sims:
-        m = sim_metrics(run)
+        m = metrics(run.results)
         print(f"{run.policy:<12}{m.throughput:>10.1f}{m.latency_mean:>10.2f}"
               f"{m.latency_p50:>9.2f}{m.latency_p99:>9.2f}{m.ttft_mean:>10.2f}"
               f"{'':>10}{run.steps:>7,}{'':>11}")
-    print(ratios(*[sim_metrics(r) for r in sims]))
+    print(ratios(*[metrics(r.results) for r in sims]))
     print()
     print("chapter (simulated): continuous 1.6x the throughput, mean latency more than 10x better")
 

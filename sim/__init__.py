@@ -11,5 +11,6 @@ One module per question the chapter asks with arithmetic rather than a stopwatch
     batching       static vs continuous batching, simulated step by step     (experiment 13)
 
 Everything here is plain Python (numpy at most) and returns numbers or small dataclasses;
-only the scripts print.
+only the scripts print. Nothing here loads weights; the batching simulation shares the
+engine's serving records (minitransformer/serving.py), so the two are measured alike.
 """

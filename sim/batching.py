@@ -13,8 +13,8 @@ Both take requests first come, first served. Prefill: the chapter prices its sim
 the measured decode-step cost only, so `prefill_s` (seconds per admitted request, added to the
 step that admits it and so stalling the whole batch for it) defaults to 0. TTFT is when the
 first token is computed (what a streaming server could send); end-to-end latency is when the
-response is returned, which for static batching is the end of its batch. Percentiles are
-numpy's (linear interpolation).
+response is returned, which for static batching is the end of its batch. The records (Result,
+Run) and `metrics` are the real engine's, from minitransformer/serving.py.
 Leaves out: memory limits on slots (experiment 14), preemption, prompt-length-dependent
 prefill, and the gap between a finished step and the host noticing it.
 
@@ -29,6 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
+from minitransformer.serving import Metrics, Result, Run, metrics
 from sim.workload import make_workload
 
 
@@ -82,61 +83,50 @@ class TableCost:
         return cls(tuple(b for b, _ in pairs), tuple(s for _, s in pairs))
 
 
-@dataclass(frozen=True)
-class Served:
-    """What happened to one request. Times in seconds from the start of the simulation."""
-    id: int
-    arrival: float
-    output_len: int
-    first_token: float
-    done: float
-
-
-@dataclass(frozen=True)
-class Run:
-    policy: str
-    served: tuple   # Served, in request order
-    steps: int      # forward passes run
-
-
-def _check(requests, slots):
-    if not requests:
+def _check(arrivals, slots):
+    if not arrivals:
         raise ValueError("no requests to simulate")
     if isinstance(slots, bool) or not isinstance(slots, int) or slots < 1:
         raise ValueError(f"slots={slots!r}: expected an integer >= 1")
-    if any(r.output_len < 1 for r in requests):
+    if any(a.output_len < 1 for a in arrivals):
         raise ValueError("every request must generate at least one token")
-    if any(b.arrival < a.arrival for a, b in zip(requests, requests[1:])):
+    if any(b.time < a.time for a, b in zip(arrivals, arrivals[1:])):
         raise ValueError("requests must be in arrival order")
 
 
-def simulate_static(requests, slots=8, step_cost=AffineCost(), prefill_s=0.0):
+def _result(a, first, finished, returned):
+    """The serving record of a simulated request (no token ids: None for each token)."""
+    return Result(a.id, a.time, tokens=[None] * a.output_len, status="finished",
+                  first_token=first, finished=finished, returned=returned)
+
+
+def simulate_static(arrivals, slots=8, step_cost=AffineCost(), prefill_s=0.0) -> Run:
     """Fixed batches of `slots` requests, each held until its longest member ends."""
-    _check(requests, slots)
-    t, steps, served = 0.0, 0, []
-    for start in range(0, len(requests), slots):
-        batch = requests[start:start + slots]
-        t = max(t, batch[-1].arrival)  # wait for a full batch, or for the last request
+    _check(arrivals, slots)
+    t, steps, results = 0.0, 0, []
+    for start in range(0, len(arrivals), slots):
+        batch = arrivals[start:start + slots]
+        t = max(t, batch[-1].time)     # wait for a full batch, or for the last request
         step = step_cost(len(batch))   # paid by every step, finished members included
         first = t + prefill_s * len(batch) + step
-        longest = max(r.output_len for r in batch)
+        longest = max(a.output_len for a in batch)
         t = first + step * (longest - 1)
         steps += longest
-        served += [Served(r.id, r.arrival, r.output_len, first, t) for r in batch]
-    return Run("static", tuple(served), steps)
+        results += [_result(a, first, first + step * (a.output_len - 1), t) for a in batch]
+    return Run("static", tuple(results), steps, t)
 
 
-def simulate_continuous(requests, slots=8, step_cost=AffineCost(), prefill_s=0.0):
+def simulate_continuous(arrivals, slots=8, step_cost=AffineCost(), prefill_s=0.0) -> Run:
     """Iteration-level scheduling: any free slot takes the next arrived request each step."""
-    _check(requests, slots)
+    _check(arrivals, slots)
     t, steps, nxt = 0.0, 0, 0
-    active = {}  # request index -> tokens produced so far
+    active = {}  # arrival index -> tokens produced so far
     first, done = {}, {}
-    while nxt < len(requests) or active:
+    while nxt < len(arrivals) or active:
         if not active:  # idle: jump to the next arrival
-            t = max(t, requests[nxt].arrival)
+            t = max(t, arrivals[nxt].time)
         admitted = 0
-        while nxt < len(requests) and len(active) < slots and requests[nxt].arrival <= t:
+        while nxt < len(arrivals) and len(active) < slots and arrivals[nxt].time <= t:
             active[nxt] = 0
             nxt += 1
             admitted += 1
@@ -146,37 +136,11 @@ def simulate_continuous(requests, slots=8, step_cost=AffineCost(), prefill_s=0.0
             active[i] += 1
             if active[i] == 1:
                 first[i] = t
-            if active[i] == requests[i].output_len:
+            if active[i] == arrivals[i].output_len:
                 done[i] = t
                 del active[i]  # the slot is free for the next step
-    served = tuple(Served(r.id, r.arrival, r.output_len, first[i], done[i])
-                   for i, r in enumerate(requests))
-    return Run("continuous", served, steps)
-
-
-@dataclass(frozen=True)
-class Metrics:
-    throughput: float       # generated tokens / s, first arrival to last response
-    latency_mean: float     # end-to-end seconds, arrival to response
-    latency_p50: float
-    latency_p99: float
-    normalised: float       # mean of latency / output tokens, s/token (Orca, vLLM)
-    ttft_mean: float        # seconds from arrival to the first token computed
-
-
-def metrics(run):
-    s = run.served
-    latency = np.array([r.done - r.arrival for r in s])
-    tokens = np.array([r.output_len for r in s])
-    span = max(r.done for r in s) - min(r.arrival for r in s)
-    return Metrics(
-        throughput=float(tokens.sum() / span),
-        latency_mean=float(latency.mean()),
-        latency_p50=float(np.percentile(latency, 50)),
-        latency_p99=float(np.percentile(latency, 99)),
-        normalised=float((latency / tokens).mean()),
-        ttft_mean=float(np.mean([r.first_token - r.arrival for r in s])),
-    )
+    results = tuple(_result(a, first[i], done[i], done[i]) for i, a in enumerate(arrivals))
+    return Run("continuous", results, steps, t)
 
 
 @dataclass(frozen=True)
@@ -211,10 +175,11 @@ def sweep(lengths, rates, slots=8, step_cost=AffineCost(), prefill_s=0.0, seeds=
     for rate in rates:
         static, continuous = [], []
         for seed in seeds:
-            requests = make_workload(lengths, rate, seed)
-            static.append(metrics(simulate_static(requests, slots, step_cost, prefill_s)))
-            continuous.append(metrics(simulate_continuous(requests, slots, step_cost,
-                                                          prefill_s)))
+            arrivals = make_workload(lengths, rate, seed)
+            static.append(metrics(simulate_static(arrivals, slots, step_cost,
+                                                  prefill_s).results))
+            continuous.append(metrics(simulate_continuous(arrivals, slots, step_cost,
+                                                          prefill_s).results))
         points.append(SweepPoint(rate, rate / capacity, _average(static),
                                  _average(continuous)))
     return points

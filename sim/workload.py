@@ -23,9 +23,11 @@ import numpy as np
 
 
 @dataclass(frozen=True)
-class Request:
+class Arrival:
+    """A simulated request: when it arrives and how many tokens it will generate. (The
+    engine's minitransformer.serving.Request also has a prompt; the simulation needs none.)"""
     id: int
-    arrival: float     # seconds
+    time: float        # seconds
     output_len: int    # tokens to generate
 
 
@@ -84,6 +86,6 @@ def poisson_arrivals(n, rate, seed=0):
 
 
 def make_workload(lengths, rate=math.inf, seed=0):
-    """Requests in arrival order: lengths[i] arrives at the i-th Poisson arrival time."""
+    """Arrivals in time order: lengths[i] arrives at the i-th Poisson arrival time."""
     times = poisson_arrivals(len(lengths), rate, seed)
-    return [Request(i, t, n) for i, (t, n) in enumerate(zip(times, lengths))]
+    return [Arrival(i, t, n) for i, (t, n) in enumerate(zip(times, lengths))]

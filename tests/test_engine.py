@@ -5,7 +5,8 @@ import numpy as np
 import pytest
 
 import minitransformer as mt
-from minitransformer.engine import Engine, Request, Result, metrics
+from minitransformer.engine import Engine
+from minitransformer.serving import Request, Result, metrics
 from minitransformer.sampling import SamplingSettings
 
 
@@ -211,11 +212,11 @@ def test_bad_settings_and_requests_are_refused(tiny_model):
 
 def test_metrics_of_known_results():
     def result(i, arrival, first, finished, returned, n):
-        r = Result(i, Request((1,), n, arrival=arrival), tokens=[0] * n, status="finished")
+        r = Result(i, arrival, Request((1,), n, arrival=arrival), [0] * n, "finished")
         r.first_token, r.finished, r.returned = first, finished, returned
         return r
     m = metrics([result(0, 0.0, 1.0, 3.0, 3.0, 3), result(1, 1.0, 2.0, 2.0, 5.0, 1),
-                 Result(2, Request((1,), 4), status="cancelled")])
+                 Result(2, 0.0, Request((1,), 4), status="cancelled")])
     assert (m.requests, m.tokens) == (2, 4)
     assert m.throughput == 4 / 5.0 and m.latency_mean == (3.0 + 4.0) / 2
     assert m.ttft_mean == 1.0 and m.per_token_mean == 1.0 and m.latency_p50 == 3.5

@@ -4,9 +4,10 @@ import math
 import numpy as np
 import pytest
 
-from sim.batching import (AffineCost, TableCost, capacity_rate, first_crossing, metrics,
+from minitransformer.serving import metrics
+from sim.batching import (AffineCost, TableCost, capacity_rate, first_crossing,
                           simulate_continuous, simulate_static, sweep)
-from sim.workload import Request, make_workload, poisson_arrivals, skewed_lengths
+from sim.workload import Arrival, make_workload, poisson_arrivals, skewed_lengths
 
 
 def unit_cost(batch):
@@ -54,8 +55,8 @@ def test_arrivals():
     assert poisson_arrivals(50, 5.0, seed=2) == poisson_arrivals(50, 5.0, seed=2)
     with pytest.raises(ValueError, match="rate"):
         poisson_arrivals(3, 0)
-    requests = make_workload([5, 6, 7], rate=2.0, seed=1)
-    assert [r.output_len for r in requests] == [5, 6, 7] and requests[0].arrival == 0.0
+    arrivals = make_workload([5, 6, 7], rate=2.0, seed=1)
+    assert [a.output_len for a in arrivals] == [5, 6, 7] and arrivals[0].time == 0.0
 
 
 # --- the two policies, by hand ----------------------------------------------------------
@@ -68,13 +69,15 @@ def test_hand_checked_all_at_once():
     continuous: step 1 (0-1) r0 r1, r1 done at 1; step 2 (1-2) r0 r2 (r2 admitted in r1's
                 slot); step 3 (2-3) r0 r2, both done at 3. First tokens at 1, 1, 2.
     """
-    requests = [Request(0, 0.0, 3), Request(1, 0.0, 1), Request(2, 0.0, 2)]
+    requests = [Arrival(0, 0.0, 3), Arrival(1, 0.0, 1), Arrival(2, 0.0, 2)]
     static = simulate_static(requests, 2, unit_cost)
     cont = simulate_continuous(requests, 2, unit_cost)
-    assert [(r.first_token, r.done) for r in static.served] == [(1, 3), (1, 3), (4, 5)]
-    assert [(r.first_token, r.done) for r in cont.served] == [(1, 3), (1, 1), (2, 3)]
+    assert [(r.first_token, r.returned) for r in static.results] == [(1, 3), (1, 3), (4, 5)]
+    assert [(r.first_token, r.returned) for r in cont.results] == [(1, 3), (1, 1), (2, 3)]
+    assert [r.finished for r in static.results] == [3, 1, 5]   # r1's last token, padded after
+    assert all(r.finished == r.returned for r in cont.results)
     assert (static.steps, cont.steps) == (5, 3)
-    s, c = metrics(static), metrics(cont)
+    s, c = metrics(static.results), metrics(cont.results)
     assert (s.throughput, c.throughput) == (6 / 5, 6 / 3)
     assert (s.latency_mean, c.latency_mean) == pytest.approx((11 / 3, 7 / 3))
     assert (s.latency_p50, c.latency_p50) == (3.0, 3.0)
@@ -92,26 +95,26 @@ def test_hand_checked_arrivals_and_prefill():
     continuous: step 1 [r0] 0 -> 1.25; r1 has arrived: step 2 [r0 r1] 0.25 + 2 -> 3.5, both
                 done; idle until 4; step 3 [r2] 4 -> 5.25.
     """
-    requests = [Request(0, 0.0, 2), Request(1, 0.5, 1), Request(2, 4.0, 1)]
+    requests = [Arrival(0, 0.0, 2), Arrival(1, 0.5, 1), Arrival(2, 4.0, 1)]
     cost = AffineCost(a=0.0, b=1.0)
     static = simulate_static(requests, 2, cost, prefill_s=0.25)
     cont = simulate_continuous(requests, 2, cost, prefill_s=0.25)
-    assert [(r.first_token, r.done) for r in static.served] == [(3, 5), (3, 5), (6.25, 6.25)]
-    assert [(r.first_token, r.done) for r in cont.served] == [(1.25, 3.5), (3.5, 3.5),
+    assert [(r.first_token, r.returned) for r in static.results] == [(3, 5), (3, 5), (6.25, 6.25)]
+    assert [(r.first_token, r.returned) for r in cont.results] == [(1.25, 3.5), (3.5, 3.5),
                                                              (5.25, 5.25)]
-    assert metrics(cont).throughput == 4 / 5.25
+    assert metrics(cont.results).throughput == 4 / 5.25
 
 
 @pytest.mark.parametrize("rate", [0.5, 3.0, 20.0, math.inf])
 @pytest.mark.parametrize("seed", [0, 1])
 def test_continuous_never_worse(rate, seed):
     requests = make_workload(skewed_lengths(seed=seed), rate, seed)
-    s = metrics(simulate_static(requests))
-    c = metrics(simulate_continuous(requests))
+    s = metrics(simulate_static(requests).results)
+    c = metrics(simulate_continuous(requests).results)
     assert c.throughput >= s.throughput
     assert c.latency_mean <= s.latency_mean and c.ttft_mean <= s.ttft_mean
     for run in (simulate_static(requests), simulate_continuous(requests)):
-        assert all(r.arrival < r.first_token <= r.done for r in run.served)
+        assert all(r.arrival < r.first_token <= r.returned for r in run.results)
 
 
 def test_deterministic_given_seed():
@@ -124,8 +127,8 @@ def test_one_slot_policies_agree():
     requests = make_workload(skewed_lengths(seed=2), 2.0, seed=2)
     static, cont = simulate_static(requests, 1), simulate_continuous(requests, 1)
     assert static.steps == cont.steps == sum(r.output_len for r in requests)
-    for s, c in zip(static.served, cont.served):  # same times, up to float summation order
-        assert (s.first_token, s.done) == pytest.approx((c.first_token, c.done))
+    for s, c in zip(static.results, cont.results):  # same times, up to float summation order
+        assert (s.first_token, s.returned) == pytest.approx((c.first_token, c.returned))
 
 
 def test_where_the_chapters_figures_fall():
@@ -168,11 +171,11 @@ def test_table_cost(tmp_path):
 
 def test_bad_requests():
     with pytest.raises(ValueError, match="arrival order"):
-        simulate_static([Request(0, 1.0, 2), Request(1, 0.0, 2)])
+        simulate_static([Arrival(0, 1.0, 2), Arrival(1, 0.0, 2)])
     with pytest.raises(ValueError, match="slots"):
-        simulate_continuous([Request(0, 0.0, 2)], slots=0)
+        simulate_continuous([Arrival(0, 0.0, 2)], slots=0)
     with pytest.raises(ValueError, match="at least one token"):
-        simulate_continuous([Request(0, 0.0, 0)])
+        simulate_continuous([Arrival(0, 0.0, 0)])
     with pytest.raises(ValueError, match="no requests"):
         simulate_static([])
 

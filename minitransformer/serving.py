@@ -1,0 +1,125 @@
+"""What serving is measured in: a request, what happened to it, a run, its metrics (exp. 13).
+
+One vocabulary for the real engine (minitransformer/engine.py) and the simulation
+(sim/batching.py), so that their tables are computed by the same function:
+
+    Request   what a client asks: a prompt, how many new tokens at most, when it arrives,
+              how to sample. (The simulation has no prompts: its workload is a list of
+              sim.workload.Arrival, an arrival time and an output length.)
+    Result    what happened to one request, filled in as it is served: its new tokens, its
+              status, and three times on the serving clock: first token, last token
+              (``finished``) and ``returned``, when the answer was handed back (static
+              batching returns a batch as a whole, so that can be later than finished).
+    Run       a whole run: the results and what each step cost.
+    metrics   throughput and latencies over the finished results.
+
+Times are seconds on one clock: the engine's measured compute time, or the simulation's.
+Percentiles are numpy's (linear interpolation). Leaves out: streaming (time per token of each
+request), queueing statistics beyond TTFT, anything about cancelled requests.
+
+>>> r = Result(0, arrival=1.0, tokens=[7, 8, 9], status="finished",
+...            first_token=2.0, finished=4.0, returned=5.0)
+>>> r.ttft, r.per_token, r.latency         # 1 s to the first token, 1 s between tokens
+(1.0, 1.0, 4.0)
+>>> m = metrics([r])
+>>> m.tokens, m.throughput, m.normalised    # 3 tokens in the 4 s from arrival to return
+(3, 0.75, 1.3333333333333333)
+"""
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from minitransformer.sampling import SamplingSettings
+
+STATUSES = ("waiting", "running", "finished", "cancelled", "rejected")
+
+
+@dataclass(frozen=True)
+class Request:
+    prompt: tuple                   # token ids
+    max_new_tokens: int
+    arrival: float = 0.0            # seconds on the serving clock
+    settings: SamplingSettings = SamplingSettings()
+    seed: int = None                # of the request's own numpy Generator
+    eos_token_id: object = None     # as generate: None = the model's ids, [] = never stop
+
+
+@dataclass
+class Result:
+    """One request's outcome. The simulation makes no token ids, only tokens: its results
+    hold None for each."""
+    id: int
+    arrival: float                  # seconds on the serving clock (the request's)
+    request: Request = None         # what was asked (the engine's; None in the simulation)
+    tokens: list = field(default_factory=list)   # new tokens only, as generate returns them
+    status: str = "waiting"         # one of STATUSES
+    reason: str = ""                # why it was rejected
+    first_token: float = math.nan   # times on the serving clock (seconds)
+    finished: float = math.nan      # last token made (or cancelled)
+    returned: float = math.nan      # handed back: static batching returns a batch as a whole
+    shared_tokens: int = 0          # prompt tokens found in shared blocks
+    preemptions: int = 0
+
+    @property
+    def ttft(self) -> float:
+        """Time to first token: what a streaming client waits before seeing anything."""
+        return self.first_token - self.arrival
+
+    @property
+    def latency(self) -> float:
+        """End to end: arrival to the answer handed back."""
+        return self.returned - self.arrival
+
+    @property
+    def per_token(self) -> float:
+        """Seconds between consecutive tokens after the first (nan for one token)."""
+        n = len(self.tokens)
+        return (self.finished - self.first_token) / (n - 1) if n > 1 else math.nan
+
+
+@dataclass(frozen=True)
+class Run:
+    policy: str                     # "static" or "continuous"
+    results: tuple                  # Result, in submission order
+    steps: int                      # forward passes (engine) or decode steps (simulation)
+    elapsed: float                  # seconds on the serving clock
+    decode_times: tuple = ()        # engine: (batch size, seconds) per decode step
+    prefill_times: tuple = ()       # engine: (tokens prefilled, seconds) per prefill
+    memory: tuple = ()              # engine: PagedStats after each step's work
+    preemptions: int = 0
+
+
+@dataclass(frozen=True)
+class Metrics:
+    requests: int                   # finished ones, with at least one token
+    tokens: int
+    throughput: float               # new tokens / s, first arrival to last return
+    latency_mean: float             # end-to-end seconds, arrival to return
+    latency_p50: float
+    latency_p99: float
+    normalised: float               # mean of latency / output tokens, s/token (Orca, vLLM)
+    ttft_mean: float                # arrival to first token
+    per_token_mean: float           # seconds between tokens after the first (nan: none)
+
+
+def metrics(results) -> Metrics:
+    """Over the finished results with tokens; a ValueError when there are none."""
+    done = [r for r in results if r.status == "finished" and r.tokens]
+    if not done:
+        raise ValueError("no finished request with tokens to measure")
+    latency = np.array([r.latency for r in done])
+    tokens = np.array([len(r.tokens) for r in done])
+    span = max(r.returned for r in done) - min(r.arrival for r in done)
+    per_token = [r.per_token for r in done if len(r.tokens) > 1]
+    return Metrics(
+        requests=len(done),
+        tokens=int(tokens.sum()),
+        throughput=float(tokens.sum() / span),
+        latency_mean=float(latency.mean()),
+        latency_p50=float(np.percentile(latency, 50)),
+        latency_p99=float(np.percentile(latency, 99)),
+        normalised=float((latency / tokens).mean()),
+        ttft_mean=float(np.mean([r.ttft for r in done])),
+        per_token_mean=float(np.mean(per_token)) if per_token else math.nan,
+    )
