@@ -116,8 +116,12 @@ def eos_ids(path: Path) -> tuple[int, ...]:
 
 
 def load(path) -> Model:
-    """A Hugging Face checkpoint directory -> Model (float32 weights on the active backend)."""
+    """A Hugging Face checkpoint directory, or a llama.cpp .gguf file (see gguf.py) -> Model
+    (float32 weights on the active backend)."""
     path = Path(path)
+    if path.suffix == ".gguf":
+        from minitransformer.gguf import load_gguf
+        return load_gguf(path)
     if not path.is_dir():
         raise CheckpointError(f"{path}: checkpoint directory not found")
     config = load_config(path)

@@ -4,6 +4,10 @@ The one family difference that matters for generation is the beginning-of-sequen
 Llama checkpoints want ``<s>`` in front of every prompt, Qwen2 checkpoints use none. Most
 tokenizer.json files already say so in their post-processor; ``tokenizer_config.json``'s
 ``add_bos_token`` is honoured as well, for files whose post-processor does not add it.
+
+An instruct model was trained on conversations laid out by its chat template (a Jinja
+template in ``tokenizer_config.json``); ``chat_prompt`` renders one, so a question is asked
+the way the model learned to answer.
 """
 import json
 from dataclasses import dataclass
@@ -17,6 +21,7 @@ class Tokenizer:
     backend: object          # tokenizers.Tokenizer
     bos_token_id: int | None  # prepended by encode() when the family expects it
     add_bos: bool
+    chat_template: str | None = None  # Jinja source from tokenizer_config.json, if any
 
     def encode(self, text: str) -> list[int]:
         ids = self.backend.encode(text).ids
@@ -26,6 +31,18 @@ class Tokenizer:
 
     def decode(self, ids) -> str:
         return self.backend.decode([int(i) for i in ids], skip_special_tokens=True)
+
+    def chat_prompt(self, messages, add_generation_prompt: bool = True) -> list[int]:
+        """[{"role": "user", "content": "..."}] -> token ids laid out by the chat template,
+        ending where the assistant's answer starts. Needs jinja2 (a transformers dependency)."""
+        if self.chat_template is None:
+            raise ValueError("this tokenizer has no chat template")
+        from jinja2.sandbox import ImmutableSandboxedEnvironment  # optional: only chat uses it
+
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        text = env.from_string(self.chat_template).render(
+            messages=messages, add_generation_prompt=add_generation_prompt)
+        return self.encode(text)
 
     @property
     def vocab_size(self) -> int:
@@ -54,4 +71,6 @@ def load_tokenizer(path) -> Tokenizer | None:
     bos = settings.get("bos_token")
     bos = bos.get("content") if isinstance(bos, dict) else bos
     bos_id = backend.token_to_id(bos) if isinstance(bos, str) else None
-    return Tokenizer(backend, bos_id, bool(settings.get("add_bos_token", False)))
+    template = settings.get("chat_template")
+    return Tokenizer(backend, bos_id, bool(settings.get("add_bos_token", False)),
+                     template if isinstance(template, str) else None)

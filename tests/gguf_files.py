@@ -1,0 +1,114 @@
+"""Small GGUF files written by the tests with the gguf package's own writer and quantizers.
+
+Everything here goes the way llama.cpp's converter goes (Hugging Face -> GGUF), written
+independently of minitransformer/gguf.py, which goes back: names by a literal table, the q/k
+rows of a llama file put in Meta's interleaved order by an explicit index formula, values
+quantized by ``gguf.quants.quantize``.
+"""
+import json
+
+import numpy as np
+
+GGUF_LAYER = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+              "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
+              "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
+              "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+GGUF_TOP = {"model.embed_tokens.weight": "token_embd.weight",
+            "model.norm.weight": "output_norm.weight", "lm_head.weight": "output.weight"}
+MATRIX_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1")
+
+
+def gguf_name(hf: str) -> str:
+    if hf in GGUF_TOP:
+        return GGUF_TOP[hf]
+    _, _, layer, rest = hf.split(".", 3)          # model.layers.N.<module>.<weight|bias>
+    module, kind = rest.rsplit(".", 1)
+    return f"blk.{layer}.{GGUF_LAYER[module]}.{kind}"
+
+
+def interleave_rows(w, heads):
+    """HF's half-split q/k rows -> Meta's interleaved order: GGUF row h*d + 2i + j holds
+    HF row h*d + j*d/2 + i."""
+    d = w.shape[0] // heads
+    order = [h * d + j * (d // 2) + i for h in range(heads) for i in range(d // 2)
+             for j in range(2)]
+    return w[order]
+
+
+def store(w, type_name):
+    """float32 array -> (array to write, its GGML type, what a correct reader gives back)."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize, quantize
+
+    qtype = GGMLQuantizationType[type_name]
+    stored = quantize(np.ascontiguousarray(w, dtype=np.float32), qtype)
+    return stored, qtype, dequantize(stored, qtype).reshape(w.shape).astype(np.float32)
+
+
+def write_gguf(path, config: dict, weights: dict, types=None, tokenizer=None, pre="gpt2",
+               drop_keys=(), extra_tensors=None):
+    """Write a GGUF of an HF config + float32 weights; -> the HF weights a reader must give.
+
+    types: HF name -> GGML type name; matrices not named cycle through MATRIX_TYPES, vectors
+    are F32. drop_keys: metadata keys to leave out (to test the errors)."""
+    from gguf import GGUFWriter, TokenType
+
+    arch = config["model_type"]
+    writer = GGUFWriter(str(path), arch)
+    keys = {
+        "context_length": config["max_position_embeddings"],
+        "embedding_length": config["hidden_size"],
+        "block_count": config["num_hidden_layers"],
+        "feed_forward_length": config["intermediate_size"],
+        "attention.head_count": config["num_attention_heads"],
+        "attention.head_count_kv": config["num_key_value_heads"],
+        "rope.dimension_count": config["hidden_size"] // config["num_attention_heads"],
+    }
+    for key, value in keys.items():
+        if f"{arch}.{key}" not in drop_keys:
+            writer.add_uint32(f"{arch}.{key}", value)
+    if f"{arch}.attention.layer_norm_rms_epsilon" not in drop_keys:
+        writer.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", config["rms_norm_eps"])
+    writer.add_float32(f"{arch}.rope.freq_base", config["rope_theta"])
+    writer.add_uint32(f"{arch}.vocab_size", config["vocab_size"])
+    if tokenizer is not None:
+        add_tokenizer(writer, tokenizer, pre, TokenType)
+    expected, types = {}, dict(types or {})
+    for i, (name, w) in enumerate(sorted(weights.items())):
+        kind = types.get(name, "F32" if w.ndim == 1 else MATRIX_TYPES[i % len(MATRIX_TYPES)])
+        rows = w
+        if arch == "llama" and (".q_proj." in name or ".k_proj." in name):
+            heads = config["num_attention_heads" if ".q_proj." in name else
+                           "num_key_value_heads"]
+            rows = interleave_rows(w, heads)
+        stored, qtype, _ = store(rows, kind)
+        _, _, expected[name] = store(w, kind)  # blocks lie along rows: order does not matter
+        writer.add_tensor(gguf_name(name), stored, raw_dtype=qtype)
+    for name, (stored, qtype) in (extra_tensors or {}).items():
+        writer.add_tensor(name, stored, raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return expected
+
+
+def add_tokenizer(writer, tokenizer, pre, TokenType):
+    """A `tokenizers` byte-level BPE -> tokenizer.ggml.* keys, as llama.cpp writes them."""
+    model = json.loads(tokenizer.to_str())["model"]
+    vocab = model["vocab"]
+    tokens = sorted(vocab, key=vocab.get)
+    specials = {t.content for t in tokenizer.get_added_tokens_decoder().values() if t.special}
+    merges = [m if isinstance(m, str) else " ".join(m) for m in model["merges"]]
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre(pre)
+    writer.add_token_list(tokens)
+    writer.add_token_types([TokenType.CONTROL if t in specials else TokenType.NORMAL
+                            for t in tokens])
+    writer.add_token_merges(merges)
+    writer.add_bos_token_id(0)
+    writer.add_eos_token_id(0)
+    writer.add_add_bos_token(False)
+    writer.add_chat_template("{% for m in messages %}<|endoftext|>{{ m['role'] }}: "
+                             "{{ m['content'] }}\n{% endfor %}"
+                             "{% if add_generation_prompt %}assistant:{% endif %}")

@@ -1,0 +1,227 @@
+"""The GGUF importer on small files written here with the gguf package's own writer.
+
+Every block format against ``gguf.quants.dequantize`` bit for bit; both architectures through a
+forward pass against the same weights loaded from safetensors (exact: same float32 weights,
+same code); the llama q/k permutation shown to matter; errors that name key, tensor and type.
+"""
+import numpy as np
+import pytest
+
+import minitransformer as mt
+from minitransformer import gguf_blocks
+from minitransformer.synth import llama_config, make_checkpoint, qwen2_config, train_tokenizer
+
+gguf = pytest.importorskip("gguf")
+from gguf_files import MATRIX_TYPES, store, write_gguf  # noqa: E402
+
+SHAPE = dict(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+             num_attention_heads=4, num_key_value_heads=2)
+
+
+def bits(x):
+    return np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
+
+
+@pytest.mark.parametrize("type_name", MATRIX_TYPES)
+def test_dequantize_matches_gguf_bit_for_bit(type_name):
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((8, 96)).astype(np.float32)
+    w[0, :32] = np.abs(w[0, :32])          # an all-positive block: Q4_1's minimum at work
+    w[1, 32:64] = 0.0                      # an all-zero block: scale 0
+    w[2, 5] = 40.0                         # an outlier
+    stored, qtype, reference = store(w, type_name)
+    ours = gguf_blocks.dequantize(stored, type_name, w.shape)
+    assert ours.dtype == np.float32 and ours.shape == w.shape
+    assert np.array_equal(bits(ours), bits(reference))
+
+
+@pytest.mark.parametrize("type_name", ["Q8_0", "Q4_0", "Q4_1", "F16", "BF16"])
+def test_dequantize_arbitrary_bytes_bit_for_bit(type_name):
+    """Any stored bytes, not only what a quantizer writes (odd scales, every nibble)."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    rng = np.random.default_rng(1)
+    qtype = GGMLQuantizationType[type_name]
+    block, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
+    raw = rng.integers(0, 256, size=(4, 64 // block * block_bytes), dtype=np.uint8)
+    if type_name in ("F16", "BF16"):  # keep them finite: NaN payloads are not the point
+        raw[:, 1::2] &= 0x3F
+    reference = dequantize(raw, qtype).reshape(4, 64)
+    ours = gguf_blocks.dequantize(raw, type_name, (4, 64))
+    assert np.array_equal(bits(ours), bits(reference))
+
+
+def test_q4_nibble_order_is_llama_cpp_not_ours():
+    """Code j in the low nibble of byte j, code j + 16 in its high nibble."""
+    block = np.zeros((1, 18), dtype=np.uint8)
+    block[0, :2] = np.array([1.0], dtype="<f2").view(np.uint8)
+    block[0, 2] = 0x9F  # low nibble 15 -> weight 0, high nibble 9 -> weight 16
+    w = gguf_blocks.dequantize(block, "Q4_0", (1, 32))[0]
+    assert w[0] == 7.0 and w[16] == 1.0 and w[1] == -8.0
+
+
+def test_dequantize_errors_name_the_problem():
+    with pytest.raises(ValueError, match="Q5_0 is not supported"):
+        gguf_blocks.dequantize(np.zeros(22, np.uint8), "Q5_0", (1, 32))
+    with pytest.raises(ValueError, match="rows of 48"):
+        gguf_blocks.dequantize(np.zeros(34, np.uint8), "Q8_0", (1, 48))
+    with pytest.raises(ValueError, match="takes 68 bytes, but 34"):
+        gguf_blocks.dequantize(np.zeros(34, np.uint8), "Q8_0", (1, 64))
+
+
+def model_files(tmp_path, config, seed=0, **kwargs):
+    """-> (GGUF path, safetensors checkpoint of exactly the weights the GGUF stores)."""
+    from minitransformer.synth import random_weights
+
+    weights = random_weights(config, seed)
+    expected = write_gguf(tmp_path / "m.gguf", config, weights, **kwargs)
+    reference = make_checkpoint(tmp_path / "hf", config)
+    from minitransformer.safetensors_io import write_tensors
+    write_tensors(reference / "model.safetensors", expected)
+    return tmp_path / "m.gguf", reference, expected
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_forward_pass_matches_the_same_weights_from_safetensors(tmp_path, arch):
+    make = llama_config if arch == "llama" else qwen2_config
+    config = make(**SHAPE, tie_word_embeddings=arch == "qwen2")
+    path, reference, expected = model_files(tmp_path, config)
+    model, ref = mt.load(path), mt.load(reference)
+    assert model.config == ref.config
+    for name, w in expected.items():  # every tensor, every type, exactly
+        assert np.array_equal(bits(mt_numpy(model.weights[name])), bits(w)), name
+    ids = [3, 17, 42, 5, 88, 1, 60]
+    assert np.array_equal(mt.logits(model, ids), mt.logits(ref, ids))
+    assert mt.generate(model, ids, 6) == mt.generate(ref, ids, 6)
+
+
+def mt_numpy(x):
+    from minitransformer.backend import to_numpy
+    return to_numpy(x)
+
+
+def test_llama_q_k_permutation_matters(tmp_path, monkeypatch):
+    """Without undoing llama.cpp's interleaving the logits change: the check above can fail."""
+    from minitransformer import gguf as gguf_module
+
+    config = llama_config(**SHAPE)
+    path, reference, _ = model_files(tmp_path, config, types={}, seed=2)
+    ids = [3, 17, 42, 5, 88, 1, 60]
+    right = mt.logits(mt.load(reference), ids)
+    monkeypatch.setattr(gguf_module, "unpermute", lambda w, heads: w)
+    wrong = mt.logits(mt.load(path), ids)
+    assert np.abs(wrong - right).max() > 1e-3
+
+
+def test_attention_biases_and_untied_head(tmp_path):
+    config = llama_config(**SHAPE, attention_bias=True, tie_word_embeddings=False)
+    path, reference, _ = model_files(tmp_path, config, seed=3)
+    model = mt.load(path)
+    assert model.config.attention_bias and not model.config.tie_word_embeddings
+    ids = [1, 2, 3, 4]
+    assert np.array_equal(mt.logits(model, ids), mt.logits(mt.load(reference), ids))
+
+
+def test_unsupported_type_names_tensor_and_type(tmp_path):
+    config = qwen2_config(**SHAPE)
+    from minitransformer.synth import random_weights
+    weights = random_weights(config)
+    write_gguf(tmp_path / "m.gguf", config, weights,
+               types={"model.layers.1.mlp.up_proj.weight": "Q5_0"})
+    with pytest.raises(mt.CheckpointError, match=r"'blk\.1\.ffn_up\.weight'.*Q5_0"):
+        mt.load(tmp_path / "m.gguf")
+
+
+@pytest.mark.parametrize("drop, message", [
+    ("llama.block_count", "llama.block_count is missing"),
+    ("llama.attention.layer_norm_rms_epsilon", "layer_norm_rms_epsilon is missing"),
+])
+def test_missing_metadata_names_the_key(tmp_path, drop, message):
+    config = llama_config(**SHAPE)
+    from minitransformer.synth import random_weights
+    write_gguf(tmp_path / "m.gguf", config, random_weights(config), drop_keys=(drop,))
+    with pytest.raises(mt.CheckpointError, match=message):
+        mt.load(tmp_path / "m.gguf")
+
+
+def test_bad_files_are_named(tmp_path):
+    with pytest.raises(mt.CheckpointError, match="GGUF file not found"):
+        mt.load(tmp_path / "absent.gguf")
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"not a gguf file at all")
+    with pytest.raises(mt.CheckpointError, match="bad.gguf: not a readable GGUF"):
+        mt.load(bad)
+    config = qwen2_config(**SHAPE)
+    from minitransformer.synth import random_weights
+    weights = random_weights(config)
+    weights.pop("model.layers.1.mlp.down_proj.weight")
+    write_gguf(tmp_path / "m.gguf", config, weights)
+    with pytest.raises(mt.CheckpointError, match="missing tensor.*layers.1.mlp.down_proj"):
+        mt.load(tmp_path / "m.gguf")
+
+
+def test_unknown_tensor_is_named(tmp_path):
+    from gguf import GGMLQuantizationType
+    config = qwen2_config(**SHAPE)
+    from minitransformer.synth import random_weights
+    write_gguf(tmp_path / "m.gguf", config, random_weights(config),
+               extra_tensors={"blk.0.ffn_gate_exps.weight": (np.zeros((4, 64), np.float32),
+                                                             GGMLQuantizationType.F32)})
+    with pytest.raises(mt.CheckpointError, match="unexpected tensor 'blk.0.ffn_gate_exps"):
+        mt.load(tmp_path / "m.gguf")
+
+
+TEXTS = ["The cat sat on the mat.", "  two  spaces, tabs\tand\nnewlines\n\n",
+         "Unicode: café, naïve, 東京, emoji 🙂", "<|endoftext|>The end<|endoftext|>",
+         "It's 2024: 13 cats cost $1,250.75"]
+
+
+@pytest.fixture(scope="module")
+def bpe():
+    return train_tokenizer(1024)
+
+
+@pytest.mark.parametrize("pre", ["gpt2", "smollm"])
+def test_tokenizer_round_trips(tmp_path, bpe, pre):
+    config = qwen2_config(**SHAPE | {"vocab_size": 1024})
+    from minitransformer.synth import random_weights
+    write_gguf(tmp_path / "m.gguf", config, random_weights(config), tokenizer=bpe, pre=pre)
+    tok = mt.load(tmp_path / "m.gguf").tokenizer
+    special = bpe.token_to_id("<|endoftext|>")
+    for text in TEXTS:
+        ids = tok.encode(text)
+        assert tok.backend.decode(ids, skip_special_tokens=False) == text
+        if pre == "gpt2":  # the same split as the tokenizer the file was made from
+            assert ids == bpe.encode(text).ids
+    assert tok.encode("<|endoftext|>a")[0] == special  # a control token stays whole
+    assert tok.decode(tok.encode("<|endoftext|>hello")) == "hello"
+
+
+def test_smollm_splits_every_digit(tmp_path, bpe):
+    config = qwen2_config(**SHAPE | {"vocab_size": 1024})
+    from minitransformer.synth import random_weights
+    write_gguf(tmp_path / "m.gguf", config, random_weights(config), tokenizer=bpe,
+               pre="smollm")
+    tok = mt.load(tmp_path / "m.gguf").tokenizer
+    pieces = [tok.backend.decode([i]) for i in tok.encode("in 2024")]
+    assert pieces[-4:] == ["2", "0", "2", "4"]
+
+
+def test_chat_template_is_kept(tmp_path, bpe):
+    config = qwen2_config(**SHAPE | {"vocab_size": 1024})
+    from minitransformer.synth import random_weights
+    write_gguf(tmp_path / "m.gguf", config, random_weights(config), tokenizer=bpe)
+    tok = mt.load(tmp_path / "m.gguf").tokenizer
+    ids = tok.chat_prompt([{"role": "user", "content": "Hi"}])
+    assert tok.backend.decode(ids, skip_special_tokens=False) == \
+        "<|endoftext|>user: Hi\nassistant:"
+
+
+def test_unsupported_pre_tokenizer_is_named(tmp_path, bpe):
+    config = qwen2_config(**SHAPE | {"vocab_size": 1024})
+    from minitransformer.synth import random_weights
+    write_gguf(tmp_path / "m.gguf", config, random_weights(config), tokenizer=bpe,
+               pre="chatglm-bpe")
+    with pytest.raises(mt.CheckpointError, match="tokenizer.ggml.pre='chatglm-bpe'"):
+        mt.load(tmp_path / "m.gguf")
