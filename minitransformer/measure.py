@@ -1,13 +1,23 @@
-"""Measuring on a noisy machine: median wall time, and the peak bytes the allocator handed out.
+"""Measuring on a noisy machine: times you can trust, and the peak bytes the allocator handed out.
 
-Serves the measured experiments of the chapter: 2 (one attention head both ways), 4 (memory
-with and without the cache), 5-7 (prefill and decode costs).
+Serves the measured experiments of the chapter: 1-2 (cache against recompute), 4 (memory with
+and without the cache), 5-7 (prefill and decode costs), 12-13 (batched steps), 22 (speculative
+runs), and the benchmarks.
 
 Time. One run of anything is a sample of the machine's mood (other processes, frequency
-scaling, first-call allocations), so ``median_time`` runs ``warmup`` untimed calls, then
-``repeat`` timed ones, and reports their median, which one slow outlier cannot move. On CuPy
-the device is synchronized before the clock is read: kernels are queued, not finished, when a
-CuPy call returns.
+scaling, first-call allocations). So ``time_together`` runs ``warmup`` untimed calls, then
+``repeat`` timed ones, and keeps every sample: a ``Timing`` reports the fastest (``best``, the
+least disturbed run, the one ratios are built from) and the median (which one slow outlier cannot
+move). When the median sits far above the best (``spread`` above ``max_spread``) the machine was
+busy while it measured, so it measures another round and pools the samples, up to ``retries``
+times. Several functions are timed side by side, round after round, so a burst of load elsewhere
+hits them alike and their ratio holds up. On CuPy the device is synchronized before the clock is
+read: kernels are queued, not finished, when a CuPy call returns.
+
+Threads. BLAS splits a matrix product over every core, and a thread that waits for a core another
+process holds stalls the whole product: on a 2-core machine with one core busy a decode step was
+measured 20x slower with 2 BLAS threads than with 1. ``limit_threads`` fixes the count (through
+threadpoolctl) and says what it set, for the table's header.
 
 Memory. ``peak_bytes`` runs a function and reports the most bytes that were held at once by
 allocations made *during* the call, above what was held when it started; what was allocated
@@ -17,9 +27,6 @@ before (the model's weights) is not counted. It asks the allocator itself, not a
 - CuPy's memory pool calls registered hooks on every malloc; the pool's ``used_bytes()`` after
   each one gives the peak of the bytes in live arrays (the pool's rounding to 512 B included,
   the pool's cached free blocks not).
-
-The machine. ``machine()`` says what the numbers ran on, for the table's header, and
-``busy_note()`` says when other processes are competing for the CPU.
 
 Leaves out: cycle counters and CUDA events (wall clock is enough at these sizes), and the
 process's resident set size, which counts pages and cannot see one array freed and another
@@ -34,29 +41,96 @@ from dataclasses import dataclass
 from minitransformer.backend import BACKEND, synchronize, xp
 
 
+MAX_SPREAD = 0.25   # median more than 25% above the best: the machine was busy, measure again
+RETRIES = 2         # extra rounds at most, so a machine that stays busy cannot stall a script
+
+
 @dataclass(frozen=True)
 class Timing:
-    """Seconds per call over ``repeat`` timed calls."""
-    median: float
-    best: float
-    worst: float
-    repeat: int
+    """Every timed sample of one function, in seconds per call.
+
+    >>> t = Timing((0.012, 0.010, 0.011, 0.030, 0.010))
+    >>> t.best, t.median, t.worst, t.repeat
+    (0.01, 0.011, 0.03, 5)
+    >>> round(t.spread, 2)       # the median is 10% above the best: a quiet measurement
+    0.1
+    """
+    samples: tuple
+    rounds: int = 1     # 1 + how many times it was re-measured because the spread was large
+
+    @property
+    def best(self) -> float:
+        return min(self.samples)
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.samples)
+
+    @property
+    def worst(self) -> float:
+        return max(self.samples)
+
+    @property
+    def repeat(self) -> int:
+        return len(self.samples)
+
+    @property
+    def spread(self) -> float:
+        """How far the median sits above the best, relative: the noise of this measurement."""
+        return self.median / self.best - 1 if self.best > 0 else 0.0
 
 
-def median_time(fn, warmup: int = 1, repeat: int = 5, clock=time.perf_counter) -> Timing:
-    """Call fn() ``warmup`` times untimed, then ``repeat`` times timed -> Timing."""
-    if warmup < 0 or repeat < 1:
-        raise ValueError(f"need warmup >= 0 and repeat >= 1, got warmup={warmup}, "
-                         f"repeat={repeat}")
+def time_together(fns, warmup: int = 1, repeat: int = 5, after=None, max_spread=MAX_SPREAD,
+                  retries=RETRIES, clock=time.perf_counter) -> list:
+    """Time functions side by side -> [Timing, ...], one per function.
+
+    Each round calls every function once, in turn (and its ``after`` callable, untimed: a
+    rollback that puts the state back for the next call). ``warmup`` rounds are discarded, then
+    ``repeat`` rounds are timed; while any function's spread is above ``max_spread``, ``repeat``
+    more rounds are pooled in, at most ``retries`` times.
+
+    >>> ticks = iter(range(100))                        # a fake clock: one tick per reading
+    >>> [t.samples for t in time_together([lambda: None], repeat=3, clock=lambda: next(ticks))]
+    [(1, 1, 1)]
+    """
+    if warmup < 0 or repeat < 1 or retries < 0:
+        raise ValueError(f"need warmup >= 0, repeat >= 1 and retries >= 0, got warmup={warmup}, "
+                         f"repeat={repeat}, retries={retries}")
+    after = list(after) if after is not None else [None] * len(fns)
+    if len(after) != len(fns):
+        raise ValueError(f"{len(fns)} functions but {len(after)} 'after' callables")
+    samples = [[] for _ in fns]
+
+    def one_round(keep):
+        for fn, undo, kept in zip(fns, after, samples):
+            seconds = timed(fn, clock)[1]
+            if keep:
+                kept.append(seconds)
+            if undo is not None:
+                undo()
+
     for _ in range(warmup):
-        fn()
-    synchronize()
-    times = [timed(fn, clock)[1] for _ in range(repeat)]
-    return Timing(statistics.median(times), min(times), max(times), repeat)
+        one_round(keep=False)
+    for rounds in range(1, retries + 2):
+        for _ in range(repeat):
+            one_round(keep=True)
+        timings = [Timing(tuple(s), rounds) for s in samples]
+        if all(t.spread <= max_spread for t in timings):
+            break
+    return timings
+
+
+def median_time(fn, warmup: int = 1, repeat: int = 5, clock=time.perf_counter,
+                max_spread=MAX_SPREAD, retries=RETRIES) -> Timing:
+    """One function timed: ``time_together([fn], ...)[0]``."""
+    return time_together([fn], warmup, repeat, max_spread=max_spread, retries=retries,
+                         clock=clock)[0]
 
 
 def timed(fn, clock=time.perf_counter):
-    """fn() -> (its result, seconds it took, device work included)."""
+    """fn() -> (its result, seconds it took, device work included): one sample, for
+    ``time_together`` and for progress lines, never a table's figure on its own."""
+    synchronize()
     start = clock()
     result = fn()
     synchronize()
@@ -112,6 +186,22 @@ def _peak_cupy(fn) -> Peak:
     return Peak(result, int(hook.peak - start), "CuPy memory pool used_bytes() peak")
 
 
+def limit_threads(threads) -> str:
+    """Fix the BLAS thread count for the rest of the process (None: leave it) -> the header's
+    words for it, e.g. 'BLAS threads: 1 (openblas)'."""
+    from threadpoolctl import threadpool_info, threadpool_limits
+    if threads is not None:
+        if threads < 1:
+            raise ValueError(f"threads must be >= 1, got {threads}")
+        threadpool_limits(limits=threads, user_api="blas")
+    pools = [p for p in threadpool_info() if p["user_api"] == "blas"]
+    counts = sorted({p["num_threads"] for p in pools})
+    names = sorted({p["internal_api"] for p in pools})
+    set_by = "set" if threads is not None else "library default"
+    return (f"BLAS threads: {', '.join(map(str, counts)) or '?'} "
+            f"({', '.join(names) or 'no BLAS found'}, {set_by})")
+
+
 def machine() -> str:
     """A line saying what the timings ran on, for the table's header: a number measured on a
     machine that was busy with something else means little without it."""
@@ -121,18 +211,3 @@ def machine() -> str:
     if hasattr(os, "getloadavg"):
         text += f", load average {os.getloadavg()[0]:.1f} at start"
     return text
-
-
-def busy_note():
-    """None on a mostly idle machine; else a sentence saying why its timings will be noisy."""
-    if BACKEND != "numpy" or not hasattr(os, "getloadavg"):
-        return None
-    load, cores = os.getloadavg()[0], os.cpu_count() or 1
-    if load <= cores / 2:
-        return None
-    # The trap: BLAS splits a matrix product over every core, and a thread that waits for a core
-    # another process holds stalls the whole product. On a 2-core machine with one core busy a
-    # decode step was measured 20x slower with 2 BLAS threads than with 1.
-    return (f"load average {load:.1f} on {cores} cores: other processes compete for the CPU and "
-            "the timings will be noisy; OPENBLAS_NUM_THREADS=1 (or OMP_NUM_THREADS=1) steadies "
-            "them")

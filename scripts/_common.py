@@ -91,3 +91,41 @@ def say(message):
 def progress(i, n, message=""):
     """One line per unit of work: '[i/n] message'."""
     say(f"[{i}/{n}] {message}")
+
+
+class Progress:
+    """'[i/n] message (12 s, about 30 s left)' on stderr, for work that takes more than a few
+    seconds: the estimate is the time per unit so far times the units left.
+
+    cost(i): the relative cost of unit i (1-based) when units are not alike, e.g. a recompute
+    step over a growing sequence, so the estimate does not fall short."""
+
+    def __init__(self, n, label="", cost=None):
+        self.n, self.label, self.i, self.start = n, label, 0, time.perf_counter()
+        self.cost = cost or (lambda i: 1)
+
+    def __call__(self, message="", done=1):
+        self.i += done
+        elapsed = time.perf_counter() - self.start
+        spent = sum(self.cost(j) for j in range(1, self.i + 1))
+        left = elapsed / spent * sum(self.cost(j) for j in range(self.i + 1, self.n + 1)) \
+            if spent else 0.0
+        eta = f", about {left:.0f} s left" if self.i < self.n else ""
+        say(f"[{self.i}/{self.n}] {self.label}{': ' if self.label and message else ''}"
+            f"{message} ({elapsed:.0f} s{eta})")
+
+
+def add_threads_argument(parser):
+    """--threads: BLAS threads for every matrix product (timing scripts)."""
+    parser.add_argument("--threads", type=int, default=1, metavar="N",
+                        help="BLAS threads (default: 1, the steadiest timings on a small shared "
+                             "machine: a BLAS thread waiting for a busy core stalls the product; "
+                             "0 leaves the library's own choice)")
+
+
+def timing_header(args):
+    """Apply --threads and return the header line saying where the timings ran."""
+    from minitransformer.measure import limit_threads, machine
+    if args.threads < 0:
+        raise SystemExit(f"--threads must be >= 0, got {args.threads}")
+    return f"machine: {machine()}; {limit_threads(args.threads or None)}"

@@ -17,11 +17,13 @@ import argparse
 
 import numpy as np
 
-from _common import add_model_argument, progress, say
+from _common import Progress, add_model_argument, add_threads_argument, timing_header
+from _table import Table
 from minitransformer.backend import to_device, to_numpy
 from minitransformer.config import load_config
-from minitransformer.measure import busy_note, machine, median_time, peak_bytes
+from minitransformer.measure import peak_bytes, time_together
 from minitransformer.model import attention
+from minitransformer.sanity import recheck, slower
 from minitransformer.synth import default_model
 
 FP32 = 4  # bytes per score: the model's math is float32
@@ -49,11 +51,14 @@ def measure(n, d, warmup, repeat, seed=0):
     rng = np.random.default_rng(seed)
     q, k, v = (rng.standard_normal((n, d), dtype=np.float32) for _ in range(3))
     recompute, cached = step_both_ways(q, k, v)
-    t_re = median_time(recompute, warmup, repeat)
-    t_ca = median_time(cached, warmup, repeat)
+    # side by side, and again if the cached step came out slower than the recompute (a step
+    # that does 1/n of the work cannot be: the machine was busy)
+    (t_re, t_ca), warning = recheck(
+        lambda _: time_together([recompute, cached], warmup, repeat),
+        lambda t: slower(t[1], t[0], "the cached step", "the recompute"))
     peak_re, peak_ca = peak_bytes(recompute), peak_bytes(cached)
     diff = float(np.abs(to_numpy(peak_re.result) - to_numpy(peak_ca.result)).max())
-    return {"n": n, "recompute_s": t_re.median, "cached_s": t_ca.median,
+    return {"n": n, "recompute": t_re, "cached": t_ca, "warning": warning,
             "scores_recompute": n * n * FP32, "scores_cached": n * FP32,
             "peak_recompute": peak_re.peak_bytes, "peak_cached": peak_ca.peak_bytes,
             "max_diff": diff, "counter": peak_re.counter}
@@ -68,40 +73,44 @@ def main(argv=None):
                         help="d (default: the model's head_dim)")
     parser.add_argument("--warmup", type=int, default=1, help="untimed calls (default: 1)")
     parser.add_argument("--repeat", type=int, default=5,
-                        help="timed calls, the median is reported (default: 5)")
+                        help="timed calls, their min and median reported (default: 5)")
+    add_threads_argument(parser)
     args = parser.parse_args(argv)
     d = args.head_dim or load_config(args.model or default_model()).head_dim
     if d < 1 or min(args.lengths) < 1:
         parser.error("--head-dim and --lengths must be positive")
 
-    ran_on, rows = machine(), []
-    if note := busy_note():
-        say(f"note: {note}")
-    for i, n in enumerate(args.lengths, 1):
+    ran_on, rows = timing_header(args), []
+    progress = Progress(len(args.lengths), "attention step")
+    for n in args.lengths:
         rows.append(measure(n, d, args.warmup, args.repeat))
         r = rows[-1]
-        progress(i, len(args.lengths), f"n={n}: recompute {r['recompute_s'] * 1e3:.2f} ms, "
-                                       f"cached {r['cached_s'] * 1e3:.3f} ms")
+        progress(f"n={n}: recompute {r['recompute'].best * 1e3:.2f} ms, "
+                 f"cached {r['cached'].best * 1e3:.3f} ms")
 
-    print(f"Experiment 2: one attention head (d = {d}), one generation step both ways, float32")
-    print(f"time: median of {args.repeat} after {args.warmup} warm-up; "
-          f"peak: {rows[0]['counter']}, one step")
-    print(f"machine: {ran_on}")
-    print()
-    print(f"{'n':>6}{'recompute ms':>14}{'cached ms':>11}{'ratio':>8}"
-          f"{'scores n x n':>15}{'scores 1 x n':>14}{'peak recompute':>16}{'peak cached':>13}")
+    table = Table(f"Experiment 2: one attention head (d = {d}), one generation step both ways, "
+                  "float32", experiment=2, columns=[
+                      ("n", ",d"), ("recompute ms", ".3f"), ("recompute med", ".3f"),
+                      ("cached ms", ".3f"), ("cached med", ".3f"), ("ratio", ".0f"),
+                      ("scores n x n B", ",d"), ("scores 1 x n B", ",d"),
+                      ("peak recompute B", ",d"), ("peak cached B", ",d")])
+    table.header(f"time: min (ms) and median (med) of {args.repeat}+ calls after "
+                 f"{args.warmup} warm-up, the two ways side by side; "
+                 f"peak: {rows[0]['counter']}, one step", ran_on)
     for r in rows:
-        print(f"{r['n']:>6,}{r['recompute_s'] * 1e3:>14.3f}{r['cached_s'] * 1e3:>11.3f}"
-              f"{r['recompute_s'] / r['cached_s']:>7.0f}x{r['scores_recompute']:>15,}"
-              f"{r['scores_cached']:>14,}{r['peak_recompute']:>16,}{r['peak_cached']:>13,}")
+        re, ca = r["recompute"], r["cached"]
+        table.row(r["n"], re.best * 1e3, re.median * 1e3, ca.best * 1e3, ca.median * 1e3,
+                  re.best / ca.best, r["scores_recompute"], r["scores_cached"],
+                  r["peak_recompute"], r["peak_cached"], warning=r["warning"])
     last = rows[-1]
-    print()
-    print(f"at n = {last['n']:,}: scores {last['scores_recompute']:,} B "
-          f"({last['scores_recompute'] / 1e6:.1f} MB) recomputed against "
-          f"{last['scores_cached']:,} B ({last['scores_cached'] / 1e3:.1f} KB) cached "
-          f"(chapter, n = 4,096: 67 MB vs 16 KB)")
+    table.note(f"at n = {last['n']:,}: scores {last['scores_recompute']:,} B "
+               f"({last['scores_recompute'] / 1e6:.1f} MB) recomputed against "
+               f"{last['scores_cached']:,} B ({last['scores_cached'] / 1e3:.1f} KB) cached")
     worst = max(r["max_diff"] for r in rows)
-    print(f"newest position's output, recompute vs cached: max |difference| {worst:.1e}")
+    table.note(f"newest position's output, recompute vs cached: max |difference| {worst:.1e}")
+    table.plot("n", ["recompute ms", "cached ms"], "one attention step against the context, "
+               "with and without the cache", logx=True, logy=True)
+    table.show()
     return 0 if worst < 1e-4 else 1
 
 

@@ -13,18 +13,21 @@ cache the peak is the cache itself (allocated once for prompt + new tokens, floa
 the prefill's activations over the prompt. Both runs generate exactly --new-tokens tokens (end
 of sequence does not stop them) and must agree token for token.
 
-Runtime: recompute costs a full pass per token, O(N^2) tokens processed in all. The default is
-the chapter's 256 new tokens (about half a minute on the default model, far longer on
-Qwen2.5-0.5B on a CPU); --new-tokens 64 is a quick look.
+Time is not this table's business: tracemalloc slows every allocation, and one generation each
+way is one sample; experiment 1 times the two ways. Runtime: recompute costs a full pass per
+token, O(N^2) tokens processed in all. The default is the chapter's 256 new tokens (55 s on the
+default model on a 2-core machine shared with other work; far longer on Qwen2.5-0.5B on a CPU);
+--new-tokens 64 is a quick look.
 """
 import argparse
 from functools import partial
 
 import numpy as np
 
-from _common import add_model_argument, load_model, mt, progress, say
+from _common import Progress, add_model_argument, add_threads_argument, load_model, mt, say
+from _table import Table
 from minitransformer.config import load_config
-from minitransformer.measure import busy_note, machine, peak_bytes, timed
+from minitransformer.measure import limit_threads, peak_bytes
 from minitransformer.synth import default_model
 from sim.kv_memory import format_bytes, kv_bytes_per_token
 
@@ -35,17 +38,25 @@ def weight_bytes(model) -> int:
 
 
 def measure(model, prompt, new_tokens):
-    """-> {'recompute' | 'cache': (tokens, peak bytes, seconds)}, plus the counter's name."""
-    def generate(cache):  # -> (tokens, seconds)
-        return timed(lambda: mt.generate(model, prompt, new_tokens, cache=cache,
-                                         eos_token_id=[]))
+    """-> {'recompute' | 'cache': (tokens, peak bytes)}, plus the counter's name."""
+    P = len(prompt)
+
+    def generate(cache):  # -> tokens, with progress: a recompute step costs its sequence length
+        progress = Progress(new_tokens, "no cache" if not cache else "KV cache",
+                            cost=(lambda i: 1) if cache else (lambda i: P + i))
+        tokens = []
+        for i, token in enumerate(mt.stream(model, prompt, new_tokens, cache=cache,
+                                            eos_token_id=[]), 1):
+            tokens.append(token)
+            if i % 32 == 0 or i == new_tokens:
+                progress(f"{i} tokens", done=i - progress.i)
+        return tokens
 
     runs = {}
-    for i, (name, cache) in enumerate((("recompute", False), ("cache", True)), 1):
+    for name, cache in (("recompute", False), ("cache", True)):
         peak = peak_bytes(partial(generate, cache))
-        tokens, seconds = peak.result
-        runs[name] = (tokens, peak.peak_bytes, seconds)
-        progress(i, 2, f"{name}: peak {peak.peak_bytes:,} B in {seconds:.1f} s")
+        runs[name] = (peak.result, peak.peak_bytes)
+        say(f"{name}: peak {peak.peak_bytes:,} B")
     return runs, peak.counter
 
 
@@ -57,6 +68,7 @@ def main(argv=None):
     parser.add_argument("--new-tokens", type=int, default=256,
                         help="tokens generated each way (default: the chapter's 256; recompute "
                              "costs O(N^2) passes, so fewer is much faster)")
+    add_threads_argument(parser)
     args = parser.parse_args(argv)
     path = args.model or default_model()
     c = load_config(path)
@@ -68,32 +80,28 @@ def main(argv=None):
     model = load_model(path)
     prompt = np.random.default_rng(0).integers(0, c.vocab_size, P).tolist()
     mt.generate(model, prompt[:4], 2)  # warm-up: first-call allocations out of the numbers
-    ran_on = machine()
-    if note := busy_note():
-        say(f"note: {note}")
+    threads = limit_threads(args.threads or None)
     say(f"generating {N} tokens after a {P}-token prompt, recompute then cache ...")
     runs, counter = measure(model, prompt, N)
-    (slow, peak_slow, t_slow), (fast, peak_fast, t_fast) = runs["recompute"], runs["cache"]
+    (slow, peak_slow), (fast, peak_fast) = runs["recompute"], runs["cache"]
     cache_held = (P + N) * kv_bytes_per_token(c, 4)
     same = sum(a == b for a, b in zip(slow, fast))
 
-    print(f"Experiment 4: memory with and without the KV cache ({P}-token prompt, {N} new "
-          f"tokens, greedy, float32)")
-    print(f"measured: {counter}, during generation, above the resident weights "
-          f"({format_bytes(weight_bytes(model))}, loaded before counting started); "
-          f"time: wall clock of the same runs")
-    print(f"machine: {ran_on}")
-    print()
-    print(f"{'method':<30}{'peak beyond weights':>22}{'bytes':>14}{'time (s)':>10}")
-    for label, peak, seconds in (("no cache (full recompute)", peak_slow, t_slow),
-                                 ("KV cache (prefill + decode)", peak_fast, t_fast)):
-        print(f"{label:<30}{format_bytes(peak):>22}{peak:>14,}{seconds:>10.2f}")
-    print()
-    print(f"no cache / cache: {peak_slow / peak_fast:.1f}x the memory, "
-          f"{t_slow / t_fast:.1f}x the time (the chapter, 256 tokens fp16 on a GPU: 8.3x memory)")
-    print(f"of the cached run's peak, the cache itself: {cache_held:,} B ({P + N} slots x "
-          f"{kv_bytes_per_token(c, 4):,} B/token in float32, preallocated; exact, experiment 8)")
-    print(f"tokens identical: {same} of {N}")
+    table = Table(f"Experiment 4: memory with and without the KV cache ({P}-token prompt, {N} "
+                  "new tokens, greedy, float32)", experiment=4,
+                  columns=[("method", ""), ("peak beyond weights", format_bytes),
+                           ("bytes", ",d")])
+    table.header(f"measured: {counter}, during generation, above the resident weights "
+                 f"({format_bytes(weight_bytes(model))}, loaded before counting started); "
+                 f"memory does not depend on timing ({threads})")
+    table.row("no cache (full recompute)", peak_slow, peak_slow)
+    table.row("KV cache (prefill + decode)", peak_fast, peak_fast)
+    table.note(f"no cache / cache: {peak_slow / peak_fast:.1f}x the memory",
+               f"of the cached run's peak, the cache itself: {cache_held:,} B ({P + N} slots x "
+               f"{kv_bytes_per_token(c, 4):,} B/token in float32, preallocated; exact, "
+               "experiment 8)",
+               f"tokens identical: {same} of {N}")
+    table.show()
     return 0 if same == N else 1
 
 

@@ -13,18 +13,19 @@ by matrices (P rows at once), a decode step multiplies them by one vector and sp
 reading the weights.
 
 One run is a sample of a noisy machine, so the run is repeated: --warmup runs are discarded,
-then each figure is the median over --repeat runs (of the prefill time; of each run's mean
-decode step).
+then each figure is the fastest and the median over --repeat runs (of the prefill time; of each
+run's mean decode step), with more runs pooled in while the median sits far above the fastest.
 """
 import argparse
 import statistics
 
 import numpy as np
 
-from _common import add_model_argument, load_model, progress, say
+from _common import Progress, add_model_argument, add_threads_argument, load_model, timing_header
+from _table import Table
 from minitransformer.generate import last_logits
 from minitransformer.kvcache import KVCache
-from minitransformer.measure import busy_note, machine, timed
+from minitransformer.measure import MAX_SPREAD, RETRIES, Timing, timed
 from minitransformer.model import forward
 
 
@@ -45,18 +46,31 @@ def one_run(model, prompt, new_tokens):
 
 
 def measure(model, prompt, new_tokens, warmup, repeat):
-    """-> (median prefill seconds, median of the runs' mean decode step, tokens of the last run)."""
+    """-> (Timing of the prefill, Timing of the runs' mean decode step, tokens of the last run).
+
+    --repeat runs after --warmup, and --repeat more while a median sits far above its best."""
     prefills, means = [], []
-    for i in range(warmup + repeat):
+    progress = Progress(warmup + repeat, "generation")
+
+    def run(keep):
         prefill, steps, tokens = one_run(model, prompt, new_tokens)
-        label = "warm-up" if i < warmup else "run"
         mean = statistics.fmean(steps) if steps else float("nan")
-        progress(i + 1, warmup + repeat, f"{label}: prefill {prefill * 1e3:.1f} ms, "
-                                         f"decode {mean * 1e3:.1f} ms/step")
-        if i >= warmup:
+        progress(f"{'run' if keep else 'warm-up'}: prefill {prefill * 1e3:.1f} ms, "
+                 f"decode {mean * 1e3:.1f} ms/step")
+        if keep:
             prefills.append(prefill)
             means.append(mean)
-    return statistics.median(prefills), statistics.median(means), tokens
+        return tokens
+
+    for _ in range(warmup):
+        run(keep=False)
+    for rounds in range(1 + RETRIES):
+        tokens = [run(keep=True) for _ in range(repeat)][-1]
+        timings = Timing(tuple(prefills), rounds + 1), Timing(tuple(means), rounds + 1)
+        if all(t.spread <= MAX_SPREAD for t in timings):
+            break
+        progress.n += repeat  # a busy machine: another round, pooled in
+    return *timings, tokens
 
 
 def main(argv=None):
@@ -69,7 +83,8 @@ def main(argv=None):
                              "(default: 48)")
     parser.add_argument("--warmup", type=int, default=1, help="discarded runs (default: 1)")
     parser.add_argument("--repeat", type=int, default=3,
-                        help="measured runs, medians reported (default: 3)")
+                        help="measured runs, fastest and median reported (default: 3)")
+    add_threads_argument(parser)
     args = parser.parse_args(argv)
     P, N = args.prompt_tokens, args.new_tokens
     if P < 1 or N < 2 or args.warmup < 0 or args.repeat < 1:
@@ -80,25 +95,23 @@ def main(argv=None):
     if P + N > c.max_position_embeddings:
         parser.error(f"P + N = {P + N} exceeds the model's {c.max_position_embeddings} positions")
     prompt = np.random.default_rng(0).integers(0, c.vocab_size, P).tolist()
-    ran_on = machine()
-    if note := busy_note():
-        say(f"note: {note}")
+    ran_on = timing_header(args)
     prefill, decode, _ = measure(model, prompt, N, args.warmup, args.repeat)
-    per_token = prefill / P
 
-    print(f"Experiment 5: prefill vs decode, one generation with the KV cache (float32, median "
-          f"of {args.repeat} runs after {args.warmup} warm-up)")
-    print(f"machine: {ran_on}")
-    print()
-    left = (f"prefill, {P} prompt tokens", f"decode,  {N - 1} steps")
-    width = max(map(len, left)) + 1
-    ms = per_token * 1e3  # the chapter's one decimal, more digits for a tiny model
-    print(f"{left[0]:<{width}}: {prefill:.4f} s   ->  {ms:.{1 if ms >= 1 else 3}f} ms per token")
-    print(f"{left[1]:<{width}}: {decode:.4f} s mean per step")
-    print()
-    print(f"a decode step costs {decode / per_token:.1f}x a prompt token "
-          f"(the chapter: 166.5 / 25.6 = 6.5x); one prefill pass of {P} tokens costs "
-          f"{prefill / decode:.1f} decode steps")
+    table = Table("Experiment 5: prefill vs decode, one generation with the KV cache (float32)",
+                  experiment=5, columns=[("phase", ""), ("tokens", "d"), ("time s", ".4f"),
+                                         ("ms per token", ".3f"), ("med ms per token", ".3f")])
+    table.header(f"time: fastest and median of {prefill.repeat} runs after {args.warmup} "
+                 "warm-up (decode: each run's mean step)", ran_on)
+    table.row(f"prefill, {P} prompt tokens", P, prefill.best, prefill.best / P * 1e3,
+              prefill.median / P * 1e3)
+    table.row(f"decode, {N - 1} steps", N - 1, decode.best * (N - 1), decode.best * 1e3,
+              decode.median * 1e3)
+    table.note(f"a decode step costs {decode.best / (prefill.best / P):.1f}x a prompt token "
+               f"(the chapter: 166.5 / 25.6 = 6.5x); one prefill pass of {P} tokens costs "
+               f"{prefill.best / decode.best:.1f} decode steps")
+    table.plot("phase", ["ms per token"], "prefill against decode, cost per token", kind="bar")
+    table.show()
     return 0
 
 

@@ -1,8 +1,10 @@
 """Experiment 6: the cost of prefill as the prompt grows.
 
 One prefill pass over P tokens, as generation does it (a cache allocated for the P tokens, the
-forward pass, the head on the last position), timed for each P: the median of --repeat passes
-after --warmup. The chapter: the time grows with P, but per token it falls, because a pass over
+forward pass, the head on the last position), timed for each P: the fastest and the median of
+--repeat passes after --warmup (more while the median sits far above the fastest). A longer pass
+that comes out cheaper than a shorter one, or a per-token cost standing above both neighbours,
+is measured again and, if it persists, flagged beside its row. The chapter: the time grows with P, but per token it falls, because a pass over
 P tokens multiplies every weight matrix by P rows at once (matrix-matrix work) and reads each
 weight once for all of them. This is why time to first token grows with the prompt.
 """
@@ -10,11 +12,14 @@ import argparse
 
 import numpy as np
 
-from _common import add_model_argument, load_model, progress, say
+from _common import (Progress, add_model_argument, add_threads_argument, load_model, say,
+                     timing_header)
+from _table import Table
 from minitransformer.generate import last_logits
 from minitransformer.kvcache import KVCache
-from minitransformer.measure import busy_note, machine, median_time
+from minitransformer.measure import median_time
 from minitransformer.model import forward
+from minitransformer.sanity import cost_falls, recheck, spikes
 
 
 def prefill_time(model, ids, warmup, repeat):
@@ -32,7 +37,8 @@ def main(argv=None):
                         help="prompt lengths P (default: %(default)s)")
     parser.add_argument("--warmup", type=int, default=1, help="untimed passes (default: 1)")
     parser.add_argument("--repeat", type=int, default=3,
-                        help="timed passes, the median is reported (default: 3)")
+                        help="timed passes, the fastest and median reported (default: 3)")
+    add_threads_argument(parser)
     args = parser.parse_args(argv)
     if min(args.lengths) < 1 or args.warmup < 0 or args.repeat < 1:
         parser.error("need --lengths >= 1, --warmup >= 0, --repeat >= 1")
@@ -45,25 +51,40 @@ def main(argv=None):
     if len(lengths) < len(args.lengths):
         say(f"skipping P > {limit}: beyond the model's positions")
     ids = np.random.default_rng(0).integers(0, model.config.vocab_size, max(lengths))
-    ran_on, rows = machine(), []
-    if note := busy_note():
-        say(f"note: {note}")
-    for i, P in enumerate(lengths, 1):
-        t = prefill_time(model, ids[:P], args.warmup, args.repeat)
-        rows.append((P, t.median))
-        progress(i, len(lengths), f"P={P}: {t.median * 1e3:.1f} ms "
-                                  f"(best {t.best * 1e3:.1f}, worst {t.worst * 1e3:.1f})")
+    ran_on = timing_header(args)
 
-    print(f"Experiment 6: prefill cost vs prompt length (float32, median of {args.repeat} "
-          f"passes after {args.warmup} warm-up)")
-    print(f"machine: {ran_on}")
-    print()
-    print(f"{'P':>6}{'time (ms)':>12}{'ms/token':>10}{'tokens/s':>10}")
-    for P, seconds in rows:
-        print(f"{P:>6,}{seconds * 1e3:>12.1f}{seconds * 1e3 / P:>10.2f}{P / seconds:>10.0f}")
-    (P0, t0), (P1, t1) = rows[0], rows[-1]
-    print()
-    print(f"P {P0} -> {P1}: the pass costs {t1 / t0:.1f}x, a token {t1 / P1 / (t0 / P0):.2f}x")
+    def measure(previous):
+        """-> [Timing per P]; on a re-measurement only the rows a check flagged are redone."""
+        redo = range(len(lengths)) if previous is None else flagged(previous)
+        progress = Progress(len(redo), "prefill" if previous is None else "re-measuring")
+        timings = list(previous or [None] * len(lengths))
+        for i in redo:
+            timings[i] = prefill_time(model, ids[:lengths[i]], args.warmup, args.repeat)
+            progress(f"P={lengths[i]}: {timings[i].best * 1e3:.1f} ms "
+                     f"(median {timings[i].median * 1e3:.1f})")
+        return timings
+
+    def flagged(timings):  # a longer pass cheaper than a shorter one; a per-token outlier
+        found = cost_falls(lengths, timings, "a pass over P =")
+        for i, message in spikes(lengths, lengths, timings).items():
+            found[i] = found.get(i, message)
+        return found | {i - 1: found[i] for i in found if i > 0 and i - 1 not in found}
+
+    timings, warnings = recheck(measure, flagged)
+
+    table = Table("Experiment 6: prefill cost vs prompt length (float32)", experiment=6,
+                  columns=[("P", ",d"), ("time ms", ".1f"), ("med ms", ".1f"),
+                           ("ms per token", ".2f"), ("tokens/s", ".0f")])
+    table.header(f"time: fastest and median of {args.repeat}+ passes after {args.warmup} "
+                 "warm-up", ran_on)
+    for i, (P, t) in enumerate(zip(lengths, timings)):
+        table.row(P, t.best * 1e3, t.median * 1e3, t.best * 1e3 / P, P / t.best,
+                  warning=warnings.get(i))
+    (P0, t0), (P1, t1) = (lengths[0], timings[0].best), (lengths[-1], timings[-1].best)
+    table.note(f"P {P0} -> {P1}: the pass costs {t1 / t0:.1f}x, a token {t1 / P1 / (t0 / P0):.2f}x")
+    table.plot("P", ["ms per token"], "prefill: cost per prompt token against prompt length",
+               logx=True)
+    table.show()
     return 0
 
 

@@ -66,14 +66,14 @@ def test_exp02_table(checkpoint_dir, capsys):
     assert rc == 0 and "(d = 8)" in out
     rows = table_rows(out, "n ")
     assert [r[0] for r in rows] == ["16", "32"]
-    assert [(r[4], r[5]) for r in rows] == [("1,024", "64"), ("4,096", "128")]  # n*n*4, n*4
+    assert [(r[6], r[7]) for r in rows] == [("1,024", "64"), ("4,096", "128")]  # n*n*4, n*4
 
 
 @numpy_only
 def test_exp04_same_tokens_and_recompute_holds_more(tiny_model):
     prompt = [1, 2, 3, 4]
     runs, counter = exp04.measure(tiny_model, prompt, 60)
-    (slow, peak_slow, _), (fast, peak_fast, _) = runs["recompute"], runs["cache"]
+    (slow, peak_slow), (fast, peak_fast) = runs["recompute"], runs["cache"]
     assert slow == fast == mt.generate(tiny_model, prompt, 60, eos_token_id=[])
     assert len(fast) == 60
     # The cache's own bytes are inside the cached run's peak ...
@@ -105,12 +105,11 @@ def test_exp05_timed_loop_generates_what_generate_does(tiny_model):
 def test_exp05_table(checkpoint_dir, capsys):
     rc = exp05.main(["--model", str(checkpoint_dir("llama-gqa")), "--prompt-tokens", "12",
                      "--new-tokens", "6", "--repeat", "2", "--warmup", "0"])
-    lines = capsys.readouterr().out.splitlines()
+    rows = table_rows(capsys.readouterr().out, "phase ")
     assert rc == 0
-    i = next(i for i, line in enumerate(lines) if line.startswith("prefill,"))
-    assert lines[i].startswith("prefill, 12 prompt tokens : ") and "ms per token" in lines[i]
-    assert lines[i + 1].startswith("decode,  5 steps ") and "mean per step" in lines[i + 1]
-    assert lines[i].index(":") == lines[i + 1].index(":")  # aligned as in the chapter
+    assert [r[:5] for r in rows] == [["prefill,", "12", "prompt", "tokens", "12"],
+                                     ["decode,", "5", "steps", "5", rows[1][4]]]
+    assert all(float(x) > 0 for r in rows for x in r[-3:])
 
 
 def test_exp06_table_skips_lengths_beyond_the_model(checkpoint_dir, capsys):
@@ -133,7 +132,7 @@ def test_exp07_timed_step_sees_exactly_c_cached_tokens(tiny_model):
         assert exp07.decode_step(tiny_model, cache, ids[7]) == expected
         assert cache.lengths.tolist() == [7]
     timings = exp07.step_times(tiny_model, [3, 9], warmup=1, repeat=2)
-    assert [t.repeat for t in timings] == [2, 2]
+    assert [t.repeat % 2 for t in timings] == [0, 0]  # rounds of 2, pooled when noisy
 
 
 def test_exp07_table(checkpoint_dir, capsys):

@@ -7,7 +7,7 @@ import pytest
 
 from minitransformer import measure
 from minitransformer.backend import BACKEND
-from minitransformer.measure import median_time, peak_bytes, timed
+from minitransformer.measure import median_time, peak_bytes, time_together, timed
 
 
 def fake_clock(*readings):
@@ -15,13 +15,45 @@ def fake_clock(*readings):
     return lambda: next(it)
 
 
-def test_median_time_discards_warmup_and_takes_the_median():
+def clock_of_durations(*durations):
+    """A fake clock whose successive timed calls last the given durations."""
+    readings, now = [], 0.0
+    for d in durations:
+        readings += [now, now + d]
+        now += d + 1
+    return fake_clock(*readings)
+
+
+def test_median_time_discards_warmup_and_reports_best_and_median():
     calls = []
-    # 3 timed calls lasting 5, 1 and 3 time units; the 2 warm-up calls read no clock.
+    # 2 warm-up calls read the clock but are not kept; 3 timed calls last 11, 10 and 12.
     t = median_time(lambda: calls.append(1), warmup=2, repeat=3,
-                    clock=fake_clock(0, 5, 10, 11, 20, 23))
+                    clock=clock_of_durations(90, 90, 11, 10, 12))
     assert len(calls) == 5
-    assert (t.median, t.best, t.worst, t.repeat) == (3, 1, 5, 3)
+    assert (t.median, t.best, t.worst, t.repeat, t.rounds) == (11, 10, 12, 3, 1)
+
+
+def test_a_large_spread_is_measured_again_and_pooled():
+    # first round: median 5 against best 1 (a busy machine); the second round is quiet
+    t = median_time(lambda: None, warmup=0, repeat=3,
+                    clock=clock_of_durations(1, 5, 5, 1, 1, 1))
+    assert (t.samples, t.rounds, t.median, t.best) == ((1, 5, 5, 1, 1, 1), 2, 1, 1)
+
+
+def test_a_machine_that_stays_busy_stops_after_the_retries():
+    t = median_time(lambda: None, warmup=0, repeat=2, retries=1,
+                    clock=clock_of_durations(1, 5, 1, 5))
+    assert (t.rounds, t.repeat) == (2, 4) and t.spread == 2.0
+
+
+def test_functions_timed_together_alternate_and_roll_back():
+    order = []
+    fns = [lambda: order.append("a"), lambda: order.append("b")]
+    undo = [lambda: order.append("undo a"), None]
+    timings = time_together(fns, warmup=1, repeat=2, after=undo,
+                            clock=clock_of_durations(*[1] * 6))
+    assert order == ["a", "undo a", "b"] * 3
+    assert [t.samples for t in timings] == [(1, 1), (1, 1)]
 
 
 def test_median_time_rejects_nonsense():
@@ -29,6 +61,8 @@ def test_median_time_rejects_nonsense():
         median_time(lambda: None, repeat=0)
     with pytest.raises(ValueError, match="warmup"):
         median_time(lambda: None, warmup=-1)
+    with pytest.raises(ValueError, match="'after'"):
+        time_together([lambda: None], after=[None, None])
 
 
 def test_timed_returns_the_result():
@@ -65,11 +99,24 @@ def test_peak_inside_an_outer_trace_keeps_it_running():
         tracemalloc.stop()
 
 
-@pytest.mark.skipif(BACKEND != "numpy", reason="the load note is about CPU timings")
-def test_busy_note_only_when_other_processes_hold_half_the_cores(monkeypatch):
+@pytest.mark.skipif(BACKEND != "numpy", reason="the load average is about CPU timings")
+def test_machine_says_cores_and_load(monkeypatch):
     monkeypatch.setattr(os, "cpu_count", lambda: 4)
     monkeypatch.setattr(os, "getloadavg", lambda: (1.9, 0.0, 0.0))
-    assert measure.busy_note() is None
     assert measure.machine() == "numpy on 4 CPU cores, load average 1.9 at start"
-    monkeypatch.setattr(os, "getloadavg", lambda: (6.5, 0.0, 0.0))
-    assert "load average 6.5 on 4 cores" in measure.busy_note()
+
+
+def test_limit_threads_sets_blas_and_says_so():
+    threadpoolctl = pytest.importorskip("threadpoolctl")
+    if not [p for p in threadpoolctl.threadpool_info() if p["user_api"] == "blas"]:
+        pytest.skip("no BLAS library loaded")
+    before = threadpoolctl.threadpool_info()
+    try:
+        assert measure.limit_threads(1).startswith("BLAS threads: 1 (")
+        assert {p["num_threads"] for p in threadpoolctl.threadpool_info()
+                if p["user_api"] == "blas"} == {1}
+    finally:
+        for p in before:
+            threadpoolctl.threadpool_limits(p["num_threads"], user_api=p["user_api"])
+    with pytest.raises(ValueError, match="threads"):
+        measure.limit_threads(0)

@@ -1,0 +1,115 @@
+"""Sanity checks on measured figures: invariants a timing cannot break unless the machine lied.
+
+Serves the measured experiments of the chapter (2, 4, 6, 7, 12, 13, 22). A timing taken while
+something else ran on the machine can come out impossible: a batch of 7 cheaper than a batch of
+1, a speculative speedup above what the accepted tokens allow. Each check here takes measured
+``Timing``s (minitransformer/measure.py) and returns a message per row that breaks its invariant,
+None or {} when all is well. The tolerance is the measurement's own noise (its spread, never
+less than ``NOISE_FLOOR``), not a constant chosen to keep the checks quiet.
+
+``recheck`` is the loop every script runs around a check: measure, check, and while a check
+fires measure again; a message that survives is printed beside its row.
+
+Leaves out: statistical tests (a handful of samples per row cannot carry them), and invariants
+of things that are not timed (tokens, bytes), which the tests assert exactly.
+"""
+NOISE_FLOOR = 0.10  # two runs of the same code on a quiet machine differ by up to ~10%
+
+
+def noise(*timings) -> float:
+    """The relative tolerance for comparing these timings: their largest spread, or the floor.
+
+    >>> from minitransformer.measure import Timing
+    >>> noise(Timing((1.0, 1.02, 1.05)), Timing((2.0, 3.0, 3.0)))   # the second was disturbed
+    0.5
+    """
+    return max([NOISE_FLOOR, *(t.spread for t in timings)])
+
+
+def cost_falls(labels, timings, what="step") -> dict:
+    """Costs that must not fall as the work grows (a larger batch, a longer cache or prompt):
+    {row index: message} for each row whose best time is below the previous row's beyond noise.
+
+    >>> from minitransformer.measure import Timing
+    >>> steps = [Timing((0.010,) * 3), Timing((0.012,) * 3), Timing((0.004,) * 3)]
+    >>> cost_falls([1, 2, 4], steps, "batch")
+    {2: 'batch 4 costs 0.33x batch 2 (4.0 vs 12.0 ms): a larger one cannot be cheaper'}
+    """
+    found = {}
+    for i in range(1, len(timings)):
+        before, now = timings[i - 1], timings[i]
+        if now.best < before.best * (1 - noise(before, now)):
+            found[i] = (f"{what} {labels[i]} costs {now.best / before.best:.2f}x {what} "
+                        f"{labels[i - 1]} ({now.best * 1e3:.1f} vs {before.best * 1e3:.1f} ms): "
+                        "a larger one cannot be cheaper")
+    return found
+
+
+def slower(fast, slow, fast_name="cached", slow_name="recompute"):
+    """A message if the timing that must be faster (the cached one) is not, beyond noise.
+
+    >>> from minitransformer.measure import Timing
+    >>> slower(Timing((2.0, 2.1)), Timing((1.0, 1.0)))
+    'cached takes 2.00x recompute (2000.0 vs 1000.0 ms): it does less work, it cannot be slower'
+    >>> slower(Timing((1.0, 1.0)), Timing((2.0, 2.1))) is None
+    True
+    """
+    if fast.best <= slow.best * (1 + noise(fast, slow)):
+        return None
+    return (f"{fast_name} takes {fast.best / slow.best:.2f}x {slow_name} ({fast.best * 1e3:.1f} "
+            f"vs {slow.best * 1e3:.1f} ms): it does less work, it cannot be slower")
+
+
+def spikes(labels, sizes, timings, unit="token") -> dict:
+    """Per-unit costs (best time / size) that stand above both neighbours beyond noise: one
+    disturbed row in a series that should be smooth. {row index: message}.
+
+    >>> from minitransformer.measure import Timing
+    >>> runs = [Timing((0.08,) * 3), Timing((0.50,) * 3), Timing((0.30,) * 3)]
+    >>> spikes([8, 16, 32], [8, 16, 32], runs)
+    {1: 'P=16 costs 31.25 ms per token, 3.1x its neighbours: one disturbed measurement'}
+    """
+    per = [t.best / n for t, n in zip(timings, sizes)]
+    found = {}
+    for i in range(1, len(per) - 1):
+        around = max(per[i - 1], per[i + 1])
+        if per[i] > around * (1 + noise(*timings[i - 1:i + 2])):
+            found[i] = (f"P={labels[i]} costs {per[i] * 1e3:.2f} ms per {unit}, "
+                        f"{per[i] / around:.1f}x its neighbours: one disturbed measurement")
+    return found
+
+
+def speedup_bound(speedup, tokens_per_pass, gamma, c, tolerance=NOISE_FLOOR):
+    """A message if a speculative speedup beats its ceiling: each verification pass keeps
+    ``tokens_per_pass`` tokens and costs at least gamma draft steps of cost c (relative to a
+    target step) plus one target step, so speedup <= tokens_per_pass / (gamma * c + 1).
+
+    >>> speedup_bound(4.18, 1.37, 4, 0.1)        # the impossible figure of issue 10
+    'speedup 4.18x above its ceiling 0.98x = 1.37 tokens per pass / (4 x c 0.10 + 1)'
+    >>> speedup_bound(0.95, 1.37, 4, 0.1) is None
+    True
+    """
+    ceiling = tokens_per_pass / (gamma * c + 1)
+    if speedup <= ceiling * (1 + tolerance):
+        return None
+    return (f"speedup {speedup:.2f}x above its ceiling {ceiling:.2f}x = {tokens_per_pass:.2f} "
+            f"tokens per pass / ({gamma} x c {c:.2f} + 1)")
+
+
+def recheck(measure, check, retries=1):
+    """measure() -> figures; check(figures) -> {row: message} (or a message, or None).
+
+    While the check fires, measure again (at most ``retries`` times): a burst of load elsewhere
+    rarely strikes twice in the same place. -> (figures, what still fires: {} or None if all is
+    well). ``measure`` gets the previous figures (None the first time), so it can pool samples.
+
+    >>> runs = iter([[3.0, 1.0], [1.0, 2.0]])           # a falling cost, then a rising one
+    >>> recheck(lambda previous: next(runs), lambda f: {1: "falls"} if f[1] < f[0] else {})
+    ([1.0, 2.0], {})
+    """
+    figures = measure(None)
+    for _ in range(retries):
+        if not check(figures):
+            break
+        figures = measure(figures)
+    return figures, check(figures)

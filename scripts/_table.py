@@ -1,0 +1,140 @@
+"""The one way every experiment prints its table: aligned plain text on stdout, the same table
+recorded as data.
+
+A ``Table`` is a title, header lines (what was measured, on what machine, with how many BLAS
+threads), columns with a format each, rows of raw values, and notes under it. ``show()`` prints
+it, then the chapter's figure for that experiment and one line on why ours differs (from
+``_chapter.py``). When the environment variable ``MT_TABLES`` names a directory (``run_all.py
+--report`` sets it), ``show()`` also appends the table, raw numbers and all, to
+``MT_TABLES/<script>.json``, which the report turns into HTML tables and plots. A plot is
+declared on the table from its own columns (``plot()``), so a plot shows only numbers the table
+shows.
+
+A warning given with a row (a sanity check that still fired after re-measuring) is printed
+beside that row, on stdout, where the reader looks.
+"""
+import json
+import os
+import sys
+from pathlib import Path
+
+from _chapter import CHAPTER, RANDOM_WEIGHTS
+
+RECORD_ENV = "MT_TABLES"
+
+
+class Table:
+    """One table of one experiment; see the module docstring."""
+
+    def __init__(self, title, experiment=None, columns=(), chapter=True):
+        """chapter: end with the chapter's lines (once per experiment, on its main table)."""
+        self.title, self.experiment, self.chapter = title, experiment, chapter
+        self.headers, self.notes, self.rows, self.warnings, self.plots = [], [], [], {}, []
+        self.columns = [c if isinstance(c, tuple) else (c, "") for c in columns]
+
+    def header(self, *lines):
+        """Lines printed under the title: what the numbers are, the machine, the threads."""
+        self.headers.extend(line for line in lines if line)
+        return self
+
+    def random_weights(self, model):
+        """Say in the header that quality figures are meaningless when the model is random."""
+        if is_random(model):
+            self.header(RANDOM_WEIGHTS)
+        return self
+
+    def row(self, *values, warning=None):
+        if self.columns and len(values) != len(self.columns):
+            raise ValueError(f"{self.title}: row of {len(values)} values for "
+                             f"{len(self.columns)} columns")
+        if warning:
+            self.warnings[len(self.rows)] = warning
+        self.rows.append(list(values))
+        return self
+
+    def note(self, *lines):
+        """Lines printed under the table: the comparison, the conclusion."""
+        self.notes.extend(line for line in lines if line is not None)
+        return self
+
+    def plot(self, x, ys, title, kind="line", logx=False, logy=False, hline=None):
+        """Declare a plot of columns ``ys`` against column ``x`` for the report.
+        hline: (label, column) drawn flat at that column's value in the first row."""
+        names = [name for name, _ in self.columns]
+        for column in [x, *ys, *([hline[1]] if hline else [])]:
+            if column not in names:
+                raise ValueError(f"{self.title}: plot of unknown column {column!r}")
+        self.plots.append({"x": x, "ys": list(ys), "title": title, "kind": kind,
+                           "logx": logx, "logy": logy, "hline": hline})
+        return self
+
+    def text(self) -> str:
+        lines = [self.title, *self.headers]
+        if self.columns:
+            cells = [[cell(v, fmt) for v, (_, fmt) in zip(r, self.columns)] for r in self.rows]
+            widths = [max([len(name), *(len(c[i]) for c in cells)])
+                      for i, (name, _) in enumerate(self.columns)]
+            left = [all(isinstance(r[i], str) for r in self.rows) and bool(self.rows)
+                    for i in range(len(self.columns))]
+            lines += ["", line([name for name, _ in self.columns], widths, left)]
+            for i, row in enumerate(cells):
+                warning = f"   <- WARNING: {self.warnings[i]}" if i in self.warnings else ""
+                lines.append(line(row, widths, left) + warning)
+        chapter = CHAPTER.get(self.experiment) if self.chapter else None
+        ending = [*self.notes, *(chapter or ())]
+        return "\n".join(lines + ([""] + ending if ending else []))
+
+    def show(self):
+        """Print on stdout (and record, when MT_TABLES is set)."""
+        print(self.text(), flush=True)
+        print(flush=True)
+        if os.environ.get(RECORD_ENV):
+            self.record(Path(os.environ[RECORD_ENV]))
+        return self
+
+    def data(self) -> dict:
+        chapter = (CHAPTER.get(self.experiment) if self.chapter else None) or ("", "")
+        return {"script": Path(sys.argv[0]).stem, "experiment": self.experiment,
+                "title": self.title, "header": self.headers,
+                "columns": [name for name, _ in self.columns],
+                "rows": [[plain(v) for v in r] for r in self.rows],
+                "cells": [[cell(v, fmt) for v, (_, fmt) in zip(r, self.columns)]
+                          for r in self.rows],
+                "warnings": {str(i): w for i, w in self.warnings.items()},
+                "notes": self.notes, "chapter": chapter[0], "differs": chapter[1],
+                "plots": self.plots, "text": self.text()}
+
+    def record(self, directory: Path):
+        directory.mkdir(parents=True, exist_ok=True)
+        path = directory / f"{Path(sys.argv[0]).stem}.json"
+        tables = json.loads(path.read_text()) if path.is_file() else []
+        tables.append(self.data())
+        path.write_text(json.dumps(tables, indent=1))
+
+
+def cell(value, fmt) -> str:
+    if value is None:
+        return ""
+    if callable(fmt):
+        return fmt(value)
+    return format(value, fmt)
+
+
+def line(cells, widths, left) -> str:
+    return "  ".join(c.ljust(w) if lf else c.rjust(w)
+                     for c, w, lf in zip(cells, widths, left)).rstrip()
+
+
+def plain(value):
+    """A JSON-ready value: numpy scalars become Python numbers."""
+    return value.item() if hasattr(value, "item") else value
+
+
+def is_random(model) -> bool:
+    """True for the embedded default model (random weights, made by code)."""
+    from minitransformer.synth import default_model
+    path = getattr(model, "path", model)
+    try:
+        return Path(path).resolve() == Path(default_model()).resolve()
+    except (OSError, TypeError):
+        return False
