@@ -11,11 +11,13 @@ a finished member's row stays in each step as padding (computed, thrown away, bl
 until the longest member ends, and the whole batch is returned then.
 
 Exactness: each request owns its settings and seeded generator and uses generate's
-``next_token``; it is prefilled alone and decoded with per-row-exact arithmetic (rows of equal
-length attend together, see model.attention_block), so its tokens are the ones ``generate``
-gives it alone. Prefix sharing is the exception: shared keys/values were computed inside
-another prompt's prefill, whose sums group their terms differently, and may differ in the
-last bit (so far no test has seen a token change).
+``next_token``, and is prefilled alone. With ``batch_invariant=True`` it is decoded with
+per-row-exact arithmetic (see model.prepare), so its tokens are the ones ``generate`` gives it
+alone. The default decodes the batch as one flat matrix per projection (B times fewer weight
+reads), which moves logits in their last bits: a token can change only where the solo run was
+at a near tie. Prefix sharing is a like exception in both modes: shared keys/values were
+computed inside another prompt's prefill, whose sums group their terms differently, and may
+differ in the last bit (so far no test has seen a token change).
 
 Memory: a request is admitted only if the pool can take its prompt and every running
 sequence's next block. When the running sequences outgrow the pool, the latest admitted is
@@ -52,7 +54,8 @@ class _Live:                        # a request the engine is serving
 
 class Engine:
     def __init__(self, model, slots: int = 8, num_blocks: int = None, block_size: int = 16,
-                 policy: str = "continuous", share_prefixes: bool = True):
+                 policy: str = "continuous", share_prefixes: bool = True,
+                 batch_invariant: bool = False):
         if policy not in ("static", "continuous"):
             raise ValueError(f"policy={policy!r}: use 'static' or 'continuous'")
         for name, n in (("slots", slots), ("block_size", block_size), ("num_blocks", num_blocks)):
@@ -61,6 +64,7 @@ class Engine:
         if num_blocks is None:
             num_blocks = slots * -(-1024 // block_size)  # 1,024 tokens per slot
         self.model, self.policy, self.share = model, policy, share_prefixes
+        self.batch_invariant = batch_invariant  # see "Exactness" above
         self.cache = PagedCache.allocate(model.config, num_blocks, block_size)
         self.slots = [None] * slots
         self.waiting = deque()      # _Live in arrival order; preempted ones at the front
@@ -192,8 +196,9 @@ class Engine:
         start, ids = time.perf_counter(), [s.result.id for s in rows]
         self.cache.make_room(ids, 1)
         newest = np.array([[s.tokens[-1]] for s in rows])                   # (B, 1)
-        hidden = forward(self.model, newest, self.cache.view(ids))           # decode: (B, 1, D)
-        for live, logits in zip(rows, last_logits(self.model, hidden)):  # (B, V)
+        hidden = forward(self.model, newest, self.cache.view(ids),          # decode: (B, 1, D)
+                         self.batch_invariant)
+        for live, logits in zip(rows, last_logits(self.model, hidden, self.batch_invariant)):
             if live in self.padding:  # a finished row of a static batch: computed, discarded
                 self.cache.trim(live.result.id, 1)
             else:

@@ -53,9 +53,9 @@ def seeded_rng(seed) -> np.random.Generator:
     return np.random.default_rng(seed)
 
 
-def last_logits(model, hidden) -> np.ndarray:
+def last_logits(model, hidden, batch_invariant=False) -> np.ndarray:
     """Hidden states (B, T, D) -> host logits (B, V) of the last position only."""
-    return to_numpy(head(model, hidden[:, -1:]))[:, -1]
+    return to_numpy(head(model, hidden[:, -1:], batch_invariant))[:, -1]
 
 
 def stream(model, ids, max_new_tokens: int, cache: bool = True, do_sample: bool = False,

@@ -55,18 +55,35 @@ class KVCache:
                              f"to a row of {int(self.lengths.max())} would overflow it")
         return positions
 
-    def update(self, layer: int, k, v):
+    def slots(self, positions: np.ndarray):
+        """Where positions (B, T) go, as device indices: worked out once per forward pass.
+
+        Row b's token t goes to slot positions[b, t]; -> (rows (B, 1), positions (B, T), S),
+        S = the longest row after the append.
+        """
+        B = positions.shape[0]
+        return xp.arange(B)[:, None], to_device(positions), int(positions.max()) + 1
+
+    def update(self, layer: int, k, v, slots=None):
         """Write the new keys/values of one layer; return everything held for attention.
 
-        k, v (B, T, Hkv, d) -> k, v (B, Hkv, S, d) views, S = longest row after the append.
+        k, v (B, T, Hkv, d) -> k, v (B, Hkv, S, d) views. The write uses advanced indices on
+        axes 0 and 2: cache[b, :, positions[b, t]] = k[b, t], no transpose needed, because
+        numpy puts the indexed axes first, (B, T), and the sliced one after, (Hkv, d):
+        >>> from types import SimpleNamespace
+        >>> shape = SimpleNamespace(num_hidden_layers=1, num_key_value_heads=1, head_dim=3)
+        >>> cache = KVCache.allocate(shape, batch=2, max_len=4)
+        >>> k = xp.ones((2, 1, 1, 3), dtype=xp.float32)             # (B, T, Hkv, d)
+        >>> rows, positions, S = cache.slots(np.array([[2], [0]]))  # row 0 at slot 2, row 1 at 0
+        >>> cache.k[0][rows, :, positions].shape                      # (B, T, Hkv, d)
+        (2, 1, 1, 3)
+        >>> k_held, v_held = cache.update(0, k, k, (rows, positions, S))
+        >>> k_held[:, 0, :, 0].tolist()                               # (B, S): slot filled or not
+        [[0.0, 0.0, 1.0], [1.0, 0.0, 0.0]]
         """
-        B, T = k.shape[:2]
-        positions = to_device(self.positions(T))             # (B, T)
-        rows = xp.arange(B)[:, None]                         # (B, 1)
-        # cache[b, :, positions[b, t]] = k[b, t]: advanced indices on axes 0 and 2
+        rows, positions, S = self.slots(self.positions(k.shape[1])) if slots is None else slots
         self.k[layer][rows, :, positions] = k
         self.v[layer][rows, :, positions] = v
-        S = int(self.lengths.max()) + T
         return self.k[layer][:, :, :S], self.v[layer][:, :, :S]
 
     def advance(self, T: int) -> None:
@@ -80,3 +97,4 @@ class KVCache:
             raise ValueError(f"cannot trim {n.tolist()} tokens from rows of "
                              f"{self.lengths.tolist()}")
         self.lengths -= n
+

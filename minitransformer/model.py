@@ -31,9 +31,20 @@ class Model:
     path: str = ""
 
 
-def linear(x, w, b=None):
-    """x (..., in) @ w (out, in).T + b -> (..., out). A quantized weight multiplies itself."""
-    y = w.matmul(x) if hasattr(w, "matmul") else x @ w.T
+def linear(x, w, b=None, per_row=False):
+    """x (B, T, in) @ w (out, in).T + b -> (B, T, out). A quantized weight multiplies itself.
+
+    By default the B x T vectors go in as one flat (B*T, in) matrix: every weight is read once
+    for the whole batch, which is what batching buys (a decode step reads weights, and one
+    read now serves B tokens). per_row=True multiplies each row's (T, in) on its own (numpy's
+    stacked matmul loops over B): B reads of every weight, but each row gets the very bits it
+    gets alone. BLAS chooses its kernel, and so the order of its sums, by the number of rows
+    M; with OpenBLAS a row's bits change between M = 1, 2, 16 and 32, so no flat shape is
+    batch-invariant.
+    """
+    flat = x if per_row else x.reshape(-1, x.shape[-1])          # (B, T, in) or (B*T, in)
+    y = w.matmul(flat) if hasattr(w, "matmul") else flat @ w.T
+    y = y.reshape(*x.shape[:-1], y.shape[-1])                    # (B, T, out)
     return y if b is None else y + b
 
 
@@ -43,19 +54,28 @@ def rms_norm(x, weight, eps):
     return weight * (x / xp.sqrt(variance + eps))
 
 
-def rope(x, positions, theta):
-    """Rotary position embedding, Hugging Face's half-split convention.
+def rope_angles(positions, d, theta):
+    """Positions (B, T) on the device -> cos, sin (B, T, 1, d) of RoPE's rotation angles.
 
-    x (B, T, h, d), positions (B, T) -> (B, T, h, d). Pair i of each head is (x[i], x[i + d/2]),
-    rotated by the angle position * theta^(-2i/d). (llama2.c rotates adjacent pairs (2i, 2i+1)
-    instead; HF checkpoints permute q/k rows so that this split is right for them.)
+    Pair i of a head turns by position * theta^(-2i/d). The angles depend on the positions
+    only, so a forward pass computes them once and every layer's q and k reuse them.
     """
-    d = x.shape[-1]
     inv_freq = 1.0 / (theta ** (xp.arange(0, d, 2, dtype=xp.float32) / d))  # (d/2,)
     angles = positions[..., None].astype(xp.float32) * inv_freq               # (B, T, d/2)
     angles = xp.concatenate([angles, angles], axis=-1)[:, :, None, :]          # (B, T, 1, d)
+    return xp.cos(angles), xp.sin(angles)
+
+
+def rope(x, cos, sin):
+    """Rotary position embedding, Hugging Face's half-split convention.
+
+    x (B, T, h, d), cos/sin (B, T, 1, d) from rope_angles -> (B, T, h, d). Pair i of each head
+    is (x[i], x[i + d/2]). (llama2.c rotates adjacent pairs (2i, 2i+1) instead; HF checkpoints
+    permute q/k rows so that this split is right for them.)
+    """
+    d = x.shape[-1]
     rotated = xp.concatenate([-x[..., d // 2:], x[..., : d // 2]], axis=-1)    # rotate_half
-    return x * xp.cos(angles) + rotated * xp.sin(angles)
+    return x * cos + rotated * sin
 
 
 def softmax(x):
@@ -70,6 +90,13 @@ def attention(q, k, v, positions):
     q (B, T, H, d); k, v (B, Hkv, S, d) where slot j holds position j; positions (B, T).
     -> (B, T, H*d). Query head h reads kv head h // G: the queries are grouped, the keys are
     never repeated, so the cache holds Hkv heads and no more.
+
+    The group reshape, on H = 4 query heads over Hkv = 2 kv heads (G = 2), one token:
+    >>> heads = xp.arange(4).reshape(1, 1, 4, 1)        # (B, T, H, d): query head h holds h
+    >>> heads.reshape(1, 1, 2, 2, 1).transpose(0, 2, 3, 1, 4)[0, :, :, 0, 0].tolist()
+    [[0, 1], [2, 3]]
+
+    kv head 0 serves query heads 0 and 1, kv head 1 serves 2 and 3, as HF's repeat_kv does.
     """
     B, T, H, d = q.shape
     Hkv, S = k.shape[1], k.shape[2]
@@ -85,56 +112,29 @@ def attention(q, k, v, positions):
     return out.reshape(B, Hkv, G, T, d).transpose(0, 3, 1, 2, 4).reshape(B, T, H * d)
 
 
-def attention_block(model, i, x, positions, cache):
-    """Layer i's self-attention on normed input x (B, T, D) -> (B, T, D).
+@dataclass(frozen=True)
+class Batch:
+    """What one forward pass works out once, before its first layer, for all of them."""
+    positions: object       # (B, T) on the device: each token's position (= its cache slot)
+    cos: object             # (B, T, 1, d) RoPE, see rope_angles
+    sin: object
+    groups: tuple           # ((rows, S), ...): rows that attend together, over slots 0..S-1
+    slots: object           # the cache's own write/read indices (None without a cache)
+    per_row: bool           # batch-invariant mode: see linear and prepare
 
-    positions (B, T) on the host. Rows of a batch may hold different lengths (sequences decoding
-    side by side); each group of rows of equal length attends over exactly its own slots.
-    Padding short rows with masked slots would be exact in real arithmetic but not in floats
-    (softmax's pairwise sum groups its terms by count, BLAS picks its kernel by size), and a
-    batched request must get the very bits it gets alone.
+
+def prepare(model: Model, ids, cache=None, batch_invariant=False) -> Batch:
+    """Check ids (B, T), find their positions, and prepare what every layer will need.
+
+    Rows of a batch may hold different lengths (sequences decoding side by side). By default
+    all rows attend together over the longest row's slots, the short rows' extra slots hidden
+    by the mask: exact in real arithmetic, not in floats (softmax's pairwise sum groups its
+    terms by count, BLAS picks its kernel by size), so a row's last bits depend on its
+    neighbours. batch_invariant=True makes each group of equal-length rows attend on its own
+    and multiplies row by row (see linear): a batched request then gets the very bits it gets
+    alone, at the price of reading every weight once per row.
     """
-    c, w, p = model.config, model.weights, f"model.layers.{i}.self_attn."
-    B, T, _ = x.shape
-    where = to_device(positions)
-    q = linear(x, w[p + "q_proj.weight"], w.get(p + "q_proj.bias"))  # (B, T, H*d)
-    k = linear(x, w[p + "k_proj.weight"], w.get(p + "k_proj.bias"))  # (B, T, Hkv*d)
-    v = linear(x, w[p + "v_proj.weight"], w.get(p + "v_proj.bias"))  # (B, T, Hkv*d)
-    q = rope(q.reshape(B, T, c.num_attention_heads, c.head_dim), where, c.rope_theta)
-    k = rope(k.reshape(B, T, c.num_key_value_heads, c.head_dim), where, c.rope_theta)
-    v = v.reshape(B, T, c.num_key_value_heads, c.head_dim)
-    if cache is None:  # recompute: this call's tokens are the whole sequence
-        k, v = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)     # (B, Hkv, T, d)
-    else:              # store the new keys/values, attend over everything held
-        k, v = cache.update(i, k, v)                                 # (B, Hkv, S, d)
-    lengths = positions[:, -1] + 1                                   # (B,) slots each row sees
-    if (lengths == lengths[0]).all():                                # the usual case: one group
-        out = attention(q, k[:, :, :lengths[0]], v[:, :, :lengths[0]], where)
-    else:
-        out = xp.empty((B, T, c.num_attention_heads * c.head_dim), dtype=q.dtype)
-        for S in np.unique(lengths):
-            rows = to_device(np.flatnonzero(lengths == S))
-            out[rows] = attention(q[rows], k[rows, :, :S], v[rows, :, :S], where[rows])
-    return linear(out, w[p + "o_proj.weight"], w.get(p + "o_proj.bias"))      # (B, T, D)
-
-
-def mlp(model, i, x):
-    """SwiGLU: down(silu(gate(x)) * up(x)), (B, T, D) -> (B, T, D)."""
-    w, p = model.weights, f"model.layers.{i}.mlp."
-    gate = linear(x, w[p + "gate_proj.weight"])                      # (B, T, F)
-    up = linear(x, w[p + "up_proj.weight"])                          # (B, T, F)
-    silu = gate * (0.5 * (1.0 + xp.tanh(0.5 * gate)))  # x*sigmoid(x), written not to overflow
-    return linear(silu * up, w[p + "down_proj.weight"])              # (B, T, D)
-
-
-def forward(model: Model, ids, cache=None, residuals=None):
-    """Token ids (B, T) -> final hidden states (B, T, D), after the last RMSNorm.
-
-    Without a cache the T tokens are the whole sequence (positions 0..T-1). With one they are
-    appended to what it holds: positions continue from each row's length, and the cache has
-    grown by T when this returns. ``residuals``, if a list, receives h (B, T, D) after each layer.
-    """
-    c, w = model.config, model.weights
+    c = model.config
     ids = np.asarray(ids)  # host token ids, checked here: on CuPy a bad id would wrap around
     if ids.ndim != 2 or ids.size == 0 or not np.issubdtype(ids.dtype, np.integer):
         raise ValueError(f"ids must be a non-empty integer array (B, T), got shape {ids.shape} "
@@ -149,21 +149,91 @@ def forward(model: Model, ids, cache=None, residuals=None):
     if positions.max() >= c.max_position_embeddings:
         raise ValueError(f"position {positions.max()} is beyond the model's "
                          f"{c.max_position_embeddings} positions")
-    h = w["model.embed_tokens.weight"][to_device(ids)]               # (B, T, D)
-    for i in range(c.num_hidden_layers):
-        p = f"model.layers.{i}."
-        h = h + attention_block(model, i, rms_norm(h, w[p + "input_layernorm.weight"],
-                                                   c.rms_norm_eps), positions, cache)
-        h = h + mlp(model, i, rms_norm(h, w[p + "post_attention_layernorm.weight"],
-                                       c.rms_norm_eps))
-        if residuals is not None:
-            residuals.append(h)
+    lengths = positions[:, -1] + 1                                   # (B,) slots each row sees
+    if batch_invariant and (lengths != lengths[0]).any():
+        groups = tuple((to_device(np.flatnonzero(lengths == S)), int(S))
+                       for S in np.unique(lengths))
+    else:                                                            # one group: every row
+        groups = ((slice(None), int(lengths.max())),)
+    on_device = to_device(positions)
+    cos, sin = rope_angles(on_device, c.head_dim, c.rope_theta)
+    slots = None if cache is None else cache.slots(positions)
+    return Batch(on_device, cos, sin, groups, slots, batch_invariant)
+
+
+def attention_block(model, i, x, batch: Batch, cache):
+    """Layer i's self-attention on normed input x (B, T, D) -> (B, T, D)."""
+    c, w, p = model.config, model.weights, f"model.layers.{i}.self_attn."
+    B, T, _ = x.shape
+    H, Hkv, d, per_row = c.num_attention_heads, c.num_key_value_heads, c.head_dim, batch.per_row
+    q = linear(x, w[p + "q_proj.weight"], w.get(p + "q_proj.bias"), per_row)  # (B, T, H*d)
+    k = linear(x, w[p + "k_proj.weight"], w.get(p + "k_proj.bias"), per_row)  # (B, T, Hkv*d)
+    v = linear(x, w[p + "v_proj.weight"], w.get(p + "v_proj.bias"), per_row)  # (B, T, Hkv*d)
+    q = rope(q.reshape(B, T, H, d), batch.cos, batch.sin)
+    k = rope(k.reshape(B, T, Hkv, d), batch.cos, batch.sin)
+    v = v.reshape(B, T, Hkv, d)
+    if cache is None:  # recompute: this call's tokens are the whole sequence
+        k, v = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)     # (B, Hkv, T, d)
+    else:              # store the new keys/values, attend over everything held
+        k, v = cache.update(i, k, v, batch.slots)                    # (B, Hkv, S, d)
+    out = xp.empty((B, T, H * d), dtype=q.dtype)
+    for rows, S in batch.groups:
+        out[rows] = attention(q[rows], k[rows, :, :S], v[rows, :, :S], batch.positions[rows])
+    return linear(out, w[p + "o_proj.weight"], w.get(p + "o_proj.bias"), per_row)  # (B, T, D)
+
+
+def silu(x):
+    """x * sigmoid(x), with sigmoid(x) = (1 + tanh(x / 2)) / 2: no exp, so nothing overflows.
+
+    The textbook 1 / (1 + exp(-x)) overflows exp for x < -88 in float32 (a warning, and inf
+    on the way to the right 0); tanh saturates quietly at -1.
+    >>> [round(float(y), 4) for y in silu(xp.array([-100.0, 0.0, 1.0], dtype=xp.float32))]
+    [-0.0, 0.0, 0.7311]
+    """
+    return x * (0.5 * (1.0 + xp.tanh(0.5 * x)))
+
+
+def mlp(model, i, x, per_row=False):
+    """SwiGLU: down(silu(gate(x)) * up(x)), (B, T, D) -> (B, T, D)."""
+    w, p = model.weights, f"model.layers.{i}.mlp."
+    gate = linear(x, w[p + "gate_proj.weight"], per_row=per_row)     # (B, T, F)
+    up = linear(x, w[p + "up_proj.weight"], per_row=per_row)         # (B, T, F)
+    return linear(silu(gate) * up, w[p + "down_proj.weight"], per_row=per_row)  # (B, T, D)
+
+
+def block(model: Model, i: int, h, batch: Batch, cache=None):
+    """Decoder layer i: the residual stream h (B, T, D) -> h (B, T, D) after the layer."""
+    c, w, p = model.config, model.weights, f"model.layers.{i}."
+    h = h + attention_block(model, i, rms_norm(h, w[p + "input_layernorm.weight"],
+                                               c.rms_norm_eps), batch, cache)
+    return h + mlp(model, i, rms_norm(h, w[p + "post_attention_layernorm.weight"],
+                                      c.rms_norm_eps), batch.per_row)
+
+
+def embed(model: Model, ids):
+    """Token ids (B, T), checked by prepare -> the residual stream's start h (B, T, D)."""
+    return model.weights["model.embed_tokens.weight"][to_device(np.asarray(ids))]
+
+
+def forward(model: Model, ids, cache=None, batch_invariant=False):
+    """Token ids (B, T) -> final hidden states (B, T, D), after the last RMSNorm.
+
+    Without a cache the T tokens are the whole sequence (positions 0..T-1). With one they are
+    appended to what it holds: positions continue from each row's length, and the cache has
+    grown by T when this returns. batch_invariant: see prepare (the default batches for
+    speed; True gives each row exactly the bits it gets alone).
+    """
+    batch = prepare(model, ids, cache, batch_invariant)
+    h = embed(model, ids)                                            # (B, T, D)
+    for i in range(model.config.num_hidden_layers):
+        h = block(model, i, h, batch, cache)
     if cache is not None:
-        cache.advance(T)
-    return rms_norm(h, w["model.norm.weight"], c.rms_norm_eps)
+        cache.advance(batch.positions.shape[1])
+    return rms_norm(h, model.weights["model.norm.weight"], model.config.rms_norm_eps)
 
 
-def head(model: Model, hidden):
+def head(model: Model, hidden, batch_invariant=False):
     """Hidden states (B, T, D) -> logits (B, T, V). A tied model reuses the embedding matrix."""
     tied = model.config.tie_word_embeddings
-    return linear(hidden, model.weights["model.embed_tokens.weight" if tied else "lm_head.weight"])
+    return linear(hidden, model.weights["model.embed_tokens.weight" if tied else "lm_head.weight"],
+                  per_row=batch_invariant)

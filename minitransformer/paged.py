@@ -269,11 +269,11 @@ class PagedView:
                              f"(slots {rooms.tolist()}): call make_room first")
         return lengths[:, None] + np.arange(T)
 
-    def update(self, layer: int, k, v):
-        """Write k, v (B, T, Hkv, d) into their slots -> k, v (B, Hkv, S, d), S longest row."""
+    def slots(self, positions: np.ndarray):
+        """Where positions (B, T) go and where each row's blocks are, worked out once per
+        forward pass -> (blocks (B, T), offsets (B, T), block tables (B, nb), S) on the device.
+        """
         cache, bs = self.cache, self.cache.block_size
-        B, T = k.shape[:2]
-        positions = self.positions(T)                                     # (B, T)
         S, N = int(positions.max()) + 1, cache.num_blocks
         nb = cache.blocks_for(S)
         # Short rows are padded with their own first block: slots past a row's length, which
@@ -284,11 +284,16 @@ class PagedView:
         blocks = np.take_along_axis(table, positions // bs, axis=1)       # (B, T)
         if (cache.refcount[blocks] != 1).any():  # a shared block must never change under us
             raise RuntimeError("write into a shared block: make_room copies it first")
-        blocks, offsets = to_device(blocks), to_device(positions % bs)
+        return to_device(blocks), to_device(positions % bs), to_device(table), S
+
+    def update(self, layer: int, k, v, slots=None):
+        """Write k, v (B, T, Hkv, d) into their slots -> k, v (B, Hkv, S, d), S longest row."""
+        cache = self.cache
+        blocks, offsets, table, S = self.slots(self.positions(k.shape[1])) if slots is None \
+            else slots
         # pool[blocks[b, t], :, offsets[b, t]] = k[b, t]: advanced indices on axes 0 and 2
         cache.k[layer][blocks, :, offsets] = k
         cache.v[layer][blocks, :, offsets] = v
-        table = to_device(table)
         return gather(cache.k[layer], table, S), gather(cache.v[layer], table, S)
 
     def advance(self, T: int) -> None:

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from minitransformer.backend import to_numpy
-from minitransformer.model import forward
+from minitransformer.model import block, embed, prepare
 
 # An ordinary paragraph (written for this project), about 84 tokens with Qwen2.5's tokenizer.
 PROMPT = ("The old lighthouse keeper climbed the spiral stairs every evening at dusk, carrying "
@@ -30,9 +30,12 @@ def default_layer(num_layers: int) -> int:
 
 def capture_residuals(model, ids) -> np.ndarray:
     """One prompt (T,) -> the residual stream after each layer, float32 (L, T, D) on the host."""
-    residuals = []
-    forward(model, np.asarray(ids, dtype=np.int64)[None], residuals=residuals)
-    return np.stack([to_numpy(h[0]) for h in residuals])
+    ids = np.asarray(ids, dtype=np.int64)[None]                         # (1, T)
+    batch, h, residuals = prepare(model, ids), embed(model, ids), []
+    for i in range(model.config.num_hidden_layers):                     # forward, layer by layer
+        h = block(model, i, h, batch)                                   # (1, T, D)
+        residuals.append(to_numpy(h[0]))
+    return np.stack(residuals)
 
 
 def per_dim_max(h: np.ndarray) -> np.ndarray:

@@ -1,14 +1,20 @@
 """Experiment 12: batched decode, B = 1 ... 32 sequences each holding a 64-token cache.
 
 Every sequence has its own 64-token prompt, prefilled alone into the paged cache the engine
-uses; then B of them decode one token together in one step (model.forward, per-row exact),
-timed as the fastest of --repeat steps (the least disturbed by other work on the machine; each
-step is rolled back, so the cache stays at 64
-tokens). Printed per B: step latency, tokens/s, both relative to B = 1, the gain of each row
-over the one before, the same step over a contiguous KVCache (what the block table costs in
-NumPy), the chapter's ratios against ours, and the knee: the batch size after which doubling
-the batch buys less than --knee-gain more throughput. The chapter (laptop GPU): 1 -> 16
-throughput x6.0, latency x2.67; 16 -> 32 throughput +9%, latency ~x2.
+uses; then B of them decode one token together in one step (model.forward), timed as the
+fastest of --repeat steps (the least disturbed by other work on the machine; each step is
+rolled back, so the cache stays at 64 tokens). Printed per B: step latency, tokens/s, both
+relative to B = 1, the gain of each row over the one before, the same step over a contiguous
+KVCache (what the block table costs in NumPy), the chapter's ratios against ours, and the
+knee: the batch size after which doubling the batch buys less than --knee-gain more
+throughput. The chapter (laptop GPU): 1 -> 16 throughput x6.0, latency x2.67; 16 -> 32
+throughput +9%, latency ~x2.
+
+Two ways to batch, side by side: the default multiplies the whole batch as one flat matrix
+per projection (each weight read once per step), the batch-invariant mode multiplies row by
+row (each weight read B times) so that every row gets exactly the bits it gets alone. The
+second table prints the throughput of each, and at the largest B how many logits differ
+between the two and whether any greedy token changed.
 
 --save-step-costs FILE writes {"batch size": seconds} for experiment 13's simulation.
 """
@@ -98,13 +104,14 @@ def main(argv=None):
     model = load_model(args.model)
     cache, kv = fill(model, sizes[-1], args.context, args.block_size, args.seed)
     ids = np.random.default_rng(args.seed + 1).integers(0, model.config.vocab_size, sizes[-1])
-    paged, contiguous = [], []
+    paged, contiguous, exact = [], [], []
     for i, B in enumerate(sizes, 1):
         rows = list(range(B))
 
-        def step_paged():  # as the engine does it: room for one more token, then the step
+        def step_paged(batch_invariant=False):  # as the engine does it: room, then the step
             cache.make_room(rows, 1)
-            last_logits(model, forward(model, ids[:B, None], cache.view(rows)))
+            return last_logits(model, forward(model, ids[:B, None], cache.view(rows),
+                                              batch_invariant), batch_invariant)
 
         def step_contiguous():
             rows_kv = KVCache([k[:B] for k in kv.k], [v[:B] for v in kv.v], kv.lengths[:B])
@@ -117,12 +124,17 @@ def main(argv=None):
         def rollback_contiguous():
             kv.lengths[:] = args.context
 
-        p, c = best_steps([step_paged, step_contiguous],
-                          [rollback_paged, rollback_contiguous], args.repeat)
+        p, e, c = best_steps([step_paged, lambda: step_paged(True), step_contiguous],
+                             [rollback_paged, rollback_paged, rollback_contiguous], args.repeat)
         paged.append(p)
+        exact.append(e)
         contiguous.append(c)
-        progress(i, len(sizes), f"B={B}: {paged[-1] * 1e3:.1f} ms paged, "
-                                f"{contiguous[-1] * 1e3:.1f} ms contiguous")
+        progress(i, len(sizes), f"B={B}: {p * 1e3:.1f} ms paged ({e * 1e3:.1f} ms "
+                                f"batch-invariant), {c * 1e3:.1f} ms contiguous")
+    fast_logits = step_paged()           # B = the largest, once more each way, for the bits
+    rollback_paged()
+    exact_logits = step_paged(True)
+    rollback_paged()
 
     tps = [B / t for B, t in zip(sizes, paged)]
     print(f"Experiment 12: batched decode, each sequence holding a {args.context}-token cache "
@@ -146,6 +158,20 @@ def main(argv=None):
              f"({at[b][1] / at[a][1] - 1:+.0%}), latency x{at[b][0] / at[a][0]:.2f}"
              for a, b in ((1, 16), (16, 32)) if a in at and b in at]
     print("here:    " + ("; ".join(parts) if parts else "(needs batch sizes 1, 16, 32)"))
+    print()
+    print(f"Two ways to batch (paged): one flat matrix per projection (the default) vs row by row "
+          f"(batch_invariant=True)")
+    print(f"{'B':>4}{'flat (ms)':>11}{'tokens/s':>10}{'vs B = 1':>10}"
+          f"{'row by row (ms)':>17}{'tokens/s':>10}{'vs B = 1':>10}")
+    for B, t, e in zip(sizes, paged, exact):
+        print(f"{B:>4}{t * 1e3:>11.1f}{B / t:>10.1f}{B / t / tps[0]:>9.2f}x"
+              f"{e * 1e3:>17.1f}{B / e:>10.1f}{B * exact[0] / e:>9.2f}x")
+    differ = int((fast_logits != exact_logits).sum())
+    changed = int((fast_logits.argmax(-1) != exact_logits.argmax(-1)).sum())
+    print(f"at B = {sizes[-1]}: {differ:,} of {fast_logits.size:,} logits differ between the two "
+          f"(max |difference| {np.abs(fast_logits - exact_logits).max():.1e}); greedy token "
+          f"changed in {changed} of {sizes[-1]} rows")
+    print()
     k = knee(sizes, tps, args.knee_gain)
     print(f"knee: B = {k} (doubling to {2 * k} buys {at[2 * k][1] / at[k][1] - 1:+.0%} "
           f"tokens/s, under {args.knee_gain:.0%})" if k else

@@ -61,3 +61,69 @@ def assert_same(actual, expected, rtol=None, atol=None):
                                    atol=100 * eps if atol is None else atol)
     else:
         np.testing.assert_array_equal(actual, expected)
+
+
+# ---------------------------------------------------------------- batched tokens vs alone
+# The exactness policy of batching (README, "Serving"). batch_invariant=True: a batched request
+# gets exactly the tokens generate gives it alone (==). The default fast batching multiplies
+# the batch as one flat matrix, which moves logits in their last bits (about 1e-6 on the tiny
+# models); a token may then differ only at a step where the solo run was that close to choosing
+# another: greedy, its top two logits within NEAR_TIE; sampled, its draw within NEAR_TIE of a
+# boundary of the cumulative distribution. From there on the two runs are different sequences.
+NEAR_TIE = 1e-4
+NEAR_TIES = []  # (prompt length, step, margin) of every divergence allowed, reported at the end
+CHECKED = []    # every fast-mode comparison made, so the report says how many were made
+
+
+def solo_margins(model, prompt, tokens, settings, seed):
+    """How close the solo run came, at each step, to choosing another token -> (n,) floats.
+
+    Logits of one full forward over prompt + tokens (within float rounding of the cached run),
+    the repetition penalty applied; the draws replayed from the request's seed.
+    """
+    from minitransformer.generate import logits as full_logits
+    from minitransformer.sampling import apply_repetition_penalty, probabilities
+    seen = list(prompt)
+    every = full_logits(model, seen + list(tokens))[len(prompt) - 1:]       # (n(+1), V)
+    rng, margins = np.random.default_rng(seed), []
+    for step, token in enumerate(tokens):
+        logits = apply_repetition_penalty(every[step], seen, settings.repetition_penalty)
+        if settings.greedy:
+            top_two = np.sort(logits)[-2:]
+            margins.append(float(top_two[1] - top_two[0]))
+        else:
+            cumulative = np.cumsum(probabilities(logits, settings))
+            point = rng.random() * cumulative[-1]
+            margins.append(float(np.abs(cumulative - point).min()))
+        seen.append(token)
+    return np.array(margins)
+
+
+def assert_like_solo(model, tokens, solo_tokens, prompt, settings=None, seed=None,
+                     batch_invariant=False, tolerance=NEAR_TIE):
+    """Batched tokens against generate's tokens for the same request alone, by the policy."""
+    from minitransformer.sampling import SamplingSettings
+    tokens, solo_tokens = list(tokens), list(solo_tokens)
+    if batch_invariant:
+        assert tokens == solo_tokens
+        return
+    CHECKED.append(len(tokens))
+    if tokens == solo_tokens:
+        return
+    step = next(i for i, (a, b) in enumerate(zip(tokens + [None], solo_tokens + [None]))
+                if a != b)
+    assert step < min(len(tokens), len(solo_tokens)), \
+        f"same tokens up to step {step}, then one run stopped and the other did not"
+    margin = solo_margins(model, prompt, solo_tokens[:step + 1], settings or SamplingSettings(),
+                          seed)[step]
+    assert margin <= tolerance, (f"token {step} differs from the solo run's, whose margin there "
+                                 f"was {margin:.2e} > {tolerance:.0e}: not a near tie")
+    NEAR_TIES.append((len(prompt), step, margin))
+
+
+def pytest_terminal_summary(terminalreporter):
+    if CHECKED:
+        terminalreporter.write_line(
+            f"fast batching: {len(CHECKED)} batched requests ({sum(CHECKED)} tokens) compared "
+            f"with generate alone; {len(NEAR_TIES)} diverged, each at a near tie "
+            f"(margin <= {NEAR_TIE:.0e}) {NEAR_TIES if NEAR_TIES else ''}")

@@ -5,7 +5,7 @@ import pytest
 import minitransformer as mt
 from minitransformer.backend import BACKEND, to_device, to_numpy
 from minitransformer.kvcache import KVCache
-from minitransformer.model import forward, head, rope
+from minitransformer.model import forward, head, rope, rope_angles
 from reference import reference_logits
 
 
@@ -55,7 +55,7 @@ def test_rope_is_a_rotation_of_half_split_pairs():
     """Pair (x[i], x[i+d/2]) turns by position * theta^(-2i/d), and norms are kept."""
     x = np.random.default_rng(3).standard_normal((1, 1, 1, 8)).astype(np.float32)
     pos = np.array([[3]])
-    y = to_numpy(rope(to_device(x), to_device(pos), 100.0))
+    y = to_numpy(rope(to_device(x), *rope_angles(to_device(pos), 8, 100.0)))
     i = np.arange(4)
     angle = 3 * 100.0 ** (-2 * i / 8)
     z = (x[0, 0, 0, :4] + 1j * x[0, 0, 0, 4:]) * np.exp(1j * angle)
