@@ -1,0 +1,164 @@
+"""The command line: ``python3 -m minitransformer generate|chat|serve``.
+
+    generate "prompt"    stream a continuation of one prompt to the terminal
+    chat                 a multi-turn conversation, laid out by the model's chat template
+    serve                an OpenAI-compatible HTTP server over the continuous-batching engine
+
+Sampling options carry Hugging Face's names and meanings (``--do-sample``, ``--temperature``,
+``--top-k``, ``--top-p``, ``--repetition-penalty``, ``--seed``). Text is streamed through the
+incremental detokenizer, so spaces and multi-byte characters come out whole. The default model
+is the embedded one (random weights: fluent nonsense); give ``--model PATH`` for a real one.
+Leaves out: chat keeps no cache between turns (each turn prefills the whole conversation).
+"""
+import argparse
+import sys
+import time
+
+import minitransformer as mt
+from minitransformer.chat import encode_chat
+from minitransformer.detokenize import Detokenizer
+
+
+def default_model_path() -> str:
+    from minitransformer.synth import default_model
+
+    return str(default_model())
+
+
+def add_model(parser) -> None:
+    parser.add_argument("--model", default=None,
+                        help="checkpoint directory (default: the embedded default model)")
+
+
+def add_sampling(parser, max_new_tokens) -> None:
+    group = parser.add_argument_group("sampling (Hugging Face names)")
+    group.add_argument("--max-new-tokens", type=int, default=max_new_tokens)
+    group.add_argument("--do-sample", action="store_true", help="sample instead of greedy")
+    group.add_argument("--temperature", type=float, default=1.0)
+    group.add_argument("--top-k", type=int, default=0, help="0 turns it off")
+    group.add_argument("--top-p", type=float, default=1.0, help="1.0 turns it off")
+    group.add_argument("--repetition-penalty", type=float, default=1.0)
+    group.add_argument("--seed", type=int, default=None)
+
+
+def sampling(args) -> dict:
+    return dict(do_sample=args.do_sample, temperature=args.temperature, top_k=args.top_k,
+                top_p=args.top_p, repetition_penalty=args.repetition_penalty, seed=args.seed)
+
+
+def load_model(args):
+    model = mt.load(args.model or default_model_path())
+    if model.tokenizer is None:
+        raise ValueError(f"{model.path}: no tokenizer.json, so no text in or out")
+    return model
+
+
+def stream_text(model, ids, args, out=sys.stdout) -> str:
+    """Generate after ids, writing text as it becomes final; -> the text. Stats to stderr."""
+    detokenizer, pieces, start = Detokenizer(model.tokenizer, ids), [], time.perf_counter()
+    n = 0
+    try:
+        for n, token in enumerate(mt.stream(model, ids, args.max_new_tokens, **sampling(args)),
+                                  start=1):
+            pieces.append(detokenizer.add(token))
+            out.write(pieces[-1])
+            out.flush()
+    except KeyboardInterrupt:       # Ctrl-C stops this answer, not the program
+        pieces.append(" [stopped]")
+    pieces.append(detokenizer.flush())
+    out.write(pieces[-1] + "\n")
+    seconds = time.perf_counter() - start
+    print(f"[{n} tokens, {seconds:.2f} s, {n / seconds:.1f} tokens/s]", file=sys.stderr)
+    return "".join(pieces)
+
+
+def generate(args) -> None:
+    model = load_model(args)
+    ids = model.tokenizer.encode(args.prompt)
+    sys.stdout.write(args.prompt)
+    stream_text(model, ids, args)
+
+
+def chat(args) -> None:
+    model = load_model(args)
+    encode_chat(model, [{"role": "user", "content": ""}])   # no template: fail before typing
+    print(f"chatting with {model.path}: empty line or Ctrl-D to quit, /reset to start over",
+          file=sys.stderr)
+    system = [{"role": "system", "content": args.system}] if args.system else []
+    messages = list(system)
+    while True:
+        sys.stdout.write("you> ")  # not input()'s prompt: without readline it goes to stderr
+        sys.stdout.flush()
+        try:
+            line = input().strip()
+        except (EOFError, KeyboardInterrupt):
+            print()
+            return
+        if not line:
+            return
+        if line == "/reset":
+            messages = list(system)
+            continue
+        messages.append({"role": "user", "content": line})
+        ids = encode_chat(model, messages)
+        if len(ids) + args.max_new_tokens > model.config.max_position_embeddings:
+            print(f"error: the conversation ({len(ids)} tokens) + {args.max_new_tokens} new "
+                  f"exceeds the model's {model.config.max_position_embeddings} positions; "
+                  f"/reset", file=sys.stderr)
+            messages.pop()
+            continue
+        sys.stdout.write("model> ")
+        messages.append({"role": "assistant", "content": stream_text(model, ids, args)})
+
+
+def serve(args) -> None:
+    from minitransformer.server import serve as run_server
+
+    run_server(args.model or default_model_path(), host=args.host, port=args.port,
+               name=args.served_model_name, slots=args.slots, num_blocks=args.num_blocks,
+               block_size=args.block_size, policy=args.policy, max_waiting=args.max_waiting)
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python3 -m minitransformer", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    commands = p.add_subparsers(dest="command", required=True)
+    g = commands.add_parser("generate", help="stream a continuation of a prompt")
+    g.add_argument("prompt")
+    add_model(g)
+    add_sampling(g, 64)
+    g.set_defaults(run=generate)
+    c = commands.add_parser("chat", help="a multi-turn chat with the model's chat template")
+    add_model(c)
+    c.add_argument("--system", default=None, help="a system message to start with")
+    add_sampling(c, 256)
+    c.set_defaults(run=chat)
+    s = commands.add_parser("serve", help="an OpenAI-compatible server (needs the serve extra)",
+                            formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    add_model(s)
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--served-model-name", default=None,
+                   help="the model's name in the API (default: the checkpoint's folder name)")
+    s.add_argument("--slots", type=int, default=8, help="sequences decoded together")
+    s.add_argument("--num-blocks", type=int, default=None, help="KV blocks in the pool "
+                   "(default: 1,024 tokens per slot)")
+    s.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    s.add_argument("--policy", choices=["continuous", "static"], default="continuous")
+    s.add_argument("--max-waiting", type=int, default=64,
+                   help="waiting requests beyond which new ones get HTTP 429")
+    s.set_defaults(run=serve)
+    return p
+
+
+def main(argv=None) -> None:
+    args = parser().parse_args(argv)
+    try:
+        args.run(args)
+    except (ValueError, ImportError) as e:   # CheckpointError is a ValueError
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()

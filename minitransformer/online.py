@@ -1,0 +1,202 @@
+"""The engine online: a loop on a real clock that serves requests arriving while it runs.
+
+``engine.run`` takes a list of requests known in advance and a simulated clock. A server has
+neither: clients arrive whenever they like, from other threads, and want their tokens as they
+are made. ``OnlineEngine`` puts the same ``Engine`` in a background thread:
+
+    clients (any thread)              the loop (one thread, the only one touching the engine)
+    submit(request, listener) --+
+    cancel(ticket) -------------+-->  inbox --> engine.submit / engine.cancel
+                                      engine.clock = now; engine.step()
+    listener(Update) <--------------  new tokens of each request, and its end
+
+The engine is not thread-safe, so only the loop calls it: clients leave commands in an inbox
+(held under a lock for microseconds, never across a step) and the loop applies them between
+steps. That keeps a step from ever blocking a client, and a client from ever seeing the engine
+half-way through a step. Tokens are exactly the engine's, so each request gets the tokens
+``generate`` gives it alone with the same settings and seed.
+
+Listeners run on the loop thread and must return at once (put into a queue, nothing more).
+Leaves out: priorities, a bound on how long a request may wait, pruning ``engine.results``
+(one record per request is kept for the life of the engine).
+"""
+import math
+import queue
+import threading
+import time
+from dataclasses import dataclass, replace
+
+
+class QueueFull(Exception):
+    """The waiting queue is at its limit: try again later (HTTP 429)."""
+
+
+class Closed(Exception):
+    """The engine is shutting down and takes no new request (HTTP 503)."""
+
+
+@dataclass(frozen=True)
+class Update:
+    tokens: tuple               # token ids made since the last update of this request
+    done: bool                  # the last update: the request is over
+    status: str                 # the engine's: running, finished, cancelled, rejected (or error)
+    reason: str                 # why, for rejected / error
+    time: float                 # seconds on the online clock when the tokens were handed over
+    record: object              # the engine's record of the request (timings, preemptions)
+
+
+@dataclass(frozen=True)
+class Snapshot:                 # the engine's state after a step, for /metrics and /health
+    running: int
+    waiting: int
+    blocks_used: int
+    blocks_total: int
+    preemptions: int            # since start
+
+
+@dataclass(eq=False)
+class Ticket:                   # a client's handle on its request
+    listener: object
+    id: int = None              # the engine's request id, once the loop has submitted it
+    sent: int = 0               # tokens already handed to the listener
+
+
+class OnlineEngine:
+    def __init__(self, engine, max_waiting: int = 64):
+        self.engine, self.max_waiting = engine, max_waiting
+        self.start = time.perf_counter()
+        self.lock = threading.Condition()   # guards inbox and closing; wakes the loop
+        self.inbox, self.closing, self.error = [], False, None
+        self.live = []              # tickets whose request is in the engine and not over
+        self.preempted_before = 0   # preemptions of requests already over
+        self.snapshot = self._snapshot()
+        self.thread = threading.Thread(target=self._loop, name="engine-loop", daemon=True)
+        self.thread.start()
+
+    def now(self) -> float:
+        """Seconds since the engine started: the clock of arrivals, steps and updates."""
+        return time.perf_counter() - self.start
+
+    # --- what clients call (any thread) ------------------------------------------------------
+    def submit(self, request, listener) -> Ticket:
+        """Queue a request arriving now; listener(Update) gets its tokens. Raises QueueFull
+        when max_waiting requests already wait, Closed after close()."""
+        ticket = Ticket(listener)
+        with self.lock:
+            if self.closing or self.error:
+                raise Closed("the engine is shutting down" if self.closing else str(self.error))
+            waiting = self.snapshot.waiting + sum(cmd == "submit" for cmd, *_ in self.inbox)
+            if waiting >= self.max_waiting:
+                raise QueueFull(f"{waiting} requests are waiting (the limit is "
+                                f"{self.max_waiting})")
+            self.inbox.append(("submit", ticket, replace(request, arrival=self.now())))
+            self.lock.notify()
+        return ticket
+
+    def cancel(self, ticket) -> None:
+        """Stop a request now: its blocks go back to the pool before the next step."""
+        with self.lock:
+            self.inbox.append(("cancel", ticket, None))
+            self.lock.notify()
+
+    def stream(self, request):
+        """Yield a request's token ids as they are made (a blocking convenience)."""
+        updates = queue.Queue()
+        ticket = self.submit(request, updates.put)
+        try:
+            while True:
+                update = updates.get()
+                yield from update.tokens
+                if update.done:
+                    if update.status in ("rejected", "error"):
+                        raise ValueError(update.reason)
+                    return
+        finally:
+            self.cancel(ticket)     # a no-op when over; frees the blocks if the caller left
+
+    def close(self, drain: bool = True, timeout: float = None) -> None:
+        """Take no new request; finish the ones in flight (drain) or cancel them; stop."""
+        with self.lock:
+            self.closing = True
+            if not drain:
+                self.inbox += [("cancel", t, None) for t in self.live]
+                self.inbox += [("cancel", t, None) for c, t, _ in self.inbox if c == "submit"]
+            self.lock.notify()
+        self.thread.join(timeout)
+
+    # --- the loop (its own thread) -----------------------------------------------------------
+    def _loop(self) -> None:
+        while True:
+            with self.lock:
+                while not (self.inbox or self._busy() or self.closing):
+                    self.lock.wait()
+                commands, self.inbox = self.inbox, []
+            try:
+                for command, ticket, request in commands:
+                    self._apply(command, ticket, request)
+                self.snapshot = self._snapshot()     # the queue as clients now see it
+                if self._busy():
+                    self.engine.clock = self.now()   # the engine's clock is the wall clock
+                    self.engine.step()
+                self._hand_over()
+            except Exception as e:  # a bug in a step: fail every request loudly, not silently
+                self._fail(e)
+                return
+            if self.closing and not self._busy():
+                with self.lock:
+                    if not self.inbox:
+                        return
+
+    def _busy(self) -> bool:
+        return bool(self.engine.waiting or self.engine.running())
+
+    def _apply(self, command, ticket, request) -> None:
+        if command == "cancel":
+            if ticket.id is not None:   # None: its submission was refused, it is over
+                self.engine.cancel(ticket.id)
+            return
+        try:
+            ticket.id = self.engine.submit(request)
+        except ValueError as e:     # bad ids or lengths: the request ends here
+            return self._send(ticket, Update((), True, "rejected", str(e), self.now(), None))
+        self.live.append(ticket)
+
+    def _hand_over(self) -> None:
+        """Give each live request its new tokens; the ones now over leave the live list."""
+        now, still = self.now(), []
+        for ticket in self.live:
+            record = self.engine.results[ticket.id]
+            new = tuple(record.tokens[ticket.sent:])
+            done = not math.isnan(record.returned)   # static batching returns at batch end
+            if new or done:
+                ticket.sent += len(new)
+                self._send(ticket, Update(new, done, record.status, record.reason, now, record))
+            if done:
+                self.preempted_before += record.preemptions
+            else:
+                still.append(ticket)
+        self.live = still
+        self.snapshot = self._snapshot()
+
+    def _snapshot(self) -> Snapshot:
+        cache = self.engine.cache
+        live = sum(self.engine.results[t.id].preemptions for t in self.live)
+        return Snapshot(len(self.engine.running()), len(self.engine.waiting),
+                        cache.num_blocks - cache.num_free, cache.num_blocks,
+                        self.preempted_before + live)
+
+    def _send(self, ticket, update) -> None:
+        try:
+            ticket.listener(update)
+        except Exception:           # a broken listener must not stop everyone else's tokens
+            if ticket.id is not None:
+                self.engine.cancel(ticket.id)
+
+    def _fail(self, error) -> None:
+        with self.lock:
+            self.error = error
+            orphans, self.inbox = [t for c, t, _ in self.inbox if c == "submit"], []
+        for ticket in self.live + orphans:
+            self._send(ticket, Update((), True, "error", f"engine failed: {error!r}",
+                                      self.now(), None))
+        self.live = []

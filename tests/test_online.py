@@ -1,0 +1,100 @@
+"""The online engine: requests from many threads, on a real clock, get their solo tokens."""
+import threading
+import time
+
+import numpy as np
+import pytest
+
+import minitransformer as mt
+from minitransformer.engine import Engine, Request
+from minitransformer.online import Closed, OnlineEngine, QueueFull
+from minitransformer.sampling import SamplingSettings
+
+
+def solo(model, request):
+    s = request.settings
+    return mt.generate(model, list(request.prompt), request.max_new_tokens,
+                       do_sample=s.do_sample, temperature=s.temperature, top_k=s.top_k,
+                       top_p=s.top_p, repetition_penalty=s.repetition_penalty,
+                       seed=request.seed, eos_token_id=request.eos_token_id)
+
+
+def wait_for(condition, timeout=10.0):
+    """Poll a condition the loop thread makes true; fail after timeout seconds."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.002)
+
+
+@pytest.fixture()
+def model(checkpoint_dir):
+    return mt.load(checkpoint_dir("llama-gqa"))
+
+
+@pytest.mark.parametrize("policy", ["continuous", "static"])
+def test_concurrent_clients_get_their_solo_tokens(model, policy):
+    rng = np.random.default_rng(0)
+    V = model.config.vocab_size
+    requests = [Request(tuple(rng.integers(0, V, rng.integers(1, 12)).tolist()),
+                        int(rng.integers(1, 20)),
+                        settings=SamplingSettings(do_sample=bool(i % 2), temperature=0.8,
+                                                  top_p=0.9),
+                        seed=i, eos_token_id=[] if i % 3 else None) for i in range(12)]
+    online = OnlineEngine(Engine(model, slots=3, num_blocks=20, block_size=4, policy=policy))
+    got = [None] * len(requests)
+
+    def client(i):
+        time.sleep(0.001 * i)       # arrivals spread over the first steps
+        got[i] = list(online.stream(requests[i]))
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(len(requests))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    online.close()
+    assert got == [solo(model, r) for r in requests]
+    assert online.snapshot.blocks_used == 0 and not online.thread.is_alive()
+
+
+def test_a_client_that_leaves_frees_its_blocks_at_once(model):
+    online = OnlineEngine(Engine(model, slots=2, num_blocks=60, block_size=4))
+    tokens = online.stream(Request((1, 2, 3), 200, eos_token_id=[]))
+    first = [next(tokens) for _ in range(3)]
+    assert online.snapshot.blocks_used > 0
+    tokens.close()                  # the client goes away mid-stream
+    wait_for(lambda: online.snapshot.blocks_used == 0 and online.snapshot.running == 0)
+    record = online.engine.results[0]
+    assert record.status == "cancelled" and record.tokens[:3] == first
+    assert len(record.tokens) < 200
+    online.close()
+
+
+def test_full_queue_is_refused_and_bad_requests_end_rejected(model):
+    online = OnlineEngine(Engine(model, slots=1, num_blocks=8, block_size=4), max_waiting=1)
+    first = []
+    with online.lock:               # hold the loop off: both submissions are still in the inbox
+        online.submit(Request((1, 2), 5), first.append)
+        with pytest.raises(QueueFull, match="limit is 1"):
+            online.submit(Request((3, 4), 5), lambda update: None)
+    wait_for(lambda: first and first[-1].done)
+    with pytest.raises(ValueError, match="token ids must be in"):
+        list(online.stream(Request((10**6,), 5)))
+    with pytest.raises(ValueError, match="the pool has 8"):
+        list(online.stream(Request((1, 2), 40)))
+    online.close()
+    with pytest.raises(Closed):
+        online.submit(Request((1, 2), 5), lambda update: None)
+
+
+def test_close_without_drain_cancels_what_is_in_flight(model):
+    online = OnlineEngine(Engine(model, slots=1, num_blocks=80, block_size=4))
+    updates = []
+    for prompt in ((1, 2), (3, 4)):
+        online.submit(Request(prompt, 200, eos_token_id=[]), updates.append)
+    wait_for(lambda: updates)
+    online.close(drain=False, timeout=10)
+    assert not online.thread.is_alive() and online.snapshot.blocks_used == 0
+    ends = [u.status for u in updates if u.done]
+    assert sorted(ends) == ["cancelled", "cancelled"]
