@@ -10,8 +10,7 @@ keeps non-ASCII text, ``raise_exception`` and ``strftime_now``; the template see
 rendered text already holds its special tokens, so it is encoded without adding a BOS again
 (the trap: a doubled ``<s>``).
 
-The template comes from ``chat_template.jinja`` beside the weights, else ``tokenizer_config.json``
-(a string, or a list of named templates: the one named "default").
+The template is the tokenizer's: from ``tokenizer_config.json`` or the GGUF metadata.
 Needs jinja2 (the ``serve`` extra). Leaves out: tools, documents, assistant-token masks.
 """
 import json
@@ -21,29 +20,20 @@ from pathlib import Path
 SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "pad_token")
 
 
-def tokenizer_settings(path) -> dict:
-    """tokenizer_config.json of a checkpoint directory as a dict ({} when absent)."""
-    file = Path(path) / "tokenizer_config.json"
-    return json.loads(file.read_text()) if file.is_file() else {}
-
-
-def chat_template(path) -> str | None:
-    """The checkpoint's chat template source, or None when it has none."""
-    path = Path(path)
-    if (path / "chat_template.jinja").is_file():
-        return (path / "chat_template.jinja").read_text()
-    template = tokenizer_settings(path).get("chat_template")
-    if isinstance(template, list):  # [{"name": ..., "template": ...}, ...]
-        template = {t.get("name"): t.get("template") for t in template}.get("default")
-    return template if isinstance(template, str) else None
-
-
-def special_tokens(path) -> dict:
-    """bos_token, eos_token, ... as strings, the way templates refer to them."""
-    settings, tokens = tokenizer_settings(path), {}
+def special_tokens(model) -> dict:
+    """bos_token, eos_token, ... as strings, the way templates refer to them: from
+    tokenizer_config.json beside the weights, else the model's bos and first eos ids."""
+    tokenizer, tokens = model.tokenizer, dict.fromkeys(SPECIAL_TOKENS)
+    if tokenizer.bos_token_id is not None:
+        tokens["bos_token"] = tokenizer.backend.id_to_token(tokenizer.bos_token_id)
+    if model.eos_token_ids:
+        tokens["eos_token"] = tokenizer.backend.id_to_token(model.eos_token_ids[0])
+    file = Path(model.path) / "tokenizer_config.json"
+    settings = json.loads(file.read_text()) if file.is_file() else {}
     for name in SPECIAL_TOKENS:
         value = settings.get(name)
-        tokens[name] = value.get("content") if isinstance(value, dict) else value
+        value = value.get("content") if isinstance(value, dict) else value
+        tokens[name] = value if isinstance(value, str) else tokens[name]
     return tokens
 
 
@@ -92,14 +82,22 @@ def check_messages(messages) -> list:
     return messages
 
 
+def chat_ids(tokenizer, messages: list, add_generation_prompt: bool = True,
+             **tokens) -> list[int]:
+    """Messages -> prompt ids by the tokenizer's chat template (ValueError if it has none).
+    The special tokens are in the rendered text already: none is added by encoding it."""
+    if tokenizer.chat_template is None:
+        raise ValueError("the tokenizer has no chat template (no 'chat_template' in "
+                         "tokenizer_config.json or the GGUF metadata)")
+    tokens.setdefault("bos_token", None if tokenizer.bos_token_id is None else
+                      tokenizer.backend.id_to_token(tokenizer.bos_token_id))
+    text = render(tokenizer.chat_template, check_messages(messages), add_generation_prompt,
+                  **tokens)
+    return tokenizer.backend.encode(text, add_special_tokens=False).ids
+
+
 def encode_chat(model, messages: list, add_generation_prompt: bool = True) -> list[int]:
-    """Messages -> prompt ids for this model (ValueError if it has no template/tokenizer)."""
+    """Messages -> prompt ids for this model, its special tokens known to the template."""
     if model.tokenizer is None:
         raise ValueError(f"{model.path}: the model has no tokenizer")
-    template = chat_template(model.path)
-    if template is None:
-        raise ValueError(f"{model.path}: the checkpoint has no chat template "
-                         f"(tokenizer_config.json has no 'chat_template')")
-    text = render(template, check_messages(messages), add_generation_prompt,
-                  **special_tokens(model.path))
-    return model.tokenizer.backend.encode(text, add_special_tokens=False).ids
+    return chat_ids(model.tokenizer, messages, add_generation_prompt, **special_tokens(model))

@@ -34,15 +34,10 @@ class Tokenizer:
 
     def chat_prompt(self, messages, add_generation_prompt: bool = True) -> list[int]:
         """[{"role": "user", "content": "..."}] -> token ids laid out by the chat template,
-        ending where the assistant's answer starts. Needs jinja2 (a transformers dependency)."""
-        if self.chat_template is None:
-            raise ValueError("this tokenizer has no chat template")
-        from jinja2.sandbox import ImmutableSandboxedEnvironment  # optional: only chat uses it
+        ending where the assistant's answer starts (see chat.py; needs jinja2)."""
+        from minitransformer.chat import chat_ids
 
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-        text = env.from_string(self.chat_template).render(
-            messages=messages, add_generation_prompt=add_generation_prompt)
-        return self.encode(text)
+        return chat_ids(self, messages, add_generation_prompt)
 
     @property
     def vocab_size(self) -> int:

@@ -1,0 +1,74 @@
+"""Chat templates rendered as transformers' apply_chat_template renders them."""
+import json
+
+import pytest
+
+import minitransformer as mt
+from minitransformer.chat import encode_chat, render
+from minitransformer.synth import make_checkpoint, qwen2_config, train_tokenizer
+
+jinja2 = pytest.importorskip("jinja2")
+
+# The layout of ChatML templates (Qwen2, SmolLM2): block tags on their own lines, which
+# trim_blocks / lstrip_blocks must swallow, or every turn gains stray newlines and spaces.
+CHATML = """{% for message in messages %}
+    {% if loop.first and message['role'] != 'system' %}
+<|im_start|>system
+You are helpful.<|im_end|>
+    {% endif %}
+<|im_start|>{{ message['role'] }}
+{{ message['content'] }}<|im_end|>
+{% endfor %}
+{% if add_generation_prompt %}
+<|im_start|>assistant
+{% endif %}"""
+
+
+def test_block_tags_leave_no_whitespace_behind():
+    text = render(CHATML, [{"role": "user", "content": "Hi"}])
+    assert text == ("<|im_start|>system\nYou are helpful.<|im_end|>\n"
+                    "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n")
+    assert render(CHATML, [{"role": "user", "content": "Hi"}], add_generation_prompt=False) \
+        == "<|im_start|>system\nYou are helpful.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n"
+
+
+def test_template_helpers_of_transformers():
+    assert render("{{ messages | tojson }}", [{"role": "user", "content": "çay"}]) == \
+        '[{"role": "user", "content": "çay"}]'              # non-ASCII kept, as transformers
+    assert render("{% for m in messages %}{% if loop.index > 1 %}{% break %}{% endif %}"
+                  "{{ m['content'] }}{% endfor %}", [{"role": "user", "content": "a"}] * 3) == "a"
+    with pytest.raises(jinja2.exceptions.TemplateError, match="only user"):
+        render("{{ raise_exception('only user and assistant roles') }}", [{"role": "x",
+                                                                             "content": ""}])
+    with pytest.raises(jinja2.exceptions.SecurityError):   # the sandbox: no Python internals
+        render("{{ messages.__class__.__init__.__globals__ }}", [])
+
+
+@pytest.fixture(scope="module")
+def chat_model(tmp_path_factory):
+    tokenizer = train_tokenizer(300)
+    path = make_checkpoint(tmp_path_factory.mktemp("chat"), qwen2_config(vocab_size=320),
+                           tokenizer=tokenizer)
+    settings = json.loads((path / "tokenizer_config.json").read_text())
+    settings |= {"chat_template": "{{ bos_token }}{% for m in messages %}{{ m['role'] }}: "
+                                  "{{ m['content'] }}{{ eos_token }}{% endfor %}",
+                 "bos_token": "<|endoftext|>", "add_bos_token": True}
+    (path / "tokenizer_config.json").write_text(json.dumps(settings))
+    return mt.load(path)
+
+
+def test_special_tokens_are_in_the_text_once(chat_model):
+    ids = encode_chat(chat_model, [{"role": "user", "content": "The cat"}])
+    tokenizer, eos = chat_model.tokenizer, chat_model.tokenizer.bos_token_id
+    assert ids.count(eos) == 2 and ids[0] == eos and ids[-1] == eos    # not a doubled BOS
+    assert tokenizer.backend.decode(ids, skip_special_tokens=False) == \
+        "<|endoftext|>user: The cat<|endoftext|>"
+
+
+def test_bad_messages_and_missing_templates_are_named(chat_model, checkpoint_dir):
+    with pytest.raises(ValueError, match=r"messages\[1\].content must be a string"):
+        encode_chat(chat_model, [{"role": "user", "content": "a"}, {"role": "user"}])
+    with pytest.raises(ValueError, match="messages must be a non-empty list"):
+        encode_chat(chat_model, [])
+    with pytest.raises(ValueError, match="has no tokenizer"):
+        encode_chat(mt.load(checkpoint_dir("llama-gqa")), [{"role": "user", "content": "a"}])
