@@ -31,6 +31,14 @@ class Model:
     path: str = ""
 
 
+def is_quantized(w) -> bool:
+    """Is w held as codes and scales (a quant.QWeight) rather than as a float array?
+
+    The one test for it: a weight that is not an array multiplies itself (`w.matmul(x)`).
+    """
+    return not isinstance(w, xp.ndarray)
+
+
 def linear(x, w, b=None, per_row=False):
     """x (B, T, in) @ w (out, in).T + b -> (B, T, out). A quantized weight multiplies itself.
 
@@ -43,7 +51,10 @@ def linear(x, w, b=None, per_row=False):
     batch-invariant.
     """
     flat = x if per_row else x.reshape(-1, x.shape[-1])          # (B, T, in) or (B*T, in)
-    y = w.matmul(flat) if hasattr(w, "matmul") else flat @ w.T
+    if is_quantized(w):  # it multiplies one flat matrix at a time: per row, one call a row
+        y = xp.stack([w.matmul(row) for row in flat]) if per_row else w.matmul(flat)
+    else:
+        y = flat @ w.T
     y = y.reshape(*x.shape[:-1], y.shape[-1])                    # (B, T, out)
     return y if b is None else y + b
 

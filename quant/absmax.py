@@ -19,7 +19,8 @@ Leaves out: asymmetric (zero-point) quantization, rounding other than to nearest
 """
 import numpy as np
 
-from quant.qweight import QWeight, build, check_weight, expand, float16_scales, group_absmax
+from quant.qweight import QWeight
+from quant.scales import build, check_weight, expand, float16_scales, group_absmax
 
 
 def absmax_per_tensor(w, bits: int) -> QWeight:

@@ -14,6 +14,7 @@ import numpy as np
 
 from minitransformer.backend import to_numpy
 from minitransformer.model import block, embed, prepare
+from quant.int8 import int8_codes
 
 # An ordinary paragraph (written for this project), about 84 tokens with Qwen2.5's tokenizer.
 PROMPT = ("The old lighthouse keeper climbed the spiral stairs every evening at dusk, carrying "
@@ -98,11 +99,6 @@ def int8_levels(h: np.ndarray, dims, exclude: int = 0) -> Int8Levels:
     codes = int8_codes(h, scale)
     return Int8Levels(scale=scale, used=len(np.unique(codes[:, kept])),
                       per_dim={int(d): len(np.unique(codes[:, d])) for d in dims})
-
-
-def int8_codes(x: np.ndarray, scale: float) -> np.ndarray:
-    """x -> its INT8 codes for one absmax scale (values beyond the scale's range clip)."""
-    return np.clip(np.round(x / scale), -128, 127) if scale > 0 else np.zeros_like(x)
 
 
 def quantile_dims(maxima: np.ndarray, quantiles=(0.9, 0.5, 0.1)) -> list[int]:

@@ -11,8 +11,9 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from minitransformer.backend import to_numpy
-from quant.qmodel import SCHEMES, check_scheme, projection_names
-from quant.qweight import check_weight
+from quant.qmodel import projection_names
+from quant.scales import check_weight
+from quant.schemes import SCHEMES, check_scheme
 
 
 @dataclass(frozen=True)
@@ -41,7 +42,7 @@ def error_table(weights: dict, schemes=tuple(SCHEMES), progress=None) -> list[Sc
     names = projection_names(weights)
     if not names:
         raise ValueError("no projection matrices (names like layers.N.mlp.down_proj.weight)")
-    errors = {check_scheme(s): {} for s in schemes}
+    errors = {check_scheme(s).name: {} for s in schemes}
     stored = dict.fromkeys(schemes, 0)  # bytes of codes + scales
     count = 0                           # weights
     for i, name in enumerate(names):
@@ -50,10 +51,10 @@ def error_table(weights: dict, schemes=tuple(SCHEMES), progress=None) -> list[Sc
         w = to_numpy(weights[name])
         count += w.size
         for s in schemes:
-            q = SCHEMES[s][1](w)
+            q = SCHEMES[s].quantize(w)
             errors[s][name] = q.error
             stored[s] += q.nbytes
-    return [SchemeError(s, SCHEMES[s][0], 8 * stored[s] / count, errors[s]) for s in schemes]
+    return [SchemeError(s, SCHEMES[s].label, 8 * stored[s] / count, errors[s]) for s in schemes]
 
 
 @dataclass(frozen=True)
@@ -97,4 +98,4 @@ def default_outlier_matrix(weights: dict, table: list[SchemeError] | None = None
     for row in table or []:
         if row.scheme == "int4-tensor":
             return row.worst[0]
-    return max(names, key=lambda n: SCHEMES["int4-tensor"][1](weights[n]).error)
+    return max(names, key=lambda n: SCHEMES["int4-tensor"].quantize(weights[n]).error)

@@ -13,8 +13,10 @@ Serves experiment 21 (and the agreement feeds experiment 22's acceptance rates).
 Perplexity is only comparable between models that share a tokenizer (the chapter's warning).
 Leaves out: sampling-based evaluation, benchmark suites, confidence intervals.
 """
+import json
 import re
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 
@@ -92,6 +94,19 @@ def perplexity(model, ids, window: int, progress=None, chunk: int = 256) -> Perp
         if progress is not None:
             progress(i, len(starts))
     return Perplexity(float(np.exp(nll / count)), nll, count)
+
+
+def default_repetition_penalty(model, fallback: float = 1.1) -> float:
+    """The checkpoint's own repetition penalty (its generation_config.json), else `fallback`.
+
+    The battery's "penalty on" setting: a chat model ships the penalty it was tuned with.
+    """
+    file = Path(model.path or ".") / "generation_config.json"
+    if model.path and file.is_file():
+        penalty = json.loads(file.read_text()).get("repetition_penalty")
+        if penalty is not None:
+            return float(penalty)
+    return fallback
 
 
 @dataclass(frozen=True)

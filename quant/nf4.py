@@ -22,7 +22,8 @@ from statistics import NormalDist
 
 import numpy as np
 
-from quant.qweight import QWeight, build, check_weight, expand, float16_scales, group_absmax
+from quant.qweight import QWeight
+from quant.scales import build, check_weight, expand, float16_scales, group_absmax
 
 OFFSET = 0.9677083  # (1 - 1/30 + 1 - 1/32) / 2, to the digits bitsandbytes writes
 

@@ -2,9 +2,10 @@
 
 Serves experiments 15 (resident bytes), 16 (which matrices count) and 21 (the model that is
 evaluated). Every projection matrix (q, k, v, o, gate, up, down of every layer: 7 per layer,
-168 in Qwen2.5-0.5B) is replaced by a QWeight of the chosen scheme; the forward pass sees an
-object with `.matmul` and multiplies through it (minitransformer.model.linear). The
-embedding (and so the tied head), the norms and the biases stay float32, as in the chapter.
+168 in Qwen2.5-0.5B) is replaced by a QWeight of the chosen scheme (schemes.py); the forward
+pass sees a quantized weight (`minitransformer.model.is_quantized`) and lets it multiply
+itself. The embedding (and so the tied head), the norms and the biases stay float32, as in
+the chapter. `dequantize_model` goes back: every QWeight replaced by its float matrix.
 
 Memory is measured, not computed: `resident_bytes` adds up the buffers the model holds, each
 once. The float matrices are dropped as soon as they are quantized, so once the caller lets go
@@ -15,20 +16,10 @@ import re
 from dataclasses import replace
 from numbers import Real
 
-from quant.absmax import absmax_per_group, absmax_per_row, absmax_per_tensor
-from quant.nf4 import nf4
+from minitransformer.model import is_quantized
+from quant.schemes import SCHEMES, check_scheme  # noqa: F401 (SCHEMES: imported from here too)
 
 PROJECTION = re.compile(r"layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj)\.weight$")
-
-# CLI name -> (the chapter's label, the quantizer). Order: the rows of the chapter's tables.
-SCHEMES = {
-    "int8-tensor": ("INT8 per-tensor", lambda w: absmax_per_tensor(w, 8)),
-    "int8-row": ("INT8 per-row", lambda w: absmax_per_row(w, 8)),
-    "int4-tensor": ("INT4 per-tensor", lambda w: absmax_per_tensor(w, 4)),
-    "int4-row": ("INT4 per-row", lambda w: absmax_per_row(w, 4)),
-    "int4-g128": ("INT4 group-128", lambda w: absmax_per_group(w, 4, 128)),
-    "nf4": ("NF4 (block 64)", lambda w: nf4(w, 64)),
-}
 
 
 def projection_names(weights: dict) -> list[str]:
@@ -36,12 +27,6 @@ def projection_names(weights: dict) -> list[str]:
     def layer(name):
         return int(re.search(r"layers\.(\d+)\.", name).group(1))
     return sorted((n for n in weights if PROJECTION.search(n)), key=layer)
-
-
-def check_scheme(scheme: str) -> str:
-    if scheme not in SCHEMES:
-        raise ValueError(f"unknown scheme {scheme!r}; choose from {', '.join(SCHEMES)}")
-    return scheme
 
 
 def check_threshold(threshold):
@@ -62,7 +47,7 @@ def quantize_model(model, scheme: str, outlier_threshold: float | None = None, p
     (LLM.int8; its default is 6.0); inf quantizes every column. progress(i, n, name) is
     called before each matrix.
     """
-    _, quantize = SCHEMES[check_scheme(scheme)]
+    quantize = check_scheme(scheme).quantize
     outlier_threshold = check_threshold(outlier_threshold)
     names = projection_names(model.weights)
     if not names:
@@ -77,6 +62,16 @@ def quantize_model(model, scheme: str, outlier_threshold: float | None = None, p
             raise ValueError(f"{name}: {e}") from None
         weights[name] = replace(q, outlier_threshold=outlier_threshold)
     return replace(model, weights=weights)
+
+
+def dequantize_model(model):
+    """Model -> the same model with every quantized weight replaced by its float32 matrix.
+
+    The same function as the quantized model (the matrices `QWeight.dequantize` specifies),
+    held as floats again: 4 bytes a weight, multiplied at float speed.
+    """
+    return replace(model, weights={name: w.dequantize() if is_quantized(w) else w
+                                   for name, w in model.weights.items()})
 
 
 def resident_bytes(weights) -> dict:
@@ -96,7 +91,7 @@ def resident_bytes(weights) -> dict:
             total[kind] += int(array.nbytes)
 
     for name, w in weights.items():
-        if hasattr(w, "codes"):  # a QWeight
+        if is_quantized(w):
             count("projections", w.codes)
             count("projections", w.scales)
             count("levels", w.levels)

@@ -24,9 +24,8 @@ import numpy as np
 from minitransformer.backend import to_device, to_numpy
 from minitransformer.model import rms_norm
 from quant.absmax import absmax_per_group, absmax_per_row, absmax_per_tensor
-from quant.activations import int8_codes
+from quant.int8 import fake_int8, int8_activations
 from quant.nf4 import nf4
-from quant.qweight import int8_activations
 
 
 @dataclass(frozen=True)
@@ -39,8 +38,7 @@ class Technique:
 
 def fake_int8_per_tensor(x: np.ndarray) -> np.ndarray:
     """x on the INT8 grid of one absmax scale for the whole tensor (back in float units)."""
-    scale = float(np.abs(x).max()) / 127
-    return int8_codes(x, scale) * scale
+    return fake_int8(x, float(np.abs(x).max()) / 127)
 
 
 def output_error(y: np.ndarray, y_hat: np.ndarray) -> float:

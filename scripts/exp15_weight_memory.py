@@ -18,17 +18,6 @@ from minitransformer.backend import BACKEND, to_numpy
 from quant.qmodel import SCHEMES, projection_names, quantize_model, resident_bytes
 
 
-def expected_bytes(shapes, scheme) -> int:
-    """Bytes the scheme should take, from the shapes alone: codes plus float16 scales."""
-    bits = 8 if scheme.startswith("int8") else 4
-    total = 0
-    for out, cols in shapes:
-        group = {"int4-g128": 128, "nf4": 64}.get(scheme, cols)
-        n_scales = 1 if scheme.endswith("tensor") else out * -(-cols // group)
-        total += -(-out * cols * bits // 8) + 2 * n_scales
-    return total
-
-
 def decimal(n: float) -> str:
     """Bytes in decimal units, as the chapter writes them (0.5 B params x 4 = 1.98 GB)."""
     for unit, name in ((1e9, "GB"), (1e6, "MB"), (1e3, "KB")):
@@ -63,10 +52,12 @@ def main(argv=None):
         if tracing:
             tracemalloc.stop()
         held = resident_bytes(quantized.weights)
-        rows.append((SCHEMES[scheme][0], 8 * held["projections"] / n_proj, held["projections"],
-                     expected_bytes(shapes, scheme), held["other"] + held["levels"], allocated))
+        s = SCHEMES[scheme]  # expected: what the scheme's bits and group say, from the shapes
+        rows.append((s.label, 8 * held["projections"] / n_proj, held["projections"],
+                     sum(s.nbytes(shape) for shape in shapes), held["other"] + held["levels"],
+                     allocated))
         del quantized
-        progress(i, len(schemes), f"{SCHEMES[scheme][0]}: {time.perf_counter() - start:.1f} s")
+        progress(i, len(schemes), f"{s.label}: {time.perf_counter() - start:.1f} s")
 
     print(f"Experiment 15: weights in memory ({model.path})")
     print(f"{n_all:,} parameters, {n_proj:,} of them in {len(names)} projection matrices")

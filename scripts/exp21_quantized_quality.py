@@ -11,27 +11,16 @@ in the battery. Quantized matmuls dequantize each matrix on the fly, so this is 
 script: shrink it with --schemes, --tokens, --questions, --positions.
 """
 import argparse
-import json
 import time
 from pathlib import Path
 
 from _common import add_model_argument, add_schemes_argument, load_model, progress, say
 from quant.data import TextUnavailable, britannica_text
-from quant.evaluate import (BATTERY, agreement, battery, encode, perplexity, reference_tokens,
-                            tokens_of)
+from quant.evaluate import (BATTERY, agreement, battery, default_repetition_penalty, encode,
+                            perplexity, reference_tokens, tokens_of)
 from quant.qmodel import SCHEMES, quantize_model, resident_bytes
 
 PREFIX = "The history of the English theatre begins"
-
-
-def default_penalty(model) -> float:
-    """The checkpoint's own repetition penalty (generation_config.json), else 1.1."""
-    file = Path(model.path) / "generation_config.json"
-    if file.is_file():
-        penalty = json.loads(file.read_text()).get("repetition_penalty")
-        if penalty is not None:
-            return float(penalty)
-    return 1.1
 
 
 def evaluate(label, model, ids, args, prefix, reference, penalty):
@@ -84,13 +73,13 @@ def main(argv=None):
         ids = tokens_of(model, text, args.tokens + 1)  # n scored tokens need n + 1
     except ValueError as e:
         raise SystemExit(f"exp21: {source}: {e}; use --tokens or a longer --text")
-    penalty = args.repetition_penalty or default_penalty(model)
+    penalty = args.repetition_penalty or default_repetition_penalty(model)
     prefix = encode(model, args.prefix)
     say(f"full-precision greedy reference: {args.positions} tokens after {len(prefix)}")
     reference = reference_tokens(model, prefix, args.positions)
 
     runs = [("fp32", lambda: model)] + [
-        (SCHEMES[s][0], lambda s=s: quantize_model(model, s)) for s in schemes]
+        (SCHEMES[s].label, lambda s=s: quantize_model(model, s)) for s in schemes]
     if args.llm_int8 is not None:
         runs.append((f"INT8 row+LLM.int8>{args.llm_int8:g}",
                      lambda: quantize_model(model, "int8-row", outlier_threshold=args.llm_int8)))

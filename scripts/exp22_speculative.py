@@ -12,14 +12,12 @@ run's tokens are compared with plain greedy's: speculative decoding must not cha
 
 The drafts: the target itself (alpha = 1: the ceiling), each quantization scheme of
 quant/qmodel.py, and the target's own first layers (an early-exit draft, cheaper here for
-real). A quantized draft runs on its dequantized weights: the same numbers QWeight.matmul
-multiplies by (x @ dequantize().T), without NumPy re-dequantizing every matrix at every step,
-which would make it slower than the target (the logits are bitwise the same); its c (bytes)
-column is what a real kernel sees.
+real). A quantized draft runs on its codes and scales (quant/matmul.py converts a block of
+rows at a time), so its c (time) is what this CPU gives and its c (bytes) what a memory-bound
+device would.
 """
 import argparse
 import time
-from dataclasses import replace
 
 import numpy as np
 
@@ -30,12 +28,6 @@ from minitransformer.speculative import first_layers, speculative_generate
 from quant.evaluate import agreement, reference_tokens
 from quant.qmodel import SCHEMES, quantize_model, resident_bytes
 from sim.speculative import expected_tokens, speedup
-
-
-def dequantized(model):
-    """Every QWeight replaced by its float32 matrix: the same function, float speed."""
-    return replace(model, weights={name: w.dequantize() if hasattr(w, "dequantize") else w
-                                   for name, w in model.weights.items()})
 
 
 def weight_bytes(model) -> int:
@@ -49,9 +41,9 @@ def drafts(target):
     """-> [(label, draft for alpha, draft to run)]: quantized drafts differ in the two."""
     L = target.config.num_hidden_layers
     out = [("target itself", target, target)]
-    for scheme, (label, _) in SCHEMES.items():
-        q = quantize_model(target, scheme)
-        out.append((label, q, dequantized(q)))
+    for scheme in SCHEMES.values():
+        q = quantize_model(target, scheme.name)
+        out.append((scheme.label, q, q))
     for n in sorted({L - 1, L // 2} - {0}, reverse=True):
         draft = first_layers(target, n)
         out.append((f"first {n} of {L} layers", draft, draft))

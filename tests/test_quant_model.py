@@ -9,8 +9,9 @@ import pytest
 import minitransformer as mt
 from minitransformer.backend import BACKEND, to_device, to_numpy
 from quant.absmax import absmax_per_group, absmax_per_row
+from quant.int8 import int8_activations
 from quant.qmodel import SCHEMES, projection_names, quantize_model, resident_bytes
-from quant.qweight import QWeight, int8_activations
+from quant.qweight import QWeight
 
 PROMPT = [3, 17, 42, 5, 9, 60, 11, 2, 33, 71, 8, 19]
 
@@ -18,15 +19,6 @@ PROMPT = [3, 17, 42, 5, 9, 60, 11, 2, 33, 71, 8, 19]
 @pytest.fixture(scope="module")
 def model(checkpoint_dir):
     return mt.load(checkpoint_dir("llama-gqa"))
-
-
-def expected_bytes(shape, scheme):
-    """Codes at their width (rounded up to whole bytes) plus a float16 per scale."""
-    out, cols = shape
-    bits = 8 if scheme.startswith("int8") else 4
-    group = {"int4-g128": 128, "nf4": 64}.get(scheme, cols)
-    scales = 1 if scheme.endswith("tensor") else out * -(-cols // group)
-    return -(-out * cols * bits // 8) + 2 * scales
 
 
 def test_qweight_matmul_is_x_times_the_dequantized_matrix():
@@ -57,10 +49,10 @@ def test_resident_bytes_match_the_bits_per_weight(model, scheme):
     q = quantize_model(model, scheme)
     names = projection_names(model.weights)
     held = resident_bytes(q.weights)
-    assert held["projections"] == sum(expected_bytes(model.weights[n].shape, scheme)
+    assert held["projections"] == sum(SCHEMES[scheme].nbytes(model.weights[n].shape)
                                       for n in names)
     assert held["other"] == resident_bytes(model.weights)["other"]
-    assert held["levels"] == (256 if scheme.startswith("int8") else 16) * 4  # one shared table
+    assert held["levels"] == 2 ** SCHEMES[scheme].bits * 4  # one shared table
     assert resident_bytes(q) == held  # a Model counts as its weights
 
 
@@ -166,3 +158,13 @@ def test_outlier_thresholds_that_mean_something_are_kept(model, threshold):
 def test_bad_outlier_thresholds_are_named(model, threshold):
     with pytest.raises(ValueError, match=r"outlier_threshold must be None or a number >= 0"):
         quantize_model(model, "int8-row", outlier_threshold=threshold)
+
+
+def test_a_quantized_model_batched_row_by_row_gets_each_rows_solo_bits(model):
+    """batch_invariant=True multiplies a quantized weight one row at a time, as alone."""
+    from minitransformer.model import forward
+    q = quantize_model(model, "int4-g128")
+    ids = np.array([PROMPT, PROMPT[::-1]])
+    both = to_numpy(forward(q, ids, batch_invariant=True))
+    for b in range(2):
+        np.testing.assert_array_equal(both[b], to_numpy(forward(q, ids[b:b + 1]))[0])

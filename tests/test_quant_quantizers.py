@@ -10,7 +10,7 @@ from minitransformer.backend import to_device, to_numpy
 from quant.absmax import absmax_per_group, absmax_per_row, absmax_per_tensor
 from quant.nf4 import NF4_LEVELS, nf4
 from quant.packing import pack_nibbles, unpack_nibbles
-from quant.qweight import expand, float16_scales, relative_error
+from quant.scales import expand, float16_scales, relative_error
 
 # QLoRA appendix E / bitsandbytes' hard-coded NF4 table, as published (float32 values).
 PUBLISHED_NF4 = [-1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453,

@@ -1,0 +1,151 @@
+"""Multiplying by a quantized matrix without ever holding it in float: a block of rows at a time.
+
+Serves experiments 21 and 22 and every quantized decode step. `QWeight.dequantize` is the
+specification: level of each code times its group's scale, the whole (out, in) matrix in
+float32. Multiplying through it costs more than the float model does, because every step
+writes and re-reads 4 bytes per weight on top of reading the codes. Here the matrix is
+converted a block of rows at a time into a small float buffer that stays in the CPU's cache,
+multiplied, and the buffer reused for the next block: memory traffic is the codes (1 or 1/2
+byte a weight), and the conversion runs at cache speed.
+
+    for each block of ~1 MB of float rows:
+        buffer <- levels of the block's codes        (integer grids: a cast, no table)
+        buffer *= each weight's scale                 (group schemes only)
+        y[:, block] = x @ buffer.T
+    y *= each row's scale                             (per-row / per-tensor schemes)
+
+Equal to `x @ dequantize().T` up to float summation order: where the scale is applied to the
+output, (x . c) s is rounded differently from x . (c s). Group schemes (INT4 group-128, NF4)
+put the scale in the buffer, so the buffer's bits are dequantize's bits.
+The integer grids need no lookup: an 8-bit code c stands for c - 128, which is c with its top
+bit flipped read as a signed byte; a 4-bit code likewise, sign-extended by an arithmetic shift.
+NF4's levels are a table, looked up one byte (two codes) at a time: a gather, slower than a
+cast, which is why NF4 is the slowest scheme here.
+Leaves out: integer matmuls (the activations stay float), multithreaded blocks, CuPy (on a
+GPU the whole-matrix path is used: bandwidth there makes the temporary cheap).
+"""
+import threading
+
+import numpy as np
+
+from minitransformer.backend import BACKEND, xp
+
+BLOCK_FLOATS = 1 << 18   # 1 MB of float32 per block: in L2 on most CPUs, few Python steps
+_scratch = threading.local()  # one reusable buffer per thread (no page faults per call)
+
+
+def blocked_matmul(q, x):
+    """x (..., in) @ q.dequantize().T -> (..., out), float32, a block of rows at a time."""
+    out, cols = q.shape
+    if BACKEND != "numpy" or not fast_layout(q):
+        return x @ q.dequantize().T                   # the specification, whole matrix
+    table = lookup_table(q)
+    xb = block_columns(q, table, x.reshape(-1, cols))                  # (M, in), block order
+    y = np.empty((xb.shape[0], out), np.float32)                       # (M, out)
+    rows = block_rows(cols)
+    per_row = q.group >= cols                         # one scale per row, or per tensor
+    for r0 in range(0, out, rows):
+        r1 = min(out, r0 + rows)
+        w = levels_block(q, r0, r1, table)            # (n, in) levels, in scale units
+        if per_row:
+            np.matmul(xb, w.T, out=y[:, r0:r1])
+        else:  # one dot product per group, then each group's scale: no pass over the buffer
+            G = cols // q.group
+            parts = np.matmul(w.reshape(r1 - r0, G, q.group).transpose(1, 0, 2),
+                              xb.reshape(-1, G, q.group).transpose(1, 2, 0))   # (G, n, M)
+            np.einsum("gnm,ng->mn", parts, q.scales[r0:r1].astype(np.float32),
+                      out=y[:, r0:r1])
+    if per_row:
+        y *= q.scales.reshape(1, -1).astype(np.float32)  # (1, out) or (1, 1): scale outputs
+    return y.reshape(x.shape[:-1] + (out,))
+
+
+def fast_layout(q) -> bool:
+    """Whole groups in a row; for 4 bits, rows of whole bytes (a byte's codes share a row)."""
+    out, cols = q.shape
+    return (q.group >= cols or cols % q.group == 0) and (q.bits == 8 or cols % 2 == 0)
+
+
+def block_columns(q, table, x):
+    """x (M, in) -> float32 (M, in) in the order and units `levels_block` gives the levels.
+
+    For the INT4 grid a block holds 16 x each level, with each byte's two codes swapped (see
+    levels_block): so x's pairs are swapped and x is divided by 16, a power of two, which
+    changes no product's bits.
+    """
+    x = np.asarray(x, dtype=np.float32)
+    if q.bits == 4 and table is None:
+        return np.ascontiguousarray(x.reshape(len(x), -1, 2)[:, :, ::-1]).reshape(x.shape) / 16
+    return np.ascontiguousarray(x)
+
+
+def block_rows(cols: int) -> int:
+    """Rows per block: ~BLOCK_FLOATS floats, and even, so a 4-bit block starts on a byte."""
+    return max(2, BLOCK_FLOATS // cols // 2 * 2)
+
+
+def buffer(shape, dtype):
+    """A scratch array of `shape`, reused across calls on this thread (its contents are junk)."""
+    n = int(np.prod(shape))
+    held = getattr(_scratch, dtype.__name__, None)
+    if held is None or held.size < n:
+        held = np.empty(n, dtype)
+        setattr(_scratch, dtype.__name__, held)
+    return held[:n].reshape(shape)
+
+
+def lookup_table(q):
+    """None for the integer grids (a cast does); else the levels (8 bits) or `pair_table`."""
+    half = 2 ** (q.bits - 1)
+    if np.array_equal(q.levels, np.arange(2 * half, dtype=np.float32) - half):
+        return None
+    return q.levels if q.bits == 8 else pair_table(q.levels)
+
+
+def levels_block(q, r0: int, r1: int, table):
+    """Rows r0:r1 of the matrix in units of their scales -> float32 (n, in), in scratch.
+
+    In natural order, except the INT4 grid: 16 x each level, each byte's two codes swapped.
+    """
+    cols = q.shape[1]
+    n = r1 - r0
+    flat = buffer((2 * (-(-n * cols // 2)),), np.float32)  # room for a padding nibble
+    w = flat[:n * cols].reshape(n, cols)
+    if q.bits == 8:
+        codes = q.codes[r0 * cols:r1 * cols]
+        if table is None:        # level c - 128: flip the top bit, read as a signed byte
+            signed = buffer((n * cols,), np.uint8)
+            np.bitwise_xor(codes, 0x80, out=signed)
+            np.copyto(w.reshape(-1), signed.view(np.int8), casting="unsafe")
+        else:
+            np.take(table, codes, out=w.reshape(-1))
+        return w
+    # 4 bits: byte i holds code 2i (low nibble) and code 2i+1 (high nibble). r0 is even, so
+    # the block starts on a byte; an odd total leaves one padding nibble at the very end.
+    first, last = r0 * cols // 2, -(-r1 * cols // 2)
+    packed = q.codes[first:last]                                       # (ceil(n*in/2),)
+    if table is None:
+        # A byte b = (hi << 4) | lo. Flip bit 3 of each nibble (code c -> c - 8 as a signed
+        # nibble), widen to 16 bits and multiply by 0x1001: the low byte keeps b, the high byte
+        # receives lo << 4. Masking with 0xF0F0 leaves (hi << 4, lo << 4): two signed bytes
+        # worth 16 (c - 8) each, in swapped order, which block_columns undoes on x.
+        wide = buffer((last - first,), np.uint16)
+        np.bitwise_xor(packed, 0x88, out=wide, casting="unsafe")
+        np.multiply(wide, 0x1001, out=wide)  # wraps at 16 bits, on purpose
+        np.bitwise_and(wide, 0xF0F0, out=wide)
+        np.copyto(flat[:2 * (last - first)], wide.view(np.int8), casting="unsafe")
+    else:                        # a table: one gather per byte gives both of its levels
+        np.take(table, packed, out=flat.view(np.float64))
+    return w
+
+
+def pair_table(levels) -> np.ndarray:
+    """(16,) levels -> (256,) float64 whose 8 bytes are (levels[b & 15], levels[b >> 4]).
+
+    >>> t = pair_table(np.arange(16, dtype=np.float32))
+    >>> t[0x3A:0x3B].view(np.float32)    # byte 0x3A: low nibble A (10), high nibble 3
+    array([10.,  3.], dtype=float32)
+    """
+    byte = np.arange(256)
+    pairs = np.stack([levels[byte & 15], levels[byte >> 4]], axis=1)   # (256, 2) float32
+    return np.ascontiguousarray(pairs, dtype=np.float32).view(np.float64).reshape(256)
