@@ -26,9 +26,11 @@ RECORD_ENV = "MT_TABLES"
 class Table:
     """One table of one experiment; see the module docstring."""
 
-    def __init__(self, title, experiment=None, columns=(), chapter=True):
-        """chapter: end with the chapter's lines (once per experiment, on its main table)."""
+    def __init__(self, title, experiment=None, columns=(), chapter=True, differs=None):
+        """chapter: end with the chapter's lines (once per experiment, on its main table);
+        differs: why ours differs, where this script's reason is not the experiment's."""
         self.title, self.experiment, self.chapter = title, experiment, chapter
+        self.differs = differs
         self.headers, self.notes, self.rows, self.warnings, self.plots = [], [], [], {}, []
         self.columns = [c if isinstance(c, tuple) else (c, "") for c in columns]
 
@@ -59,11 +61,15 @@ class Table:
 
     def plot(self, x, ys, title, kind="line", logx=False, logy=False, hline=None):
         """Declare a plot of columns ``ys`` against column ``x`` for the report.
-        hline: (label, column) drawn flat at that column's value in the first row."""
+        hline: (label, value), a level drawn across; the value must be printed in the header
+        or the notes (the report draws nothing the table does not show)."""
         names = [name for name, _ in self.columns]
-        for column in [x, *ys, *([hline[1]] if hline else [])]:
+        for column in [x, *ys]:
             if column not in names:
                 raise ValueError(f"{self.title}: plot of unknown column {column!r}")
+        if hline and not any(f"{hline[1]:,}" in line or str(hline[1]) in line
+                             for line in self.headers + self.notes):
+            raise ValueError(f"{self.title}: the level {hline[1]} is not printed with the table")
         self.plots.append({"x": x, "ys": list(ys), "title": title, "kind": kind,
                            "logx": logx, "logy": logy, "hline": hline})
         return self
@@ -80,8 +86,7 @@ class Table:
             for i, row in enumerate(cells):
                 warning = f"   <- WARNING: {self.warnings[i]}" if i in self.warnings else ""
                 lines.append(line(row, widths, left) + warning)
-        chapter = CHAPTER.get(self.experiment) if self.chapter else None
-        ending = [*self.notes, *(chapter or ())]
+        ending = [*self.notes, *self.chapter_lines()]
         return "\n".join(lines + ([""] + ending if ending else []))
 
     def show(self):
@@ -92,8 +97,15 @@ class Table:
             self.record(Path(os.environ[RECORD_ENV]))
         return self
 
+    def chapter_lines(self):
+        """() or (the chapter's figures, why ours differ), as printed."""
+        lines = CHAPTER.get(self.experiment) if self.chapter else None
+        if not lines:
+            return ()
+        return lines[0], f"why ours differs: {self.differs}" if self.differs else lines[1]
+
     def data(self) -> dict:
-        chapter = (CHAPTER.get(self.experiment) if self.chapter else None) or ("", "")
+        chapter = self.chapter_lines() or ("", "")
         return {"script": Path(sys.argv[0]).stem, "experiment": self.experiment,
                 "title": self.title, "header": self.headers,
                 "columns": [name for name, _ in self.columns],

@@ -7,27 +7,40 @@ speedup are printed. The chapter: identical output, 9x faster over 48 tokens (40
 prompt) on a laptop GPU.
 
 Both runs generate exactly --max-new-tokens tokens (end-of-sequence does not stop them), so the
-two times cover the same work.
+two times cover the same work. The two ways are timed side by side, --repeat times each (the
+fastest and the median printed); a cached run slower than the recompute is measured again and
+flagged if it persists.
 """
 import argparse
-import time
-from pathlib import Path
 
-from _common import add_model_argument, default_model, encode_prompt, load_model, mt, say
+from _common import (Progress, add_model_argument, add_threads_argument, encode_prompt,
+                     load_model, mt, timing_header)
+from _table import Table, is_random
+from minitransformer.measure import time_together
+from minitransformer.sanity import recheck, slower
 
 PROMPT = ("The key and value vectors of position seven are computed from the input at position "
           "seven and the positions before it. When position eight arrives, nothing about "
           "position seven has changed, so")
 
 
-def timed_generation(model, ids, n, cache, label):
-    """-> (tokens, seconds). Progress on stderr every eighth token."""
-    tokens, start = [], time.perf_counter()
-    for i, token in enumerate(mt.stream(model, ids, n, cache=cache, eos_token_id=[]), 1):
-        tokens.append(token)
-        if i % 8 == 0 or i == n:
-            say(f"[{i}/{n}] {label}: {time.perf_counter() - start:.2f} s")
-    return tokens, time.perf_counter() - start
+def both_ways(model, ids, n, repeat):
+    """-> ({'recompute' | 'cache': tokens}, [Timing recompute, Timing cache]), side by side."""
+    tokens = {}
+    progress = Progress(2 * repeat, "generations")
+
+    def generation(name, cache):
+        def run():
+            tokens[name] = mt.generate(model, ids, n, cache=cache, eos_token_id=[])
+        return run
+
+    timings, warning = recheck(
+        lambda _: time_together([generation("recompute", False), generation("cache", True)],
+                                warmup=0, repeat=repeat,
+                                after=[lambda: progress("no cache (recompute)"),
+                                       lambda: progress("KV cache")]),
+        lambda t: slower(t[1], t[0], "the cached generation", "the recompute"))
+    return tokens, timings, warning
 
 
 def main(argv=None):
@@ -36,32 +49,38 @@ def main(argv=None):
     parser.add_argument("--prompt", default=PROMPT,
                         help="prompt text (default: a 40-odd token passage on Qwen's tokenizer)")
     parser.add_argument("--max-new-tokens", type=int, default=48)
+    parser.add_argument("--repeat", type=int, default=2,
+                        help="timed generations each way, side by side (default: 2)")
+    add_threads_argument(parser)
     args = parser.parse_args(argv)
 
     model = load_model(args.model)
     ids = encode_prompt(model, args.prompt)
     n = args.max_new_tokens
+    ran_on = timing_header(args)
     mt.generate(model, ids[:4], 2)  # warm-up: first-call allocations out of the timings
-    slow, t_slow = timed_generation(model, ids, n, cache=False, label="no cache (recompute)")
-    fast, t_fast = timed_generation(model, ids, n, cache=True, label="KV cache")
-
+    tokens, (t_slow, t_fast), warning = both_ways(model, ids, n, args.repeat)
+    slow, fast = tokens["recompute"], tokens["cache"]
     same = sum(a == b for a, b in zip(slow, fast))
-    print(f"Experiment 1: slow vs fast generation "
-          f"({len(ids)}-token prompt, {n} new tokens, greedy)")
-    print()
-    print(f"{'method':<28}{'time (s)':>10}{'tokens/s':>10}")
-    print(f"{'no cache (full recompute)':<28}{t_slow:>10.3f}{n / t_slow:>10.1f}")
-    print(f"{'KV cache (prefill + decode)':<28}{t_fast:>10.3f}{n / t_fast:>10.1f}")
-    print()
-    verdict = "identical output" if same == n else "DIFFERENT"
-    print(f"tokens identical: {same} of {n}  -> {verdict}")
-    print(f"speedup: {t_slow / t_fast:.1f}x")
-    print()
-    print(f"prompt : {model.tokenizer.decode(ids)!r}")
-    print(f"output : {model.tokenizer.decode(fast)!r}")
-    if Path(model.path).resolve() == default_model().resolve():
-        print("(the default model's weights are random, so its text is nonsense: the point is"
-              " that both ways agree)")
+
+    table = Table(f"Experiment 1: slow vs fast generation ({len(ids)}-token prompt, {n} new "
+                  "tokens, greedy)", experiment=1,
+                  columns=[("method", ""), ("time s", ".3f"), ("med s", ".3f"),
+                           ("tokens/s", ".1f")])
+    table.header(f"time: fastest and median of {t_slow.repeat} generations each way, side by "
+                 "side", ran_on)
+    table.row("no cache (full recompute)", t_slow.best, t_slow.median, n / t_slow.best)
+    table.row("KV cache (prefill + decode)", t_fast.best, t_fast.median, n / t_fast.best,
+              warning=warning)
+    table.note(f"tokens identical: {same} of {n}  -> "
+               f"{'identical output' if same == n else 'DIFFERENT'}",
+               f"speedup: {t_slow.best / t_fast.best:.1f}x", "",
+               f"prompt : {model.tokenizer.decode(ids)!r}",
+               f"output : {model.tokenizer.decode(fast)!r}")
+    if is_random(model):
+        table.note("(the default model's weights are random, so its text is nonsense: the point "
+                   "is that both ways agree)")
+    table.show()
     return 0 if same == n else 1
 
 

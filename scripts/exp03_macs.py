@@ -9,6 +9,7 @@ import argparse
 import time
 
 from _common import add_chapter_model_argument, add_model_argument, model_config, say
+from _table import Table
 from sim.arch import arch
 from sim.macs import compare
 
@@ -34,27 +35,27 @@ def main(argv=None):
     rows = [compare(a, t, args.prompt_len) for t in tokens]
     say(f"counted {len(rows)} generation lengths in {time.perf_counter() - start:.2f} s")
 
-    print(f"Experiment 3: multiply-accumulates to generate T tokens from a cold start "
-          f"({args.prompt_len}-token prompt)")
-    print(f"model: {source}: L {a.num_hidden_layers}, D {a.hidden_size}, "
-          f"H {a.num_attention_heads}, Hkv {a.num_key_value_heads}, d {a.head_dim}, "
-          f"F {a.intermediate_size}, V {a.vocab_size:,}")
-    print()
-    print(f"{'':7}{'summed over the generation (GMAC)':>41}{'its last step (GMAC)':>33}")
-    print(f"{'T':>7}{'no cache':>16}{'KV cache':>14}{'ratio':>11}"
-          f"{'no cache':>14}{'KV cache':>10}{'ratio':>11}")
+    table = Table(f"Experiment 3: multiply-accumulates to generate T tokens from a cold start "
+                  f"({args.prompt_len}-token prompt)", experiment=3, columns=[
+                      ("T", ",d"), ("no cache GMAC", gmac), ("KV cache GMAC", gmac),
+                      ("ratio", ",.1f"), ("last step no cache", gmac),
+                      ("last step KV cache", gmac), ("last step ratio", ",.1f")])
+    table.header(f"model: {source}: L {a.num_hidden_layers}, D {a.hidden_size}, "
+                 f"H {a.num_attention_heads}, Hkv {a.num_key_value_heads}, d {a.head_dim}, "
+                 f"F {a.intermediate_size}, V {a.vocab_size:,}",
+                 "GMAC summed over the generation, then of its last step alone")
     for r in rows:
-        last_ratio = r.last_step_uncached / r.last_step_cached
-        print(f"{r.tokens:>7,}{gmac(r.uncached):>16}{gmac(r.cached):>14}{r.ratio:>10,.1f}x"
-              f"{gmac(r.last_step_uncached):>14}{gmac(r.last_step_cached):>10}"
-              f"{last_ratio:>10,.1f}x")
-    print()
-    print("counted: q/k/v/o projections (GQA shapes), MLP gate/up/down, attention scores QK^T and")
-    print("         P V (dense: the masked half of the causal scores included), LM head on the")
-    print("         last position")
-    print("not counted: RMSNorm, RoPE, softmax, SiLU and gating, residual adds, biases, embedding")
-    print("         lookup, sampling (none is a multiply-accumulate over a weight or the context)")
-
+        table.row(r.tokens, r.uncached, r.cached, r.ratio, r.last_step_uncached,
+                  r.last_step_cached, r.last_step_uncached / r.last_step_cached)
+    table.note("counted: q/k/v/o projections (GQA shapes), MLP gate/up/down, attention scores "
+               "QK^T and P V (dense: the masked half of the causal scores included), LM head on "
+               "the last position",
+               "not counted: RMSNorm, RoPE, softmax, SiLU and gating, residual adds, biases, "
+               "embedding lookup, sampling (none is a multiply-accumulate over a weight or the "
+               "context)")
+    table.plot("T", ["no cache GMAC", "KV cache GMAC"], "multiply-accumulates to generate T "
+               "tokens, with and without the cache", logx=True, logy=True)
+    table.show()
 
 if __name__ == "__main__":
     main()

@@ -19,6 +19,7 @@ from dataclasses import replace
 import numpy as np
 
 from _common import add_model_argument, load_model, progress
+from _table import Table
 from minitransformer.backend import xp
 from minitransformer.config import ModelConfig
 from minitransformer.kvcache import KVCache
@@ -103,24 +104,6 @@ def main(argv=None):
         progress(i, len(todo), f"{r['name'].strip()} {r['dtype']} {r['users']} x {r['tokens']}: "
                                f"{r['measured']:,} B")
 
-    print("Experiment 8: KV-cache bytes per token, formula against the arrays held")
-    print()
-    print(f"KV cache tensors per layer: {tuple(cache.k[0].shape)} {cache.k[0].dtype} "
-          f"(k and v, {len(cache.k)} layers; {N} slots allocated, {N} filled by prefill)")
-    measured = f"{cache.nbytes:,} bytes for {N} tokens"
-    width = max(len(measured), len(formula))
-    print(f"measured: {measured:<{width}} = {cache.nbytes // N:,} bytes/token")
-    print(f"formula : {formula:<{width}} = {per_token:,} bytes/token")
-    print()
-    print(f"{'shape':<15}{'L x Hkv x d':>12}{'dtype':>9}{'users x tokens':>17}"
-          f"{'per-layer k/v':>22}{'measured B':>15}{'formula B':>15}{'B/token':>9}{'size':>9}"
-          "  equal")
-    for r in rows:
-        print(f"{r['name']:<15}{r['shape']:>12}{r['dtype']:>9}"
-              f"{r['users']:>8,} x {r['tokens']:<6,}{str(r['layer_shape']):>22}"
-              f"{r['measured']:>15,}{r['formula']:>15,}{r['per_token']:>9,}"
-              f"{format_bytes(r['measured']):>9}  "
-              f"{'yes' if r['measured'] == r['formula'] else 'NO'}")
     exact = cache.nbytes == N * per_token and all(r["measured"] == r["formula"] for r in rows)
     by_total = {}  # (shape, dtype, users x tokens) -> the measured bytes of each such row
     for r in rows:
@@ -128,11 +111,28 @@ def main(argv=None):
             r["measured"])
     same_total = all(len(held) == 1 for held in by_total.values())
     slack = KVCache.allocate(model.config, 1, 2 * N, xp.float16)
-    print()
-    print(f"formula == measured in {sum(r['measured'] == r['formula'] for r in rows)} of "
-          f"{len(rows)} rows; same users x tokens, same bytes: {'yes' if same_total else 'NO'}")
-    print(f"preallocation: a cache allocated for {2 * N} slots holds {slack.nbytes:,} B "
-          f"= {2 * N} x {per_token:,} whatever it is filled to")
+    measured = f"{cache.nbytes:,} bytes for {N} tokens"
+    width = max(len(measured), len(formula))
+    table = Table("Experiment 8: KV-cache bytes per token, formula against the arrays held",
+                  experiment=8, columns=[
+                      ("shape", ""), ("L x Hkv x d", ""), ("dtype", ""), ("users", ",d"),
+                      ("tokens", ",d"), ("per-layer k/v", ""), ("measured B", ",d"),
+                      ("formula B", ",d"), ("B/token", ",d"), ("size", format_bytes),
+                      ("equal", "")])
+    table.header(f"KV cache tensors per layer: {tuple(cache.k[0].shape)} {cache.k[0].dtype} "
+                 f"(k and v, {len(cache.k)} layers; {N} slots allocated, {N} filled by prefill)",
+                 f"measured: {measured:<{width}} = {cache.nbytes // N:,} bytes/token",
+                 f"formula : {formula:<{width}} = {per_token:,} bytes/token")
+    for r in rows:
+        table.row(r["name"], r["shape"], r["dtype"], r["users"], r["tokens"],
+                  str(r["layer_shape"]), r["measured"], r["formula"], r["per_token"],
+                  r["measured"], "yes" if r["measured"] == r["formula"] else "NO")
+    table.note(f"formula == measured in {sum(r['measured'] == r['formula'] for r in rows)} of "
+               f"{len(rows)} rows; same users x tokens, same bytes: "
+               f"{'yes' if same_total else 'NO'}",
+               f"preallocation: a cache allocated for {2 * N} slots holds {slack.nbytes:,} B "
+               f"= {2 * N} x {per_token:,} whatever it is filled to")
+    table.show()
     return 0 if exact and same_total else 1
 
 

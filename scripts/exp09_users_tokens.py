@@ -7,6 +7,7 @@ resident tokens matters, not how they are spread over users.
 import argparse
 
 from _common import add_chapter_model_argument, add_model_argument, model_config
+from _table import Table
 from sim.arch import kv_dims
 from sim.kv_memory import format_bytes, kv_bytes_per_token, users_tokens_table
 
@@ -34,15 +35,14 @@ def main(argv=None):
     per_token = kv_bytes_per_token(config, args.bytes_per_elem)
     rows = users_tokens_table(config, parse_shapes(args.shapes), args.bytes_per_elem)
 
-    print(f"Experiment 9: KV cache for users x tokens ({source})")
-    print(f"2 x {layers} layers x {kv_heads} kv heads x {head_dim} x {args.bytes_per_elem} B"
-          f" = {per_token:,} B/token")
-    print()
-    print(f"{'users':>6}{'tokens each':>13}{'total tokens':>14}{'cache bytes':>16}{'size':>11}")
+    table = Table(f"Experiment 9: KV cache for users x tokens ({source})", experiment=9,
+                  columns=[("users", ",d"), ("tokens each", ",d"), ("total tokens", ",d"),
+                           ("cache bytes", ",d"), ("size", format_bytes)])
+    table.header(f"2 x {layers} layers x {kv_heads} kv heads x {head_dim} x "
+                 f"{args.bytes_per_elem} B = {per_token:,} B/token")
     for r in rows:
-        print(f"{r.users:>6,}{r.tokens_each:>13,}{r.total_tokens:>14,}{r.nbytes:>16,}"
-              f"{format_bytes(r.nbytes):>11}")
-
+        table.row(r.users, r.tokens_each, r.total_tokens, r.nbytes, r.nbytes)
+    table.show()
 
 if __name__ == "__main__":
     main()

@@ -7,6 +7,7 @@ one shared by all (MQA). None of them buys arithmetic; they divide the cache by 
 import argparse
 
 from _common import add_chapter_model_argument, add_model_argument, model_config
+from _table import Table
 from sim.arch import kv_dims, query_heads
 from sim.kv_memory import attention_variants, format_bytes
 
@@ -22,15 +23,16 @@ def main(argv=None):
     source, config = model_config(args)
     layers, _, head_dim = kv_dims(config)
 
-    print(f"Experiment 10: MHA vs GQA vs MQA ({source})")
-    print(f"{layers} layers, {query_heads(config)} query heads, head dim {head_dim}, "
-          f"{args.bytes_per_elem} B per number")
-    print()
-    print(f"{'variant':<18}{'kv heads':>9}{'bytes/token':>20}{'size':>9}{'vs configured':>15}")
+    table = Table(f"Experiment 10: MHA vs GQA vs MQA ({source})", experiment=10,
+                  columns=[("variant", ""), ("kv heads", "d"), ("bytes/token", lambda v: f"{v:,} B/token"),
+                           ("size", format_bytes), ("vs configured", lambda v: f"{v:.2f}x")])
+    table.header(f"{layers} layers, {query_heads(config)} query heads, head dim {head_dim}, "
+                 f"{args.bytes_per_elem} B per number")
     for v in attention_variants(config, args.bytes_per_elem):
-        print(f"{v.name:<18}{v.kv_heads:>9}{v.bytes_per_token:>12,} B/token"
-              f"{format_bytes(v.bytes_per_token):>9}{v.vs_configured:>14.2f}x")
-
+        table.row(v.name, v.kv_heads, v.bytes_per_token, v.bytes_per_token, v.vs_configured)
+    table.plot("variant", ["bytes/token"], "KV cache bytes per token: MHA, GQA, MQA",
+               kind="bar")
+    table.show()
 
 if __name__ == "__main__":
     main()

@@ -7,6 +7,7 @@ The chapter's 7B class: 32 layers, 8 key-value heads of dimension 128 (128 KB/to
 import argparse
 
 import _common  # noqa: F401  (puts the repository on sys.path)
+from _table import Table
 from sim.kv_memory import (GB, context_table, crossing_tokens, format_bytes,
                            kv_bytes_per_token)
 from sim.memory_budget import FP16, SEVEN_B, ModelSpec, weight_bytes
@@ -29,18 +30,20 @@ def main(argv=None):
     per_token = kv_bytes_per_token(model)
     cross = crossing_tokens(model, weights)
 
-    print("Experiment 11: a 7B-class KV cache against context length (fp16, one user)")
-    print(f"2 x {model.num_hidden_layers} layers x {model.num_key_value_heads} kv heads x "
-          f"{model.head_dim} x 2 B = {per_token:,} B/token = {format_bytes(per_token)}/token")
-    print(f"weights: {model.parameters:,.0f} parameters x 2 B = {weights / GB:.1f} GB")
-    print()
-    print(f"{'context':>9}{'cache':>11}{'vs weights':>12}")
+    table = Table("Experiment 11: a 7B-class KV cache against context length (fp16, one user)",
+                  experiment=11, columns=[("context", ",d"), ("cache", format_bytes),
+                                          ("cache GB", ".2f"), ("vs weights", ".2f")])
+    table.header(f"2 x {model.num_hidden_layers} layers x {model.num_key_value_heads} kv heads "
+                 f"x {model.head_dim} x 2 B = {per_token:,} B/token = "
+                 f"{format_bytes(per_token)}/token",
+                 f"weights: {model.parameters:,.0f} parameters x 2 B = {weights / GB:.1f} GB")
     for r in context_table(model, contexts, weights):
-        print(f"{r.tokens:>9,}{format_bytes(r.nbytes):>11}{r.vs_weights:>11.2f}x")
-    print()
-    print(f"one user's cache outgrows the {weights / GB:.1f} GB of fp16 weights from "
-          f"{cross:,} tokens of context")
-
+        table.row(r.tokens, r.nbytes, r.nbytes / GB, r.vs_weights)
+    table.note(f"one user's cache outgrows the {weights / GB:.1f} GB of fp16 weights from "
+               f"{cross:,} tokens of context")
+    table.plot("context", ["cache GB"], "one user's KV cache against context, and the weights",
+               hline=("fp16 weights", round(weights / GB, 1)))
+    table.show()
 
 if __name__ == "__main__":
     main()

@@ -2,8 +2,10 @@
 
 Every sequence has its own 64-token prompt, prefilled alone into the paged cache the engine
 uses; then B of them decode one token together in one step (model.forward), timed as the
-fastest of --repeat steps (the least disturbed by other work on the machine; each step is
-rolled back, so the cache stays at 64 tokens). Printed per B: step latency, tokens/s, both
+fastest and the median of --repeat steps (the fastest is the least disturbed by other work on
+the machine, and the ratios use it; each step is rolled back, so the cache stays at 64 tokens).
+A larger batch whose step comes out cheaper than a smaller one's is measured again and flagged
+beside its row if it persists. Printed per B: step latency, tokens/s, both
 relative to B = 1, the gain of each row over the one before, the same step over a contiguous
 KVCache (what the block table costs in NumPy), the chapter's ratios against ours, and the
 knee: the batch size after which doubling the batch buys less than --knee-gain more
@@ -24,27 +26,16 @@ import time
 
 import numpy as np
 
-from _common import add_model_argument, load_model, progress, say
-from minitransformer.backend import synchronize, to_device
+from _common import (Progress, add_model_argument, add_threads_argument, load_model, progress,
+                     say, timing_header)
+from _table import Table
+from minitransformer.backend import to_device
 from minitransformer.generate import last_logits
 from minitransformer.kvcache import KVCache
+from minitransformer.measure import time_together
 from minitransformer.model import forward
 from minitransformer.paged import PagedCache, gather
-
-
-def best_steps(steps, rollbacks, repeat):
-    """Fastest seconds of each step over `repeat` rounds after a warm-up, the steps taken in
-    turn within a round (so a burst of load elsewhere hits them alike), each rolled back."""
-    times = [[] for _ in steps]
-    for _ in range(repeat + 1):
-        for step, rollback, t in zip(steps, rollbacks, times):
-            synchronize()
-            start = time.perf_counter()
-            step()
-            synchronize()
-            t.append(time.perf_counter() - start)
-            rollback()
-    return [min(t[1:]) for t in times]
+from minitransformer.sanity import cost_falls, recheck
 
 
 def fill(model, B, context, block_size, seed):
@@ -86,13 +77,15 @@ def main(argv=None):
                         help="comma-separated (default: %(default)s)")
     parser.add_argument("--context", type=int, default=64, help="tokens cached per sequence")
     parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--repeat", type=int, default=15, help="timed steps per batch size")
+    parser.add_argument("--repeat", type=int, default=7,
+                        help="timed steps per batch size, more while noisy (default: 7)")
     parser.add_argument("--knee-gain", type=float, default=0.25,
                         help="a doubling that buys less than this is past the knee "
                              "(default: %(default)s)")
     parser.add_argument("--save-step-costs", metavar="FILE",
                         help="write the paged step latencies as JSON {batch size: seconds}")
     parser.add_argument("--seed", type=int, default=0)
+    add_threads_argument(parser)
     args = parser.parse_args(argv)
     try:
         sizes = sorted({int(b) for b in args.batch_sizes.split(",")})
@@ -102,10 +95,12 @@ def main(argv=None):
         parser.error("batch sizes, --context, --repeat and --block-size must be >= 1")
 
     model = load_model(args.model)
+    ran_on = timing_header(args)
     cache, kv = fill(model, sizes[-1], args.context, args.block_size, args.seed)
     ids = np.random.default_rng(args.seed + 1).integers(0, model.config.vocab_size, sizes[-1])
-    paged, contiguous, exact = [], [], []
-    for i, B in enumerate(sizes, 1):
+
+    def steps_for(B):
+        """-> ([paged step, contiguous step], [their rollbacks]) for a batch of B."""
         rows = list(range(B))
 
         def step_paged(batch_invariant=False):  # as the engine does it: room, then the step
@@ -123,59 +118,78 @@ def main(argv=None):
 
         def rollback_contiguous():
             kv.lengths[:] = args.context
+        return ([step_paged, lambda: step_paged(True), step_contiguous],
+                [rollback_paged, rollback_paged, rollback_contiguous])
 
-        p, e, c = best_steps([step_paged, lambda: step_paged(True), step_contiguous],
-                             [rollback_paged, rollback_paged, rollback_contiguous], args.repeat)
-        paged.append(p)
-        exact.append(e)
-        contiguous.append(c)
-        progress(i, len(sizes), f"B={B}: {p * 1e3:.1f} ms paged ({e * 1e3:.1f} ms "
-                                f"batch-invariant), {c * 1e3:.1f} ms contiguous")
+    def measure(previous):
+        """-> [(paged, paged batch-invariant, contiguous) Timings per B]; a re-measurement
+        redoes the flagged rows and the row before each."""
+        redo = range(len(sizes)) if previous is None else \
+            sorted({j for i in check(previous) for j in (i - 1, i)})
+        timings = list(previous or [None] * len(sizes))
+        progress = Progress(len(redo), "batched step" if previous is None else "re-measuring")
+        for i in redo:
+            steps, rollbacks = steps_for(sizes[i])
+            timings[i] = time_together(steps, warmup=1, repeat=args.repeat, after=rollbacks)
+            p, e, c = (t.best * 1e3 for t in timings[i])
+            progress(f"B={sizes[i]}: {p:.1f} ms paged ({e:.1f} ms batch-invariant), "
+                     f"{c:.1f} ms contiguous")
+        return timings
+
+    def check(timings):  # a larger batch cannot take less time than a smaller one
+        return cost_falls(sizes, [paged for paged, _, _ in timings], "batch")
+
+    timings, warnings = recheck(measure, check)
+    (step_paged, step_exact, _), (rollback, _, _) = steps_for(sizes[-1])
     fast_logits = step_paged()           # B = the largest, once more each way, for the bits
-    rollback_paged()
-    exact_logits = step_paged(True)
-    rollback_paged()
-
+    rollback()
+    exact_logits = step_exact()
+    rollback()
+    paged = [p.best for p, _, _ in timings]
+    exact = [e.best for _, e, _ in timings]
     tps = [B / t for B, t in zip(sizes, paged)]
-    print(f"Experiment 12: batched decode, each sequence holding a {args.context}-token cache "
-          f"and decoding one token")
-    print(f"(fastest of {args.repeat} steps; paged cache, block size {args.block_size}; "
-          "the contiguous column runs model.forward on a KVCache)")
-    print()
-    print(f"{'':>4}{'':>11}{'':>10}{'vs B = 1':^20}{'vs previous row':^20}")
-    print(f"{'B':>4}{'step (ms)':>11}{'tokens/s':>10}{'latency':>10}{'tokens/s':>10}"
-          f"{'latency':>10}{'tokens/s':>10}{'contiguous (ms)':>17}")
-    for i, (B, t, c) in enumerate(zip(sizes, paged, contiguous)):
-        previous = f"{'':>20}" if i == 0 else \
-            f"{t / paged[i - 1]:>9.2f}x{tps[i] / tps[i - 1]:>9.2f}x"
-        print(f"{B:>4}{t * 1e3:>11.1f}{tps[i]:>10.1f}{t / paged[0]:>9.2f}x"
-              f"{tps[i] / tps[0]:>9.2f}x{previous}{c * 1e3:>17.1f}")
-    print()
+    table = Table(f"Experiment 12: batched decode, each sequence holding a {args.context}-token "
+                  "cache and decoding one token", experiment=12, columns=[
+                      ("B", "d"), ("step ms", ".1f"), ("med ms", ".1f"), ("tokens/s", ".1f"),
+                      ("latency vs B=1", ".2f"), ("tokens/s vs B=1", ".2f"),
+                      ("latency vs prev", ".2f"), ("tokens/s vs prev", ".2f"),
+                      ("contiguous ms", ".1f")])
+    table.header(f"time: fastest and median of {args.repeat}+ steps, paged and contiguous side "
+                 f"by side; paged cache, block size {args.block_size}; the contiguous column runs "
+                 "model.forward on a KVCache", ran_on)
+    for i, (B, (p, _, c)) in enumerate(zip(sizes, timings)):
+        table.row(B, p.best * 1e3, p.median * 1e3, tps[i], p.best / paged[0], tps[i] / tps[0],
+                  None if i == 0 else p.best / paged[i - 1],
+                  None if i == 0 else tps[i] / tps[i - 1], c.best * 1e3,
+                  warning=warnings.get(i))
     at = dict(zip(sizes, zip(paged, tps)))
-    print("chapter: 1 -> 16: throughput x6.0, latency x2.67; "
-          "16 -> 32: throughput +9%, latency ~x2")
     parts = [f"{a} -> {b}: throughput x{at[b][1] / at[a][1]:.2f} "
              f"({at[b][1] / at[a][1] - 1:+.0%}), latency x{at[b][0] / at[a][0]:.2f}"
              for a, b in ((1, 16), (16, 32)) if a in at and b in at]
-    print("here:    " + ("; ".join(parts) if parts else "(needs batch sizes 1, 16, 32)"))
-    print()
-    print(f"Two ways to batch (paged): one flat matrix per projection (the default) vs row by row "
-          f"(batch_invariant=True)")
-    print(f"{'B':>4}{'flat (ms)':>11}{'tokens/s':>10}{'vs B = 1':>10}"
-          f"{'row by row (ms)':>17}{'tokens/s':>10}{'vs B = 1':>10}")
+    k = knee(sizes, tps, args.knee_gain)
+    table.note("here: " + ("; ".join(parts) if parts else "(needs batch sizes 1, 16, 32)"),
+               f"knee: B = {k} (doubling to {2 * k} buys {at[2 * k][1] / at[k][1] - 1:+.0%} "
+               f"tokens/s, under {args.knee_gain:.0%})" if k else
+               f"knee: not reached (every measured doubling buys {args.knee_gain:.0%} or more)")
+    table.plot("B", ["tokens/s"], "batched decode: throughput against batch size (the knee)")
+    table.plot("B", ["step ms"], "batched decode: step latency against batch size")
+    table.show()
+
+    ways = Table("Two ways to batch (paged): one flat matrix per projection (the default) vs row "
+                 "by row (batch_invariant=True)", experiment=12, chapter=False, columns=[
+                     ("B", "d"), ("flat ms", ".1f"), ("flat tokens/s", ".1f"),
+                     ("flat vs B=1", ".2f"), ("row by row ms", ".1f"),
+                     ("row by row tokens/s", ".1f"), ("row by row vs B=1", ".2f")])
     for B, t, e in zip(sizes, paged, exact):
-        print(f"{B:>4}{t * 1e3:>11.1f}{B / t:>10.1f}{B / t / tps[0]:>9.2f}x"
-              f"{e * 1e3:>17.1f}{B / e:>10.1f}{B * exact[0] / e:>9.2f}x")
+        ways.row(B, t * 1e3, B / t, B / t / tps[0], e * 1e3, B / e, B * exact[0] / e)
     differ = int((fast_logits != exact_logits).sum())
     changed = int((fast_logits.argmax(-1) != exact_logits.argmax(-1)).sum())
-    print(f"at B = {sizes[-1]}: {differ:,} of {fast_logits.size:,} logits differ between the two "
-          f"(max |difference| {np.abs(fast_logits - exact_logits).max():.1e}); greedy token "
-          f"changed in {changed} of {sizes[-1]} rows")
-    print()
-    k = knee(sizes, tps, args.knee_gain)
-    print(f"knee: B = {k} (doubling to {2 * k} buys {at[2 * k][1] / at[k][1] - 1:+.0%} "
-          f"tokens/s, under {args.knee_gain:.0%})" if k else
-          f"knee: not reached (every measured doubling buys {args.knee_gain:.0%} or more)")
+    ways.note(f"at B = {sizes[-1]}: {differ:,} of {fast_logits.size:,} logits differ between "
+              f"the two (max |difference| {np.abs(fast_logits - exact_logits).max():.1e}); "
+              f"greedy token changed in {changed} of {sizes[-1]} rows")
+    ways.plot("B", ["flat tokens/s", "row by row tokens/s"], "flat against row-by-row batching: "
+              "throughput")
+    ways.show()
     if args.save_step_costs:
         with open(args.save_step_costs, "w") as f:
             json.dump({str(B): t for B, t in zip(sizes, paged)}, f, indent=1)

@@ -9,6 +9,7 @@ times layer l+1's q_proj; the number is the output error ||Y - Y_hat|| / ||Y||.
 import argparse
 
 from _common import add_model_argument, choose_layer, encode_prompt, load_model, say
+from _table import Table
 from quant.activations import PROMPT, capture_residuals
 from quant.techniques import matmul_operands, measure
 
@@ -31,15 +32,15 @@ def main(argv=None):
     x, w = matmul_operands(model, capture_residuals(model, ids)[layer], layer + 1)
     rows = measure(x, w, args.threshold, args.alpha)
 
-    print(f"Experiment 20: techniques against outliers, measured on layer {layer + 1}'s q_proj "
-          f"(X {x.shape[0]} x {x.shape[1]}, W {w.shape[0]} x {w.shape[1]}), {model.path}")
-    print("output error ||XW^T - X_hat W_hat^T|| / ||XW^T||")
-    print()
-    print(f"{'technique':<34}{'what it does about outliers':<58}{'error':>8}   note")
+    table = Table(f"Experiment 20: techniques against outliers, measured on layer {layer + 1}'s "
+                  f"q_proj (X {x.shape[0]} x {x.shape[1]}, W {w.shape[0]} x {w.shape[1]}), "
+                  f"{model.path}", experiment=20, columns=[
+                      ("technique", ""), ("what it does about outliers", ""), ("error", ".4f"),
+                      ("note", "")])
+    table.header("output error ||XW^T - X_hat W_hat^T|| / ||XW^T||").random_weights(model)
     for t in rows:
-        error = "-" if t.error is None else f"{t.error:.4f}"
-        print(f"{t.name:<34}{t.remedy:<58}{error:>8}   {t.note}")
-
+        table.row(t.name, t.remedy, t.error, t.note)
+    table.show()
 
 if __name__ == "__main__":
     main()

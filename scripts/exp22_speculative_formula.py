@@ -9,19 +9,22 @@ another script; pass its alphas here with --alphas to read off what they are wor
 import argparse
 
 import _common  # noqa: F401  (puts the repository on sys.path)
-from sim.speculative import expected_tokens, speedup, table
+from _table import Table
+from sim.speculative import expected_tokens, speedup
+from sim.speculative import table as formula_table
 
 
 def floats(text):
     return [float(x) for x in text.split(",")]
 
 
-def grid(title, alphas, gammas, cell):
-    print(title)
-    print(f"{'alpha':>6}" + "".join(f"{f'gamma={g}':>10}" for g in gammas))
+def grid(title, alphas, gammas, cell, last=False):
+    table = Table(title, experiment=22, chapter=last,
+                  differs="a formula: the chapter's numbers exactly (the measured half differs)",
+                  columns=[("alpha", ".2f"), *((f"gamma={g}", "") for g in gammas)])
     for a in alphas:
-        print(f"{a:>6.2f}" + "".join(f"{cell(a, g):>10}" for g in gammas))
-    print()
+        table.row(a, *(cell(a, g) for g in gammas))
+    return table
 
 
 def main(argv=None):
@@ -36,26 +39,26 @@ def main(argv=None):
     args = parser.parse_args(argv)
     gammas = [int(g) for g in args.gammas.split(",")]
     try:  # every cell first, so a bad value fails before half a table is printed
-        cells = {(x.c, x.alpha, x.gamma): x for x in table(args.alphas, gammas, args.costs)}
+        cells = {(x.c, x.alpha, x.gamma): x for x in formula_table(args.alphas, gammas, args.costs)}
     except ValueError as e:
         parser.error(str(e))
 
-    print("Experiment 22 (formula): speculative decoding")
-    print("E[tokens/pass] = (1 - alpha^(gamma+1)) / (1 - alpha);  "
-          "speedup = E / (gamma * c + 1)")
-    print()
     c0 = args.costs[0]  # tokens per pass do not depend on c
-    grid("expected tokens per verification pass", args.alphas, gammas,
-         lambda a, g: f"{cells[c0, a, g].tokens_per_pass:.2f}")
-    for c in args.costs:
-        grid(f"speedup, draft cost c = {c:g} of the target per token", args.alphas, gammas,
-             lambda a, g: f"{cells[c, a, g].speedup:.2f}x")
-    print("the chapter's cases")
-    for a, g, c in ((0.9, 8, 0.1), (0.3, 8, 0.1), (0.3, 4, 1 / 5)):
-        print(f"  alpha {a}, gamma {g}, c {c:.2g}: {g} draft + 1 target passes, costing "
-              f"{g * c + 1:.2f} target passes, keep {expected_tokens(a, g):.2f} tokens "
-              f"-> {speedup(a, g, c):.2f}x")
-
+    grid("Experiment 22 (formula): expected tokens per verification pass", args.alphas, gammas,
+         lambda a, g: f"{cells[c0, a, g].tokens_per_pass:.2f}").header(
+        "E[tokens/pass] = (1 - alpha^(gamma+1)) / (1 - alpha);  speedup = E / (gamma * c + 1)"
+    ).show()
+    for i, c in enumerate(args.costs):
+        table = grid(f"speedup, draft cost c = {c:g} of the target per token", args.alphas,
+                     gammas, lambda a, g: f"{cells[c, a, g].speedup:.2f}x",
+                     last=i == len(args.costs) - 1)
+        if i == len(args.costs) - 1:
+            table.note("the chapter's cases:", *(
+                f"  alpha {a}, gamma {g}, c {c:.2g}: {g} draft + 1 target passes, costing "
+                f"{g * c + 1:.2f} target passes, keep {expected_tokens(a, g):.2f} tokens "
+                f"-> {speedup(a, g, c):.2f}x" for a, g, c in ((0.9, 8, 0.1), (0.3, 8, 0.1),
+                                                           (0.3, 4, 1 / 5))))
+        table.show()
 
 if __name__ == "__main__":
     main()

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from _common import say
 from minitransformer.config import load_config
+from _table import Table
 from sim.kv_memory import format_bytes
 from sim.memory_budget import (INT4, MODELS, PRECISIONS, Assumptions, ModelSpec,
                                budget_table)
@@ -64,31 +65,29 @@ def main(argv=None):
         parser.error(str(e))
 
     gb = "2^30" if assumptions.gb == 2**30 else "10^9"
-    print("Experiment 24: memory budget = weights + reserve + KV cache (all users' tokens)")
-    print("assumptions:")
-    print(f"  GB = {gb} bytes; a fixed {assumptions.reserve_gb:g} GB reserve per card for "
-          "activations and runtime")
-    print("  weights: parameters x bits / 8, with "
-          + ", ".join(f"{p.name} {p.bits_per_weight:g}" for p in precisions) + " bits per weight")
-    if args.int4_bits == INT4.bits_per_weight:
-        print("    (int4: 4 bits + one fp16 scale per group of 128, as the chapter prices it)")
-    print(f"  KV cache in fp16 ({assumptions.kv_bytes_per_elem} B per number) whatever the "
-          "weights are;")
-    print("  max tokens = floor(left / KV bytes per token), all users together")
-    for m in models:
-        print(f"  {m.name}: {m.parameters:,.0f} parameters, {m.num_hidden_layers} layers x "
-              f"{m.num_key_value_heads} kv heads x {m.head_dim}")
-    w = max(len("model"), *(len(m.name) for m in models)) + 2
-    for card in args.cards:
-        print()
-        print(f"{card:g} GB")
-        print(f"{'model':<{w}}{'precision':<11}{'weights':>10}{'left':>11}{'KV/token':>10}"
-              f"{'max tokens':>24}")
+    assumed = [f"assumptions: GB = {gb} bytes; a fixed {assumptions.reserve_gb:g} GB reserve per "
+               "card for activations and runtime",
+               "  weights: parameters x bits / 8, with "
+               + ", ".join(f"{p.name} {p.bits_per_weight:g}" for p in precisions)
+               + " bits per weight"
+               + (" (int4: 4 bits + one fp16 scale per group of 128, as the chapter prices it)"
+                  if args.int4_bits == INT4.bits_per_weight else ""),
+               f"  KV cache in fp16 ({assumptions.kv_bytes_per_elem} B per number) whatever the "
+               "weights are; max tokens = floor(left / KV bytes per token), all users together",
+               *(f"  {m.name}: {m.parameters:,.0f} parameters, {m.num_hidden_layers} layers x "
+                 f"{m.num_key_value_heads} kv heads x {m.head_dim}" for m in models)]
+    for i, card in enumerate(args.cards):
+        table = Table(f"Experiment 24: memory budget of a {card:g} GB card = weights + reserve + "
+                      "KV cache (all users' tokens)", experiment=24,
+                      chapter=i == len(args.cards) - 1,
+                      columns=[("model", ""), ("precision", ""), ("weights", lambda v: f"{v:.1f} GB"),
+                               ("left", ""), ("KV/token", format_bytes), ("max tokens", "")])
+        table.header(*(assumed if i == 0 else ()))
         for r in (r for r in rows if r.card_gb == card):
             left, tokens = cells(r, assumptions.gb)
-            print(f"{r.model:<{w}}{r.precision:<11}{r.weight_bytes / assumptions.gb:>7.1f} GB"
-                  f"{left:>11}{format_bytes(r.kv_bytes_per_token):>10}{tokens:>24}")
-
+            table.row(r.model, r.precision, r.weight_bytes / assumptions.gb, left,
+                      r.kv_bytes_per_token, tokens)
+        table.show()
 
 if __name__ == "__main__":
     main()

@@ -1,26 +1,79 @@
-"""The main job: every experiment of the chapter, in order, on one model.
+"""The main job: every experiment of the chapter, in order.
 
-Runs each scripts/expNN_*.py in turn (a fresh process each, so one experiment's memory and
-timings do not leak into the next), passing --model through. Tables go to stdout, progress and
-timing to stderr. Experiment 12 measures the batched step costs that experiment 13's
-simulation then uses.
+Runs each script of MAIN_JOB in turn (a fresh process each, so one experiment's memory and
+timings do not leak into the next). Tables go to stdout, progress and timing to stderr. Every
+script runs on its own default model (the embedded one, or the real one where the script says
+so) unless --model is given, which is passed to every script that loads a model. Experiment 12
+measures the batched step costs that experiment 13's simulation then uses; experiments 9 and 10
+run twice, on the model and on the chapter's Qwen2.5-0.5B shape.
+
+--report DIR also writes DIR/index.html (one self-contained page: every table, the chapter's
+figures beside ours, plots; plots need matplotlib, the 'report' extra) and every table as JSON
+(DIR/tables.json). Per script the wall time and the CPU time are printed: on a machine shared
+with other work the CPU time is what the script would take alone (one BLAS thread).
 """
 import argparse
+import os
 import re
+import resource
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-from _common import add_model_argument, default_model, say
+from _common import add_model_argument, say
+from _table import RECORD_ENV, Table
 
 HERE = Path(__file__).resolve().parent
+MODEL, THREADS = "model", "threads"      # what a script takes: --model PATH, --threads N
+# The main job, in the chapter's order: (script, what it takes, extra arguments).
+MAIN_JOB = [
+    ("exp01_kv_cache.py", {MODEL, THREADS}, []),
+    ("exp02_attention_scaling.py", {MODEL, THREADS}, []),
+    ("exp03_macs.py", {MODEL}, []),
+    ("exp04_cache_memory.py", {MODEL, THREADS}, []),
+    ("exp05_prefill_vs_decode.py", {MODEL, THREADS}, []),
+    ("exp06_prefill_cost.py", {MODEL, THREADS}, []),
+    ("exp07_decode_cost.py", {MODEL, THREADS}, []),
+    ("exp08_cache_bytes.py", {MODEL}, []),
+    ("exp09_users_tokens.py", {MODEL}, []),
+    ("exp09_users_tokens.py", set(), ["--chapter-model"]),
+    ("exp10_mha_gqa_mqa.py", {MODEL}, []),
+    ("exp10_mha_gqa_mqa.py", set(), ["--chapter-model"]),
+    ("exp11_7b_context.py", set(), []),
+    ("exp12_batched_decode.py", {MODEL, THREADS}, ["--save-step-costs", "{step_costs}"]),
+    ("exp13_batching_sim.py", set(), ["--step-costs", "{step_costs}"]),
+    ("exp13_engine.py", {MODEL, THREADS}, []),
+    ("exp14_paged_cache.py", {MODEL, THREADS}, []),
+    ("exp15_weight_memory.py", {MODEL}, []),
+    ("exp16_quant_error.py", {MODEL}, []),
+    ("exp17_weight_outliers.py", {MODEL}, []),
+    ("exp18_activation_outliers.py", {MODEL}, []),
+    ("exp19_int8_activation_levels.py", {MODEL}, []),
+    ("exp20_outlier_techniques.py", set(), []),
+    ("exp21_quantized_quality.py", {MODEL}, []),
+    ("exp22_speculative_formula.py", set(), []),
+    ("exp22_speculative.py", {MODEL, THREADS}, []),
+    ("exp23_soft_labels.py", {MODEL}, []),
+    ("exp24_memory_budget.py", set(), []),
+]
 
 
-def experiments():
-    """scripts/expNN_*.py sorted by number (then name)."""
-    return sorted(p for p in HERE.glob("exp[0-9][0-9]_*.py"))
+def command(script, takes, extra, args, step_costs):
+    """-> the argv that runs one entry of the main job."""
+    argv = [sys.executable, str(HERE / script)]
+    if MODEL in takes and args.model:
+        argv += ["--model", args.model]
+    if THREADS in takes:
+        argv += ["--threads", str(args.threads)]
+    return argv + [a.format(step_costs=step_costs) for a in extra]
+
+
+def cpu_seconds() -> float:
+    """CPU time (user + system) of the finished child processes so far."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
 
 
 def main(argv=None):
@@ -28,34 +81,50 @@ def main(argv=None):
     add_model_argument(parser)
     parser.add_argument("--only", default=None, metavar="REGEX",
                         help="run only the scripts whose name matches (e.g. 'exp0[1-8]')")
+    parser.add_argument("--threads", type=int, default=1, metavar="N",
+                        help="BLAS threads of every timing script (default: 1)")
+    parser.add_argument("--report", default=None, metavar="DIR",
+                        help="also write DIR/index.html and every table as JSON")
     args = parser.parse_args(argv)
-    model = str(args.model or default_model())
-    scripts = [p for p in experiments() if not args.only or re.search(args.only, p.name)]
-    step_costs = Path(tempfile.mkdtemp()) / "step_costs.json"
-    extra = {  # experiment 13's simulation runs at the step costs experiment 12 measured
-        "exp12_batched_decode.py": ["--save-step-costs", str(step_costs)],
-        "exp13_batching_sim.py": ["--step-costs", str(step_costs)],
-    }
-    failed, start = [], time.perf_counter()
-    for i, script in enumerate(scripts, 1):
-        say(f"=== [{i}/{len(scripts)}] {script.name} ===")
-        args_for = extra.get(script.name, [])
-        if script.name == "exp13_batching_sim.py" and not step_costs.is_file():
-            args_for = []  # experiment 12 did not run: the simulation's default cost model
-        t = time.perf_counter()
-        print(f"\n{'=' * 78}\n{script.stem}\n{'=' * 78}", flush=True)
-        # Formula-only experiments (7B-class tables, the speculative formula) take no model.
-        takes_model = "add_model_argument" in script.read_text()
-        command = [sys.executable, str(script), *(["--model", model] if takes_model else []),
-                   *args_for]
-        result = subprocess.run(command)
-        say(f"=== {script.name}: {'ok' if result.returncode == 0 else 'FAILED'} "
-            f"in {time.perf_counter() - t:.1f} s ===")
-        if result.returncode != 0:
-            failed.append(script.name)
-    failures = f"; failed: {', '.join(failed)}" if failed else ""
-    say(f"{len(scripts) - len(failed)} of {len(scripts)} experiments ran in "
-        f"{time.perf_counter() - start:.0f} s{failures}")
+    job = [entry for entry in MAIN_JOB if not args.only or re.search(args.only, entry[0])]
+    work = Path(tempfile.mkdtemp(prefix="run_all_"))
+    step_costs = work / "step_costs.json"
+    env = dict(os.environ)
+    if args.report:
+        env[RECORD_ENV] = str(Path(args.report).resolve() / "tables")
+        for old in Path(env[RECORD_ENV]).glob("*.json"):
+            old.unlink()
+    failed, timings, start, cpu_start = [], [], time.perf_counter(), cpu_seconds()
+    for i, (script, takes, extra) in enumerate(job, 1):
+        if script == "exp13_batching_sim.py" and not step_costs.is_file():
+            extra = []  # experiment 12 did not run: the simulation's default cost model
+        argv = command(script, takes, extra, args, step_costs)
+        shown = " ".join([script, *argv[2:]])
+        say(f"=== [{i}/{len(job)}] {shown} ===")
+        print(f"\n{'=' * 78}\n{shown}\n{'=' * 78}", flush=True)
+        t, cpu = time.perf_counter(), cpu_seconds()
+        code = subprocess.run(argv, env=env).returncode
+        wall, cpu = time.perf_counter() - t, cpu_seconds() - cpu
+        timings.append((shown, "ok" if code == 0 else f"FAILED ({code})", wall, cpu))
+        say(f"=== {script}: {timings[-1][1]} in {wall:.1f} s (CPU {cpu:.1f} s) ===")
+        if code != 0:
+            failed.append(script)
+    total, cpu_total = time.perf_counter() - start, cpu_seconds() - cpu_start
+    summary = Table(f"The main job: {len(job) - len(failed)} of {len(job)} scripts ran",
+                    columns=[("script", ""), ("status", ""), ("wall s", ".1f"),
+                             ("CPU s", ".1f")], chapter=False)
+    summary.header(f"BLAS threads {args.threads}; the CPU time is what a script takes on a "
+                   "quiet machine (wall time on a shared one includes waiting for a core)")
+    for row in timings:
+        summary.row(*row)
+    summary.note(f"total: {total:.0f} s wall ({total / 60:.1f} min), {cpu_total:.0f} s CPU"
+                 + (f"; failed: {', '.join(failed)}" if failed else ""))
+    os.environ.update({k: v for k, v in env.items() if k == RECORD_ENV})
+    summary.show()
+    if args.report:
+        from _report import write_report
+        page = write_report(Path(args.report), title="minitransformer: the chapter's tables")
+        say(f"report: {page}")
     return 1 if failed else 0
 
 
