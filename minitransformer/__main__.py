@@ -116,7 +116,8 @@ def serve(args) -> None:
 
     run_server(args.model or default_model_path(), host=args.host, port=args.port,
                name=args.served_model_name, slots=args.slots, num_blocks=args.num_blocks,
-               block_size=args.block_size, policy=args.policy, max_waiting=args.max_waiting)
+               block_size=args.block_size, policy=args.policy, max_waiting=args.max_waiting,
+               batch_invariant=args.batch_invariant, drain_timeout=args.drain_timeout)
 
 
 def parser() -> argparse.ArgumentParser:
@@ -147,6 +148,11 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--policy", choices=["continuous", "static"], default="continuous")
     s.add_argument("--max-waiting", type=int, default=64,
                    help="waiting requests beyond which new ones get HTTP 429")
+    s.add_argument("--batch-invariant", action="store_true",
+                   help="every request's tokens bit for bit those of generate() alone "
+                   "(slower: rows of different lengths are not batched together)")
+    s.add_argument("--drain-timeout", type=float, default=30.0,
+                   help="seconds answers in flight may finish after Ctrl-C")
     s.set_defaults(run=serve)
     return p
 

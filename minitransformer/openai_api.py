@@ -1,0 +1,173 @@
+"""The OpenAI API's request and response bodies, checked and built without any web framework.
+
+A request body becomes a ``Job``: the engine ``Request`` (prompt ids, max_new_tokens, sampling
+settings, seed) plus what the HTTP side needs (stop strings, streaming, usage). The field names
+and meanings are OpenAI's, with vLLM's extras (``top_k``, ``repetition_penalty``,
+``ignore_eos``), so a client written for either works here unchanged:
+
+    temperature 0          greedy (argmax); otherwise sampling, seeded by ``seed`` if given
+    max_tokens             new tokens at most (completions: 16 by default; chat: what fits)
+    stop                   strings that end the answer; the text stops before them
+    finish_reason          "stop" (eos or a stop string) or "length" (max_tokens reached)
+
+Anything wrong is an ``APIError``: HTTP 400 with OpenAI's error body, naming the field.
+Fields this server does not implement (``logprobs``, ``n`` > 1, penalties, ``echo``...) are
+refused by name rather than silently ignored. Leaves out: tools, logprobs, several choices.
+"""
+import math
+from dataclasses import dataclass
+
+from minitransformer.chat import encode_chat
+from minitransformer.generate import eos_ids
+from minitransformer.sampling import SamplingSettings
+from minitransformer.serving import Request
+
+UNSUPPORTED = {  # field -> the value that means "off", the only one accepted
+    "n": 1, "best_of": 1, "echo": False, "logprobs": None, "top_logprobs": None, "suffix": None,
+    "presence_penalty": 0, "frequency_penalty": 0, "logit_bias": None, "tools": None,
+    "response_format": None,
+}
+MAX_STOP = 4                    # OpenAI's limit on stop strings
+
+
+class APIError(Exception):
+    def __init__(self, message, param=None, status=400, code=None, headers=None):
+        super().__init__(message)
+        self.message, self.param, self.status, self.code = message, param, status, code
+        self.headers = headers or {}
+
+    def body(self) -> dict:
+        kind = "invalid_request_error" if self.status < 500 else "server_error"
+        return {"error": {"message": self.message, "type": kind, "param": self.param,
+                          "code": self.code}}
+
+
+@dataclass(frozen=True)
+class Job:
+    kind: str                   # "completion" or "chat"
+    request: Request            # what the engine runs
+    eos: frozenset              # ids that end the answer with finish_reason "stop"
+    stop: tuple                 # stop strings
+    stream: bool
+    include_usage: bool         # stream_options.include_usage: a last chunk with usage
+
+
+def number(body, name, default, low, high, integer=False, low_open=False):
+    """body[name] checked to be a number in [low, high] ((low, high] if low_open)."""
+    value = body.get(name, default)
+    if value is None:
+        return default
+    kinds = (int,) if integer else (int, float)
+    if isinstance(value, bool) or not isinstance(value, kinds) or not math.isfinite(value) \
+            or value < low or value > high or (low_open and value == low):
+        bounds = f"{'(' if low_open else '['}{low}, {high}]"
+        raise APIError(f"{name} must be {'an integer' if integer else 'a number'} in "
+                       f"{bounds}, got {value!r}", name)
+    return value
+
+
+def parse(body, kind: str, model, name: str, pool_tokens: int) -> Job:
+    """A request body of /v1/completions (kind "completion") or /v1/chat/completions."""
+    if not isinstance(body, dict):
+        raise APIError("the request body must be a JSON object")
+    if body.get("model") != name:
+        raise APIError(f"the model {body.get('model')!r} does not exist; this server has "
+                       f"{name!r}", "model", code="model_not_found")
+    for field, off in UNSUPPORTED.items():
+        value = body.get(field)
+        if value not in (None, off, {}, []):
+            raise APIError(f"{field}={value!r} is not supported by this server", field)
+    prompt = prompt_ids(body, kind, model)
+    positions = model.config.max_position_embeddings
+    param = "prompt" if kind == "completion" else "messages"
+    if len(prompt) >= min(positions, pool_tokens):
+        raise APIError(f"the prompt has {len(prompt)} tokens; the model takes {positions} "
+                       f"positions and the KV pool {pool_tokens} tokens in all", param)
+    room = min(positions, pool_tokens) - len(prompt)
+    field = "max_completion_tokens" if body.get("max_completion_tokens") is not None \
+        else "max_tokens"
+    max_tokens = number(body, field, 16 if kind == "completion" else room, 1, math.inf, True)
+    if max_tokens > room:
+        raise APIError(f"{len(prompt)} prompt tokens + {field}={max_tokens} exceed what fits: "
+                       f"{positions} model positions, a KV pool of {pool_tokens} tokens",
+                       field)
+    settings = SamplingSettings(
+        do_sample=True, temperature=number(body, "temperature", 1.0, 0, 2),
+        top_p=number(body, "top_p", 1.0, 0, 1, low_open=True),
+        top_k=max(0, number(body, "top_k", 0, -1, math.inf, True)),       # vLLM: -1 is off
+        repetition_penalty=number(body, "repetition_penalty", 1.0, 0, math.inf, low_open=True))
+    seed = number(body, "seed", None, 0, 2**63 - 1, True)
+    ignore_eos = body.get("ignore_eos", False) is True                   # vLLM's extra
+    request = Request(tuple(prompt), max_tokens, settings=settings, seed=seed,
+                      eos_token_id=[] if ignore_eos else None)
+    stream = flag(body, "stream")
+    options = body.get("stream_options")
+    if options is not None and (not stream or not isinstance(options, dict)):
+        raise APIError("stream_options needs stream=true and must be an object",
+                       "stream_options")
+    return Job(kind, request, frozenset(eos_ids(model, request.eos_token_id)),
+               stop_strings(body), stream, bool(options and options.get("include_usage")))
+
+
+def flag(body, name) -> bool:
+    value = body.get(name, False)
+    if value is not None and not isinstance(value, bool):
+        raise APIError(f"{name} must be true or false, got {value!r}", name)
+    return bool(value)
+
+
+def prompt_ids(body, kind, model) -> list:
+    """The prompt as token ids: text, a list of ids, or chat messages through the template."""
+    if kind == "chat":
+        try:
+            return encode_chat(model, body.get("messages"))
+        except ValueError as e:
+            raise APIError(str(e), "messages") from None
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]      # a batch of one prompt
+    if isinstance(prompt, str) and prompt:
+        if model.tokenizer is None:
+            raise APIError("the model has no tokenizer: send the prompt as token ids", "prompt")
+        return model.tokenizer.encode(prompt)
+    V = model.config.vocab_size
+    if isinstance(prompt, list) and prompt and all(
+            isinstance(i, int) and not isinstance(i, bool) and 0 <= i < V for i in prompt):
+        return prompt
+    raise APIError(f"prompt must be a non-empty string or a list of token ids in [0, {V}) "
+                   f"(one prompt per request)", "prompt")
+
+
+def stop_strings(body) -> tuple:
+    stop = body.get("stop")
+    stop = [stop] if isinstance(stop, str) else stop or []
+    if not isinstance(stop, list) or len(stop) > MAX_STOP or \
+            not all(isinstance(s, str) for s in stop):
+        raise APIError(f"stop must be a string or a list of at most {MAX_STOP} strings", "stop")
+    return tuple(stop)
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def choice(kind, text, finish_reason, delta=False, first=False) -> dict:
+    """One choice of a response (delta: of a streamed chunk)."""
+    if kind == "completion":
+        return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+    if delta:
+        message = ({"role": "assistant"} if first else {}) | ({"content": text} if text or first
+                                                              else {})
+        return {"index": 0, "delta": message, "logprobs": None, "finish_reason": finish_reason}
+    return {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+            "finish_reason": finish_reason}
+
+
+def response(job, rid, created, name, choices, usage_counts=None, chunk=False) -> dict:
+    """A whole response, or one streamed chunk (usage None in chunks unless asked)."""
+    kind = {"completion": "text_completion", "chat": "chat.completion"}[job.kind]
+    if chunk and job.kind == "chat":
+        kind = "chat.completion.chunk"
+    return {"id": rid, "object": kind, "created": created, "model": name, "choices": choices,
+            "usage": usage_counts}

@@ -1,0 +1,212 @@
+"""An OpenAI-compatible HTTP server over the online engine (FastAPI on uvicorn, as vLLM).
+
+    POST /v1/completions        text (or token ids) in, a continuation out
+    POST /v1/chat/completions   messages in, laid out by the checkpoint's chat template
+    GET  /v1/models             the one model served
+    GET  /health                200 while the engine runs
+    GET  /metrics               Prometheus text, vLLM's metric names (see prometheus.py)
+
+Every request is submitted to the one ``OnlineEngine`` and answered from its tokens as they
+come: the HTTP side never waits for one request before taking the next, so concurrent clients
+share the engine's batch. With ``"stream": true`` each piece of text goes out at once as a
+Server-Sent Event, ``data: {json}`` and a blank line, ending with ``data: [DONE]``, the framing
+OpenAI and vLLM use. A client that disconnects cancels its request: its blocks go back to the
+pool before the next step. A full queue answers 429 with ``Retry-After``; a bad field, 400.
+On shutdown uvicorn stops accepting, lets answers in flight finish for up to
+``drain_timeout`` seconds, then the rest are cancelled.
+
+Needs the ``serve`` extra (fastapi, uvicorn, jinja2); the library imports without it.
+Leaves out: authentication (any API key is accepted), several choices (n), logprobs, tools.
+"""
+import asyncio
+import json
+import sys
+import time
+import uuid
+
+from minitransformer.detokenize import TextStream
+from minitransformer.online import Closed, OnlineEngine, QueueFull
+from minitransformer.openai_api import APIError, choice, parse, response, usage
+from minitransformer.prometheus import ServingMetrics
+
+RETRY_AFTER_S = 1               # what a 429 asks the client to wait
+
+
+def create_app(online: OnlineEngine, name: str):
+    """The FastAPI application serving one model through one online engine."""
+    from fastapi import FastAPI, Request
+    from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+
+    model, cache = online.engine.model, online.engine.cache
+    metrics = ServingMetrics(name)
+    app = FastAPI(title="minitransformer", docs_url=None, redoc_url=None)
+    created = int(time.time())
+
+    def error(e: APIError):
+        return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+
+    @app.get("/health")
+    async def health():
+        return PlainTextResponse("", status_code=503 if online.error else 200)
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{
+            "id": name, "object": "model", "created": created, "owned_by": "minitransformer",
+            "max_model_len": model.config.max_position_embeddings}]}
+
+    @app.get("/metrics")
+    async def prometheus():
+        return PlainTextResponse(metrics.render(online.snapshot),
+                                 media_type="text/plain; version=0.0.4")
+
+    async def answer(http: Request, kind: str):
+        try:
+            body = await http.json()
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            return error(APIError(f"the request body is not JSON ({e})"))
+        try:
+            job = parse(body, kind, model, name, cache.num_blocks * cache.block_size)
+            tokens = submit(job)
+        except APIError as e:
+            return error(e)
+        rid = f"{'cmpl' if kind == 'completion' else 'chatcmpl'}-{uuid.uuid4().hex}"
+        head = (rid, int(time.time()), name)
+        if job.stream:
+            return StreamingResponse(events(job, head, tokens), media_type="text/event-stream")
+        try:
+            text, reason, n = "", None, 0
+            async for piece, reason, n in watch(http, tokens):
+                text += piece
+        except APIError as e:
+            return error(e)
+        return response(job, *head, [choice(kind, text, reason)],
+                        usage(len(job.request.prompt), n))
+
+    @app.post("/v1/completions")
+    async def completions(http: Request):
+        return await answer(http, "completion")
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(http: Request):
+        return await answer(http, "chat")
+
+    def submit(job):
+        """Hand the job to the engine -> an async iterator of (text, finish_reason, tokens)."""
+        loop, updates = asyncio.get_running_loop(), asyncio.Queue()
+        previous = [None]
+
+        def listener(update):       # runs on the engine's loop thread: observe, pass on
+            if update.tokens:
+                metrics.tokens(update.record.arrival, previous[0], update.time,
+                               len(update.tokens))
+                previous[0] = update.time
+            loop.call_soon_threadsafe(updates.put_nowait, update)
+        try:
+            ticket = online.submit(job.request, listener)
+        except QueueFull as e:
+            raise APIError(f"{e}: retry later", status=429, code="queue_full",
+                           headers={"Retry-After": str(RETRY_AFTER_S)}) from None
+        except Closed as e:
+            raise APIError(str(e), status=503) from None
+        metrics.accepted(len(job.request.prompt))
+        return pieces(job, ticket, updates)
+
+    async def pieces(job, ticket, updates):
+        """Text as it becomes final; the last item carries the finish_reason."""
+        text, n, arrival = TextStream(model.tokenizer, job.request.prompt, job.stop), 0, None
+        try:
+            while True:
+                update = await updates.get()
+                if update.status in ("rejected", "error"):
+                    raise APIError(update.reason, status=500 if update.status == "error"
+                                   else 400)
+                arrival = update.record.arrival
+                piece = ""
+                for token in update.tokens:
+                    n, piece = n + 1, piece + text.add(token)
+                    if text.stopped:
+                        break
+                reason = "stop" if text.stopped or (update.done and update.record.tokens and
+                                                    update.record.tokens[-1] in job.eos) \
+                    else "length" if update.done and update.status == "finished" else "abort"
+                if text.stopped or update.done:
+                    metrics.ended(arrival, online.now(), reason)
+                    yield piece + ("" if text.stopped else text.flush()), reason, n
+                    return
+                if piece:
+                    yield piece, None, n
+        finally:
+            online.cancel(ticket)   # stopped, disconnected or done: a no-op if already over
+
+    async def watch(http, tokens):
+        """A non-streamed answer: wait for the next piece or the client leaving, whichever
+        comes first (a client that left cancels its request, as a stream's does)."""
+        gone = asyncio.ensure_future(disconnected(http))
+        try:
+            while True:
+                piece = asyncio.ensure_future(anext(tokens))
+                await asyncio.wait({piece, gone}, return_when=asyncio.FIRST_COMPLETED)
+                if not piece.done():
+                    piece.cancel()  # CancelledError in pieces(): its finally cancels
+                    return
+                try:
+                    yield piece.result()
+                except StopAsyncIteration:
+                    return
+        finally:
+            gone.cancel()
+            await tokens.aclose()
+
+    async def disconnected(http):
+        while not await http.is_disconnected():
+            await asyncio.sleep(0.1)
+
+    async def events(job, head, tokens):
+        """Server-Sent Events: one chunk per piece, the finish_reason, usage, [DONE]."""
+        def sse(reply):
+            return f"data: {json.dumps(reply)}\n\n"
+        first = job.kind == "chat"  # chat opens with the role
+        if first:
+            yield sse(response(job, *head, [choice(job.kind, "", None, True, True)], chunk=True))
+        try:
+            async for piece, reason, n in tokens:
+                if piece:
+                    yield sse(response(job, *head, [choice(job.kind, piece, None, True)],
+                                       chunk=True))
+                if reason:
+                    yield sse(response(job, *head, [choice(job.kind, "", reason, True)],
+                                       chunk=True))
+                    if job.include_usage:
+                        yield sse(response(job, *head, [], usage(len(job.request.prompt), n),
+                                           chunk=True))
+        except APIError as e:
+            yield sse(e.body())
+        yield "data: [DONE]\n\n"
+
+    return app
+
+
+def serve(model_path, host="127.0.0.1", port=8000, name=None, slots=8, num_blocks=None,
+          block_size=16, policy="continuous", max_waiting=64, batch_invariant=False,
+          drain_timeout=30.0) -> None:
+    """Load a model and serve it until interrupted (Ctrl-C drains, then cancels)."""
+    try:
+        import uvicorn
+    except ImportError:
+        raise ImportError("the server needs the serve extra: pip install -e '.[serve]'") from None
+    import minitransformer as mt
+    from minitransformer.engine import Engine
+
+    model = mt.load(model_path)
+    name = name or model.path.rstrip("/").split("/")[-1]
+    engine = Engine(model, slots=slots, num_blocks=num_blocks, block_size=block_size,
+                    policy=policy, batch_invariant=batch_invariant)
+    online = OnlineEngine(engine, max_waiting=max_waiting)
+    print(f"serving {name!r} ({policy} batching, {slots} slots, {engine.cache.num_blocks} "
+          f"blocks of {block_size}) on http://{host}:{port}/v1", file=sys.stderr)
+    try:
+        uvicorn.run(create_app(online, name), host=host, port=port, log_level="warning",
+                    timeout_graceful_shutdown=drain_timeout)
+    finally:
+        online.close(drain=False, timeout=10)
