@@ -9,13 +9,23 @@ instead of computing something else silently.
 Two families are supported: Qwen2 (q/k/v projections always carry a bias) and Llama (biases on
 q/k/v/o only when ``attention_bias`` is true).
 """
-import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
+from minitransformer.checks import (integer_field, is_integer, is_real, positive_number_field,
+                                    read_json_object, token_ids_field)
 from minitransformer.errors import CheckpointError
 
 ARCHITECTURES = {"Qwen2ForCausalLM": "qwen2", "LlamaForCausalLM": "llama"}
+
+# Sanity bounds on the sizes, 8x or more beyond the largest published models (vocab 256k,
+# hidden 16k, MLP 53k, 126 layers, 128 heads, head_dim 256, 10M positions), checked before
+# anything is listed or allocated: `num_hidden_layers: 1000000000` fails here, at once.
+SIZE_LIMITS = {"vocab_size": 2 ** 22, "hidden_size": 2 ** 17, "intermediate_size": 2 ** 19,
+               "num_hidden_layers": 2 ** 10, "num_attention_heads": 2 ** 12,
+               "num_key_value_heads": 2 ** 12, "head_dim": 2 ** 12,
+               "max_position_embeddings": 2 ** 28}
 
 
 @dataclass(frozen=True)
@@ -51,83 +61,108 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, cfg: dict, source: str = "config.json") -> "ModelConfig":
-        def field(name, kind, default=None):
-            value = cfg.get(name)
-            value = default if value is None else value  # null means "the default", as in HF
-            if value is None:
+        """One validation pass: types, finiteness, ranges, sizes within SIZE_LIMITS."""
+        def value(name, default=None):
+            v = cfg.get(name)
+            v = default if v is None else v  # null means "the default", as in HF
+            if v is None:
                 raise CheckpointError(f"{source}: required field {name!r} is missing")
-            if kind is int and (isinstance(value, bool) or not isinstance(value, int)):
-                raise CheckpointError(f"{source}: field {name!r} must be an integer, "
-                                      f"got {value!r}")
-            if kind is float and (isinstance(value, bool) or not isinstance(value, (int, float))):
-                raise CheckpointError(f"{source}: field {name!r} must be a number, got {value!r}")
-            if kind is bool and not isinstance(value, bool):
-                raise CheckpointError(f"{source}: field {name!r} must be true or false, "
-                                      f"got {value!r}")
-            return kind(value)
+            return v
 
-        archs = cfg.get("architectures") or []
-        known = [ARCHITECTURES[a] for a in archs if a in ARCHITECTURES]
-        model_type = known[0] if known else cfg.get("model_type")
-        if model_type not in ARCHITECTURES.values():
-            raise CheckpointError(
-                f"{source}: unsupported architecture {archs or model_type!r}; "
-                f"supported: {', '.join(ARCHITECTURES)}")
+        def size(name, default=None):
+            return integer_field(source, name, value(name, default), 1, SIZE_LIMITS[name])
+
+        def flag(name):
+            v = value(name, False)
+            if not isinstance(v, bool):
+                raise CheckpointError(f"{source}: field {name!r} must be true or false, "
+                                      f"got {v!r:.100}")
+            return v
+
+        if not isinstance(cfg, dict):
+            raise CheckpointError(f"{source}: expected a JSON object")
+        model_type = architecture(cfg, source)
         if cfg.get("rope_scaling") not in (None, {}):
-            raise CheckpointError(f"{source}: rope_scaling={cfg['rope_scaling']!r} "
+            raise CheckpointError(f"{source}: rope_scaling={cfg['rope_scaling']!r:.100} "
                                   "is not supported")
         if cfg.get("hidden_act", "silu") != "silu":
-            raise CheckpointError(f"{source}: hidden_act={cfg['hidden_act']!r} is not supported "
-                                  "(only silu, the SwiGLU MLP)")
-        if cfg.get("use_sliding_window", False):
+            raise CheckpointError(f"{source}: hidden_act={cfg['hidden_act']!r:.100} is not "
+                                  "supported (only silu, the SwiGLU MLP)")
+        if flag("use_sliding_window"):
             raise CheckpointError(f"{source}: sliding-window attention is not supported")
-        if cfg.get("mlp_bias", False):
+        if flag("mlp_bias"):
             raise CheckpointError(f"{source}: mlp_bias=true is not supported")
-
-        heads = field("num_attention_heads", int)
-        hidden = field("hidden_size", int)
         rope = cfg.get("rope_parameters")
-        if isinstance(rope, dict):  # newer transformers nest RoPE settings here
+        if rope is not None and not isinstance(rope, dict):
+            raise CheckpointError(f"{source}: field 'rope_parameters' must be an object, "
+                                  f"got {rope!r:.100}")
+        if rope:  # newer transformers nest RoPE settings here
             if rope.get("rope_type", "default") != "default":
                 raise CheckpointError(f"{source}: rope_parameters.rope_type="
-                                      f"{rope['rope_type']!r} (rope scaling) is not supported")
-            if "rope_theta" not in cfg:
+                                      f"{rope['rope_type']!r:.100} (rope scaling) is not "
+                                      "supported")
+            if cfg.get("rope_theta") is None:
                 cfg = {**cfg, "rope_theta": rope.get("rope_theta", 10000.0)}
+        for name in ("bos_token_id", "eos_token_id"):  # not kept here, but read elsewhere
+            if cfg.get(name) is not None:
+                token_ids_field(source, name, cfg[name])
+        dtype = cfg.get("torch_dtype") or cfg.get("dtype") or "float32"
+        if not isinstance(dtype, str):
+            raise CheckpointError(f"{source}: field 'torch_dtype' must be a string, "
+                                  f"got {dtype!r:.100}")
+
+        heads, hidden = size("num_attention_heads"), size("hidden_size")
         config = cls(
             model_type=model_type,
-            vocab_size=field("vocab_size", int),
+            vocab_size=size("vocab_size"),
             hidden_size=hidden,
-            intermediate_size=field("intermediate_size", int),
-            num_hidden_layers=field("num_hidden_layers", int),
+            intermediate_size=size("intermediate_size"),
+            num_hidden_layers=size("num_hidden_layers"),
             num_attention_heads=heads,
             # Absent means plain multi-head attention: one kv head per query head.
-            num_key_value_heads=field("num_key_value_heads", int, heads),
-            head_dim=field("head_dim", int, hidden // heads if heads > 0 else 0),
-            max_position_embeddings=field("max_position_embeddings", int),
-            rms_norm_eps=field("rms_norm_eps", float, 1e-6),
-            rope_theta=field("rope_theta", float, 10000.0),
-            attention_bias=field("attention_bias", bool, False),
-            tie_word_embeddings=field("tie_word_embeddings", bool, False),
-            torch_dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32"),
+            num_key_value_heads=size("num_key_value_heads", heads),
+            head_dim=size("head_dim", max(hidden // heads, 1)),
+            max_position_embeddings=size("max_position_embeddings"),
+            rms_norm_eps=positive_number_field(source, "rms_norm_eps", value("rms_norm_eps", 1e-6)),
+            rope_theta=positive_number_field(source, "rope_theta", value("rope_theta", 10000.0)),
+            attention_bias=flag("attention_bias"),
+            tie_word_embeddings=flag("tie_word_embeddings"),
+            torch_dtype=dtype,
         )
         config.validate(source)
         return config
 
     def validate(self, source: str = "config.json") -> None:
-        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                     "num_attention_heads", "num_key_value_heads", "head_dim",
-                     "max_position_embeddings"):
-            if getattr(self, name) <= 0:
-                raise CheckpointError(f"{source}: {name} must be positive, "
-                                      f"got {getattr(self, name)}")
+        """The relations between fields (each field alone was checked when read)."""
+        for name, limit in SIZE_LIMITS.items():
+            n = getattr(self, name)
+            if not is_integer(n) or not 1 <= n <= limit:
+                raise CheckpointError(f"{source}: {name} must be an integer in [1, {limit}], "
+                                      f"got {n!r}")
         if self.num_attention_heads % self.num_key_value_heads:
             raise CheckpointError(
                 f"{source}: num_attention_heads={self.num_attention_heads} is not a multiple of "
                 f"num_key_value_heads={self.num_key_value_heads}")
         if self.head_dim % 2:
             raise CheckpointError(f"{source}: head_dim={self.head_dim} must be even for RoPE")
-        if self.rms_norm_eps <= 0 or self.rope_theta <= 0:
-            raise CheckpointError(f"{source}: rms_norm_eps and rope_theta must be positive")
+        for name in ("rms_norm_eps", "rope_theta"):
+            if not (is_real(getattr(self, name)) and 0 < getattr(self, name) < math.inf):
+                raise CheckpointError(f"{source}: {name} must be a finite number > 0, "
+                                      f"got {getattr(self, name)!r}")
+
+
+def architecture(cfg: dict, source) -> str:
+    """``architectures`` (a list of class names) or ``model_type`` -> "qwen2" or "llama"."""
+    archs = cfg.get("architectures") or []
+    if not isinstance(archs, list) or not all(isinstance(a, str) for a in archs):
+        raise CheckpointError(f"{source}: field 'architectures' must be a list of class names, "
+                              f"got {archs!r:.100}")
+    known = [ARCHITECTURES[a] for a in archs if a in ARCHITECTURES]
+    model_type = known[0] if known else cfg.get("model_type")
+    if not isinstance(model_type, str) or model_type not in ARCHITECTURES.values():
+        raise CheckpointError(f"{source}: unsupported architecture {archs or model_type!r:.100}; "
+                              f"supported: {', '.join(ARCHITECTURES)}")
+    return model_type
 
 
 def load_config(path) -> ModelConfig:
@@ -136,10 +171,4 @@ def load_config(path) -> ModelConfig:
     file = path / "config.json" if path.is_dir() else path
     if not file.is_file():
         raise CheckpointError(f"{file}: config.json not found")
-    try:
-        cfg = json.loads(file.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"{file}: not valid JSON ({e})") from None
-    if not isinstance(cfg, dict):
-        raise CheckpointError(f"{file}: expected a JSON object")
-    return ModelConfig.from_dict(cfg, source=str(file))
+    return ModelConfig.from_dict(read_json_object(file), source=str(file))

@@ -24,6 +24,8 @@ Leaves out: training (no optimiser here), the hard-label term, the student model
 """
 import numpy as np
 
+from minitransformer.checks import is_real
+
 
 def check_logits(logits, name: str = "logits") -> np.ndarray:
     """Host float64 array (..., V) of finite logits, or a ValueError naming the problem."""
@@ -38,8 +40,7 @@ def check_logits(logits, name: str = "logits") -> np.ndarray:
 
 
 def check_temperature(temperature) -> float:
-    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) \
-            or not 0 < temperature < float("inf"):
+    if not is_real(temperature) or not 0 < temperature < float("inf"):
         raise ValueError(f"temperature must be a finite number > 0, got {temperature!r}")
     return float(temperature)
 

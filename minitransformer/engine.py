@@ -35,6 +35,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from minitransformer.backend import synchronize
+from minitransformer.checks import is_integer
 from minitransformer.generate import check_prompt, eos_ids, last_logits, seeded_rng
 from minitransformer.model import forward
 from minitransformer.paged import PagedCache
@@ -59,7 +60,7 @@ class Engine:
         if policy not in ("static", "continuous"):
             raise ValueError(f"policy={policy!r}: use 'static' or 'continuous'")
         for name, n in (("slots", slots), ("block_size", block_size), ("num_blocks", num_blocks)):
-            if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
+            if n is not None and (not is_integer(n) or n < 1):
                 raise ValueError(f"{name}={n!r}: expected an integer >= 1")
         if num_blocks is None:
             num_blocks = slots * -(-1024 // block_size)  # 1,024 tokens per slot

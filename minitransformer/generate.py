@@ -10,6 +10,7 @@ either way: that is experiment 1, and the tests check it token for token.
 import numpy as np
 
 from minitransformer.backend import to_numpy
+from minitransformer.checks import is_integer
 from minitransformer.kvcache import KVCache
 from minitransformer.model import forward, head
 from minitransformer.sampling import SamplingSettings, next_token
@@ -18,8 +19,7 @@ from minitransformer.sampling import SamplingSettings, next_token
 def check_prompt(model, ids, max_new_tokens) -> np.ndarray:
     """Validate a prompt and a length against the model; -> ids as an int64 array (T,)."""
     c = model.config
-    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)) \
-            or max_new_tokens < 0:
+    if not is_integer(max_new_tokens) or max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be an integer >= 0, got {max_new_tokens!r}")
     ids = np.asarray(ids)
     if ids.ndim != 1 or ids.size == 0:
@@ -47,8 +47,7 @@ def eos_ids(model, eos_token_id) -> set:
 
 def seeded_rng(seed) -> np.random.Generator:
     """A request's own random generator; seed None draws a fresh one from the OS."""
-    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, (int, np.integer))
-                             or seed < 0):
+    if seed is not None and (not is_integer(seed) or seed < 0):
         raise ValueError(f"seed must be None or an integer >= 0, got {seed!r}")
     return np.random.default_rng(seed)
 

@@ -12,10 +12,12 @@ A tied checkpoint that still carries ``lm_head.weight`` keeps only the embedding
 same matrix by definition), and stored RoPE ``inv_freq`` buffers from old exports are ignored:
 RoPE is recomputed from ``rope_theta``.
 """
-import json
-from pathlib import Path
+from pathlib import Path, PurePosixPath
+
+import numpy as np
 
 from minitransformer.backend import to_device
+from minitransformer.checks import read_json_object, token_ids_field
 from minitransformer.config import ModelConfig, load_config
 from minitransformer.errors import CheckpointError
 from minitransformer.model import Model
@@ -54,32 +56,62 @@ def expected_shapes(c: ModelConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def weight_files(path: Path) -> list[Path]:
-    """The safetensors files of a checkpoint: a single file or the shards of an index."""
+def weight_files(path: Path) -> dict[Path, set | None]:
+    """The safetensors files of a checkpoint -> {file: the tensor names the index puts there
+    (None for a single unsharded file)}. Shard names must stay inside the checkpoint directory:
+    an index is data, and ``../../elsewhere`` or an absolute path in it must not be followed.
+    (Checked on the name, not the resolved path: the Hugging Face cache links each file to a
+    blob outside the snapshot directory, legitimately.)"""
     index = path / "model.safetensors.index.json"
     if index.is_file():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError, TypeError) as e:
-            raise CheckpointError(f"{index}: malformed shard index ({e!r})") from None
-        return [path / name for name in sorted(set(weight_map.values()))]
+        weight_map = read_json_object(index, "a shard index (an object)").get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise CheckpointError(f"{index}: 'weight_map' must be a non-empty object "
+                                  f"{{tensor name: shard file}}, got {weight_map!r:.100}")
+        shards = {}
+        for name, shard in weight_map.items():
+            relative = PurePosixPath(shard) if isinstance(shard, str) else None
+            if relative is None or not shard or relative.is_absolute() or ".." in relative.parts \
+                    or "\\" in shard:
+                raise CheckpointError(f"{index}: weight_map[{name!r}] must name a file inside "
+                                      f"the checkpoint directory, got {shard!r:.100}")
+            shards.setdefault(path / relative, set()).add(name)
+        for file in shards:
+            if not file.is_file():
+                raise CheckpointError(f"{file}: shard not found (named in {index.name})")
+        return dict(sorted(shards.items()))
     single = path / "model.safetensors"
     if not single.is_file():
         raise CheckpointError(f"{path}: no model.safetensors or model.safetensors.index.json")
-    return [single]
+    return {single: None}
+
+
+def read_checkpoint_tensors(path: Path) -> dict:
+    """Every stored tensor of the checkpoint -> (file, dtype, stored array), headers only.
+
+    A tensor stored twice (in two shards) is an error, not "the later one wins"; so is one the
+    index places in another shard than the one holding it."""
+    found = {}
+    for file, listed in weight_files(path).items():
+        for name, (dtype, stored) in read_tensors(file).items():
+            if name in found:
+                raise CheckpointError(f"{file}: tensor {name!r} is also stored in "
+                                      f"{found[name][0]}")
+            if listed is not None and name not in listed:
+                raise CheckpointError(f"{file}: holds tensor {name!r}, which the shard index "
+                                      "does not place in this file")
+            found[name] = (file, dtype, stored)
+    return found
 
 
 def load_weights(path: Path, config: ModelConfig) -> dict:
     """Read, check against the config, convert to float32 and move to the backend."""
+    found = read_checkpoint_tensors(path)
+    for name in [n for n in found if n.endswith("rotary_emb.inv_freq")]:
+        del found[name]
+    if config.tie_word_embeddings:
+        found.pop("lm_head.weight", None)  # tied: the head *is* the embedding
     expected = expected_shapes(config)
-    found = {}  # name -> (file, dtype, stored array)
-    for file in weight_files(path):
-        for name, (dtype, stored) in read_tensors(file).items():
-            if name.endswith("rotary_emb.inv_freq"):
-                continue
-            if name == "lm_head.weight" and config.tie_word_embeddings:
-                continue  # tied: the head *is* the embedding
-            found[name] = (file, dtype, stored)
     missing = sorted(set(expected) - set(found))
     if missing:
         raise CheckpointError(f"{path}: missing tensor(s) {', '.join(missing[:5])}"
@@ -97,8 +129,20 @@ def load_weights(path: Path, config: ModelConfig) -> dict:
         if tuple(stored.shape) != shape:
             raise CheckpointError(f"{file}: tensor {name!r} has shape {tuple(stored.shape)} "
                                   f"but config.json implies {shape}")
-        weights[name] = to_device(to_float32(dtype, stored))
+        weights[name] = to_device(check_finite(file, name, to_float32(dtype, stored)))
     return weights
+
+
+def check_finite(file: Path, name: str, w: np.ndarray) -> np.ndarray:
+    """A NaN or inf weight makes every logit NaN, and argmax of NaNs is token 0: refuse it.
+
+    One sum is the cheap test (NaN and inf survive a sum); only when it is not finite, which
+    an overflow of huge finite values could also cause, is every element looked at."""
+    if np.isfinite(w.sum(dtype=np.float64)) or np.isfinite(w).all():
+        return w
+    where = np.unravel_index(np.flatnonzero(~np.isfinite(w))[0], w.shape)
+    raise CheckpointError(f"{file}: tensor {name!r} holds a non-finite value "
+                          f"({w[where]} at index {tuple(int(i) for i in where)})")
 
 
 def eos_ids(path: Path) -> tuple[int, ...]:
@@ -106,12 +150,9 @@ def eos_ids(path: Path) -> tuple[int, ...]:
     for name in ("generation_config.json", "config.json"):
         file = path / name
         if file.is_file():
-            try:
-                eos = json.loads(file.read_text()).get("eos_token_id")
-            except json.JSONDecodeError as e:
-                raise CheckpointError(f"{file}: not valid JSON ({e})") from None
+            eos = read_json_object(file).get("eos_token_id")
             if eos is not None:
-                return tuple(eos) if isinstance(eos, list) else (int(eos),)
+                return token_ids_field(file, "eos_token_id", eos)
     return ()
 
 
@@ -122,6 +163,9 @@ def load(path) -> Model:
     if path.suffix == ".gguf":
         from minitransformer.gguf import load_gguf
         return load_gguf(path)
+    if path.is_file():
+        raise CheckpointError(f"{path}: is a file; load takes a checkpoint directory "
+                              "(config.json + model.safetensors + tokenizer.json) or a .gguf file")
     if not path.is_dir():
         raise CheckpointError(f"{path}: checkpoint directory not found")
     config = load_config(path)

@@ -11,11 +11,13 @@ put the 16 stored bits in the high half of a uint32 and view the result as float
 (for writing test checkpoints) rounds to nearest, ties to even, as torch does.
 """
 import json
+import math
 import struct
 from pathlib import Path
 
 import numpy as np
 
+from minitransformer.checks import is_integer
 from minitransformer.errors import CheckpointError
 
 # safetensors dtype name -> numpy dtype of the stored bytes (BF16 is read as raw uint16)
@@ -37,8 +39,19 @@ def f32_to_bf16(x: np.ndarray) -> np.ndarray:
     return np.where(np.isnan(x), 0x7FC0, rounded).astype(np.uint16)
 
 
+MAX_HEADER = 100_000_000  # bytes; the reference implementation refuses larger headers too
+
+
 def read_header(file: Path) -> tuple[dict, int]:
-    """-> (header without __metadata__, offset of the data section). Checks every entry."""
+    """-> (header without __metadata__, offset of the data section), after one validation pass.
+
+    Checked, with the file and tensor named: the header is a JSON object of entries
+    {dtype, shape, data_offsets}; dtype is a known name; shape a list of integers >= 0;
+    data_offsets two integers with begin <= end spanning exactly dtype size x prod(shape);
+    and the tensors tile the data section: sorted by offset they start at 0, each begins where
+    the last ended (no gap, no overlap) and the last ends at the end of the file (no trailing
+    bytes). That is the format's own rule: a byte no tensor owns could smuggle other content.
+    """
     size = file.stat().st_size
     with open(file, "rb") as f:
         head = f.read(8)
@@ -48,29 +61,60 @@ def read_header(file: Path) -> tuple[dict, int]:
         if n > size - 8:
             raise CheckpointError(f"{file}: header length {n} exceeds the file size {size}: "
                                   "truncated or not a safetensors file")
-        try:
-            header = json.loads(f.read(n))
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise CheckpointError(f"{file}: malformed safetensors header ({e})") from None
+        if n > MAX_HEADER:
+            raise CheckpointError(f"{file}: header length {n} is over the format's limit of "
+                                  f"{MAX_HEADER} bytes")
+        blob = f.read(n)
+    try:
+        header = json.loads(blob.decode("utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
+        raise CheckpointError(f"{file}: malformed safetensors header ({e})") from None
     if not isinstance(header, dict):
         raise CheckpointError(f"{file}: malformed safetensors header (not a JSON object)")
-    header.pop("__metadata__", None)
+    metadata = header.pop("__metadata__", {})
+    if not isinstance(metadata, dict):
+        raise CheckpointError(f"{file}: __metadata__ must be a JSON object")
+    spans = sorted((check_entry(file, name, entry), name) for name, entry in header.items())
+    position = 0  # the tensors, in offset order, must tile the data section exactly
+    for (begin, end), name in spans:
+        if begin != position:
+            what = "overlaps the tensor before it" if begin < position else \
+                f"leaves bytes [{position}, {begin}) owned by no tensor"
+            raise CheckpointError(f"{file}: tensor {name!r} at [{begin}, {end}) {what}")
+        position = end
     data_bytes = size - 8 - n
-    for name, entry in header.items():
-        try:
-            dtype, shape, (begin, end) = entry["dtype"], list(entry["shape"]), entry["data_offsets"]
-        except (KeyError, TypeError, ValueError):
-            raise CheckpointError(f"{file}: tensor {name!r} has a malformed header entry") from None
-        if dtype not in STORED:
-            raise CheckpointError(f"{file}: tensor {name!r} has unsupported dtype {dtype}")
-        expected = int(np.prod(shape, dtype=np.int64)) * STORED[dtype].itemsize
-        if end - begin != expected or begin < 0:
-            raise CheckpointError(f"{file}: tensor {name!r} {dtype}{shape} should take {expected} "
-                                  f"bytes but its offsets [{begin}, {end}) span {end - begin}")
-        if end > data_bytes:
-            raise CheckpointError(f"{file}: truncated: tensor {name!r} needs bytes up to {end} of "
-                                  f"the data section but the file holds only {data_bytes}")
+    if position > data_bytes:
+        raise CheckpointError(f"{file}: truncated: tensor {spans[-1][1]!r} needs bytes up to "
+                              f"{position} of the data section but the file holds only "
+                              f"{data_bytes}")
+    if position < data_bytes:
+        raise CheckpointError(f"{file}: {data_bytes - position} trailing bytes after the last "
+                              "tensor")
     return header, 8 + n
+
+
+def check_entry(file: Path, name: str, entry) -> tuple[int, int]:
+    """One header entry -> its (begin, end), or a CheckpointError naming file, tensor, field."""
+    where = f"{file}: tensor {name!r}"
+    if not isinstance(entry, dict) or set(entry) != {"dtype", "shape", "data_offsets"}:
+        raise CheckpointError(f"{where}: a header entry must be an object with exactly dtype, "
+                              f"shape and data_offsets, got {entry!r:.200}")
+    dtype, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
+    if not isinstance(dtype, str) or dtype not in STORED:
+        raise CheckpointError(f"{where}: unsupported dtype {dtype!r:.50}")
+    if not isinstance(shape, list) or not all(is_integer(n) and n >= 0 for n in shape):
+        raise CheckpointError(f"{where}: shape must be a list of integers >= 0, "
+                              f"got {shape!r:.200}")
+    if not (isinstance(offsets, list) and len(offsets) == 2 and all(map(is_integer, offsets))
+            and 0 <= offsets[0] <= offsets[1]):
+        raise CheckpointError(f"{where}: data_offsets must be two integers "
+                              f"0 <= begin <= end, got {offsets!r:.200}")
+    begin, end = offsets
+    expected = math.prod(shape) * STORED[dtype].itemsize  # Python ints: no overflow
+    if end - begin != expected:
+        raise CheckpointError(f"{where}: {dtype}{shape} should take {expected} bytes but its "
+                              f"offsets [{begin}, {end}) span {end - begin}")
+    return begin, end
 
 
 def read_tensors(file) -> dict[str, tuple[str, np.ndarray]]:

@@ -6,13 +6,16 @@ sampling the temperature, top-k (keep the k largest), top-p (keep the smallest s
 likely tokens whose probability reaches p), and a draw. ``do_sample=False`` is greedy (argmax)
 whatever the temperature; with sampling, temperature 0 also means greedy.
 
-This runs on the host in float32, on one vector of V logits per step. Each request owns its
-seeded ``numpy.random.Generator``, so a request samples the same tokens alone or in a batch.
+This runs on the host, on one vector of V logits per step (the distribution in float64). Each
+request owns its seeded ``numpy.random.Generator``, so a request samples the same tokens alone
+or in a batch.
 """
 import math
 from dataclasses import dataclass
 
 import numpy as np
+
+from minitransformer.checks import is_integer, is_real
 
 
 @dataclass(frozen=True)
@@ -24,15 +27,13 @@ class SamplingSettings:
     repetition_penalty: float = 1.0  # 1.0: off
 
     def __post_init__(self):
-        if not isinstance(self.temperature, (int, float)) or not 0 <= self.temperature < math.inf:
+        if not is_real(self.temperature) or not 0 <= self.temperature < math.inf:
             raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
-        if isinstance(self.top_k, bool) or not isinstance(self.top_k, (int, np.integer)) \
-                or self.top_k < 0:
+        if not is_integer(self.top_k) or self.top_k < 0:
             raise ValueError(f"top_k must be an integer >= 0 (0 turns it off), got {self.top_k!r}")
-        if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
+        if not is_real(self.top_p) or not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if not isinstance(self.repetition_penalty, (int, float)) \
-                or not 0 < self.repetition_penalty < math.inf:
+        if not is_real(self.repetition_penalty) or not 0 < self.repetition_penalty < math.inf:
             raise ValueError(f"repetition_penalty must be a finite number > 0, "
                              f"got {self.repetition_penalty!r}")
 
@@ -56,21 +57,28 @@ def probabilities(logits, settings: SamplingSettings):
     """Logits (V,) after any penalty -> the sampling distribution (V,) float32, sums to 1.
 
     Temperature scales, top-k and top-p cut (cut tokens get probability exactly 0).
+    Computed in float64, and in an order that stays finite for every legal setting: the max is
+    subtracted *before* dividing by the temperature (logits / 1e-39 overflows float32 to inf,
+    and inf - inf is NaN; (z - max) / T only goes to -inf, whose exp is 0), and the most likely
+    token always survives top-p (a top_p below float32's smallest number, 1.4e-45, would
+    otherwise keep nothing). Tiny settings thus degrade to greedy, as they should.
     """
-    logits = np.asarray(logits, dtype=np.float32) / np.float32(settings.temperature or 1.0)
-    if 0 < settings.top_k < logits.size:
-        kth = np.partition(logits, -settings.top_k)[-settings.top_k]
-        logits = np.where(logits >= kth, logits, -np.inf)  # ties with the k-th are kept, as in HF
-    p = np.exp(logits - logits.max())
-    p /= p.sum()
+    z = np.asarray(logits, dtype=np.float64)
+    if 0 < settings.top_k < z.size:
+        kth = np.partition(z, -settings.top_k)[-settings.top_k]
+        z = np.where(z >= kth, z, -np.inf)  # ties with the k-th are kept, as in HF
+    with np.errstate(over="ignore"):  # overflow here goes to -inf, exp(-inf) = 0: intended
+        z = (z - z.max()) / float(settings.temperature or 1.0)  # <= 0; the max is exactly 0
+    p = np.exp(z)
+    p /= p.sum()  # >= 1: exp(0) of the max is in it
     if settings.top_p < 1.0:
         order = np.argsort(-p, kind="stable")
-        cumulative = np.cumsum(p[order])
+        before = np.cumsum(p[order]) - p[order]  # mass of the tokens more likely than each
         # keep tokens while the mass *before* them is below top_p: the first always stays
-        keep = order[(cumulative - p[order]) < settings.top_p]
+        keep = order[(before < settings.top_p) | (np.arange(p.size) == 0)]
         mask = np.zeros(p.size, dtype=bool)
         mask[keep] = True
-        p = np.where(mask, p, np.float32(0))
+        p = np.where(mask, p, 0.0)
         p /= p.sum()
     return p.astype(np.float32)
 
@@ -86,6 +94,9 @@ def next_token(logits, previous_ids, settings: SamplingSettings, rng) -> int:
     """The full rule for one step: penalty, then argmax or a draw."""
     logits = apply_repetition_penalty(np.asarray(logits, dtype=np.float32), previous_ids,
                                       settings.repetition_penalty)
+    if not np.isfinite(logits.max()):  # argmax of NaNs is silently token 0: say so instead
+        raise ValueError(f"the logits hold NaN or +inf (max {logits.max()}): the model's "
+                         "numbers overflowed or its weights are broken")
     if settings.greedy:
         return int(np.argmax(logits))
     return draw(probabilities(logits, settings), rng)

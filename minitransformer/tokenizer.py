@@ -9,10 +9,10 @@ An instruct model was trained on conversations laid out by its chat template (a 
 template in ``tokenizer_config.json``); ``chat_prompt`` renders one, so a question is asked
 the way the model learned to answer.
 """
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from minitransformer.checks import read_json_object
 from minitransformer.errors import CheckpointError
 
 
@@ -59,13 +59,17 @@ def load_tokenizer(path) -> Tokenizer | None:
     settings = {}
     config_file = path / "tokenizer_config.json"
     if config_file.is_file():
-        try:
-            settings = json.loads(config_file.read_text())
-        except json.JSONDecodeError as e:
-            raise CheckpointError(f"{config_file}: not valid JSON ({e})") from None
+        settings = read_json_object(config_file)
     bos = settings.get("bos_token")
-    bos = bos.get("content") if isinstance(bos, dict) else bos
-    bos_id = backend.token_to_id(bos) if isinstance(bos, str) else None
+    bos = bos.get("content") if isinstance(bos, dict) else bos  # AddedToken form: {content: ..}
+    if bos is not None and not isinstance(bos, str):
+        raise CheckpointError(f"{config_file}: field 'bos_token' must be a string, an object "
+                              f"with a string 'content', or null; got {bos!r:.100}")
+    add_bos = settings.get("add_bos_token")
+    if add_bos is not None and not isinstance(add_bos, bool):
+        raise CheckpointError(f"{config_file}: field 'add_bos_token' must be true or false, "
+                              f"got {add_bos!r:.100}")
+    bos_id = backend.token_to_id(bos) if bos is not None else None
     template = settings.get("chat_template")
-    return Tokenizer(backend, bos_id, bool(settings.get("add_bos_token", False)),
+    return Tokenizer(backend, bos_id, bool(add_bos),
                      template if isinstance(template, str) else None)

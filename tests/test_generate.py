@@ -117,3 +117,16 @@ def test_forward_rejects_bad_ids(checkpoint_dir, ids, message):
     model = mt.load(checkpoint_dir("qwen2-gqa-tied-bf16"))  # 256 positions, vocab 96
     with pytest.raises(ValueError, match=message):
         forward(model, ids)
+
+
+def test_numpy_scalars_are_accepted_as_lengths_settings_and_slots(checkpoint_dir):
+    from minitransformer.engine import Engine, Request
+    model = mt.load(checkpoint_dir("qwen2-gqa-tied-bf16"))
+    ids = [3, 1, 4]
+    kw = dict(do_sample=True, top_k=5, seed=np.int64(3), eos_token_id=[])
+    expected = mt.generate(model, ids, 5, temperature=0.75, **kw)
+    assert mt.generate(model, np.array(ids), np.int32(5), temperature=np.float32(0.75),
+                       **kw) == expected
+    engine = Engine(model, slots=np.int64(2), num_blocks=np.int32(8), block_size=np.int16(4))
+    run = engine.run([Request(tuple(ids), max_new_tokens=np.int64(5), eos_token_id=[])])
+    assert run.results[0].tokens == mt.generate(model, ids, 5, eos_token_id=[])

@@ -60,3 +60,45 @@ def test_greedy_ignores_temperature_and_temperature_zero_is_greedy():
 def test_bad_settings(kwargs, message):
     with pytest.raises(ValueError, match=message):
         SamplingSettings(do_sample=True, **kwargs)
+
+
+# Tiny legal settings: a temperature below float32's range (1e-38) or a top_p below its
+# smallest subnormal (1.4e-45) once gave NaN probabilities and always the last id.
+TIED = np.array([1.0, 3.0, 2.0, 3.0, -1.0], dtype=np.float32)
+
+
+@pytest.mark.parametrize("settings", [
+    SamplingSettings(do_sample=True, temperature=1e-39),
+    SamplingSettings(do_sample=True, temperature=5e-324),
+    SamplingSettings(do_sample=True, temperature=1e-30, top_k=3),
+    SamplingSettings(do_sample=True, top_p=1e-46),
+    SamplingSettings(do_sample=True, top_p=5e-324, temperature=1e-300),
+])
+def test_tiny_settings_degrade_to_greedy_not_to_nan(settings):
+    p = probabilities(TIED, settings)
+    assert np.isfinite(p).all() and p.sum() == pytest.approx(1.0)
+    assert set(np.flatnonzero(p)) <= {1, 3}  # only the tied maxima keep any mass
+    drawn = {next_token(TIED, [], settings, np.random.default_rng(seed)) for seed in range(40)}
+    assert drawn <= {1, 3}
+    strict = np.array([1.0, 3.0, 2.0, 2.5], dtype=np.float32)  # one maximum: always it
+    assert {next_token(strict, [], settings, np.random.default_rng(s)) for s in range(20)} == {1}
+
+
+def test_numpy_scalars_are_accepted_as_settings():
+    s = SamplingSettings(np.bool_(True), np.float32(0.5), np.int64(2), np.float64(0.9),
+                         np.float32(1.1))
+    ref = SamplingSettings(True, 0.5, 2, 0.9, float(np.float32(1.1)))
+    np.testing.assert_array_equal(probabilities(LOGITS, s), probabilities(LOGITS, ref))
+
+
+@pytest.mark.parametrize("field, value", [("temperature", True), ("temperature", "0.5"),
+                                          ("top_k", 2.0), ("top_p", np.float32(np.nan)),
+                                          ("repetition_penalty", np.inf)])
+def test_bad_settings_name_the_field(field, value):
+    with pytest.raises(ValueError, match=field):
+        SamplingSettings(do_sample=True, **{field: value})
+
+
+def test_nan_logits_are_an_error_not_token_zero():
+    with pytest.raises(ValueError, match="NaN"):
+        next_token(np.array([np.nan, 1.0], np.float32), [], SamplingSettings(), None)

@@ -1,0 +1,82 @@
+"""Checks on values that come from outside: JSON files of a checkpoint, numbers from callers.
+
+A checkpoint is data someone else wrote, so every value read from it is checked for its type,
+finiteness and range before anything is computed or allocated from it, and a failure names the
+file and the field. Python's ``json`` accepts ``NaN`` and ``Infinity`` and maps a number to
+``int`` or ``float`` by how it is spelled, so "is it a number" needs saying precisely here once,
+not guessed at in each reader. Callers' numbers may be NumPy scalars (``np.float32(0.7)``,
+``np.int64(8)``): ``numbers.Real`` / ``numbers.Integral`` accept them; ``bool`` (an int to
+Python) is refused wherever a number is meant.
+
+    >>> is_integer(np.int64(3)), is_integer(True), is_integer(2.0)
+    (True, False, False)
+    >>> is_real(np.float32(0.5)), is_real(float("nan")), is_real("1")
+    (True, True, False)
+"""
+import json
+import math
+from numbers import Integral, Real
+from pathlib import Path
+
+import numpy as np
+
+from minitransformer.errors import CheckpointError
+
+
+def is_integer(x) -> bool:
+    """An int or a NumPy integer, not a bool."""
+    return isinstance(x, Integral) and not isinstance(x, (bool, np.bool_))
+
+
+def is_real(x) -> bool:
+    """An int, float or NumPy number, not a bool (NaN and inf included: check them apart)."""
+    return isinstance(x, Real) and not isinstance(x, (bool, np.bool_))
+
+
+def read_json_object(file: Path, what: str = "a JSON object") -> dict:
+    """A JSON file that must hold one object -> dict, or a CheckpointError naming the file.
+
+    Duplicate keys are refused: ``json`` would silently keep the last one."""
+    def no_duplicates(pairs):
+        keys = [k for k, _ in pairs]
+        if len(set(keys)) != len(keys):
+            twice = sorted({k for k in keys if keys.count(k) > 1})
+            raise CheckpointError(f"{file}: duplicate key(s) {', '.join(map(repr, twice))}")
+        return dict(pairs)
+    try:
+        text = Path(file).read_bytes().decode("utf-8")
+        value = json.loads(text, object_pairs_hook=no_duplicates)
+    except UnicodeDecodeError as e:
+        raise CheckpointError(f"{file}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+    except (json.JSONDecodeError, RecursionError) as e:
+        raise CheckpointError(f"{file}: not valid JSON ({e})") from None
+    if not isinstance(value, dict):
+        raise CheckpointError(f"{file}: expected {what}, got a JSON {type(value).__name__}")
+    return value
+
+
+def integer_field(source, name: str, value, low: int = 0, high: int | None = None) -> int:
+    """A JSON integer in [low, high] -> int. ``2.0`` and ``2.7`` are refused alike: an id or a
+    size written as a float is a broken file, and rounding it would hide that."""
+    if not is_integer(value):
+        raise CheckpointError(f"{source}: field {name!r} must be an integer, got {value!r}")
+    if value < low or (high is not None and value > high):
+        bound = f"in [{low}, {high}]" if high is not None else f">= {low}"
+        raise CheckpointError(f"{source}: field {name!r} must be {bound}, got {value}")
+    return int(value)
+
+
+def positive_number_field(source, name: str, value) -> float:
+    """A finite JSON number > 0 -> float (``NaN`` / ``Infinity`` are valid JSON, not valid here)."""
+    if not is_real(value):
+        raise CheckpointError(f"{source}: field {name!r} must be a number, got {value!r}")
+    if not (math.isfinite(value) and value > 0):
+        raise CheckpointError(f"{source}: field {name!r} must be a finite number > 0, "
+                              f"got {value!r}")
+    return float(value)
+
+
+def token_ids_field(source, name: str, value) -> tuple[int, ...]:
+    """An id or a list of ids (eos_token_id, ...) -> tuple of ints >= 0."""
+    values = value if isinstance(value, list) else [value]
+    return tuple(integer_field(source, name, v) for v in values)
