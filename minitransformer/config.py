@@ -168,6 +168,8 @@ def architecture(cfg: dict, source) -> str:
 def load_config(path) -> ModelConfig:
     """A checkpoint directory (or its config.json) -> ModelConfig, with errors naming the file."""
     path = Path(path)
+    if not path.exists():
+        raise CheckpointError(f"{path}: checkpoint directory not found")
     file = path / "config.json" if path.is_dir() else path
     if not file.is_file():
         raise CheckpointError(f"{file}: config.json not found")

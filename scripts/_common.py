@@ -39,7 +39,7 @@ def model_config(args):
 def encode_prompt(model, text):
     """Prompt text -> token ids, or exit with a message when the checkpoint has no tokenizer."""
     if model.tokenizer is None:
-        raise SystemExit(f"{model.path}: no tokenizer.json, cannot encode the prompt")
+        raise ValueError(f"{model.path}: no tokenizer.json, cannot encode the prompt")
     return model.tokenizer.encode(text)
 
 
@@ -52,7 +52,7 @@ def choose_layer(requested, num_layers, followed=False):
     top = num_layers - 2 if followed else num_layers - 1
     if not 0 <= layer <= top:
         why = " (a layer must follow it)" if followed else ""
-        raise SystemExit(f"--layer must be in 0..{top}{why}, got {layer}")
+        raise ValueError(f"--layer must be in 0..{top}{why}, got {layer}")
     return layer
 
 
@@ -70,6 +70,26 @@ def add_schemes_argument(parser):
         return names
     parser.add_argument("--schemes", type=schemes, default=list(SCHEMES),
                         help=f"comma-separated, from {', '.join(SCHEMES)} (default: all)")
+
+
+def positive_int(text):
+    """argparse type: an integer >= 1 (a count, a length, a size), refused when parsed."""
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {n}")
+    return n
+
+
+def positive_ints(text):
+    """argparse type: comma-separated integers >= 1, e.g. '1,2,4' -> [1, 2, 4]."""
+    try:
+        return [positive_int(item) for item in text.split(",")]
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f"expected integers >= 1 separated by commas, "
+                                         f"got {text!r}") from None
 
 
 def load_model(path):
@@ -127,5 +147,18 @@ def timing_header(args):
     """Apply --threads and return the header line saying where the timings ran."""
     from minitransformer.measure import limit_threads, machine
     if args.threads < 0:
-        raise SystemExit(f"--threads must be >= 0, got {args.threads}")
+        raise ValueError(f"--threads must be >= 0, got {args.threads}")
     return f"machine: {machine()}; {limit_threads(args.threads or None)}"
+
+
+def run(main):
+    """A script's entry point. A library error (bad checkpoint, bad setting: a ValueError, of
+    which CheckpointError is one) or a file that cannot be read (OSError) becomes one line on
+    stderr and exit status 2, as argparse reports a bad option; a traceback is left for bugs."""
+    try:
+        status = main()
+    except (ValueError, OSError) as e:
+        message = " ".join(str(e).split()) or type(e).__name__
+        print(f"{os.path.basename(sys.argv[0])}: error: {message}", file=sys.stderr, flush=True)
+        sys.exit(2)
+    sys.exit(status)

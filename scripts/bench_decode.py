@@ -133,4 +133,5 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    from _common import run
+    run(main)

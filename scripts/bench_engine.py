@@ -15,7 +15,7 @@ import time
 
 import numpy as np
 
-from _common import add_model_argument, load_model, mt, progress
+from _common import add_model_argument, load_model, mt, positive_int, progress
 from minitransformer.engine import Engine, Request
 
 
@@ -26,7 +26,7 @@ def main(argv=None):
     parser.add_argument("--prompt-len", default="8-48", help="range of prompt lengths")
     parser.add_argument("--new-tokens", default="8-64", help="range of output lengths")
     parser.add_argument("--slots", default="4,8,16", help="engine slot counts to run")
-    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--block-size", type=positive_int, default=16)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     try:
@@ -79,4 +79,5 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    from _common import run
+    run(main)

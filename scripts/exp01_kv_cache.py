@@ -14,7 +14,7 @@ flagged if it persists.
 import argparse
 
 from _common import (Progress, add_model_argument, add_threads_argument, encode_prompt,
-                     load_model, mt, timing_header)
+                     load_model, mt, positive_int, timing_header)
 from _table import Table, is_random
 from minitransformer.measure import time_together
 from minitransformer.sanity import recheck, slower
@@ -48,7 +48,7 @@ def main(argv=None):
     add_model_argument(parser)
     parser.add_argument("--prompt", default=PROMPT,
                         help="prompt text (default: a 40-odd token passage on Qwen's tokenizer)")
-    parser.add_argument("--max-new-tokens", type=int, default=48)
+    parser.add_argument("--max-new-tokens", type=positive_int, default=48)
     parser.add_argument("--repeat", type=int, default=2,
                         help="timed generations each way, side by side (default: 2)")
     add_threads_argument(parser)
@@ -85,4 +85,5 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    from _common import run
+    run(main)

@@ -17,7 +17,7 @@ def parse_shapes(text):
     try:
         return [tuple(int(n) for n in item.split("x")) for item in text.split(",")]
     except ValueError:
-        raise SystemExit(f"--shapes {text!r}: expected USERSxTOKENS,... e.g. 32x2048") from None
+        raise ValueError(f"--shapes {text!r}: expected USERSxTOKENS,... e.g. 32x2048") from None
 
 
 def main(argv=None):
@@ -45,4 +45,5 @@ def main(argv=None):
     table.show()
 
 if __name__ == "__main__":
-    main()
+    from _common import run
+    run(main)

@@ -22,7 +22,7 @@ import tempfile
 
 import numpy as np
 
-from _common import add_model_argument, load_model, mt, progress, say
+from _common import add_model_argument, load_model, mt, positive_ints, progress, say
 from minitransformer.engine import Engine, Request
 from minitransformer.synth import make_checkpoint, qwen2_config
 from sim.workload import skewed_lengths
@@ -62,7 +62,7 @@ def main(argv=None):
     parser.add_argument("--prompt-len", type=int, default=16)
     parser.add_argument("--system-len", type=int, default=64,
                         help="tokens of the shared system prompt in the sharing table")
-    parser.add_argument("--block-sizes", default="1,2,4,8,16,32,64,128,256")
+    parser.add_argument("--block-sizes", type=positive_ints, default="1,2,4,8,16,32,64,128,256")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     if min(args.slots, args.block_size, args.prompt_len) < 1 or args.system_len < 0:
@@ -81,7 +81,7 @@ def main(argv=None):
                               num_hidden_layers=1, num_attention_heads=2,
                               num_key_value_heads=1, max_position_embeddings=context)
         stand_in = mt.load(make_checkpoint(tmp, config, seed=0))
-    sizes = [int(b) for b in args.block_sizes.split(",")]
+    sizes = args.block_sizes
     sweep = {}
     for i, bs in enumerate(sizes, 1):
         sweep[bs] = serve(stand_in, requests, args.slots, bs)
@@ -148,4 +148,5 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    from _common import run
+    run(main)

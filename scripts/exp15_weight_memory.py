@@ -84,4 +84,5 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    from _common import run
+    run(main)

@@ -27,7 +27,7 @@ def main(argv=None):
     model = load_model(args.model)
     name = args.matrix or default_outlier_matrix(model.weights)
     if name not in model.weights:
-        raise SystemExit(f"{name!r} is not a tensor of {model.path}")
+        raise ValueError(f"{name!r} is not a tensor of {model.path}")
     say(f"matrix: {name}")
     w = to_numpy(model.weights[name])
     s = outlier_stats(name, w, args.sigmas)
@@ -52,4 +52,5 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    from _common import run
+    run(main)

@@ -33,7 +33,7 @@ def main(argv=None):
     maxima = np.abs(h).max(axis=0)                                     # (D,)
     dims = ([int(d) for d in args.dims.split(",")] if args.dims else quantile_dims(maxima))
     if not all(0 <= d < h.shape[1] for d in dims):
-        raise SystemExit(f"--dims must be in 0..{h.shape[1] - 1}")
+        raise ValueError(f"--dims must be in 0..{h.shape[1] - 1}")
     one = int8_levels(h, dims)
     kept = int8_levels(h, dims, exclude=args.exclude)
 
@@ -59,4 +59,5 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    from _common import run
+    run(main)

@@ -67,12 +67,12 @@ def main(argv=None):
         try:
             text, source = britannica_text(), "the 1911 Britannica article on Shakespeare"
         except TextUnavailable as e:
-            raise SystemExit(f"exp21: {e}")
+            raise ValueError(str(e)) from None
     model = load_model(args.model)
     try:
         ids = tokens_of(model, text, args.tokens + 1)  # n scored tokens need n + 1
     except ValueError as e:
-        raise SystemExit(f"exp21: {source}: {e}; use --tokens or a longer --text")
+        raise ValueError(f"{source}: {e}; use --tokens or a longer --text")
     penalty = args.repetition_penalty or default_repetition_penalty(model)
     prefix = encode(model, args.prefix)
     say(f"full-precision greedy reference: {args.positions} tokens after {len(prefix)}")
@@ -103,4 +103,5 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    from _common import run
+    run(main)

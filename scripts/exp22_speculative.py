@@ -154,4 +154,5 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    from _common import run
+    run(main)

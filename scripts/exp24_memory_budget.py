@@ -90,4 +90,5 @@ def main(argv=None):
         table.show()
 
 if __name__ == "__main__":
-    main()
+    from _common import run
+    run(main)

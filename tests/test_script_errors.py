@@ -1,0 +1,81 @@
+"""Bad script invocations end as argparse ends them: one 'error:' line on stderr, exit status 2,
+no traceback, and no table printed for work that was not done."""
+import importlib
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
+sys.path.insert(0, str(SCRIPTS))
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    from minitransformer.synth import make_checkpoint, qwen2_config, train_tokenizer
+    tokenizer = train_tokenizer()
+    config = qwen2_config(vocab_size=tokenizer.get_vocab_size(), max_position_embeddings=128)
+    return str(make_checkpoint(tmp_path_factory.mktemp("tiny"), config, tokenizer=tokenizer))
+
+
+def fails(name, argv, capsys) -> str:
+    """Run scripts/<name>.py's main through _common.run, as its __main__ does -> the error line."""
+    from _common import run
+    module = importlib.import_module(name)
+    with pytest.raises(SystemExit) as caught:
+        run(lambda: module.main(argv))
+    out, err = capsys.readouterr()
+    assert caught.value.code == 2, err
+    errors = [line for line in err.splitlines() if "error: " in line]
+    assert len(errors) == 1 and "Traceback" not in err, err
+    assert out == "", f"a table was printed: {out}"
+    return errors[0]
+
+
+@pytest.mark.parametrize("name, argv, words", [
+    ("exp01_kv_cache", ["--model", "{missing}"], "checkpoint directory not found"),
+    ("exp01_kv_cache", ["--model", "{file}"], "is a file"),
+    ("exp03_macs", ["--model", "{missing}"], "checkpoint directory not found"),
+    ("exp01_kv_cache", ["--model", "{tiny}", "--max-new-tokens", "-5"], "--max-new-tokens"),
+    ("exp01_kv_cache", ["--model", "{tiny}", "--max-new-tokens", "0"], "--max-new-tokens"),
+    ("exp01_kv_cache", ["--model", "{tiny}", "--prompt", ""], "the prompt must be a non-empty"),
+    ("exp13_engine", ["--model", "{tiny}", "--num-blocks", "0"],
+     "num_blocks=0"),
+    ("exp14_paged_cache", ["--model", "{tiny}", "--block-sizes", "0,4"], "--block-sizes"),
+    ("exp12_batched_decode", ["--model", "{tiny}", "--context", "100000",
+                              "--batch-sizes", "1"], "beyond the model's 128 positions"),
+    ("bench_engine", ["--model", "{tiny}", "--block-size", "0"], "--block-size"),
+    ("exp17_weight_outliers", ["--model", "{tiny}", "--matrix", "nope"], "not a tensor"),
+])
+def test_bad_invocation_is_one_error_line_and_status_2(tiny, tmp_path, capsys, name, argv,
+                                                       words):
+    paths = {"missing": str(tmp_path / "missing"), "file": __file__, "tiny": tiny}
+    line = fails(name, [a.format(**paths) for a in argv], capsys)
+    assert words in line, line
+
+
+def test_a_library_error_names_the_checkpoint_file(tiny, tmp_path, capsys):
+    import shutil
+    path = tmp_path / "broken"
+    shutil.copytree(tiny, path)
+    (path / "config.json").write_text('{"architectures": 5}')
+    line = fails("exp01_kv_cache", ["--model", str(path)], capsys)
+    assert "config.json" in line and "architectures" in line
+
+
+@pytest.mark.parametrize("script", sorted(p.name for p in SCRIPTS.glob("*.py")
+                                          if not p.name.startswith("_")))
+def test_every_script_enters_through_run(script):
+    source = (SCRIPTS / script).read_text()
+    main_block = source[source.index('if __name__ == "__main__":'):]
+    assert "run(main)" in main_block, f"{script} does not enter through _common.run"
+
+
+def test_the_real_entry_point(tmp_path):
+    """One real process: the status and stderr a shell sees."""
+    done = subprocess.run([sys.executable, str(SCRIPTS / "exp08_cache_bytes.py"), "--model",
+                           str(tmp_path / "missing")], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and done.stdout == ""
+    assert done.stderr.strip().splitlines() == [
+        f"exp08_cache_bytes.py: error: {tmp_path / 'missing'}: checkpoint directory not found"]
