@@ -3,12 +3,18 @@
 The batch is not a group but a set of slots. Each ``step``:
   1. admit    while a slot is free, the next waiting request enters: its prompt gets blocks
               (sharing any cached prefix) and is prefilled alone, which picks its first token;
-  2. decode   every sequence that was already running gets one token, in one batched step;
-  3. retire   a finished sequence leaves its slot, and its blocks go back to the pool, at once.
-"continuous" refills a free slot at the very next step (Orca's iteration-level scheduling).
-"static" admits a batch only when every slot is free and runs it as a fixed-shape batch does:
-a finished member's row stays in each step as padding (computed, thrown away, blocks held)
-until the longest member ends, and the whole batch is returned then.
+  2. preempt  if the pool cannot take every running sequence's next token, the latest
+              admitted is swapped out to host memory and queued first, until the rest fit;
+  3. decode   every sequence that was already running gets one token, in one batched step;
+  4. retire   a sequence that made its last token leaves its slot.
+The two policies differ in two decisions only (``_admits`` and ``_retire``, side by side):
+
+    policy      a free slot takes a waiting request ...   a finished sequence ...
+    continuous  at the very next step (Orca's              leaves at once: blocks freed,
+                iteration-level scheduling)                answer returned
+    static      only when the whole batch is over          stays as a padding row (computed,
+                                                           thrown away, blocks held); the batch
+                                                           is returned when its last ends
 
 Exactness: each request owns its settings and seeded generator and uses generate's
 ``next_token``, and is prefilled alone. With ``batch_invariant=True`` it is decoded with
@@ -19,13 +25,29 @@ at a near tie. Prefix sharing is a like exception in both modes: shared keys/val
 computed inside another prompt's prefill, whose sums group their terms differently, and may
 differ in the last bit (so far no test has seen a token change).
 
-Memory: a request is admitted only if the pool can take its prompt and every running
-sequence's next block. When the running sequences outgrow the pool, the latest admitted is
-preempted: swapped out to host memory, put back at the head of the queue, swapped in bit for
-bit later. Outcomes: "finished" (eos or max_new_tokens); "cancelled" by ``cancel`` (tokens so
-far, blocks freed at once); "rejected" at submission if prompt + max_new_tokens exceeds the
-whole pool. The clock is the engine's measured compute time (it jumps ahead when idle).
+Memory: a request is admitted only if the pool can take its prompt with room for its next
+token, and every running sequence's next token. Outcomes: "finished" (eos or
+max_new_tokens); "cancelled" by ``cancel`` (tokens so far, blocks freed at once); "rejected"
+at submission if prompt + max_new_tokens exceeds the whole pool. A malformed request is a
+ValueError at submission, and nothing of it is queued. The clock is the engine's measured
+compute time (it jumps ahead when idle).
 Leaves out: chunked prefill, priorities, recompute-preemption, caching freed prefixes.
+
+Example: three requests of 1, 3 and 1 tokens through 2 slots. Continuous reuses the slot
+request 0 leaves; static holds request 0's row as padding until request 1 ends, so request 2
+waits for the next batch:
+
+>>> from minitransformer.synth import qwen2_config, random_model
+>>> model = random_model(qwen2_config())
+>>> requests = [Request((1, 2), n, eos_token_id=[]) for n in (1, 3, 1)]
+>>> for policy in ("continuous", "static"):
+...     run = Engine(model, slots=2, policy=policy).run(requests)
+...     r0, r1, r2 = run.results
+...     print(policy, run.steps, "steps; decode batch sizes",
+...           [B for B, _ in run.decode_times], "; 0 returned with 1:",
+...           r0.returned == r1.returned)
+continuous 3 steps; decode batch sizes [1, 1] ; 0 returned with 1: False
+static 4 steps; decode batch sizes [2, 2] ; 0 returned with 1: True
 """
 import math
 import time
@@ -38,9 +60,14 @@ from minitransformer.backend import synchronize
 from minitransformer.checks import is_integer
 from minitransformer.generate import check_prompt, eos_ids, last_logits, seeded_rng
 from minitransformer.model import forward
-from minitransformer.paged import PagedCache
-from minitransformer.sampling import next_token
+from minitransformer.paged import PagedCache, blocks_for
+from minitransformer.sampling import SamplingSettings, next_token
 from minitransformer.serving import Request, Result, Run, metrics  # noqa: F401 (the API)
+
+POLICIES = ("static", "continuous")
+SLOTS = 8                   # the chapter's experiment 13
+BLOCK_SIZE = 16             # tokens per block: vLLM's default
+TOKENS_PER_SLOT = 1024      # the default pool: room for this many tokens in every slot
 
 
 @dataclass(eq=False)                # compared by identity: it is a place, not a value
@@ -52,53 +79,71 @@ class _Live:                        # a request the engine is serving
     order: int = 0                  # admission counter: the latest admitted is preempted first
     swapped: object = None          # host copy of its cache while preempted
 
+    @property
+    def done(self) -> bool:
+        """Its last token is made: an eos id, or max_new_tokens of them."""
+        made = self.result.tokens
+        return made[-1] in self.eos or len(made) == self.result.request.max_new_tokens
+
 
 class Engine:
-    def __init__(self, model, slots: int = 8, num_blocks: int = None, block_size: int = 16,
-                 policy: str = "continuous", share_prefixes: bool = True,
-                 batch_invariant: bool = False):
-        if policy not in ("static", "continuous"):
+    def __init__(self, model, slots: int = SLOTS, num_blocks: int = None,
+                 block_size: int = BLOCK_SIZE, policy: str = "continuous",
+                 share_prefixes: bool = True, batch_invariant: bool = False):
+        if policy not in POLICIES:
             raise ValueError(f"policy={policy!r}: use 'static' or 'continuous'")
         for name, n in (("slots", slots), ("block_size", block_size), ("num_blocks", num_blocks)):
             if n is not None and (not is_integer(n) or n < 1):
                 raise ValueError(f"{name}={n!r}: expected an integer >= 1")
         if num_blocks is None:
-            num_blocks = slots * -(-1024 // block_size)  # 1,024 tokens per slot
+            num_blocks = slots * blocks_for(TOKENS_PER_SLOT, block_size)
         self.model, self.policy, self.share = model, policy, share_prefixes
         self.batch_invariant = batch_invariant  # see "Exactness" above
         self.cache = PagedCache.allocate(model.config, num_blocks, block_size)
         self.slots = [None] * slots
         self.waiting = deque()      # _Live in arrival order; preempted ones at the front
         self.padding = []           # static: finished members whose rows still run
+        self.held_back = []         # static: finished members, returned when the batch ends
         self.results, self.clock, self.steps, self.admitted = [], 0.0, 0, 0
         self.decode_times, self.prefill_times, self.memory = [], [], []
 
+    # --- the public API ----------------------------------------------------------------------
     def submit(self, request: Request) -> int:
-        """Queue a request -> its id. Bad ids or lengths raise ValueError."""
-        prompt = check_prompt(self.model, request.prompt, request.max_new_tokens).tolist()
-        rng, eos = seeded_rng(request.seed), eos_ids(self.model, request.eos_token_id)
-        result = Result(len(self.results), request.arrival, request)
-        self.results.append(result)
-        live = _Live(result, prompt, rng, eos)
-        need = self.cache.blocks_for(len(prompt) + request.max_new_tokens)
-        if need > self.cache.num_blocks:
-            self._end(live, "rejected", f"needs up to {need} blocks of "
-                      f"{self.cache.block_size} tokens; the pool has {self.cache.num_blocks}")
-        elif request.max_new_tokens == 0:
-            self._end(live, "finished")
-        else:
-            self.waiting.append(live)
-        return result.id
+        """Queue a request -> its id. A malformed one raises ValueError naming the field."""
+        return self._queue(request, *self._check(request))
+
+    def run(self, requests, on_step=None) -> Run:
+        """Serve requests (in arrival order) until every one is over; on_step(engine), if
+        given, is called after each step (a script's progress line). Every request is checked
+        before any is queued: one bad request raises ValueError and queues nothing."""
+        checked = []
+        for i, request in enumerate(requests):
+            try:
+                checked.append((request, *self._check(request)))
+            except ValueError as e:
+                raise ValueError(f"requests[{i}]: {e}") from None
+        for item in sorted(checked, key=lambda item: item[0].arrival):
+            self._queue(*item)
+        while self.waiting or self.running():
+            self.step()
+            if on_step is not None:
+                on_step(self)
+        return Run(self.policy, tuple(self.results), self.steps, self.clock,
+                   tuple(self.decode_times), tuple(self.prefill_times), tuple(self.memory),
+                   sum(r.preemptions for r in self.results))
 
     def cancel(self, request_id: int) -> bool:
         """Stop a request now: True if it was waiting or running, False if already over."""
-        for live in [*self.waiting, *self.running()]:
+        for live in self.waiting:
             if live.result.id == request_id:
-                if live in self.waiting:
-                    self.waiting.remove(live)
-                else:
-                    self._leave_slot(live)
-                self._end(live, "cancelled")
+                self.waiting.remove(live)
+                self._close(live, "cancelled", returned=True)
+                return True
+        for live in self.running():
+            if live.result.id == request_id:
+                self.cache.free_seq(request_id)
+                self._leave_slot(live)
+                self._close(live, "cancelled", returned=True)
                 return True
         return False
 
@@ -106,12 +151,13 @@ class Engine:
         return [live for live in self.slots if live is not None]
 
     def step(self) -> None:
-        """Admit, prefill, decode one token per running sequence, retire."""
+        """Admit and prefill, preempt, decode one token per running sequence, retire."""
         start = time.perf_counter()
-        decoding = self.running()
-        if not decoding and self.waiting and self.waiting[0].result.request.arrival > self.clock:
-            self.clock = self.waiting[0].result.request.arrival  # idle: jump to the arrival
-        made = self._admit() + self._decode(decoding)
+        decoding = self.running()   # already running: they decode; newcomers prefill
+        if not decoding and self.waiting and self.waiting[0].result.arrival > self.clock:
+            self.clock = self.waiting[0].result.arrival  # idle: jump to the next arrival
+        made = self._admit()
+        made += self._decode(self._preempt(decoding + self.padding))  # padding rows run too
         if not decoding and not self.running() and self.waiting:  # an empty pool refused it
             raise RuntimeError("nothing running and the first request cannot be admitted")
         self.memory.append(self.cache.stats())
@@ -121,42 +167,54 @@ class Engine:
         for live in made:           # every token of this step exists at the step's end
             if len(live.result.tokens) == 1:
                 live.result.first_token = self.clock
-            if live.tokens[-1] in live.eos or \
-                    len(live.result.tokens) == live.result.request.max_new_tokens:
-                self._leave_slot(live, keep_row=self.policy == "static")
-                self._end(live, "finished")
+            if live.done:
+                self._retire(live)
+
+    # --- the two policies, side by side ------------------------------------------------------
+    def _admits(self) -> bool:
+        """May free slots take waiting requests this step?"""
+        if self.policy == "continuous":
+            return True             # any free slot, at the very next step
+        return not self.running()   # static: a new batch only once the last one is over
+
+    def _retire(self, live) -> None:
+        """A sequence made its last token: it leaves its slot."""
+        if self.policy == "continuous":
+            self.cache.free_seq(live.result.id)     # its blocks go back to the pool
+            self._leave_slot(live)
+            self._close(live, "finished", returned=True)
+        else:                       # static: its row stays in the batch, computed and thrown
+            self.padding.append(live)               # away, until the longest member ends
+            self.held_back.append(live)
+            self._close(live, "finished", returned=False)
+            self._leave_slot(live)
+
+    def _leave_slot(self, live) -> None:
+        """Free a slot (a sequence finished, was cancelled or preempted)."""
+        self.slots[self.slots.index(live)] = None
         if self.policy == "static" and not self.running():
             self._end_batch()
 
-    def run(self, requests, on_step=None) -> Run:
-        """Serve requests (in arrival order) until every one is over; on_step(engine), if
-        given, is called after each step (a script's progress line)."""
-        for request in sorted(requests, key=lambda r: r.arrival):
-            self.submit(request)
-        while self.waiting or self.running():
-            self.step()
-            if on_step is not None:
-                on_step(self)
-        return Run(self.policy, tuple(self.results), self.steps, self.clock,
-                         tuple(self.decode_times), tuple(self.prefill_times),
-                         tuple(self.memory), sum(r.preemptions for r in self.results))
+    def _end_batch(self) -> None:
+        """Static: the batch's last running member left, so the batch is over, now: its
+        padding rows are freed and every finished member is returned."""
+        for row in self.padding:
+            self.cache.free_seq(row.result.id)
+        for member in self.held_back:
+            member.result.returned = self.clock
+        self.padding, self.held_back = [], []
 
     # --- the parts of a step -----------------------------------------------------------------
     def _admit(self) -> list:
+        """Fill free slots from the head of the queue, first come first served -> the
+        newcomers, each with its first token."""
         made = []
-        if self.policy == "static":
-            if self.running():
-                return made         # static: a new batch only once the last one is over
-            self._end_batch()       # (a batch cut short by cancel ends here)
+        if not self._admits():
+            return made
         while None in self.slots and self.waiting:
             live = self.waiting[0]
-            if live.result.request.arrival > self.clock:
-                break
-            held = live.swapped.length if live.swapped else len(live.tokens)
-            cost = live.swapped.blocks if live.swapped else self.cache.add_cost(live.tokens)
-            growth = sum(self.cache.blocks_needed(s.result.id, 1) for s in self.running())
-            if cost + growth + (held % self.cache.block_size == 0) > self.cache.num_free:
-                break               # first come, first served: nobody overtakes it
+            if live.result.arrival > self.clock or not self._fits(live):
+                break               # nobody overtakes the head of the queue
             self.waiting.popleft()
             self.slots[self.slots.index(None)] = live
             live.order, self.admitted = self.admitted, self.admitted + 1
@@ -167,6 +225,19 @@ class Engine:
             else:
                 made.append(self._prefill(live))
         return made
+
+    def _fits(self, live) -> bool:
+        """Memory admission: can the pool take this sequence with room for its next token,
+        and every running sequence's next token?"""
+        if live.swapped:
+            enter = self.cache.swap_in_cost(live.swapped, then=1)
+        else:
+            enter = self.cache.add_cost(live.tokens, then=1)
+        return enter + self._growth(self.running()) <= self.cache.num_free
+
+    def _growth(self, rows) -> int:
+        """Free blocks the next token of every row takes (new blocks, copies of shared ones)."""
+        return sum(self.cache.blocks_needed(row.result.id, 1) for row in rows)
 
     def _prefill(self, live) -> _Live:
         start, rid, prompt = time.perf_counter(), live.result.id, live.tokens
@@ -179,61 +250,81 @@ class Engine:
         self.prefill_times.append((len(prompt) - held, time.perf_counter() - start))
         return live
 
-    def _decode(self, decoding) -> list:
-        rows = [s for s in decoding if s in self.slots] + self.padding  # not cancelled meanwhile
-        while sum(self.cache.blocks_needed(s.result.id, 1) for s in rows) > self.cache.num_free:
-            if self.padding:        # padding goes first: nobody is waiting for its tokens
-                rows.remove(self.padding[-1])
-                self.cache.free_seq(self.padding.pop().result.id)
-                continue
-            victim = max(rows, key=lambda s: s.order)   # the latest admitted, as vLLM does
+    def _preempt(self, rows) -> list:
+        """Make room for every row's next token -> the rows that stay. Padding rows go first
+        (nobody waits for their tokens); then the latest admitted running sequence (vLLM's
+        choice: the earliest keep their progress) is swapped out to host memory and queued
+        first, to be swapped back in bit for bit when the pool has room."""
+        while self._growth(rows) > self.cache.num_free:
+            if self.padding:
+                victim = self.padding.pop()         # still returned with its batch
+                self.cache.free_seq(victim.result.id)
+            else:
+                victim = max(rows, key=lambda row: row.order)
+                victim.swapped = self.cache.swap_out(victim.result.id)
+                self._leave_slot(victim)
+                victim.result.status = "waiting"
+                victim.result.preemptions += 1
+                self.waiting.appendleft(victim)
             rows.remove(victim)
-            self._leave_slot(victim, swap=True)
-            victim.result.status = "waiting"
-            victim.result.preemptions += 1
-            self.waiting.appendleft(victim)
+        return rows
+
+    def _decode(self, rows) -> list:
+        """One token for every row in one batched forward pass -> the rows that sampled one
+        (a padding row's is computed and thrown away)."""
         if not rows:
             return []
-        start, ids = time.perf_counter(), [s.result.id for s in rows]
+        start, ids = time.perf_counter(), [row.result.id for row in rows]
         self.cache.make_room(ids, 1)
-        newest = np.array([[s.tokens[-1]] for s in rows])                   # (B, 1)
+        newest = np.array([[row.tokens[-1]] for row in rows])              # (B, 1)
         hidden = forward(self.model, newest, self.cache.view(ids),          # decode: (B, 1, D)
                          self.batch_invariant)
         for live, logits in zip(rows, last_logits(self.model, hidden, self.batch_invariant)):
-            if live in self.padding:  # a finished row of a static batch: computed, discarded
-                self.cache.trim(live.result.id, 1)
+            if live in self.padding:
+                self.cache.trim(live.result.id, 1)  # a padding row never grows
             else:
                 self._sample(live, logits)
         self.decode_times.append((len(rows), time.perf_counter() - start))
         return [live for live in rows if live not in self.padding]
 
     # --- small helpers -----------------------------------------------------------------------
+    def _check(self, request) -> tuple:
+        """A request's fields, checked against the model before anything is held -> (prompt
+        ids, its generator, its eos ids)."""
+        if not isinstance(request, Request):
+            raise ValueError(f"expected a minitransformer.serving.Request, got "
+                             f"{type(request).__name__}")
+        if not isinstance(request.settings, SamplingSettings):
+            raise ValueError(f"settings must be a SamplingSettings, got {request.settings!r}")
+        t = request.arrival
+        if isinstance(t, bool) or not isinstance(t, (int, float, np.integer, np.floating)) \
+                or not 0 <= t < math.inf:
+            raise ValueError(f"arrival must be a finite number of seconds >= 0, got {t!r}")
+        prompt = check_prompt(self.model, request.prompt, request.max_new_tokens).tolist()
+        return prompt, seeded_rng(request.seed), eos_ids(self.model, request.eos_token_id)
+
+    def _queue(self, request, prompt, rng, eos) -> int:
+        result = Result(len(self.results), float(request.arrival), request)
+        self.results.append(result)
+        live = _Live(result, prompt, rng, eos)
+        need = self.cache.blocks_for(len(prompt) + request.max_new_tokens)
+        if need > self.cache.num_blocks:
+            self._close(live, "rejected", returned=True, reason=f"needs up to {need} blocks "
+                        f"of {self.cache.block_size} tokens; the pool has {self.cache.num_blocks}")
+        elif request.max_new_tokens == 0:
+            self._close(live, "finished", returned=True)
+        else:
+            self.waiting.append(live)
+        return result.id
+
     def _sample(self, live, logits) -> None:
         token = next_token(logits, live.tokens, live.result.request.settings, live.rng)
         live.tokens.append(token)
         live.result.tokens.append(token)
 
-    def _leave_slot(self, live, swap=False, keep_row=False) -> None:
-        """Out of its slot: swapped out, kept as a static batch's padding row, or freed."""
-        self.slots[self.slots.index(live)] = None
-        if swap:
-            live.swapped = self.cache.swap_out(live.result.id)
-        elif keep_row:
-            self.padding.append(live)
-        else:
-            self.cache.free_seq(live.result.id)
-
-    def _end(self, live, status, reason="") -> None:
+    def _close(self, live, status, returned, reason="") -> None:
+        """Over: its last token (or its cancel) is now; returned now unless held back."""
         result = live.result
         result.status, result.reason, result.finished = status, reason, self.clock
-        if live not in self.padding:  # a static batch's members are returned at its end
+        if returned:
             result.returned = self.clock
-
-    def _end_batch(self) -> None:
-        """Static: the longest member is done; free the padding rows, return everyone."""
-        for live in self.padding:
-            self.cache.free_seq(live.result.id)
-        self.padding = []
-        for result in self.results:  # padding rows dropped for memory are returned now too
-            if result.status == "finished" and math.isnan(result.returned):
-                result.returned = self.clock

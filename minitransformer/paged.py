@@ -22,12 +22,47 @@ gathered through the block tables) and ``advance``.
 Shapes: N blocks in the pool, bs slots per block, nb blocks in a table; B, T, S, Hkv, d as in
 model.py. Leaves out: keeping freed prefix blocks for later requests (vLLM's evictor), kernels
 that read blocks in place (we gather a copy per layer and step), sharing partial blocks.
+
+Example: blocks of 4 slots. Sequence "a" holds 6 tokens in 2 blocks; "b" starts with the same
+4 tokens, so its block table starts with a's first block, held by both:
+
+>>> from minitransformer.config import ModelConfig
+>>> from minitransformer.synth import qwen2_config
+>>> cache = PagedCache.allocate(ModelConfig.from_dict(qwen2_config()), 8, block_size=4)
+>>> a = [5, 6, 7, 8, 9, 10]
+>>> cache.add("a", a)                 # -> prompt tokens already held: none
+0
+>>> cache.view(["a"]).advance(6)      # (what forward does once every layer wrote them)
+>>> cache.register_prefix("a", a)     # offer a's full blocks to later prompts
+>>> cache.add("b", [5, 6, 7, 8, 42])  # b's first 4 tokens are a's first block
+4
+>>> cache.seqs["a"].blocks, cache.seqs["b"].blocks      # the block tables
+([0, 1], [0, 2])
+>>> cache.refcount[:3].tolist(), cache.num_free         # block 0 has two holders
+([2, 1, 1], 5)
+>>> p = 5                             # a's token at position 5 lives in block 1, slot 1:
+>>> cache.seqs["a"].blocks[p // cache.block_size], p % cache.block_size
+(1, 1)
 """
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from minitransformer.backend import to_device, to_numpy, xp
+
+
+def ceil_div(a: int, b: int) -> int:
+    """The integer ceiling of a / b, exact for any size (no float): ceil_div(17, 16) == 2."""
+    return -(-a // b)
+
+
+def blocks_for(tokens: int, block_size: int) -> int:
+    """Blocks that hold `tokens` tokens: the last one may be partly filled.
+
+    >>> blocks_for(16, 16), blocks_for(17, 16), blocks_for(0, 16)
+    (1, 2, 0)
+    """
+    return ceil_div(tokens, block_size)
 
 
 class PoolExhausted(RuntimeError):
@@ -111,7 +146,7 @@ class PagedCache:
         return 2 * len(self.k) * Hkv * d * self.k[0].dtype.itemsize
 
     def blocks_for(self, tokens: int) -> int:
-        return -(-tokens // self.block_size)
+        return blocks_for(tokens, self.block_size)
 
     # --- allocation --------------------------------------------------------------------------
     def _take(self) -> int:
@@ -142,11 +177,13 @@ class PagedCache:
             blocks.append(block)
         return blocks
 
-    def add_cost(self, prompt) -> int:
-        """Free blocks ``add(prompt)`` would take (the engine asks before it admits)."""
+    def add_cost(self, prompt, then: int = 0) -> int:
+        """Free blocks ``add(prompt)`` would take, and ``then`` more tokens after it (the
+        engine asks before it admits)."""
         shared = len(self.shared_prefix(prompt))
         held = min(shared * self.block_size, len(prompt) - 1)
-        return self.blocks_for(len(prompt)) - shared + (held < shared * self.block_size)
+        copies = 1 if held < shared * self.block_size else 0  # held in full: see add
+        return self.blocks_for(len(prompt) + then) - shared + copies
 
     def add(self, seq_id, prompt, max_len: int = 0) -> int:
         """Give a new sequence blocks for its prompt, sharing what is already held.
@@ -225,6 +262,10 @@ class PagedCache:
                           [to_numpy(v[index]) for v in self.v])
         self.free_seq(seq_id)
         return swapped
+
+    def swap_in_cost(self, swapped: "Swapped", then: int = 0) -> int:
+        """Free blocks ``swap_in(swapped)`` would take, and ``then`` more tokens after it."""
+        return max(swapped.blocks, self.blocks_for(swapped.length + then))
 
     def swap_in(self, seq_id, swapped: "Swapped") -> None:
         """Bring a swapped-out sequence back, bit for bit, into fresh private blocks."""

@@ -108,6 +108,16 @@ def random_weights(config: dict, seed: int = 0) -> dict:
     return weights
 
 
+def random_model(config: dict, seed: int = 0):
+    """A Model in memory with random_weights, no files (for worked examples)."""
+    from minitransformer.backend import to_device
+    from minitransformer.config import ModelConfig
+    from minitransformer.model import Model
+
+    weights = {name: to_device(w) for name, w in random_weights(config, seed).items()}
+    return Model(ModelConfig.from_dict(config), weights, eos_token_ids=(config["eos_token_id"],))
+
+
 def make_checkpoint(path, config: dict, seed: int = 0, dtype: str = "float32",
                     tokenizer=None) -> Path:
     """Write a complete random checkpoint directory; -> its path."""

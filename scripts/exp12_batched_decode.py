@@ -34,7 +34,7 @@ from minitransformer.generate import last_logits
 from minitransformer.kvcache import KVCache
 from minitransformer.measure import time_together
 from minitransformer.model import forward
-from minitransformer.paged import PagedCache, gather
+from minitransformer.paged import PagedCache, blocks_for, gather
 from minitransformer.sanity import cost_falls, recheck
 
 
@@ -42,7 +42,7 @@ def fill(model, B, context, block_size, seed):
     """B sequences of `context` random tokens, each prefilled alone -> (paged cache, the same
     keys/values copied into a contiguous KVCache)."""
     rng = np.random.default_rng(seed)
-    blocks = -(-(context + 1) // block_size)
+    blocks = blocks_for(context + 1, block_size)
     cache = PagedCache.allocate(model.config, B * blocks, block_size)
     start = time.perf_counter()
     for b in range(B):

@@ -23,6 +23,7 @@ import numpy as np
 
 from _common import add_model_argument, load_model, mt, progress, say
 from minitransformer.engine import Engine
+from minitransformer.paged import blocks_for
 from minitransformer.serving import Request, metrics
 from sim.batching import TableCost, simulate_continuous, simulate_static
 from sim.workload import make_workload, skewed_lengths
@@ -111,7 +112,7 @@ def main(argv=None):
     except ValueError as e:
         parser.error(str(e))
     if args.num_blocks is None:
-        args.num_blocks = args.slots * -(-(args.prompt_len + max(lengths)) // args.block_size)
+        args.num_blocks = args.slots * blocks_for(args.prompt_len + max(lengths), args.block_size)
     runs = [serve(model, requests, policy, args) for policy in ("static", "continuous")]
 
     print("Experiment 13 on the real engine: static vs continuous batching")

@@ -24,6 +24,7 @@ import numpy as np
 
 from _common import add_model_argument, load_model, mt, positive_ints, progress, say
 from minitransformer.engine import Engine, Request
+from minitransformer.paged import blocks_for
 from minitransformer.synth import make_checkpoint, qwen2_config
 from sim.workload import skewed_lengths
 
@@ -39,7 +40,7 @@ def requests_for(lengths, prompt_len, vocab_size, seed, system=()):
 def serve(model, requests, slots, block_size, share=True):
     """-> the PagedStats of every step (continuous batching, a pool no request waits on)."""
     longest = max(len(r.prompt) + r.max_new_tokens for r in requests)
-    engine = Engine(model, slots=slots, num_blocks=slots * -(-longest // block_size),
+    engine = Engine(model, slots=slots, num_blocks=slots * blocks_for(longest, block_size),
                     block_size=block_size, share_prefixes=share)
     return engine.run(requests).memory
 
@@ -123,7 +124,7 @@ def main(argv=None):
     print(f"{'L':>6}{'mean waste %':>14}{'worst %':>9}")
     for L in (16, 32, 64, 128, 256, 384, 512, 1024, 2048):
         window = np.arange(L, L + bs)  # lengths L .. L+bs-1, every remainder once
-        held_slots = -(-window // bs) * bs
+        held_slots = blocks_for(window, bs) * bs
         waste = (held_slots - window) / held_slots
         print(f"{L:>6}{100 * waste.mean():>13.1f}%{100 * waste.max():>8.1f}%")
 

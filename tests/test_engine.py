@@ -8,6 +8,7 @@ import pytest
 import minitransformer as mt
 from conftest import assert_like_solo
 from minitransformer.engine import Engine
+from minitransformer.paged import blocks_for
 from minitransformer.serving import Request, Result, metrics
 from minitransformer.sampling import SamplingSettings
 
@@ -33,6 +34,7 @@ def assert_pool_whole(engine):
     cache = engine.cache
     assert cache.num_free == cache.num_blocks and not cache.refcount.any()
     assert not cache.seqs and not cache.prefix and not engine.running() and not engine.padding
+    assert not engine.held_back and not engine.waiting
 
 
 def random_mix(rng, V, n):
@@ -63,14 +65,14 @@ def test_random_mixes_give_every_request_its_solo_tokens(checkpoint_dir, name, s
     requests = random_mix(rng, model.config.vocab_size, 16)
     bs = int(rng.choice([1, 4, 16]))
     tight = seed % 2 == 0  # half the mixes get a pool that forces waiting and preemption
-    blocks = -(-60 // bs) + 2 if tight else 400
+    blocks = blocks_for(60, bs) + 2 if tight else 400
     engine = Engine(model, slots=int(rng.choice([1, 3, 8])), num_blocks=blocks, block_size=bs,
                     policy=["static", "continuous"][seed % 3 != 0],
                     share_prefixes=bool(seed % 4 != 1), batch_invariant=batch_invariant)
     run = engine.run(requests)
     for result in run.results:
         r = result.request
-        if -(-(len(r.prompt) + r.max_new_tokens) // bs) > blocks:
+        if blocks_for(len(r.prompt) + r.max_new_tokens, bs) > blocks:
             assert result.status == "rejected" and result.tokens == []
             continue
         assert result.status == "finished"
@@ -173,6 +175,24 @@ def test_cancelling_the_last_member_ends_a_static_batch(tiny_model):
     assert_pool_whole(engine)
 
 
+def test_cancelling_the_last_static_member_with_nothing_waiting_returns_the_batch(tiny_model):
+    # issue 12: the finished padding member was never freed nor returned (returned nan, its
+    # blocks held, metrics' latency nan) when nothing waited to start a next step
+    requests = [Request((1, 2), 2, eos_token_id=[]), Request((3, 4), 30, eos_token_id=[])]
+    engine = Engine(tiny_model, slots=2, num_blocks=12, block_size=4, policy="static")
+    for r in requests:
+        engine.submit(r)
+    for _ in range(4):
+        engine.step()
+    assert len(engine.padding) == 1 and math.isnan(engine.results[0].returned)
+    assert engine.cancel(1) is True
+    assert not engine.waiting and not engine.running()      # no further step will run
+    r0, r1 = engine.results
+    assert r0.status == "finished" and r0.returned == r1.returned == engine.clock
+    assert math.isfinite(metrics(engine.results).latency_mean)
+    assert_pool_whole(engine)
+
+
 def test_static_admits_only_when_every_slot_is_free(tiny_model):
     requests = [Request((i + 1,), n, eos_token_id=[]) for i, n in enumerate([2, 6, 2, 2])]
     static = Engine(tiny_model, slots=2, policy="static").run(requests)
@@ -223,6 +243,63 @@ def test_bad_settings_and_requests_are_refused(tiny_model):
     with pytest.raises(ValueError, match="max_new_tokens"):
         engine.submit(Request((1, 2), -1))
     assert engine.results == [] and not engine.waiting
+
+
+BAD_REQUESTS = [  # issue 12: each a ValueError naming the field, at submission
+    (dict(settings=None), "settings"),
+    (dict(settings={"do_sample": True}), "settings"),
+    (dict(arrival="1"), "arrival"),
+    (dict(arrival=math.nan), "arrival"),
+    (dict(arrival=math.inf), "arrival"),
+    (dict(arrival=-1.0), "arrival"),
+    (dict(arrival=True), "arrival"),
+    (dict(seed=-1), "seed"),
+    (dict(seed=1.5), "seed"),
+    (dict(seed="x"), "seed"),
+    (dict(prompt=()), "prompt"),
+    (dict(prompt=None), "prompt"),
+    (dict(prompt=("a", "b")), "token ids"),
+    (dict(prompt=(1.0, 2.0)), "token ids"),
+    (dict(prompt=(1, 96)), "token ids"),
+    (dict(max_new_tokens=2.5), "max_new_tokens"),
+    (dict(max_new_tokens=None), "max_new_tokens"),
+    (dict(max_new_tokens=True), "max_new_tokens"),
+    (dict(eos_token_id="x"), "eos_token_id"),
+    (dict(eos_token_id=2.7), "eos_token_id"),
+    (dict(eos_token_id={}), "eos_token_id"),
+]
+
+
+@pytest.mark.parametrize("fields, named", BAD_REQUESTS)
+def test_a_malformed_request_is_refused_at_submission_holding_nothing(checkpoint_dir, fields,
+                                                                    named):
+    model = mt.load(checkpoint_dir("llama-gqa"))
+    engine = Engine(model, slots=2, num_blocks=8, block_size=4)
+    request = Request(**({"prompt": (1, 2), "max_new_tokens": 3} | fields))
+    with pytest.raises(ValueError, match=named):
+        engine.submit(request)
+    with pytest.raises(ValueError, match=r"requests\[1\]: .*" + named):
+        engine.run([Request((1, 2), 3), request])
+    assert engine.results == [] and engine.steps == 0        # nothing queued, nothing run
+    assert_pool_whole(engine)
+
+
+def test_only_requests_are_served(tiny_model):
+    with pytest.raises(ValueError, match="Request"):
+        Engine(tiny_model).submit({"prompt": (1, 2), "max_new_tokens": 3})
+
+
+def test_run_is_atomic_and_serves_each_request_once(tiny_model):
+    # issue 12: a bad request after a good one left the good one queued, served twice later
+    good = Request((1, 2, 3), 4, eos_token_id=[])
+    engine = Engine(tiny_model, slots=2, num_blocks=8, block_size=4)
+    with pytest.raises(ValueError, match=r"requests\[1\]: arrival"):
+        engine.run([good, Request((4, 5), 2, arrival=math.nan)])
+    assert engine.results == [] and not engine.waiting
+    run = engine.run([good])
+    assert len(run.results) == 1
+    assert_solo(tiny_model, run.results)
+    assert_pool_whole(engine)
 
 
 def test_metrics_of_known_results():

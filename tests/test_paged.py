@@ -4,7 +4,7 @@ import pytest
 
 from minitransformer.kvcache import KVCache
 from minitransformer.model import forward
-from minitransformer.paged import PagedCache, PoolExhausted
+from minitransformer.paged import PagedCache, PoolExhausted, blocks_for
 
 
 def prefill(model, cache, seq_id, prompt):
@@ -42,7 +42,7 @@ def test_keys_through_the_block_table_equal_the_contiguous_cache(tiny_model, blo
     prefill(tiny_model, cache, "s", prompt)
     for layer in range(tiny_model.config.num_hidden_layers):
         assert np.array_equal(keys(cache, "s", layer), kv.k[layer][0])
-    assert len(cache.seqs["s"].blocks) == -(-29 // block_size)
+    assert len(cache.seqs["s"].blocks) == blocks_for(29, block_size)
     check_invariants(cache)
 
 

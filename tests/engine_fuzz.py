@@ -1,0 +1,131 @@
+"""The engine fuzzed: random workloads, and what must hold after every step and at the end.
+
+Shared by tests/test_engine_fuzz.py (a fixed seed, a few cases, in CI) and
+scripts/fuzz_engine.py (as many cases as asked). A case draws slots, a block size, a pool
+from tight (waiting and preemption) to roomy, requests with shared prompt prefixes, greedy or
+seeded sampling, eos on or off, zero-token and too-long requests, and cancels at random steps
+under either policy. The engine's clock is set to the step count before each step (as an
+online loop may set it to wall time) and arrivals are whole steps: admission then depends on
+whole seconds only, so a case runs the same schedule every time (while a step takes < 1 s).
+
+Invariants after every step: every block's refcount equals the block tables holding it, and
+the free list holds exactly the unheld blocks; a running or padding row holds its blocks, a
+waiting request none; in batch-invariant mode, each request's tokens so far are a prefix of what
+``generate`` gives it alone (==). At the end: every request over and returned, zero blocks
+held, an empty prefix index, and each request's tokens against its solo tokens by the
+exactness policy of tests/conftest.py (== in batch-invariant mode; in the default fast mode a
+token may differ only where the solo run was at a near tie).
+"""
+import math
+
+import numpy as np
+
+import minitransformer as mt
+from minitransformer.engine import Engine
+from minitransformer.paged import blocks_for
+from minitransformer.sampling import SamplingSettings
+from minitransformer.serving import Request, metrics
+
+from conftest import assert_like_solo
+
+STEP_SECONDS = 1.0          # the clock set before step i is i x this: a fixed schedule
+
+
+def solo(model, request):
+    """What minitransformer.generate gives the request alone, same settings and seed."""
+    s = request.settings
+    return mt.generate(model, list(request.prompt), request.max_new_tokens,
+                       do_sample=s.do_sample, temperature=s.temperature, top_k=s.top_k,
+                       top_p=s.top_p, repetition_penalty=s.repetition_penalty,
+                       seed=request.seed, eos_token_id=request.eos_token_id)
+
+
+def random_case(rng, vocab_size, max_positions):
+    """-> (Engine keyword arguments, requests, {step: request index to cancel})."""
+    bs = int(rng.choice([1, 2, 4, 8]))
+    stem = rng.integers(0, vocab_size, 3 * bs + 1).tolist()  # a prefix worth sharing
+    requests, longest = [], min(40, max_positions - 1)
+    for _ in range(int(rng.integers(1, 12))):
+        own = rng.integers(0, vocab_size, int(rng.integers(1, 12))).tolist()
+        shared = len(stem) if rng.random() < 0.5 else int(rng.integers(0, len(stem) + 1))
+        prompt = (stem[:shared] + own)[:longest]
+        new = int(rng.integers(0, min(24, max_positions - len(prompt)) + 1))
+        settings = SamplingSettings(
+            do_sample=bool(rng.random() < 0.5), temperature=float(rng.choice([0.7, 1.0])),
+            top_k=int(rng.choice([0, 5])), top_p=float(rng.choice([1.0, 0.9])),
+            repetition_penalty=float(rng.choice([1.0, 1.3])))
+        arrival = float(rng.integers(0, 20)) * STEP_SECONDS if rng.random() < 0.5 else 0.0
+        requests.append(Request(tuple(prompt), new, arrival, settings,
+                                seed=int(rng.integers(2**31)),
+                                eos_token_id=None if rng.random() < 0.3 else []))
+    biggest = max(blocks_for(len(r.prompt) + r.max_new_tokens, bs) for r in requests)
+    kwargs = dict(slots=int(rng.integers(1, 5)), block_size=bs,
+                  num_blocks=int(rng.integers(max(1, biggest // 2), 2 * biggest + 2)),
+                  policy=str(rng.choice(["static", "continuous"])),
+                  share_prefixes=bool(rng.random() < 0.75))
+    cancels = {int(rng.integers(0, 30)): int(rng.integers(0, len(requests)))
+               for _ in range(int(rng.integers(0, 3)))}
+    return kwargs, requests, cancels
+
+
+def check_pool(engine) -> None:
+    """Refcounts equal holders; the free list is exactly the unheld blocks; rows hold blocks."""
+    cache = engine.cache
+    holders = np.zeros(cache.num_blocks, dtype=np.int64)
+    for seq in cache.seqs.values():
+        np.add.at(holders, seq.blocks, 1)
+    assert (cache.refcount == holders).all(), "a refcount differs from its block tables"
+    assert sorted(cache.free) == np.flatnonzero(holders == 0).tolist(), "free list"
+    rows = {live.result.id for live in engine.running() + engine.padding}
+    assert rows == set(cache.seqs), "the cache holds exactly the running and padding rows"
+    assert not any(live.result.id in cache.seqs for live in engine.waiting)
+    assert all(block in cache.prefix_of for block in cache.prefix.values())
+
+
+def run_case(model, seed, batch_invariant=True) -> dict:
+    """One random case, checked after every step -> counts for a summary line."""
+    rng = np.random.default_rng(seed)
+    kwargs, requests, cancels = random_case(rng, model.config.vocab_size,
+                                            model.config.max_position_embeddings)
+    expected = [solo(model, r) for r in requests]
+    engine = Engine(model, batch_invariant=batch_invariant, **kwargs)
+    for request in requests:
+        engine.submit(request)
+    while engine.waiting or engine.running():
+        if engine.steps in cancels:
+            result = engine.results[cancels[engine.steps]]
+            was_live = result.status in ("waiting", "running")
+            assert engine.cancel(result.id) is was_live
+            check_pool(engine)
+        engine.clock = max(engine.clock, engine.steps * STEP_SECONDS)
+        engine.step()
+        check_pool(engine)
+        for result, tokens in zip(engine.results, expected):
+            assert not batch_invariant or result.tokens == tokens[:len(result.tokens)], \
+                f"case {seed}, request {result.id}: a token differs from generate alone"
+    check_pool(engine)
+    cache = engine.cache
+    assert cache.num_free == cache.num_blocks and not cache.seqs and not cache.prefix
+    assert not engine.padding and not engine.held_back
+    for result, request, tokens in zip(engine.results, requests, expected):
+        where = f"case {seed}, request {result.id}"
+        assert result.status in ("finished", "cancelled", "rejected"), where
+        assert not math.isnan(result.returned) and result.returned >= result.finished, where
+        if result.status == "rejected":
+            need = blocks_for(len(request.prompt) + request.max_new_tokens, kwargs["block_size"])
+            assert need > kwargs["num_blocks"] and result.tokens == [], where
+        else:                             # finished: all its tokens; cancelled: those so far
+            solo_so_far = tokens if result.status == "finished" else tokens[:len(result.tokens)]
+            assert_like_solo(model, result.tokens, solo_so_far, request.prompt,
+                             request.settings, request.seed, batch_invariant)
+        if result.tokens:
+            assert request.arrival <= result.first_token <= result.finished, where
+    if any(r.status == "finished" and r.tokens for r in engine.results):
+        m = metrics(engine.results)
+        assert all(math.isfinite(x) for x in (m.throughput, m.latency_mean, m.ttft_mean))
+    return dict(requests=len(requests), steps=engine.steps,
+                preemptions=sum(r.preemptions for r in engine.results),
+                cancelled=sum(r.status == "cancelled" for r in engine.results),
+                rejected=sum(r.status == "rejected" for r in engine.results),
+                shared=sum(r.shared_tokens > 0 for r in engine.results),
+                static=kwargs["policy"] == "static")
