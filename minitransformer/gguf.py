@@ -165,8 +165,8 @@ def read_weights(reader, config: ModelConfig, source: str) -> dict:
     return weights
 
 
-def load_gguf(path) -> Model:
-    """A .gguf file -> Model (float32 weights on the active backend, tokenizer, eos ids)."""
+def read_model(path) -> tuple[Model, dict, dict]:
+    """A .gguf file -> (Model, its metadata, GGUF type name -> number of tensors stored so)."""
     from minitransformer.gguf_tokenizer import tokenizer_from_metadata
 
     reader = read(path)
@@ -175,5 +175,14 @@ def load_gguf(path) -> Model:
     weights = {n: to_device(w) for n, w in read_weights(reader, config, str(path)).items()}
     tokenizer: Tokenizer | None = tokenizer_from_metadata(meta, str(path))
     eos = meta.get("tokenizer.ggml.eos_token_id")
-    return Model(config=config, weights=weights, tokenizer=tokenizer,
-                 eos_token_ids=() if eos is None else (int(eos),), path=str(path))
+    model = Model(config=config, weights=weights, tokenizer=tokenizer,
+                  eos_token_ids=() if eos is None else (int(eos),), path=str(path))
+    types = {}
+    for t in reader.tensors:
+        types[t.tensor_type.name] = types.get(t.tensor_type.name, 0) + 1
+    return model, meta, types
+
+
+def load_gguf(path) -> Model:
+    """A .gguf file -> Model (float32 weights on the active backend, tokenizer, eos ids)."""
+    return read_model(path)[0]
