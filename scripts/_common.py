@@ -14,10 +14,49 @@ import minitransformer as mt  # noqa: E402
 from minitransformer.synth import default_model  # noqa: E402
 
 
-def add_model_argument(parser):
-    parser.add_argument("--model", default=None, metavar="PATH",
-                        help="Hugging Face checkpoint directory (config.json + safetensors); "
-                             "default: the embedded default model, generated on first use")
+# --model NAME: the two models every script can run on without a download from a model hub.
+MODEL_NAMES = {
+    "default": "the embedded default model (random weights; generated on first use)",
+    "smollm2": "SmolLM2-135M-Instruct (trained; fetched with pip and imported on first use)",
+}
+# What a random model cannot show: said when the real model is asked for and is unavailable.
+NEEDS_TRAINED = ("outliers (exp 17-19), quality under quantization (exp 21), draft acceptance "
+                 "(exp 22 measured) and soft labels (exp 23)")
+
+
+def add_model_argument(parser, default="default"):
+    """--model PATH or NAME. default: this script's model ('default' or 'smollm2'), or None
+    for a driver (run_all) that leaves each script its own."""
+    names = ", ".join(f"'{k}' {v}" for k, v in MODEL_NAMES.items())
+    own = "each script's own" if default is None else f"{default!r}"
+    parser.add_argument("--model", default=default, metavar="PATH|NAME",
+                        help=f"checkpoint directory or .gguf file, or a name: {names} "
+                             f"(default: {own})")
+
+
+def model_path(spec):
+    """--model value -> a checkpoint path. 'smollm2' falls back to the default model, with a
+    one-line notice, when it cannot be fetched (offline)."""
+    if spec in (None, "default"):
+        return default_model()
+    if spec == "smollm2":
+        return real_model_or_default()
+    return spec
+
+
+def real_model_or_default():
+    """SmolLM2-135M-Instruct's directory, fetched and imported on first use; offline, the
+    default model's, saying which tables then mean nothing."""
+    from minitransformer.real_model import FetchError, is_imported, smollm2
+    from minitransformer.synth import weights_dir
+    if not is_imported(weights_dir() / "SmolLM2-135M-Instruct"):
+        say("fetching SmolLM2-135M-Instruct with pip and importing it (once, about 30 s)")
+    try:
+        return smollm2()
+    except FetchError as e:
+        say(f"note: SmolLM2 unavailable ({e}); running on the random default model, on which "
+            f"{NEEDS_TRAINED} mean nothing")
+        return default_model()
 
 
 def add_chapter_model_argument(parser):
@@ -32,7 +71,9 @@ def model_config(args):
     from minitransformer.synth import qwen25_05b_config
     if args.chapter_model:
         return "Qwen2.5-0.5B shape", ModelConfig.from_dict(qwen25_05b_config())
-    path = args.model or default_model()
+    path = model_path(args.model)
+    if str(path).endswith(".gguf"):
+        return str(path), mt.load(path).config
     return str(path), load_config(path)
 
 
@@ -93,8 +134,8 @@ def positive_ints(text):
 
 
 def load_model(path):
-    """--model PATH (or the default model) -> Model, saying on stderr what was loaded."""
-    path = path or default_model()
+    """--model PATH or NAME -> Model, saying on stderr what was loaded."""
+    path = model_path(path)
     start = time.perf_counter()
     model = mt.load(path)
     c = model.config

@@ -18,7 +18,7 @@ from quant.analysis import default_outlier_matrix, outlier_stats
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    add_model_argument(parser)
+    add_model_argument(parser, default="smollm2")
     parser.add_argument("--matrix", default=None, metavar="NAME",
                         help="tensor name (default: model.layers.12.mlp.down_proj.weight when "
                              "present, else the matrix with the worst INT4 per-tensor error)")

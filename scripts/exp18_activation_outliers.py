@@ -18,7 +18,7 @@ from quant.activations import (PROMPT, capture_residuals, log2_histogram,
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    add_model_argument(parser)
+    add_model_argument(parser, default="smollm2")
     parser.add_argument("--prompt", default=PROMPT)
     parser.add_argument("--layer", type=int, default=None,
                         help="layer of the histogram (default: two thirds of the way up)")

@@ -18,7 +18,7 @@ from quant.activations import PROMPT, capture_residuals, int8_levels, quantile_d
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    add_model_argument(parser)
+    add_model_argument(parser, default="smollm2")
     parser.add_argument("--prompt", default=PROMPT)
     parser.add_argument("--layer", type=int, default=None,
                         help="layer whose output is quantized (default: two thirds of the way)")

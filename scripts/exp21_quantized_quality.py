@@ -41,7 +41,7 @@ def evaluate(label, model, ids, args, prefix, reference, penalty):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    add_model_argument(parser)
+    add_model_argument(parser, default="smollm2")
     add_schemes_argument(parser)
     parser.add_argument("--text", default=None, metavar="FILE",
                         help="evaluation text (default: the 1911 Britannica article on "

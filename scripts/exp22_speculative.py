@@ -77,7 +77,7 @@ def verify_cost(model, ids, gamma, repeats) -> float:
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    add_model_argument(parser)
+    add_model_argument(parser, default="smollm2")
     parser.add_argument("--prompt", default="Once upon a time",
                         help="prompt text (default: %(default)r)")
     parser.add_argument("--positions", type=int, default=144,

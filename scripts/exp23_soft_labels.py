@@ -39,7 +39,7 @@ def word(model, ids, token) -> str:
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    add_model_argument(parser)
+    add_model_argument(parser, default="smollm2")
     parser.add_argument("--prompt", default="She poured the milk into the", help="prompt text")
     parser.add_argument("--top", type=int, default=5, help="tokens shown (default: 5)")
     parser.add_argument("--temperatures", default="1,2,4,8",

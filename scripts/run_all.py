@@ -78,7 +78,7 @@ def cpu_seconds() -> float:
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    add_model_argument(parser)
+    add_model_argument(parser, default=None)  # None: each script's own default model
     parser.add_argument("--only", default=None, metavar="REGEX",
                         help="run only the scripts whose name matches (e.g. 'exp0[1-8]')")
     parser.add_argument("--threads", type=int, default=1, metavar="N",
