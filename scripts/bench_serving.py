@@ -32,7 +32,7 @@ import urllib.request
 
 import numpy as np
 
-from _common import add_model_argument, load_model, progress, say
+from _common import add_model_argument, load_model, positive_int, progress, say
 from _table import Table
 from sim.workload import make_workload, skewed_lengths
 
@@ -141,7 +141,8 @@ def rates(text):
     try:
         values = [float(v) for v in text.split(",")]
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r}: comma-separated numbers (inf allowed)")
+        raise argparse.ArgumentTypeError(f"{text!r}: comma-separated numbers (inf allowed)") \
+            from None
     if not all(v > 0 for v in values):
         raise argparse.ArgumentTypeError("every rate must be > 0 requests/s")
     return values
@@ -152,19 +153,18 @@ def main(argv=None):
     add_model_argument(parser)
     parser.add_argument("--rates", type=rates, default=[1.0, 4.0, math.inf],
                         help="Poisson arrival rates, requests/s (inf: all at once)")
-    parser.add_argument("--requests", type=int, default=32, help="requests per rate")
+    parser.add_argument("--requests", type=positive_int, default=32, help="requests per rate")
     parser.add_argument("--median", type=float, default=12, help="median output tokens")
-    parser.add_argument("--max-len", type=int, default=96, help="longest output")
+    parser.add_argument("--max-len", type=positive_int, default=96, help="longest output")
     parser.add_argument("--total", type=int, default=700, help="output tokens in all")
-    parser.add_argument("--prompt-len", type=int, default=16, help="tokens per prompt")
-    parser.add_argument("--slots", type=int, default=8)
-    parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--threads", type=int, default=1, help="BLAS threads of the servers")
+    parser.add_argument("--prompt-len", type=positive_int, default=16, help="tokens per prompt")
+    parser.add_argument("--slots", type=positive_int, default=8)
+    parser.add_argument("--block-size", type=positive_int, default=16)
+    parser.add_argument("--threads", type=positive_int, default=1,
+                        help="BLAS threads of the servers")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--timeout", type=float, default=600, help="seconds per request")
     args = parser.parse_args(argv)
-    if min(args.slots, args.block_size, args.prompt_len, args.requests) < 1:
-        parser.error("--slots, --block-size, --prompt-len and --requests must be >= 1")
     try:
         lengths = skewed_lengths(args.requests, args.median, args.max_len, args.total,
                                  seed=args.seed)
@@ -223,4 +223,5 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from _common import run
+    run(main)

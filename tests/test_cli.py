@@ -1,5 +1,6 @@
 """``python3 -m minitransformer generate|chat``: what a person sees in a terminal."""
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -19,8 +20,12 @@ STORY_TEMPLATE = ("{{ bos_token }}{% for m in messages %}{{ m['content'] }}"
 
 
 def cli(*args, stdin=""):
-    return subprocess.run([sys.executable, "-m", "minitransformer", *args], cwd=ROOT,
-                          input=stdin, capture_output=True, text=True, timeout=120)
+    """Run the command; stdout and stderr as str, decoded without newline translation."""
+    done = subprocess.run([sys.executable, "-m", "minitransformer", *args], cwd=ROOT,
+                          input=stdin.encode(), capture_output=True, timeout=120,
+                          env=os.environ | {"PYTHONIOENCODING": "utf-8"})
+    done.stdout, done.stderr = done.stdout.decode(), done.stderr.decode()
+    return done
 
 
 def continuation(model, ids, n):
@@ -39,6 +44,33 @@ def story_chat_model(tmp_path_factory, stories):
     settings["chat_template"] = STORY_TEMPLATE
     (path / "tokenizer_config.json").write_text(json.dumps(settings))
     return mt.load(path)
+
+
+@pytest.fixture(scope="module")
+def tiny_chat_model(tmp_path_factory):
+    """A tiny random Qwen2 with a byte-level tokenizer and a chat template (always present)."""
+    from minitransformer.synth import make_checkpoint, qwen2_config, train_tokenizer
+
+    path = make_checkpoint(tmp_path_factory.mktemp("tiny-chat"), qwen2_config(vocab_size=320),
+                           tokenizer=train_tokenizer(300))
+    settings = json.loads((path / "tokenizer_config.json").read_text())
+    settings["chat_template"] = "<|endoftext|>" + STORY_TEMPLATE
+    (path / "tokenizer_config.json").write_text(json.dumps(settings))
+    return mt.load(path)
+
+
+def test_generate_and_chat_on_a_tiny_model(tiny_chat_model):
+    model, prompt = tiny_chat_model, "The cat sat"
+    done = cli("generate", "--model", model.path, prompt, "--max-new-tokens", "20",
+               "--do-sample", "--temperature", "0.9", "--seed", "3")
+    assert done.returncode == 0, done.stderr
+    ids = model.tokenizer.encode(prompt)
+    tokens = mt.generate(model, ids, 20, do_sample=True, temperature=0.9, seed=3)
+    text = model.tokenizer.decode(ids + tokens)[len(model.tokenizer.decode(ids)):]
+    assert done.stdout == prompt + text + "\n"
+    done = cli("chat", "--model", model.path, "--max-new-tokens", "8", stdin=f"{prompt}\n")
+    ids = encode_chat(model, [{"role": "user", "content": prompt}])
+    assert done.stdout == "you> model> " + continuation(model, ids, 8) + "\nyou> \n"
 
 
 def test_generate_streams_the_text_of_generate(stories):

@@ -99,3 +99,15 @@ def test_close_without_drain_cancels_what_is_in_flight(model):
     assert not online.thread.is_alive() and online.snapshot.blocks_used == 0
     ends = [u.status for u in updates if u.done]
     assert sorted(ends) == ["cancelled", "cancelled"]
+
+
+def test_a_failing_step_ends_every_request_loudly(model):
+    online = OnlineEngine(Engine(model, slots=2, num_blocks=40, block_size=4))
+
+    def broken():
+        raise RuntimeError("a bug in a step")
+    online.engine.step = broken
+    with pytest.raises(ValueError, match="engine failed: RuntimeError"):
+        list(online.stream(Request((1, 2), 5)))
+    with pytest.raises(Closed, match="a bug in a step"):
+        online.submit(Request((1, 2), 5), lambda update: None)

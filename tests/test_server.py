@@ -12,6 +12,7 @@ import minitransformer as mt
 from minitransformer.chat import encode_chat
 from minitransformer.engine import Engine
 from minitransformer.online import OnlineEngine
+from minitransformer.serving import Request
 from minitransformer.synth import make_checkpoint, qwen2_config, train_tokenizer
 
 openai = pytest.importorskip("openai")
@@ -160,6 +161,42 @@ def test_a_client_that_disconnects_frees_its_blocks(served):
     wait_for(lambda: online.snapshot.blocks_used == 0 and online.snapshot.running == 0)
     record = online.engine.results[-1]
     assert record.status == "cancelled" and len(record.tokens) < 150
+
+
+def test_stop_strings_cut_the_text_and_end_with_stop(served, model):
+    online, url, client = served
+    prompt = "The robot counted the boats."
+    _, text, _ = expected(model, model.tokenizer.encode(prompt), 40)
+    stop = text[len(text) // 2:len(text) // 2 + 2]
+    cut = text[:text.find(stop)]
+    reply = client.completions.create(model=NAME, prompt=prompt, max_tokens=40, temperature=0,
+                                      stop=[stop, "never in the text \u2603"])
+    assert reply.choices[0].text == cut and reply.choices[0].finish_reason == "stop"
+    chunks = list(client.completions.create(model=NAME, prompt=prompt, max_tokens=40,
+                                            temperature=0, stop=stop, stream=True))
+    assert "".join(c.choices[0].text for c in chunks) == cut
+    assert chunks[-1].choices[0].finish_reason == "stop"
+
+
+def test_a_waiting_client_that_gives_up_is_cancelled(model):
+    """Not streamed: a client that times out while its request waits leaves the queue."""
+    online = OnlineEngine(Engine(model, slots=1, num_blocks=64, block_size=4))
+    server = Background(create_app(online, NAME))
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
+    try:                            # a slow listener keeps the only slot busy for seconds
+        hog = online.submit(Request((1, 2), 200, eos_token_id=[]),
+                            lambda update: time.sleep(0.02))
+        wait_for(lambda: online.snapshot.running == 1)
+        with pytest.raises(openai.APITimeoutError):
+            client.completions.create(model=NAME, prompt="b", max_tokens=5, timeout=0.3)
+        wait_for(lambda: len(online.engine.results) == 2 and
+                 online.engine.results[1].status == "cancelled", timeout=5)
+        assert online.engine.results[1].tokens == [] and online.engine.results[0].status == \
+            "running"
+        online.cancel(hog)
+    finally:
+        server.stop()
+        online.close()
 
 
 def test_bad_requests_get_400_naming_the_field(served, model):
