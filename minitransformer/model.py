@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import numpy as np  # host-side bookkeeping only (positions); the math goes through xp
 
-from minitransformer.backend import to_device, xp
+from minitransformer.backend import BACKEND, to_device, xp
 from minitransformer.config import ModelConfig
 
 
@@ -53,10 +53,33 @@ def linear(x, w, b=None, per_row=False):
     flat = x if per_row else x.reshape(-1, x.shape[-1])          # (B, T, in) or (B*T, in)
     if is_quantized(w):  # it multiplies one flat matrix at a time: per row, one call a row
         y = xp.stack([w.matmul(row) for row in flat]) if per_row else w.matmul(flat)
+    elif not per_row and 1 < len(flat) <= FEW_ROWS and BACKEND == "numpy":
+        y = few_rows_matmul(flat, w)
     else:
         y = flat @ w.T
     y = y.reshape(*x.shape[:-1], y.shape[-1])                    # (B, T, out)
     return y if b is None else y + b
+
+
+FEW_ROWS = 16            # up to this many rows, few_rows_matmul beats one flat product
+ROWS_BLOCK_BYTES = 1 << 17  # a block of weight rows that stays in the CPU's cache
+
+
+def few_rows_matmul(x, w):
+    """x (M, in) @ w (out, in).T for a few rows M (2..16), a block of weight rows at a time.
+
+    On a CPU, OpenBLAS's matrix-matrix product repacks every panel of w before it multiplies,
+    a second pass over the weights that one matrix-vector product never pays: measured on
+    SmolLM2, 5 rows cost 3 to 4 single-row products. Taking w ~128 KB at a time keeps the
+    repacking in cache, and 5 rows cost about 1.5 (speculative verification, small batches).
+    The sums are BLAS's either way: same numbers up to summation order.
+    """
+    out, cols = w.shape
+    y = xp.empty((len(x), out), dtype=xp.result_type(x, w))         # (M, out)
+    rows = max(8, ROWS_BLOCK_BYTES // (w.itemsize * cols))
+    for r0 in range(0, out, rows):
+        xp.matmul(x, w[r0:r0 + rows].T, out=y[:, r0:r0 + rows])
+    return y
 
 
 def rms_norm(x, weight, eps):

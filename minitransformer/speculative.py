@@ -25,6 +25,10 @@ plain decode in a pass over one, and the two logits differ in the last bits (abo
 their size), so greedy could part only at a near-tie of two logits (the tests compare tens of
 thousands of tokens).
 
+The draft is a model (a quantized copy, the target's first layers, a smaller model) or a
+PromptLookup (lookup.py): proposals copied from earlier in the text, which cost nothing and
+come with no distribution (as a draft, a point mass on the proposal).
+
 Between rounds each cache lags one token behind the sequence: the round's last token (the
 target's own, which no model has seen) goes into the next round's first pass. So after the
 trim a cache holds only kept tokens, and a rollback is a trim, never a recomputation.
@@ -37,6 +41,7 @@ import numpy as np
 from minitransformer.backend import to_numpy
 from minitransformer.generate import check_prompt, eos_ids, seeded_rng
 from minitransformer.kvcache import KVCache
+from minitransformer.lookup import PromptLookup
 from minitransformer.model import forward, head
 from minitransformer.sampling import (SamplingSettings, apply_repetition_penalty, draw,
                                       next_token, probabilities)
@@ -49,12 +54,20 @@ class SpeculativeResult:
     draft_passes: int    # draft forward calls (one per proposal)
     proposed: int        # proposals put to the target
     accepted: int        # proposals it kept
+    rejected: int = 0    # rounds that ended at a rejected proposal (the rest kept them all)
 
     @property
     def acceptance_rate(self) -> float:
         """Kept / proposed. Lower than the per-token alpha: proposals after a rejection are
         counted as proposed but never get the chance to be accepted."""
         return self.accepted / self.proposed if self.proposed else float("nan")
+
+    @property
+    def alpha(self) -> float:
+        """Per-proposal acceptance estimated from the run: kept / (kept + rejections), the
+        alpha of the chapter's formula if each proposal is accepted with the same chance."""
+        judged = self.accepted + self.rejected
+        return self.accepted / judged if judged else float("nan")
 
     @property
     def tokens_per_pass(self) -> float:
@@ -150,30 +163,39 @@ def speculative_generate(target, draft, ids, max_new_tokens: int, gamma: int = 4
     """Generate like ``generate(target, ...)``, with `draft` proposing `gamma` tokens a round.
 
     Sampling keywords and eos handling as in ``minitransformer.generate.stream``. The draft
-    must share the target's vocabulary (same tokenizer); anything else about it may differ.
+    is a Model sharing the target's vocabulary (same tokenizer; anything else about it may
+    differ), or a PromptLookup, whose rounds may propose fewer than gamma tokens, or none.
     """
     settings = SamplingSettings(do_sample, temperature, top_k, top_p, repetition_penalty)
     if isinstance(gamma, bool) or not isinstance(gamma, (int, np.integer)) or gamma < 1:
         raise ValueError(f"gamma (tokens drafted per round) must be an integer >= 1, got {gamma!r}")
-    if draft.config.vocab_size != target.config.vocab_size:
+    lookup = isinstance(draft, PromptLookup)
+    if not lookup and draft.config.vocab_size != target.config.vocab_size:
         raise ValueError(f"draft and target must share a vocabulary: the draft has "
                          f"{draft.config.vocab_size} tokens, the target "
                          f"{target.config.vocab_size}")
     ids = check_prompt(target, ids, max_new_tokens)
-    check_prompt(draft, ids, max_new_tokens)
+    if not lookup:
+        check_prompt(draft, ids, max_new_tokens)
     eos = eos_ids(target, eos_token_id)
     rng = seeded_rng(seed)
     tokens = ids.tolist()
     P = len(tokens)
     # Each cache lags one token behind the sequence: P + max_new_tokens slots always suffice.
     target_kv = KVCache.allocate(target.config, batch=1, max_len=P + max_new_tokens)
-    draft_kv = KVCache.allocate(draft.config, batch=1, max_len=P + max_new_tokens)
-    passes = draft_passes = proposed = accepted = 0
+    draft_kv = None if lookup else KVCache.allocate(draft.config, 1, P + max_new_tokens)
+    passes = draft_passes = proposed = accepted = rejected = 0
     while len(tokens) - P < max_new_tokens:
         # Never draft past the end: a round yields up to n + 1 tokens.
         n = min(gamma, max_new_tokens - (len(tokens) - P) - 1)
-        drafts, dists = propose(draft, draft_kv, tokens, n, settings, rng)
-        draft_passes += n
+        if lookup:
+            drafts = draft.propose(tokens, n)
+            dists = [None if settings.greedy else point_mass(x, target.config.vocab_size)
+                     for x in drafts]
+            n = len(drafts)
+        else:
+            drafts, dists = propose(draft, draft_kv, tokens, n, settings, rng)
+            draft_passes += n
         fresh = tokens[int(target_kv.lengths[0]):] + drafts            # last token(s) + drafts
         hidden = forward(target, np.array([fresh]), target_kv)         # (1, len(fresh), D)
         logits = to_numpy(head(target, hidden[:, -(n + 1):]))[0]       # (n+1, V)
@@ -181,11 +203,25 @@ def speculative_generate(target, draft, ids, max_new_tokens: int, gamma: int = 4
         kept = verify(logits, drafts, dists, tokens, settings, rng)
         proposed += n
         accepted += len(kept) - 1
+        rejected += len(kept) - 1 < n
         # Both caches now hold tokens + some drafts; keep only the accepted ones.
-        rollback(target_kv, len(tokens) + len(kept) - 1)
-        rollback(draft_kv, len(tokens) + len(kept) - 1)
+        for kv in (target_kv, draft_kv):
+            if kv is not None:
+                rollback(kv, len(tokens) + len(kept) - 1)
         for token in kept:
             tokens.append(token)
             if token in eos:
-                return SpeculativeResult(tokens[P:], passes, draft_passes, proposed, accepted)
-    return SpeculativeResult(tokens[P:], passes, draft_passes, proposed, accepted)
+                return SpeculativeResult(tokens[P:], passes, draft_passes, proposed, accepted,
+                                         rejected)
+    return SpeculativeResult(tokens[P:], passes, draft_passes, proposed, accepted, rejected)
+
+
+def point_mass(token: int, vocab_size: int) -> np.ndarray:
+    """A deterministic draft's distribution q (V,): all of its mass on the token it proposed.
+
+    With it the Leviathan rule keeps the proposal with probability p[token] and otherwise draws
+    from p without it: exactly p again.
+    """
+    q = np.zeros(vocab_size, np.float32)
+    q[token] = 1.0
+    return q

@@ -83,3 +83,16 @@ def test_no_float64_on_the_decode_path(tiny_model):
     assert isinstance(out, NoFloat64) and out.dtype == np.float32
     with pytest.raises(AssertionError, match="float64"):                # the tripwire works
         weights["model.norm.weight"] * np.float64(1.5) + np.zeros(1)
+
+
+@pytest.mark.parametrize("M", [2, 5, 16])
+def test_few_rows_matmul_is_the_flat_product(M):
+    from minitransformer.model import ROWS_BLOCK_BYTES, few_rows_matmul
+    rng = np.random.default_rng(M)
+    out = ROWS_BLOCK_BYTES // (4 * 96) * 2 + 5  # two blocks and a short third
+    w = rng.standard_normal((out, 96)).astype(np.float32)
+    x = rng.standard_normal((M, 96)).astype(np.float32)
+    y = to_numpy(few_rows_matmul(to_device(x), to_device(w)))
+    bound = 4 * 96 * np.finfo(np.float32).eps * (np.abs(x) @ np.abs(w).T)
+    assert y.shape == (M, out) and y.dtype == np.float32
+    assert np.all(np.abs(y - x @ w.T) <= bound)

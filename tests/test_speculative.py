@@ -11,6 +11,7 @@ from scipy.stats import chisquare
 import minitransformer as mt
 from minitransformer import speculative
 from minitransformer.sampling import SamplingSettings, apply_repetition_penalty, probabilities
+from minitransformer.lookup import PromptLookup
 from minitransformer.speculative import first_layers, leviathan_step, speculative_generate
 from minitransformer.synth import default_model, make_checkpoint, qwen2_config
 from quant.qmodel import quantize_model
@@ -49,6 +50,25 @@ def test_greedy_equals_plain_greedy_on_tiny_models(tiny_model, draft_name):
                 assert r.accepted == r.proposed  # a perfect draft is never rejected
             if draft_name == "contrarian":
                 assert r.accepted == 0 and r.target_passes == 25
+
+
+def test_prompt_lookup_greedy_equals_plain_greedy_and_drafts_from_repeats(tiny_model):
+    rng = np.random.default_rng(1)
+    passage = rng.integers(0, tiny_model.config.vocab_size, 12).tolist()
+    for ids in (passage + passage[:3], passage, [7]):   # a passage being repeated, then not
+        plain = mt.generate(tiny_model, ids, 30, eos_token_id=[])
+        for gamma in (1, 3, 6):
+            for draft in (PromptLookup(), PromptLookup(max_ngram=1)):
+                r = speculative_generate(tiny_model, draft, ids, 30, gamma=gamma,
+                                         eos_token_id=[])
+                assert r.tokens == plain, (ids, gamma, draft)
+                assert len(r.tokens) == r.accepted + r.target_passes
+                assert r.draft_passes == 0 and r.proposed <= gamma * r.target_passes
+                assert r.rejected <= r.target_passes and r.accepted <= r.proposed
+    # a model that copies: greedy continues a repeated passage, so the lookup is kept
+    looped = speculative_generate(tiny_model, PromptLookup(), plain + plain, 20, gamma=4,
+                                  eos_token_id=[])
+    assert looped.accepted > 0
 
 
 @pytest.fixture(scope="module")
@@ -171,8 +191,8 @@ def goodness_of_fit(samples, joint) -> float:
     return float(chisquare(observed, expected * n / expected.sum()).pvalue)
 
 
-def sample_runs(target, draft, n_runs, k, gamma, **settings):
-    prompt = [1, 2, 3]
+def sample_runs(target, draft, n_runs, k, gamma, prompt=(1, 2, 3), **settings):
+    prompt = list(prompt)
     return [tuple(speculative_generate(target, draft, prompt, k, gamma=gamma, do_sample=True,
                                        seed=seed, eos_token_id=[], **settings).tokens)
             for seed in range(n_runs)]
@@ -197,6 +217,16 @@ def test_sampling_keeps_the_targets_distribution(pair, case):
     draft_samples = [tuple(mt.generate(draft, [1, 2, 3], k, do_sample=True, seed=s,
                                        eos_token_id=[], **settings)) for s in range(N_RUNS)]
     assert goodness_of_fit(draft_samples, joint) < 1e-6
+
+
+def test_sampling_with_prompt_lookup_keeps_the_targets_distribution(pair):
+    """A point-mass draft: kept with probability p[x], else a draw from p without x."""
+    k, gamma, settings = SAMPLING_CASES["all knobs"]
+    target, _ = pair
+    prompt = [1, 2, 3, 1, 2, 1]  # repeats: the lookup always has something to propose
+    joint = exact_joint(target, prompt, k, SamplingSettings(do_sample=True, **settings))
+    samples = sample_runs(target, PromptLookup(), N_RUNS, k, gamma, prompt, **settings)
+    assert goodness_of_fit(samples, joint) > 1e-3
 
 
 def accept_always(p, q, x, rng):

@@ -1,0 +1,59 @@
+"""Prompt lookup: a speculative draft that costs nothing, copied from the text itself.
+
+Serves experiment 22. When the output repeats its input (rewriting a passage, quoting code,
+answering from a document), the tokens after the last few ones have often been seen before:
+find the latest earlier place where the sequence's last k tokens occurred, and propose the
+tokens that followed there. No draft model, no draft cache, no forward pass; the target
+verifies the proposals in one pass as it would a model's (speculative.py). Where nothing
+matches the round proposes nothing and is a plain decode step.
+
+The same idea as Hugging Face transformers' `prompt_lookup_num_tokens` and vLLM's `ngram`
+speculative method: try the longest n-gram first (max_ngram down to min_ngram), since a longer
+match predicts the continuation better. This one takes the latest match (transformers takes
+the earliest): in a rewrite the nearest earlier occurrence is the one being copied.
+Leaves out: suffix trees and other indexes (a scan of a few thousand tokens is cheap here).
+"""
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class PromptLookup:
+    """The draft for speculative_generate: n-grams of max_ngram down to min_ngram tokens."""
+    max_ngram: int = 3
+    min_ngram: int = 1
+
+    def __post_init__(self):
+        if not 1 <= self.min_ngram <= self.max_ngram:
+            raise ValueError(f"need 1 <= min_ngram <= max_ngram, got {self.min_ngram}, "
+                             f"{self.max_ngram}")
+
+    def propose(self, tokens, n: int) -> list:
+        return prompt_lookup(tokens, n, self.max_ngram, self.min_ngram)
+
+
+def prompt_lookup(tokens, n: int, max_ngram: int = 3, min_ngram: int = 1) -> list:
+    """Up to n tokens that followed the latest earlier occurrence of the last k tokens.
+
+    k goes from max_ngram down to min_ngram; the first k that has an earlier occurrence with
+    something after it wins. [] when none has (then the round drafts nothing).
+
+    >>> prompt_lookup([5, 6, 7, 9, 5, 6], 3)    # "5 6" was seen before, then came 7 9 5
+    [7, 9, 5]
+    >>> prompt_lookup([1, 2, 1, 3, 1], 2)       # "1" was last seen before 3
+    [3, 1]
+    >>> prompt_lookup([1, 2, 3], 4)             # nothing repeats
+    []
+    """
+    seq = np.asarray(tokens)
+    L = len(seq)
+    for k in range(min(max_ngram, L - 1), min_ngram - 1, -1):
+        # windows[i] = seq[i:i+k] for the starts 0 .. L-k-1 (the last k tokens themselves
+        # are not an earlier occurrence)
+        windows = np.lib.stride_tricks.sliding_window_view(seq[:-1], k)   # (L-k, k)
+        starts = np.flatnonzero((windows == seq[L - k:]).all(axis=1))
+        if len(starts):
+            follow = starts[-1] + k                                     # latest match
+            return seq[follow:follow + n].tolist()
+    return []
