@@ -57,3 +57,28 @@ def prompt_lookup(tokens, n: int, max_ngram: int = 3, min_ngram: int = 1) -> lis
             follow = starts[-1] + k                                     # latest match
             return seq[follow:follow + n].tolist()
     return []
+
+
+def replay(tokens, prompt_len: int, gamma: int, draft: PromptLookup) -> list:
+    """The rounds speculative_generate would run with this draft, given the tokens it yields.
+
+    Greedy speculative decoding yields plain greedy's tokens, so its rounds follow from them:
+    each round proposes what the lookup finds in the tokens so far and keeps the proposals
+    that match the next tokens, then one more. -> [(proposed, kept), ...], one per target pass.
+    No model is run: this is how experiment 22 predicts the passes of every gamma.
+
+    Prompt 1 2 3 1, then greedy's 2 3 1 2 9: round 1 copies "2 3" (what followed the earlier
+    "1") and the target adds 1; round 2 copies "2", the target adds 9.
+    >>> replay([1, 2, 3, 1, 2, 3, 1, 2, 9], prompt_len=4, gamma=2, draft=PromptLookup())
+    [(2, 2), (1, 1)]
+    """
+    rounds, t = [], prompt_len
+    while t < len(tokens):
+        n = min(gamma, len(tokens) - t - 1)   # never past the end, as speculative_generate
+        proposals = draft.propose(tokens[:t], n) if n > 0 else []
+        kept = 0
+        while kept < len(proposals) and proposals[kept] == tokens[t + kept]:
+            kept += 1
+        rounds.append((len(proposals), kept))
+        t += kept + 1
+    return rounds

@@ -97,8 +97,8 @@ def choose_layer(requested, num_layers, followed=False):
     return layer
 
 
-def add_schemes_argument(parser):
-    """--schemes: quantization schemes by name, checked when parsed."""
+def add_schemes_argument(parser, default=None):
+    """--schemes: quantization schemes by name, checked when parsed (default: all)."""
     from quant.qmodel import SCHEMES
 
     def schemes(text):
@@ -109,8 +109,10 @@ def add_schemes_argument(parser):
                 f"unknown scheme(s) {', '.join(unknown) or '(none given)'}; "
                 f"choose from {', '.join(SCHEMES)}")
         return names
-    parser.add_argument("--schemes", type=schemes, default=list(SCHEMES),
-                        help=f"comma-separated, from {', '.join(SCHEMES)} (default: all)")
+    default = list(SCHEMES) if default is None else default
+    parser.add_argument("--schemes", type=schemes, default=default,
+                        help=f"comma-separated, from {', '.join(SCHEMES)} "
+                             f"(default: {','.join(default)})")
 
 
 def positive_int(text):

@@ -1,158 +1,180 @@
-"""Experiment 22, the measured half: quantized copies of the target as speculative drafts.
+"""Experiment 22, the measured half: speculative decoding on this CPU, and what it gains.
 
-For each draft: its acceptance rate alpha (agreement with the target's greedy tokens over 144
-positions given the same prefix, as in experiment 21) and its cost c per token relative to the
-target, measured two ways: wall-clock here, and weight bytes (what a memory-bound decode step
-reads, so what c would be with a fused low-bit kernel). Then real speculative runs of 144
-tokens for each gamma: tokens per verification pass and wall-clock speedup over plain greedy
-`generate`, beside what sim.speculative predicts from alpha and c. The formula assumes that
-verifying gamma + 1 positions costs one decode step (true where decode is memory-bound); on a
-CPU it costs more, so the measured cost v of that pass is printed and used as well. Every
-run's tokens are compared with plain greedy's: speculative decoding must not change one.
+The drafts: prompt lookup (proposals copied from earlier in the text, minitransformer/lookup.py:
+no draft model, c = 0), quantized copies of the target (--schemes; their matmuls run on the
+codes, quant/matmul.py) and the target's own first half of layers (an early-exit draft).
+The task has repetition, where copying pays: the model is asked to rewrite a given passage.
 
-The drafts: the target itself (alpha = 1: the ceiling), each quantization scheme of
-quant/qmodel.py, and the target's own first layers (an early-exit draft, cheaper here for
-real). A quantized draft runs on its codes and scales (quant/matmul.py converts a block of
-rows at a time), so its c (time) is what this CPU gives and its c (bytes) what a memory-bound
-device would.
+1. v(n): one target pass over n + 1 new positions (n proposals and the last token), in
+   single-token decode steps, measured side by side. The chapter's formula takes v = 1 (a GPU
+   step reads the weights once either way); on a CPU a pass over more rows costs more.
+2. Plain greedy generation: the reference tokens, and the time to beat.
+3. Per draft: alpha and c, then the predicted speedup of every gamma, and the gamma with the
+   best one. Model drafts: alpha = agreement with greedy's tokens (teacher-forced), c = a draft
+   step over a target step, measured; speedup = E(alpha, gamma) / (gamma c + v(gamma)). Prompt
+   lookup: its rounds replayed on greedy's tokens (exact, since the kept tokens are greedy's),
+   each round priced at the v of its proposals.
+4. Measured: speculative generation at the chosen gamma against plain greedy, side by side,
+   --repeats rounds; every run's tokens compared with plain greedy's (==).
 """
 import argparse
-import time
 
 import numpy as np
 
-from _common import add_model_argument, encode_prompt, load_model, mt, progress
+from _common import (add_model_argument, add_schemes_argument, add_threads_argument,
+                     load_model, mt, positive_int, progress, run, say, timing_header)
 from minitransformer.kvcache import KVCache
-from minitransformer.model import forward
+from minitransformer.lookup import PromptLookup, replay
+from minitransformer.measure import time_together
+from minitransformer.model import forward, head
 from minitransformer.speculative import first_layers, speculative_generate
 from quant.evaluate import agreement, reference_tokens
 from quant.qmodel import SCHEMES, quantize_model, resident_bytes
-from sim.speculative import expected_tokens, speedup
+from sim.speculative import best_gamma, expected_tokens, replayed_speedup, speedup
+
+# Written for this project: a passage to be copied (the task where prompt lookup shines).
+PASSAGE = ("The lighthouse stood on a rock at the mouth of the bay. Every evening the keeper "
+           "climbed its one hundred and twelve steps, trimmed the wick, polished the lens and "
+           "lit the lamp. Ships far out at sea saw the light turn once every ten seconds and "
+           "knew where the rocks were. In the morning he put the lamp out, wrote the weather "
+           "in his book, and went down the steps to make his breakfast.")
+TASK = "Rewrite the following passage exactly, word for word:\n\n"
 
 
-def weight_bytes(model) -> int:
-    """Bytes of the weights one decode step reads (layers past the config's count unused)."""
-    used = {n: w for n, w in model.weights.items()
-            if ".layers." not in n or int(n.split(".")[2]) < model.config.num_hidden_layers}
-    return sum(resident_bytes(used).values())
+def rewrite_prompt(model, passage=PASSAGE) -> list[int]:
+    """The rewrite task as token ids: through the chat template when the model has one."""
+    if model.tokenizer is None:
+        raise ValueError(f"{model.path}: no tokenizer.json, cannot encode the task")
+    if model.tokenizer.chat_template:
+        return model.tokenizer.chat_prompt([{"role": "user", "content": TASK + passage}])
+    return model.tokenizer.encode(TASK + passage + "\n\n")
 
 
-def drafts(target):
-    """-> [(label, draft for alpha, draft to run)]: quantized drafts differ in the two."""
-    L = target.config.num_hidden_layers
-    out = [("target itself", target, target)]
-    for scheme in SCHEMES.values():
-        q = quantize_model(target, scheme.name)
-        out.append((scheme.label, q, q))
-    for n in sorted({L - 1, L // 2} - {0}, reverse=True):
-        draft = first_layers(target, n)
-        out.append((f"first {n} of {L} layers", draft, draft))
-    return out
+def step_costs(model, ids, largest: int, repeat: int) -> dict:
+    """{n: time of one pass over n + 1 new positions / time of a one-token step}, n = 1..largest.
+
+    Each pass runs on a cache holding `ids` and is rolled back after (KVCache.trim), head
+    included: verification reads the logits of every position it checks."""
+    kv = KVCache.allocate(model.config, 1, len(ids) + largest + 1)
+    forward(model, np.array([ids[:-largest - 1]]), kv)
+    tail = np.array([ids[-largest - 1:]])
+
+    def step(k):
+        return lambda: head(model, forward(model, tail[:, :k], kv))
+    times = time_together([step(k) for k in range(1, largest + 2)], repeat=repeat,
+                          after=[(lambda k=k: kv.trim(k)) for k in range(1, largest + 2)])
+    return {n: times[n].best / times[0].best for n in range(1, largest + 1)}
 
 
-def race(fns, repeats, budget=1.0):
-    """Time the functions in turn, round after round -> (their results, fastest times).
-
-    At least `repeats` rounds, and more (up to 10) while they take under `budget` seconds in
-    all. Interleaving puts every function under the same load, so ratios of the fastest times
-    hold up on a busy machine where one unlucky baseline would skew them all."""
-    results, times = [None] * len(fns), [[] for _ in fns]
-    while len(times[0]) < repeats or (len(times[0]) < 10 and sum(map(sum, times)) < budget):
-        for i, fn in enumerate(fns):
-            start = time.perf_counter()
-            results[i] = fn()
-            times[i].append(time.perf_counter() - start)
-    return results, [min(t) for t in times]
-
-
-def verify_cost(model, ids, gamma, repeats) -> float:
-    """Time of one target pass over gamma + 1 positions, in one-token decode steps."""
-    def step(n):
-        kv = KVCache.allocate(model.config, 1, len(ids) + n)
-        forward(model, np.array([ids]), kv)
-        return lambda: (forward(model, np.array([ids[-n:]]), kv), kv.trim(n))
-    _, (t_verify, t_decode) = race([step(gamma + 1), step(1)], repeats, budget=0.2)
-    return t_verify / t_decode
+def draft_cost(target, draft, ids, repeat) -> float:
+    """c: one decode step of the draft over one of the target, timed side by side."""
+    def step(model):
+        kv = KVCache.allocate(model.config, 1, len(ids) + 1)
+        forward(model, np.array([ids[:-1]]), kv)
+        return (lambda: head(model, forward(model, np.array([ids[-1:]]), kv)),
+                lambda: kv.trim(1))
+    (t_target, undo_t), (t_draft, undo_d) = step(target), step(draft)
+    times = time_together([t_target, t_draft], repeat=repeat, after=[undo_t, undo_d])
+    return times[1].best / times[0].best
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_model_argument(parser, default="smollm2")
-    parser.add_argument("--prompt", default="Once upon a time",
-                        help="prompt text (default: %(default)r)")
-    parser.add_argument("--positions", type=int, default=144,
-                        help="tokens generated, and positions alpha is measured over "
-                             "(default: %(default)s)")
-    parser.add_argument("--gammas", default="2,4,8",
-                        help="draft lengths, comma-separated (default: %(default)s)")
-    parser.add_argument("--repeats", type=int, default=1,
-                        help="least timed runs of each measurement, more while they take under "
-                             "--time-budget s a draft; the fastest counts (default: %(default)s)")
-    parser.add_argument("--time-budget", type=float, default=1.0, metavar="SECONDS",
-                        help="keep timing each draft while under this (default: %(default)s)")
+    add_schemes_argument(parser, default=["int8-row", "int4-g128", "nf4"])
+    add_threads_argument(parser)
+    parser.add_argument("--new-tokens", type=positive_int, default=96,
+                        help="tokens generated (default: %(default)s)")
+    parser.add_argument("--max-gamma", type=positive_int, default=8,
+                        help="largest draft length considered (default: %(default)s)")
+    parser.add_argument("--repeats", type=positive_int, default=3,
+                        help="timed rounds of each generation, side by side (default: %(default)s)")
+    parser.add_argument("--no-layers-draft", action="store_true",
+                        help="leave out the first-half-of-layers draft")
     args = parser.parse_args(argv)
-    try:
-        gammas = [int(g) for g in args.gammas.split(",")]
-    except ValueError:
-        parser.error(f"--gammas must be integers separated by commas, got {args.gammas!r}")
-    if args.positions < 1 or args.repeats < 1 or min(gammas) < 1:
-        parser.error("--positions, --repeats and every gamma must be >= 1")
+    header = timing_header(args)
 
     target = load_model(args.model)
-    ids = encode_prompt(target, args.prompt)
-    n = args.positions
-    mt.generate(target, ids, 2)  # warm-up: first-call allocations out of the timings
+    ids = rewrite_prompt(target)
+    n, G = args.new_tokens, args.max_gamma
+    say(f"[1/4] plain greedy: {n} tokens after a {len(ids)}-token prompt ...")
     plain = reference_tokens(target, ids, n)
-    target_bytes = weight_bytes(target)
+    say(f"[2/4] v(n): verification passes over 2..{G + 1} positions ...")
+    v = step_costs(target, ids + plain, G, args.repeats)
+    target_bytes = sum(resident_bytes(target).values())
 
-    rows, candidates = [], drafts(target)
-    for i, (label, scored, runner) in enumerate(candidates, 1):
-        alpha = agreement(scored, ids, plain) / n
-        # timed side by side: plain greedy, the draft alone, then speculative at each gamma
-        results, times = race(
-            [lambda: reference_tokens(target, ids, n),
-             lambda: mt.generate(runner, ids, n, eos_token_id=[])] +
-            [lambda g=g: speculative_generate(target, runner, ids, n, gamma=g, eos_token_id=[])
-             for g in gammas], args.repeats, budget=args.time_budget)
-        c_bytes = weight_bytes(scored) / target_bytes
-        rows.append((label, alpha, times[1] / times[0], c_bytes,
-                     [(g, r, times[0] / t) for g, r, t in zip(gammas, results[2:], times[2:])]))
-        progress(i, len(candidates), f"{label}: alpha {alpha:.3f}, c {times[1] / times[0]:.2f} "
-                 f"(time) {c_bytes:.3f} (bytes); plain greedy {times[0]:.2f} s")
-    costs = {g: verify_cost(target, ids + plain, g, args.repeats) for g in gammas}
+    say("[3/4] drafts: alpha, c, predicted speedup per gamma ...")
+    lookup = PromptLookup()
+    rows = []   # (label, draft, alpha, c (time), c (bytes), gamma, predicted tokens/pass, pred.)
+    per_gamma = {g: replayed_speedup(replay(ids + plain, len(ids), g, lookup), v)
+                 for g in range(1, G + 1)}
+    g = max(per_gamma, key=per_gamma.get)
+    rounds = replay(ids + plain, len(ids), g, lookup)
+    kept, judged = sum(k for _, k in rounds), sum(k + (k < p) for p, k in rounds)
+    rows.append(("prompt lookup", lookup, kept / judged if judged else float("nan"), 0.0, 0.0,
+                 g, (kept + len(rounds)) / len(rounds), per_gamma[g]))
+    drafts = [(SCHEMES[s].label, lambda s=s: quantize_model(target, s)) for s in args.schemes]
+    if not args.no_layers_draft and target.config.num_hidden_layers > 1:
+        L = target.config.num_hidden_layers
+        drafts.append((f"first {L // 2} of {L} layers", lambda: first_layers(target, L // 2)))
+    for i, (label, make) in enumerate(drafts, 1):
+        draft = make()
+        alpha = agreement(draft, ids, plain) / n
+        c = draft_cost(target, draft, ids + plain[:1], args.repeats)
+        L, used = draft.config.num_hidden_layers, draft.weights
+        c_bytes = sum(resident_bytes({k: w for k, w in used.items() if ".layers." not in k or
+                                      int(k.split(".")[2]) < L}).values()) / target_bytes
+        g = best_gamma(alpha, c, v)
+        rows.append((label, draft, alpha, c, c_bytes, g, expected_tokens(alpha, g),
+                     speedup(alpha, g, c, v[g])))
+        progress(i, len(drafts), f"{label}: alpha {alpha:.3f}, c {c:.2f}, best gamma {g}")
 
-    print(f"Experiment 22 (measured): speculative decoding, {len(ids)}-token prompt, "
-          f"{n} tokens, greedy")
+    say(f"[4/4] measured: each draft at its gamma against plain greedy, {args.repeats} rounds")
+    measured, same_everywhere = [], True
+    for i, row in enumerate(rows, 1):
+        label, draft, g = row[0], row[1], row[5]
+        results = {}
+
+        def spec():
+            results["spec"] = speculative_generate(target, draft, ids, n, gamma=g,
+                                                   eos_token_id=[])
+        t_plain, t_spec = time_together(
+            [lambda: mt.generate(target, ids, n, eos_token_id=[]), spec],
+            warmup=0, repeat=args.repeats)
+        r = results["spec"]
+        same = r.tokens == plain
+        same_everywhere &= same
+        measured.append((r, t_plain.best / t_spec.best, t_plain.median / t_spec.median, same))
+        progress(i, len(rows), f"{label}, gamma {g}: {t_plain.best / t_spec.best:.2f}x, "
+                 f"tokens {'identical' if same else 'DIFFERENT'}")
+
+    print(f"Experiment 22 (measured): speculative decoding, {target.path}")
+    print(f"task: rewrite a {len(PASSAGE.split())}-word passage; {len(ids)}-token prompt, "
+          f"{n} new tokens, greedy; {header}")
     print()
-    print("c: a draft token's cost as a fraction of a target token's, measured as wall time")
-    print("here and as weight bytes read (what it is for a memory-bound step on a GPU)")
-    print(f"{'draft':<24}{'alpha':>8}{'c (time)':>10}{'c (bytes)':>11}")
-    for label, alpha, c_time, c_bytes, _ in rows:
-        print(f"{label:<24}{alpha:>8.3f}{c_time:>10.2f}{c_bytes:>11.3f}")
+    print("v(n): one target pass over n + 1 positions, in one-token decode steps "
+          "(the chapter's formula: 1)")
+    print("  " + "  ".join(f"n={k}: {x:.2f}" for k, x in v.items()))
     print()
-    print("formula: tokens/pass = (1 - alpha^(gamma+1)) / (1 - alpha), "
-          "speedup = tokens/pass / (gamma * c + v)")
-    print("with v = 1 (the chapter: verifying costs one decode step) or v measured here (below)")
-    print(f"{'':<30}{'tokens / pass':>18}{'speedup, c (time)':>28}{'speedup':>11}")
-    print(f"{'draft':<24}{'gamma':>6}{'formula':>9}{'measured':>9}{'v = 1':>9}{'v here':>9}"
-          f"{'measured':>10}{'c (bytes)':>11}{'same':>6}")
-    same_everywhere = True
-    for label, alpha, c_time, c_bytes, runs in rows:
-        for gamma, result, measured in runs:
-            same = result.tokens == plain
-            same_everywhere &= same
-            with_v = expected_tokens(alpha, gamma) / (gamma * c_time + costs[gamma])
-            print(f"{label:<24}{gamma:>6}{expected_tokens(alpha, gamma):>9.2f}"
-                  f"{result.tokens_per_pass:>9.2f}{speedup(alpha, gamma, c_time):>8.2f}x"
-                  f"{with_v:>8.2f}x{measured:>9.2f}x{speedup(alpha, gamma, c_bytes):>10.2f}x"
-                  f"{'yes' if same else 'NO':>6}")
+    print("c: a draft step over a target step, as time here and as weight bytes read")
+    print("gamma: the draft length with the best predicted speedup on these costs")
+    print(f"{'':<24}{'':>7}{'c':>6}{'c':>7}{'':>6}{'tokens / pass':>16}{'speedup':>26}")
+    print(f"{'draft':<24}{'alpha':>7}{'time':>6}{'bytes':>7}{'gamma':>6}{'pred.':>8}{'meas.':>8}"
+          f"{'pred.':>8}{'meas.':>9}{'median':>9}{'same':>6}")
+    for (label, _, alpha, c, c_bytes, g, tpp, pred), (r, best, median, same) in zip(rows,
+                                                                                   measured):
+        print(f"{label:<24}{alpha:>7.3f}{c:>6.2f}{c_bytes:>7.3f}{g:>6}{tpp:>8.2f}"
+              f"{r.tokens_per_pass:>8.2f}{pred:>7.2f}x{best:>8.2f}x{median:>8.2f}x"
+              f"{'yes' if same else 'NO':>6}")
     print()
-    print("v: one verification pass over gamma + 1 positions, in one-token decode steps")
-    print("  " + "   ".join(f"gamma {g}: {v:.2f}" for g, v in costs.items()))
+    print("alpha: per-proposal acceptance (lookup: kept / (kept + rejections) in its rounds; "
+          "models: agreement with greedy)")
+    print("pred.: lookup from its rounds replayed on greedy's tokens, each priced at v; models "
+          "E(alpha, gamma) / (gamma c + v(gamma))")
+    print("meas.: best of the rounds (median beside); the machine may have been shared")
     print(f"tokens identical to plain greedy in every run: {'yes' if same_everywhere else 'NO'}")
     return 0 if same_everywhere else 1
 
 
 if __name__ == "__main__":
-    from _common import run
     run(main)

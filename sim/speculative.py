@@ -12,9 +12,12 @@ gamma positions cost about one decode step: decode is weight-bound), so
 
     speedup = E[tokens / pass] / (gamma * c + 1)
 
-It can be below 1: speculation can make generation slower. The measured half (alpha of each
-quantized model as a draft for the full-precision target) lives in its own script.
-Leaves out: acceptance that varies along the draft, and any cost of verifying more positions.
+It can be below 1: speculation can make generation slower. Where verifying is not free (a
+CPU: a pass over gamma + 1 rows costs v(gamma) > 1 decode steps), the 1 becomes v, measured;
+`best_gamma` picks the draft length from such costs, and `replayed_speedup` prices actual
+rounds (a prompt-lookup draft's, which vary in length) at them. The measured half (alpha of
+each draft for the full-precision target, the costs, real runs) lives in its own script.
+Leaves out: acceptance that varies along the draft.
 """
 from dataclasses import dataclass
 
@@ -36,10 +39,37 @@ def expected_tokens(alpha, gamma):
     return (1.0 - alpha ** (gamma + 1)) / (1.0 - alpha)
 
 
-def speedup(alpha, gamma, c):
-    """Tokens per unit of target time, relative to plain decoding (one token per pass)."""
+def speedup(alpha, gamma, c, v=1.0):
+    """Tokens per unit of target time, relative to plain decoding (one token per pass).
+
+    v: the verification pass's cost in decode steps (1 where decode is weight-bound)."""
     _check(alpha, gamma, c)
-    return expected_tokens(alpha, gamma) / (gamma * c + 1.0)
+    if isinstance(v, bool) or not v > 0:
+        raise ValueError(f"v={v!r}: a verification pass costs more than nothing")
+    return expected_tokens(alpha, gamma) / (gamma * c + v)
+
+
+def best_gamma(alpha, c, costs: dict) -> int:
+    """The draft length with the best speedup, given costs {gamma: v(gamma)}.
+
+    >>> best_gamma(0.8, 0.0, {1: 1.0, 2: 1.0, 4: 1.0, 8: 1.0})    # free verification: longest
+    8
+    >>> best_gamma(0.8, 0.0, {1: 1.2, 2: 1.3, 4: 1.6, 8: 2.9})    # a CPU's: in between
+    4
+    """
+    return max(costs, key=lambda g: speedup(alpha, g, c, costs[g]))
+
+
+def replayed_speedup(rounds, costs: dict) -> float:
+    """Rounds [(proposed, kept), ...] priced at costs {n: v(n)} -> speedup over plain decoding.
+
+    A round yields kept + 1 tokens for one pass over proposed + 1 positions (a round that
+    proposed nothing is a plain step, 1); plain decoding pays one step a token.
+    >>> replayed_speedup([(4, 4), (4, 1), (0, 0)], {4: 2.0})    # 8 tokens for 5 steps
+    1.6
+    """
+    tokens = sum(kept + 1 for _, kept in rounds)
+    return tokens / sum(costs[n] if n else 1.0 for n, _ in rounds)
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,7 @@ import math
 import numpy as np
 import pytest
 
-from sim.speculative import expected_tokens, speedup, table
+from sim.speculative import best_gamma, expected_tokens, replayed_speedup, speedup, table
 
 
 def test_chapter_figures():
@@ -61,3 +61,21 @@ def test_table_order():
 def test_bad_inputs(args, word):
     with pytest.raises(ValueError, match=word):
         speedup(*args)
+
+
+def test_a_verification_pass_that_costs_more_moves_the_best_gamma_down():
+    assert speedup(0.8, 4, 0.0, v=2.0) == expected_tokens(0.8, 4) / 2.0
+    free = {g: 1.0 for g in range(1, 9)}
+    cpu = {g: 1.0 + 0.05 * g ** 2 for g in range(1, 9)}   # rising faster than linearly
+    assert best_gamma(0.8, 0.0, free) == 8
+    assert 1 < best_gamma(0.8, 0.0, cpu) < 8
+    assert best_gamma(0.8, 0.0, cpu) == max(cpu, key=lambda g: speedup(0.8, g, 0.0, cpu[g]))
+    with pytest.raises(ValueError, match="v="):
+        speedup(0.8, 4, 0.0, v=0.0)
+
+
+def test_replayed_rounds_price_each_pass_at_its_own_length():
+    rounds = [(3, 3), (3, 0), (0, 0), (2, 1)]     # 4 + 1 + 1 + 2 = 8 tokens
+    costs = {2: 1.5, 3: 2.0}
+    assert replayed_speedup(rounds, costs) == 8 / (2.0 + 2.0 + 1.0 + 1.5)
+    assert replayed_speedup([(0, 0)] * 5, costs) == 1.0   # nothing proposed: plain decoding

@@ -11,7 +11,7 @@ from scipy.stats import chisquare
 import minitransformer as mt
 from minitransformer import speculative
 from minitransformer.sampling import SamplingSettings, apply_repetition_penalty, probabilities
-from minitransformer.lookup import PromptLookup
+from minitransformer.lookup import PromptLookup, replay
 from minitransformer.speculative import first_layers, leviathan_step, speculative_generate
 from minitransformer.synth import default_model, make_checkpoint, qwen2_config
 from quant.qmodel import quantize_model
@@ -65,6 +65,11 @@ def test_prompt_lookup_greedy_equals_plain_greedy_and_drafts_from_repeats(tiny_m
                 assert len(r.tokens) == r.accepted + r.target_passes
                 assert r.draft_passes == 0 and r.proposed <= gamma * r.target_passes
                 assert r.rejected <= r.target_passes and r.accepted <= r.proposed
+                # the rounds follow from the tokens: replaying them gives the same counts
+                rounds = replay(ids + r.tokens, len(ids), gamma, draft)
+                assert (len(rounds), sum(p for p, _ in rounds), sum(k for _, k in rounds),
+                        sum(k < p for p, k in rounds)) == \
+                    (r.target_passes, r.proposed, r.accepted, r.rejected)
     # a model that copies: greedy continues a repeated passage, so the lookup is kept
     looped = speculative_generate(tiny_model, PromptLookup(), plain + plain, 20, gamma=4,
                                   eos_token_id=[])
@@ -250,15 +255,26 @@ def test_a_wrong_rule_fails_the_same_test(pair, monkeypatch, wrong_rule):
     assert goodness_of_fit(samples, joint) < 1e-6
 
 
-def test_exp22_script_runs_and_finds_every_output_identical(stories):
+def run_exp22(model_path, *args):
     import subprocess
     import sys
     from pathlib import Path
     script = Path(__file__).resolve().parents[1] / "scripts" / "exp22_speculative.py"
-    done = subprocess.run([sys.executable, str(script), "--model", stories.path, "--positions",
-                           "24", "--gammas", "3", "--time-budget", "0"],
+    done = subprocess.run([sys.executable, str(script), "--model", str(model_path),
+                           "--new-tokens", "16", "--repeats", "1", "--max-gamma", "3", *args],
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
-    for text in ("INT4 per-row", "first 4 of 5 layers", "c (bytes)",
+    return done.stdout
+
+
+def test_exp22_script_runs_and_finds_every_output_identical(stories):
+    out = run_exp22(stories.path, "--schemes", "int4-row")
+    for text in ("prompt lookup", "INT4 per-row", "first 2 of 5 layers", "v(n)",
                  "tokens identical to plain greedy in every run: yes"):
-        assert text in done.stdout
+        assert text in out
+
+
+def test_exp22_script_on_the_default_model():
+    out = run_exp22("default", "--schemes", "int8-row", "--no-layers-draft")
+    assert "prompt lookup" in out and "INT8 per-row" in out and "first" not in out
+    assert "tokens identical to plain greedy in every run: yes" in out
