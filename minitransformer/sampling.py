@@ -62,6 +62,12 @@ def probabilities(logits, settings: SamplingSettings):
     and inf - inf is NaN; (z - max) / T only goes to -inf, whose exp is 0), and the most likely
     token always survives top-p (a top_p below float32's smallest number, 1.4e-45, would
     otherwise keep nothing). Tiny settings thus degrade to greedy, as they should.
+
+    Top-p 0.75 over 0.5, 0.3, 0.15, 0.05: tokens are kept while the mass before them is below
+    0.75 (0 before the first, 0.5 before the second, 0.8 before the third), then renormalised.
+    >>> top_p = SamplingSettings(do_sample=True, top_p=0.75)
+    >>> probabilities(np.log([0.5, 0.3, 0.15, 0.05]), top_p).round(3).tolist()
+    [0.625, 0.375, 0.0, 0.0]
     """
     z = np.asarray(logits, dtype=np.float64)
     if 0 < settings.top_k < z.size:

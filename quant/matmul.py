@@ -32,6 +32,7 @@ from minitransformer.backend import BACKEND, xp
 
 BLOCK_FLOATS = 1 << 18   # 1 MB of float32 per block: in L2 on most CPUs, few Python steps
 _scratch = threading.local()  # one reusable buffer per thread (no page faults per call)
+_tables = {}                  # id(levels) -> (levels, lookup table or None): lookup_table
 
 
 def blocked_matmul(q, x):
@@ -95,11 +96,21 @@ def buffer(shape, dtype):
 
 
 def lookup_table(q):
-    """None for the integer grids (a cast does); else the levels (8 bits) or `pair_table`."""
-    half = 2 ** (q.bits - 1)
-    if np.array_equal(q.levels, np.arange(2 * half, dtype=np.float32) - half):
-        return None
-    return q.levels if q.bits == 8 else pair_table(q.levels)
+    """None for the integer grids (a cast does); else the levels (8 bits) or `pair_table`.
+
+    Worked out once per levels array (the quantizers share one per scheme), not per call:
+    a decode step makes hundreds of these calls. The cache holds the levels themselves, so
+    their id cannot be reused by another array while the entry lives.
+    """
+    held = _tables.get(id(q.levels))
+    if held is None or held[0] is not q.levels:
+        if len(_tables) > 64:   # levels made one per matrix (not by our quantizers)
+            _tables.clear()
+        half = 2 ** (q.bits - 1)
+        grid = np.array_equal(q.levels, np.arange(2 * half, dtype=np.float32) - half)
+        held = (q.levels, None if grid else q.levels if q.bits == 8 else pair_table(q.levels))
+        _tables[id(q.levels)] = held
+    return held[1]
 
 
 def levels_block(q, r0: int, r1: int, table):

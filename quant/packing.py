@@ -17,7 +17,11 @@ from minitransformer.backend import xp
 
 
 def pack_nibbles(codes) -> np.ndarray:
-    """Codes (n,) with values 0..15 -> uint8 (ceil(n/2),), two codes per byte."""
+    """Codes (n,) with values 0..15 -> uint8 (ceil(n/2),), two codes per byte.
+
+    >>> [hex(b) for b in pack_nibbles([0xA, 0x3, 0x7])]   # A low, 3 high; 7 with a 0 partner
+    ['0x3a', '0x7']
+    """
     codes = np.asarray(codes).reshape(-1)
     if codes.size and (codes.min() < 0 or codes.max() > 15):
         raise ValueError(f"4-bit codes must be in 0..15, got {codes.min()}..{codes.max()}")
@@ -32,6 +36,9 @@ def unpack_nibbles(packed, n: int, levels):
 
     levels (16,) is whatever the codes stand for: 0..15 gives the codes back, the int4 grid
     -8..7 or the 16 NF4 levels give the weights in units of their scale.
+
+    >>> unpack_nibbles(xp.asarray(pack_nibbles([10, 3, 7])), 3, xp.arange(16)).tolist()
+    [10, 3, 7]
     """
     if packed.size != (n + 1) // 2:
         raise ValueError(f"{packed.size} bytes cannot hold exactly {n} 4-bit codes")
