@@ -148,8 +148,10 @@ def default_model() -> Path:
     stamp = path / "GENERATED"
     if stamp.is_file() and stamp.read_text() == GENERATOR_VERSION:
         return path
+    from minitransformer.paged import ceil_div
+
     tokenizer = train_tokenizer()
-    vocab = -(-tokenizer.get_vocab_size() // 64) * 64  # padded to a multiple of 64, as Qwen does
+    vocab = ceil_div(tokenizer.get_vocab_size(), 64) * 64  # a multiple of 64, as Qwen pads it
     eos = tokenizer.token_to_id(SPECIAL)
     tmp = path.with_name("default.partial")
     shutil.rmtree(tmp, ignore_errors=True)

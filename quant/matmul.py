@@ -29,6 +29,7 @@ import threading
 import numpy as np
 
 from minitransformer.backend import BACKEND, xp
+from minitransformer.paged import ceil_div
 
 BLOCK_FLOATS = 1 << 18   # 1 MB of float32 per block: in L2 on most CPUs, few Python steps
 _scratch = threading.local()  # one reusable buffer per thread (no page faults per call)
@@ -120,7 +121,7 @@ def levels_block(q, r0: int, r1: int, table):
     """
     cols = q.shape[1]
     n = r1 - r0
-    flat = buffer((2 * (-(-n * cols // 2)),), np.float32)  # room for a padding nibble
+    flat = buffer((2 * ceil_div(n * cols, 2),), np.float32)  # room for a padding nibble
     w = flat[:n * cols].reshape(n, cols)
     if q.bits == 8:
         codes = q.codes[r0 * cols:r1 * cols]
@@ -133,7 +134,7 @@ def levels_block(q, r0: int, r1: int, table):
         return w
     # 4 bits: byte i holds code 2i (low nibble) and code 2i+1 (high nibble). r0 is even, so
     # the block starts on a byte; an odd total leaves one padding nibble at the very end.
-    first, last = r0 * cols // 2, -(-r1 * cols // 2)
+    first, last = r0 * cols // 2, ceil_div(r1 * cols, 2)
     packed = q.codes[first:last]                                       # (ceil(n*in/2),)
     if table is None:
         # A byte b = (hi << 4) | lo. Flip bit 3 of each nibble (code c -> c - 8 as a signed

@@ -11,6 +11,7 @@ from dataclasses import replace
 import numpy as np
 
 from minitransformer.backend import to_device, to_numpy
+from minitransformer.paged import ceil_div
 from quant.packing import pack_nibbles
 from quant.qweight import QWeight
 
@@ -44,7 +45,7 @@ def group_absmax(w: np.ndarray, group: int) -> np.ndarray:
     if isinstance(group, bool) or not isinstance(group, (int, np.integer)) or group < 1:
         raise ValueError(f"group size must be a positive integer, got {group!r}")
     out, cols = w.shape
-    n_groups = -(-cols // group)
+    n_groups = ceil_div(cols, group)
     padded = np.zeros((out, n_groups * group), np.float32)
     padded[:, :cols] = np.abs(w)
     return padded.reshape(out, n_groups, group).max(axis=2)

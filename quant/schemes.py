@@ -20,6 +20,7 @@ Leaves out: schemes the chapter does not tabulate (INT8 per-group, 3- or 2-bit c
 """
 from dataclasses import dataclass
 
+from minitransformer.paged import ceil_div
 from quant.absmax import absmax_per_group, absmax_per_row, absmax_per_tensor
 from quant.nf4 import nf4
 
@@ -49,12 +50,12 @@ class Scheme:
         out, cols = shape
         if self.group == TENSOR:
             return 1
-        return out * (1 if self.group == ROW else -(-cols // self.group))
+        return out * (1 if self.group == ROW else ceil_div(cols, self.group))
 
     def nbytes(self, shape) -> int:
         """Bytes held for a matrix (out, in): codes (4-bit ones two per byte) + float16 scales."""
         out, cols = shape
-        return -(-out * cols * self.bits // 8) + 2 * self.scales(shape)
+        return ceil_div(out * cols * self.bits, 8) + 2 * self.scales(shape)
 
     def bits_per_weight(self, shape) -> float:
         return 8 * self.nbytes(shape) / (shape[0] * shape[1])

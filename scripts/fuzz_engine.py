@@ -36,7 +36,8 @@ def fuzz(label, model, seeds, batch_invariant) -> tuple:
     totals, failures, start = Counter(), [], time.perf_counter()
     for i, seed in enumerate(seeds, 1):
         try:
-            totals.update({k: v for k, v in run_case(model, seed, batch_invariant).items() if k in COLUMNS})
+            counts = run_case(model, seed, batch_invariant)
+            totals.update({k: v for k, v in counts.items() if k in COLUMNS})
         except Exception as e:  # noqa: BLE001 (a crash is a finding too: report, go on)
             first = str(e).splitlines()[0] if str(e) else ""
             failures.append((seed, f"{type(e).__name__}: {first}"))
@@ -48,7 +49,7 @@ def fuzz(label, model, seeds, batch_invariant) -> tuple:
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    add_model_argument(parser)
+    add_model_argument(parser, default=None)   # None: the tiny test models
     parser.add_argument("--cases", type=int, default=200, help="random workloads per model")
     parser.add_argument("--first", type=int, default=0, help="seed of the first case")
     parser.add_argument("--fast", action="store_true",
@@ -93,4 +94,5 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    from _common import run
+    run(main)

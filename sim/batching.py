@@ -22,6 +22,18 @@ prefill, and the gap between a finished step and the host noticing it.
 wins depends on the load as much as on the lengths (all at t = 0 no request waits for a batch
 to fill, so the latency gain is at its smallest), and scripts/exp13_batching_sim.py prints
 where the chapter's two figures fall.
+
+Example: outputs of 3, 1 and 2 tokens, all at t = 0, 2 slots, every step 1 s. Static runs
+[0 1] for 3 steps (1 finishes after step 1 and is padded) and [2] after them; continuous gives
+request 1's slot to request 2 at step 2. (first token, returned) per request:
+
+>>> from sim.workload import Arrival
+>>> arrivals = [Arrival(0, 0.0, 3), Arrival(1, 0.0, 1), Arrival(2, 0.0, 2)]
+>>> for simulate in (simulate_static, simulate_continuous):
+...     run = simulate(arrivals, slots=2, step_cost=lambda batch: 1.0)
+...     print(run.policy, run.steps, [(r.first_token, r.returned) for r in run.results])
+static 5 [(1.0, 3.0), (1.0, 3.0), (4.0, 5.0)]
+continuous 3 [(1.0, 3.0), (1.0, 1.0), (2.0, 3.0)]
 """
 import json
 from dataclasses import astuple, dataclass

@@ -6,6 +6,7 @@ import pytest
 import minitransformer as mt
 from minitransformer.backend import to_numpy
 from minitransformer.model import forward
+from minitransformer.paged import ceil_div
 from quant.absmax import absmax_per_group, absmax_per_row, absmax_per_tensor
 from quant.activations import (capture_residuals, default_layer, int8_levels, log2_histogram,
                                longest_run, per_dim_max, persistence, quantile_dims, top_dims)
@@ -145,5 +146,5 @@ def test_stories260k_resident_bytes_match_bits_per_weight(stories):
     # along each row, the short last run of a 172-wide row included
     for scheme, bits, group in [("int8-row", 8, None), ("int4-g128", 4, 128), ("nf4", 4, 64)]:
         held = resident_bytes(quantize_model(stories, scheme).weights)["projections"]
-        assert held == sum(out * cols * bits // 8 + 2 * out * -(-cols // (group or cols))
+        assert held == sum(out * cols * bits // 8 + 2 * out * ceil_div(cols, group or cols)
                            for out, cols in shapes)
