@@ -14,7 +14,8 @@ from quant.schemes import SCHEMES
 
 pytestmark = pytest.mark.skipif(BACKEND != "numpy", reason="the blocked path is NumPy's")
 
-SHAPES = [(48, 256), (37, 128), (7, 9), (130, 200)]  # odd rows, odd columns, ragged groups
+SHAPES = [(48, 256), (37, 128), (7, 9), (130, 200), (12, 576)]  # odd rows and columns,
+#                                                     ragged groups (200 = 128 + 72, 576 = 4.5 x 128)
 
 
 def weights(shape, seed=0):
@@ -67,7 +68,7 @@ def test_integer_grids_need_no_table_and_nf4_does():
 
 
 def test_shapes_without_whole_bytes_or_groups_take_the_specification():
-    for scheme, shape in (("int4-g128", (5, 200)), ("nf4", (4, 9)), ("int4-row", (3, 7))):
+    for scheme, shape in (("int4-g128", (5, 201)), ("nf4", (4, 9)), ("int4-row", (3, 7))):
         q = SCHEMES[scheme].quantize(weights(shape))
         assert not matmul.fast_layout(q)
         x = np.random.default_rng(2).standard_normal((2, shape[1])).astype(np.float32)
