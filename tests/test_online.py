@@ -6,17 +6,10 @@ import numpy as np
 import pytest
 
 import minitransformer as mt
+from engine_fuzz import solo
 from minitransformer.engine import Engine, Request
 from minitransformer.online import Closed, OnlineEngine, QueueFull
 from minitransformer.sampling import SamplingSettings
-
-
-def solo(model, request):
-    s = request.settings
-    return mt.generate(model, list(request.prompt), request.max_new_tokens,
-                       do_sample=s.do_sample, temperature=s.temperature, top_k=s.top_k,
-                       top_p=s.top_p, repetition_penalty=s.repetition_penalty,
-                       seed=request.seed, eos_token_id=request.eos_token_id)
 
 
 def wait_for(condition, timeout=10.0):
