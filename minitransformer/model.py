@@ -14,12 +14,13 @@ Hkv key/value heads, G = H / Hkv queries per kv head, d head dim, F MLP width, V
 All math is float32. Follows Hugging Face's Qwen2/Llama modelling (half-split RoPE, repeat_kv
 head order); leaves out training, dropout, rope scaling and sliding windows.
 """
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np  # host-side bookkeeping only (positions); the math goes through xp
 
 from minitransformer.backend import BACKEND, to_device, xp
 from minitransformer.config import ModelConfig
+from minitransformer.fused import Layer, fuse
 
 
 @dataclass(frozen=True)
@@ -29,6 +30,15 @@ class Model:
     tokenizer: object = None  # minitransformer.tokenizer.Tokenizer, or None
     eos_token_ids: tuple = ()
     path: str = ""
+    layers: tuple = field(init=False, repr=False, compare=False)  # Layer per layer (fused.py)
+
+    def __post_init__(self):
+        # Made here, so that every Model (loaded, quantized, edited with dataclasses.replace)
+        # multiplies the weights its dict holds. The dict's q/k/v and gate/up become views
+        # into the fused matrices: nothing is held twice.
+        weights, layers = fuse(self.config, self.weights)
+        object.__setattr__(self, "weights", weights)
+        object.__setattr__(self, "layers", layers)
 
 
 def is_quantized(w) -> bool:
@@ -197,15 +207,13 @@ def prepare(model: Model, ids, cache=None, batch_invariant=False) -> Batch:
 
 def attention_block(model, i, x, batch: Batch, cache):
     """Layer i's self-attention on normed input x (B, T, D) -> (B, T, D)."""
-    c, w, p = model.config, model.weights, f"model.layers.{i}.self_attn."
+    c, layer, per_row = model.config, model.layers[i], batch.per_row
     B, T, _ = x.shape
-    H, Hkv, d, per_row = c.num_attention_heads, c.num_key_value_heads, c.head_dim, batch.per_row
-    q = linear(x, w[p + "q_proj.weight"], w.get(p + "q_proj.bias"), per_row)  # (B, T, H*d)
-    k = linear(x, w[p + "k_proj.weight"], w.get(p + "k_proj.bias"), per_row)  # (B, T, Hkv*d)
-    v = linear(x, w[p + "v_proj.weight"], w.get(p + "v_proj.bias"), per_row)  # (B, T, Hkv*d)
-    q = rope(q.reshape(B, T, H, d), batch.cos, batch.sin)
-    k = rope(k.reshape(B, T, Hkv, d), batch.cos, batch.sin)
-    v = v.reshape(B, T, Hkv, d)
+    H, Hkv, d = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+    qkv = linear(x, layer.qkv, layer.qkv_bias, per_row)             # (B, T, (H + 2Hkv) * d)
+    qkv = qkv.reshape(B, T, H + 2 * Hkv, d)                          # q heads, k heads, v heads
+    qk = rope(qkv[:, :, :H + Hkv], batch.cos, batch.sin)            # q and k turn alike
+    q, k, v = qk[:, :, :H], qk[:, :, H:], qkv[:, :, H + Hkv:]       # (B, T, H|Hkv|Hkv, d)
     if cache is None:  # recompute: this call's tokens are the whole sequence
         k, v = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)     # (B, Hkv, T, d)
     else:              # store the new keys/values, attend over everything held
@@ -213,7 +221,7 @@ def attention_block(model, i, x, batch: Batch, cache):
     out = xp.empty((B, T, H * d), dtype=q.dtype)
     for rows, S in batch.groups:
         out[rows] = attention(q[rows], k[rows, :, :S], v[rows, :, :S], batch.positions[rows])
-    return linear(out, w[p + "o_proj.weight"], w.get(p + "o_proj.bias"), per_row)  # (B, T, D)
+    return linear(out, layer.o, layer.o_bias, per_row)               # (B, T, D)
 
 
 def silu(x):
@@ -229,19 +237,17 @@ def silu(x):
 
 def mlp(model, i, x, per_row=False):
     """SwiGLU: down(silu(gate(x)) * up(x)), (B, T, D) -> (B, T, D)."""
-    w, p = model.weights, f"model.layers.{i}.mlp."
-    gate = linear(x, w[p + "gate_proj.weight"], per_row=per_row)     # (B, T, F)
-    up = linear(x, w[p + "up_proj.weight"], per_row=per_row)         # (B, T, F)
-    return linear(silu(gate) * up, w[p + "down_proj.weight"], per_row=per_row)  # (B, T, D)
+    layer, F = model.layers[i], model.config.intermediate_size
+    gate_up = linear(x, layer.gate_up, per_row=per_row)              # (B, T, 2F)
+    gate, up = gate_up[..., :F], gate_up[..., F:]                    # (B, T, F) each
+    return linear(silu(gate) * up, layer.down, per_row=per_row)      # (B, T, D)
 
 
 def block(model: Model, i: int, h, batch: Batch, cache=None):
     """Decoder layer i: the residual stream h (B, T, D) -> h (B, T, D) after the layer."""
-    c, w, p = model.config, model.weights, f"model.layers.{i}."
-    h = h + attention_block(model, i, rms_norm(h, w[p + "input_layernorm.weight"],
-                                               c.rms_norm_eps), batch, cache)
-    return h + mlp(model, i, rms_norm(h, w[p + "post_attention_layernorm.weight"],
-                                      c.rms_norm_eps), batch.per_row)
+    eps, layer = model.config.rms_norm_eps, model.layers[i]
+    h = h + attention_block(model, i, rms_norm(h, layer.input_norm, eps), batch, cache)
+    return h + mlp(model, i, rms_norm(h, layer.post_norm, eps), batch.per_row)
 
 
 def embed(model: Model, ids):

@@ -1,0 +1,80 @@
+"""The checkpoint's weights regrouped as the forward pass multiplies them: fused projections.
+
+q, k and v all read the same normed input, and so do gate and up. Production engines (vLLM's
+QKVParallelLinear and MergedColumnParallelLinear, llama.cpp's fused QKV) stack such matrices
+into one, so a layer makes one multiply for q/k/v and one for gate/up: one pass over the input,
+one BLAS call and one output buffer instead of three or two. This is the one place where the
+checkpoint's names meet the fused ones:
+
+    qkv      = [q_proj; k_proj; v_proj]    (H*d + 2*Hkv*d, D)   biases stacked the same way
+    gate_up  = [gate_proj; up_proj]        (2F, D)
+
+Stacking rows is exact: output row r of the stack is output row r of the part it came from.
+The model's weights dict keeps every checkpoint name, as a view into the stacked matrix, so a
+learner can still look up "model.layers.3.self_attn.k_proj.weight", and nothing is held twice.
+Quantized weights (objects with a ``matmul``) cannot be stacked as arrays: a Stacked keeps
+them apart and concatenates their outputs, which is the same function.
+"""
+from dataclasses import dataclass
+
+from minitransformer.backend import xp
+
+
+@dataclass(frozen=True)
+class Layer:
+    """One decoder layer's weights as the forward pass uses them (shapes as in model.py)."""
+    input_norm: object      # input_layernorm.weight (D,)
+    qkv: object             # self_attn.{q,k,v}_proj.weight stacked (H*d + 2*Hkv*d, D)
+    qkv_bias: object        # self_attn.{q,k,v}_proj.bias stacked (H*d + 2*Hkv*d,), or None
+    o: object               # self_attn.o_proj.weight (D, H*d)
+    o_bias: object          # self_attn.o_proj.bias (D,), or None
+    post_norm: object       # post_attention_layernorm.weight (D,)
+    gate_up: object         # mlp.{gate,up}_proj.weight stacked (2F, D)
+    down: object            # mlp.down_proj.weight (D, F)
+
+
+@dataclass(frozen=True)
+class Stacked:
+    """Matrices that multiply themselves (quantized), stacked along out: x (..., in) ->
+    (..., sum of outs), each part's outputs side by side, as one stacked matrix would give."""
+    parts: tuple
+
+    def matmul(self, x):
+        return xp.concatenate([w.matmul(x) if hasattr(w, "matmul") else x @ w.T
+                               for w in self.parts], axis=-1)
+
+
+def stack(weights: dict, names: list):
+    """Stack the named matrices (or vectors) along their first axis -> the stack (None if
+    the first name is absent: a model without biases). Plain arrays are replaced in
+    `weights` by views into the stack; anything else goes into a Stacked as it is."""
+    if names[0] not in weights:
+        return None
+    parts = [weights[n] for n in names]
+    if any(hasattr(w, "matmul") for w in parts):
+        return Stacked(tuple(parts))
+    whole = xp.concatenate(parts)                                    # (sum of outs, ...)
+    start = 0
+    for name, part in zip(names, parts):
+        weights[name] = whole[start:start + len(part)]              # a view, same values
+        start += len(part)
+    return whole
+
+
+def fuse(config, weights: dict):
+    """-> (a new weights dict whose q/k/v and gate/up are views into the stacks, Layer per
+    layer). The caller's dict is left as it was."""
+    weights, layers = dict(weights), []
+    for i in range(config.num_hidden_layers):
+        p = f"model.layers.{i}."
+        attn = [f"{p}self_attn.{m}_proj" for m in "qkv"]
+        layers.append(Layer(
+            input_norm=weights[p + "input_layernorm.weight"],
+            qkv=stack(weights, [n + ".weight" for n in attn]),
+            qkv_bias=stack(weights, [n + ".bias" for n in attn]),
+            o=weights[p + "self_attn.o_proj.weight"],
+            o_bias=weights.get(p + "self_attn.o_proj.bias"),
+            post_norm=weights[p + "post_attention_layernorm.weight"],
+            gate_up=stack(weights, [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]),
+            down=weights[p + "mlp.down_proj.weight"]))
+    return weights, tuple(layers)
