@@ -112,6 +112,7 @@ class ModelConfig:
                                   f"got {dtype!r:.100}")
 
         heads, hidden = size("num_attention_heads"), size("hidden_size")
+        cfg = hf_fallbacks(cfg)
         config = cls(
             model_type=model_type,
             vocab_size=size("vocab_size"),
@@ -119,9 +120,8 @@ class ModelConfig:
             intermediate_size=size("intermediate_size"),
             num_hidden_layers=size("num_hidden_layers"),
             num_attention_heads=heads,
-            # Absent means plain multi-head attention: one kv head per query head.
-            num_key_value_heads=size("num_key_value_heads", heads),
-            head_dim=size("head_dim", max(hidden // heads, 1)),
+            num_key_value_heads=size("num_key_value_heads"),
+            head_dim=size("head_dim"),
             max_position_embeddings=size("max_position_embeddings"),
             rms_norm_eps=positive_number_field(source, "rms_norm_eps", value("rms_norm_eps", 1e-6)),
             rope_theta=positive_number_field(source, "rope_theta", value("rope_theta", 10000.0)),
@@ -163,6 +163,23 @@ def architecture(cfg: dict, source) -> str:
         raise CheckpointError(f"{source}: unsupported architecture {archs or model_type!r:.100}; "
                               f"supported: {', '.join(ARCHITECTURES)}")
     return model_type
+
+
+def hf_fallbacks(cfg: dict) -> dict:
+    """The two Hugging Face conventions real config.json files rely on, filled in (a copy):
+    no num_key_value_heads means plain multi-head attention, one kv head per query head; no
+    head_dim (Qwen2, older Llama) means hidden_size // num_attention_heads.
+
+    >>> hf_fallbacks({"hidden_size": 896, "num_attention_heads": 14})
+    {'hidden_size': 896, 'num_attention_heads': 14, 'num_key_value_heads': 14, 'head_dim': 64}
+    """
+    heads, hidden, filled = cfg.get("num_attention_heads"), cfg.get("hidden_size"), dict(cfg)
+    if filled.get("num_key_value_heads") is None:
+        filled["num_key_value_heads"] = heads
+    numbers = all(isinstance(n, int) and not isinstance(n, bool) for n in (heads, hidden))
+    if filled.get("head_dim") is None and numbers and heads > 0:
+        filled["head_dim"] = max(hidden // heads, 1)
+    return filled
 
 
 def load_config(path) -> ModelConfig:

@@ -53,12 +53,30 @@ def stack(weights: dict, names: list):
     parts = [weights[n] for n in names]
     if any(hasattr(w, "matmul") for w in parts):
         return Stacked(tuple(parts))
+    if stacked_views(parts):  # a Model made from another one's weights: share, never copy
+        return parts[0].base
     whole = xp.concatenate(parts)                                    # (sum of outs, ...)
     start = 0
     for name, part in zip(names, parts):
         weights[name] = whole[start:start + len(part)]              # a view, same values
         start += len(part)
     return whole
+
+
+def address(a) -> int:
+    """Where an array's first element lives (host or device memory)."""
+    return a.__array_interface__["data"][0] if hasattr(a, "__array_interface__") \
+        else a.data.ptr
+
+
+def stacked_views(parts) -> bool:
+    """Are these arrays, in order, the rows of one array end to end (what stack made)?"""
+    base = parts[0].base
+    if base is None or any(p.base is not base or p.shape[1:] != base.shape[1:] for p in parts):
+        return False
+    ends = [address(base)] + [address(p) + p.nbytes for p in parts]
+    starts = [address(p) for p in parts] + [address(base) + base.nbytes]
+    return ends == starts  # each part starts where the one before it ended, and they fill base
 
 
 def fuse(config, weights: dict):

@@ -136,9 +136,9 @@ def unpermute(w, heads: int) -> np.ndarray:
 
 def read_weights(reader, config: ModelConfig, source: str) -> dict:
     """Every tensor of the file, dequantized to float32 and renamed; checked against config."""
-    from minitransformer.loader import expected_shapes
+    from minitransformer.shape import tensor_shapes
 
-    expected = expected_shapes(config)
+    expected = tensor_shapes(config)
     weights = {}
     for t in reader.tensors:
         name = hf_name(t.name)

@@ -22,38 +22,10 @@ from minitransformer.config import ModelConfig, load_config
 from minitransformer.errors import CheckpointError
 from minitransformer.model import Model
 from minitransformer.safetensors_io import read_tensors, to_float32
+from minitransformer.shape import tensor_shapes
 from minitransformer.tokenizer import load_tokenizer
 
 FLOAT_DTYPES = ("F32", "F16", "BF16")
-
-
-def expected_shapes(c: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Every tensor name the config implies -> its shape (HF layout: a Linear is (out, in))."""
-    D, F, d = c.hidden_size, c.intermediate_size, c.head_dim
-    H, Hkv = c.num_attention_heads, c.num_key_value_heads
-    shapes = {"model.embed_tokens.weight": (c.vocab_size, D), "model.norm.weight": (D,)}
-    if not c.tie_word_embeddings:
-        shapes["lm_head.weight"] = (c.vocab_size, D)
-    for i in range(c.num_hidden_layers):
-        p = f"model.layers.{i}."
-        shapes |= {
-            p + "input_layernorm.weight": (D,),
-            p + "self_attn.q_proj.weight": (H * d, D),
-            p + "self_attn.k_proj.weight": (Hkv * d, D),
-            p + "self_attn.v_proj.weight": (Hkv * d, D),
-            p + "self_attn.o_proj.weight": (D, H * d),
-            p + "post_attention_layernorm.weight": (D,),
-            p + "mlp.gate_proj.weight": (F, D),
-            p + "mlp.up_proj.weight": (F, D),
-            p + "mlp.down_proj.weight": (D, F),
-        }
-        if c.qkv_bias:
-            shapes |= {p + "self_attn.q_proj.bias": (H * d,),
-                       p + "self_attn.k_proj.bias": (Hkv * d,),
-                       p + "self_attn.v_proj.bias": (Hkv * d,)}
-        if c.o_bias:
-            shapes[p + "self_attn.o_proj.bias"] = (D,)
-    return shapes
 
 
 def weight_files(path: Path) -> dict[Path, set | None]:
@@ -111,7 +83,7 @@ def load_weights(path: Path, config: ModelConfig) -> dict:
         del found[name]
     if config.tie_word_embeddings:
         found.pop("lm_head.weight", None)  # tied: the head *is* the embedding
-    expected = expected_shapes(config)
+    expected = tensor_shapes(config)
     missing = sorted(set(expected) - set(found))
     if missing:
         raise CheckpointError(f"{path}: missing tensor(s) {', '.join(missing[:5])}"

@@ -98,11 +98,11 @@ def train_tokenizer(vocab_size: int = 1024):
 def random_weights(config: dict, seed: int = 0) -> dict:
     """Every tensor the config implies, float32, normal(0, 0.02); norm gains near 1."""
     from minitransformer.config import ModelConfig
-    from minitransformer.loader import expected_shapes
+    from minitransformer.shape import tensor_shapes
 
     rng = np.random.default_rng(seed)
     weights = {}
-    for name, shape in expected_shapes(ModelConfig.from_dict(config)).items():
+    for name, shape in tensor_shapes(ModelConfig.from_dict(config)).items():
         x = rng.standard_normal(shape, dtype=np.float32)
         weights[name] = (1.0 + 0.1 * x) if name.endswith("norm.weight") else 0.02 * x
     return weights

@@ -10,7 +10,7 @@ against a longer cache is measured again (a fresh pass) and flagged if it persis
 The chapter: flat. Sixty-four times more history changed nothing measurable, because a step's
 cost is dominated by reading the weights; the cache it also reads is small beside them. The
 last columns say how small: the bytes of cache a step reads at C (C x 2 x L x Hkv x d x 4, the
-formula, float32) against the bytes of the weights.
+formula, float32) against the weight bytes a step reads (shape.decode_read_bytes).
 """
 import argparse
 
@@ -24,6 +24,7 @@ from minitransformer.kvcache import KVCache
 from minitransformer.measure import median_time
 from minitransformer.model import forward
 from minitransformer.sanity import cost_falls, recheck
+from minitransformer.shape import decode_read_bytes
 from sim.kv_memory import format_bytes, kv_bytes_per_token
 
 
@@ -77,7 +78,7 @@ def main(argv=None):
     timings, warnings = recheck(
         lambda _: step_times(model, lengths, args.warmup, args.repeat),
         lambda t: cost_falls(lengths, t, "a step against C ="))
-    weights = sum(int(w.nbytes) for w in model.weights.values())
+    weights = decode_read_bytes(c, model.weights)
     per_token = kv_bytes_per_token(c, 4)
 
     table = Table("Experiment 7: decode step cost vs cache length (float32)", experiment=7,

@@ -27,9 +27,10 @@ from minitransformer.kvcache import KVCache
 from minitransformer.lookup import PromptLookup, replay
 from minitransformer.measure import time_together
 from minitransformer.model import forward, head
+from minitransformer.shape import decode_read_bytes
 from minitransformer.speculative import first_layers, speculative_generate
 from quant.evaluate import agreement, reference_tokens
-from quant.qmodel import SCHEMES, quantize_model, resident_bytes
+from quant.qmodel import SCHEMES, quantize_model
 from sim.speculative import best_gamma, expected_tokens, replayed_speedup, speedup
 
 # Written for this project: a passage to be copied (the task where prompt lookup shines).
@@ -101,7 +102,7 @@ def main(argv=None):
     plain = reference_tokens(target, ids, n)
     say(f"[2/4] v(n): verification passes over 2..{G + 1} positions ...")
     v = step_costs(target, ids + plain, G, args.repeats)
-    target_bytes = sum(resident_bytes(target).values())
+    target_bytes = decode_read_bytes(target.config, target.weights)
 
     say("[3/4] drafts: alpha, c, predicted speedup per gamma ...")
     lookup = PromptLookup()
@@ -121,9 +122,7 @@ def main(argv=None):
         draft = make()
         alpha = agreement(draft, ids, plain) / n
         c = draft_cost(target, draft, ids + plain[:1], args.repeats)
-        L, used = draft.config.num_hidden_layers, draft.weights
-        c_bytes = sum(resident_bytes({k: w for k, w in used.items() if ".layers." not in k or
-                                      int(k.split(".")[2]) < L}).values()) / target_bytes
+        c_bytes = decode_read_bytes(draft.config, draft.weights) / target_bytes
         g = best_gamma(alpha, c, v)
         rows.append((label, draft, alpha, c, c_bytes, g, expected_tokens(alpha, g),
                      speedup(alpha, g, c, v[g])))

@@ -1,36 +1,35 @@
-"""The handful of architecture numbers the cost models read, from any kind of config.
+"""The architecture the cost models read, from any kind of config.
 
 sim/ has to work with whatever describes a model: the core's `ModelConfig` (its attribute
-names are the HF config.json names), a plain dict, or the path of a config.json (or of the
-checkpoint directory that holds one). `arch(config)` turns any of them into one frozen `Arch`;
-`kv_dims(config)` reads only the three numbers the KV-cache formula needs, so a hypothetical
-model can be described by just those.
+names are the HF config.json names), a plain dict, any object with those attribute names, or
+the path of a config.json (or of the checkpoint directory that holds one). `arch(config)` turns
+any of them into the core's own ModelConfig, so the HF fallbacks (`config.hf_fallbacks`), the
+bias rule (`ModelConfig.qkv_bias`, `.o_bias`) and the parameter count (`shape.py`) are the
+ones the model itself uses. `kv_dims(config)` reads only the three numbers the KV-cache formula
+needs, so a hypothetical model can be described by just those.
 
-Two HF conventions are honoured because real config.json files rely on them:
-- `head_dim` absent (Qwen2, older Llama): head_dim = hidden_size // num_attention_heads;
-- `num_key_value_heads` absent (plain multi-head configs): it equals num_attention_heads.
-
-Serves experiments 3, 8-11 and 24. Leaves out everything that costs no bytes or MACs worth
-counting here (norm eps, RoPE, dtypes).
+Describing a model for its costs refuses nothing that costs nothing: rope scaling, sliding
+windows, the activation and the dtypes are not read (loading a model for real refuses what it
+does not implement). Serves experiments 3, 8-11 and 24.
 """
 import json
-from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
+
+from minitransformer import shape
+from minitransformer.config import ModelConfig, hf_fallbacks
+
+SHAPE_FIELDS = ("num_hidden_layers", "num_key_value_heads", "head_dim", "num_attention_heads",
+                "hidden_size", "intermediate_size", "vocab_size")  # checked in this order
+FIELDS = SHAPE_FIELDS + ("model_type", "attention_bias", "tie_word_embeddings",
+                         "max_position_embeddings")
 
 
-@dataclass(frozen=True)
-class Arch:
-    """Shapes of a decoder-only transformer (Qwen2/Llama layout), HF field names."""
-    hidden_size: int            # D
-    intermediate_size: int      # F
-    num_hidden_layers: int      # L
-    num_attention_heads: int    # H
-    num_key_value_heads: int    # Hkv
-    head_dim: int               # d
-    vocab_size: int             # V
-    tie_word_embeddings: bool = False
-    qkv_bias: bool = False      # q/k/v projections carry a bias (Qwen2 always does)
-    o_bias: bool = False        # so does o_proj (Llama with attention_bias)
+class KVDims(NamedTuple):
+    """The three numbers the KV cache depends on (HF names, so shape.py reads them)."""
+    num_hidden_layers: int
+    num_key_value_heads: int
+    head_dim: int
 
 
 def read_config_json(path):
@@ -46,24 +45,17 @@ def read_config_json(path):
         raise ValueError(f"{str(path)!r} is not valid JSON: {e}") from None
 
 
-def _as_source(config):
-    """Path-like -> dict; dicts and config objects pass through."""
+def _as_dict(config) -> dict:
+    """Path-like -> its JSON; dict -> itself; any other object -> its HF-named attributes."""
     if isinstance(config, (str, Path)):
         return read_config_json(config)
-    return config
-
-
-def _get(config, name):
-    """A field of a dict or an attribute of an object; None when absent."""
     if isinstance(config, dict):
-        return config.get(name)
-    return getattr(config, name, None)
+        return config
+    return {name: getattr(config, name, None) for name in FIELDS}
 
 
-def _positive_int(config, name, fallback=None):
-    value = _get(config, name)
-    if value is None:
-        value = fallback
+def _positive_int(cfg: dict, name: str) -> int:
+    value = cfg.get(name)
     if value is None:
         raise ValueError(f"model config has no {name!r}")
     is_number = isinstance(value, (int, float)) and not isinstance(value, bool)
@@ -72,54 +64,36 @@ def _positive_int(config, name, fallback=None):
     return int(value)
 
 
-def query_heads(config):
+def query_heads(config) -> int:
     """config -> num_attention_heads (H), needed where MHA is the comparison."""
-    return _positive_int(_as_source(config), "num_attention_heads")
+    return _positive_int(_as_dict(config), "num_attention_heads")
 
 
-def kv_dims(config):
+def kv_dims(config) -> KVDims:
     """config -> (layers, kv_heads, head_dim), the only shapes the KV cache depends on."""
-    config = _as_source(config)
-    heads = _get(config, "num_attention_heads")
-    hidden = _get(config, "hidden_size")
-    derived_head_dim = hidden // heads if hidden and heads else None
-    layers = _positive_int(config, "num_hidden_layers")
-    kv_heads = _positive_int(config, "num_key_value_heads", fallback=heads)
-    head_dim = _positive_int(config, "head_dim", fallback=derived_head_dim)
-    return layers, kv_heads, head_dim
+    cfg = hf_fallbacks(_as_dict(config))
+    return KVDims(*(_positive_int(cfg, name) for name in KVDims._fields))
 
 
-def arch(config):
-    """A config object, dict, or config.json path -> Arch, validated."""
-    if isinstance(config, Arch):
+def arch(config) -> ModelConfig:
+    """A config object, dict, or config.json path -> the core's ModelConfig, its shapes
+    checked (positive integers, whole query groups; an odd head_dim is fine for counting)."""
+    if isinstance(config, ModelConfig):
         return config
-    config = _as_source(config)
-    layers, kv_heads, head_dim = kv_dims(config)
-    heads = query_heads(config)
-    if heads % kv_heads:
-        raise ValueError(f"num_attention_heads={heads} is not a multiple of "
-                         f"num_key_value_heads={kv_heads}")
-    # Qwen2's config.json has no attention_bias key: its q/k/v bias is part of the type.
-    qwen2 = _get(config, "model_type") == "qwen2"
-    bias = bool(_get(config, "attention_bias"))
-    return Arch(
-        hidden_size=_positive_int(config, "hidden_size"),
-        intermediate_size=_positive_int(config, "intermediate_size"),
-        num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
-        head_dim=head_dim, vocab_size=_positive_int(config, "vocab_size"),
-        tie_word_embeddings=bool(_get(config, "tie_word_embeddings")),
-        qkv_bias=qwen2 or bias, o_bias=bias and not qwen2,
-    )
+    cfg = hf_fallbacks(_as_dict(config))
+    model = ModelConfig(
+        # Qwen2's config.json has no attention_bias key: its q/k/v bias comes with the type.
+        model_type="qwen2" if cfg.get("model_type") == "qwen2" else "llama",
+        **{name: _positive_int(cfg, name) for name in SHAPE_FIELDS},
+        max_position_embeddings=cfg.get("max_position_embeddings") or 1,  # costs nothing
+        attention_bias=bool(cfg.get("attention_bias")),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings")))
+    if model.num_attention_heads % model.num_key_value_heads:
+        raise ValueError(f"num_attention_heads={model.num_attention_heads} is not a multiple of "
+                         f"num_key_value_heads={model.num_key_value_heads}")
+    return model
 
 
-def parameter_count(config):
+def parameter_count(config) -> int:
     """Number of parameters: embeddings, L blocks (attention, MLP, 2 norms), final norm, head."""
-    a = arch(config)
-    D, F, H, Hkv, d = (a.hidden_size, a.intermediate_size, a.num_attention_heads,
-                       a.num_key_value_heads, a.head_dim)
-    attention = D * H * d + 2 * D * Hkv * d + H * d * D  # q, k, v, o
-    attention += (H * d + 2 * Hkv * d) * a.qkv_bias + D * a.o_bias
-    block = attention + 3 * D * F + 2 * D  # + gate/up/down + two RMSNorm weights
-    embeddings = a.vocab_size * D * (1 if a.tie_word_embeddings else 2)
-    return a.num_hidden_layers * block + D + embeddings
-
+    return shape.parameter_count(arch(config))

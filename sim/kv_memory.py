@@ -16,6 +16,7 @@ measures those), and paging (experiment 14).
 """
 from dataclasses import dataclass
 
+from minitransformer import shape
 from sim.arch import kv_dims, query_heads
 
 KB, MB, GB = 2**10, 2**20, 2**30  # binary, as in the chapter's tables
@@ -23,10 +24,7 @@ KB, MB, GB = 2**10, 2**20, 2**30  # binary, as in the chapter's tables
 
 def kv_bytes_per_token(config, bytes_per_elem=2):
     """config (object, dict or config.json path) -> bytes of K and V cached per token."""
-    if bytes_per_elem <= 0:
-        raise ValueError(f"bytes_per_elem={bytes_per_elem!r}: expected a positive size")
-    layers, kv_heads, head_dim = kv_dims(config)
-    return 2 * layers * kv_heads * head_dim * bytes_per_elem
+    return shape.kv_bytes_per_token(kv_dims(config), bytes_per_elem)
 
 
 def cache_bytes(config, users, tokens, bytes_per_elem=2):
