@@ -12,7 +12,7 @@ checkpoint's names meet the fused ones:
 Stacking rows is exact: output row r of the stack is output row r of the part it came from.
 The model's weights dict keeps every checkpoint name, as a view into the stacked matrix, so a
 learner can still look up "model.layers.3.self_attn.k_proj.weight", and nothing is held twice.
-Quantized weights (objects with a ``matmul``) cannot be stacked as arrays: a Stacked keeps
+Quantized weights (model.is_quantized) cannot be stacked as arrays: a Stacked keeps
 them apart and concatenates their outputs, which is the same function.
 """
 from dataclasses import dataclass
@@ -40,8 +40,8 @@ class Stacked:
     parts: tuple
 
     def matmul(self, x):
-        return xp.concatenate([w.matmul(x) if hasattr(w, "matmul") else x @ w.T
-                               for w in self.parts], axis=-1)
+        from minitransformer.model import linear  # (model.py imports this module)
+        return xp.concatenate([linear(x, w) for w in self.parts], axis=-1)
 
 
 def stack(weights: dict, names: list):
@@ -50,8 +50,9 @@ def stack(weights: dict, names: list):
     `weights` by views into the stack; anything else goes into a Stacked as it is."""
     if names[0] not in weights:
         return None
+    from minitransformer.model import is_quantized  # (model.py imports this module)
     parts = [weights[n] for n in names]
-    if any(hasattr(w, "matmul") for w in parts):
+    if any(is_quantized(w) for w in parts):
         return Stacked(tuple(parts))
     if stacked_views(parts):  # a Model made from another one's weights: share, never copy
         return parts[0].base

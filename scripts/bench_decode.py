@@ -1,135 +1,199 @@
-"""Benchmark: how close is a NumPy decode step to the memory-bandwidth floor?
+"""Benchmark: float32 decode against the memory-bandwidth floor, and what batching buys.
 
-A decode step at batch 1 must read every weight once (the embedding row it looks up aside, but
-including a tied head, which reads the whole embedding matrix): that is a floor on its time,
-  floor = bytes of weights read per step / read bandwidth,
-with the read bandwidth measured in this same run (a BLAS dot product streaming a buffer far
-larger than any cache). Target: a decode step within 1.3x of the floor.
+Everything is timed side by side in one run (each round calls every step once, so a burst of
+load elsewhere hits them alike), with BLAS threads fixed (--threads, default 1); the fastest
+and the median of --repeat rounds are printed, ratios are built from the fastest.
 
-It also checks the KV-cache speedup of experiment 1 against a prediction. Recompute pays a full
-prefill of P, P+1, ..., P+N-1 tokens; the cache pays one prefill of P plus N-1 decode steps. With
-prefill(P) measured at a few lengths (linear fit) and decode measured alone, the predicted
-speedup is sum_s prefill(P+s) / (prefill(P) + (N-1) decode); it is printed beside the measured
-one. On a GPU a short prefill costs about one decode step (both are weight-reads); on a CPU
-prefill is compute-bound and costs far more per pass, so recompute is much dearer here.
+  floor      a decode step at batch 1 must read every weight once (shape.decode_read_bytes:
+             all of them, one embedding row, the tied head in full); floor = those bytes / the
+             read bandwidth, the faster of two streaming reads of a 1 GiB buffer timed in the
+             same rounds: a BLAS dot product, and a matrix-vector product (the read a decode
+             step makes). Target: decode <= 1.15x the floor.
+  batching   one decode step of B = 1 and B = 16 rows over the same cache, in the default flat
+             mode (each weight read once for all rows) and the batch-invariant mode (row by
+             row, each row's bits as alone). Target: flat B = 16 >= 4x the tokens/s of B = 1.
+  reference  with the `reference` extra (torch, transformers) and a checkpoint directory: the
+             same decode step in transformers (eager attention, float32, the same threads),
+             timed in the same rounds, and the largest logit difference against ours.
 
-Default checkpoint: a random Qwen2.5-0.5B-shaped one (bf16 on disk, ~1 GB), generated once into
-weights/qwen25-05b-random/. --model points it elsewhere.
+Models (--model, repeatable): 'qwen' is a random Qwen2.5-0.5B-shaped checkpoint (bf16 on disk,
+about 1 GB, made once in weights/qwen25-05b-random), 'smollm2' the real SmolLM2-135M-Instruct
+(fetched and imported on first use where the importer is installed); or a path. Default: both.
+This is a benchmark, never a test: its targets are printed, not asserted.
 """
 import argparse
-import time
+import inspect
+from pathlib import Path
 
 import numpy as np
 
-from _common import add_model_argument, load_model, mt, say
+from _common import add_threads_argument, load_model, say, timing_header
+from _table import Table
+from minitransformer.backend import xp
+from minitransformer.generate import last_logits
 from minitransformer.kvcache import KVCache
-from minitransformer.measure import median_time
-from minitransformer.model import forward, head
+from minitransformer.measure import time_together
+from minitransformer.model import forward
+from minitransformer.shape import decode_read_bytes
 from minitransformer.synth import make_checkpoint, qwen25_05b_config, weights_dir
 
-
-def median_seconds(fn, repeat, warmup=1):
-    return median_time(fn, warmup, repeat).median
+FLOOR_TARGET, BATCH_TARGET, BATCH = 1.15, 4.0, 16
 
 
-def read_bandwidth(nbytes=1 << 30, repeat=5):
-    """Bytes/s streamed from memory by a BLAS dot product over a buffer of nbytes (float32)."""
-    a = np.ones(nbytes // 4, dtype=np.float32)
-    return nbytes / median_seconds(lambda: np.dot(a, a), repeat)  # a*a reads the buffer once
-
-
-def weight_bytes_per_step(model):
-    """Every float the decode step reads: all weights but the embedding (one row is read), plus
-    the head (which *is* the embedding when tied)."""
-    c, w = model.config, model.weights
-    total = sum(int(a.nbytes) for name, a in w.items() if name != "model.embed_tokens.weight")
-    head_bytes = int(w["model.embed_tokens.weight"].nbytes) if c.tie_word_embeddings else 0
-    return total + head_bytes + c.hidden_size * 4
-
-
-def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    add_model_argument(parser)
-    parser.add_argument("--prompt-tokens", type=int, default=40)
-    parser.add_argument("--new-tokens", type=int, default=48)
-    parser.add_argument("--repeat", type=int, default=5)
-    parser.add_argument("--skip-recompute", action="store_true",
-                        help="skip the (slow) measured recompute run")
-    args = parser.parse_args(argv)
-
-    path = args.model
-    if path is None:
+def checkpoint(spec):
+    """--model value -> a checkpoint path, or None (with a note) when it is unavailable."""
+    if spec == "qwen":
         path = weights_dir() / "qwen25-05b-random"
         if not (path / "model.safetensors").is_file():
             say(f"writing a random Qwen2.5-0.5B-shaped checkpoint to {path} (once) ...")
             make_checkpoint(path, qwen25_05b_config(), seed=0, dtype="bfloat16")
-    model = load_model(path)
+        return path
+    if spec == "smollm2":
+        try:
+            from minitransformer.real_model import smollm2
+            return smollm2()
+        except Exception as e:  # not installed, or offline: the other rows still mean something
+            say(f"note: SmolLM2-135M-Instruct unavailable ({e}); its rows are left out")
+            return None
+    return spec
+
+
+def read_steps(nbytes=1 << 30):
+    """Two functions that stream a buffer of nbytes float32 once each -> (dot, matvec)."""
+    a = xp.ones(nbytes // 4, dtype=xp.float32)
+    rows = a.reshape(-1, 1024)                                   # (nbytes / 4096, 1024)
+    x = xp.ones(1024, dtype=xp.float32)
+    return (lambda: xp.dot(a, a)), (lambda: rows @ x)           # a . a reads a once
+
+
+def decode_steps(model, batch, context, seed=0):
+    """A cache of `batch` rows holding the same `context` random tokens (one prefill, copied)
+    -> (step(batch_invariant=False) -> logits (B, V), rollback, the prompt and the token)."""
     c = model.config
-    P, N = args.prompt_tokens, args.new_tokens
-    ids = np.random.default_rng(0).integers(0, c.vocab_size, P + N)
+    rng = np.random.default_rng(seed)
+    prompt = rng.integers(0, c.vocab_size, (1, context))
+    one = KVCache.allocate(c, 1, context + 1)
+    forward(model, prompt, one)                                                 # prefill
+    cache = KVCache.allocate(c, batch, context + 1)
+    for layer in range(c.num_hidden_layers):
+        cache.k[layer][:], cache.v[layer][:] = one.k[layer][0], one.v[layer][0]
+    cache.lengths[:] = context
+    token = np.full((batch, 1), int(rng.integers(0, c.vocab_size)))
 
-    say("[1/5] measuring read bandwidth ...")
-    bandwidth = read_bandwidth()
-    step_bytes = weight_bytes_per_step(model)
-    floor = step_bytes / bandwidth
+    def step(batch_invariant=False):
+        hidden = forward(model, token, cache, batch_invariant)                 # (B, 1, D)
+        return last_logits(model, hidden, batch_invariant)                      # (B, V)
+    return step, lambda: cache.trim(1), prompt, token[:1]
 
-    say("[2/5] decode step at batch 1 ...")
-    cache = KVCache.allocate(c, batch=1, max_len=P + N + args.repeat + 2)
-    forward(model, ids[None, :P], cache)
 
-    def decode_step():
-        head(model, forward(model, ids[None, P:P + 1], cache)[:, -1:])
-    decode = median_seconds(decode_step, args.repeat)
+def transformers_step(path, prompt, token, threads):
+    """The same decode step in transformers (its own prefill of the same prompt) -> (step ->
+    logits (V,), rollback), or None without the reference extra or a checkpoint directory."""
+    try:
+        import torch
+        from transformers import AutoModelForCausalLM
+    except ImportError:
+        return None
+    if not (Path(path) / "config.json").is_file():
+        return None
+    torch.set_num_threads(max(threads, 1))
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
+                                              attn_implementation="eager").eval()
+    # transformers 5 renamed past_key_values to cache; crop(-1) drops one token in both
+    name = "cache" if "cache" in inspect.signature(hf.forward).parameters else "past_key_values"
+    with torch.no_grad():
+        cache = getattr(hf(torch.from_numpy(prompt), use_cache=True), name)
+    ids = torch.from_numpy(token)
 
-    say("[3/5] prefill at several prompt lengths ...")
-    lengths = sorted({P, (2 * P + N) // 2, P + N - 1})
-    prefill = {}
-    for n in lengths:
-        def prefill_pass():
-            head(model, forward(model, ids[None, :n], KVCache.allocate(c, 1, n))[:, -1:])
-        prefill[n] = median_seconds(prefill_pass, max(2, args.repeat // 2))
-    slope, intercept = np.polyfit(lengths, [prefill[n] for n in lengths], 1)
-    predicted_recompute = sum(intercept + slope * (P + s) for s in range(N))
-    predicted_cached = prefill[P] + (N - 1) * decode
-    predicted = predicted_recompute / predicted_cached
+    @torch.no_grad()
+    def step():
+        return hf(ids, use_cache=True, **{name: cache}).logits[0, -1].numpy()
+    return step, lambda: cache.crop(-1)
 
-    say("[4/5] measured generation with the cache ...")
-    start = time.perf_counter()
-    cached_tokens = mt.generate(model, ids[:P], N, eos_token_id=[])
-    t_cached = time.perf_counter() - start
-    t_recompute = None
-    if not args.skip_recompute:
-        say(f"[5/5] measured generation by recompute ({N} full passes) ...")
-        start = time.perf_counter()
-        slow_tokens = mt.generate(model, ids[:P], N, cache=False, eos_token_id=[])
-        t_recompute = time.perf_counter() - start
-        assert slow_tokens == cached_tokens, "cache and recompute disagree"
 
-    print(f"Decode benchmark: {c.num_hidden_layers} layers x {c.hidden_size}, "
-          f"vocab {c.vocab_size}, float32 math, batch 1")
-    print()
-    print(f"weights read per decode step     {step_bytes / 1e9:10.3f} GB")
-    print(f"read bandwidth (measured)        {bandwidth / 1e9:10.2f} GB/s")
-    for label, t in (("bandwidth floor per step", floor), ("decode step (median)", decode)):
-        print(f"{label:<33}{t * 1e3:10.1f} ms   ({1 / t:6.2f} tokens/s)")
-    print(f"decode / floor                   {decode / floor:10.2f}x   (target <= 1.3x)")
-    print()
-    print(f"{'prefill P':>10}{'time (ms)':>12}{'ms/token':>10}{'tokens/s':>10}")
-    for n in lengths:
-        t = prefill[n]
-        print(f"{n:>10}{t * 1e3:>12.1f}{t * 1e3 / n:>10.2f}{n / t:>10.1f}")
-    print()
-    print(f"generation of {N} tokens after a {P}-token prompt")
-    print(f"  with cache  (measured)         {t_cached:10.2f} s")
-    if t_recompute is not None:
-        print(f"  recompute   (measured)         {t_recompute:10.2f} s")
-        measured = t_recompute / t_cached
-        print(f"  speedup     (measured)         {measured:10.2f}x")
-    print(f"  speedup     (predicted)        {predicted:10.2f}x   "
-          f"= sum prefill(P..P+{N - 1}) / (prefill(P) + {N - 1} decode)")
-    if t_recompute is not None:
-        print(f"  predicted / measured           {predicted / measured:10.2f}")
-    print(f"  one prefill of {P} tokens = {prefill[P] / decode:.1f} decode steps on this machine")
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", action="append", metavar="PATH|qwen|smollm2",
+                        help="a checkpoint to benchmark (repeatable; default: qwen and smollm2)")
+    parser.add_argument("--context", type=int, default=32, help="tokens cached per row")
+    parser.add_argument("--repeat", type=int, default=5, help="timed rounds (default: 5)")
+    parser.add_argument("--no-reference", action="store_true",
+                        help="skip transformers even when it is installed")
+    add_threads_argument(parser)
+    args = parser.parse_args(argv)
+    if args.context < 1 or args.repeat < 1:
+        parser.error("--context and --repeat must be >= 1")
+    ran_on = timing_header(args)
+    models = []
+    for spec in args.model or ["qwen", "smollm2"]:
+        path = checkpoint(spec)
+        if path is not None:
+            models.append((spec, path, load_model(path)))
+    if not models:
+        parser.error("no model to benchmark")
+
+    say("[1/2] read bandwidth and decode at batch 1, side by side ...")
+    fns, after = list(read_steps()), [None, None]
+    where, differences = {}, {}  # spec -> (index of our step, of transformers' or None)
+    for spec, path, model in models:
+        step, rollback, prompt, token = decode_steps(model, 1, args.context)
+        fns.append(step), after.append(rollback)
+        where[spec] = (len(fns) - 1, None)
+        ref = None if args.no_reference else transformers_step(path, prompt, token, args.threads)
+        if ref is not None:
+            ours, theirs = step()[0], ref[0]()
+            rollback(), ref[1]()
+            differences[spec] = float(np.abs(ours - theirs).max())
+            fns.append(ref[0]), after.append(ref[1])
+            where[spec] = (len(fns) - 2, len(fns) - 1)
+    timings = time_together(fns, warmup=1, repeat=args.repeat, after=after)
+    dot, matvec = ((1 << 30) / t.best for t in timings[:2])
+    bandwidth = max(dot, matvec)
+
+    table = Table("Decode benchmark: float32, batch 1, against the memory-bandwidth floor",
+                  columns=[("model", ""), ("GB read/step", ".3f"), ("floor ms", ".1f"),
+                           ("step ms", ".1f"), ("med ms", ".1f"), ("/ floor", ".2f"),
+                           ("med / floor", ".2f"), ("transformers ms", ""),
+                           ("ours / theirs", "")])
+    table.header(f"time: fastest and median of {args.repeat}+ rounds after 1 warm-up, side by "
+                 f"side; {args.context} tokens cached", ran_on,
+                 f"read bandwidth {bandwidth / 1e9:.2f} GB/s (dot product {dot / 1e9:.2f}, "
+                 f"matrix-vector {matvec / 1e9:.2f}: the faster sets the floor)")
+    for spec, path, model in models:
+        ours, ref = (None if i is None else timings[i] for i in where[spec])
+        read = decode_read_bytes(model.config, model.weights)
+        floor = read / bandwidth
+        theirs = ("n/a", "n/a") if ref is None else \
+            (f"{ref.best * 1e3:.1f}", f"{ours.best / ref.best:.2f}")
+        table.row(spec, read / 1e9, floor * 1e3, ours.best * 1e3, ours.median * 1e3,
+                  ours.best / floor, ours.median / floor, *theirs)
+    table.note(f"target: step <= {FLOOR_TARGET}x the floor",
+               *(f"{spec}: largest |logit difference| against transformers {d:.1e}"
+                 for spec, d in differences.items()))
+    table.show()
+
+    say(f"[2/2] batch 1 against batch {BATCH}, flat and row by row, side by side ...")
+    batching = Table(f"Batching: one decode step of 1 and {BATCH} rows",
+                     columns=[("model", ""), ("B=1 ms", ".1f"), (f"B={BATCH} flat ms", ".1f"),
+                              ("flat gain", ".2f"), (f"B={BATCH} row by row ms", ".1f"),
+                              ("row-by-row gain", ".2f"), ("rows as alone", "")])
+    batching.header(f"gain = tokens/s at B={BATCH} / tokens/s at B=1; flat: one (B, D) matrix "
+                    "per projection (the default); row by row: batch_invariant=True", ran_on)
+    for spec, path, model in models:
+        one, one_back = decode_steps(model, 1, args.context)[:2]
+        step, rollback = decode_steps(model, BATCH, args.context)[:2]
+        t1, flat, rows = time_together([one, step, lambda: step(True)], warmup=1,
+                                       repeat=args.repeat, after=[one_back, rollback, rollback])
+        alone, exact = one(), step(True)
+        one_back(), rollback()
+        same = bool((exact == alone).all())  # every row of the invariant step: B = 1's bits
+        batching.row(spec, t1.best * 1e3, flat.best * 1e3, BATCH * t1.best / flat.best,
+                     rows.best * 1e3, BATCH * t1.best / rows.best,
+                     "bit for bit" if same else "NO: bits differ")
+    batching.note(f"target: flat gain >= {BATCH_TARGET}")
+    batching.show()
+    # Quantized weights (issue 14.2: each scheme's step against the fp32 step, resident bytes
+    # beside) and speculative decoding (14.4) add their tables here, timed the same way.
 
 
 if __name__ == "__main__":
