@@ -117,23 +117,27 @@ def main(argv=None):
                         help="a checkpoint to benchmark (repeatable; default: qwen and smollm2)")
     parser.add_argument("--context", type=int, default=32, help="tokens cached per row")
     parser.add_argument("--repeat", type=int, default=5, help="timed rounds (default: 5)")
+    parser.add_argument("--buffer-mb", type=int, default=1024,
+                        help="MiB streamed to measure read bandwidth; keep it far above the "
+                             "caches (default: %(default)s)")
     parser.add_argument("--no-reference", action="store_true",
                         help="skip transformers even when it is installed")
     add_threads_argument(parser)
     args = parser.parse_args(argv)
-    if args.context < 1 or args.repeat < 1:
-        parser.error("--context and --repeat must be >= 1")
+    if args.context < 1 or args.repeat < 1 or args.buffer_mb < 1:
+        parser.error("--context, --repeat and --buffer-mb must be >= 1")
     ran_on = timing_header(args)
-    models = []
+    models = []  # (label, path, model)
     for spec in args.model or ["qwen", "smollm2"]:
         path = checkpoint(spec)
         if path is not None:
-            models.append((spec, path, load_model(path)))
+            models.append((Path(spec).name, path, load_model(path)))
     if not models:
         parser.error("no model to benchmark")
 
     say("[1/2] read bandwidth and decode at batch 1, side by side ...")
-    fns, after = list(read_steps()), [None, None]
+    buffer = args.buffer_mb << 20
+    fns, after = list(read_steps(buffer)), [None, None]
     where, differences = {}, {}  # spec -> (index of our step, of transformers' or None)
     for spec, path, model in models:
         step, rollback, prompt, token = decode_steps(model, 1, args.context)
@@ -147,7 +151,7 @@ def main(argv=None):
             fns.append(ref[0]), after.append(ref[1])
             where[spec] = (len(fns) - 2, len(fns) - 1)
     timings = time_together(fns, warmup=1, repeat=args.repeat, after=after)
-    dot, matvec = ((1 << 30) / t.best for t in timings[:2])
+    dot, matvec = (buffer / t.best for t in timings[:2])
     bandwidth = max(dot, matvec)
 
     table = Table("Decode benchmark: float32, batch 1, against the memory-bandwidth floor",

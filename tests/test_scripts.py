@@ -70,10 +70,11 @@ def test_batching_scripts_run_and_feed_each_other(tiny, tmp_path, capsys):
     assert "4/4" in out
 
 
-def test_bench_decode_runs_and_checks_its_tokens(tiny, capsys):
-    out = run("bench_decode", ["--model", tiny, "--prompt-tokens", "8", "--new-tokens", "6",
-                               "--repeat", "2"], capsys)
-    assert "decode / floor" in out and "speedup     (measured)" in out
+def test_bench_decode_runs_and_checks_its_bits(tiny, capsys):
+    out = run("bench_decode", ["--model", tiny, "--context", "8", "--repeat", "2",
+                               "--buffer-mb", "16"], capsys)
+    assert "against the memory-bandwidth floor" in out and "/ floor" in out
+    assert "bit for bit" in out  # batch-invariant rows: each exactly B = 1's logits
 
 
 def test_run_all_runs_a_selection(tiny, capfd):
