@@ -67,11 +67,11 @@ def test_logits_match_hugging_face(name, checkpoints, golden):
 ROPE = minitransformer.model.rope  # the real one, kept before the test below replaces it
 
 
-def interleaved_rope(x, positions, theta):
+def interleaved_rope(x, cos, sin):
     """The classic porting bug: llama2.c's adjacent pairs (2i, 2i+1) instead of (i, i + d/2)."""
     d = x.shape[-1]
     pairs = np.concatenate([np.arange(0, d, 2), np.arange(1, d, 2)])  # (2i, 2i+1) -> (i, i+d/2)
-    return ROPE(x[..., pairs], positions, theta)[..., np.argsort(pairs)]
+    return ROPE(x[..., pairs], cos, sin)[..., np.argsort(pairs)]
 
 
 def test_the_fixture_catches_a_wrong_rope(checkpoints, golden, monkeypatch):
