@@ -55,31 +55,33 @@ def is_quantized(w) -> bool:
     return not isinstance(w, xp.ndarray)
 
 
-def linear(x, w, b=None, per_row=False):
+def linear(x, w, bias=None, per_row=False):
     """x (B, T, in) @ w (out, in).T + b -> (B, T, out). A quantized weight multiplies itself.
 
     By default the B x T vectors go in as one flat (B*T, in) matrix: every weight is read once
     for the whole batch, which is what batching buys (a decode step reads weights, and one
-    read now serves B tokens). per_row=True multiplies each row's (T, in) on its own (numpy's
-    stacked matmul loops over B): B reads of every weight, but each row gets the very bits it
-    gets alone. BLAS chooses its kernel, and so the order of its sums, by the number of rows
-    M; with OpenBLAS a row's bits change between M = 1, 2, 16 and 32, so no flat shape is
-    batch-invariant.
+    read now serves B tokens). per_row=True multiplies each row's (T, in) on its own, by the
+    same call a batch of one would make: B reads of every weight, but each row gets the very
+    bits it gets alone. BLAS chooses its kernel, and so the order of its sums, by the number
+    of rows M; with OpenBLAS a row's bits change between M = 1, 2, 16 and 32, so no flat
+    shape is batch-invariant.
 
-    The product is computed as w @ x.T, transposed back: the same numbers, but with a few
-    vectors (a decode batch, a speculative verify) OpenBLAS runs it 2-4x faster that way round
-    than x @ w.T (measured on (9728, 896) and (896, 4864) matrices with 4 and 16 vectors). One
-    vector gives the same matrix-vector product, bit for bit, either way.
+    Two to FEW_ROWS vectors go through few_rows_matmul; one vector, or many (a prefill), as
+    w @ x.T transposed back: the same numbers, and with many vectors OpenBLAS runs it faster
+    that way round than x @ w.T (measured 1.3x at 64 and 1.6x at 256 vectors on a (9728, 896)
+    matrix); one vector makes the same matrix-vector product either way.
     """
-    flat = x if per_row else x.reshape(-1, x.shape[-1])          # (B, T, in) or (B*T, in)
-    if is_quantized(w):  # it multiplies one flat matrix at a time: per row, one call a row
-        y = xp.stack([w.matmul(row) for row in flat]) if per_row else w.matmul(flat)
-    elif not per_row and 1 < len(flat) <= FEW_ROWS and BACKEND == "numpy":
+    if per_row and len(x) > 1:  # each row exactly as alone: the very call a batch of one makes
+        return xp.concatenate([linear(x[b:b + 1], w, bias) for b in range(len(x))])
+    flat = x.reshape(-1, x.shape[-1])                            # (B*T, in)
+    if is_quantized(w):
+        y = w.matmul(flat)
+    elif 1 < len(flat) <= FEW_ROWS and BACKEND == "numpy":
         y = few_rows_matmul(flat, w)
     else:
-        y = xp.swapaxes(w @ xp.swapaxes(flat, -1, -2), -1, -2)  # (out, ...) -> (..., out)
+        y = (w @ flat.T).T                                       # (out, B*T) -> (B*T, out)
     y = y.reshape(*x.shape[:-1], y.shape[-1])                    # (B, T, out)
-    return y if b is None else y + b
+    return y if bias is None else y + bias
 
 
 FEW_ROWS = 16            # up to this many rows, few_rows_matmul beats one flat product
