@@ -66,7 +66,7 @@ class OnlineEngine:
         self.engine, self.max_waiting = engine, max_waiting
         self.start = time.perf_counter()
         self.lock = threading.Condition()   # guards inbox and closing; wakes the loop
-        self.inbox, self.closing, self.error = [], False, None
+        self.inbox, self.closing, self.abandon, self.error = [], False, False, None
         self.live = []              # tickets whose request is in the engine and not over
         self.preempted_before = 0   # preemptions of requests already over
         self.snapshot = self._snapshot()
@@ -117,10 +117,7 @@ class OnlineEngine:
     def close(self, drain: bool = True, timeout: float = None) -> None:
         """Take no new request; finish the ones in flight (drain) or cancel them; stop."""
         with self.lock:
-            self.closing = True
-            if not drain:
-                self.inbox += [("cancel", t, None) for t in self.live]
-                self.inbox += [("cancel", t, None) for c, t, _ in self.inbox if c == "submit"]
+            self.closing, self.abandon = True, self.abandon or not drain
             self.lock.notify()
         self.thread.join(timeout)
 
@@ -134,6 +131,8 @@ class OnlineEngine:
             try:
                 for command, ticket, request in commands:
                     self._apply(command, ticket, request)
+                for ticket in self.live if self.abandon else ():
+                    self.engine.cancel(ticket.id)   # close(drain=False): everyone, now
                 self.snapshot = self._snapshot()     # the queue as clients now see it
                 if self._busy():
                     self.engine.clock = self.now()   # the engine's clock is the wall clock

@@ -23,6 +23,7 @@ import json
 import sys
 import time
 import uuid
+from pathlib import Path
 
 from minitransformer.detokenize import TextStream
 from minitransformer.online import Closed, OnlineEngine, QueueFull
@@ -67,16 +68,17 @@ def create_app(online: OnlineEngine, name: str):
             return error(APIError(f"the request body is not JSON ({e})"))
         try:
             job = parse(body, kind, model, name, cache.num_blocks * cache.block_size)
-            tokens = submit(job)
+            ticket, tokens = submit(job)
         except APIError as e:
             return error(e)
         rid = f"{'cmpl' if kind == 'completion' else 'chatcmpl'}-{uuid.uuid4().hex}"
         head = (rid, int(time.time()), name)
         if job.stream:
-            return StreamingResponse(events(job, head, tokens), media_type="text/event-stream")
+            return StreamingResponse(events(job, head, ticket, tokens),
+                                     media_type="text/event-stream")
         try:
             text, reason, n = "", None, 0
-            async for piece, reason, n in watch(http, tokens):
+            async for piece, reason, n in watch(http, ticket, tokens):
                 text += piece
         except APIError as e:
             return error(e)
@@ -92,7 +94,8 @@ def create_app(online: OnlineEngine, name: str):
         return await answer(http, "chat")
 
     def submit(job):
-        """Hand the job to the engine -> an async iterator of (text, finish_reason, tokens)."""
+        """Hand the job to the engine -> (its ticket, an async iterator of (text,
+        finish_reason, tokens so far)). Whoever iterates must cancel the ticket when done."""
         loop, updates = asyncio.get_running_loop(), asyncio.Queue()
         previous = [None]
 
@@ -110,36 +113,32 @@ def create_app(online: OnlineEngine, name: str):
         except Closed as e:
             raise APIError(str(e), status=503) from None
         metrics.accepted(len(job.request.prompt))
-        return pieces(job, ticket, updates)
+        return ticket, pieces(job, ticket, updates)
 
     async def pieces(job, ticket, updates):
         """Text as it becomes final; the last item carries the finish_reason."""
-        text, n, arrival = TextStream(model.tokenizer, job.request.prompt, job.stop), 0, None
-        try:
-            while True:
-                update = await updates.get()
-                if update.status in ("rejected", "error"):
-                    raise APIError(update.reason, status=500 if update.status == "error"
-                                   else 400)
-                arrival = update.record.arrival
-                piece = ""
-                for token in update.tokens:
-                    n, piece = n + 1, piece + text.add(token)
-                    if text.stopped:
-                        break
-                reason = "stop" if text.stopped or (update.done and update.record.tokens and
-                                                    update.record.tokens[-1] in job.eos) \
-                    else "length" if update.done and update.status == "finished" else "abort"
-                if text.stopped or update.done:
-                    metrics.ended(arrival, online.now(), reason)
-                    yield piece + ("" if text.stopped else text.flush()), reason, n
-                    return
-                if piece:
-                    yield piece, None, n
-        finally:
-            online.cancel(ticket)   # stopped, disconnected or done: a no-op if already over
+        text, n = TextStream(model.tokenizer, job.request.prompt, job.stop), 0
+        while True:
+            update = await updates.get()
+            if update.status in ("rejected", "error"):
+                raise APIError(update.reason, status=500 if update.status == "error" else 400)
+            piece = ""
+            for token in update.tokens:
+                n, piece = n + 1, piece + text.add(token)
+                if text.stopped:
+                    online.cancel(ticket)   # a stop string: no more tokens needed
+                    break
+            if text.stopped or update.done:
+                eos = update.record.tokens and update.record.tokens[-1] in job.eos
+                reason = "stop" if text.stopped or eos else \
+                    "length" if update.status == "finished" else "abort"
+                metrics.ended(update.record.arrival, online.now(), reason)
+                yield piece + ("" if text.stopped else text.flush()), reason, n
+                return
+            if piece:
+                yield piece, None, n
 
-    async def watch(http, tokens):
+    async def watch(http, ticket, tokens):
         """A non-streamed answer: wait for the next piece or the client leaving, whichever
         comes first (a client that left cancels its request, as a stream's does)."""
         gone = asyncio.ensure_future(disconnected(http))
@@ -148,28 +147,29 @@ def create_app(online: OnlineEngine, name: str):
                 piece = asyncio.ensure_future(anext(tokens))
                 await asyncio.wait({piece, gone}, return_when=asyncio.FIRST_COMPLETED)
                 if not piece.done():
-                    piece.cancel()  # CancelledError in pieces(): its finally cancels
+                    piece.cancel()
                     return
                 try:
                     yield piece.result()
                 except StopAsyncIteration:
                     return
-        finally:
+        finally:                    # done, failed or left: a no-op if the request is over
             gone.cancel()
+            online.cancel(ticket)
             await tokens.aclose()
 
     async def disconnected(http):
         while not await http.is_disconnected():
             await asyncio.sleep(0.1)
 
-    async def events(job, head, tokens):
+    async def events(job, head, ticket, tokens):
         """Server-Sent Events: one chunk per piece, the finish_reason, usage, [DONE]."""
         def sse(reply):
             return f"data: {json.dumps(reply)}\n\n"
-        first = job.kind == "chat"  # chat opens with the role
-        if first:
-            yield sse(response(job, *head, [choice(job.kind, "", None, True, True)], chunk=True))
         try:
+            if job.kind == "chat":  # a chat stream opens with the role
+                yield sse(response(job, *head, [choice(job.kind, "", None, True, True)],
+                                   chunk=True))
             async for piece, reason, n in tokens:
                 if piece:
                     yield sse(response(job, *head, [choice(job.kind, piece, None, True)],
@@ -182,6 +182,8 @@ def create_app(online: OnlineEngine, name: str):
                                            chunk=True))
         except APIError as e:
             yield sse(e.body())
+        finally:                    # also when the client disconnects mid-stream (the task
+            online.cancel(ticket)   # iterating this is cancelled): blocks freed at once
         yield "data: [DONE]\n\n"
 
     return app
@@ -199,7 +201,7 @@ def serve(model_path, host="127.0.0.1", port=8000, name=None, slots=8, num_block
     from minitransformer.engine import Engine
 
     model = mt.load(model_path)
-    name = name or model.path.rstrip("/").split("/")[-1]
+    name = name or Path(model.path).name
     engine = Engine(model, slots=slots, num_blocks=num_blocks, block_size=block_size,
                     policy=policy, batch_invariant=batch_invariant)
     online = OnlineEngine(engine, max_waiting=max_waiting)
