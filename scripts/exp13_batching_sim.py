@@ -14,6 +14,7 @@ import time
 import numpy as np
 
 from _common import say
+from _table import Table
 from minitransformer.serving import metrics
 from sim.batching import (AffineCost, TableCost, capacity_rate, first_crossing,
                           simulate_continuous, simulate_static, sweep)
@@ -31,14 +32,15 @@ def describe(cost, path):
     return f"measured, from {path}: {points}\n  (linear in between)"
 
 
-def policy_table(runs):
-    print(f"{'policy':<12}{'tokens/s':>10}{'mean (s)':>10}{'p50 (s)':>9}{'p99 (s)':>9}"
-          f"{'s/token':>9}{'TTFT (s)':>10}{'steps':>7}")
+def policy_table(title, runs):
+    table = Table(title, experiment=13, chapter=False, columns=[
+        ("policy", ""), ("tokens/s", ".1f"), ("mean s", ".2f"), ("p50 s", ".2f"),
+        ("p99 s", ".2f"), ("s/token", ".3f"), ("TTFT s", ".2f"), ("steps", ",d")])
     for run in runs:
         m = metrics(run.results)
-        print(f"{run.policy:<12}{m.throughput:>10.1f}{m.latency_mean:>10.2f}"
-              f"{m.latency_p50:>9.2f}{m.latency_p99:>9.2f}{m.normalised:>9.3f}"
-              f"{m.ttft_mean:>10.2f}{run.steps:>7,}")
+        table.row(run.policy, m.throughput, m.latency_mean, m.latency_p50, m.latency_p99,
+                  m.normalised, m.ttft_mean, run.steps)
+    return table
 
 
 def main(argv=None):
@@ -78,20 +80,18 @@ def main(argv=None):
     except ValueError as e:
         parser.error(str(e))
 
-    print("Experiment 13: static vs continuous batching (simulated)")
-    print(f"workload: {len(lengths)} requests, output tokens median {np.median(lengths):g}, "
-          f"max {max(lengths)}, total {sum(lengths):,} (log-normal sigma {args.sigma:g}, "
-          f"seed {args.lengths_seed})")
-    print(f"step cost: {describe(cost, args.step_costs)}")
-    print(f"slots {args.slots}; prefill {args.prefill_ms:g} ms per admitted request")
-    print()
     when = "all requests at t = 0" if math.isinf(args.rate) else f"Poisson, {args.rate:g} req/s"
-    print(f"{when}:")
-    policy_table(runs)
+    table = policy_table(f"Experiment 13: static vs continuous batching (simulated), {when}", runs)
+    table.header(f"workload: {len(lengths)} requests, output tokens median "
+                 f"{np.median(lengths):g}, max {max(lengths)}, total {sum(lengths):,} "
+                 f"(log-normal sigma {args.sigma:g}, seed {args.lengths_seed})",
+                 *f"step cost: {describe(cost, args.step_costs)}".splitlines(),
+                 f"slots {args.slots}; prefill {args.prefill_ms:g} ms per admitted request")
     static, cont = (metrics(r.results) for r in runs)
-    print(f"continuous vs static: throughput {cont.throughput / static.throughput:.2f}x, "
-          f"mean latency {static.latency_mean / cont.latency_mean:.2f}x better, "
-          f"p99 {static.latency_p99 / cont.latency_p99:.2f}x better")
+    table.note(f"continuous vs static: throughput {cont.throughput / static.throughput:.2f}x, "
+               f"mean latency {static.latency_mean / cont.latency_mean:.2f}x better, "
+               f"p99 {static.latency_p99 / cont.latency_p99:.2f}x better")
+    table.show()
 
     capacity = capacity_rate(lengths, args.slots, cost)
     loads = [float(x) for x in args.loads.split(",")]
@@ -100,29 +100,35 @@ def main(argv=None):
                    range(args.seeds))
     say(f"swept {len(loads)} arrival rates x {args.seeds} seeds x 2 policies in "
         f"{time.perf_counter() - start:.1f} s")
-    print()
-    print(f"arrival-rate sweep (Poisson, mean of {args.seeds} arrival seeds;")
-    print(f"load = rate / {capacity:.2f} req/s, the rate {args.slots} always-busy slots serve):")
-    print(f"{'rate':>8}{'load':>6}{'tokens/s static':>17}{'cont.':>8}{'gain':>7}"
-          f"{'mean s static':>15}{'cont.':>7}{'gain':>7}")
+    table = Table(f"Arrival-rate sweep (Poisson, mean of {args.seeds} arrival seeds)",
+                  experiment=13, columns=[
+                      ("rate", ".2f"), ("load", ".2f"), ("tokens/s static", ".1f"),
+                      ("tokens/s continuous", ".1f"), ("throughput gain", ".2f"),
+                      ("mean s static", ".2f"), ("mean s continuous", ".2f"),
+                      ("latency gain", ".1f")])
+    table.header(f"load = rate / {capacity:.2f} req/s, the rate {args.slots} always-busy slots "
+                 "serve")
     for p in points:
-        print(f"{p.rate:>8.2f}{p.load:>6.2f}{p.static.throughput:>17.1f}"
-              f"{p.continuous.throughput:>8.1f}{p.throughput_gain:>6.2f}x"
-              f"{p.static.latency_mean:>15.2f}{p.continuous.latency_mean:>7.2f}"
-              f"{p.latency_gain:>6.1f}x")
-    print()
+        table.row(p.rate, p.load, p.static.throughput, p.continuous.throughput,
+                  p.throughput_gain, p.static.latency_mean, p.continuous.latency_mean,
+                  p.latency_gain)
     finite = [p for p in points if math.isfinite(p.rate)]
     rates = [p.rate for p in finite]
     at = first_crossing(rates, [p.throughput_gain for p in finite], 1.6)
     if at is None:
-        print("the throughput gain never reaches 1.6x in this sweep")
+        table.note("the throughput gain never reaches 1.6x in this sweep")
     else:
         latency_gain = np.interp(at, rates, [p.latency_gain for p in finite])
-        print(f"throughput gain reaches 1.6x at {at:.2f} req/s (load {at / capacity:.2f}); "
-              f"the mean latency gain there is {latency_gain:.1f}x")
+        table.note(f"throughput gain reaches 1.6x at {at:.2f} req/s (load {at / capacity:.2f}); "
+                   f"the mean latency gain there is {latency_gain:.1f}x")
     both = [p.load for p in finite if p.throughput_gain >= 1.6 and p.latency_gain > 10]
-    print("both chapter figures (>= 1.6x throughput, > 10x mean latency) at loads: "
-          + (", ".join(f"{x:g}" for x in both) if both else "none of the sweep's"))
+    table.note("both chapter figures (>= 1.6x throughput, > 10x mean latency) at loads: "
+               + (", ".join(f"{x:g}" for x in both) if both else "none of the sweep's"))
+    table.plot("load", ["mean s static", "mean s continuous"], "mean latency against load: "
+               "static against continuous batching", logx=True, logy=True)
+    table.plot("load", ["tokens/s static", "tokens/s continuous"], "throughput against load",
+               logx=True)
+    table.show()
 
 
 if __name__ == "__main__":

@@ -17,13 +17,16 @@ request.
 """
 import argparse
 import math
-import time
 
 import numpy as np
 
-from _common import add_model_argument, load_model, mt, progress, say
+from _common import (Progress, add_model_argument, add_threads_argument, load_model, mt, say,
+                     timing_header)
+from _table import Table
 from minitransformer.engine import Engine
+from minitransformer.measure import Timing
 from minitransformer.paged import blocks_for
+from minitransformer.sanity import cost_falls
 from minitransformer.serving import Request, metrics
 from sim.batching import TableCost, simulate_continuous, simulate_static
 from sim.workload import make_workload, skewed_lengths
@@ -43,34 +46,38 @@ def workload(args, vocab_size):
 def serve(model, requests, policy, args):
     engine = Engine(model, slots=args.slots, num_blocks=args.num_blocks,
                     block_size=args.block_size, policy=policy)
-    start, done = time.perf_counter(), [0]
+    progress, done = Progress(len(requests), policy), [0]
 
     def report(e):
         finished = sum(r.status == "finished" for r in e.results)
         if finished >= done[0] + 8 or finished == len(requests) > done[0]:
+            progress(f"{finished} requests finished, {e.steps} steps", done=finished - done[0])
             done[0] = finished
-            progress(finished, len(requests), f"{policy}: {e.steps} steps, "
-                                              f"{time.perf_counter() - start:.1f} s")
     return engine.run(requests, on_step=report)
 
 
-def measured_costs(runs, slots):
-    """Median decode-step seconds per batch size seen in these runs -> a TableCost; sizes
-    never seen at the ends (1, slots) take the nearest measured one's cost."""
+def step_warnings(runs, slots):
+    """The measured decode-step costs per batch size, checked: a larger batch cannot be cheaper
+    beyond noise -> {batch size: message} (each size's steps are its samples)."""
     by_size = {}
     for run in runs:
         for B, seconds in run.decode_times:
             by_size.setdefault(B, []).append(seconds)
-    table = {B: float(np.median(t)) for B, t in by_size.items()}
-    table.setdefault(1, table[min(table)])
-    table.setdefault(slots, table[max(table)])
-    sizes = sorted(table)
-    return TableCost(tuple(sizes), tuple(table[B] for B in sizes))
+    sizes = sorted(by_size)
+    timings = [Timing(tuple(by_size[B])) for B in sizes]
+    return {sizes[i]: m for i, m in cost_falls(sizes, timings, "batch").items()}
 
 
-def header():
-    print(f"{'policy':<12}{'tokens/s':>10}{'mean (s)':>10}{'p50 (s)':>9}{'p99 (s)':>9}"
-          f"{'TTFT (s)':>10}{'ms/token':>10}{'steps':>7}{'preempted':>11}")
+COLUMNS = [("policy", ""), ("tokens/s", ".1f"), ("mean s", ".2f"), ("p50 s", ".2f"),
+           ("p99 s", ".2f"), ("TTFT s", ".2f"), ("ms/token", ".1f"), ("steps", ",d"),
+           ("preempted", "d")]
+
+
+def policy_row(table, run, engine=True):
+    m = metrics(run.results)
+    table.row(run.policy, m.throughput, m.latency_mean, m.latency_p50, m.latency_p99,
+              m.ttft_mean, m.per_token_mean * 1e3 if engine else None, run.steps,
+              run.preemptions if engine else None)
 
 
 def ratios(static, cont):
@@ -102,6 +109,7 @@ def main(argv=None):
                              "ones this run measured")
     parser.add_argument("--check", action="store_true",
                         help="also generate every request alone and compare the tokens (slow)")
+    add_threads_argument(parser)
     args = parser.parse_args(argv)
     if min(args.slots, args.block_size, args.prompt_len) < 1:
         parser.error("--slots, --block-size and --prompt-len must be >= 1")
@@ -113,47 +121,44 @@ def main(argv=None):
         parser.error(str(e))
     if args.num_blocks is None:
         args.num_blocks = args.slots * blocks_for(args.prompt_len + max(lengths), args.block_size)
+    ran_on = timing_header(args)
     runs = [serve(model, requests, policy, args) for policy in ("static", "continuous")]
 
-    print("Experiment 13 on the real engine: static vs continuous batching")
-    print(f"workload: {len(lengths)} requests, output tokens median {np.median(lengths):g}, "
-          f"max {max(lengths)}, total {sum(lengths):,}; prompts of {args.prompt_len} tokens; "
-          + ("all at t = 0" if math.isinf(args.rate) else f"Poisson {args.rate:g} req/s"))
-    print(f"{args.slots} slots; paged cache of {args.num_blocks} blocks x {args.block_size} "
-          "tokens; greedy; times are this machine's compute time")
-    print()
-    header()
+    table = Table("Experiment 13 on the real engine: static vs continuous batching",
+                  experiment=13, chapter=False, columns=COLUMNS)
+    table.header(f"workload: {len(lengths)} requests, output tokens median "
+                 f"{np.median(lengths):g}, max {max(lengths)}, total {sum(lengths):,}; prompts of "
+                 f"{args.prompt_len} tokens; "
+                 + ("all at t = 0" if math.isinf(args.rate) else f"Poisson {args.rate:g} req/s"),
+                 f"{args.slots} slots; paged cache of {args.num_blocks} blocks x "
+                 f"{args.block_size} tokens; greedy; times are this machine's compute time "
+                 "(each step measured as the engine runs: one sample per step)", ran_on)
     for run in runs:
-        m = metrics(run.results)
-        print(f"{run.policy:<12}{m.throughput:>10.1f}{m.latency_mean:>10.2f}"
-              f"{m.latency_p50:>9.2f}{m.latency_p99:>9.2f}{m.ttft_mean:>10.2f}"
-              f"{m.per_token_mean * 1e3:>10.1f}{run.steps:>7,}{run.preemptions:>11}")
-    engine = [metrics(r.results) for r in runs]
-    print(ratios(*engine))
+        policy_row(table, run)
+    table.note(ratios(*[metrics(r.results) for r in runs]))
+    table.show()
 
     try:
         cost = TableCost.from_json(args.step_costs) if args.step_costs else \
-            measured_costs(runs, args.slots)
+            TableCost.from_steps([s for run in runs for s in run.decode_times], args.slots)
     except ValueError as e:
         parser.error(str(e))
     prefill = float(np.mean([s for run in runs for _, s in run.prefill_times]))
     arrivals = make_workload(lengths, args.rate, seed=0)
     sims = [simulate_static(arrivals, args.slots, cost, prefill),
             simulate_continuous(arrivals, args.slots, cost, prefill)]
-    source = args.step_costs or "measured in this run"
+    source = args.step_costs or "measured in this run (median per batch size)"
     points = ", ".join(f"B={b} {s * 1e3:.1f}" for b, s in zip(cost.batch_sizes, cost.seconds))
-    print()
-    print(f"simulation (sim/batching.py) of the same workload, step costs {source}:")
-    print(f"  {points} ms; prefill {prefill * 1e3:.1f} ms per admitted request")
-    header()
+    sim = Table("Simulation (sim/batching.py) of the same workload", experiment=13,
+                columns=COLUMNS)
+    sim.header(f"step costs {source}: {points} ms; prefill {prefill * 1e3:.1f} ms per "
+               "admitted request")
     for run in sims:
-        m = metrics(run.results)
-        print(f"{run.policy:<12}{m.throughput:>10.1f}{m.latency_mean:>10.2f}"
-              f"{m.latency_p50:>9.2f}{m.latency_p99:>9.2f}{m.ttft_mean:>10.2f}"
-              f"{'':>10}{run.steps:>7,}{'':>11}")
-    print(ratios(*[metrics(r.results) for r in sims]))
-    print()
-    print("chapter (simulated): continuous 1.6x the throughput, mean latency more than 10x better")
+        policy_row(sim, run, engine=False)
+    sim.note(ratios(*[metrics(r.results) for r in sims]))
+    for B, message in step_warnings(runs, args.slots).items():
+        sim.note(f"WARNING: measured step costs out of order at B = {B}: {message}")
+    sim.show()
 
     if args.check:
         same = 0
@@ -162,10 +167,11 @@ def main(argv=None):
             same += result.tokens == mt.generate(model, list(r.prompt), r.max_new_tokens,
                                                  eos_token_id=[])
             if i % 8 == 0 or i == len(requests):
-                progress(i, len(requests), f"checked against generate: {same} identical")
+                say(f"[{i}/{len(requests)}] checked against generate: {same} identical")
         static_same = all(a.tokens == b.tokens for a, b in zip(*(run.results for run in runs)))
-        print(f"tokens identical to generating each request alone: {same} of {len(requests)}"
-              f" (continuous); static gave the same tokens: {static_same}")
+        Table("Exactness", chapter=False).note(
+            f"tokens identical to generating each request alone: {same} of {len(requests)} "
+            f"(continuous); static gave the same tokens: {static_same}").show()
     say("done")
 
 

@@ -22,7 +22,9 @@ import tempfile
 
 import numpy as np
 
-from _common import add_model_argument, load_model, mt, positive_ints, progress, say
+from _common import (Progress, add_model_argument, add_threads_argument, load_model, mt,
+                     positive_ints, say, timing_header)
+from _table import Table
 from minitransformer.engine import Engine, Request
 from minitransformer.paged import blocks_for
 from minitransformer.synth import make_checkpoint, qwen2_config
@@ -37,12 +39,19 @@ def requests_for(lengths, prompt_len, vocab_size, seed, system=()):
                     eos_token_id=[]) for n in lengths]
 
 
-def serve(model, requests, slots, block_size, share=True):
-    """-> the PagedStats of every step (continuous batching, a pool no request waits on)."""
+def serve(model, requests, slots, block_size, share=True, progress=None):
+    """-> the PagedStats of every step (continuous batching, a pool no request waits on).
+    progress: a Progress over the requests, told as they finish."""
     longest = max(len(r.prompt) + r.max_new_tokens for r in requests)
     engine = Engine(model, slots=slots, num_blocks=slots * blocks_for(longest, block_size),
                     block_size=block_size, share_prefixes=share)
-    return engine.run(requests).memory
+
+    def report(e):
+        finished = sum(r.status == "finished" for r in e.results)
+        if progress and finished >= progress.i + 8 or finished == len(requests) > progress.i:
+            progress(f"{finished} requests finished, {e.steps} steps",
+                     done=finished - progress.i)
+    return engine.run(requests, on_step=report if progress else None).memory
 
 
 def totals(memory, context):
@@ -65,17 +74,20 @@ def main(argv=None):
                         help="tokens of the shared system prompt in the sharing table")
     parser.add_argument("--block-sizes", type=positive_ints, default="1,2,4,8,16,32,64,128,256")
     parser.add_argument("--seed", type=int, default=0)
+    add_threads_argument(parser)
     args = parser.parse_args(argv)
     if min(args.slots, args.block_size, args.prompt_len) < 1 or args.system_len < 0:
         parser.error("--slots, --block-size, --prompt-len must be >= 1, --system-len >= 0")
 
     model = load_model(args.model)
+    say(timing_header(args))
     c = model.config
     V, context = c.vocab_size, c.max_position_embeddings
     lengths = skewed_lengths()
     requests = requests_for(lengths, args.prompt_len, V, args.seed)
     say(f"serving {len(requests)} requests on the real model (block size {args.block_size})")
-    real = serve(model, requests, args.slots, args.block_size)
+    real = serve(model, requests, args.slots, args.block_size,
+                 progress=Progress(len(requests), "real model"))
     bpt = real[0].bytes_per_token
     with tempfile.TemporaryDirectory() as tmp:
         config = qwen2_config(vocab_size=V, hidden_size=16, intermediate_size=16,
@@ -83,50 +95,56 @@ def main(argv=None):
                               num_key_value_heads=1, max_position_embeddings=context)
         stand_in = mt.load(make_checkpoint(tmp, config, seed=0))
     sizes = args.block_sizes
-    sweep = {}
-    for i, bs in enumerate(sizes, 1):
+    sweep, progress = {}, Progress(len(sizes), "stand-in replay")
+    for bs in sizes:
         sweep[bs] = serve(stand_in, requests, args.slots, bs)
-        progress(i, len(sizes), f"stand-in, block size {bs}: {len(sweep[bs])} steps")
+        progress(f"block size {bs}: {len(sweep[bs])} steps")
     check = serve(stand_in, requests, args.slots, args.block_size)
     same = [(m.blocks_held, m.slots_filled, m.tokens_reserved) for m in check] == \
         [(m.blocks_held, m.slots_filled, m.tokens_reserved) for m in real]
 
     held, filled, own, whole, logical, peak = totals(real, context)
-    print("Experiment 14: the paged KV cache on experiment 13's workload")
-    print(f"{len(lengths)} requests (prompts {args.prompt_len} tokens, outputs median "
-          f"{np.median(lengths):g}, max {max(lengths)}), {args.slots} slots, continuous "
-          f"batching; {bpt:,} bytes per token; means over the run's {len(real)} steps")
-    print()
-    print(f"{'approach':<48}{'held (MB)':>10}{'used (MB)':>10}{'waste %':>9}")
+    table = Table("Experiment 14: the paged KV cache on experiment 13's workload", experiment=14,
+                  columns=[("approach", ""), ("held MB", ".2f"), ("used MB", ".2f"),
+                           ("waste %", ".1f")])
+    table.header(f"{len(lengths)} requests (prompts {args.prompt_len} tokens, outputs median "
+                 f"{np.median(lengths):g}, max {max(lengths)}), {args.slots} slots, continuous "
+                 f"batching; {bpt:,} bytes per token; means over the run's {len(real)} steps")
     rows = [(f"paged, {args.block_size}-token blocks (peak {peak} blocks)", held),
             ("reserve prompt + max_new_tokens per request", own),
             (f"reserve the whole {context:,}-token context", whole)]
     for name, slots in rows:
-        print(f"{name:<48}{slots * bpt / MB:>10.2f}{filled * bpt / MB:>10.2f}"
-              f"{100 * (1 - filled / slots):>8.1f}%")
+        table.row(name, slots * bpt / MB, filled * bpt / MB, 100 * (1 - filled / slots))
     sequences = np.mean([m.sequences for m in real])
-    print(f"paged waste: {held - filled:.1f} slots per step over {sequences:.1f} sequences "
-          f"(at most {args.block_size - 1} each); stand-in replay identical to the real run: "
-          + ("yes" if same else "NO"))
+    table.note(f"paged waste: {held - filled:.1f} slots per step over {sequences:.1f} sequences "
+               f"(at most {args.block_size - 1} each); stand-in replay identical to the real "
+               "run: " + ("yes" if same else "NO"))
+    table.plot("approach", ["held MB", "used MB"], "KV memory held: paged against reserving",
+               kind="bar", logy=True)
+    table.show()
 
-    print()
-    print("block-size trade-off, same workload:")
-    print(f"{'block':>6}{'held (MB)':>11}{'waste %':>9}{'peak blocks':>13}{'table entries':>15}")
+    table = Table("Block-size trade-off, same workload", experiment=14, chapter=False,
+                  columns=[("block", "d"), ("held MB", ".2f"), ("waste %", ".1f"),
+                           ("peak blocks", "d"), ("table entries", ".1f")])
     for bs in sizes:
         h, f, *_, pk = totals(sweep[bs], context)
         entries = np.mean([m.blocks_held / max(m.sequences, 1) for m in sweep[bs]])
-        print(f"{bs:>6}{h * bpt / MB:>11.2f}{100 * (1 - f / h):>8.1f}%{pk:>13}{entries:>15.1f}")
+        table.row(bs, h * bpt / MB, 100 * (1 - f / h), pk, entries)
+    table.plot("block", ["waste %"], "paged waste against block size", logx=True)
+    table.plot("block", ["table entries"], "block-table entries per sequence against block size",
+               logx=True, logy=True)
+    table.show()
 
     bs = args.block_size
-    print()
-    print(f"one sequence of L tokens in {bs}-token blocks: waste = unfilled slots of its last "
-          "block / slots held")
-    print(f"{'L':>6}{'mean waste %':>14}{'worst %':>9}")
+    table = Table(f"One sequence of L tokens in {bs}-token blocks: waste = unfilled slots of its "
+                  "last block / slots held", experiment=14, chapter=False,
+                  columns=[("L", "d"), ("mean waste %", ".1f"), ("worst %", ".1f")])
     for L in (16, 32, 64, 128, 256, 384, 512, 1024, 2048):
         window = np.arange(L, L + bs)  # lengths L .. L+bs-1, every remainder once
         held_slots = blocks_for(window, bs) * bs
         waste = (held_slots - window) / held_slots
-        print(f"{L:>6}{100 * waste.mean():>13.1f}%{100 * waste.max():>8.1f}%")
+        table.row(L, 100 * waste.mean(), 100 * waste.max())
+    table.show()
 
     if args.system_len:
         system = tuple(np.random.default_rng(args.seed + 1).integers(0, V, args.system_len))
@@ -136,16 +154,16 @@ def main(argv=None):
         saved = np.mean([a.blocks_held - b.blocks_held for a, b in zip(off, on)])
         full = args.system_len // bs  # the system prompt's full blocks, held once when shared
         expected = np.mean([max(m.sequences - 1, 0) * full for m in on])
-        print()
-        print(f"prefix sharing: the same requests behind a common {args.system_len}-token "
-              f"system prompt ({full} full blocks of {bs})")
-        print(f"{'':<22}{'held (MB)':>10}{'peak blocks':>13}{'shared blocks':>15}")
+        table = Table(f"Prefix sharing: the same requests behind a common {args.system_len}-token "
+                      f"system prompt ({full} full blocks of {bs})", experiment=14,
+                      chapter=False, columns=[("", ""), ("held MB", ".2f"),
+                                              ("peak blocks", "d"), ("shared blocks", ".1f")])
         for name, memory in (("not shared", off), ("shared", on)):
             h, *_, pk = totals(memory, context)
-            print(f"{name:<22}{h * bpt / MB:>10.2f}{pk:>13}"
-                  f"{np.mean([m.blocks_shared for m in memory]):>15.1f}")
-        print(f"blocks saved per step: {saved:.2f} measured, {expected:.2f} expected "
-              f"((sequences - 1) x {full} per step)")
+            table.row(name, h * bpt / MB, pk, np.mean([m.blocks_shared for m in memory]))
+        table.note(f"blocks saved per step: {saved:.2f} measured, {expected:.2f} expected "
+                   f"((sequences - 1) x {full} per step)")
+        table.show()
 
 
 if __name__ == "__main__":

@@ -94,6 +94,24 @@ class TableCost:
                              f"seconds ({e})") from None
         return cls(tuple(b for b, _ in pairs), tuple(s for _, s in pairs))
 
+    @classmethod
+    def from_steps(cls, steps, slots):
+        """(batch size, seconds) of real engine steps -> the median per batch size; sizes never
+        seen at the ends (1, slots) take the nearest measured one's cost.
+
+        >>> TableCost.from_steps([(2, 0.03), (2, 0.01), (2, 0.02), (4, 0.05)], slots=8)
+        TableCost(batch_sizes=(1, 2, 4, 8), seconds=(0.02, 0.02, 0.05, 0.05))
+        """
+        by_size = {}
+        for batch, seconds in steps:
+            by_size.setdefault(batch, []).append(seconds)
+        if not by_size:
+            raise ValueError("no measured steps to build a step-cost table from")
+        table = {b: float(np.median(t)) for b, t in by_size.items()}
+        table.setdefault(1, table[min(table)])
+        table.setdefault(slots, table[max(table)])
+        return cls(tuple(sorted(table)), tuple(table[b] for b in sorted(table)))
+
 
 def _check(arrivals, slots):
     if not arrivals:
