@@ -4,9 +4,10 @@ One prefill pass over P tokens, as generation does it (a cache allocated for the
 forward pass, the head on the last position), timed for each P: the fastest and the median of
 --repeat passes after --warmup (more while the median sits far above the fastest). A longer pass
 that comes out cheaper than a shorter one, or a per-token cost standing above both neighbours,
-is measured again and, if it persists, flagged beside its row. The chapter: the time grows with P, but per token it falls, because a pass over
-P tokens multiplies every weight matrix by P rows at once (matrix-matrix work) and reads each
-weight once for all of them. This is why time to first token grows with the prompt.
+is measured again and, if it persists, flagged beside its row. The chapter: the time grows with
+P, but per token it falls, because a pass over P tokens multiplies every weight matrix by P rows
+at once (matrix-matrix work) and reads each weight once for all of them. This is why time to
+first token grows with the prompt.
 """
 import argparse
 

@@ -24,7 +24,8 @@ def main(argv=None):
     layers, _, head_dim = kv_dims(config)
 
     table = Table(f"Experiment 10: MHA vs GQA vs MQA ({source})", experiment=10,
-                  columns=[("variant", ""), ("kv heads", "d"), ("bytes/token", lambda v: f"{v:,} B/token"),
+                  columns=[("variant", ""), ("kv heads", "d"),
+                           ("bytes/token", lambda v: f"{v:,} B/token"),
                            ("size", format_bytes), ("vs configured", lambda v: f"{v:.2f}x")])
     table.header(f"{layers} layers, {query_heads(config)} query heads, head dim {head_dim}, "
                  f"{args.bytes_per_elem} B per number")

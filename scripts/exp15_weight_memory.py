@@ -8,12 +8,12 @@ count of what quantizing left allocated (tracemalloc). The embedding (and tied h
 biases stay float32 in every row, as in the chapter's quantized models.
 """
 import argparse
-import time
 import tracemalloc
 
 import numpy as np
 
-from _common import add_model_argument, add_schemes_argument, load_model, progress
+from _common import Progress, add_model_argument, add_schemes_argument, load_model
+from _table import Table
 from minitransformer.backend import BACKEND, to_numpy
 from quant.qmodel import SCHEMES, projection_names, quantize_model, resident_bytes
 
@@ -42,8 +42,8 @@ def main(argv=None):
     rows = [("fp32", 32.0, base["projections"], 4 * n_proj, base["other"], None),
             ("fp16 (cast)", 16.0, sum(to_numpy(model.weights[n]).astype(np.float16).nbytes
                                       for n in names), 2 * n_proj, base["other"], None)]
-    for i, scheme in enumerate(schemes, 1):
-        start = time.perf_counter()
+    progress = Progress(len(schemes), "quantizing")
+    for scheme in schemes:
         tracing = BACKEND == "numpy"
         if tracing:
             tracemalloc.start()
@@ -57,30 +57,29 @@ def main(argv=None):
                      sum(s.nbytes(shape) for shape in shapes), held["other"] + held["levels"],
                      allocated))
         del quantized
-        progress(i, len(schemes), f"{s.label}: {time.perf_counter() - start:.1f} s")
+        progress(s.label)
 
-    print(f"Experiment 15: weights in memory ({model.path})")
-    print(f"{n_all:,} parameters, {n_proj:,} of them in {len(names)} projection matrices")
-    print()
-    print(f"{'all parameters at':<22}{'4 bytes':>14}{'2 bytes':>14}{'1 byte':>14}")
-    print(f"{'':<22}" + "".join(f"{decimal(n_all * b):>14}" for b in (4, 2, 1)))
-    print()
-    print("measured: bytes held once the projection matrices are quantized "
-          "(embedding, norms, biases: float32)")
-    header = (f"{'projections':<18}{'bits/weight':>12}{'held (B)':>15}{'expected (B)':>15}"
-              f"{'other (B)':>13}{'total (MB)':>12}{'vs fp32':>9}{'allocator (B)':>15}")
-    print(header)
+    table = Table(f"Experiment 15: weights in memory ({model.path})", experiment=15,
+                  chapter=False, columns=[("all parameters at", ""), ("4 bytes", decimal),
+                                          ("2 bytes", decimal), ("1 byte", decimal)])
+    table.header(f"{n_all:,} parameters, {n_proj:,} of them in {len(names)} projection matrices")
+    table.row("", n_all * 4, n_all * 2, n_all)
+    table.show()
+    table = Table("Measured: bytes held once the projection matrices are quantized (embedding, "
+                  "norms, biases: float32)", experiment=15, columns=[
+                      ("projections", ""), ("bits/weight", ".3f"), ("held B", ",d"),
+                      ("expected B", ",d"), ("other B", ",d"), ("total MB", ".2f"),
+                      ("vs fp32", lambda v: f"{v:.2f}x"), ("allocator B", ",d")])
     fp32_total = rows[0][2] + rows[0][4]
     for label, bpw, held, expected, other, allocated in rows:
         total = held + other
-        print(f"{label:<18}{bpw:>12.3f}{held:>15,}{expected:>15,}{other:>13,}"
-              f"{total / 1e6:>12.2f}{fp32_total / total:>8.2f}x"
-              f"{'' if allocated is None else f'{allocated:,}':>15}")
-    print()
-    print("held = the codes and scales actually kept; expected = codes at their width plus one "
-          "float16 per scale;")
-    print("allocator = bytes tracemalloc saw still allocated after quantizing (the float model "
-          "still alive), NumPy only")
+        table.row(label, bpw, held, expected, other, total / 1e6, fp32_total / total, allocated)
+    table.note("held = the codes and scales actually kept; expected = codes at their width plus "
+               "one float16 per scale;",
+               "allocator = bytes tracemalloc saw still allocated after quantizing (the float "
+               "model still alive), NumPy only")
+    table.plot("projections", ["total MB"], "weights in memory per scheme", kind="bar")
+    table.show()
 
 
 if __name__ == "__main__":

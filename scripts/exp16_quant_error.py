@@ -9,6 +9,7 @@ import argparse
 import time
 
 from _common import add_model_argument, add_schemes_argument, load_model, progress, say
+from _table import Table
 from quant.analysis import error_table
 from quant.qmodel import projection_names
 
@@ -33,27 +34,29 @@ def main(argv=None):
         f"{time.perf_counter() - start:.1f} s")
 
     params = sum(model.weights[n].shape[0] * model.weights[n].shape[1] for n in names)
-    print(f"Experiment 16: quantization error over {len(names)} projection matrices "
-          f"({params / 1e6:.1f} M parameters), {model.path}")
-    print("relative error ||W - W_hat|| / ||W||, per matrix")
-    print()
-    print(f"{'scheme':<18}{'bits/weight':>12}{'mean':>9}{'worst':>9}   worst matrix")
+    out = Table(f"Experiment 16: quantization error over {len(names)} projection matrices "
+                f"({params / 1e6:.1f} M parameters), {model.path}", experiment=16, columns=[
+                    ("scheme", ""), ("bits/weight", ".3f"), ("mean", ".4f"), ("worst", ".4f"),
+                    ("worst matrix", "")])
+    out.header("relative error ||W - W_hat|| / ||W||, per matrix").random_weights(model)
     for row in table:
         name, worst = row.worst
-        print(f"{row.label:<18}{row.bits_per_weight:>12.3f}{row.mean:>9.4f}{worst:>9.4f}   {name}")
-
+        out.row(row.label, row.bits_per_weight, row.mean, worst, name)
     by = {row.scheme: row for row in table}
-    print()
     steps = [("int4-tensor", "int4-row"), ("int4-row", "int4-g128"), ("int4-g128", "nf4"),
              ("int8-tensor", "int8-row")]
     for a, b in steps:
         if a in by and b in by:
-            print(f"{by[a].label} -> {by[b].label}: mean error / {by[a].mean / by[b].mean:.2f} "
-                  f"({by[b].bits_per_weight:.3f} vs {by[a].bits_per_weight:.3f} bits/weight)")
+            out.note(f"{by[a].label} -> {by[b].label}: mean error / "
+                     f"{by[a].mean / by[b].mean:.2f} ({by[b].bits_per_weight:.3f} vs "
+                     f"{by[a].bits_per_weight:.3f} bits/weight)")
     short = [n for n in names if model.weights[n].shape[1] < 128]
     if short and "int4-g128" in by:
-        print(f"note: {len(short)} of {len(names)} matrices have rows shorter than 128 weights; "
-              "there a group of 128 is the whole row, and group-128 equals per-row")
+        out.note(f"note: {len(short)} of {len(names)} matrices have rows shorter than 128 "
+                 "weights; there a group of 128 is the whole row, and group-128 equals per-row")
+    out.plot("scheme", ["mean", "worst"], "quantization error per scheme (relative, per matrix)",
+             kind="bar", logy=True)
+    out.show()
 
 
 if __name__ == "__main__":

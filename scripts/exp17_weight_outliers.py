@@ -11,6 +11,7 @@ import argparse
 import numpy as np
 
 from _common import add_model_argument, load_model, say
+from _table import Table
 from minitransformer.backend import to_numpy
 from quant.absmax import absmax_per_tensor
 from quant.analysis import default_outlier_matrix, outlier_stats
@@ -32,23 +33,24 @@ def main(argv=None):
     w = to_numpy(model.weights[name])
     s = outlier_stats(name, w, args.sigmas)
 
-    print(f"Experiment 17: one matrix's outliers, {model.path}")
-    print()
-    print(f"{s.name}   ({s.shape[0]} x {s.shape[1]})")
-    print(f"mean |w| {s.mean_abs:.5f}   std {s.std:.5f}   max |w| {s.max_abs:.5f}   "
-          f"max/std {s.max_over_std:.1f}")
-    print(f"weights beyond {s.sigmas:g} sigma: {s.beyond:,} of {s.size:,}   "
-          f"({100 * s.beyond / s.size:.3f} %)")
-    print()
-    print("one scale for the whole matrix:")
+    table = Table(f"Experiment 17: one matrix's outliers, {model.path}", experiment=17)
+    table.random_weights(model)
+    table.note(f"{s.name}   ({s.shape[0]} x {s.shape[1]})")
+    table.note(f"mean |w| {s.mean_abs:.5f}   std {s.std:.5f}   max |w| {s.max_abs:.5f}   "
+               f"max/std {s.max_over_std:.1f}")
+    table.note(f"weights beyond {s.sigmas:g} sigma: {s.beyond:,} of {s.size:,}   "
+               f"({100 * s.beyond / s.size:.3f} %)")
+    table.note("")
+    table.note("one scale for the whole matrix:")
     for bits in (8, 4):
         q = absmax_per_tensor(w, bits)
         step = float(to_numpy(q.scales).astype(np.float32)[0, 0])
         values, counts = np.unique(to_numpy(q.unpacked_codes()), return_counts=True)
         top3 = np.sort(counts)[::-1][:3].sum() / w.size
-        print(f"  INT{bits}: step {step:.5f} = {step / s.std:.2f} std; {len(values)} of "
-              f"{2 ** bits} levels used, the 3 busiest hold {100 * top3:.1f}% of the weights; "
-              f"error {q.error:.4f}")
+        table.note(f"  INT{bits}: step {step:.5f} = {step / s.std:.2f} std; {len(values)} of "
+                   f"{2 ** bits} levels used, the 3 busiest hold {100 * top3:.1f}% of the weights; "
+                   f"error {q.error:.4f}")
+    table.show()
 
 
 if __name__ == "__main__":

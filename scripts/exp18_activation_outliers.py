@@ -12,6 +12,7 @@ import argparse
 import numpy as np
 
 from _common import add_model_argument, choose_layer, encode_prompt, load_model, say
+from _table import Table
 from quant.activations import (PROMPT, capture_residuals, log2_histogram,
                                longest_run, per_dim_max, persistence, top_dims)
 
@@ -32,31 +33,33 @@ def main(argv=None):
     maxima = per_dim_max(capture_residuals(model, ids))               # (L, D)
     D = maxima.shape[1]
 
-    print(f"Experiment 18: outlier features ({len(ids)}-token prompt, {D} dimensions, "
-          f"{L} layers), {model.path}")
-    print("max |h| of each dimension over the tokens, residual stream after each layer")
-    print()
-    print(f"{'layer':>5}{'max |h|':>11}{'dim':>7}{'median dim':>12}   top {args.top} dims")
+    table = Table(f"Experiment 18: outlier features ({len(ids)}-token prompt, {D} dimensions, "
+                  f"{L} layers), {model.path}", experiment=18, columns=[
+                      ("layer", "d"), ("max |h|", ".1f"), ("dim", "d"), ("median dim", ".2f"),
+                      (f"top {args.top} dims", "")])
+    table.header("max |h| of each dimension over the tokens, residual stream after each layer")
+    table.random_weights(model)
     for i, row in enumerate(maxima):
-        top = ", ".join(str(d) for d in top_dims(row, args.top))
-        print(f"{i:>5}{row.max():>11.1f}{row.argmax():>7}{np.median(row):>12.2f}   {top}")
-    print()
+        table.row(i, float(row.max()), int(row.argmax()), float(np.median(row)),
+                  ", ".join(str(d) for d in top_dims(row, args.top)))
     where = np.unravel_index(maxima.argmax(), maxima.shape)
-    print(f"dim {where[1]} reaches {maxima.max():.1f} (layer {where[0]}), while the median "
-          f"dimension never passes {np.median(maxima, axis=1).max():.1f}")
-    print(f"top {args.top} dimensions at layer {layer}, and where each stays in the top "
-          f"{args.top}:")
+    table.note(f"dim {where[1]} reaches {maxima.max():.1f} (layer {where[0]}), while the median "
+               f"dimension never passes {np.median(maxima, axis=1).max():.1f}",
+               f"top {args.top} dimensions at layer {layer}, and where each stays in the top "
+               f"{args.top}:")
     for d in top_dims(maxima[layer], args.top):
         layers = persistence(maxima, d, args.top)
         first, last = longest_run(layers)
         run = (f"only at layer {first}" if len(layers) == 1 else
                f"layers {first}-{last} without a break; {len(layers)} of {L} layers in all")
-        print(f"  dim {d:>5}   max |h| {maxima[layer, d]:>9.1f}   {run}")
-    print()
-    print(f"max |h| of the {D} dimensions at layer {layer} (log2 bins; one # per dimension, "
-          f"at most 40):")
+        table.note(f"  dim {d:>5}   max |h| {maxima[layer, d]:>9.1f}   {run}")
+    table.note("", f"max |h| of the {D} dimensions at layer {layer} (log2 bins; one # per "
+               "dimension, at most 40):")
     for b in log2_histogram(maxima[layer]):
-        print(f"{b.low:>6.0f} - {b.high:>6.0f} | {'#' * min(b.count, 40):<40} {b.count}")
+        table.note(f"{b.low:>6.0f} - {b.high:>6.0f} | {'#' * min(b.count, 40):<40} {b.count}")
+    table.plot("layer", ["max |h|", "median dim"], "largest and median dimension of the "
+               "residual stream, layer by layer", logy=True)
+    table.show()
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ import argparse
 import numpy as np
 
 from _common import add_model_argument, choose_layer, encode_prompt, load_model, say
+from _table import Table
 from quant.activations import PROMPT, capture_residuals, int8_levels, quantile_dims
 
 
@@ -37,25 +38,26 @@ def main(argv=None):
     one = int8_levels(h, dims)
     kept = int8_levels(h, dims, exclude=args.exclude)
 
-    print(f"Experiment 19: INT8 of the activations after layer {layer} "
-          f"({h.shape[0]} tokens x {h.shape[1]} dims), {model.path}")
-    print()
-    print(f"levels used: {one.used} of 256   (step {one.scale:.4g} = max |h| "
-          f"{maxima.max():.1f} / 127)")
-    print(f"typical |h|: median {np.median(np.abs(h)):.2f}, 99th percentile "
-          f"{np.percentile(np.abs(h), 99):.2f}")
-    print()
-    print(f"single tensor-wide scale = {one.scale:.4f}")
+    table = Table(f"Experiment 19: INT8 of the activations after layer {layer} "
+                  f"({h.shape[0]} tokens x {h.shape[1]} dims), {model.path}", experiment=19)
+    table.random_weights(model)
+    table.note(f"levels used: {one.used} of 256   (step {one.scale:.4g} = max |h| "
+               f"{maxima.max():.1f} / 127)")
+    table.note(f"typical |h|: median {np.median(np.abs(h)):.2f}, 99th percentile "
+               f"{np.percentile(np.abs(h), 99):.2f}")
+    table.note("")
+    table.note(f"single tensor-wide scale = {one.scale:.4f}")
     for d in dims:
         n = one.per_dim[d]
-        print(f"  dim {d:>3} (max |h| = {maxima[d]:.2f}):  {n} distinct level"
-              f"{'' if n == 1 else 's'} out of 256")
-    print()
+        table.note(f"  dim {d:>3} (max |h| = {maxima[d]:.2f}):  {n} distinct level"
+                   f"{'' if n == 1 else 's'} out of 256")
+    table.note("")
     ratio = one.scale / kept.scale
-    print(f"after excluding the top {args.exclude} dimensions, scale = {kept.scale:.4f}  "
-          f"({ratio:.{0 if ratio >= 10 else 1}f}x smaller)")
-    print("  " + "    ".join(f"dim {d:>3}: {kept.per_dim[d]} levels" for d in dims))
-    print(f"  levels used by the other dimensions: {kept.used} of 256")
+    table.note(f"after excluding the top {args.exclude} dimensions, scale = {kept.scale:.4f}  "
+               f"({ratio:.{0 if ratio >= 10 else 1}f}x smaller)")
+    table.note("  " + "    ".join(f"dim {d:>3}: {kept.per_dim[d]} levels" for d in dims))
+    table.note(f"  levels used by the other dimensions: {kept.used} of 256")
+    table.show()
 
 
 if __name__ == "__main__":

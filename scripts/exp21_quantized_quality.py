@@ -14,7 +14,9 @@ import argparse
 import time
 from pathlib import Path
 
-from _common import add_model_argument, add_schemes_argument, load_model, progress, say
+from _common import (Progress, add_model_argument, add_schemes_argument, load_model, progress,
+                     say)
+from _table import Table
 from quant.data import TextUnavailable, britannica_text
 from quant.evaluate import (BATTERY, agreement, battery, default_repetition_penalty, encode,
                             perplexity, reference_tokens, tokens_of)
@@ -83,24 +85,28 @@ def main(argv=None):
     if args.llm_int8 is not None:
         runs.append((f"INT8 row+LLM.int8>{args.llm_int8:g}",
                      lambda: quantize_model(model, "int8-row", outlier_threshold=args.llm_int8)))
-    rows = []
-    for i, (label, make) in enumerate(runs, 1):
-        say(f"=== [{i}/{len(runs)}] {label} ===")
+    rows, done = [], Progress(len(runs), "schemes evaluated")
+    for label, make in runs:
         rows.append(evaluate(label, make(), ids, args, prefix, reference, penalty))
+        done(label)
 
     n_q = min(args.questions, len(BATTERY))
-    print(f"Experiment 21: quantized model quality, {model.path}")
-    print(f"perplexity: {args.tokens:,} tokens of {source}; battery: {n_q} questions, greedy, "
-          f"{args.max_new_tokens} new tokens;")
-    print(f"agreement: argmax vs the fp32 model's greedy tokens, {args.positions} positions; "
-          "weights: bytes held (embedding and norms stay fp32)")
-    print()
-    print(f"{'scheme':<26}{'perplexity':>14}{f'battery rp {penalty:g}':>16}"
-          f"{'battery rp off':>16}{'agree':>10}{'proj. MB':>10}{'all MB':>9}")
+    table = Table(f"Experiment 21: quantized model quality, {model.path}", experiment=21,
+                  columns=[("scheme", ""), ("perplexity", ",.2f"),
+                           (f"battery rp {penalty:g}", lambda v: f"{v}/{n_q}"),
+                           ("battery rp off", lambda v: f"{v}/{n_q}"),
+                           ("agree", lambda v: f"{v}/{args.positions}"),
+                           ("proj. MB", ".2f"), ("all MB", ".2f")])
+    table.header(f"perplexity: {args.tokens:,} tokens of {source}; battery: {n_q} questions, "
+                 f"greedy, {args.max_new_tokens} new tokens;",
+                 f"agreement: argmax vs the fp32 model's greedy tokens, {args.positions} "
+                 "positions; weights: bytes held (embedding and norms stay fp32)")
+    table.random_weights(model)
     for label, ppl, (on, off), agree, proj, total in rows:
-        print(f"{label:<26}{ppl:>14,.2f}{f'{on}/{n_q}':>16}{f'{off}/{n_q}':>16}"
-              f"{f'{agree}/{args.positions}':>10}{proj / 1e6:>10.2f}{total / 1e6:>9.2f}")
-
+        table.row(label, ppl, on, off, agree, proj / 1e6, total / 1e6)
+    table.plot("scheme", ["perplexity"], "perplexity per scheme (lower is better)", kind="bar",
+               logy=True)
+    table.show()
 
 if __name__ == "__main__":
     from _common import run

@@ -16,6 +16,7 @@ import argparse
 import numpy as np
 
 from _common import add_model_argument, encode_prompt, load_model, mt
+from _table import Table
 from minitransformer.distill import (distillation_grad, distillation_loss, rank_ratio,
                                      soft_labels, top_tokens)
 from minitransformer.speculative import first_layers
@@ -62,35 +63,36 @@ def main(argv=None):
     top1, _ = top_tokens(p1, args.top)
     top2, _ = top_tokens(p2, args.top)
 
-    print(f"Experiment 23: soft labels, next token after {args.prompt!r}")
-    print()
-    print(f"{'rank':<6}{'T = 1':<16}{'p':>8}     {'T = 2':<16}{'p':>8}     "
-          f"{'the word it starts (greedy)'}")
+    table = Table(f"Experiment 23: soft labels, next token after {args.prompt!r}",
+                  experiment=23, columns=[("rank", "d"), ("T = 1", ""), ("p", ".4f"),
+                                          ("T = 2", ""), ("p at T = 2", ".4f"),
+                                          ("the word it starts (greedy)", "")])
+    table.random_weights(teacher)
     for rank, (a, b) in enumerate(zip(top1, top2), 1):
-        print(f"{rank:<6}{continuation(teacher.tokenizer, ids, a)!r:<16}{p1[a]:>8.4f}     "
-              f"{continuation(teacher.tokenizer, ids, b)!r:<16}{p2[b]:>8.4f}     "
-              f"{word(teacher, ids, a)!r}")
+        table.row(rank, repr(continuation(teacher.tokenizer, ids, a)), float(p1[a]),
+                  repr(continuation(teacher.tokenizer, ids, b)), float(p2[b]),
+                  repr(word(teacher, ids, a)))
     r1, r2 = rank_ratio(p1), rank_ratio(p2)
-    print()
-    print(f"top / third: {r1:.2f} at T = 1, {r2:.2f} at T = 2 "
-          f"(square root of {r1:.2f} = {np.sqrt(r1):.2f}); same order: "
-          f"{'yes' if top1.tolist() == top2.tolist() else 'no'}")
-    print(f"hard label: {continuation(teacher.tokenizer, ids, top1[0])!r}; the soft label "
-          f"spreads {1 - p1[top1[0]]:.4f} of the mass over the other tokens at T = 1, "
-          f"{1 - p2[top2[0]]:.4f} at T = 2")
+    table.note(f"top / third: {r1:.2f} at T = 1, {r2:.2f} at T = 2 "
+               f"(square root of {r1:.2f} = {np.sqrt(r1):.2f}); same order: "
+               f"{'yes' if top1.tolist() == top2.tolist() else 'no'}",
+               f"hard label: {continuation(teacher.tokenizer, ids, top1[0])!r}; the soft label "
+               f"spreads {1 - p1[top1[0]]:.4f} of the mass over the other tokens at T = 1, "
+               f"{1 - p2[top2[0]]:.4f} at T = 2")
+    table.show()
 
     student = first_layers(teacher, max(1, teacher.config.num_hidden_layers // 2))
     s = mt.logits(student, ids)                                       # (T, V) student logits
-    print()
-    print(f"distillation loss over the prompt's {len(ids)} positions, student = the teacher's "
-          f"first {student.config.num_hidden_layers} of {teacher.config.num_hidden_layers} layers")
-    print(f"{'T':>5}{'KL(p_T || q_T)':>16}{'T^2 KL (loss)':>15}{'|grad|':>11}"
-          f"{'|grad| without T^2':>20}")
+    table = Table(f"Distillation loss over the prompt's {len(ids)} positions, student = the "
+                  f"teacher's first {student.config.num_hidden_layers} of "
+                  f"{teacher.config.num_hidden_layers} layers", experiment=23, chapter=False,
+                  columns=[("T", "g"), ("KL(p_T || q_T)", ".5f"), ("T^2 KL (loss)", ".5f"),
+                           ("|grad|", ".5f"), ("|grad| without T^2", ".6f")])
     for T in temperatures:
         loss = distillation_loss(s, z, T)
         grad = float(np.linalg.norm(distillation_grad(s, z, T)))
-        print(f"{T:>5g}{loss / T**2:>16.5f}{loss:>15.5f}{grad:>11.5f}{grad / T**2:>20.6f}")
-
+        table.row(T, loss / T**2, loss, grad, grad / T**2)
+    table.show()
 
 if __name__ == "__main__":
     from _common import run

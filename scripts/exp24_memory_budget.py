@@ -80,7 +80,8 @@ def main(argv=None):
         table = Table(f"Experiment 24: memory budget of a {card:g} GB card = weights + reserve + "
                       "KV cache (all users' tokens)", experiment=24,
                       chapter=i == len(args.cards) - 1,
-                      columns=[("model", ""), ("precision", ""), ("weights", lambda v: f"{v:.1f} GB"),
+                      columns=[("model", ""), ("precision", ""),
+                               ("weights", lambda v: f"{v:.1f} GB"),
                                ("left", ""), ("KV/token", format_bytes), ("max tokens", "")])
         table.header(*(assumed if i == 0 else ()))
         for r in (r for r in rows if r.card_gb == card):
