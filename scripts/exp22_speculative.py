@@ -21,12 +21,14 @@ import argparse
 
 import numpy as np
 
-from _common import (add_model_argument, add_schemes_argument, add_threads_argument,
-                     load_model, mt, positive_int, progress, run, say, timing_header)
+from _common import (Progress, add_model_argument, add_schemes_argument, add_threads_argument,
+                     load_model, mt, positive_int, run, say, timing_header)
+from _table import Table
 from minitransformer.kvcache import KVCache
 from minitransformer.lookup import PromptLookup, replay
 from minitransformer.measure import time_together
 from minitransformer.model import forward, head
+from minitransformer.sanity import recheck, speedup_bound
 from minitransformer.shape import decode_read_bytes
 from minitransformer.speculative import first_layers, speculative_generate
 from quant.evaluate import agreement, reference_tokens
@@ -118,7 +120,8 @@ def main(argv=None):
     if not args.no_layers_draft and target.config.num_hidden_layers > 1:
         L = target.config.num_hidden_layers
         drafts.append((f"first {L // 2} of {L} layers", lambda: first_layers(target, L // 2)))
-    for i, (label, make) in enumerate(drafts, 1):
+    progress = Progress(len(drafts), "drafts")
+    for label, make in drafts:
         draft = make()
         alpha = agreement(draft, ids, plain) / n
         c = draft_cost(target, draft, ids + plain[:1], args.repeats)
@@ -126,52 +129,64 @@ def main(argv=None):
         g = best_gamma(alpha, c, v)
         rows.append((label, draft, alpha, c, c_bytes, g, expected_tokens(alpha, g),
                      speedup(alpha, g, c, v[g])))
-        progress(i, len(drafts), f"{label}: alpha {alpha:.3f}, c {c:.2f}, best gamma {g}")
+        progress(f"{label}: alpha {alpha:.3f}, c {c:.2f}, best gamma {g}")
 
     say(f"[4/4] measured: each draft at its gamma against plain greedy, {args.repeats} rounds")
     measured, same_everywhere = [], True
-    for i, row in enumerate(rows, 1):
-        label, draft, g = row[0], row[1], row[5]
+    progress = Progress(len(rows), "speculative runs")
+    for label, draft, _, c, _, g, _, _ in rows:
         results = {}
 
         def spec():
             results["spec"] = speculative_generate(target, draft, ids, n, gamma=g,
                                                    eos_token_id=[])
-        t_plain, t_spec = time_together(
-            [lambda: mt.generate(target, ids, n, eos_token_id=[]), spec],
-            warmup=0, repeat=args.repeats)
+
+        def race(previous):
+            return time_together([lambda: mt.generate(target, ids, n, eos_token_id=[]), spec],
+                                 warmup=0, repeat=args.repeats)
+
+        def ceiling(timings):  # a speedup above what the kept tokens allow: a disturbed plain run
+            t_plain, t_spec = timings
+            return speedup_bound(t_plain.best / t_spec.best, results["spec"].tokens_per_pass,
+                                 g, c)
+        (t_plain, t_spec), warning = recheck(race, ceiling)
         r = results["spec"]
         same = r.tokens == plain
         same_everywhere &= same
-        measured.append((r, t_plain.best / t_spec.best, t_plain.median / t_spec.median, same))
-        progress(i, len(rows), f"{label}, gamma {g}: {t_plain.best / t_spec.best:.2f}x, "
+        measured.append((r, t_plain.best / t_spec.best, t_plain.median / t_spec.median, same,
+                         warning))
+        progress(f"{label}, gamma {g}: {t_plain.best / t_spec.best:.2f}x, "
                  f"tokens {'identical' if same else 'DIFFERENT'}")
 
-    print(f"Experiment 22 (measured): speculative decoding, {target.path}")
-    print(f"task: rewrite a {len(PASSAGE.split())}-word passage; {len(ids)}-token prompt, "
-          f"{n} new tokens, greedy; {header}")
-    print()
-    print("v(n): one target pass over n + 1 positions, in one-token decode steps "
-          "(the chapter's formula: 1)")
-    print("  " + "  ".join(f"n={k}: {x:.2f}" for k, x in v.items()))
-    print()
-    print("c: a draft step over a target step, as time here and as weight bytes read")
-    print("gamma: the draft length with the best predicted speedup on these costs")
-    print(f"{'':<24}{'':>7}{'c':>6}{'c':>7}{'':>6}{'tokens / pass':>16}{'speedup':>26}")
-    print(f"{'draft':<24}{'alpha':>7}{'time':>6}{'bytes':>7}{'gamma':>6}{'pred.':>8}{'meas.':>8}"
-          f"{'pred.':>8}{'meas.':>9}{'median':>9}{'same':>6}")
-    for (label, _, alpha, c, c_bytes, g, tpp, pred), (r, best, median, same) in zip(rows,
-                                                                                   measured):
-        print(f"{label:<24}{alpha:>7.3f}{c:>6.2f}{c_bytes:>7.3f}{g:>6}{tpp:>8.2f}"
-              f"{r.tokens_per_pass:>8.2f}{pred:>7.2f}x{best:>8.2f}x{median:>8.2f}x"
-              f"{'yes' if same else 'NO':>6}")
-    print()
-    print("alpha: per-proposal acceptance (lookup: kept / (kept + rejections) in its rounds; "
-          "models: agreement with greedy)")
-    print("pred.: lookup from its rounds replayed on greedy's tokens, each priced at v; models "
-          "E(alpha, gamma) / (gamma c + v(gamma))")
-    print("meas.: best of the rounds (median beside); the machine may have been shared")
-    print(f"tokens identical to plain greedy in every run: {'yes' if same_everywhere else 'NO'}")
+    x = lambda value: f"{value:.2f}x"  # noqa: E731
+    table = Table(f"Experiment 22 (measured): speculative decoding, {target.path}",
+                  experiment=22, columns=[
+                      ("draft", ""), ("alpha", ".3f"), ("c time", ".2f"), ("c bytes", ".3f"),
+                      ("gamma", "d"), ("tokens/pass pred.", ".2f"), ("tokens/pass meas.", ".2f"),
+                      ("speedup pred.", x), ("speedup meas.", x), ("median", x), ("same", "")])
+    table.header(f"task: rewrite a {len(PASSAGE.split())}-word passage; {len(ids)}-token prompt, "
+                 f"{n} new tokens, greedy", header,
+                 "v(n): one target pass over n + 1 positions, in one-token decode steps "
+                 "(the chapter's formula: 1)",
+                 "  " + "  ".join(f"n={k}: {value:.2f}" for k, value in v.items()),
+                 "c: a draft step over a target step, as time here and as weight bytes read",
+                 "gamma: the draft length with the best predicted speedup on these costs")
+    for (label, _, alpha, c, c_bytes, g, tpp, pred), (r, best, median, same, warning) in zip(
+            rows, measured):
+        table.row(label, alpha, c, c_bytes, g, tpp, r.tokens_per_pass, pred, best, median,
+                  "yes" if same else "NO", warning=warning)
+    table.note("alpha: per-proposal acceptance (lookup: kept / (kept + rejections) in its "
+               "rounds; models: agreement with greedy)",
+               "pred.: lookup from its rounds replayed on greedy's tokens, each priced at v; "
+               "models E(alpha, gamma) / (gamma c + v(gamma))",
+               "meas.: best of the rounds (median beside), plain and speculative side by side; a "
+               "measured speedup above tokens/pass / (gamma c + 1) is measured again, then "
+               "flagged",
+               "tokens identical to plain greedy in every run: "
+               f"{'yes' if same_everywhere else 'NO'}")
+    table.plot("draft", ["speedup pred.", "speedup meas."], "speculative decoding: predicted "
+               "and measured speedup per draft", kind="bar")
+    table.show()
     return 0 if same_everywhere else 1
 
 
