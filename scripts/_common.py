@@ -169,6 +169,7 @@ class Progress:
 
     def __call__(self, message="", done=1):
         self.i += done
+        self.n = max(self.n, self.i)  # more work than planned (a re-measurement): count it
         elapsed = time.perf_counter() - self.start
         spent = sum(self.cost(j) for j in range(1, self.i + 1))
         left = elapsed / spent * sum(self.cost(j) for j in range(self.i + 1, self.n + 1)) \

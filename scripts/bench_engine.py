@@ -2,21 +2,24 @@
 
 --requests requests with seeded random prompts and output lengths (end-of-sequence off, greedy)
 are generated one after another with minitransformer.generate, then served by the engine with
-each --slots count, all in this one run. Printed: wall seconds, tokens/s and the speedup of
-each engine run over the sum of the single-request runs, and whether every request got the
-same tokens both ways (it must: batching is exact).
+each --slots count, all in this one run, side by side, --repeat times (the fastest and the
+median printed). Printed: wall seconds, tokens/s and the speedup of each engine run over the sum
+of the single-request runs, and whether every request got the same tokens both ways (it must:
+batching is exact).
 
 What to expect: decode is memory-bound, so B rows in a step cost far less than B steps; on a
 CPU through NumPy the gain is smaller than on a GPU (experiment 12 shows where the step stops
 being cheap), and each prompt's prefill is paid the same both ways.
 """
 import argparse
-import time
 
 import numpy as np
 
-from _common import add_model_argument, load_model, mt, positive_int, progress
+from _common import (Progress, add_model_argument, add_threads_argument, load_model, mt,
+                     positive_int, timing_header)
+from _table import Table
 from minitransformer.engine import Engine, Request
+from minitransformer.measure import time_together
 
 
 def main(argv=None):
@@ -28,6 +31,9 @@ def main(argv=None):
     parser.add_argument("--slots", default="4,8,16", help="engine slot counts to run")
     parser.add_argument("--block-size", type=positive_int, default=16)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--repeat", type=positive_int, default=2,
+                        help="timed runs of each way, side by side (default: 2)")
+    add_threads_argument(parser)
     args = parser.parse_args(argv)
     try:
         p_lo, p_hi = (int(x) for x in args.prompt_len.split("-"))
@@ -47,35 +53,39 @@ def main(argv=None):
     tokens = sum(r.max_new_tokens for r in requests)
     mt.generate(model, [1, 2, 3], 2)  # warm-up
 
-    solo, start = [], time.perf_counter()
-    for i, r in enumerate(requests, 1):
-        solo.append(mt.generate(model, list(r.prompt), r.max_new_tokens, eos_token_id=[]))
-        if i % 4 == 0 or i == len(requests):
-            progress(i, len(requests), f"one at a time: {time.perf_counter() - start:.1f} s")
-    t_solo = time.perf_counter() - start
+    ran_on = timing_header(args)
+    progress, solo, runs = Progress((1 + len(slot_counts)) * args.repeat, "runs"), [], {}
 
+    def one_at_a_time():
+        solo[:] = [mt.generate(model, list(r.prompt), r.max_new_tokens, eos_token_id=[])
+                   for r in requests]
+        progress("one at a time")
+
+    def engine_run(slots):
+        def serve():
+            runs[slots] = Engine(model, slots=slots, block_size=args.block_size).run(requests)
+            progress(f"engine, {slots} slots")
+        return serve
+
+    t_solo, *t_engine = time_together([one_at_a_time, *(engine_run(s) for s in slot_counts)],
+                                      warmup=0, repeat=args.repeat)
+    table = Table("Benchmark: continuous-batching engine vs the same requests one at a time",
+                  columns=[("", ""), ("seconds", ".2f"), ("median s", ".2f"),
+                           ("tokens/s", ".1f"), ("speedup", lambda v: f"{v:.2f}x"),
+                           ("steps", "d"), ("same tokens", "")])
+    table.header(f"{len(requests)} requests, prompts {p_lo}-{p_hi} tokens, outputs {n_lo}-{n_hi} "
+                 f"tokens ({tokens:,} new tokens in all), greedy; the fastest and the median of "
+                 f"{args.repeat}+ runs of each way, side by side", ran_on)
+    table.row("one at a time (generate)", t_solo.best, t_solo.median, tokens / t_solo.best, 1.0,
+              None, None)
     rows = []
-    for i, slots in enumerate(slot_counts, 1):
-        engine = Engine(model, slots=slots, block_size=args.block_size)
-        start = time.perf_counter()
-        run = engine.run(requests)
-        seconds = time.perf_counter() - start
-        same = sum(r.tokens == s for r, s in zip(run.results, solo))
-        rows.append((f"engine, {slots} slots", seconds, same, run.steps))
-        progress(i, len(slot_counts), f"engine, {slots} slots: {seconds:.1f} s")
-
-    print("Benchmark: continuous-batching engine vs the same requests one at a time")
-    print(f"{len(requests)} requests, prompts {p_lo}-{p_hi} tokens, outputs {n_lo}-{n_hi} tokens "
-          f"({tokens:,} new tokens in all), greedy; wall time of this one run")
-    print()
-    print(f"{'':<26}{'seconds':>9}{'tokens/s':>10}{'speedup':>9}{'steps':>7}"
-          f"{'same tokens':>13}")
-    print(f"{'one at a time (generate)':<26}{t_solo:>9.2f}{tokens / t_solo:>10.1f}"
-          f"{1:>8.2f}x{'':>7}{'':>13}")
-    for name, seconds, same, steps in rows:
-        print(f"{name:<26}{seconds:>9.2f}{tokens / seconds:>10.1f}{t_solo / seconds:>8.2f}x"
-              f"{steps:>7}{f'{same}/{len(requests)}':>13}")
-    return 0 if all(same == len(requests) for _, _, same, _ in rows) else 1
+    for slots, t in zip(slot_counts, t_engine):
+        same = sum(r.tokens == s for r, s in zip(runs[slots].results, solo))
+        rows.append(same)
+        table.row(f"engine, {slots} slots", t.best, t.median, tokens / t.best,
+                  t_solo.best / t.best, runs[slots].steps, f"{same}/{len(requests)}")
+    table.show()
+    return 0 if all(same == len(requests) for same in rows) else 1
 
 
 if __name__ == "__main__":
