@@ -17,14 +17,14 @@ import argparse
 
 import numpy as np
 
-from _common import Progress, add_model_argument, add_threads_argument, timing_header
+from _common import (Progress, add_model_argument, add_threads_argument, model_path,
+                     timing_header)
 from _table import Table
 from minitransformer.backend import to_device, to_numpy
 from minitransformer.config import load_config
 from minitransformer.measure import peak_bytes, time_together
 from minitransformer.model import attention
 from minitransformer.sanity import recheck, slower
-from minitransformer.synth import default_model
 
 FP32 = 4  # bytes per score: the model's math is float32
 
@@ -76,7 +76,7 @@ def main(argv=None):
                         help="timed calls, their min and median reported (default: 5)")
     add_threads_argument(parser)
     args = parser.parse_args(argv)
-    d = args.head_dim or load_config(args.model or default_model()).head_dim
+    d = args.head_dim or load_config(model_path(args.model)).head_dim
     if d < 1 or min(args.lengths) < 1:
         parser.error("--head-dim and --lengths must be positive")
 

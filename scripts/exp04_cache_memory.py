@@ -24,11 +24,11 @@ from functools import partial
 
 import numpy as np
 
-from _common import Progress, add_model_argument, add_threads_argument, load_model, mt, say
+from _common import (Progress, add_model_argument, add_threads_argument, load_model, model_path,
+                     mt, say)
 from _table import Table
 from minitransformer.config import load_config
 from minitransformer.measure import limit_threads, peak_bytes
-from minitransformer.synth import default_model
 from sim.kv_memory import format_bytes, kv_bytes_per_token
 
 
@@ -70,7 +70,7 @@ def main(argv=None):
                              "costs O(N^2) passes, so fewer is much faster)")
     add_threads_argument(parser)
     args = parser.parse_args(argv)
-    path = args.model or default_model()
+    path = model_path(args.model)
     c = load_config(path)
     P, N = args.prompt_tokens, args.new_tokens
     if P < 1 or N < 1 or P + N > c.max_position_embeddings:
