@@ -4,8 +4,10 @@ Serves the measured experiments of the chapter (2, 4, 6, 7, 12, 13, 22). A timin
 something else ran on the machine can come out impossible: a batch of 7 cheaper than a batch of
 1, a speculative speedup above what the accepted tokens allow. Each check here takes measured
 ``Timing``s (minitransformer/measure.py) and returns a message per row that breaks its invariant,
-None or {} when all is well. The tolerance is the measurement's own noise (its spread, never
-less than ``NOISE_FLOOR``), not a constant chosen to keep the checks quiet.
+None or {} when all is well. The checks compare the fastest samples: a fastest sample cannot be
+too fast (a clock does not run early), only too slow (every sample of that row was disturbed), so
+the tolerance is the small difference two quiet runs of the same code show (``NOISE_FLOOR``).
+A wide spread is no excuse: it is the sign of a disturbed row, which is measured again.
 
 ``recheck`` is the loop every script runs around a check: measure, check, and while a check
 fires measure again; a message that survives is printed beside its row.
@@ -16,19 +18,9 @@ of things that are not timed (tokens, bytes), which the tests assert exactly.
 NOISE_FLOOR = 0.10  # two runs of the same code on a quiet machine differ by up to ~10%
 
 
-def noise(*timings) -> float:
-    """The relative tolerance for comparing these timings: their largest spread, or the floor.
-
-    >>> from minitransformer.measure import Timing
-    >>> noise(Timing((1.0, 1.02, 1.05)), Timing((2.0, 3.0, 3.0)))   # the second was disturbed
-    0.5
-    """
-    return max([NOISE_FLOOR, *(t.spread for t in timings)])
-
-
-def cost_falls(labels, timings, what="step") -> dict:
+def cost_falls(labels, timings, what="step", tolerance=NOISE_FLOOR) -> dict:
     """Costs that must not fall as the work grows (a larger batch, a longer cache or prompt):
-    {row index: message} for each row whose best time is below the previous row's beyond noise.
+    {row index: message} for each row whose best time is below the previous row's beyond the tolerance.
 
     >>> from minitransformer.measure import Timing
     >>> steps = [Timing((0.010,) * 3), Timing((0.012,) * 3), Timing((0.004,) * 3)]
@@ -38,15 +30,15 @@ def cost_falls(labels, timings, what="step") -> dict:
     found = {}
     for i in range(1, len(timings)):
         before, now = timings[i - 1], timings[i]
-        if now.best < before.best * (1 - noise(before, now)):
+        if now.best < before.best * (1 - tolerance):
             found[i] = (f"{what} {labels[i]} costs {now.best / before.best:.2f}x {what} "
                         f"{labels[i - 1]} ({now.best * 1e3:.1f} vs {before.best * 1e3:.1f} ms): "
                         "a larger one cannot be cheaper")
     return found
 
 
-def slower(fast, slow, fast_name="cached", slow_name="recompute"):
-    """A message if the timing that must be faster (the cached one) is not, beyond noise.
+def slower(fast, slow, fast_name="cached", slow_name="recompute", tolerance=NOISE_FLOOR):
+    """A message if the timing that must be faster (the cached one) is not, beyond the tolerance.
 
     >>> from minitransformer.measure import Timing
     >>> slower(Timing((2.0, 2.1)), Timing((1.0, 1.0)))
@@ -54,14 +46,14 @@ def slower(fast, slow, fast_name="cached", slow_name="recompute"):
     >>> slower(Timing((1.0, 1.0)), Timing((2.0, 2.1))) is None
     True
     """
-    if fast.best <= slow.best * (1 + noise(fast, slow)):
+    if fast.best <= slow.best * (1 + tolerance):
         return None
     return (f"{fast_name} takes {fast.best / slow.best:.2f}x {slow_name} ({fast.best * 1e3:.1f} "
             f"vs {slow.best * 1e3:.1f} ms): it does less work, it cannot be slower")
 
 
-def spikes(labels, sizes, timings, unit="token") -> dict:
-    """Per-unit costs (best time / size) that stand above both neighbours beyond noise: one
+def spikes(labels, sizes, timings, unit="token", tolerance=NOISE_FLOOR) -> dict:
+    """Per-unit costs (best time / size) that stand above both neighbours beyond the tolerance: one
     disturbed row in a series that should be smooth. {row index: message}.
 
     >>> from minitransformer.measure import Timing
@@ -73,7 +65,7 @@ def spikes(labels, sizes, timings, unit="token") -> dict:
     found = {}
     for i in range(1, len(per) - 1):
         around = max(per[i - 1], per[i + 1])
-        if per[i] > around * (1 + noise(*timings[i - 1:i + 2])):
+        if per[i] > around * (1 + tolerance):
             found[i] = (f"P={labels[i]} costs {per[i] * 1e3:.2f} ms per {unit}, "
                         f"{per[i] / around:.1f}x its neighbours: one disturbed measurement")
     return found
