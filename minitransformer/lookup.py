@@ -17,6 +17,14 @@ from dataclasses import dataclass
 
 import numpy as np
 
+# Written for this project: a passage to be copied (the task where prompt lookup pays).
+PASSAGE = ("The lighthouse stood on a rock at the mouth of the bay. Every evening the keeper "
+           "climbed its one hundred and twelve steps, trimmed the wick, polished the lens and "
+           "lit the lamp. Ships far out at sea saw the light turn once every ten seconds and "
+           "knew where the rocks were. In the morning he put the lamp out, wrote the weather "
+           "in his book, and went down the steps to make his breakfast.")
+TASK = "Rewrite the following passage exactly, word for word:\n\n"
+
 
 @dataclass(frozen=True)
 class PromptLookup:
@@ -82,3 +90,12 @@ def replay(tokens, prompt_len: int, gamma: int, draft: PromptLookup) -> list:
         rounds.append((len(proposals), kept))
         t += kept + 1
     return rounds
+
+
+def rewrite_prompt(model, passage: str = PASSAGE) -> list:
+    """The rewrite task as token ids: through the chat template when the model has one."""
+    if model.tokenizer is None:
+        raise ValueError(f"{model.path}: no tokenizer.json, cannot encode the rewrite task")
+    if model.tokenizer.chat_template:
+        return model.tokenizer.chat_prompt([{"role": "user", "content": TASK + passage}])
+    return model.tokenizer.encode(TASK + passage + "\n\n")

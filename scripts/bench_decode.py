@@ -120,6 +120,8 @@ def main(argv=None):
     parser.add_argument("--buffer-mb", type=int, default=1024,
                         help="MiB streamed to measure read bandwidth; keep it far above the "
                              "caches (default: %(default)s)")
+    parser.add_argument("--no-quant", action="store_true",
+                        help="skip the quantized steps and speculative decoding")
     parser.add_argument("--no-reference", action="store_true",
                         help="skip transformers even when it is installed")
     add_threads_argument(parser)
@@ -196,8 +198,84 @@ def main(argv=None):
                      "bit for bit" if same else "NO: bits differ")
     batching.note(f"target: flat gain >= {BATCH_TARGET}")
     batching.show()
-    # Quantized weights (issue 14.2: each scheme's step against the fp32 step, resident bytes
-    # beside) and speculative decoding (14.4) add their tables here, timed the same way.
+    if not args.no_quant:
+        quantized_tables(models, args, ran_on)
+
+
+
+# ------------------------------------------- quantized steps and speculative decoding (perfquant)
+QUANT_SCHEMES = {"int8-row": 1.1, "int4-g128": 1.5, "nf4": 1.5}   # scheme -> target vs fp32
+QUANT_BATCHES = (1, 4)
+
+
+def quantized_tables(models, args, ran_on):
+    """Each scheme's decode step against the fp32 step, resident bytes beside (issue 14.2);
+    prompt lookup against plain greedy on the rewrite task (issue 14.4). Side by side."""
+    from quant.qmodel import SCHEMES, quantize_model, resident_bytes
+    say("[+] quantized decode steps against fp32, side by side ...")
+    quant = Table("Quantized decode: each scheme's step over the fp32 step",
+                  columns=[("model", ""), ("weights", ""), ("resident MB", ".1f")] +
+                  [(f"B={b} {k}", ".2f") for b in QUANT_BATCHES for k in ("best", "med")] +
+                  [("target", "")])
+    quant.header("the projections run on their codes (quant/matmul.py: a block of rows at a "
+                 "time); embedding and head stay fp32", ran_on)
+    for spec, path, model in models:
+        variants = {"fp32": model} | {SCHEMES[s].label: quantize_model(model, s)
+                                      for s in QUANT_SCHEMES}
+        ratios = {label: [] for label in variants}
+        for batch in QUANT_BATCHES:
+            steps = [decode_steps(m, batch, args.context)[:2] for m in variants.values()]
+            times = time_together([s for s, _ in steps], warmup=1, repeat=args.repeat,
+                                  after=[r for _, r in steps])
+            for label, t in zip(variants, times):
+                ratios[label] += [t.best / times[0].best, t.median / times[0].median]
+        targets = [None] + [f"<= {x}x" for x in QUANT_SCHEMES.values()]
+        for (label, m), target in zip(variants.items(), targets):
+            quant.row(spec, label, sum(resident_bytes(m).values()) / 1e6, *ratios[label],
+                      target or "")
+    quant.show()
+
+    say("[+] speculative decoding with prompt lookup against plain greedy ...")
+    spec_table = Table("Speculative decoding: prompt lookup on a rewrite task, greedy",
+                       columns=[("model", ""), ("gamma", ""), ("v(gamma)", ".2f"),
+                                ("tokens/pass", ".2f"), ("predicted", ".2f"),
+                                ("speedup", ".2f"), ("median", ".2f"), ("same tokens", "")])
+    spec_table.header("gamma: the best predicted from the measured cost v of verifying "
+                      "(minitransformer.speculative.verification_costs); speedup over plain "
+                      "greedy, side by side", ran_on)
+    for spec, path, model in models:
+        row = speculative_row(model, repeat=max(2, args.repeat // 2))
+        if row is not None:
+            spec_table.row(spec, *row)
+    spec_table.note("target: speedup >= 1.5x, tokens identical to plain greedy")
+    spec_table.show()
+
+
+def speculative_row(model, new_tokens=48, largest=8, repeat=3):
+    """Prompt lookup at its best predicted gamma against plain greedy -> a table row, or None
+    for a model without a tokenizer (no text to rewrite)."""
+    import minitransformer as mt
+    from minitransformer.lookup import PromptLookup, replay, rewrite_prompt
+    from minitransformer.speculative import speculative_generate, verification_costs
+    from sim.speculative import replayed_speedup
+    if model.tokenizer is None:
+        return None
+    ids = rewrite_prompt(model)
+    plain = mt.generate(model, ids, new_tokens, eos_token_id=[])
+    v = verification_costs(model, ids + plain, largest, repeat)
+    lookup = PromptLookup()
+    predicted = {g: replayed_speedup(replay(ids + plain, len(ids), g, lookup), v)
+                 for g in range(1, largest + 1)}
+    gamma = max(predicted, key=predicted.get)
+    runs = {}
+    t_plain, t_spec = time_together(
+        [lambda: mt.generate(model, ids, new_tokens, eos_token_id=[]),
+         lambda: runs.update(r=speculative_generate(model, lookup, ids, new_tokens,
+                                                    gamma=gamma, eos_token_id=[]))],
+        warmup=0, repeat=repeat)
+    r = runs["r"]
+    return (gamma, v[gamma], r.tokens_per_pass, predicted[gamma], t_plain.best / t_spec.best,
+            t_plain.median / t_spec.median, "yes" if r.tokens == plain else "NO")
 
 
 if __name__ == "__main__":

@@ -25,49 +25,15 @@ from _common import (Progress, add_model_argument, add_schemes_argument, add_thr
                      load_model, mt, positive_int, run, say, timing_header)
 from _table import Table
 from minitransformer.kvcache import KVCache
-from minitransformer.lookup import PromptLookup, replay
+from minitransformer.lookup import PASSAGE, PromptLookup, replay, rewrite_prompt
 from minitransformer.measure import time_together
 from minitransformer.model import forward, head
 from minitransformer.sanity import recheck, speedup_bound
 from minitransformer.shape import decode_read_bytes
-from minitransformer.speculative import first_layers, speculative_generate
+from minitransformer.speculative import first_layers, speculative_generate, verification_costs
 from quant.evaluate import agreement, reference_tokens
 from quant.qmodel import SCHEMES, quantize_model
 from sim.speculative import best_gamma, expected_tokens, replayed_speedup, speedup
-
-# Written for this project: a passage to be copied (the task where prompt lookup shines).
-PASSAGE = ("The lighthouse stood on a rock at the mouth of the bay. Every evening the keeper "
-           "climbed its one hundred and twelve steps, trimmed the wick, polished the lens and "
-           "lit the lamp. Ships far out at sea saw the light turn once every ten seconds and "
-           "knew where the rocks were. In the morning he put the lamp out, wrote the weather "
-           "in his book, and went down the steps to make his breakfast.")
-TASK = "Rewrite the following passage exactly, word for word:\n\n"
-
-
-def rewrite_prompt(model, passage=PASSAGE) -> list[int]:
-    """The rewrite task as token ids: through the chat template when the model has one."""
-    if model.tokenizer is None:
-        raise ValueError(f"{model.path}: no tokenizer.json, cannot encode the task")
-    if model.tokenizer.chat_template:
-        return model.tokenizer.chat_prompt([{"role": "user", "content": TASK + passage}])
-    return model.tokenizer.encode(TASK + passage + "\n\n")
-
-
-def step_costs(model, ids, largest: int, repeat: int) -> dict:
-    """{n: time of one pass over n + 1 new positions / time of a one-token step}, n = 1..largest.
-
-    Each pass runs on a cache holding `ids` and is rolled back after (KVCache.trim), head
-    included: verification reads the logits of every position it checks."""
-    kv = KVCache.allocate(model.config, 1, len(ids) + largest + 1)
-    forward(model, np.array([ids[:-largest - 1]]), kv)
-    tail = np.array([ids[-largest - 1:]])
-
-    def step(k):
-        return lambda: head(model, forward(model, tail[:, :k], kv))
-    times = time_together([step(k) for k in range(1, largest + 2)], repeat=repeat,
-                          after=[(lambda k=k: kv.trim(k)) for k in range(1, largest + 2)])
-    return {n: times[n].best / times[0].best for n in range(1, largest + 1)}
-
 
 def draft_cost(target, draft, ids, repeat) -> float:
     """c: one decode step of the draft over one of the target, timed side by side."""
@@ -103,7 +69,7 @@ def main(argv=None):
     say(f"[1/4] plain greedy: {n} tokens after a {len(ids)}-token prompt ...")
     plain = reference_tokens(target, ids, n)
     say(f"[2/4] v(n): verification passes over 2..{G + 1} positions ...")
-    v = step_costs(target, ids + plain, G, args.repeats)
+    v = verification_costs(target, ids + plain, G, args.repeats)
     target_bytes = decode_read_bytes(target.config, target.weights)
 
     say("[3/4] drafts: alpha, c, predicted speedup per gamma ...")

@@ -75,6 +75,8 @@ def test_bench_decode_runs_and_checks_its_bits(tiny, capsys):
                                "--buffer-mb", "16"], capsys)
     assert "against the memory-bandwidth floor" in out and "/ floor" in out
     assert "bit for bit" in out  # batch-invariant rows: each exactly B = 1's logits
+    assert "Quantized decode" in out and "NF4 (block 64)" in out
+    assert "prompt lookup on a rewrite task" in out and "yes" in out.split("rewrite task")[-1]
 
 
 def test_run_all_runs_a_selection(tiny, capfd):
