@@ -22,7 +22,7 @@ from minitransformer.generate import eos_ids
 from minitransformer.sampling import SamplingSettings
 from minitransformer.serving import Request
 
-UNSUPPORTED = {  # field -> the value that means "off", the only one accepted
+UNSUPPORTED = {  # field -> the value that means "off" (null, false, {} and [] pass too)
     "n": 1, "best_of": 1, "echo": False, "logprobs": None, "top_logprobs": None, "suffix": None,
     "presence_penalty": 0, "frequency_penalty": 0, "logit_bias": None, "tools": None,
     "response_format": None,
@@ -75,7 +75,7 @@ def parse(body, kind: str, model, name: str, pool_tokens: int) -> Job:
                        f"{name!r}", "model", code="model_not_found")
     for field, off in UNSUPPORTED.items():
         value = body.get(field)
-        if value not in (None, off, {}, []):
+        if value is not None and value != off and value not in (False, {}, []):
             raise APIError(f"{field}={value!r} is not supported by this server", field)
     prompt = prompt_ids(body, kind, model)
     positions = model.config.max_position_embeddings

@@ -199,6 +199,9 @@ def main(argv=None):
     ms = lambda v: f"{1000 * v:.0f}"  # noqa: E731
     table = Table("Serving through HTTP: static vs continuous batching, Poisson arrivals",
                   experiment=13,
+                  differs="live HTTP traffic on this machine (client, server, tokenizer and "
+                          "SSE costs included), a smaller workload (--requests, --total): the "
+                          "ratios, not the seconds, carry over",
                   columns=[("policy", ""), ("req/s", "g"), ("tok/s", ".1f"),
                            ("TTFT mean ms", ms), ("TTFT p99 ms", ms), ("TPOT mean ms", ms),
                            ("TPOT p99 ms", ms), ("E2E mean s", ".2f"), ("E2E p50 s", ".2f"),
