@@ -227,8 +227,8 @@ class Engine:
         return made
 
     def _fits(self, live) -> bool:
-        """Memory admission: can the pool take this sequence with room for its next token,
-        and every running sequence's next token?"""
+        """Memory admission: can the pool take this sequence with room for its next token
+        (else the next step could preempt it at once), and every running sequence's next?"""
         if live.swapped:
             enter = self.cache.swap_in_cost(live.swapped, then=1)
         else:

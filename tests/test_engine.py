@@ -7,19 +7,11 @@ import pytest
 
 import minitransformer as mt
 from conftest import assert_like_solo
+from engine_fuzz import solo
 from minitransformer.engine import Engine
 from minitransformer.paged import blocks_for
 from minitransformer.serving import Request, Result, metrics
 from minitransformer.sampling import SamplingSettings
-
-
-def solo(model, request):
-    """What minitransformer.generate gives the request alone, same settings and seed."""
-    s = request.settings
-    return mt.generate(model, list(request.prompt), request.max_new_tokens,
-                       do_sample=s.do_sample, temperature=s.temperature, top_k=s.top_k,
-                       top_p=s.top_p, repetition_penalty=s.repetition_penalty,
-                       seed=request.seed, eos_token_id=request.eos_token_id)
 
 
 def assert_solo(model, results, batch_invariant=False):
