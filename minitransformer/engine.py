@@ -86,6 +86,17 @@ class _Live:                        # a request the engine is serving
         return made[-1] in self.eos or len(made) == self.result.request.max_new_tokens
 
 
+def pool_for(requests, slots: int, block_size: int) -> int:
+    """Blocks for a pool in which every slot can hold the longest request: nobody waits for
+    memory and nobody is preempted (what a contiguous cache would reserve, rounded to blocks).
+
+    >>> pool_for([Request((1, 2, 3), 5), Request((4,), 13)], slots=2, block_size=4)  # 2 x 14/4
+    8
+    """
+    longest = max(len(r.prompt) + r.max_new_tokens for r in requests)
+    return slots * blocks_for(longest, block_size)
+
+
 class Engine:
     def __init__(self, model, slots: int = SLOTS, num_blocks: int = None,
                  block_size: int = BLOCK_SIZE, policy: str = "continuous",

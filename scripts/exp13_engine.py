@@ -23,9 +23,8 @@ import numpy as np
 from _common import (Progress, add_model_argument, add_threads_argument, load_model, mt, say,
                      timing_header)
 from _table import Table
-from minitransformer.engine import Engine
+from minitransformer.engine import Engine, pool_for
 from minitransformer.measure import Timing
-from minitransformer.paged import blocks_for
 from minitransformer.sanity import cost_falls
 from minitransformer.serving import Request, metrics
 from sim.batching import TableCost, simulate_continuous, simulate_static
@@ -120,7 +119,7 @@ def main(argv=None):
     except ValueError as e:
         parser.error(str(e))
     if args.num_blocks is None:
-        args.num_blocks = args.slots * blocks_for(args.prompt_len + max(lengths), args.block_size)
+        args.num_blocks = pool_for(requests, args.slots, args.block_size)
     ran_on = timing_header(args)
     runs = [serve(model, requests, policy, args) for policy in ("static", "continuous")]
 

@@ -25,7 +25,7 @@ import numpy as np
 from _common import (Progress, add_model_argument, add_threads_argument, load_model, mt,
                      positive_ints, say, timing_header)
 from _table import Table
-from minitransformer.engine import Engine, Request
+from minitransformer.engine import Engine, Request, pool_for
 from minitransformer.paged import blocks_for
 from minitransformer.synth import make_checkpoint, qwen2_config
 from sim.workload import skewed_lengths
@@ -42,8 +42,7 @@ def requests_for(lengths, prompt_len, vocab_size, seed, system=()):
 def serve(model, requests, slots, block_size, share=True, progress=None):
     """-> the PagedStats of every step (continuous batching, a pool no request waits on).
     progress: a Progress over the requests, told as they finish."""
-    longest = max(len(r.prompt) + r.max_new_tokens for r in requests)
-    engine = Engine(model, slots=slots, num_blocks=slots * blocks_for(longest, block_size),
+    engine = Engine(model, slots=slots, num_blocks=pool_for(requests, slots, block_size),
                     block_size=block_size, share_prefixes=share)
 
     def report(e):
