@@ -139,3 +139,18 @@ def test_chat_in_a_real_terminal(story_chat_model):
             assert f"you> {line}\nmodel> {reply}\n" in shown, shown
     finally:
         subprocess.run(["tmux", "kill-session", "-t", session], capture_output=True)
+
+
+def test_model_names_and_the_offline_fallback(monkeypatch, capsys):
+    import minitransformer.real_model as real_model
+    from minitransformer.__main__ import model_path
+    from minitransformer.synth import default_model
+
+    def offline():
+        raise real_model.FetchError("no network")
+    monkeypatch.setattr(real_model, "is_imported", lambda path: False)
+    monkeypatch.setattr(real_model, "smollm2", offline)
+    assert model_path("some/dir") == "some/dir"
+    assert model_path("default") == str(default_model())
+    assert model_path(None) == str(default_model())
+    assert "SmolLM2 unavailable (no network)" in capsys.readouterr().err
