@@ -84,26 +84,6 @@ class TableCost:
         return float(np.interp(batch, self.batch_sizes, self.seconds))
 
     @classmethod
-    def from_steps(cls, decode_times, slots):
-        """Median seconds per batch size over (batch size, seconds) decode steps, such as the
-        engine's Run.decode_times; sizes 1 and `slots`, if never seen, take the cost of the
-        nearest size measured.
-
-        >>> TableCost.from_steps([(2, 0.03), (2, 0.05), (3, 0.06)], slots=4)
-        TableCost(batch_sizes=(1, 2, 3, 4), seconds=(0.04, 0.04, 0.06, 0.06))
-        """
-        by_size = {}
-        for B, seconds in decode_times:
-            by_size.setdefault(B, []).append(seconds)
-        if not by_size:
-            raise ValueError("no decode steps to measure step costs from")
-        table = {B: float(np.median(t)) for B, t in by_size.items()}
-        table.setdefault(1, table[min(table)])
-        table.setdefault(slots, table[max(table)])
-        sizes = sorted(table)
-        return cls(tuple(sizes), tuple(table[B] for B in sizes))
-
-    @classmethod
     def from_json(cls, path):
         """A JSON object {"batch size": seconds, ...}, e.g. written by experiment 12."""
         try:
