@@ -4,6 +4,8 @@ Set the environment variable ``MT_BACKEND`` before importing minitransformer:
 
     MT_BACKEND=numpy   (default) everything runs on the CPU
     MT_BACKEND=cupy    the same model code runs on an NVIDIA GPU through CuPy
+    MT_BACKEND=strict  for tests: NumPy wrapped so that every implicit device-to-host
+                       conversion raises, as on a GPU (see strict.py); the CI runs it too
 
 It is read once, at import; an unknown value or a missing CuPy is an error right here rather
 than a surprise later. Model code does ``from minitransformer.backend import xp`` and never
@@ -30,14 +32,19 @@ elif BACKEND == "cupy":
             "MT_BACKEND=cupy but CuPy is not installed: pip install -e '.[gpu]' "
             "(a CuPy wheel matching your CUDA), or unset MT_BACKEND to run on NumPy"
         ) from e
+elif BACKEND == "strict":
+    from minitransformer import strict as xp
 else:
-    raise ValueError(f"MT_BACKEND={BACKEND!r} is not a backend: use 'numpy' (default) or 'cupy'")
+    raise ValueError(f"MT_BACKEND={BACKEND!r} is not a backend: use 'numpy' (default), 'cupy' "
+                     "or 'strict' (tests)")
 
 
 def to_numpy(a):
     """Any backend array (or scalar) -> a host numpy array."""
     if BACKEND == "cupy":
         return xp.asnumpy(a)
+    if BACKEND == "strict":
+        return xp.to_host(a)
     return numpy.asarray(a)
 
 

@@ -71,6 +71,7 @@ class KVCache:
         axes 0 and 2: cache[b, :, positions[b, t]] = k[b, t], no transpose needed, because
         numpy puts the indexed axes first, (B, T), and the sliced one after, (Hkv, d):
         >>> from types import SimpleNamespace
+        >>> from minitransformer.backend import to_numpy
         >>> shape = SimpleNamespace(num_hidden_layers=1, num_key_value_heads=1, head_dim=3)
         >>> cache = KVCache.allocate(shape, batch=2, max_len=4)
         >>> k = xp.ones((2, 1, 1, 3), dtype=xp.float32)             # (B, T, Hkv, d)
@@ -78,7 +79,7 @@ class KVCache:
         >>> cache.k[0][rows, :, positions].shape                      # (B, T, Hkv, d)
         (2, 1, 1, 3)
         >>> k_held, v_held = cache.update(0, k, k, (rows, positions, S))
-        >>> k_held[:, 0, :, 0].tolist()                               # (B, S): slot filled or not
+        >>> to_numpy(k_held[:, 0, :, 0]).tolist()                     # (B, S): slot filled or not
         [[0.0, 0.0, 1.0], [1.0, 0.0, 0.0]]
         """
         rows, positions, S = self.slots(self.positions(k.shape[1])) if slots is None else slots

@@ -150,7 +150,8 @@ def attention(q, k, v, positions):
 
     The group reshape, on H = 4 query heads over Hkv = 2 kv heads (G = 2), one token:
     >>> heads = xp.arange(4).reshape(1, 1, 4, 1)        # (B, T, H, d): query head h holds h
-    >>> heads.reshape(1, 1, 2, 2, 1).transpose(0, 2, 3, 1, 4)[0, :, :, 0, 0].tolist()
+    >>> from minitransformer.backend import to_numpy
+    >>> to_numpy(heads.reshape(1, 1, 2, 2, 1).transpose(0, 2, 3, 1, 4)[0, :, :, 0, 0]).tolist()
     [[0, 1], [2, 3]]
 
     kv head 0 serves query heads 0 and 1, kv head 1 serves 2 and 3, as HF's repeat_kv does.
@@ -242,7 +243,8 @@ def silu(x):
 
     The textbook 1 / (1 + exp(-x)) overflows exp for x < -88 in float32 (a warning, and inf
     on the way to the right 0); tanh saturates quietly at -1.
-    >>> [round(float(y), 4) for y in silu(xp.array([-100.0, 0.0, 1.0], dtype=xp.float32))]
+    >>> from minitransformer.backend import to_numpy
+    >>> [round(float(y), 4) for y in to_numpy(silu(xp.array([-100.0, 0.0, 1.0], xp.float32)))]
     [-0.0, 0.0, 0.7311]
     """
     return x * (0.5 * (1.0 + xp.tanh(0.5 * x)))

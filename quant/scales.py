@@ -72,12 +72,24 @@ def expand(scales: np.ndarray, group: int, cols: int) -> np.ndarray:
     return np.repeat(scales.astype(np.float32), group, axis=1)[:, :cols]
 
 
+SHARED_LEVELS = {}  # id of a host level table -> (the table, its one device copy)
+
+
+def shared_on_device(levels: np.ndarray):
+    """The device copy of a level table, made once. to_device copies on a GPU: called per
+    matrix it would hold one table per matrix, where the chapter counts one for the model.
+    (The host table is kept in the dict too, so its id cannot be reused by another.)"""
+    if id(levels) not in SHARED_LEVELS:
+        SHARED_LEVELS[id(levels)] = (levels, to_device(levels))
+    return SHARED_LEVELS[id(levels)][1]
+
+
 def build(scheme, w, codes, scales, group, bits, levels) -> QWeight:
     """Pack the codes (out, in) uint8, move everything to the backend, measure the error."""
     flat = codes.reshape(-1)
     q = QWeight(scheme=scheme, shape=tuple(w.shape), bits=bits, group=group,
                 codes=to_device(flat if bits == 8 else pack_nibbles(flat)),
-                scales=to_device(scales), levels=to_device(levels))
+                scales=to_device(scales), levels=shared_on_device(levels))
     return replace(q, error=relative_error(w, to_numpy(q.dequantize())))
 
 

@@ -30,3 +30,7 @@ def test_missing_cupy_is_a_clear_error():
         pass
     result = run("cupy")
     assert result.returncode != 0 and "CuPy is not installed" in result.stderr
+
+
+def test_strict_is_the_test_backend():
+    assert run("strict").stdout.strip() == "minitransformer.strict"

@@ -2,6 +2,7 @@
 import numpy as np
 import pytest
 
+from minitransformer.backend import to_numpy
 from minitransformer.kvcache import KVCache
 from minitransformer.model import forward
 from minitransformer.paged import PagedCache, PoolExhausted, blocks_for
@@ -17,7 +18,7 @@ def prefill(model, cache, seq_id, prompt):
 def keys(cache, seq_id, layer=0):
     """A sequence's keys read back through its block table: (Hkv, length, d)."""
     seq = cache.seqs[seq_id]
-    blocks = cache.k[layer][np.array(seq.blocks)]                     # (nb, Hkv, bs, d)
+    blocks = to_numpy(cache.k[layer][np.array(seq.blocks)])           # (nb, Hkv, bs, d)
     return np.concatenate(list(blocks), axis=1)[:, :seq.length]
 
 
@@ -41,7 +42,7 @@ def test_keys_through_the_block_table_equal_the_contiguous_cache(tiny_model, blo
     cache.add("other", [7] * 5)  # so the sequence's blocks are not 0, 1, 2, ...
     prefill(tiny_model, cache, "s", prompt)
     for layer in range(tiny_model.config.num_hidden_layers):
-        assert np.array_equal(keys(cache, "s", layer), kv.k[layer][0])
+        assert np.array_equal(keys(cache, "s", layer), to_numpy(kv.k[layer][0]))
     assert len(cache.seqs["s"].blocks) == blocks_for(29, block_size)
     check_invariants(cache)
 
@@ -85,7 +86,7 @@ def test_a_prompt_held_in_full_copies_its_last_block_on_write(tiny_model):
     assert a[:2] == b[:2] and a[2] != b[2]                 # two shared, the third copied
     assert cache.refcount[a[:2]].tolist() == [2, 2] and cache.refcount[b[2]] == 1
     for k, k0 in zip(cache.k, before):                     # a's blocks untouched
-        assert np.array_equal(k[np.array(a)], k0[np.array(a)])
+        assert np.array_equal(to_numpy(k[np.array(a)]), to_numpy(k0[np.array(a)]))
     np.testing.assert_allclose(keys(cache, "b"), keys(cache, "a"), rtol=1e-5, atol=1e-6)
     check_invariants(cache)
 
