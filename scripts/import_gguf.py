@@ -48,4 +48,5 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    from _common import run
+    run(main)
