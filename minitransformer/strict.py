@@ -43,10 +43,11 @@ HOST_TYPES = frozenset({int, float, bool, complex, str, bytes, slice, type(None)
 class DeviceArray(NDArrayOperatorsMixin):
     """An array "on the device": NumPy data that refuses to be read implicitly on the host."""
 
-    __slots__ = ("_data",)
+    __slots__ = ("_data", "_owner")
 
-    def __init__(self, data: numpy.ndarray):
+    def __init__(self, data: numpy.ndarray, owner=None):
         self._data = data
+        self._owner = owner  # the DeviceArray whose memory this one views, if known
 
     # -- what reaches the host only through backend.to_numpy -------------------------------
     def __array__(self, dtype=None, copy=None):
@@ -99,7 +100,29 @@ class DeviceArray(NDArrayOperatorsMixin):
         return wrap(result)
 
     def __getitem__(self, key):
-        return wrap(self._data[index_data(key)])
+        return self._view(self._data[index_data(key)])
+
+    def _view(self, result):
+        """Wrap a result of an operation on self, remembering the owner if it is a view."""
+        out = wrap(result)
+        if type(out) is DeviceArray and out._data.base is not None:
+            owner = self if self._data.base is None else self._owner
+            if owner is not None and out._data.base is owner._data:
+                out._owner = owner
+        return out
+
+    @property
+    def base(self):
+        """The array this one views (None for an owner), the same object each time, as
+        CuPy's .base: `w.base is stack` is how a view of a stack is recognized."""
+        if self._data.base is None:
+            return None
+        return self._owner if self._owner is not None else DeviceArray(self._data.base)
+
+    @property
+    def data(self):
+        """Where the data lives, as CuPy's MemoryPointer: .ptr, an address (no bytes)."""
+        return DevicePointer(self._data.__array_interface__["data"][0])
 
     def __setitem__(self, key, value):
         self._data[index_data(key)] = value._data if isinstance(value, DeviceArray) else value
@@ -116,12 +139,12 @@ class DeviceArray(NDArrayOperatorsMixin):
     def __getattr__(self, name):
         """shape, dtype, reshape, sum, astype, T, ...: NumPy's, with array results wrapped.
         Never the __array_interface__ / buffer / dlpack doors: NumPy would read through them."""
-        if name.startswith("__") or name in ("ctypes", "data", "tofile", "dump", "dumps"):
+        if name.startswith("__") or name in ("ctypes", "tofile", "dump", "dumps"):
             raise AttributeError(f"a device array has no {name!r} on the host")
         value = getattr(self._data, name)
         if callable(value):
-            return lambda *a, **k: wrap(value(*unwrap_all(a, name), **unwrap_all(k, name)))
-        return wrap(value)
+            return lambda *a, **k: self._view(value(*unwrap_all(a, name), **unwrap_all(k, name)))
+        return self._view(value)
 
 
 def _operator(name, reflected=False):
@@ -148,7 +171,14 @@ DeviceArray.__invert__ = lambda self: wrap(~self._data)
 DeviceArray.__hash__ = None  # unhashable, as arrays are
 for _name in ("shape", "dtype", "ndim", "size", "nbytes", "itemsize", "strides"):
     setattr(DeviceArray, _name, property(lambda self, _n=_name: getattr(self._data, _n)))
-DeviceArray.T = property(lambda self: DeviceArray(self._data.T))
+DeviceArray.T = property(lambda self: self._view(self._data.T))
+
+
+class DevicePointer:
+    __slots__ = ("ptr",)
+
+    def __init__(self, ptr: int):
+        self.ptr = ptr
 
 
 def wrap(value):

@@ -37,7 +37,8 @@ def unpack_nibbles(packed, n: int, levels):
     levels (16,) is whatever the codes stand for: 0..15 gives the codes back, the int4 grid
     -8..7 or the 16 NF4 levels give the weights in units of their scale.
 
-    >>> unpack_nibbles(xp.asarray(pack_nibbles([10, 3, 7])), 3, xp.arange(16)).tolist()
+    >>> from minitransformer.backend import to_numpy
+    >>> to_numpy(unpack_nibbles(xp.asarray(pack_nibbles([10, 3, 7])), 3, xp.arange(16))).tolist()
     [10, 3, 7]
     """
     if packed.size != (n + 1) // 2:

@@ -4,7 +4,7 @@ from pathlib import Path
 
 import numpy as np
 
-from minitransformer.backend import to_numpy
+from minitransformer.backend import to_device, to_numpy
 from minitransformer.loader import load_weights
 from minitransformer.model import Model, linear
 from minitransformer.shape import tensor_shapes
@@ -15,7 +15,8 @@ from quant.qmodel import quantize_model
 def test_the_stacks_hold_the_checkpoint_s_matrices_once(tiny_model):
     c, w = tiny_model.config, tiny_model.weights
     assert set(w) == set(tensor_shapes(c))            # every checkpoint name, no fused ones
-    stored = load_weights(Path(tiny_model.path), c)   # what the checkpoint holds, unfused
+    stored = {name: to_numpy(a) for name, a in  # what the checkpoint holds, unfused
+              load_weights(Path(tiny_model.path), c).items()}
     for i, layer in enumerate(tiny_model.layers):
         p = f"model.layers.{i}."
         q, k, v = (stored[f"{p}self_attn.{m}_proj.weight"] for m in "qkv")
@@ -45,8 +46,8 @@ def test_a_model_made_from_another_shares_or_restacks(tiny_model):
 def test_quantized_parts_stay_apart_and_multiply_as_one(tiny_model):
     q = quantize_model(tiny_model, "int8-row")
     stacked = q.layers[0].gate_up
-    x = np.random.default_rng(0).standard_normal((2, 3, tiny_model.config.hidden_size),
-                                                 dtype=np.float32)
+    x = to_device(np.random.default_rng(0).standard_normal(
+        (2, 3, tiny_model.config.hidden_size), dtype=np.float32))
     gate, up = (q.weights[f"model.layers.0.mlp.{m}_proj.weight"] for m in ("gate", "up"))
     expected = np.concatenate([to_numpy(linear(x, gate)), to_numpy(linear(x, up))], axis=-1)
     assert np.array_equal(to_numpy(linear(x, stacked)), expected)

@@ -49,6 +49,9 @@ def test_what_cupy_allows_is_allowed_and_stays_on_the_device(x):
     assert strict.to_host(y).tolist() == [[3.0, 4.0, 5.0], [0.0, 8.0, 0.0]]
     assert type(np.array_equal(x, x)) is strict.DeviceArray              # as cupy.array_equal
     assert isinstance(x, strict.ndarray)
+    view = x[1:]
+    assert view.base is x and view[:, 1:].base is x and x.base is None  # as CuPy's .base
+    assert view.data.ptr == x.data.ptr + 3 * 4                          # addresses, no bytes
 
 
 def test_to_host_is_the_way_off_and_a_copy(x):
