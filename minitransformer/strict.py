@@ -237,10 +237,11 @@ def to_host(a) -> numpy.ndarray:
 
 
 def asarray(a, dtype=None, **kwargs):
-    """Host (or device) data -> a device array: the upload."""
+    """Host (or device) data -> a device array. From the host it is an upload: a copy in
+    memory of its own, as on a GPU (code that relied on the two aliasing would fail there)."""
     if isinstance(a, DeviceArray):
         return wrap(numpy.asarray(a._data, dtype=dtype, **kwargs))
-    return DeviceArray(numpy.asarray(a, dtype=dtype, **kwargs))
+    return DeviceArray(numpy.array(a, dtype=dtype, copy=True, **kwargs))
 
 
 def array(a, dtype=None, **kwargs):
