@@ -11,7 +11,10 @@ Serves experiment 21 (and the agreement feeds experiment 22's acceptance rates).
                 teacher-forced forward pass): the count of positions where the two agree
 
 Perplexity is only comparable between models that share a tokenizer (the chapter's warning).
-Leaves out: sampling-based evaluation, benchmark suites, confidence intervals.
+A battery score comes with its 95% Wilson interval: with 16 questions, 12 right is anything
+from about half to nine in ten, so one question more or less says nothing (the chapter's point).
+An instruct model can be asked through its chat template (``chat=True``).
+Leaves out: sampling-based evaluation, benchmark suites.
 """
 import json
 import re
@@ -115,20 +118,44 @@ class Battery:
     outputs: list     # (prompt, continuation, right?) per question
 
 
+def wilson_interval(correct: int, n: int, z: float = 1.96) -> tuple[float, float]:
+    """95% (z = 1.96) Wilson score interval for a proportion correct / n.
+
+    Unlike p +- z sqrt(p(1-p)/n) it stays inside [0, 1] and is not zero-width at 0/n or n/n.
+
+    >>> [round(x, 3) for x in wilson_interval(12, 16)]
+    [0.505, 0.898]
+    """
+    if n < 1 or not 0 <= correct <= n:
+        raise ValueError(f"need 0 <= correct <= n and n >= 1, got {correct} of {n}")
+    p = correct / n
+    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
+    half = z / (1 + z * z / n) * np.sqrt(p * (1 - p) / n + z * z / (4 * n * n))
+    return float(max(0.0, centre - half)), float(min(1.0, centre + half))
+
+
+# How a completion prompt is put to an instruct model through its chat template.
+CHAT_INSTRUCTION = "Complete the sentence: {prompt}"
+
+
 def answered(continuation: str, answers) -> bool:
     """An accepted answer appears as a whole word (case-insensitive)."""
     return any(re.search(rf"\b{re.escape(a)}\b", continuation, re.IGNORECASE) for a in answers)
 
 
 def battery(model, repetition_penalty: float, max_new_tokens: int = 8,
-            questions=BATTERY) -> Battery:
-    """Greedy answers to the questions (repetition_penalty 1.0 turns the penalty off)."""
+            questions=BATTERY, chat: bool = False) -> Battery:
+    """Greedy answers to the questions (repetition_penalty 1.0 turns the penalty off).
+
+    chat: ask through the tokenizer's chat template (an instruct model's own format)."""
     if not questions:
         raise ValueError("no questions to ask: 0 correct of 0 would say nothing")
     outputs = []
     for prompt, answers in questions:
-        new = generate(model, encode(model, prompt), max_new_tokens,
-                       repetition_penalty=repetition_penalty)
+        ids = (model.tokenizer.chat_prompt(
+            [{"role": "user", "content": CHAT_INSTRUCTION.format(prompt=prompt)}])
+            if chat else encode(model, prompt))
+        new = generate(model, ids, max_new_tokens, repetition_penalty=repetition_penalty)
         text = model.tokenizer.decode(new)
         outputs.append((prompt, text, answered(text, answers)))
     return Battery(sum(ok for *_, ok in outputs), outputs)

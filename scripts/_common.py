@@ -77,6 +77,16 @@ def model_config(args):
     return str(path), load_config(path)
 
 
+def is_chapter_model(config) -> bool:
+    """True when config has Qwen2.5-0.5B's shape, the model the chapter's figures come from."""
+    from dataclasses import replace
+
+    from minitransformer.config import ModelConfig
+    from minitransformer.synth import qwen25_05b_config
+    chapter = ModelConfig.from_dict(qwen25_05b_config())
+    return replace(config, torch_dtype=chapter.torch_dtype) == chapter
+
+
 def encode_prompt(model, text):
     """Prompt text -> token ids, or exit with a message when the checkpoint has no tokenizer."""
     if model.tokenizer is None:

@@ -5,6 +5,9 @@ dimension's largest |h| over the tokens. The chapter (Qwen2.5-0.5B, 84 tokens): 
 reaches 1,579.6 while the median dimension never passes 1.6; the same dimension stands out from
 layer 4 to layer 20; and the histogram of the 896 per-dimension maxima at layer 16 is a heap
 below 8, nothing for three octaves, and one dimension alone at the far end.
+Each maximum is shown over all positions and without position 0, because a trained model's
+first token often carries a spike of its own (an attention sink) that is not an outlier
+feature: the second is big at every token, the first at one.
 Layers are numbered from 0: "layer i" is the residual stream after layer i.
 """
 import argparse
@@ -30,35 +33,54 @@ def main(argv=None):
     L = model.config.num_hidden_layers
     layer = choose_layer(args.layer, L)
     say(f"forward pass over {len(ids)} tokens, keeping the residual stream of {L} layers")
-    maxima = per_dim_max(capture_residuals(model, ids))               # (L, D)
+    h = capture_residuals(model, ids)                                  # (L, T, D)
+    # Two different things make a dimension big. The first position can carry a spike of its
+    # own (an attention sink: heads with nothing to attend to park their weight on the first
+    # token, and its residual grows huge in a few dimensions); an outlier *feature* is big at
+    # every token. Taking maxima without position 0 separates the second from the first.
+    maxima, rest = per_dim_max(h), per_dim_max(h[:, 1:])               # (L, D) each
     D = maxima.shape[1]
 
     table = Table(f"Experiment 18: outlier features ({len(ids)}-token prompt, {D} dimensions, "
                   f"{L} layers), {model.path}", experiment=18, columns=[
-                      ("layer", "d"), ("max |h|", ".1f"), ("dim", "d"), ("median dim", ".2f"),
-                      (f"top {args.top} dims", "")])
-    table.header("max |h| of each dimension over the tokens, residual stream after each layer")
+                      ("layer", "d"), ("max |h|", ".1f"), ("dim", "d"), ("pos", "d"),
+                      ("max |h| w/o pos 0", ".1f"), ("dim w/o pos 0", "d"),
+                      ("median dim", ".2f"), (f"top {args.top} dims w/o pos 0", "")])
+    table.header("max |h| of each dimension over the tokens, residual stream after each layer; "
+                 "'pos' is the token where the largest sits; 'w/o pos 0': the same without "
+                 "the first token")
     table.random_weights(model)
-    for i, row in enumerate(maxima):
-        table.row(i, float(row.max()), int(row.argmax()), float(np.median(row)),
-                  ", ".join(str(d) for d in top_dims(row, args.top)))
-    where = np.unravel_index(maxima.argmax(), maxima.shape)
-    table.note(f"dim {where[1]} reaches {maxima.max():.1f} (layer {where[0]}), while the median "
-               f"dimension never passes {np.median(maxima, axis=1).max():.1f}",
-               f"top {args.top} dimensions at layer {layer}, and where each stays in the top "
-               f"{args.top}:")
-    for d in top_dims(maxima[layer], args.top):
-        layers = persistence(maxima, d, args.top)
+    for i in range(L):
+        table.row(i, float(maxima[i].max()), int(maxima[i].argmax()),
+                  int(np.abs(h[i]).max(axis=1).argmax()), float(rest[i].max()),
+                  int(rest[i].argmax()), float(np.median(rest[i])),
+                  ", ".join(str(d) for d in top_dims(rest[i], args.top)))
+    spike = np.unravel_index(maxima.argmax(), maxima.shape)
+    at_first = np.abs(h[spike[0], 0, spike[1]]) == maxima[spike]
+    where = np.unravel_index(rest.argmax(), rest.shape)
+    table.note(f"dim {spike[1]} reaches {maxima.max():.1f} (layer {spike[0]})"
+               + (", at position 0: the first token's spike (an attention sink), one token, "
+                  "not a feature of all of them" if at_first else ""),
+               f"without position 0: dim {where[1]} reaches {rest.max():.1f} (layer "
+               f"{where[0]}), while the median dimension never passes "
+               f"{np.median(rest, axis=1).max():.1f}",
+               f"top {args.top} dimensions at layer {layer} without position 0, and where each "
+               f"stays in the top {args.top}:")
+    for d in top_dims(rest[layer], args.top):
+        layers = persistence(rest, d, args.top)
         first, last = longest_run(layers)
         run = (f"only at layer {first}" if len(layers) == 1 else
                f"layers {first}-{last} without a break; {len(layers)} of {L} layers in all")
-        table.note(f"  dim {d:>5}   max |h| {maxima[layer, d]:>9.1f}   {run}")
-    table.note("", f"max |h| of the {D} dimensions at layer {layer} (log2 bins; one # per "
-               "dimension, at most 40):")
-    for b in log2_histogram(maxima[layer]):
-        table.note(f"{b.low:>6.0f} - {b.high:>6.0f} | {'#' * min(b.count, 40):<40} {b.count}")
-    table.plot("layer", ["max |h|", "median dim"], "largest and median dimension of the "
-               "residual stream, layer by layer", logy=True)
+        table.note(f"  dim {d:>5}   max |h| {rest[layer, d]:>9.1f}   {run}")
+    table.note("", f"max |h| of the {D} dimensions at layer {layer} (log2 bins), with and "
+               "without position 0 (one # per dimension, at most 40):")
+    with_first, without = log2_histogram(maxima[layer]), log2_histogram(rest[layer])
+    for i, b in enumerate(with_first):  # the same bins: 0, 1, 2, 4, ... up to the larger max
+        n = without[i].count if i < len(without) else 0
+        table.note(f"{b.low:>6.0f} - {b.high:>6.0f} | {b.count:>4} "
+                   f"{'#' * min(b.count, 40):<40}| {n:>4} {'#' * min(n, 40)}")
+    table.plot("layer", ["max |h|", "max |h| w/o pos 0", "median dim"], "largest and median "
+               "dimension of the residual stream, layer by layer", logy=True)
     table.show()
 
 

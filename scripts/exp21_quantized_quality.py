@@ -7,8 +7,11 @@ off, agreement with the full-precision model's greedy tokens over 144 positions 
 same prefix, and the weight memory actually held. The chapter (Qwen2.5-0.5B): fp32 23.08;
 INT8 per-row 22.96 with 142/144 agreeing; INT8 per-tensor +0.5; INT4 per-tensor 365,416,000;
 per-row 46.18; group-128 31.08; NF4 24.55; with the penalty off NF4 and group-128 swap places
-in the battery. Seven models each score 2,048 tokens and answer 32 questions, so this is the
-slow script: shrink it with --schemes, --tokens, --questions, --positions.
+in the battery. Each battery score comes with its 95% Wilson interval (16 questions decide
+little), and the line under the table names the schemes that change places in the battery when
+the penalty is turned off. --chat asks an instruct model through its chat template. Seven
+models each score 2,048 tokens and answer 32 questions, so this is the slow script: shrink it
+with --schemes, --tokens, --questions, --positions.
 """
 import argparse
 import time
@@ -19,7 +22,7 @@ from _common import (Progress, add_model_argument, add_schemes_argument, load_mo
 from _table import Table
 from quant.data import TextUnavailable, britannica_text
 from quant.evaluate import (BATTERY, agreement, battery, default_repetition_penalty, encode,
-                            perplexity, reference_tokens, tokens_of)
+                            perplexity, reference_tokens, tokens_of, wilson_interval)
 from quant.qmodel import SCHEMES, quantize_model, resident_bytes
 
 PREFIX = "The history of the English theatre begins"
@@ -33,7 +36,7 @@ def evaluate(label, model, ids, args, prefix, reference, penalty):
     questions = BATTERY[: args.questions]
     scores = []
     for rp in (penalty, 1.0):
-        scores.append(battery(model, rp, args.max_new_tokens, questions).correct)
+        scores.append(battery(model, rp, args.max_new_tokens, questions, args.chat).correct)
         say(f"{label}: battery, repetition penalty {rp:g}: {scores[-1]}/{len(questions)} "
             f"({time.perf_counter() - start:.0f} s)")
     agree = agreement(model, prefix, reference)
@@ -52,7 +55,11 @@ def main(argv=None):
     parser.add_argument("--window", type=int, default=2048,
                         help="tokens per forward pass (capped by the model's positions)")
     parser.add_argument("--questions", type=int, default=len(BATTERY), help="battery size (<= 16)")
-    parser.add_argument("--max-new-tokens", type=int, default=8, help="per battery answer")
+    parser.add_argument("--max-new-tokens", type=int, default=None,
+                        help="per battery answer (default: 8, or 16 with --chat)")
+    parser.add_argument("--chat", action="store_true",
+                        help="ask the battery through the model's chat template (an instruct "
+                             "model's own format) instead of as sentences to complete")
     parser.add_argument("--positions", type=int, default=144, help="agreement positions")
     parser.add_argument("--prefix", default=PREFIX, help="prompt of the agreement run")
     parser.add_argument("--repetition-penalty", type=float, default=None,
@@ -62,6 +69,8 @@ def main(argv=None):
                              "THRESHOLD kept in float (LLM.int8; its default is 6.0)")
     args = parser.parse_args(argv)
     schemes = args.schemes
+    if args.max_new_tokens is None:
+        args.max_new_tokens = 16 if args.chat else 8
 
     if args.text:
         text, source = Path(args.text).read_text(encoding="utf-8"), args.text
@@ -71,6 +80,8 @@ def main(argv=None):
         except TextUnavailable as e:
             raise ValueError(str(e)) from None
     model = load_model(args.model)
+    if args.chat and (model.tokenizer is None or model.tokenizer.chat_template is None):
+        parser.error(f"--chat: {model.path} has no chat template")
     try:
         ids = tokens_of(model, text, args.tokens + 1)  # n scored tokens need n + 1
     except ValueError as e:
@@ -93,20 +104,41 @@ def main(argv=None):
     n_q = min(args.questions, len(BATTERY))
     table = Table(f"Experiment 21: quantized model quality, {model.path}", experiment=21,
                   columns=[("scheme", ""), ("perplexity", ",.2f"),
-                           (f"battery rp {penalty:g}", lambda v: f"{v}/{n_q}"),
-                           ("battery rp off", lambda v: f"{v}/{n_q}"),
+                           (f"battery rp {penalty:g}", lambda v: score(v, n_q)),
+                           ("battery rp off", lambda v: score(v, n_q)),
                            ("agree", lambda v: f"{v}/{args.positions}"),
                            ("proj. MB", ".2f"), ("all MB", ".2f")])
     table.header(f"perplexity: {args.tokens:,} tokens of {source}; battery: {n_q} questions, "
-                 f"greedy, {args.max_new_tokens} new tokens;",
+                 f"greedy, {args.max_new_tokens} new tokens, "
+                 f"{'through the chat template' if args.chat else 'sentences to complete'};",
+                 "battery: questions right, and the 95% Wilson interval of the share right;",
                  f"agreement: argmax vs the fp32 model's greedy tokens, {args.positions} "
                  "positions; weights: bytes held (embedding and norms stay fp32)")
     table.random_weights(model)
     for label, ppl, (on, off), agree, proj, total in rows:
         table.row(label, ppl, on, off, agree, proj / 1e6, total / 1e6)
+    table.note(swaps([(label, on, off) for label, _, (on, off), *_ in rows], penalty))
     table.plot("scheme", ["perplexity"], "perplexity per scheme (lower is better)", kind="bar",
                logy=True)
     table.show()
+
+
+def score(correct, n):
+    """'12/16 [0.51, 0.90]': the count and the 95% Wilson interval of the share right."""
+    low, high = wilson_interval(correct, n)
+    return f"{correct}/{n} [{low:.2f}, {high:.2f}]"
+
+
+def swaps(scores, penalty) -> str:
+    """The pairs of schemes whose battery order flips when the penalty is turned off."""
+    flips = [f"{a} and {b} ({on_a} vs {on_b} with rp {penalty:g}, {off_a} vs {off_b} off)"
+             for i, (a, on_a, off_a) in enumerate(scores) for b, on_b, off_b in scores[i + 1:]
+             if (on_a - on_b) * (off_a - off_b) < 0]
+    if not flips:
+        return "repetition penalty off: no two schemes change places in the battery"
+    return "repetition penalty off: change places in the battery: " + "; ".join(flips) + \
+        " (within the intervals above: a swap of one or two questions is noise)"
+
 
 if __name__ == "__main__":
     from _common import run

@@ -139,3 +139,20 @@ def test_the_cached_text_is_used_without_fetching(monkeypatch, tmp_path):
     data.cache_path().parent.mkdir(parents=True)
     data.cache_path().write_text("p.1:0\nSome text\nacross lines.\n", encoding="utf-8")
     assert data.britannica_text() == "Some text across lines."
+
+
+@pytest.mark.parametrize("correct, n", [(0, 16), (1, 16), (12, 16), (16, 16), (7, 9), (50, 144)])
+def test_wilson_interval_matches_scipy(correct, n):
+    from scipy.stats import binomtest
+
+    from quant.evaluate import wilson_interval
+    reference = binomtest(correct, n).proportion_ci(0.95, method="wilson")
+    low, high = wilson_interval(correct, n)
+    # scipy takes z from the normal quantile (1.95996...), we use 1.96: a few 1e-5 apart
+    assert abs(low - reference.low) < 1e-4 and abs(high - reference.high) < 1e-4
+
+
+def test_wilson_interval_rejects_impossible_counts():
+    from quant.evaluate import wilson_interval
+    with pytest.raises(ValueError, match="17 of 16"):
+        wilson_interval(17, 16)

@@ -1,4 +1,5 @@
 """Experiments 15 to 21 run end to end on a tiny checkpoint and print their tables' shape."""
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -32,8 +33,12 @@ def run(script, *args):
 @pytest.mark.parametrize("script, args, expected", [
     ("exp15_weight_memory.py", [], ["INT4 group-128", "expected B", "NF4 (block 64)"]),
     ("exp16_quant_error.py", [], ["INT8 per-row", "worst matrix", "mean error /"]),
-    ("exp17_weight_outliers.py", [], ["mean |w|", "weights beyond 6 sigma", "INT4: step"]),
-    ("exp18_activation_outliers.py", ["--layer", 1], ["median dim", "log2 bins", " - "]),
+    ("exp17_weight_outliers.py", [], ["mean |w|", "weights beyond 6 sigma", "INT4: step",
+                                      "chosen as the worst INT4 per-tensor error"]),
+    ("exp17_weight_outliers.py", ["--matrix", "model.layers.1.mlp.up_proj.weight"],
+     ["model.layers.1.mlp.up_proj.weight", "chosen as as asked (--matrix)"]),
+    ("exp18_activation_outliers.py", ["--layer", 1],
+     ["median dim", "log2 bins", " - ", "without position 0"]),
     ("exp19_int8_activation_levels.py", [], ["single tensor-wide scale", "distinct level"]),
     ("exp20_outlier_techniques.py", [], ["LLM.int8 decomposition", "GPTQ / AWQ"]),
 ])
@@ -57,6 +62,24 @@ def test_exp21_quality_table(tiny):
     assert [line.split()[0] for line in lines] == ["fp32", "INT8", "NF4", "INT8"]
     assert "8/8" in lines[0]  # the full-precision model agrees with itself everywhere
     assert "perplexity: 64 tokens" in out
+    assert "95% Wilson interval" in out and "repetition penalty off:" in out
+    assert len(re.findall(r"\b\d/2 \[\d\.\d\d, \d\.\d\d\]", lines[0])) == 2
+
+
+def test_exp21_chat_needs_a_chat_template(tiny):
+    done = subprocess.run([sys.executable, str(SCRIPTS / "exp21_quantized_quality.py"),
+                           "--model", str(tiny[0]), "--text", str(tiny[1]), "--chat"],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2 and "has no chat template" in done.stderr
+
+
+def test_exp21_names_the_schemes_that_swap():
+    sys.path.insert(0, str(SCRIPTS))
+    from exp21_quantized_quality import swaps
+    line = swaps([("fp32", 12, 12), ("NF4", 11, 9), ("INT4 g128", 10, 10)], 1.1)
+    assert "NF4 and INT4 g128 (11 vs 10 with rp 1.1, 9 vs 10 off)" in line
+    assert "fp32 and" not in line and "and fp32" not in line
+    assert "no two schemes" in swaps([("fp32", 3, 3), ("NF4", 2, 2)], 1.1)
 
 
 def test_exp21_says_when_the_text_is_too_short(tiny):
