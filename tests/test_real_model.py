@@ -112,4 +112,5 @@ def test_import_script_writes_a_checkpoint(tmp_path, wheel):
                           str(tmp_path / "absent.gguf"), str(tmp_path / "x")],
                          capture_output=True, text=True, cwd=ROOT)
     assert bad.returncode == 2
-    assert bad.stderr.strip() == f"error: {tmp_path / 'absent.gguf'}: GGUF file not found"
+    assert bad.stderr.strip() == \
+        f"import_gguf.py: error: {tmp_path / 'absent.gguf'}: GGUF file not found"
