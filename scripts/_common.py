@@ -20,8 +20,8 @@ MODEL_NAMES = {
     "smollm2": "SmolLM2-135M-Instruct (trained; fetched with pip and imported on first use)",
 }
 # What a random model cannot show: said when the real model is asked for and is unavailable.
-NEEDS_TRAINED = ("outliers (exp 17-19), quality under quantization (exp 21), draft acceptance "
-                 "(exp 22 measured) and soft labels (exp 23)")
+NEEDS_TRAINED = ("quantization error and outliers (exp 16-20), quality under quantization "
+                 "(exp 21), draft acceptance (exp 22 measured) and soft labels (exp 23)")
 
 
 def add_model_argument(parser, default="default"):

@@ -16,7 +16,7 @@ from quant.qmodel import projection_names
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    add_model_argument(parser)
+    add_model_argument(parser, default="smollm2")
     add_schemes_argument(parser)
     args = parser.parse_args(argv)
     model = load_model(args.model)

@@ -16,7 +16,7 @@ from quant.techniques import matmul_operands, measure
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    add_model_argument(parser)
+    add_model_argument(parser, default="smollm2")
     parser.add_argument("--prompt", default=PROMPT)
     parser.add_argument("--layer", type=int, default=None,
                         help="residual stream after this layer feeds layer+1's q_proj "
