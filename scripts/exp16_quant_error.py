@@ -11,7 +11,7 @@ import time
 from _common import add_model_argument, add_schemes_argument, load_model, progress, say
 from _table import Table
 from quant.analysis import error_table
-from quant.qmodel import projection_names
+from quant.qmodel import SCHEMES, projection_names
 
 
 def main(argv=None):
@@ -50,10 +50,12 @@ def main(argv=None):
             out.note(f"{by[a].label} -> {by[b].label}: mean error / "
                      f"{by[a].mean / by[b].mean:.2f} ({by[b].bits_per_weight:.3f} vs "
                      f"{by[a].bits_per_weight:.3f} bits/weight)")
-    short = [n for n in names if model.weights[n].shape[1] < 128]
+    group = SCHEMES["int4-g128"].group
+    short = [n for n in names if model.weights[n].shape[1] < group]
     if short and "int4-g128" in by:
-        out.note(f"note: {len(short)} of {len(names)} matrices have rows shorter than 128 "
-                 "weights; there a group of 128 is the whole row, and group-128 equals per-row")
+        out.note(f"note: {len(short)} of {len(names)} matrices have rows shorter than {group} "
+                 f"weights; there a group of {group} is the whole row, and group-{group} equals "
+                 "per-row")
     out.plot("scheme", ["mean", "worst"], "quantization error per scheme (relative, per matrix)",
              kind="bar", logy=True)
     out.show()
