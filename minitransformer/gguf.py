@@ -136,6 +136,7 @@ def unpermute(w, heads: int) -> np.ndarray:
 
 def read_weights(reader, config: ModelConfig, source: str) -> dict:
     """Every tensor of the file, dequantized to float32 and renamed; checked against config."""
+    from minitransformer.loader import check_finite
     from minitransformer.shape import tensor_shapes
 
     expected = tensor_shapes(config)
@@ -157,7 +158,7 @@ def read_weights(reader, config: ModelConfig, source: str) -> dict:
             heads = (config.num_attention_heads if "q_proj" in name
                      else config.num_key_value_heads)
             w = unpermute(w, heads)
-        weights[name] = w
+        weights[name] = check_finite(source, t.name, w)
     missing = sorted(set(expected) - set(weights))
     if missing:
         raise CheckpointError(f"{source}: missing tensor(s) {', '.join(missing[:5])}"

@@ -110,7 +110,7 @@ def check_finite(file: Path, name: str, w: np.ndarray) -> np.ndarray:
 
     One sum is the cheap test (NaN and inf survive a sum); only when it is not finite, which
     an overflow of huge finite values could also cause, is every element looked at."""
-    if np.isfinite(w.sum(dtype=np.float64)) or np.isfinite(w).all():
+    if np.isfinite(w.sum()) or np.isfinite(w).all():
         return w
     where = np.unravel_index(np.flatnonzero(~np.isfinite(w))[0], w.shape)
     raise CheckpointError(f"{file}: tensor {name!r} holds a non-finite value "

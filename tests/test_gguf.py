@@ -123,6 +123,18 @@ def test_attention_biases_and_untied_head(tmp_path):
     assert np.array_equal(mt.logits(model, ids), mt.logits(mt.load(reference), ids))
 
 
+def test_non_finite_weight_names_the_tensor(tmp_path):
+    config = qwen2_config(**SHAPE)
+    from minitransformer.synth import random_weights
+    weights = random_weights(config)
+    weights["model.layers.1.mlp.up_proj.weight"][2, 3] = np.inf
+    write_gguf(tmp_path / "m.gguf", config, weights,
+               types={"model.layers.1.mlp.up_proj.weight": "F32"})
+    with pytest.raises(mt.CheckpointError, match=r"m\.gguf: tensor 'blk\.1\.ffn_up\.weight' "
+                                                 r"holds a non-finite value"):
+        mt.load(tmp_path / "m.gguf")
+
+
 def test_unsupported_type_names_tensor_and_type(tmp_path):
     config = qwen2_config(**SHAPE)
     from minitransformer.synth import random_weights
