@@ -144,20 +144,23 @@ def answered(continuation: str, answers) -> bool:
 
 
 def battery(model, repetition_penalty: float, max_new_tokens: int = 8,
-            questions=BATTERY, chat: bool = False) -> Battery:
+            questions=BATTERY, chat: bool = False, progress=None) -> Battery:
     """Greedy answers to the questions (repetition_penalty 1.0 turns the penalty off).
 
-    chat: ask through the tokenizer's chat template (an instruct model's own format)."""
+    chat: ask through the tokenizer's chat template (an instruct model's own format).
+    progress(i, n) after question i of n is answered."""
     if not questions:
         raise ValueError("no questions to ask: 0 correct of 0 would say nothing")
     outputs = []
-    for prompt, answers in questions:
+    for i, (prompt, answers) in enumerate(questions, 1):
         ids = (model.tokenizer.chat_prompt(
             [{"role": "user", "content": CHAT_INSTRUCTION.format(prompt=prompt)}])
             if chat else encode(model, prompt))
         new = generate(model, ids, max_new_tokens, repetition_penalty=repetition_penalty)
         text = model.tokenizer.decode(new)
         outputs.append((prompt, text, answered(text, answers)))
+        if progress is not None:
+            progress(i, len(questions))
     return Battery(sum(ok for *_, ok in outputs), outputs)
 
 

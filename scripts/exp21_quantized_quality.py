@@ -34,9 +34,11 @@ def evaluate(label, model, ids, args, prefix, reference, penalty):
     ppl = perplexity(model, ids, args.window, progress=lambda i, n: progress(
         i, n, f"{label}: perplexity window scored ({time.perf_counter() - start:.0f} s)"))
     questions = BATTERY[: args.questions]
-    scores = []
+    scores, answered = [], Progress(2 * len(questions), f"{label}: battery")
     for rp in (penalty, 1.0):
-        scores.append(battery(model, rp, args.max_new_tokens, questions, args.chat).correct)
+        scores.append(battery(model, rp, args.max_new_tokens, questions, args.chat,
+                              progress=lambda i, n, rp=rp: answered(
+                                  f"repetition penalty {rp:g}, question {i} of {n}")).correct)
         say(f"{label}: battery, repetition penalty {rp:g}: {scores[-1]}/{len(questions)} "
             f"({time.perf_counter() - start:.0f} s)")
     agree = agreement(model, prefix, reference)
