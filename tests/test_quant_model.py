@@ -168,3 +168,17 @@ def test_a_quantized_model_batched_row_by_row_gets_each_rows_solo_bits(model):
     both = to_numpy(forward(q, ids, batch_invariant=True))
     for b in range(2):
         np.testing.assert_array_equal(both[b], to_numpy(forward(q, ids[b:b + 1]))[0])
+
+
+def test_dequantize_model_holds_the_specified_float_matrices(model):
+    from minitransformer.model import is_quantized
+    from quant.qmodel import dequantize_model
+    q = quantize_model(model, "int4-g128")
+    back = dequantize_model(q)
+    for name, w in q.weights.items():
+        if is_quantized(w):
+            assert not is_quantized(back.weights[name])
+            np.testing.assert_array_equal(to_numpy(back.weights[name]), to_numpy(w.dequantize()))
+    # the same function: logits agree with the quantized model's up to summation order
+    np.testing.assert_allclose(mt.logits(back, PROMPT), mt.logits(q, PROMPT), rtol=1e-4,
+                               atol=1e-4)
