@@ -144,23 +144,44 @@ def answered(continuation: str, answers) -> bool:
 
 
 def battery(model, repetition_penalty: float, max_new_tokens: int = 8,
-            questions=BATTERY, chat: bool = False, progress=None) -> Battery:
+            questions=BATTERY, chat: bool = False, progress=None,
+            batch_invariant: bool = False) -> Battery:
     """Greedy answers to the questions (repetition_penalty 1.0 turns the penalty off).
 
+    The questions are decoded together, as a serving engine would: one slot each, one batched
+    decode step for all of them (minitransformer/engine.py), instead of one generation after
+    another. A batch multiplies its rows as one matrix, so an answer can differ from the one
+    ``generate`` gives the question alone only at a step whose top two logits are a near tie
+    (the engine's stated exactness); the score is a measurement, not an identity.
+    batch_invariant=True gives every answer exactly the tokens it gets alone (slower).
     chat: ask through the tokenizer's chat template (an instruct model's own format).
-    progress(i, n) after question i of n is answered."""
+    progress(i, n) as answer i of n is completed."""
+    from minitransformer.engine import Engine, Request, pool_for
+    from minitransformer.sampling import SamplingSettings
+
     if not questions:
         raise ValueError("no questions to ask: 0 correct of 0 would say nothing")
+    settings = SamplingSettings(repetition_penalty=repetition_penalty)
+    requests = [Request(tuple((model.tokenizer.chat_prompt(
+        [{"role": "user", "content": CHAT_INSTRUCTION.format(prompt=prompt)}])
+        if chat else encode(model, prompt))), max_new_tokens, settings=settings)
+        for prompt, _ in questions]
+    slots, block_size = len(requests), 16
+    engine = Engine(model, slots=slots, block_size=block_size, batch_invariant=batch_invariant,
+                    num_blocks=pool_for(requests, slots, block_size))
+    reported = 0
+
+    def answered_so_far(engine):
+        nonlocal reported
+        while progress is not None and reported < sum(r.status == "finished"
+                                                      for r in engine.results):
+            reported += 1
+            progress(reported, len(requests))
+    run = engine.run(requests, on_step=answered_so_far)
     outputs = []
-    for i, (prompt, answers) in enumerate(questions, 1):
-        ids = (model.tokenizer.chat_prompt(
-            [{"role": "user", "content": CHAT_INSTRUCTION.format(prompt=prompt)}])
-            if chat else encode(model, prompt))
-        new = generate(model, ids, max_new_tokens, repetition_penalty=repetition_penalty)
-        text = model.tokenizer.decode(new)
+    for (prompt, answers), result in zip(questions, run.results):
+        text = model.tokenizer.decode(result.tokens)
         outputs.append((prompt, text, answered(text, answers)))
-        if progress is not None:
-            progress(i, len(questions))
     return Battery(sum(ok for *_, ok in outputs), outputs)
 
 

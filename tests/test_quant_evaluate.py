@@ -84,10 +84,13 @@ def test_battery_counts_the_answers_it_finds(model):
     said = model.tokenizer.decode(mt.generate(model, model.tokenizer.encode(prompt), 8,
                                               repetition_penalty=1.1))
     word = next(w for w in said.split() if w.isalnum())       # whatever the model says...
-    result = battery(model, 1.1, 8, questions=[(prompt, [word]), (prompt, ["zzzz"])])
+    questions = [(prompt, [word]), (prompt, ["zzzz"])]
+    result = battery(model, 1.1, 8, questions=questions, batch_invariant=True)
     assert result.correct == 1                                 # ...counts as its answer
     assert [ok for *_, ok in result.outputs] == [True, False]
-    assert result.outputs[0][1] == said
+    assert result.outputs[0][1] == said                        # exactly generate's answer
+    fast = battery(model, 1.1, 8, questions=questions)         # batched for speed
+    assert [ok for *_, ok in fast.outputs] == [True, False]
 
 
 def test_agreement_with_itself_is_total_and_quantization_costs_some(outlier_model):
