@@ -12,6 +12,7 @@ byte a weight), and the conversion runs at cache speed.
         buffer <- levels of the block's codes        (integer grids: a cast, no table)
         y[:, block] = x @ buffer.T                    (per-row / per-tensor schemes)
         y[:, block] = sum over groups g of scale_g * (x_g @ buffer_g.T)   (group schemes)
+                      (or, for many rows of x, a prefill: buffer *= its scales, one product)
     y *= each row's scale                             (per-row / per-tensor schemes)
 
 Equal to `x @ dequantize().T` up to float summation order: the scale multiplies a sum of
@@ -32,6 +33,7 @@ from minitransformer.backend import BACKEND, xp
 from minitransformer.paged import ceil_div
 
 BLOCK_FLOATS = 1 << 18   # 1 MB of float32 per block: in L2 on most CPUs, few Python steps
+MANY_ROWS = 16           # from this many input rows (a prefill), a group block is scaled first
 _scratch = threading.local()  # one reusable buffer per thread (no page faults per call)
 _tables = {}                  # id(levels) -> (levels, lookup table or None): lookup_table
 
@@ -50,6 +52,9 @@ def blocked_matmul(q, x):
         r1 = min(out, r0 + rows)
         w = levels_block(q, r0, r1, table)            # (n, in) levels, in scale units
         if per_row:
+            np.matmul(xb, w.T, out=y[:, r0:r1])
+        elif len(xb) >= MANY_ROWS:  # one pass scaling the block, then one large product
+            w *= np.repeat(q.scales[r0:r1].astype(np.float32), q.group, axis=1)[:, :cols]
             np.matmul(xb, w.T, out=y[:, r0:r1])
         else:
             grouped_matmul(xb, w, q.scales[r0:r1].astype(np.float32), q.group, y[:, r0:r1])

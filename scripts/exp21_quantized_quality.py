@@ -110,7 +110,9 @@ def main(argv=None):
                            ("battery rp off", lambda v: score(v, n_q)),
                            ("agree", lambda v: f"{v}/{args.positions}"),
                            ("proj. MB", ".2f"), ("all MB", ".2f")])
-    table.header(f"perplexity: {args.tokens:,} tokens of {source}; battery: {n_q} questions, "
+    windows = f" in windows of {args.window:,}" if args.window < args.tokens else ""
+    table.header(f"perplexity: {args.tokens:,} tokens of {source}{windows}; "
+                 f"battery: {n_q} questions, "
                  f"greedy, {args.max_new_tokens} new tokens, "
                  f"{'through the chat template' if args.chat else 'sentences to complete'};",
                  "battery: questions right, and the 95% Wilson interval of the share right;",

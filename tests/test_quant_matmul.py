@@ -33,7 +33,7 @@ def within_summation_error(fast, spec, x, w_hat):
 
 @pytest.mark.parametrize("scheme", sorted(SCHEMES))
 @pytest.mark.parametrize("shape", SHAPES)
-@pytest.mark.parametrize("lead", [(1,), (3,), (2, 5)])
+@pytest.mark.parametrize("lead", [(1,), (3,), (2, 5), (4, 5)])  # 20 rows: a prefill
 def test_blocked_matmul_is_the_dequantized_product(monkeypatch, scheme, shape, lead):
     monkeypatch.setattr(matmul, "BLOCK_FLOATS", 1000)  # many blocks and a short last one
     q = SCHEMES[scheme].quantize(weights(shape))
