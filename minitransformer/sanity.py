@@ -20,7 +20,8 @@ NOISE_FLOOR = 0.10  # two runs of the same code on a quiet machine differ by up 
 
 def cost_falls(labels, timings, what="step", tolerance=NOISE_FLOOR) -> dict:
     """Costs that must not fall as the work grows (a larger batch, a longer cache or prompt):
-    {row index: message} for each row whose best time is below the previous row's beyond the tolerance.
+    {row index: message} for each row whose best time is below the previous row's beyond the
+    tolerance.
 
     >>> from minitransformer.measure import Timing
     >>> steps = [Timing((0.010,) * 3), Timing((0.012,) * 3), Timing((0.004,) * 3)]

@@ -14,8 +14,8 @@ from quant.schemes import SCHEMES
 
 pytestmark = pytest.mark.skipif(BACKEND != "numpy", reason="the blocked path is NumPy's")
 
-SHAPES = [(48, 256), (37, 128), (7, 9), (130, 200), (12, 576)]  # odd rows and columns,
-#                                                     ragged groups (200 = 128 + 72, 576 = 4.5 x 128)
+# odd rows and columns; ragged groups (200 = 128 + 72, 576 = 4.5 x 128)
+SHAPES = [(48, 256), (37, 128), (7, 9), (130, 200), (12, 576)]
 
 
 def weights(shape, seed=0):
