@@ -14,10 +14,6 @@ from sim.arch import arch
 from sim.macs import compare
 
 
-def gmac(n):
-    return f"{n / 1e9:,.2f}"
-
-
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_model_argument(parser)
@@ -37,16 +33,17 @@ def main(argv=None):
 
     table = Table(f"Experiment 3: multiply-accumulates to generate T tokens from a cold start "
                   f"({args.prompt_len}-token prompt)", experiment=3, columns=[
-                      ("T", ",d"), ("no cache GMAC", gmac), ("KV cache GMAC", gmac),
-                      ("ratio", ",.1f"), ("last step no cache", gmac),
-                      ("last step KV cache", gmac), ("last step ratio", ",.1f")])
+                      ("T", ",d"), ("no cache GMAC", ",.2f"), ("KV cache GMAC", ",.2f"),
+                      ("ratio", ",.1f"), ("last step no cache", ",.2f"),
+                      ("last step KV cache", ",.2f"), ("last step ratio", ",.1f")])
     table.header(f"model: {source}: L {a.num_hidden_layers}, D {a.hidden_size}, "
                  f"H {a.num_attention_heads}, Hkv {a.num_key_value_heads}, d {a.head_dim}, "
                  f"F {a.intermediate_size}, V {a.vocab_size:,}",
                  "GMAC summed over the generation, then of its last step alone")
     for r in rows:
-        table.row(r.tokens, r.uncached, r.cached, r.ratio, r.last_step_uncached,
-                  r.last_step_cached, r.last_step_uncached / r.last_step_cached)
+        table.row(r.tokens, r.uncached / 1e9, r.cached / 1e9, r.ratio,  # in GMAC, as plotted
+                  r.last_step_uncached / 1e9, r.last_step_cached / 1e9,
+                  r.last_step_uncached / r.last_step_cached)
     table.note("counted: q/k/v/o projections (GQA shapes), MLP gate/up/down, attention scores "
                "QK^T and P V (dense: the masked half of the causal scores included), LM head on "
                "the last position",
