@@ -30,12 +30,8 @@ from _common import (Progress, add_model_argument, add_threads_argument, load_mo
 from _table import Table
 from minitransformer.config import load_config
 from minitransformer.measure import limit_threads, peak_bytes
+from quant.qmodel import resident_bytes
 from sim.kv_memory import format_bytes, kv_bytes_per_token
-
-
-def weight_bytes(model) -> int:
-    """Bytes of the resident weights (float32 on the backend, as loaded)."""
-    return sum(int(w.nbytes) for w in model.weights.values())
 
 
 def measure(model, prompt, new_tokens):
@@ -93,7 +89,7 @@ def main(argv=None):
                   columns=[("method", ""), ("peak beyond weights", format_bytes),
                            ("bytes", ",d")])
     table.header(f"measured: {counter}, during generation, above the resident weights "
-                 f"({format_bytes(weight_bytes(model))}, loaded before counting started); "
+                 f"({format_bytes(sum(resident_bytes(model).values()))}, loaded before counting started); "
                  f"memory does not depend on timing ({threads})")
     table.row("no cache (full recompute)", peak_slow, peak_slow)
     table.row("KV cache (prefill + decode)", peak_fast, peak_fast)
