@@ -40,7 +40,7 @@ class Stacked:
     parts: tuple
 
     def matmul(self, x):
-        from minitransformer.model import linear  # (model.py imports this module)
+        from minitransformer.linear import linear
         return xp.concatenate([linear(x, w) for w in self.parts], axis=-1)
 
 
@@ -50,7 +50,7 @@ def stack(weights: dict, names: list):
     `weights` by views into the stack; anything else goes into a Stacked as it is."""
     if names[0] not in weights:
         return None
-    from minitransformer.model import is_quantized  # (model.py imports this module)
+    from minitransformer.linear import is_quantized
     parts = [weights[n] for n in names]
     if any(is_quantized(w) for w in parts):
         return Stacked(tuple(parts))

@@ -9,10 +9,11 @@ with one token per sequence). The cache can be the contiguous KVCache or the pag
 forward pass only asks it where the new tokens go and for the keys/values to attend over.
 
 A forward pass first prepares what all its layers share (``prepare``: the positions, their RoPE
-angles, the cache's slots), then runs the layers one after the other (``block``; experiment 18
-calls them itself to look at the residual stream between them). Each layer makes two big
-multiplies instead of five (q/k/v and gate/up are stacked: fused.py). A batch multiplies as one
-flat matrix; ``batch_invariant=True`` gives each row the bits it gets alone (see ``prepare``).
+angles, the cache's slots, which groups of rows need a causal mask), then runs the layers one
+after the other (``block``; experiment 18 calls them itself to look at the residual stream
+between them). Each layer makes two big multiplies instead of five (q/k/v and gate/up are
+stacked: fused.py). A batch multiplies as one flat matrix (linear.py); ``batch_invariant=True``
+gives each row the bits it gets alone (see ``prepare``).
 
 Shape alphabet: B batch, T new tokens, S cached + new positions, D hidden, H query heads,
 Hkv key/value heads, G = H / Hkv queries per kv head, d head dim, F MLP width, V vocab.
@@ -24,9 +25,10 @@ from dataclasses import dataclass, field
 
 import numpy as np  # host-side bookkeeping only (positions); the math goes through xp
 
-from minitransformer.backend import BACKEND, to_device, xp
+from minitransformer.backend import to_device, xp
 from minitransformer.config import ModelConfig
 from minitransformer.fused import Layer, fuse
+from minitransformer.linear import is_quantized, linear  # noqa: F401 (is_quantized: re-exported)
 
 
 @dataclass(frozen=True)
@@ -47,72 +49,15 @@ class Model:
         object.__setattr__(self, "layers", layers)
 
 
-def is_quantized(w) -> bool:
-    """Is w held as codes and scales (a quant.QWeight) rather than as a float array?
-
-    The one test for it: a weight that is not an array multiplies itself (`w.matmul(x)`).
-    """
-    return not isinstance(w, xp.ndarray)
-
-
-def linear(x, w, bias=None, per_row=False):
-    """x (B, T, in) @ w (out, in).T + b -> (B, T, out). A quantized weight multiplies itself.
-
-    By default the B x T vectors go in as one flat (B*T, in) matrix: every weight is read once
-    for the whole batch, which is what batching buys (a decode step reads weights, and one
-    read now serves B tokens). per_row=True multiplies each row's (T, in) on its own, by the
-    same call a batch of one would make: B reads of every weight, but each row gets the very
-    bits it gets alone. BLAS chooses its kernel, and so the order of its sums, by the number
-    of rows M; with OpenBLAS a row's bits change between M = 1, 2, 16 and 32, so no flat
-    shape is batch-invariant.
-
-    Two to FEW_ROWS vectors go through few_rows_matmul; one vector, or many (a prefill), as
-    w @ x.T transposed back: the same numbers, and with many vectors OpenBLAS runs it faster
-    that way round than x @ w.T (measured 1.3x at 64 and 1.6x at 256 vectors on a (9728, 896)
-    matrix); one vector makes the same matrix-vector product either way.
-    """
-    if per_row and len(x) > 1:  # each row exactly as alone: the very call a batch of one makes
-        return xp.concatenate([linear(x[b:b + 1], w, bias) for b in range(len(x))])
-    flat = x.reshape(-1, x.shape[-1])                            # (B*T, in)
-    if is_quantized(w):
-        y = w.matmul(flat)
-    elif 1 < len(flat) <= FEW_ROWS and BACKEND == "numpy":
-        y = few_rows_matmul(flat, w)
-    else:
-        y = (w @ flat.T).T                                       # (out, B*T) -> (B*T, out)
-    y = y.reshape(*x.shape[:-1], y.shape[-1])                    # (B, T, out)
-    return y if bias is None else y + bias
-
-
-FEW_ROWS = 16            # up to this many rows, few_rows_matmul beats one flat product
-ROWS_BLOCK_BYTES = 1 << 17  # a block of weight rows that stays in the CPU's cache
-
-
-def few_rows_matmul(x, w):
-    """x (M, in) @ w (out, in).T for a few rows M (2..16), a block of weight rows at a time.
-
-    On a CPU, OpenBLAS's matrix-matrix product repacks every panel of w before it multiplies,
-    a second pass over the weights that one matrix-vector product never pays: measured on
-    SmolLM2, 5 rows cost 3 to 4 single-row products. Taking w ~128 KB at a time keeps the
-    repacking in cache, and 5 rows cost about 1.5 (speculative verification, small batches).
-    The sums are BLAS's either way: same numbers up to summation order.
-    """
-    out, cols = w.shape
-    y = xp.empty((len(x), out), dtype=xp.result_type(x, w))         # (M, out)
-    rows = max(8, ROWS_BLOCK_BYTES // (w.itemsize * cols))
-    for r0 in range(0, out, rows):
-        xp.matmul(x, w[r0:r0 + rows].T, out=y[:, r0:r0 + rows])
-    return y
-
-
 def rms_norm(x, weight, eps):
     """(..., D) -> (..., D): scale each vector to unit root-mean-square, then by a learned gain."""
-    variance = xp.mean(x * x, axis=-1, keepdims=True)  # (..., 1)
+    variance = (x * x).sum(axis=-1, keepdims=True) / x.shape[-1]  # (..., 1), the mean square
     return weight * (x / xp.sqrt(variance + eps))
 
 
 def rope_angles(positions, d, theta):
-    """Positions (B, T) on the device -> cos, sin (B, T, 1, d) of RoPE's rotation angles.
+    """Positions (B, T) on the device -> cos, sin (B, T, 1, d) of RoPE's rotation angles, the
+    first half of sin negated (see rope).
 
     Pair i of a head turns by position * theta^(-2i/d). The angles depend on the positions
     only, so a forward pass computes them once and every layer's q and k reuse them.
@@ -120,19 +65,25 @@ def rope_angles(positions, d, theta):
     inv_freq = 1.0 / (theta ** (xp.arange(0, d, 2, dtype=xp.float32) / d))  # (d/2,)
     angles = positions[..., None].astype(xp.float32) * inv_freq               # (B, T, d/2)
     angles = xp.concatenate([angles, angles], axis=-1)[:, :, None, :]          # (B, T, 1, d)
-    return xp.cos(angles), xp.sin(angles)
+    sin = xp.sin(angles)
+    sin[..., : d // 2] *= -1
+    return xp.cos(angles), sin
 
 
 def rope(x, cos, sin):
     """Rotary position embedding, Hugging Face's half-split convention.
 
     x (B, T, h, d), cos/sin (B, T, 1, d) from rope_angles -> (B, T, h, d). Pair i of each head
-    is (x[i], x[i + d/2]). (llama2.c rotates adjacent pairs (2i, 2i+1) instead; HF checkpoints
-    permute q/k rows so that this split is right for them.)
+    is (x1, x2) = (x[i], x[i + d/2]), turned by its angle a: (x1 cos a - x2 sin a,
+    x2 cos a + x1 sin a). HF writes it x * cos + rotate_half(x) * sin, rotate_half(x) =
+    (-x2, x1); with the minus sign moved into sin (rope_angles), rotate_half is the halves
+    swapped, which is a view: no copy, no negation, the same bits. (llama2.c rotates adjacent
+    pairs (2i, 2i+1) instead; HF checkpoints permute q/k rows so that this split is right.)
     """
-    d = x.shape[-1]
-    rotated = xp.concatenate([-x[..., d // 2:], x[..., : d // 2]], axis=-1)    # rotate_half
-    return x * cos + rotated * sin
+    *lead, d = x.shape
+    swapped = x.reshape(*lead, 2, d // 2)[..., ::-1, :]                    # (x2, x1), a view
+    turned = swapped * sin.reshape(*sin.shape[:-1], 2, d // 2)              # (..., 2, d/2)
+    return x * cos + turned.reshape(*lead, d)
 
 
 def softmax(x):
@@ -141,12 +92,23 @@ def softmax(x):
     return e / e.sum(axis=-1, keepdims=True)
 
 
-def attention(q, k, v, positions):
-    """Grouped-query attention with a causal mask given by positions.
+def causal_mask(positions, S: int):
+    """Positions (B, T) of the queries -> visible (B, T, S): the query at position p sees
+    slots 0..p. Slots past a row's length (other rows of a batch, rolled-back drafts) are
+    hidden by the same rule.
+    >>> from minitransformer.backend import to_numpy
+    >>> to_numpy(causal_mask(xp.asarray([[1, 2]]), 3)).astype(int).tolist()
+    [[[1, 1, 0], [1, 1, 1]]]
+    """
+    return xp.arange(S)[None, None, :] <= positions[:, :, None]
 
-    q (B, T, H, d); k, v (B, Hkv, S, d) where slot j holds position j; positions (B, T).
-    -> (B, T, H*d). Query head h reads kv head h // G: the queries are grouped, the keys are
-    never repeated, so the cache holds Hkv heads and no more.
+
+def attention(q, k, v, visible=None):
+    """Grouped-query attention; visible (B, T, S) from causal_mask, or None: all slots seen.
+
+    q (B, T, H, d); k, v (B, Hkv, S, d) where slot j holds position j. -> (B, T, H*d).
+    Query head h reads kv head h // G: the queries are grouped, the keys are never repeated,
+    so the cache holds Hkv heads and no more.
 
     The group reshape, on H = 4 query heads over Hkv = 2 kv heads (G = 2), one token:
     >>> heads = xp.arange(4).reshape(1, 1, 4, 1)        # (B, T, H, d): query head h holds h
@@ -161,10 +123,8 @@ def attention(q, k, v, positions):
     G = H // Hkv
     q = q.reshape(B, T, Hkv, G, d).transpose(0, 2, 3, 1, 4).reshape(B, Hkv, G * T, d)
     scores = (q @ k.transpose(0, 1, 3, 2)) * (1.0 / d ** 0.5)       # (B, Hkv, G*T, S)
-    # Causal: the query at position p sees slots 0..p. Slots past a row's length (other rows of
-    # a batch, rolled-back drafts) are hidden by the same rule.
-    visible = xp.arange(S)[None, None, :] <= positions[:, :, None]  # (B, T, S)
-    scores = xp.where(visible[:, None, None], scores.reshape(B, Hkv, G, T, S), -xp.inf)
+    if visible is not None:                                           # hide the future
+        scores = xp.where(visible[:, None, None], scores.reshape(B, Hkv, G, T, S), -xp.inf)
     weights = softmax(scores).reshape(B, Hkv, G * T, S)
     out = weights @ v                                                # (B, Hkv, G*T, d)
     return out.reshape(B, Hkv, G, T, d).transpose(0, 3, 1, 2, 4).reshape(B, T, H * d)
@@ -176,7 +136,8 @@ class Batch:
     positions: object       # (B, T) on the device: each token's position (= its cache slot)
     cos: object             # (B, T, 1, d) RoPE, see rope_angles
     sin: object
-    groups: tuple           # ((rows, S), ...): rows that attend together, over slots 0..S-1
+    groups: tuple           # ((rows, S, visible), ...): rows that attend together, over slots
+    #                         0..S-1, with causal_mask(their positions, S) or None (see prepare)
     slots: object           # the cache's own write/read indices (None without a cache)
     per_row: bool           # batch-invariant mode: see linear and prepare
 
@@ -209,14 +170,20 @@ def prepare(model: Model, ids, cache=None, batch_invariant=False) -> Batch:
                          f"{c.max_position_embeddings} positions")
     lengths = positions[:, -1] + 1                                   # (B,) slots each row sees
     if batch_invariant and (lengths != lengths[0]).any():
-        groups = tuple((to_device(np.flatnonzero(lengths == S)), int(S))
-                       for S in np.unique(lengths))
+        by_length = [(np.flatnonzero(lengths == S), int(S)) for S in np.unique(lengths)]
     else:                                                            # one group: every row
-        groups = ((slice(None), int(lengths.max())),)
+        by_length = [(slice(None), int(lengths.max()))]
     on_device = to_device(positions)
+    groups = []
+    for rows, S in by_length:
+        # no mask when each query sees every slot: one new token per row, all rows S long
+        # (every decode step of a single sequence)
+        sees_all = T == 1 and bool((lengths[rows] == S).all())
+        rows = rows if isinstance(rows, slice) else to_device(rows)
+        groups.append((rows, S, None if sees_all else causal_mask(on_device[rows], S)))
     cos, sin = rope_angles(on_device, c.head_dim, c.rope_theta)
     slots = None if cache is None else cache.slots(positions)
-    return Batch(on_device, cos, sin, groups, slots, batch_invariant)
+    return Batch(on_device, cos, sin, tuple(groups), slots, batch_invariant)
 
 
 def attention_block(model, i, x, batch: Batch, cache):
@@ -232,9 +199,13 @@ def attention_block(model, i, x, batch: Batch, cache):
         k, v = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)     # (B, Hkv, T, d)
     else:              # store the new keys/values, attend over everything held
         k, v = cache.update(i, k, v, batch.slots)                    # (B, Hkv, S, d)
-    out = xp.empty((B, T, H * d), dtype=q.dtype)
-    for rows, S in batch.groups:
-        out[rows] = attention(q[rows], k[rows, :, :S], v[rows, :, :S], batch.positions[rows])
+    if len(batch.groups) == 1:                                       # every row together
+        _, S, visible = batch.groups[0]
+        out = attention(q, k[:, :, :S], v[:, :, :S], visible)        # (B, T, H*d)
+    else:
+        out = xp.empty((B, T, H * d), dtype=q.dtype)
+        for rows, S, visible in batch.groups:
+            out[rows] = attention(q[rows], k[rows, :, :S], v[rows, :, :S], visible)
     return linear(out, layer.o, layer.o_bias, per_row)               # (B, T, D)
 
 

@@ -12,13 +12,15 @@ output row, or `group` consecutive weights of a row (128 by default, as in GPTQ/
 paid for with one 16-bit scale per territory: 4 + 16/128 = 4.125 bits per weight at group 128.
 
 Each function returns a QWeight: the packed codes, the float16 scales and the measured
-relative error. The integer codes are stored offset by 2**(bits-1) (0..255 or 0..15), so a
-code is a table index like NF4's; the table holds the signed integers. Symmetric absmax
+relative error. A code is the integer's own low `bits` bits (two's complement: -1 is code
+255 or 15), so it is a table index like NF4's, the table holding the signed integers, and
+read as a signed number it is the integer itself (which quant/matmul.py uses). Symmetric absmax
 never uses the most negative integer (-128 or -8): the grid is kept symmetric around zero.
 Leaves out: asymmetric (zero-point) quantization, rounding other than to nearest.
 """
 import numpy as np
 
+from quant.packing import integer_levels
 from quant.qweight import QWeight
 from quant.scales import build, check_weight, expand, float16_scales, group_absmax
 
@@ -42,8 +44,9 @@ def absmax_per_group(w, bits: int, group: int = 128) -> QWeight:
     return _quantize(w, bits, group_absmax(w, group), group=group, label=f"group-{group}")
 
 
-# The table for code c is c - 2**(bits-1): -128..127 or -8..7. One shared copy per width.
-INTEGER_LEVELS = {bits: np.arange(2 ** bits, dtype=np.float32) - 2 ** (bits - 1) for bits in (8, 4)}
+# The table for code c is c read as a signed integer: 0..127, -128..-1 (or 0..7, -8..-1).
+# One shared copy per width.
+INTEGER_LEVELS = {bits: integer_levels(bits) for bits in (8, 4)}
 
 
 def _quantize(w: np.ndarray, bits: int, absmax: np.ndarray, group: int, label: str) -> QWeight:
@@ -56,5 +59,5 @@ def _quantize(w: np.ndarray, bits: int, absmax: np.ndarray, group: int, label: s
     scale = expand(scales, group, w.shape[1])           # (out or 1, in)
     safe = np.where(scale == 0, 1, scale)               # an all-zero territory: codes 0
     q = np.clip(np.round(w / safe), -qmax - 1, qmax)    # (out, in) integers, as float
-    codes = (q + 2 ** (bits - 1)).astype(np.uint8)      # offset: -0.0 and 0.0 -> same code
+    codes = (q.astype(np.int64) & (2 ** bits - 1)).astype(np.uint8)  # two's complement
     return build(f"INT{bits} {label}", w, codes, scales, group, bits, levels)

@@ -8,7 +8,7 @@ converted a block of rows at a time into a small float buffer that stays in the 
 multiplied, and the buffer reused for the next block: memory traffic is the codes (1 or 1/2
 byte a weight), and the conversion runs at cache speed.
 
-    for each block of ~1 MB of float rows:
+    for each block of ~512 KB of float rows:
         buffer <- levels of the block's codes        (integer grids: a cast, no table)
         y[:, block] = x @ buffer.T                    (per-row / per-tensor schemes)
         y[:, block] = sum over groups g of scale_g * (x_g @ buffer_g.T)   (group schemes)
@@ -17,11 +17,14 @@ byte a weight), and the conversion runs at cache speed.
 
 Equal to `x @ dequantize().T` up to float summation order: the scale multiplies a sum of
 products ((x . c) s) where the specification scales each weight first (x . (c s)).
-The integer grids need no lookup: an 8-bit code c stands for c - 128, which is c with its top
-bit flipped read as a signed byte; a 4-bit code likewise, built two at a time in 16-bit
-integers. NF4's levels are a table, looked up one byte (two codes) at a time: a gather, slower
-than a cast, which is why NF4 is the slowest scheme here (a compiled kernel keeps its 16
-levels in a SIMD register and looks them up at the speed of a cast).
+The integer grids need no lookup: their codes are two's complement (quant/packing.py), so an
+8-bit code read as a signed byte is its level, and a 4-bit code moved into the top half of a
+byte is 16 x its level, two at a time in 16-bit integers. NF4's levels are a table, looked up
+one byte (two codes) at a time: a gather, slower than a cast, which is why NF4 is the slowest
+scheme here (a compiled kernel keeps its 16 levels in a SIMD register and looks them up at the
+speed of a cast).
+The cost that is left is NumPy's: the cast writes 4 bytes a weight into the buffer and BLAS
+reads them back, at cache speed but not free, where a compiled kernel converts in registers.
 Leaves out: integer matmuls (the activations stay float), multithreaded blocks, CuPy (on a
 GPU the whole-matrix path is used: bandwidth there makes the temporary cheap).
 """
@@ -30,9 +33,11 @@ import threading
 import numpy as np
 
 from minitransformer.backend import BACKEND, xp
+from minitransformer.linear import few_rows_matmul
 from minitransformer.paged import ceil_div
+from quant.packing import integer_levels
 
-BLOCK_FLOATS = 1 << 18   # 1 MB of float32 per block: in L2 on most CPUs, few Python steps
+BLOCK_FLOATS = 1 << 17   # 512 KB of float32 per block: in L2, few Python steps (measured best)
 MANY_ROWS = 16           # from this many input rows (a prefill), a group block is scaled first
 _scratch = threading.local()  # one reusable buffer per thread (no page faults per call)
 _tables = {}                  # id(levels) -> (levels, lookup table or None): lookup_table
@@ -47,20 +52,46 @@ def blocked_matmul(q, x):
     xb = block_columns(q, table, x.reshape(-1, cols))                  # (M, in), block order
     y = np.empty((xb.shape[0], out), np.float32)                       # (M, out)
     rows = block_rows(cols)
+    floats, ints = scratch(q, table, rows)
     per_row = q.group >= cols                         # one scale per row, or per tensor
+    scales = widen(q.scales)                          # (out or 1, G) float32
     for r0 in range(0, out, rows):
         r1 = min(out, r0 + rows)
-        w = levels_block(q, r0, r1, table)            # (n, in) levels, in scale units
+        w = levels_block(q, r0, r1, table, floats, ints)  # (n, in) levels, in scale units
         if per_row:
-            np.matmul(xb, w.T, out=y[:, r0:r1])
+            multiply(xb, w, y[:, r0:r1])
         elif len(xb) >= MANY_ROWS:  # one pass scaling the block, then one large product
-            w *= np.repeat(q.scales[r0:r1].astype(np.float32), q.group, axis=1)[:, :cols]
+            w *= np.repeat(scales[r0:r1], q.group, axis=1)[:, :cols]
             np.matmul(xb, w.T, out=y[:, r0:r1])
         else:
-            grouped_matmul(xb, w, q.scales[r0:r1].astype(np.float32), q.group, y[:, r0:r1])
+            grouped_matmul(xb, w, scales[r0:r1], q.group, y[:, r0:r1])
     if per_row:
-        y *= q.scales.reshape(1, -1).astype(np.float32)  # (1, out) or (1, 1): scale outputs
+        y *= scales.reshape(1, -1)                    # (1, out) or (1, 1): scale outputs
     return y.reshape(x.shape[:-1] + (out,))
+
+
+def widen(scales) -> np.ndarray:
+    """float16 scales (never negative) -> the same numbers in float32, by moving their bits.
+
+    NumPy's cast converts float16 one number at a time (~2.6 ns each here: a millisecond per
+    INT4 decode step); three vector passes do it exactly. A float16 without its sign bit,
+    shifted 13 places up, is the bits of a float32 2**112 times smaller, subnormals included:
+    >>> widen(np.array([0, 6e-08, 1e-4, 65504], np.float16)).tolist()
+    [0.0, 5.960464477539063e-08, 0.00010001659393310547, 65504.0]
+    """
+    bits = scales.view(np.uint16).astype(np.uint32)
+    bits <<= 13
+    return bits.view(np.float32) * np.float32(2.0 ** 112)
+
+
+def multiply(x, w, out):
+    """out (M, n) = x (M, in) @ w (n, in).T, by the call BLAS does fastest for M rows."""
+    if len(x) == 1:
+        np.matmul(w, x[0], out=out[0])               # a matrix-vector product
+    elif len(x) < MANY_ROWS:
+        few_rows_matmul(x, w, out)                   # slices its small-matrix kernel takes
+    else:
+        np.matmul(x, w.T, out=out)
 
 
 def grouped_matmul(x, w, scales, group: int, out):
@@ -103,14 +134,13 @@ def block_rows(cols: int) -> int:
     return max(2, BLOCK_FLOATS // cols // 2 * 2)
 
 
-def buffer(shape, dtype):
-    """A scratch array of `shape`, reused across calls on this thread (its contents are junk)."""
-    n = int(np.prod(shape))
+def buffer(n: int, dtype):
+    """A scratch array of n elements, reused across calls on this thread (contents junk)."""
     held = getattr(_scratch, dtype.__name__, None)
     if held is None or held.size < n:
         held = np.empty(n, dtype)
         setattr(_scratch, dtype.__name__, held)
-    return held[:n].reshape(shape)
+    return held[:n]
 
 
 def lookup_table(q):
@@ -124,28 +154,34 @@ def lookup_table(q):
     if held is None or held[0] is not q.levels:
         if len(_tables) > 64:   # levels made one per matrix (not by our quantizers)
             _tables.clear()
-        half = 2 ** (q.bits - 1)
-        grid = np.array_equal(q.levels, np.arange(2 * half, dtype=np.float32) - half)
+        grid = np.array_equal(q.levels, integer_levels(q.bits))
         held = (q.levels, None if grid else q.levels if q.bits == 8 else pair_table(q.levels))
         _tables[id(q.levels)] = held
     return held[1]
 
 
-def levels_block(q, r0: int, r1: int, table):
-    """Rows r0:r1 of the matrix in units of their scales -> float32 (n, in), in scratch.
+def scratch(q, table, rows: int):
+    """-> (float32, uint16 or None) scratch for blocks of `rows` rows (see levels_block)."""
+    n = rows * q.shape[1]
+    return (buffer(2 * ceil_div(n, 2), np.float32),                    # room for a pad nibble
+            buffer(ceil_div(n, 2), np.uint16) if q.bits == 4 and table is None else None)
+
+
+def levels_block(q, r0: int, r1: int, table, floats=None, ints=None):
+    """Rows r0:r1 of the matrix in units of their scales -> float32 (n, in), in `floats`.
 
     In natural order, except the INT4 grid: 16 x each level, each byte's two codes swapped.
+    floats (and ints for the INT4 grid) is scratch from `scratch`, made here when not given.
     """
     cols = q.shape[1]
     n = r1 - r0
-    flat = buffer((2 * ceil_div(n * cols, 2),), np.float32)  # room for a padding nibble
-    w = flat[:n * cols].reshape(n, cols)
+    if floats is None:
+        floats, ints = scratch(q, table, n)
+    w = floats[:n * cols].reshape(n, cols)
     if q.bits == 8:
         codes = q.codes[r0 * cols:r1 * cols]
-        if table is None:        # level c - 128: flip the top bit, read as a signed byte
-            signed = buffer((n * cols,), np.uint8)
-            np.bitwise_xor(codes, 0x80, out=signed)
-            np.copyto(w.reshape(-1), signed.view(np.int8), casting="unsafe")
+        if table is None:        # a two's complement code, read as a signed byte, is its level
+            np.copyto(w.reshape(-1), codes.view(np.int8), casting="unsafe")
         else:
             np.take(table, codes, out=w.reshape(-1), mode="clip")  # see below
         return w
@@ -154,19 +190,19 @@ def levels_block(q, r0: int, r1: int, table):
     first, last = r0 * cols // 2, ceil_div(r1 * cols, 2)
     packed = q.codes[first:last]                                       # (ceil(n*in/2),)
     if table is None:
-        # A byte b = (hi << 4) | lo. Flip bit 3 of each nibble (code c -> c - 8 as a signed
-        # nibble), widen to 16 bits and multiply by 0x1001: the low byte keeps b, the high byte
-        # receives lo << 4. Masking with 0xF0F0 leaves (hi << 4, lo << 4): two signed bytes
-        # worth 16 (c - 8) each, in swapped order, which block_columns undoes on x.
-        wide = buffer((last - first,), np.uint16)
-        np.bitwise_xor(packed, 0x88, out=wide, casting="unsafe")
+        # A byte b = (hi << 4) | lo, each nibble a two's complement code. Widened to 16 bits
+        # and multiplied by 0x1001, the low byte keeps b and the high byte receives lo << 4;
+        # masking with 0xF0F0 leaves (hi << 4, lo << 4): two signed bytes worth 16 x each
+        # level, in swapped order, which block_columns undoes on x.
+        wide = ints[:last - first]
+        np.copyto(wide, packed, casting="unsafe")
         np.multiply(wide, 0x1001, out=wide)  # wraps at 16 bits, on purpose
         np.bitwise_and(wide, 0xF0F0, out=wide)
-        np.copyto(flat[:2 * (last - first)], wide.view(np.int8), casting="unsafe")
+        np.copyto(floats[:2 * (last - first)], wide.view(np.int8), casting="unsafe")
     else:                        # a table: one gather per byte gives both of its levels
         # mode="clip": a byte cannot index past 255, and NumPy's default bounds check
         # ("raise") made this gather 5 to 6 times slower (measured here)
-        np.take(table, packed, out=flat.view(np.float64), mode="clip")
+        np.take(table, packed, out=floats[:2 * (last - first)].view(np.float64), mode="clip")
     return w
 
 

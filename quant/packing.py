@@ -16,6 +16,20 @@ import numpy as np
 from minitransformer.backend import xp
 
 
+def integer_levels(bits: int) -> np.ndarray:
+    """What each code of the integer grid stands for: itself read as a signed `bits`-bit
+    integer (two's complement), float32 (2**bits,).
+
+    Stored this way, an 8-bit code read as a signed byte *is* its level, and a packed 4-bit
+    code shifted into a byte's top half is 16 x its level: quant/matmul.py converts codes to
+    floats with a cast, no table and no offset to undo.
+    >>> integer_levels(4).tolist()
+    [0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, -8.0, -7.0, -6.0, -5.0, -4.0, -3.0, -2.0, -1.0]
+    """
+    codes = np.arange(2 ** bits)
+    return np.where(codes < 2 ** (bits - 1), codes, codes - 2 ** bits).astype(np.float32)
+
+
 def pack_nibbles(codes) -> np.ndarray:
     """Codes (n,) with values 0..15 -> uint8 (ceil(n/2),), two codes per byte.
 

@@ -12,6 +12,9 @@ and the median of --repeat rounds are printed, ratios are built from the fastest
   batching   one decode step of B = 1 and B = 16 rows over the same cache, in the default flat
              mode (each weight read once for all rows) and the batch-invariant mode (row by
              row, each row's bits as alone). Target: flat B = 16 >= 4x the tokens/s of B = 1.
+  products   the step's weight products alone (each projection and the head times a vector,
+             nothing else), in the same rounds: what BLAS itself reaches on these shapes, so the
+             step's distance from the floor splits into BLAS's and the model's own work.
   reference  with the `reference` extra (torch, transformers) and a checkpoint directory: the
              same decode step in transformers (eager attention, float32, the same threads),
              timed in the same rounds, and the largest logit difference against ours.
@@ -33,7 +36,7 @@ from minitransformer.backend import xp
 from minitransformer.generate import last_logits
 from minitransformer.kvcache import KVCache
 from minitransformer.measure import time_together
-from minitransformer.model import forward
+from minitransformer.model import forward, linear
 from minitransformer.shape import decode_read_bytes
 from minitransformer.synth import make_checkpoint, qwen25_05b_config, weights_dir
 
@@ -64,6 +67,17 @@ def read_steps(nbytes=1 << 30):
     rows = a.reshape(-1, 1024)                                   # (nbytes / 4096, 1024)
     x = xp.ones(1024, dtype=xp.float32)
     return (lambda: xp.dot(a, a)), (lambda: rows @ x)           # a . a reads a once
+
+
+def products_only(model):
+    """-> a function making the matrix-vector products of one decode step, and nothing else."""
+    c = model.config
+    head = model.weights["model.embed_tokens.weight" if c.tie_word_embeddings else
+                         "lm_head.weight"]
+    matrices = [w for layer in model.layers for w in (layer.qkv, layer.o, layer.gate_up,
+                                                      layer.down)] + [head]
+    vectors = [xp.ones((1, w.shape[1]), dtype=xp.float32) for w in matrices]
+    return lambda: [linear(x, w) for x, w in zip(vectors, matrices)]
 
 
 def decode_steps(model, batch, context, seed=0):
@@ -143,7 +157,8 @@ def main(argv=None):
     where, differences = {}, {}  # spec -> (index of our step, of transformers' or None)
     for spec, path, model in models:
         step, rollback, prompt, token = decode_steps(model, 1, args.context)
-        fns.append(step), after.append(rollback)
+        fns += [products_only(model), step]
+        after += [None, rollback]
         where[spec] = (len(fns) - 1, None)
         ref = None if args.no_reference else transformers_step(path, prompt, token, args.threads)
         if ref is not None:
@@ -158,6 +173,7 @@ def main(argv=None):
 
     table = Table("Decode benchmark: float32, batch 1, against the memory-bandwidth floor",
                   columns=[("model", ""), ("GB read/step", ".3f"), ("floor ms", ".1f"),
+                           ("products ms", ".1f"), ("/ floor", ".2f"),
                            ("step ms", ".1f"), ("med ms", ".1f"), ("/ floor", ".2f"),
                            ("med / floor", ".2f"), ("transformers ms", ""),
                            ("ours / theirs", "")])
@@ -167,13 +183,17 @@ def main(argv=None):
                  f"matrix-vector {matvec / 1e9:.2f}: the faster sets the floor)")
     for spec, path, model in models:
         ours, ref = (None if i is None else timings[i] for i in where[spec])
+        products = timings[where[spec][0] - 1]
         read = decode_read_bytes(model.config, model.weights)
         floor = read / bandwidth
         theirs = ("n/a", "n/a") if ref is None else \
             (f"{ref.best * 1e3:.1f}", f"{ours.best / ref.best:.2f}")
-        table.row(spec, read / 1e9, floor * 1e3, ours.best * 1e3, ours.median * 1e3,
-                  ours.best / floor, ours.median / floor, *theirs)
+        table.row(spec, read / 1e9, floor * 1e3, products.best * 1e3, products.best / floor,
+                  ours.best * 1e3, ours.median * 1e3, ours.best / floor, ours.median / floor,
+                  *theirs)
     table.note(f"target: step <= {FLOOR_TARGET}x the floor",
+               "products: the step's weight products alone (every projection and the head "
+               "times one vector): BLAS's own distance from the floor on these shapes",
                *(f"{spec}: largest |logit difference| against transformers {d:.1e}"
                  for spec, d in differences.items()))
     table.show()

@@ -23,7 +23,7 @@ from _table import Table
 from minitransformer.backend import to_device, to_numpy
 from minitransformer.config import load_config
 from minitransformer.measure import peak_bytes, time_together
-from minitransformer.model import attention
+from minitransformer.model import attention, causal_mask
 from minitransformer.sanity import recheck, slower
 
 FP32 = 4  # bytes per score: the model's math is float32
@@ -39,10 +39,10 @@ def step_both_ways(q, k, v):
     last_position = to_device(np.array([[n - 1]]))                    # (1, 1)
 
     def recompute():
-        return attention(Q, K, V, all_positions)[0, -1]               # n x n scores, last row
+        return attention(Q, K, V, causal_mask(all_positions, n))[0, -1]  # n x n scores, last row
 
     def cached():
-        return attention(Q[:, -1:], K, V, last_position)[0, -1]       # 1 x n scores
+        return attention(Q[:, -1:], K, V, causal_mask(last_position, n))[0, -1]  # 1 x n
     return recompute, cached
 
 

@@ -87,9 +87,9 @@ def test_no_float64_on_the_decode_path(tiny_model):
 
 @pytest.mark.parametrize("M", [2, 5, 16])
 def test_few_rows_matmul_is_the_flat_product(M):
-    from minitransformer.model import ROWS_BLOCK_BYTES, few_rows_matmul
+    from minitransformer.linear import few_rows_block, few_rows_matmul
     rng = np.random.default_rng(M)
-    out = ROWS_BLOCK_BYTES // (4 * 96) * 2 + 5  # two blocks and a short third
+    out = few_rows_block(M, 96) * 2 + 5  # two blocks and a short third
     w = rng.standard_normal((out, 96)).astype(np.float32)
     x = rng.standard_normal((M, 96)).astype(np.float32)
     y = to_numpy(few_rows_matmul(to_device(x), to_device(w)))

@@ -40,7 +40,7 @@ def weights(shape=(24, 200), seed=0):
 
 def codes_and_scale(q, w):
     """-> (signed integer codes (out, in), each weight's scale (out, in)) of an absmax QWeight."""
-    codes = to_numpy(q.unpacked_codes()).astype(np.int32).reshape(w.shape) - 2 ** (q.bits - 1)
+    codes = to_numpy(q.levels)[to_numpy(q.unpacked_codes())].astype(np.int32).reshape(w.shape)
     return codes, np.broadcast_to(expand(to_numpy(q.scales), q.group, w.shape[1]), w.shape)
 
 
