@@ -32,8 +32,8 @@ import threading
 
 import numpy as np
 
-from minitransformer.backend import BACKEND, xp
-from minitransformer.linear import few_rows_matmul
+from minitransformer.backend import BACKEND
+from minitransformer.linear import FEW_ROWS, few_rows_matmul
 from minitransformer.paged import ceil_div
 from quant.packing import integer_levels
 
@@ -88,7 +88,7 @@ def multiply(x, w, out):
     """out (M, n) = x (M, in) @ w (n, in).T, by the call BLAS does fastest for M rows."""
     if len(x) == 1:
         np.matmul(w, x[0], out=out[0])               # a matrix-vector product
-    elif len(x) < MANY_ROWS:
+    elif len(x) <= FEW_ROWS:
         few_rows_matmul(x, w, out)                   # slices its small-matrix kernel takes
     else:
         np.matmul(x, w.T, out=out)

@@ -96,3 +96,20 @@ def test_few_rows_matmul_is_the_flat_product(M):
     bound = 4 * 96 * np.finfo(np.float32).eps * (np.abs(x) @ np.abs(w).T)
     assert y.shape == (M, out) and y.dtype == np.float32
     assert np.all(np.abs(y - x @ w.T) <= bound)
+
+
+def test_decode_skips_the_mask_only_where_every_slot_is_seen(tiny_model):
+    """No mask is the mask that hides nothing: same bits; rows of different lengths keep one."""
+    from minitransformer.kvcache import KVCache
+    from minitransformer.model import attention, causal_mask, prepare
+    c = tiny_model.config
+    cache = KVCache.allocate(c, 2, 16)
+    forward(tiny_model, np.array([[1, 2, 3], [4, 5, 6]]), cache)        # both rows 3 long
+    assert all(visible is None for *_, visible in prepare(tiny_model, [[7], [8]], cache).groups)
+    cache.trim([0, 1])                                                  # rows 3 and 2 long
+    assert all(visible is not None for *_, visible in prepare(tiny_model, [[7], [8]], cache).groups)
+    rng = np.random.default_rng(0)
+    q = to_device(rng.standard_normal((2, 1, 4, 8)).astype(np.float32))
+    k, v = (to_device(rng.standard_normal((2, 2, 5, 8)).astype(np.float32)) for _ in range(2))
+    sees_all = causal_mask(to_device(np.array([[4], [4]])), 5)
+    assert (to_numpy(attention(q, k, v, None)) == to_numpy(attention(q, k, v, sees_all))).all()
