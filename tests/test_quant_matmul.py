@@ -74,7 +74,3 @@ def test_shapes_without_whole_bytes_or_groups_take_the_specification():
         x = np.random.default_rng(2).standard_normal((2, shape[1])).astype(np.float32)
         np.testing.assert_array_equal(q.matmul(x), x @ to_numpy(q.dequantize()).T)
 
-
-def test_widen_is_numpys_float16_cast_for_every_scale():
-    every = np.arange(0, 0x7C00, dtype=np.uint16).view(np.float16)  # 0, subnormals, normals
-    np.testing.assert_array_equal(matmul.widen(every), every.astype(np.float32))
