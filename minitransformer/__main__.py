@@ -17,6 +17,8 @@ import time
 import minitransformer as mt
 from minitransformer.chat import encode_chat
 from minitransformer.detokenize import Detokenizer
+from minitransformer.engine import BLOCK_SIZE, POLICIES, SLOTS
+from minitransformer.online import MAX_WAITING
 
 
 def model_path(spec) -> str:
@@ -146,12 +148,12 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--served-model-name", default=None,
                    help="the model's name in the API (default: the checkpoint's folder name)")
-    s.add_argument("--slots", type=int, default=8, help="sequences decoded together")
+    s.add_argument("--slots", type=int, default=SLOTS, help="sequences decoded together")
     s.add_argument("--num-blocks", type=int, default=None, help="KV blocks in the pool "
                    "(default: 1,024 tokens per slot)")
-    s.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
-    s.add_argument("--policy", choices=["continuous", "static"], default="continuous")
-    s.add_argument("--max-waiting", type=int, default=64,
+    s.add_argument("--block-size", type=int, default=BLOCK_SIZE, help="tokens per KV block")
+    s.add_argument("--policy", choices=POLICIES, default="continuous")
+    s.add_argument("--max-waiting", type=int, default=MAX_WAITING,
                    help="waiting requests beyond which new ones get HTTP 429")
     s.add_argument("--batch-invariant", action="store_true",
                    help="every request's tokens bit for bit those of generate() alone "

@@ -24,7 +24,7 @@ Leaves out: training (no optimiser here), the hard-label term, the student model
 """
 import numpy as np
 
-from minitransformer.checks import is_real
+from minitransformer.checks import is_integer, is_real
 
 
 def check_logits(logits, name: str = "logits") -> np.ndarray:
@@ -63,7 +63,7 @@ def top_tokens(p, k: int = 5):
     p = np.asarray(p)
     if p.ndim != 1:
         raise ValueError(f"expected one distribution of shape (V,), got shape {p.shape}")
-    if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or not 1 <= k <= p.size:
+    if not is_integer(k) or not 1 <= k <= p.size:
         raise ValueError(f"k must be an integer in [1, {p.size}], got {k!r}")
     ids = np.argsort(-p, kind="stable")[:k]
     return ids, p[ids]

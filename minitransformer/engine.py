@@ -57,7 +57,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from minitransformer.backend import synchronize
-from minitransformer.checks import is_integer
+from minitransformer.checks import is_integer, is_real
 from minitransformer.generate import check_prompt, eos_ids, last_logits, seeded_rng
 from minitransformer.model import forward
 from minitransformer.paged import PagedCache, blocks_for
@@ -116,6 +116,7 @@ class Engine:
         self.padding = []           # static: finished members whose rows still run
         self.held_back = []         # static: finished members, returned when the batch ends
         self.results, self.clock, self.steps, self.admitted = [], 0.0, 0, 0
+        self.preemptions = 0        # since the engine started, over all requests
         self.decode_times, self.prefill_times, self.memory = [], [], []
 
     # --- the public API ----------------------------------------------------------------------
@@ -141,7 +142,7 @@ class Engine:
                 on_step(self)
         return Run(self.policy, tuple(self.results), self.steps, self.clock,
                    tuple(self.decode_times), tuple(self.prefill_times), tuple(self.memory),
-                   sum(r.preemptions for r in self.results))
+                   self.preemptions)
 
     def cancel(self, request_id: int) -> bool:
         """Stop a request now: True if it was waiting or running, False if already over."""
@@ -152,9 +153,7 @@ class Engine:
                 return True
         for live in self.running():
             if live.result.id == request_id:
-                self.cache.free_seq(request_id)
-                self._leave_slot(live)
-                self._close(live, "cancelled", returned=True)
+                self._end(live, "cancelled")
                 return True
         return False
 
@@ -171,10 +170,10 @@ class Engine:
         made += self._decode(self._preempt(decoding + self.padding))  # padding rows run too
         if not decoding and not self.running() and self.waiting:  # an empty pool refused it
             raise RuntimeError("nothing running and the first request cannot be admitted")
-        self.memory.append(self.cache.stats())
         synchronize()
         self.clock += time.perf_counter() - start
         self.steps += 1
+        self.memory.append(self.cache.stats())    # after the clock: bookkeeping, not serving
         for live in made:           # every token of this step exists at the step's end
             if len(live.result.tokens) == 1:
                 live.result.first_token = self.clock
@@ -191,14 +190,18 @@ class Engine:
     def _retire(self, live) -> None:
         """A sequence made its last token: it leaves its slot."""
         if self.policy == "continuous":
-            self.cache.free_seq(live.result.id)     # its blocks go back to the pool
-            self._leave_slot(live)
-            self._close(live, "finished", returned=True)
+            self._end(live, "finished")             # its blocks go back to the pool
         else:                       # static: its row stays in the batch, computed and thrown
             self.padding.append(live)               # away, until the longest member ends
             self.held_back.append(live)
             self._close(live, "finished", returned=False)
             self._leave_slot(live)
+
+    def _end(self, live, status: str) -> None:
+        """A running sequence is over: its blocks back to the pool, its slot free, returned."""
+        self.cache.free_seq(live.result.id)
+        self._leave_slot(live)
+        self._close(live, status, returned=True)
 
     def _leave_slot(self, live) -> None:
         """Free a slot (a sequence finished, was cancelled or preempted)."""
@@ -276,6 +279,7 @@ class Engine:
                 self._leave_slot(victim)
                 victim.result.status = "waiting"
                 victim.result.preemptions += 1
+                self.preemptions += 1
                 self.waiting.appendleft(victim)
             rows.remove(victim)
         return rows
@@ -308,8 +312,7 @@ class Engine:
         if not isinstance(request.settings, SamplingSettings):
             raise ValueError(f"settings must be a SamplingSettings, got {request.settings!r}")
         t = request.arrival
-        if isinstance(t, bool) or not isinstance(t, (int, float, np.integer, np.floating)) \
-                or not 0 <= t < math.inf:
+        if not is_real(t) or not 0 <= t < math.inf:
             raise ValueError(f"arrival must be a finite number of seconds >= 0, got {t!r}")
         prompt = check_prompt(self.model, request.prompt, request.max_new_tokens).tolist()
         return prompt, seeded_rng(request.seed), eos_ids(self.model, request.eos_token_id)

@@ -21,6 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from minitransformer.backend import to_device
+from minitransformer.checks import is_real
 from minitransformer.config import ModelConfig
 from minitransformer.errors import CheckpointError
 from minitransformer.gguf_blocks import dequantize
@@ -68,8 +69,7 @@ def config_from_metadata(meta: dict, tensor_names, source: str) -> ModelConfig:
         value = meta.get(f"{arch}.{key}", default)
         if value is None:
             raise CheckpointError(f"{source}: GGUF metadata {arch}.{key} is missing")
-        if isinstance(value, bool) or not isinstance(value, (int, float)) \
-                or (kind is int and value != int(value)):
+        if not is_real(value) or (kind is int and value != int(value)):
             raise CheckpointError(f"{source}: GGUF metadata {arch}.{key} must be "
                                   f"{'an integer' if kind is int else 'a number'}, "
                                   f"got {value!r}")
@@ -136,7 +136,7 @@ def unpermute(w, heads: int) -> np.ndarray:
 
 def read_weights(reader, config: ModelConfig, source: str) -> dict:
     """Every tensor of the file, dequantized to float32 and renamed; checked against config."""
-    from minitransformer.loader import check_finite
+    from minitransformer.loader import check_finite, check_missing
     from minitransformer.shape import tensor_shapes
 
     expected = tensor_shapes(config)
@@ -159,10 +159,7 @@ def read_weights(reader, config: ModelConfig, source: str) -> dict:
                      else config.num_key_value_heads)
             w = unpermute(w, heads)
         weights[name] = check_finite(source, t.name, w)
-    missing = sorted(set(expected) - set(weights))
-    if missing:
-        raise CheckpointError(f"{source}: missing tensor(s) {', '.join(missing[:5])}"
-                              + (f" and {len(missing) - 5} more" if len(missing) > 5 else ""))
+    check_missing(source, expected, weights)
     return weights
 
 

@@ -25,6 +25,8 @@ i-quants, Q5_0/Q5_1 and Q8_1; asking for one is an error that names it.
 """
 import numpy as np
 
+from minitransformer.safetensors_io import to_float32
+
 BLOCK = 32  # weights per block, for every format here
 
 
@@ -85,10 +87,7 @@ def dequantize(raw, type_name: str, shape) -> np.ndarray:
     if type_name in PLAIN_FORMATS:
         stored = np.dtype(PLAIN_FORMATS[type_name])
         _check_size(data, count * stored.itemsize, type_name, shape)
-        values = data.view(stored)
-        if type_name == "BF16":  # bfloat16 is the high half of a float32: shift it back up
-            return (values.astype(np.uint32) << 16).view(np.float32).reshape(shape)
-        return values.astype(np.float32).reshape(shape)
+        return to_float32(type_name, data.view(stored)).reshape(shape)  # as safetensors
     if type_name not in BLOCK_FORMATS:
         raise ValueError(f"GGUF type {type_name} is not supported "
                          f"(supported: {', '.join(SUPPORTED)})")

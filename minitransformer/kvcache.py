@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from minitransformer.backend import to_device, xp
+from minitransformer.checks import is_integer
 
 
 @dataclass
@@ -30,7 +31,7 @@ class KVCache:
     @classmethod
     def allocate(cls, config, batch: int, max_len: int, dtype=xp.float32) -> "KVCache":
         for name, n in (("batch", batch), ("max_len", max_len)):
-            if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1:
+            if not is_integer(n) or n < 1:
                 raise ValueError(f"a cache needs an integer {name} >= 1, got {n!r}")
         shape = (batch, config.num_key_value_heads, max_len, config.head_dim)
         L = config.num_hidden_layers
@@ -98,4 +99,3 @@ class KVCache:
             raise ValueError(f"cannot trim {n.tolist()} tokens from rows of "
                              f"{self.lengths.tolist()}")
         self.lengths -= n
-

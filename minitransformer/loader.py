@@ -84,10 +84,7 @@ def load_weights(path: Path, config: ModelConfig) -> dict:
     if config.tie_word_embeddings:
         found.pop("lm_head.weight", None)  # tied: the head *is* the embedding
     expected = tensor_shapes(config)
-    missing = sorted(set(expected) - set(found))
-    if missing:
-        raise CheckpointError(f"{path}: missing tensor(s) {', '.join(missing[:5])}"
-                              + (f" and {len(missing) - 5} more" if len(missing) > 5 else ""))
+    check_missing(path, expected, found)
     extra = sorted(set(found) - set(expected))
     if extra:
         raise CheckpointError(f"{found[extra[0]][0]}: unexpected tensor(s) {', '.join(extra[:5])} "
@@ -103,6 +100,14 @@ def load_weights(path: Path, config: ModelConfig) -> dict:
                                   f"but config.json implies {shape}")
         weights[name] = to_device(check_finite(file, name, to_float32(dtype, stored)))
     return weights
+
+
+def check_missing(source, expected, found) -> None:
+    """Every expected tensor name is among those found, or an error naming the first few."""
+    missing = sorted(set(expected) - set(found))
+    if missing:
+        raise CheckpointError(f"{source}: missing tensor(s) {', '.join(missing[:5])}"
+                              + (f" and {len(missing) - 5} more" if len(missing) > 5 else ""))
 
 
 def check_finite(file: Path, name: str, w: np.ndarray) -> np.ndarray:

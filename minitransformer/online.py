@@ -35,6 +35,9 @@ class Closed(Exception):
     """The engine is shutting down and takes no new request (HTTP 503)."""
 
 
+MAX_WAITING = 64  # waiting requests beyond which a new one is refused (HTTP 429)
+
+
 @dataclass(frozen=True)
 class Update:
     tokens: tuple               # token ids made since the last update of this request
@@ -62,13 +65,12 @@ class Ticket:                   # a client's handle on its request
 
 
 class OnlineEngine:
-    def __init__(self, engine, max_waiting: int = 64):
+    def __init__(self, engine, max_waiting: int = MAX_WAITING):
         self.engine, self.max_waiting = engine, max_waiting
         self.start = time.perf_counter()
         self.lock = threading.Condition()   # guards inbox and closing; wakes the loop
         self.inbox, self.closing, self.abandon, self.error = [], False, False, None
         self.live = []              # tickets whose request is in the engine and not over
-        self.preempted_before = 0   # preemptions of requests already over
         self.snapshot = self._snapshot()
         self.thread = threading.Thread(target=self._loop, name="engine-loop", daemon=True)
         self.thread.start()
@@ -170,19 +172,16 @@ class OnlineEngine:
             if new or done:
                 ticket.sent += len(new)
                 self._send(ticket, Update(new, done, record.status, record.reason, now, record))
-            if done:
-                self.preempted_before += record.preemptions
-            else:
+            if not done:
                 still.append(ticket)
         self.live = still
         self.snapshot = self._snapshot()
 
     def _snapshot(self) -> Snapshot:
         cache = self.engine.cache
-        live = sum(self.engine.results[t.id].preemptions for t in self.live)
         return Snapshot(len(self.engine.running()), len(self.engine.waiting),
                         cache.num_blocks - cache.num_free, cache.num_blocks,
-                        self.preempted_before + live)
+                        self.engine.preemptions)
 
     def _send(self, ticket, update) -> None:
         try:

@@ -17,6 +17,7 @@ refused by name rather than silently ignored. Leaves out: tools, logprobs, sever
 import math
 from dataclasses import dataclass
 
+from minitransformer.checks import is_integer, is_real
 from minitransformer.chat import encode_chat
 from minitransformer.generate import eos_ids
 from minitransformer.sampling import SamplingSettings
@@ -57,8 +58,7 @@ def number(body, name, default, low, high, integer=False, low_open=False):
     value = body.get(name, default)
     if value is None:
         return default
-    kinds = (int,) if integer else (int, float)
-    if isinstance(value, bool) or not isinstance(value, kinds) or not math.isfinite(value) \
+    if not (is_integer(value) if integer else is_real(value)) or not math.isfinite(value) \
             or value < low or value > high or (low_open and value == low):
         bounds = f"{'(' if low_open else '['}{low}, {high}]"
         raise APIError(f"{name} must be {'an integer' if integer else 'a number'} in "
@@ -80,10 +80,10 @@ def parse(body, kind: str, model, name: str, pool_tokens: int) -> Job:
     prompt = prompt_ids(body, kind, model)
     positions = model.config.max_position_embeddings
     param = "prompt" if kind == "completion" else "messages"
-    if len(prompt) >= min(positions, pool_tokens):
+    room = min(positions, pool_tokens) - len(prompt)  # tokens left for the answer
+    if room <= 0:
         raise APIError(f"the prompt has {len(prompt)} tokens; the model takes {positions} "
                        f"positions and the KV pool {pool_tokens} tokens in all", param)
-    room = min(positions, pool_tokens) - len(prompt)
     field = "max_completion_tokens" if body.get("max_completion_tokens") is not None \
         else "max_tokens"
     max_tokens = number(body, field, 16 if kind == "completion" else room, 1, math.inf, True)

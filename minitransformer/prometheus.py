@@ -52,13 +52,15 @@ class Histogram:
         self.total += 1
         self.sum += value
 
-    def lines(self, labels: str) -> list:
-        out, cumulative = header(self.name, self.help, "histogram"), 0
+    def lines(self, labels: str, name=None, help_text=None) -> list:
+        """Prometheus text lines, under this histogram's name or another one given."""
+        name, help_text = name or self.name, help_text or self.help
+        out, cumulative = header(name, help_text, "histogram"), 0
         for bound, count in zip((*map(repr, self.buckets), "+Inf"), self.counts):
             cumulative += count
-            out.append(f'{self.name}_bucket{{le="{bound}",{labels}}} {cumulative}')
-        return out + [f"{self.name}_count{{{labels}}} {self.total}",
-                      f"{self.name}_sum{{{labels}}} {self.sum!r}"]
+            out.append(f'{name}_bucket{{le="{bound}",{labels}}} {cumulative}')
+        return out + [f"{name}_count{{{labels}}} {self.total}",
+                      f"{name}_sum{{{labels}}} {self.sum!r}"]
 
 
 def header(name, help_text, kind) -> list:
@@ -77,9 +79,6 @@ class ServingMetrics:
                               "Histogram of time to first token in seconds.", TTFT_BUCKETS)
         self.itl = Histogram("vllm:inter_token_latency_seconds",
                              "Histogram of inter-token latency in seconds.", TOKEN_BUCKETS)
-        self.tpot = Histogram("vllm:time_per_output_token_seconds",
-                              "Histogram of time per output token in seconds (V0 name).",
-                              TOKEN_BUCKETS)
         self.e2e = Histogram("vllm:e2e_request_latency_seconds",
                              "Histogram of end to end request latency in seconds.", E2E_BUCKETS)
 
@@ -96,8 +95,7 @@ class ServingMetrics:
                 self.ttft.observe(now - arrival)
             gaps = ([] if previous is None else [now - previous]) + [0.0] * (n - 1)
             for gap in gaps:
-                self.itl.observe(gap)
-                self.tpot.observe(gap)
+                self.itl.observe(gap)   # also served as time per output token (see render)
 
     def ended(self, arrival: float, now: float, finish_reason: str) -> None:
         with self.lock:
@@ -129,6 +127,8 @@ class ServingMetrics:
                           "requests.", "counter")
             out += [f'vllm:request_success_total{{finished_reason="{reason}",{lab}}} {n}'
                     for reason, n in self.finished.items()]
-            for histogram in (self.ttft, self.itl, self.tpot, self.e2e):
-                out += histogram.lines(lab)
+            out += self.ttft.lines(lab) + self.itl.lines(lab)
+            out += self.itl.lines(lab, "vllm:time_per_output_token_seconds",   # its V0 name:
+                                  "Histogram of time per output token in seconds (V0 name).")
+            out += self.e2e.lines(lab)
         return "\n".join(out) + "\n"

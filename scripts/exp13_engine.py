@@ -55,7 +55,7 @@ def serve(model, requests, policy, args):
     return engine.run(requests, on_step=report)
 
 
-def step_warnings(runs, slots):
+def step_warnings(runs):
     """The measured decode-step costs per batch size, checked: a larger batch cannot be cheaper
     beyond noise -> {batch size: message} (each size's steps are its samples)."""
     by_size = {}
@@ -155,7 +155,7 @@ def main(argv=None):
     for run in sims:
         policy_row(sim, run, engine=False)
     sim.note(ratios(*[metrics(r.results) for r in sims]))
-    for B, message in step_warnings(runs, args.slots).items():
+    for B, message in step_warnings(runs).items():
         sim.note(f"WARNING: measured step costs out of order at B = {B}: {message}")
     sim.show()
 

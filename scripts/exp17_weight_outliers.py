@@ -24,7 +24,7 @@ CHAPTER_MATRIX = "model.layers.12.mlp.down_proj.weight"
 def choose_matrix(model, requested):
     """-> (name of the matrix to study, why that one)."""
     if requested:
-        return requested, "as asked (--matrix)"
+        return requested, "asked (--matrix)"
     if is_chapter_model(model.config) and CHAPTER_MATRIX in model.weights:
         return CHAPTER_MATRIX, "the chapter's matrix"
     say("not the chapter's model: measuring every matrix's INT4 per-tensor error")

@@ -25,7 +25,7 @@ from _common import (Progress, add_model_argument, add_schemes_argument, add_thr
                      load_model, mt, positive_int, run, say, timing_header)
 from _table import Table
 from minitransformer.kvcache import KVCache
-from minitransformer.lookup import PASSAGE, PromptLookup, replay, rewrite_prompt
+from minitransformer.lookup import PASSAGE, PromptLookup, rewrite_prompt
 from minitransformer.measure import time_together
 from minitransformer.model import forward, head
 from minitransformer.sanity import recheck, speedup_bound
@@ -33,7 +33,7 @@ from minitransformer.shape import decode_read_bytes
 from minitransformer.speculative import first_layers, speculative_generate, verification_costs
 from quant.evaluate import agreement, reference_tokens
 from quant.qmodel import SCHEMES, quantize_model
-from sim.speculative import best_gamma, expected_tokens, replayed_speedup, speedup
+from sim.speculative import best_gamma, best_lookup_gamma, expected_tokens, speedup
 
 def draft_cost(target, draft, ids, repeat) -> float:
     """c: one decode step of the draft over one of the target, timed side by side."""
@@ -75,13 +75,10 @@ def main(argv=None):
     say("[3/4] drafts: alpha, c, predicted speedup per gamma ...")
     lookup = PromptLookup()
     rows = []   # (label, draft, alpha, c (time), c (bytes), gamma, predicted tokens/pass, pred.)
-    per_gamma = {g: replayed_speedup(replay(ids + plain, len(ids), g, lookup), v)
-                 for g in range(1, G + 1)}
-    g = max(per_gamma, key=per_gamma.get)
-    rounds = replay(ids + plain, len(ids), g, lookup)
+    g, rounds, predicted = best_lookup_gamma(ids + plain, len(ids), v, lookup)
     kept, judged = sum(k for _, k in rounds), sum(k + (k < p) for p, k in rounds)
     rows.append(("prompt lookup", lookup, kept / judged if judged else float("nan"), 0.0, 0.0,
-                 g, (kept + len(rounds)) / len(rounds), per_gamma[g]))
+                 g, (kept + len(rounds)) / len(rounds), predicted))
     drafts = [(SCHEMES[s].label, lambda s=s: quantize_model(target, s)) for s in args.schemes]
     if not args.no_layers_draft and target.config.num_hidden_layers > 1:
         L = target.config.num_hidden_layers

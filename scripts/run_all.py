@@ -51,7 +51,7 @@ MAIN_JOB = [
     ("exp17_weight_outliers.py", {MODEL}, []),
     ("exp18_activation_outliers.py", {MODEL}, []),
     ("exp19_int8_activation_levels.py", {MODEL}, []),
-    ("exp20_outlier_techniques.py", set(), []),
+    ("exp20_outlier_techniques.py", {MODEL}, []),
     # The two slow ones, lightened to keep the main job under 10 minutes on 2 cores: the
     # 2,048 tokens are scored in two windows of 1,024 (the attention's square cost halves),
     # and the speculative run compares prompt lookup with the best quantized draft only.

@@ -72,6 +72,24 @@ def replayed_speedup(rounds, costs: dict) -> float:
     return tokens / sum(costs[n] if n else 1.0 for n, _ in rounds)
 
 
+def best_lookup_gamma(tokens, prompt_len: int, costs: dict, draft) -> tuple:
+    """Prompt lookup's gamma (1..largest) with the best replayed speedup at the costs
+    {n: v(n)} of verifying n = 1..largest proposals -> (gamma, its rounds, its predicted
+    speedup). tokens: the prompt, then greedy's tokens. No model is run.
+
+    >>> from minitransformer.lookup import PromptLookup
+    >>> g, rounds, speedup = best_lookup_gamma([1, 2, 3, 1, 2, 3, 1, 2, 9], 4, {1: 1.2, 2: 1.5},
+    ...                                        PromptLookup())
+    >>> g, rounds, round(speedup, 2)             # 5 tokens for 1.5 + 1.2 steps
+    (2, [(2, 2), (1, 1)], 1.85)
+    """
+    from minitransformer.lookup import replay
+    replays = {g: replay(tokens, prompt_len, g, draft) for g in range(1, max(costs) + 1)}
+    predicted = {g: replayed_speedup(rounds, costs) for g, rounds in replays.items()}
+    gamma = max(predicted, key=predicted.get)
+    return gamma, replays[gamma], predicted[gamma]
+
+
 @dataclass(frozen=True)
 class Cell:
     alpha: float

@@ -1,5 +1,6 @@
 """Shared test fixtures: tiny random checkpoints of every shape the loader supports, and the
 one comparison helper (shape, then dtype, then values)."""
+import time
 from pathlib import Path
 
 import numpy as np
@@ -127,3 +128,26 @@ def pytest_terminal_summary(terminalreporter):
             f"fast batching: {len(CHECKED)} batched requests ({sum(CHECKED)} tokens) compared "
             f"with generate alone; {len(NEAR_TIES)} diverged, each at a near tie "
             f"(margin <= {NEAR_TIE:.0e}) {NEAR_TIES if NEAR_TIES else ''}")
+
+
+def fake_clock(*readings):
+    """A clock that returns the given readings, one per call."""
+    it = iter(readings)
+    return lambda: next(it)
+
+
+def clock_of_durations(*durations):
+    """A fake clock whose successive timed calls last the given durations."""
+    readings, now = [], 0.0
+    for d in durations:
+        readings += [now, now + d]
+        now += d + 1
+    return fake_clock(*readings)
+
+
+def wait_for(condition, timeout=20.0):
+    """Poll a condition another thread makes true; fail after timeout seconds."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.002)

@@ -107,8 +107,8 @@ def test_exp05_table(checkpoint_dir, capsys):
                      "--new-tokens", "6", "--repeat", "2", "--warmup", "0"])
     rows = table_rows(capsys.readouterr().out, "phase ")
     assert rc == 0
-    assert [r[:5] for r in rows] == [["prefill,", "12", "prompt", "tokens", "12"],
-                                     ["decode,", "5", "steps", "5", rows[1][4]]]
+    assert rows[0][:5] == ["prefill,", "12", "prompt", "tokens", "12"]
+    assert rows[1][:4] == ["decode,", "5", "steps", "5"]
     assert all(float(x) > 0 for r in rows for x in r[-3:])
 
 
@@ -132,7 +132,7 @@ def test_exp07_timed_step_sees_exactly_c_cached_tokens(tiny_model):
         assert exp07.decode_step(tiny_model, cache, ids[7]) == expected
         assert cache.lengths.tolist() == [7]
     timings = exp07.step_times(tiny_model, [3, 9], warmup=1, repeat=2)
-    assert [t.repeat % 2 for t in timings] == [0, 0]  # rounds of 2, pooled when noisy
+    assert [t.repeat for t in timings] == [2 * t.rounds for t in timings]  # rounds of 2, pooled
 
 
 def test_exp07_table(checkpoint_dir, capsys):

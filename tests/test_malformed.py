@@ -188,7 +188,7 @@ case("index-missing-shard", "c.safetensors", "not found")(
     lambda p: shard(p, lambda good: {**good, NORM: "c.safetensors"}))
 case("index-tensor-in-two-shards", "b.safetensors", NORM, "also stored in")(
     lambda p: shard(p, duplicate=NORM))
-case("index-tensor-in-other-shard", ".safetensors", NORM, "does not place")(
+case("index-tensor-in-other-shard", "a.safetensors", NORM, "does not place")(  # NORM is in a
     lambda p: shard(p, lambda good: {**good, NORM: "b.safetensors" if good[NORM] == "a.safetensors"
                                      else "a.safetensors"}))
 

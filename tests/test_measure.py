@@ -5,23 +5,10 @@ import tracemalloc
 import numpy as np
 import pytest
 
+from conftest import clock_of_durations, fake_clock
 from minitransformer import measure
 from minitransformer.backend import BACKEND
 from minitransformer.measure import median_time, peak_bytes, time_together, timed
-
-
-def fake_clock(*readings):
-    it = iter(readings)
-    return lambda: next(it)
-
-
-def clock_of_durations(*durations):
-    """A fake clock whose successive timed calls last the given durations."""
-    readings, now = [], 0.0
-    for d in durations:
-        readings += [now, now + d]
-        now += d + 1
-    return fake_clock(*readings)
 
 
 def test_median_time_discards_warmup_and_reports_best_and_median():

@@ -5,19 +5,12 @@ import time
 import numpy as np
 import pytest
 
+from conftest import wait_for
 import minitransformer as mt
 from engine_fuzz import solo
 from minitransformer.engine import Engine, Request
 from minitransformer.online import Closed, OnlineEngine, QueueFull
 from minitransformer.sampling import SamplingSettings
-
-
-def wait_for(condition, timeout=10.0):
-    """Poll a condition the loop thread makes true; fail after timeout seconds."""
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.002)
 
 
 @pytest.fixture()

@@ -173,12 +173,15 @@ def test_a_quantized_model_batched_row_by_row_gets_each_rows_solo_bits(model):
 def test_dequantize_model_holds_the_specified_float_matrices(model):
     from minitransformer.model import is_quantized
     from quant.qmodel import dequantize_model
+    from quant.scales import relative_error
     q = quantize_model(model, "int4-g128")
     back = dequantize_model(q)
     for name, w in q.weights.items():
         if is_quantized(w):
             assert not is_quantized(back.weights[name])
             np.testing.assert_array_equal(to_numpy(back.weights[name]), to_numpy(w.dequantize()))
+            assert relative_error(to_numpy(model.weights[name]), to_numpy(back.weights[name])) \
+                == pytest.approx(w.error, rel=1e-6)   # the error measured when quantizing
     # the same function: logits agree with the quantized model's up to summation order
     np.testing.assert_allclose(mt.logits(back, PROMPT), mt.logits(q, PROMPT), rtol=1e-4,
                                atol=1e-4)

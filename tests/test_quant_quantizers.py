@@ -39,8 +39,11 @@ def weights(shape=(24, 200), seed=0):
 
 
 def codes_and_scale(q, w):
-    """-> (signed integer codes (out, in), each weight's scale (out, in)) of an absmax QWeight."""
-    codes = to_numpy(q.levels)[to_numpy(q.unpacked_codes())].astype(np.int32).reshape(w.shape)
+    """-> (signed integer codes (out, in), each weight's scale (out, in)) of an absmax QWeight.
+
+    The codes are read as two's complement here, not through q.levels: that pins the storage."""
+    raw = to_numpy(q.unpacked_codes()).astype(np.int32).reshape(w.shape)
+    codes = np.where(raw >= 2 ** (q.bits - 1), raw - 2 ** q.bits, raw)
     return codes, np.broadcast_to(expand(to_numpy(q.scales), q.group, w.shape[1]), w.shape)
 
 

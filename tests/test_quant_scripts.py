@@ -36,7 +36,7 @@ def run(script, *args):
     ("exp17_weight_outliers.py", [], ["mean |w|", "weights beyond 6 sigma", "INT4: step",
                                       "chosen as the worst INT4 per-tensor error"]),
     ("exp17_weight_outliers.py", ["--matrix", "model.layers.1.mlp.up_proj.weight"],
-     ["model.layers.1.mlp.up_proj.weight", "chosen as as asked (--matrix)"]),
+     ["model.layers.1.mlp.up_proj.weight", "chosen as asked (--matrix)"]),
     ("exp18_activation_outliers.py", ["--layer", 1],
      ["median dim", "log2 bins", " - ", "without position 0"]),
     ("exp19_int8_activation_levels.py", [], ["single tensor-wide scale", "distinct level"]),

@@ -25,6 +25,15 @@ def test_the_main_job_runs_every_experiment_script():
     assert ("exp10_mha_gqa_mqa.py", set(), ["--chapter-model"]) in run_all.MAIN_JOB
 
 
+def test_the_main_job_passes_model_and_threads_to_every_script_that_takes_them():
+    for script, takes, extra in run_all.MAIN_JOB:
+        if "--chapter-model" in extra:
+            continue  # the chapter's shapes: no checkpoint to pass
+        text = (SCRIPTS / script).read_text()
+        assert (run_all.MODEL in takes) == ("add_model_argument(" in text), script
+        assert (run_all.THREADS in takes) == ("add_threads_argument(" in text), script
+
+
 def test_model_and_threads_go_only_where_they_are_taken():
     args = argparse.Namespace(model="m", threads=1)
     assert run_all.command("exp11_7b_context.py", set(), [], args, "x")[2:] == []

@@ -1,18 +1,9 @@
 """The sanity checks fire on impossible timings, injected through fake clocks, and stay quiet
 on plausible ones; a check that fires once is measured again before it is believed."""
+from conftest import clock_of_durations
 from minitransformer.measure import Timing, time_together
 from minitransformer.sanity import (NOISE_FLOOR, cost_falls, recheck, slower, speedup_bound,
                                     spikes)
-
-
-def clock_of_durations(durations):
-    """A fake clock whose successive timed calls last the given durations (in order)."""
-    readings, now = [], 0.0
-    for d in durations:
-        readings += [now, now + d]
-        now += d + 1
-    it = iter(readings)
-    return lambda: next(it)
 
 
 def quiet(seconds):
@@ -26,7 +17,7 @@ def step_costs(rounds):
 
     def measure(previous):
         durations = next(measurements)      # [(t1, t2, t4) per round, ...]
-        clock = clock_of_durations([t for rnd in durations for t in rnd])
+        clock = clock_of_durations(*[t for rnd in durations for t in rnd])
         return time_together([lambda: None] * 3, warmup=0, repeat=len(durations), clock=clock)
     return measure
 

@@ -8,6 +8,7 @@ import urllib.request
 
 import pytest
 
+from conftest import wait_for
 import minitransformer as mt
 from minitransformer.chat import encode_chat
 from minitransformer.engine import Engine
@@ -42,13 +43,6 @@ class Background:
         self.server.should_exit = True
         self.thread.join(10)
         self.sock.close()
-
-
-def wait_for(condition, timeout=20.0):
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.005)
 
 
 @pytest.fixture(scope="module")

@@ -19,12 +19,10 @@ GOLDEN = json.loads((Path(__file__).parent / "fixtures" / "smollm2_golden.json")
 PATH = weights_dir() / NAME
 TIE = 1e-3  # top-two gap under which float32 order may pick either (50x the logit error)
 
-pytestmark = pytest.mark.skipif(not is_imported(PATH), reason=f"{PATH} not imported "
-                                "(python3 scripts/import_gguf.py --smollm2)")
-
-
 @pytest.fixture(scope="module")
 def model():
+    if not is_imported(PATH):
+        pytest.skip(f"{PATH} not imported (python3 scripts/import_gguf.py --smollm2)")
     return mt.load(PATH)
 
 
