@@ -16,9 +16,9 @@ import time
 
 import minitransformer as mt
 from minitransformer.chat import encode_chat
-from minitransformer.detokenize import Detokenizer
-from minitransformer.engine import BLOCK_SIZE, POLICIES, SLOTS
-from minitransformer.online import MAX_WAITING
+from minitransformer.serve.detokenize import Detokenizer
+from minitransformer.serve.engine import BLOCK_SIZE, POLICIES, SLOTS
+from minitransformer.serve.online import MAX_WAITING
 
 
 def model_path(spec) -> str:
@@ -119,7 +119,7 @@ def chat(args) -> None:
 
 
 def serve(args) -> None:
-    from minitransformer.server import serve as run_server
+    from minitransformer.serve.http import serve as run_server
 
     run_server(model_path(args.model), host=args.host, port=args.port,
                name=args.served_model_name, slots=args.slots, num_blocks=args.num_blocks,

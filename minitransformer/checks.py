@@ -80,3 +80,23 @@ def token_ids_field(source, name: str, value) -> tuple[int, ...]:
     """An id or a list of ids (eos_token_id, ...) -> tuple of ints >= 0."""
     values = value if isinstance(value, list) else [value]
     return tuple(integer_field(source, name, v) for v in values)
+
+
+def check_missing(source, expected, found) -> None:
+    """Every expected tensor name is among those found, or an error naming the first few."""
+    missing = sorted(set(expected) - set(found))
+    if missing:
+        raise CheckpointError(f"{source}: missing tensor(s) {', '.join(missing[:5])}"
+                              + (f" and {len(missing) - 5} more" if len(missing) > 5 else ""))
+
+
+def check_finite(file: Path, name: str, w: np.ndarray) -> np.ndarray:
+    """A NaN or inf weight makes every logit NaN, and argmax of NaNs is token 0: refuse it.
+
+    One sum is the cheap test (NaN and inf survive a sum); only when it is not finite, which
+    an overflow of huge finite values could also cause, is every element looked at."""
+    if np.isfinite(w.sum()) or np.isfinite(w).all():
+        return w
+    where = np.unravel_index(np.flatnonzero(~np.isfinite(w))[0], w.shape)
+    raise CheckpointError(f"{file}: tensor {name!r} holds a non-finite value "
+                          f"({w[where]} at index {tuple(int(i) for i in where)})")

@@ -17,11 +17,12 @@ from pathlib import Path, PurePosixPath
 import numpy as np
 
 from minitransformer.backend import to_device
-from minitransformer.checks import read_json_object, token_ids_field
+from minitransformer.checks import check_finite, check_missing, read_json_object, token_ids_field
 from minitransformer.config import ModelConfig, load_config
 from minitransformer.errors import CheckpointError
+from minitransformer.formats.gguf import load_gguf
+from minitransformer.formats.safetensors_io import read_tensors, to_float32
 from minitransformer.model import Model
-from minitransformer.safetensors_io import read_tensors, to_float32
 from minitransformer.shape import tensor_shapes
 from minitransformer.tokenizer import load_tokenizer
 
@@ -102,26 +103,6 @@ def load_weights(path: Path, config: ModelConfig) -> dict:
     return weights
 
 
-def check_missing(source, expected, found) -> None:
-    """Every expected tensor name is among those found, or an error naming the first few."""
-    missing = sorted(set(expected) - set(found))
-    if missing:
-        raise CheckpointError(f"{source}: missing tensor(s) {', '.join(missing[:5])}"
-                              + (f" and {len(missing) - 5} more" if len(missing) > 5 else ""))
-
-
-def check_finite(file: Path, name: str, w: np.ndarray) -> np.ndarray:
-    """A NaN or inf weight makes every logit NaN, and argmax of NaNs is token 0: refuse it.
-
-    One sum is the cheap test (NaN and inf survive a sum); only when it is not finite, which
-    an overflow of huge finite values could also cause, is every element looked at."""
-    if np.isfinite(w.sum()) or np.isfinite(w).all():
-        return w
-    where = np.unravel_index(np.flatnonzero(~np.isfinite(w))[0], w.shape)
-    raise CheckpointError(f"{file}: tensor {name!r} holds a non-finite value "
-                          f"({w[where]} at index {tuple(int(i) for i in where)})")
-
-
 def eos_ids(path: Path) -> tuple[int, ...]:
     """End-of-sequence ids: generation_config.json first, config.json as the fallback."""
     for name in ("generation_config.json", "config.json"):
@@ -138,7 +119,6 @@ def load(path) -> Model:
     (float32 weights on the active backend)."""
     path = Path(path)
     if path.suffix == ".gguf":
-        from minitransformer.gguf import load_gguf
         return load_gguf(path)
     if path.is_file():
         raise CheckpointError(f"{path}: is a file; load takes a checkpoint directory "

@@ -86,7 +86,7 @@ def write_checkpoint(model, meta: dict, types: dict, out: Path, provenance: str)
     """Model from a GGUF -> a Hugging Face checkpoint directory (float32 safetensors)."""
     from minitransformer.backend import to_numpy
     from minitransformer.config import ARCHITECTURES
-    from minitransformer.safetensors_io import write_tensors
+    from minitransformer.formats.safetensors_io import write_tensors
 
     c, tok = model.config, model.tokenizer
     out.mkdir(parents=True, exist_ok=True)
@@ -121,7 +121,7 @@ def write_checkpoint(model, meta: dict, types: dict, out: Path, provenance: str)
         f"# {meta.get('general.name', out.name)}, imported from GGUF\n\n{provenance}\n\n"
         f"- license: {meta.get('general.license', 'not stated in the file')}\n"
         f"- tensors stored as: {stored}; dequantized exactly to float32 by "
-        "minitransformer/gguf_blocks.py, q/k rows put back in Hugging Face order\n"
+        "minitransformer/formats/gguf_blocks.py, q/k rows put back in Hugging Face order\n"
         "- written by minitransformer (scripts/import_gguf.py); not for committing to git\n")
     return out
 
@@ -132,7 +132,7 @@ def write_json(file: Path, value) -> None:
 
 def import_gguf(gguf_file, out, provenance: str) -> Path:
     """A .gguf file -> checkpoint directory out, written beside it and renamed when complete."""
-    from minitransformer.gguf import read_model
+    from minitransformer.formats.gguf import read_model
 
     out = Path(out)
     model, meta, types = read_model(gguf_file)

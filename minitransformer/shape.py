@@ -26,6 +26,11 @@ from math import prod
 EMBEDDING = "model.embed_tokens.weight"
 
 
+def ceil_div(a: int, b: int) -> int:
+    """The integer ceiling of a / b, exact for any size (no float): ceil_div(17, 16) == 2."""
+    return -(-a // b)
+
+
 def tensor_shapes(c) -> dict[str, tuple[int, ...]]:
     """Every tensor name the config implies -> its shape (HF layout: a Linear is (out, in))."""
     D, F, d = c.hidden_size, c.intermediate_size, c.head_dim

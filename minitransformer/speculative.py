@@ -43,7 +43,6 @@ from minitransformer.checks import is_integer
 from minitransformer.generate import check_prompt, eos_ids, seeded_rng
 from minitransformer.kvcache import KVCache
 from minitransformer.lookup import PromptLookup
-from minitransformer.measure import time_together
 from minitransformer.model import forward, head
 from minitransformer.sampling import (SamplingSettings, apply_repetition_penalty, draw,
                                       next_token, probabilities)
@@ -216,24 +215,6 @@ def speculative_generate(target, draft, ids, max_new_tokens: int, gamma: int = 4
                 return SpeculativeResult(tokens[P:], passes, draft_passes, proposed, accepted,
                                          rejected)
     return SpeculativeResult(tokens[P:], passes, draft_passes, proposed, accepted, rejected)
-
-
-def verification_costs(model, ids, largest: int, repeat: int = 5) -> dict:
-    """{n: one pass over n + 1 new positions, in one-token decode steps} for n = 1..largest.
-
-    What verifying n proposals costs on this machine (the chapter's formula takes 1: on a GPU
-    both passes read the weights once). Timed side by side (measure.time_together), each pass
-    on a cache holding ids[:-largest-1] and trimmed back after, the head included: verification
-    reads the logits of every position it checks.
-    """
-    kv = KVCache.allocate(model.config, 1, len(ids))
-    forward(model, np.array([ids[:-largest - 1]]), kv)
-    tail = np.array([ids[-largest - 1:]])
-    passes = [lambda k=k: head(model, forward(model, tail[:, :k], kv))
-              for k in range(1, largest + 2)]
-    times = time_together(passes, repeat=repeat,
-                          after=[lambda k=k: kv.trim(k) for k in range(1, largest + 2)])
-    return {n: times[n].best / times[0].best for n in range(1, largest + 1)}
 
 
 def point_mass(token: int, vocab_size: int) -> np.ndarray:

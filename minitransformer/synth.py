@@ -121,7 +121,7 @@ def random_model(config: dict, seed: int = 0):
 def make_checkpoint(path, config: dict, seed: int = 0, dtype: str = "float32",
                     tokenizer=None) -> Path:
     """Write a complete random checkpoint directory; -> its path."""
-    from minitransformer.safetensors_io import write_tensors
+    from minitransformer.formats.safetensors_io import write_tensors
 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
@@ -148,7 +148,7 @@ def default_model() -> Path:
     stamp = path / "GENERATED"
     if stamp.is_file() and stamp.read_text() == GENERATOR_VERSION:
         return path
-    from minitransformer.paged import ceil_div
+    from minitransformer.shape import ceil_div
 
     tokenizer = train_tokenizer()
     vocab = ceil_div(tokenizer.get_vocab_size(), 64) * 64  # a multiple of 64, as Qwen pads it

@@ -34,7 +34,7 @@ import numpy as np
 
 from minitransformer.backend import BACKEND
 from minitransformer.linear import FEW_ROWS, few_rows_matmul
-from minitransformer.paged import ceil_div
+from minitransformer.shape import ceil_div
 from quant.packing import integer_levels
 
 BLOCK_FLOATS = 1 << 17   # 512 KB of float32 per block: in L2, few Python steps (measured best)

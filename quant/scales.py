@@ -11,7 +11,7 @@ from dataclasses import replace
 import numpy as np
 
 from minitransformer.backend import to_device, to_numpy
-from minitransformer.paged import ceil_div
+from minitransformer.shape import ceil_div
 from quant.packing import pack_nibbles
 from quant.qweight import QWeight
 

@@ -20,7 +20,7 @@ Leaves out: schemes the chapter does not tabulate (INT8 per-group, 3- or 2-bit c
 """
 from dataclasses import dataclass
 
-from minitransformer.paged import ceil_div
+from minitransformer.shape import ceil_div
 from quant.absmax import absmax_per_group, absmax_per_row, absmax_per_tensor
 from quant.nf4 import nf4
 

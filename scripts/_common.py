@@ -183,7 +183,7 @@ def add_threads_argument(parser):
 
 def timing_header(args):
     """Apply --threads and return the header line saying where the timings ran."""
-    from minitransformer.measure import limit_threads, machine
+    from minitransformer.measure.timing import limit_threads, machine
     if args.threads < 0:
         raise ValueError(f"--threads must be >= 0, got {args.threads}")
     return f"machine: {machine()}; {limit_threads(args.threads or None)}"

@@ -35,7 +35,7 @@ from _table import Table
 from minitransformer.backend import xp
 from minitransformer.generate import last_logits
 from minitransformer.kvcache import KVCache
-from minitransformer.measure import time_together
+from minitransformer.measure.timing import time_together
 from minitransformer.model import forward, linear
 from minitransformer.shape import decode_read_bytes
 from minitransformer.synth import make_checkpoint, qwen25_05b_config, weights_dir
@@ -261,7 +261,7 @@ def quantized_tables(models, args, ran_on):
                                 ("tokens/pass", ".2f"), ("predicted", ".2f"),
                                 ("speedup", ".2f"), ("median", ".2f"), ("same tokens", "")])
     spec_table.header("gamma: the best predicted from the measured cost v of verifying "
-                      "(minitransformer.speculative.verification_costs); speedup over plain "
+                      "(minitransformer.measure.timing.verification_costs); speedup over plain "
                       "greedy, side by side", ran_on)
     for spec, path, model in models:
         row = speculative_row(model, repeat=max(2, args.repeat // 2))
@@ -276,7 +276,8 @@ def speculative_row(model, new_tokens=48, largest=8, repeat=3):
     for a model without a tokenizer (no text to rewrite)."""
     import minitransformer as mt
     from minitransformer.lookup import PromptLookup, rewrite_prompt
-    from minitransformer.speculative import speculative_generate, verification_costs
+    from minitransformer.measure.timing import verification_costs
+    from minitransformer.speculative import speculative_generate
     from sim.speculative import best_lookup_gamma
     if model.tokenizer is None:
         return None

@@ -18,8 +18,8 @@ import numpy as np
 from _common import (Progress, add_model_argument, add_threads_argument, load_model, mt,
                      positive_int, timing_header)
 from _table import Table
-from minitransformer.engine import Engine, Request
-from minitransformer.measure import time_together
+from minitransformer.serve.engine import Engine, Request
+from minitransformer.measure.timing import time_together
 
 
 def main(argv=None):

@@ -16,8 +16,8 @@ import argparse
 from _common import (Progress, add_model_argument, add_threads_argument, encode_prompt,
                      load_model, mt, positive_int, timing_header)
 from _table import Table, is_random
-from minitransformer.measure import time_together
-from minitransformer.sanity import recheck, slower
+from minitransformer.measure.timing import time_together
+from minitransformer.measure.sanity import recheck, slower
 
 PROMPT = ("The key and value vectors of position seven are computed from the input at position "
           "seven and the positions before it. When position eight arrives, nothing about "

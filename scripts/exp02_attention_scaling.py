@@ -22,9 +22,9 @@ from _common import (Progress, add_model_argument, add_threads_argument, model_p
 from _table import Table
 from minitransformer.backend import to_device, to_numpy
 from minitransformer.config import load_config
-from minitransformer.measure import peak_bytes, time_together
+from minitransformer.measure.timing import peak_bytes, time_together
 from minitransformer.model import attention, causal_mask
-from minitransformer.sanity import recheck, slower
+from minitransformer.measure.sanity import recheck, slower
 
 FP32 = 4  # bytes per score: the model's math is float32
 

@@ -4,7 +4,7 @@ The model is loaded first; then the same prompt is generated greedily twice, by 
 and with the cache, and for each run the allocator is asked for the most bytes it held at once
 during the generation, above what it held when the run started: the peak beyond the resident
 weights. Measured, not computed: on NumPy the tracemalloc peak (NumPy reports every array's data
-to it), on CuPy the memory pool's (see minitransformer/measure.py). The chapter: 256 tokens in
+to it), on CuPy the memory pool's (see minitransformer/measure/timing.py). The chapter: 256 tokens in
 fp16 on an 8 GB laptop GPU, the no-cache run used 8.3x more memory.
 
 Where the bytes go. Without a cache the last step runs the whole sequence S through every
@@ -29,7 +29,7 @@ from _common import (Progress, add_model_argument, add_threads_argument, load_mo
                      mt, say)
 from _table import Table
 from minitransformer.config import load_config
-from minitransformer.measure import limit_threads, peak_bytes
+from minitransformer.measure.timing import limit_threads, peak_bytes
 from quant.qmodel import resident_bytes
 from sim.kv_memory import format_bytes, kv_bytes_per_token
 

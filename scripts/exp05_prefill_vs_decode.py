@@ -25,7 +25,7 @@ from _common import Progress, add_model_argument, add_threads_argument, load_mod
 from _table import Table
 from minitransformer.generate import last_logits
 from minitransformer.kvcache import KVCache
-from minitransformer.measure import MAX_SPREAD, RETRIES, Timing, timed
+from minitransformer.measure.timing import MAX_SPREAD, RETRIES, Timing, timed
 from minitransformer.model import forward
 
 

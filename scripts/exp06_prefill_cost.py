@@ -18,9 +18,9 @@ from _common import (Progress, add_model_argument, add_threads_argument, load_mo
 from _table import Table
 from minitransformer.generate import last_logits
 from minitransformer.kvcache import KVCache
-from minitransformer.measure import median_time
+from minitransformer.measure.timing import median_time
 from minitransformer.model import forward
-from minitransformer.sanity import cost_falls, recheck, spikes
+from minitransformer.measure.sanity import cost_falls, recheck, spikes
 
 
 def prefill_time(model, ids, warmup, repeat):

@@ -21,9 +21,9 @@ from _common import (Progress, add_model_argument, add_threads_argument, load_mo
 from _table import Table
 from minitransformer.generate import last_logits
 from minitransformer.kvcache import KVCache
-from minitransformer.measure import median_time
+from minitransformer.measure.timing import median_time
 from minitransformer.model import forward
-from minitransformer.sanity import cost_falls, recheck
+from minitransformer.measure.sanity import cost_falls, recheck
 from minitransformer.shape import decode_read_bytes
 from sim.kv_memory import format_bytes, kv_bytes_per_token
 

@@ -32,10 +32,10 @@ from _table import Table
 from minitransformer.backend import to_device
 from minitransformer.generate import last_logits
 from minitransformer.kvcache import KVCache
-from minitransformer.measure import time_together
+from minitransformer.measure.timing import time_together
 from minitransformer.model import forward
-from minitransformer.paged import PagedCache, blocks_for, gather
-from minitransformer.sanity import cost_falls, recheck
+from minitransformer.serve.paged import PagedCache, blocks_for, gather
+from minitransformer.measure.sanity import cost_falls, recheck
 
 
 def fill(model, B, context, block_size, seed):

@@ -15,7 +15,7 @@ import numpy as np
 
 from _common import say
 from _table import Table
-from minitransformer.serving import metrics
+from minitransformer.serve.records import metrics
 from sim.batching import (AffineCost, TableCost, capacity_rate, first_crossing,
                           simulate_continuous, simulate_static, sweep)
 from sim.workload import make_workload, skewed_lengths

@@ -2,7 +2,7 @@
 
 The simulation (exp13_batching_sim.py) charges a step cost per batch size; here the same
 workload (sim/workload.py: 64 output lengths, median 18, max 231, 1,874 tokens) runs through
-minitransformer.engine on a real model: seeded random prompts of --prompt-len tokens, greedy,
+minitransformer.serve.engine on a real model: seeded random prompts of --prompt-len tokens, greedy,
 end-of-sequence off so every request makes exactly its workload length. The engine's clock is
 its own measured compute time. Printed per policy: throughput, mean / p50 / p99 end-to-end
 latency, mean time to first token, mean time per later token, steps, preemptions; then the
@@ -23,10 +23,10 @@ import numpy as np
 from _common import (Progress, add_model_argument, add_threads_argument, load_model, mt, say,
                      timing_header)
 from _table import Table
-from minitransformer.engine import Engine, pool_for
-from minitransformer.measure import Timing
-from minitransformer.sanity import cost_falls
-from minitransformer.serving import Request, metrics
+from minitransformer.serve.engine import Engine, pool_for
+from minitransformer.measure.timing import Timing
+from minitransformer.measure.sanity import cost_falls
+from minitransformer.serve.records import Request, metrics
 from sim.batching import TableCost, simulate_continuous, simulate_static
 from sim.workload import make_workload, skewed_lengths
 

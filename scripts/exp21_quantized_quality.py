@@ -20,8 +20,8 @@ from pathlib import Path
 from _common import (Progress, add_model_argument, add_schemes_argument, load_model, progress,
                      say)
 from _table import Table
-from quant.data import TextUnavailable, britannica_text
-from quant.evaluate import (BATTERY, agreement, battery, default_repetition_penalty, encode,
+from minitransformer.measure.text import TextUnavailable, britannica_text
+from minitransformer.measure.quality import (BATTERY, agreement, battery, default_repetition_penalty, encode,
                             perplexity, reference_tokens, tokens_of, wilson_interval)
 from quant.qmodel import SCHEMES, quantize_model, resident_bytes
 

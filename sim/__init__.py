@@ -12,5 +12,5 @@ One module per question the chapter asks with arithmetic rather than a stopwatch
 
 Everything here is plain Python (numpy at most) and returns numbers or small dataclasses;
 only the scripts print. Nothing here loads weights; the batching simulation shares the
-engine's serving records (minitransformer/serving.py), so the two are measured alike.
+engine's serving records (minitransformer/serve/records.py), so the two are measured alike.
 """

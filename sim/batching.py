@@ -14,7 +14,7 @@ the measured decode-step cost only, so `prefill_s` (seconds per admitted request
 step that admits it and so stalling the whole batch for it) defaults to 0. TTFT is when the
 first token is computed (what a streaming server could send); end-to-end latency is when the
 response is returned, which for static batching is the end of its batch. The records (Result,
-Run) and `metrics` are the real engine's, from minitransformer/serving.py.
+Run) and `metrics` are the real engine's, from minitransformer/serve/records.py.
 Leaves out: memory limits on slots (experiment 14), preemption, prompt-length-dependent
 prefill, and the gap between a finished step and the host noticing it.
 
@@ -41,7 +41,7 @@ from pathlib import Path
 
 import numpy as np
 
-from minitransformer.serving import Metrics, Result, Run, metrics
+from minitransformer.serve.records import Metrics, Result, Run, metrics
 from sim.workload import make_workload
 
 

@@ -25,7 +25,7 @@ import numpy as np
 @dataclass(frozen=True)
 class Arrival:
     """A simulated request: when it arrives and how many tokens it will generate. (The
-    engine's minitransformer.serving.Request also has a prompt; the simulation needs none.)"""
+    engine's minitransformer.serve.records.Request also has a prompt; the simulation needs none.)"""
     id: int
     time: float        # seconds
     output_len: int    # tokens to generate

@@ -21,10 +21,10 @@ import math
 import numpy as np
 
 import minitransformer as mt
-from minitransformer.engine import Engine
-from minitransformer.paged import blocks_for
+from minitransformer.serve.engine import Engine
+from minitransformer.serve.paged import blocks_for
 from minitransformer.sampling import SamplingSettings
-from minitransformer.serving import Request, metrics
+from minitransformer.serve.records import Request, metrics
 
 from conftest import assert_like_solo
 

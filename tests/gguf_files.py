@@ -1,7 +1,7 @@
 """Small GGUF files written by the tests with the gguf package's own writer and quantizers.
 
 Everything here goes the way llama.cpp's converter goes (Hugging Face -> GGUF), written
-independently of minitransformer/gguf.py, which goes back: names by a literal table, the q/k
+independently of minitransformer/formats/gguf.py, which goes back: names by a literal table, the q/k
 rows of a llama file put in Meta's interleaved order by an explicit index formula, values
 quantized by ``gguf.quants.quantize``.
 """

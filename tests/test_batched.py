@@ -11,7 +11,7 @@ from minitransformer.backend import to_numpy
 from minitransformer.generate import last_logits
 from minitransformer.kvcache import KVCache
 from minitransformer.model import forward, head
-from minitransformer.paged import PagedCache
+from minitransformer.serve.paged import PagedCache
 from minitransformer.sampling import SamplingSettings
 from minitransformer.synth import make_checkpoint, qwen2_config
 

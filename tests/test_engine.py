@@ -8,9 +8,9 @@ import pytest
 import minitransformer as mt
 from conftest import assert_like_solo
 from engine_fuzz import solo
-from minitransformer.engine import Engine
-from minitransformer.paged import blocks_for
-from minitransformer.serving import Request, Result, metrics
+from minitransformer.serve.engine import Engine
+from minitransformer.serve.paged import blocks_for
+from minitransformer.serve.records import Request, Result, metrics
 from minitransformer.sampling import SamplingSettings
 
 

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import minitransformer as mt
-from minitransformer import gguf_blocks
+from minitransformer.formats import gguf_blocks
 from minitransformer.synth import llama_config, make_checkpoint, qwen2_config, train_tokenizer
 
 gguf = pytest.importorskip("gguf")
@@ -77,7 +77,7 @@ def model_files(tmp_path, config, seed=0, **kwargs):
     weights = random_weights(config, seed)
     expected = write_gguf(tmp_path / "m.gguf", config, weights, **kwargs)
     reference = make_checkpoint(tmp_path / "hf", config)
-    from minitransformer.safetensors_io import write_tensors
+    from minitransformer.formats.safetensors_io import write_tensors
     write_tensors(reference / "model.safetensors", expected)
     return tmp_path / "m.gguf", reference, expected
 
@@ -103,7 +103,7 @@ def mt_numpy(x):
 
 def test_llama_q_k_permutation_matters(tmp_path, monkeypatch):
     """Without undoing llama.cpp's interleaving the logits change: the check above can fail."""
-    from minitransformer import gguf as gguf_module
+    from minitransformer.formats import gguf as gguf_module
 
     config = llama_config(**SHAPE)
     path, reference, _ = model_files(tmp_path, config, types={}, seed=2)

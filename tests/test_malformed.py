@@ -21,7 +21,7 @@ import pytest
 
 import minitransformer as mt
 from minitransformer import CheckpointError
-from minitransformer.safetensors_io import read_tensors, write_tensors
+from minitransformer.formats.safetensors_io import read_tensors, write_tensors
 
 SECONDS, PEAK_BYTES = 2.0, 64 * 2 ** 20  # per case: well under a second and a few MB today
 CASES = {}  # id -> (break the checkpoint at path, file the error names, words it names)

@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 
 from conftest import clock_of_durations, fake_clock
-from minitransformer import measure
+from minitransformer.measure import timing as measure
 from minitransformer.backend import BACKEND
-from minitransformer.measure import median_time, peak_bytes, time_together, timed
+from minitransformer.measure.timing import median_time, peak_bytes, time_together, timed
 
 
 def test_median_time_discards_warmup_and_reports_best_and_median():

@@ -8,8 +8,8 @@ import pytest
 from conftest import wait_for
 import minitransformer as mt
 from engine_fuzz import solo
-from minitransformer.engine import Engine, Request
-from minitransformer.online import Closed, OnlineEngine, QueueFull
+from minitransformer.serve.engine import Engine, Request
+from minitransformer.serve.online import Closed, OnlineEngine, QueueFull
 from minitransformer.sampling import SamplingSettings
 
 

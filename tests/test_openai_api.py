@@ -5,7 +5,7 @@ import json
 import pytest
 
 import minitransformer as mt
-from minitransformer.openai_api import APIError, parse
+from minitransformer.serve.openai_api import APIError, parse
 from minitransformer.synth import make_checkpoint, qwen2_config, train_tokenizer
 
 POOL = 128                      # KV pool tokens of the imagined server

@@ -5,7 +5,7 @@ import pytest
 from minitransformer.backend import to_numpy
 from minitransformer.kvcache import KVCache
 from minitransformer.model import forward
-from minitransformer.paged import PagedCache, PoolExhausted, blocks_for
+from minitransformer.serve.paged import PagedCache, PoolExhausted, blocks_for
 
 
 def prefill(model, cache, seq_id, prompt):

@@ -6,7 +6,7 @@ import pytest
 import minitransformer as mt
 from minitransformer.backend import to_numpy
 from minitransformer.model import forward
-from minitransformer.paged import ceil_div
+from minitransformer.shape import ceil_div
 from quant.absmax import absmax_per_group, absmax_per_row, absmax_per_tensor
 from quant.activations import (capture_residuals, default_layer, int8_levels, log2_histogram,
                                longest_run, per_dim_max, persistence, quantile_dims, top_dims)

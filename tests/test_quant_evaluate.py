@@ -9,8 +9,8 @@ import pytest
 import minitransformer as mt
 from minitransformer.backend import to_device, to_numpy
 from minitransformer.synth import make_checkpoint, qwen2_config, train_tokenizer
-from quant import data
-from quant.evaluate import (BATTERY, agreement, answered, battery, perplexity,
+from minitransformer.measure import text as data
+from minitransformer.measure.quality import (BATTERY, agreement, answered, battery, perplexity,
                             reference_tokens, tokens_of)
 from quant.qmodel import projection_names, quantize_model
 
@@ -148,7 +148,7 @@ def test_the_cached_text_is_used_without_fetching(monkeypatch, tmp_path):
 def test_wilson_interval_matches_scipy(correct, n):
     from scipy.stats import binomtest
 
-    from quant.evaluate import wilson_interval
+    from minitransformer.measure.quality import wilson_interval
     reference = binomtest(correct, n).proportion_ci(0.95, method="wilson")
     low, high = wilson_interval(correct, n)
     # scipy takes z from the normal quantile (1.95996...), we use 1.96: a few 1e-5 apart
@@ -156,6 +156,6 @@ def test_wilson_interval_matches_scipy(correct, n):
 
 
 def test_wilson_interval_rejects_impossible_counts():
-    from quant.evaluate import wilson_interval
+    from minitransformer.measure.quality import wilson_interval
     with pytest.raises(ValueError, match="17 of 16"):
         wilson_interval(17, 16)

@@ -11,15 +11,15 @@ import pytest
 from conftest import wait_for
 import minitransformer as mt
 from minitransformer.chat import encode_chat
-from minitransformer.engine import Engine
-from minitransformer.online import OnlineEngine
-from minitransformer.serving import Request
+from minitransformer.serve.engine import Engine
+from minitransformer.serve.online import OnlineEngine
+from minitransformer.serve.records import Request
 from minitransformer.synth import make_checkpoint, qwen2_config, train_tokenizer
 
 openai = pytest.importorskip("openai")
 pytest.importorskip("fastapi")
 uvicorn = pytest.importorskip("uvicorn")
-from minitransformer.server import create_app  # noqa: E402 (after the skips)
+from minitransformer.serve.http import create_app  # noqa: E402 (after the skips)
 
 NAME = "tiny-chat"
 TEMPLATE = ("{% for m in messages %}<|endoftext|>{{ m['role'] }}: {{ m['content'] }}\n"

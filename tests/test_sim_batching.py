@@ -4,7 +4,7 @@ import math
 import numpy as np
 import pytest
 
-from minitransformer.serving import metrics
+from minitransformer.serve.records import metrics
 from sim.batching import (AffineCost, TableCost, capacity_rate, first_crossing,
                           simulate_continuous, simulate_static, sweep)
 from sim.workload import Arrival, make_workload, poisson_arrivals, skewed_lengths

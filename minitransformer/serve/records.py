@@ -1,6 +1,6 @@
 """What serving is measured in: a request, what happened to it, a run, its metrics (exp. 13).
 
-One vocabulary for the real engine (minitransformer/engine.py) and the simulation
+One vocabulary for the real engine (minitransformer/serve/engine.py) and the simulation
 (sim/batching.py), so that their tables are computed by the same function:
 
     Request   what a client asks: a prompt, how many new tokens at most, when it arrives,

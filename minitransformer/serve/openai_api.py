@@ -21,7 +21,7 @@ from minitransformer.checks import is_integer, is_real
 from minitransformer.chat import encode_chat
 from minitransformer.generate import eos_ids
 from minitransformer.sampling import SamplingSettings
-from minitransformer.serving import Request
+from minitransformer.serve.records import Request
 
 UNSUPPORTED = {  # field -> the value that means "off" (null, false, {} and [] pass too)
     "n": 1, "best_of": 1, "echo": False, "logprobs": None, "top_logprobs": None, "suffix": None,

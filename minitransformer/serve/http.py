@@ -25,11 +25,11 @@ import time
 import uuid
 from pathlib import Path
 
-from minitransformer.detokenize import TextStream
-from minitransformer.engine import BLOCK_SIZE, SLOTS
-from minitransformer.online import MAX_WAITING, Closed, OnlineEngine, QueueFull
-from minitransformer.openai_api import APIError, choice, parse, response, usage
-from minitransformer.prometheus import ServingMetrics
+from minitransformer.serve.detokenize import TextStream
+from minitransformer.serve.engine import BLOCK_SIZE, SLOTS
+from minitransformer.serve.online import MAX_WAITING, Closed, OnlineEngine, QueueFull
+from minitransformer.serve.openai_api import APIError, choice, parse, response, usage
+from minitransformer.serve.prometheus import ServingMetrics
 
 RETRY_AFTER_S = 1               # what a 429 asks the client to wait
 
@@ -199,7 +199,7 @@ def serve(model_path, host="127.0.0.1", port=8000, name=None, slots=SLOTS, num_b
     except ImportError:
         raise ImportError("the server needs the serve extra: pip install -e '.[serve]'") from None
     import minitransformer as mt
-    from minitransformer.engine import Engine
+    from minitransformer.serve.engine import Engine
 
     model = mt.load(model_path)
     name = name or Path(model.path).name

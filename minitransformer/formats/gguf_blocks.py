@@ -25,7 +25,7 @@ i-quants, Q5_0/Q5_1 and Q8_1; asking for one is an error that names it.
 """
 import numpy as np
 
-from minitransformer.safetensors_io import to_float32
+from minitransformer.formats.safetensors_io import to_float32
 
 BLOCK = 32  # weights per block, for every format here
 

@@ -21,11 +21,13 @@ from pathlib import Path
 import numpy as np
 
 from minitransformer.backend import to_device
-from minitransformer.checks import is_real
+from minitransformer.checks import check_finite, check_missing, is_real
 from minitransformer.config import ModelConfig
 from minitransformer.errors import CheckpointError
-from minitransformer.gguf_blocks import dequantize
+from minitransformer.formats.gguf_blocks import dequantize
+from minitransformer.formats.gguf_tokenizer import tokenizer_from_metadata
 from minitransformer.model import Model
+from minitransformer.shape import tensor_shapes
 from minitransformer.tokenizer import Tokenizer
 
 ARCHITECTURES = ("llama", "qwen2")
@@ -136,9 +138,6 @@ def unpermute(w, heads: int) -> np.ndarray:
 
 def read_weights(reader, config: ModelConfig, source: str) -> dict:
     """Every tensor of the file, dequantized to float32 and renamed; checked against config."""
-    from minitransformer.loader import check_finite, check_missing
-    from minitransformer.shape import tensor_shapes
-
     expected = tensor_shapes(config)
     weights = {}
     for t in reader.tensors:
@@ -165,8 +164,6 @@ def read_weights(reader, config: ModelConfig, source: str) -> dict:
 
 def read_model(path) -> tuple[Model, dict, dict]:
     """A .gguf file -> (Model, its metadata, GGUF type name -> number of tensors stored so)."""
-    from minitransformer.gguf_tokenizer import tokenizer_from_metadata
-
     reader = read(path)
     meta = metadata(reader)
     config = config_from_metadata(meta, {t.name for t in reader.tensors}, str(path))

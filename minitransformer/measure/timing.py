@@ -38,7 +38,11 @@ import time
 import tracemalloc
 from dataclasses import dataclass
 
+import numpy as np
+
 from minitransformer.backend import BACKEND, synchronize, xp
+from minitransformer.kvcache import KVCache
+from minitransformer.model import forward, head
 
 
 MAX_SPREAD = 0.25   # median more than 25% above the best: the machine was busy, measure again
@@ -169,7 +173,7 @@ def _peak_cupy(fn) -> Peak:
     pool = xp.get_default_memory_pool()
 
     class PoolPeak(xp.cuda.MemoryHook):
-        name = "minitransformer.measure.PoolPeak"
+        name = "minitransformer.measure.timing.PoolPeak"
 
         def __init__(self):
             self.peak = pool.used_bytes()
@@ -211,3 +215,21 @@ def machine() -> str:
     if hasattr(os, "getloadavg"):
         text += f", load average {os.getloadavg()[0]:.1f} at start"
     return text
+
+
+def verification_costs(model, ids, largest: int, repeat: int = 5) -> dict:
+    """{n: one pass over n + 1 new positions, in one-token decode steps} for n = 1..largest.
+
+    What verifying n proposals costs on this machine (the chapter's formula takes 1: on a GPU
+    both passes read the weights once). Timed side by side (time_together), each pass
+    on a cache holding ids[:-largest-1] and trimmed back after, the head included: verification
+    reads the logits of every position it checks.
+    """
+    kv = KVCache.allocate(model.config, 1, len(ids))
+    forward(model, np.array([ids[:-largest - 1]]), kv)
+    tail = np.array([ids[-largest - 1:]])
+    passes = [lambda k=k: head(model, forward(model, tail[:, :k], kv))
+              for k in range(1, largest + 2)]
+    times = time_together(passes, repeat=repeat,
+                          after=[lambda k=k: kv.trim(k) for k in range(1, largest + 2)])
+    return {n: times[n].best / times[0].best for n in range(1, largest + 1)}

@@ -3,7 +3,7 @@
 Serves the measured experiments of the chapter (2, 4, 6, 7, 12, 13, 22). A timing taken while
 something else ran on the machine can come out impossible: a batch of 7 cheaper than a batch of
 1, a speculative speedup above what the accepted tokens allow. Each check here takes measured
-``Timing``s (minitransformer/measure.py) and returns a message per row that breaks its invariant,
+``Timing``s (minitransformer/measure/timing.py) and returns a message per row that breaks its invariant,
 None or {} when all is well. The checks compare the fastest samples: a fastest sample cannot be
 too fast (a clock does not run early), only too slow (every sample of that row was disturbed), so
 the tolerance is the small difference two quiet runs of the same code show (``NOISE_FLOOR``).
@@ -23,7 +23,7 @@ def cost_falls(labels, timings, what="step", tolerance=NOISE_FLOOR) -> dict:
     {row index: message} for each row whose best time is below the previous row's beyond the
     tolerance.
 
-    >>> from minitransformer.measure import Timing
+    >>> from minitransformer.measure.timing import Timing
     >>> steps = [Timing((0.010,) * 3), Timing((0.012,) * 3), Timing((0.004,) * 3)]
     >>> cost_falls([1, 2, 4], steps, "batch")
     {2: 'batch 4 costs 0.33x batch 2 (4.0 vs 12.0 ms): a larger one cannot be cheaper'}
@@ -41,7 +41,7 @@ def cost_falls(labels, timings, what="step", tolerance=NOISE_FLOOR) -> dict:
 def slower(fast, slow, fast_name="cached", slow_name="recompute", tolerance=NOISE_FLOOR):
     """A message if the timing that must be faster (the cached one) is not, beyond the tolerance.
 
-    >>> from minitransformer.measure import Timing
+    >>> from minitransformer.measure.timing import Timing
     >>> slower(Timing((2.0, 2.1)), Timing((1.0, 1.0)))
     'cached takes 2.00x recompute (2000.0 vs 1000.0 ms): it does less work, it cannot be slower'
     >>> slower(Timing((1.0, 1.0)), Timing((2.0, 2.1))) is None
@@ -57,7 +57,7 @@ def spikes(labels, sizes, timings, unit="token", tolerance=NOISE_FLOOR) -> dict:
     """Per-unit costs (best time / size) that stand above both neighbours beyond the tolerance: one
     disturbed row in a series that should be smooth. {row index: message}.
 
-    >>> from minitransformer.measure import Timing
+    >>> from minitransformer.measure.timing import Timing
     >>> runs = [Timing((0.08,) * 3), Timing((0.50,) * 3), Timing((0.30,) * 3)]
     >>> spikes([8, 16, 32], [8, 16, 32], runs)
     {1: 'P=16 costs 31.25 ms per token, 3.1x its neighbours: one disturbed measurement'}

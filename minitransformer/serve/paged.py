@@ -49,11 +49,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from minitransformer.backend import to_device, to_numpy, xp
-
-
-def ceil_div(a: int, b: int) -> int:
-    """The integer ceiling of a / b, exact for any size (no float): ceil_div(17, 16) == 2."""
-    return -(-a // b)
+from minitransformer.shape import ceil_div
 
 
 def blocks_for(tokens: int, block_size: int) -> int:

@@ -60,9 +60,9 @@ from minitransformer.backend import synchronize
 from minitransformer.checks import is_integer, is_real
 from minitransformer.generate import check_prompt, eos_ids, last_logits, seeded_rng
 from minitransformer.model import forward
-from minitransformer.paged import PagedCache, blocks_for
+from minitransformer.serve.paged import PagedCache, blocks_for
 from minitransformer.sampling import SamplingSettings, next_token
-from minitransformer.serving import Request, Result, Run, metrics  # noqa: F401 (the API)
+from minitransformer.serve.records import Request, Result, Run, metrics  # noqa: F401 (the API)
 
 POLICIES = ("static", "continuous")
 SLOTS = 8                   # the chapter's experiment 13
@@ -307,7 +307,7 @@ class Engine:
         """A request's fields, checked against the model before anything is held -> (prompt
         ids, its generator, its eos ids)."""
         if not isinstance(request, Request):
-            raise ValueError(f"expected a minitransformer.serving.Request, got "
+            raise ValueError(f"expected a minitransformer.serve.records.Request, got "
                              f"{type(request).__name__}")
         if not isinstance(request.settings, SamplingSettings):
             raise ValueError(f"settings must be a SamplingSettings, got {request.settings!r}")

@@ -149,14 +149,14 @@ def battery(model, repetition_penalty: float, max_new_tokens: int = 8,
     """Greedy answers to the questions (repetition_penalty 1.0 turns the penalty off).
 
     The questions are decoded together, as a serving engine would: one slot each, one batched
-    decode step for all of them (minitransformer/engine.py), instead of one generation after
+    decode step for all of them (minitransformer/serve/engine.py), instead of one generation after
     another. A batch multiplies its rows as one matrix, so an answer can differ from the one
     ``generate`` gives the question alone only at a step whose top two logits are a near tie
     (the engine's stated exactness); the score is a measurement, not an identity.
     batch_invariant=True gives every answer exactly the tokens it gets alone (slower).
     chat: ask through the tokenizer's chat template (an instruct model's own format).
     progress(i, n) as answer i of n is completed."""
-    from minitransformer.engine import Engine, Request, pool_for
+    from minitransformer.serve.engine import Engine, Request, pool_for
     from minitransformer.sampling import SamplingSettings
 
     if not questions:
