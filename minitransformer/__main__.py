@@ -16,6 +16,7 @@ import time
 
 import minitransformer as mt
 from minitransformer.chat import encode_chat
+from minitransformer.sampling import SamplingSettings
 from minitransformer.serve.detokenize import Detokenizer
 from minitransformer.serve.engine import BLOCK_SIZE, POLICIES, SLOTS
 from minitransformer.serve.online import MAX_WAITING
@@ -48,9 +49,9 @@ def add_sampling(parser, max_new_tokens) -> None:
     group.add_argument("--seed", type=int, default=None)
 
 
-def sampling(args) -> dict:
-    return dict(do_sample=args.do_sample, temperature=args.temperature, top_k=args.top_k,
-                top_p=args.top_p, repetition_penalty=args.repetition_penalty, seed=args.seed)
+def sampling(args) -> SamplingSettings:
+    return SamplingSettings(args.do_sample, args.temperature, args.top_k, args.top_p,
+                            args.repetition_penalty)
 
 
 def load_model(args):
@@ -65,8 +66,9 @@ def stream_text(model, ids, args, out=sys.stdout) -> str:
     detokenizer, pieces, start = Detokenizer(model.tokenizer, ids), [], time.perf_counter()
     n = 0
     try:
-        for n, token in enumerate(mt.stream(model, ids, args.max_new_tokens, **sampling(args)),
-                                  start=1):
+        tokens = mt.stream(model, ids, args.max_new_tokens, sampling=sampling(args),
+                           seed=args.seed)
+        for n, token in enumerate(tokens, start=1):
             pieces.append(detokenizer.add(token))
             out.write(pieces[-1])
             out.flush()

@@ -13,7 +13,7 @@ from minitransformer.backend import to_numpy
 from minitransformer.checks import is_integer
 from minitransformer.kvcache import KVCache
 from minitransformer.model import forward, head
-from minitransformer.sampling import SamplingSettings, next_token
+from minitransformer.sampling import GREEDY, SamplingSettings, check_sampling, next_token
 
 
 def check_prompt(model, ids, max_new_tokens) -> np.ndarray:
@@ -57,15 +57,16 @@ def last_logits(model, hidden, batch_invariant=False) -> np.ndarray:
     return to_numpy(head(model, hidden[:, -1:], batch_invariant))[:, -1]
 
 
-def stream(model, ids, max_new_tokens: int, cache: bool = True, do_sample: bool = False,
-           temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
-           repetition_penalty: float = 1.0, seed=None, eos_token_id=None):
+def stream(model, ids, max_new_tokens: int, cache: bool = True,
+           sampling: SamplingSettings = GREEDY, seed=None, eos_token_id=None):
     """Yield new token ids one at a time. Stops at an eos id or after max_new_tokens.
 
+    sampling: how each token is chosen (sampling.py), greedy unless told otherwise;
+    seed: of this call's own random generator (None: a fresh one from the OS);
     eos_token_id: an id or list of ids; None uses the model's (generation_config.json), and
     an empty list never stops early.
     """
-    settings = SamplingSettings(do_sample, temperature, top_k, top_p, repetition_penalty)
+    settings = check_sampling(sampling)
     ids = check_prompt(model, ids, max_new_tokens)
     eos = eos_ids(model, eos_token_id)
     rng = seeded_rng(seed)
@@ -89,9 +90,10 @@ def stream(model, ids, max_new_tokens: int, cache: bool = True, do_sample: bool 
             hidden = forward(model, np.array([tokens]))           # recompute: (1, P+step+1, D)
 
 
-def generate(model, ids, max_new_tokens: int, cache: bool = True, **sampling) -> list[int]:
+def generate(model, ids, max_new_tokens: int, cache: bool = True,
+             sampling: SamplingSettings = GREEDY, seed=None, eos_token_id=None) -> list[int]:
     """The new token ids (the prompt not included). Keyword arguments as in ``stream``."""
-    return list(stream(model, ids, max_new_tokens, cache=cache, **sampling))
+    return list(stream(model, ids, max_new_tokens, cache, sampling, seed, eos_token_id))
 
 
 def logits(model, ids) -> np.ndarray:

@@ -6,6 +6,11 @@ sampling the temperature, top-k (keep the k largest), top-p (keep the smallest s
 likely tokens whose probability reaches p), and a draw. ``do_sample=False`` is greedy (argmax)
 whatever the temperature; with sampling, temperature 0 also means greedy.
 
+The settings travel as one frozen ``SamplingSettings``, the same for ``generate``, ``stream``,
+``speculative_generate``, a serving ``Request``, the server and the command line:
+
+    generate(model, ids, 20, sampling=SamplingSettings(do_sample=True, temperature=0.7), seed=0)
+
 This runs on the host, on one vector of V logits per step (the distribution in float64). Each
 request owns its seeded ``numpy.random.Generator``, so a request samples the same tokens alone
 or in a batch.
@@ -40,6 +45,17 @@ class SamplingSettings:
     @property
     def greedy(self) -> bool:
         return not self.do_sample or self.temperature == 0
+
+
+GREEDY = SamplingSettings()     # argmax at every step: the default everywhere
+
+
+def check_sampling(settings) -> SamplingSettings:
+    """The one form sampling is given in, everywhere (generate, stream, speculative_generate,
+    a serving Request): a SamplingSettings, whose fields were checked when it was made."""
+    if not isinstance(settings, SamplingSettings):
+        raise ValueError(f"sampling must be a SamplingSettings, got {settings!r}")
+    return settings
 
 
 def apply_repetition_penalty(logits, previous_ids, penalty: float):

@@ -27,7 +27,9 @@ thousands of tokens).
 
 The draft is a model (a quantized copy, the target's first layers, a smaller model) or a
 PromptLookup (lookup.py): proposals copied from earlier in the text, which cost nothing and
-come with no distribution (as a draft, a point mass on the proposal).
+come with no distribution (as a draft, a point mass on the proposal). Either is wrapped once,
+in ModelDraft or LookupDraft, which answer the same two calls: propose (n tokens and the
+distributions they came from) and rollback (forget the rejected ones).
 
 Between rounds each cache lags one token behind the sequence: the round's last token (the
 target's own, which no model has seen) goes into the next round's first pass. So after the
@@ -44,8 +46,8 @@ from minitransformer.generate import check_prompt, eos_ids, seeded_rng
 from minitransformer.kvcache import KVCache
 from minitransformer.lookup import PromptLookup
 from minitransformer.model import forward, head
-from minitransformer.sampling import (SamplingSettings, apply_repetition_penalty, draw,
-                                      next_token, probabilities)
+from minitransformer.sampling import (GREEDY, SamplingSettings, apply_repetition_penalty,
+                                      check_sampling, draw, next_token, probabilities)
 
 
 @dataclass(frozen=True)
@@ -103,27 +105,65 @@ def leviathan_step(p, q, x: int, rng) -> tuple[bool, int]:
     return False, draw(residual, rng)  # draw normalises by the total itself
 
 
-def propose(draft, kv: KVCache, tokens: list, n: int, settings, rng):
-    """n draft tokens, one decode step each, and the distributions q (V,) they came from.
+class ModelDraft:
+    """A draft model and its own cache: proposals by decode steps, undone by a trim."""
 
-    The first step also feeds whatever the draft's cache has not seen yet (the prompt at the
-    start, then the one or two tokens kept last round). In greedy mode q is None.
+    def __init__(self, model, target, ids, max_new_tokens: int):
+        if model.config.vocab_size != target.config.vocab_size:
+            raise ValueError(f"draft and target must share a vocabulary: the draft has "
+                             f"{model.config.vocab_size} tokens, the target "
+                             f"{target.config.vocab_size}")
+        check_prompt(model, ids, max_new_tokens)
+        self.model = model
+        # It lags one token behind the sequence, as the target's: P + max_new_tokens suffice.
+        self.kv = KVCache.allocate(model.config, batch=1, max_len=len(ids) + max_new_tokens)
+        self.passes = 0  # forward calls, one per proposal
+
+    def propose(self, tokens: list, n: int, settings, rng) -> tuple[list, list]:
+        """n draft tokens, one decode step each, and the distributions q (V,) they came from.
+
+        The first step also feeds whatever the draft's cache has not seen yet (the prompt at
+        the start, then the one or two tokens kept last round). In greedy mode q is None.
+        """
+        drafts, dists = [], []
+        fresh = tokens[int(self.kv.lengths[0]):]
+        for _ in range(n):
+            hidden = forward(self.model, np.array([fresh]), self.kv)         # (1, len(fresh), D)
+            logits = to_numpy(head(self.model, hidden[:, -1:]))[0, -1]       # (V,)
+            if settings.greedy:
+                x, q = next_token(logits, tokens + drafts, settings, rng), None
+            else:
+                z = apply_repetition_penalty(logits, tokens + drafts, settings.repetition_penalty)
+                q = probabilities(z, settings)                               # (V,)
+                x = draw(q, rng)
+            drafts.append(x)
+            dists.append(q)
+            fresh = [x]
+        self.passes += n
+        return drafts, dists
+
+    def rollback(self, valid: int) -> None:
+        rollback(self.kv, valid)
+
+
+class LookupDraft:
+    """A PromptLookup as a draft: proposals copied from the text, no cache, no forward pass.
+
+    Its proposals come with no distribution; as a draft, each is a point mass on itself.
     """
-    drafts, dists = [], []
-    fresh = tokens[int(kv.lengths[0]):]
-    for _ in range(n):
-        hidden = forward(draft, np.array([fresh]), kv)                 # (1, len(fresh), D)
-        logits = to_numpy(head(draft, hidden[:, -1:]))[0, -1]          # (V,)
-        if settings.greedy:
-            x, q = next_token(logits, tokens + drafts, settings, rng), None
-        else:
-            z = apply_repetition_penalty(logits, tokens + drafts, settings.repetition_penalty)
-            q = probabilities(z, settings)                             # (V,)
-            x = draw(q, rng)
-        drafts.append(x)
-        dists.append(q)
-        fresh = [x]
-    return drafts, dists
+    passes = 0
+
+    def __init__(self, lookup: PromptLookup, vocab_size: int):
+        self.lookup, self.vocab_size = lookup, vocab_size
+
+    def propose(self, tokens: list, n: int, settings, rng) -> tuple[list, list]:
+        """Up to n proposals (fewer, or none, where the text has no match), and their q."""
+        drafts = self.lookup.propose(tokens, n)
+        return drafts, [None if settings.greedy else point_mass(x, self.vocab_size)
+                        for x in drafts]
+
+    def rollback(self, valid: int) -> None:
+        pass  # nothing to undo: it keeps no cache
 
 
 def verify(logits, drafts: list, dists: list, tokens: list, settings, rng) -> list:
@@ -158,45 +198,32 @@ def rollback(kv: KVCache, valid: int) -> None:
 
 
 def speculative_generate(target, draft, ids, max_new_tokens: int, gamma: int = 4,
-                         do_sample: bool = False, temperature: float = 1.0, top_k: int = 0,
-                         top_p: float = 1.0, repetition_penalty: float = 1.0, seed=None,
+                         sampling: SamplingSettings = GREEDY, seed=None,
                          eos_token_id=None) -> SpeculativeResult:
     """Generate like ``generate(target, ...)``, with `draft` proposing `gamma` tokens a round.
 
-    Sampling keywords and eos handling as in ``minitransformer.generate.stream``. The draft
-    is a Model sharing the target's vocabulary (same tokenizer; anything else about it may
+    sampling, seed and eos handling as in ``minitransformer.generate.stream``. The draft is a
+    Model sharing the target's vocabulary (same tokenizer; anything else about it may
     differ), or a PromptLookup, whose rounds may propose fewer than gamma tokens, or none.
     """
-    settings = SamplingSettings(do_sample, temperature, top_k, top_p, repetition_penalty)
+    settings = check_sampling(sampling)
     if not is_integer(gamma) or gamma < 1:
         raise ValueError(f"gamma (tokens drafted per round) must be an integer >= 1, got {gamma!r}")
-    lookup = isinstance(draft, PromptLookup)
-    if not lookup and draft.config.vocab_size != target.config.vocab_size:
-        raise ValueError(f"draft and target must share a vocabulary: the draft has "
-                         f"{draft.config.vocab_size} tokens, the target "
-                         f"{target.config.vocab_size}")
     ids = check_prompt(target, ids, max_new_tokens)
-    if not lookup:
-        check_prompt(draft, ids, max_new_tokens)
+    drafter = (LookupDraft(draft, target.config.vocab_size) if isinstance(draft, PromptLookup)
+               else ModelDraft(draft, target, ids, max_new_tokens))
     eos = eos_ids(target, eos_token_id)
     rng = seeded_rng(seed)
     tokens = ids.tolist()
     P = len(tokens)
     # Each cache lags one token behind the sequence: P + max_new_tokens slots always suffice.
     target_kv = KVCache.allocate(target.config, batch=1, max_len=P + max_new_tokens)
-    draft_kv = None if lookup else KVCache.allocate(draft.config, 1, P + max_new_tokens)
-    passes = draft_passes = proposed = accepted = rejected = 0
+    passes = proposed = accepted = rejected = 0
     while len(tokens) - P < max_new_tokens:
         # Never draft past the end: a round yields up to n + 1 tokens.
         n = min(gamma, max_new_tokens - (len(tokens) - P) - 1)
-        if lookup:
-            drafts = draft.propose(tokens, n)
-            dists = [None if settings.greedy else point_mass(x, target.config.vocab_size)
-                     for x in drafts]
-            n = len(drafts)
-        else:
-            drafts, dists = propose(draft, draft_kv, tokens, n, settings, rng)
-            draft_passes += n
+        drafts, dists = drafter.propose(tokens, n, settings, rng)
+        n = len(drafts)  # a lookup may find fewer, or none
         fresh = tokens[int(target_kv.lengths[0]):] + drafts            # last token(s) + drafts
         hidden = forward(target, np.array([fresh]), target_kv)         # (1, len(fresh), D)
         logits = to_numpy(head(target, hidden[:, -(n + 1):]))[0]       # (n+1, V)
@@ -206,15 +233,14 @@ def speculative_generate(target, draft, ids, max_new_tokens: int, gamma: int = 4
         accepted += len(kept) - 1
         rejected += len(kept) - 1 < n
         # Both caches now hold tokens + some drafts; keep only the accepted ones.
-        for kv in (target_kv, draft_kv):
-            if kv is not None:
-                rollback(kv, len(tokens) + len(kept) - 1)
+        rollback(target_kv, len(tokens) + len(kept) - 1)
+        drafter.rollback(len(tokens) + len(kept) - 1)
         for token in kept:
             tokens.append(token)
             if token in eos:
-                return SpeculativeResult(tokens[P:], passes, draft_passes, proposed, accepted,
+                return SpeculativeResult(tokens[P:], passes, drafter.passes, proposed, accepted,
                                          rejected)
-    return SpeculativeResult(tokens[P:], passes, draft_passes, proposed, accepted, rejected)
+    return SpeculativeResult(tokens[P:], passes, drafter.passes, proposed, accepted, rejected)
 
 
 def point_mass(token: int, vocab_size: int) -> np.ndarray:

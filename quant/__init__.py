@@ -12,8 +12,8 @@
     analysis.py    error table over all projection matrices, one matrix's outlier statistics
     activations.py outlier features in the residual stream, INT8 levels used
     techniques.py  LLM.int8, vector-wise, SmoothQuant-style, weight-only: measured on a matmul
-    evaluate.py    perplexity, the question battery, agreement with full precision
-    data.py        the evaluation text (fetched with pip, cached, never committed)
 
-Each quantizer returns a QWeight that carries its own reconstruction error.
+Each quantizer returns a QWeight that carries its own reconstruction error. What a quantized
+model costs in quality (perplexity, the battery, agreement) is measured by
+minitransformer/measure/quality.py.
 """

@@ -11,7 +11,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import minitransformer as mt  # noqa: E402
-from minitransformer.synth import default_model  # noqa: E402
+from minitransformer.real_model import checkpoint  # noqa: E402
 
 
 # --model NAME: the two models every script can run on without a download from a model hub.
@@ -37,10 +37,7 @@ def add_model_argument(parser, default="default"):
 def model_path(spec):
     """--model value -> a checkpoint path. 'smollm2' falls back to the default model, with a
     one-line notice naming the tables that then mean nothing, when it cannot be fetched."""
-    from minitransformer.real_model import checkpoint
-    if spec in (None, "default"):
-        return default_model()
-    return checkpoint(spec, say, NEEDS_TRAINED)
+    return checkpoint("default" if spec is None else spec, say, NEEDS_TRAINED)
 
 
 def add_chapter_model_argument(parser):

@@ -4,8 +4,8 @@ The model is loaded first; then the same prompt is generated greedily twice, by 
 and with the cache, and for each run the allocator is asked for the most bytes it held at once
 during the generation, above what it held when the run started: the peak beyond the resident
 weights. Measured, not computed: on NumPy the tracemalloc peak (NumPy reports every array's data
-to it), on CuPy the memory pool's (see minitransformer/measure/timing.py). The chapter: 256 tokens in
-fp16 on an 8 GB laptop GPU, the no-cache run used 8.3x more memory.
+to it), on CuPy the memory pool's (see minitransformer/measure/timing.py). The chapter: 256
+tokens in fp16 on an 8 GB laptop GPU, the no-cache run used 8.3x more memory.
 
 Where the bytes go. Without a cache the last step runs the whole sequence S through every
 layer, so its activations, (S, F) in the MLP and (H, S, S) in attention, set the peak. With the

@@ -21,8 +21,9 @@ from _common import (Progress, add_model_argument, add_schemes_argument, load_mo
                      say)
 from _table import Table
 from minitransformer.measure.text import TextUnavailable, britannica_text
-from minitransformer.measure.quality import (BATTERY, agreement, battery, default_repetition_penalty, encode,
-                            perplexity, reference_tokens, tokens_of, wilson_interval)
+from minitransformer.measure.quality import (BATTERY, agreement, battery,
+                                             default_repetition_penalty, encode, perplexity,
+                                             reference_tokens, tokens_of, wilson_interval)
 from quant.qmodel import SCHEMES, quantize_model, resident_bytes
 
 PREFIX = "The history of the English theatre begins"

@@ -33,11 +33,9 @@ STEP_SECONDS = 1.0          # the clock set before step i is i x this: a fixed s
 
 def solo(model, request):
     """What minitransformer.generate gives the request alone, same settings and seed."""
-    s = request.settings
     return mt.generate(model, list(request.prompt), request.max_new_tokens,
-                       do_sample=s.do_sample, temperature=s.temperature, top_k=s.top_k,
-                       top_p=s.top_p, repetition_penalty=s.repetition_penalty,
-                       seed=request.seed, eos_token_id=request.eos_token_id)
+                       sampling=request.sampling, seed=request.seed,
+                       eos_token_id=request.eos_token_id)
 
 
 def random_case(rng, vocab_size, max_positions):
@@ -117,7 +115,7 @@ def run_case(model, seed, batch_invariant=True) -> dict:
         else:                             # finished: all its tokens; cancelled: those so far
             solo_so_far = tokens if result.status == "finished" else tokens[:len(result.tokens)]
             assert_like_solo(model, result.tokens, solo_so_far, request.prompt,
-                             request.settings, request.seed, batch_invariant)
+                             request.sampling, request.seed, batch_invariant)
         if result.tokens:
             assert request.arrival <= result.first_token <= result.finished, where
     if any(r.status == "finished" and r.tokens for r in engine.results):

@@ -12,6 +12,7 @@ import pytest
 
 import minitransformer as mt
 from minitransformer.chat import encode_chat
+from minitransformer.sampling import SamplingSettings
 
 ROOT = Path(__file__).resolve().parents[1]
 # A story model has no chat template; this one makes a conversation one running story.
@@ -65,7 +66,8 @@ def test_generate_and_chat_on_a_tiny_model(tiny_chat_model):
                "--do-sample", "--temperature", "0.9", "--seed", "3")
     assert done.returncode == 0, done.stderr
     ids = model.tokenizer.encode(prompt)
-    tokens = mt.generate(model, ids, 20, do_sample=True, temperature=0.9, seed=3)
+    tokens = mt.generate(model, ids, 20, sampling=SamplingSettings(do_sample=True, temperature=0.9),
+                         seed=3)
     text = model.tokenizer.decode(ids + tokens)[len(model.tokenizer.decode(ids)):]
     assert done.stdout == prompt + text + "\n"
     done = cli("chat", "--model", model.path, "--max-new-tokens", "8", stdin=f"{prompt}\n")

@@ -17,7 +17,7 @@ from minitransformer.sampling import SamplingSettings
 def assert_solo(model, results, batch_invariant=False):
     """Each result's tokens against its request's solo tokens, by the exactness policy."""
     for result in results:
-        r, s = result.request, result.request.settings
+        r, s = result.request, result.request.sampling
         assert_like_solo(model, result.tokens, solo(model, r), r.prompt, s, r.seed,
                          batch_invariant)
 
@@ -93,7 +93,7 @@ def test_shared_prefix_holds_the_expected_fewer_blocks(tiny_model):
 def test_pool_exhaustion_preempts_and_resumes_without_losing_anything(tiny_model):
     rng = np.random.default_rng(1)
     requests = [Request(tuple(rng.integers(0, 96, 6).tolist()), 26, eos_token_id=[],
-                        settings=SamplingSettings(do_sample=True), seed=i) for i in range(4)]
+                        sampling=SamplingSettings(do_sample=True), seed=i) for i in range(4)]
     engine = Engine(tiny_model, slots=4, num_blocks=12, block_size=4)  # 4 x 8 blocks wanted
     run = engine.run(requests)
     assert run.preemptions > 0
@@ -238,8 +238,8 @@ def test_bad_settings_and_requests_are_refused(tiny_model):
 
 
 BAD_REQUESTS = [  # issue 12: each a ValueError naming the field, at submission
-    (dict(settings=None), "settings"),
-    (dict(settings={"do_sample": True}), "settings"),
+    (dict(sampling=None), "sampling"),
+    (dict(sampling={"do_sample": True}), "sampling"),
     (dict(arrival="1"), "arrival"),
     (dict(arrival=math.nan), "arrival"),
     (dict(arrival=math.inf), "arrival"),

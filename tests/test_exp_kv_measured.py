@@ -147,7 +147,7 @@ def test_exp07_table(checkpoint_dir, capsys):
 def test_exp02_and_exp04_without_model_use_the_default_model(checkpoint_dir, monkeypatch,
                                                               capsys):
     # --model defaults to the name 'default', which must be resolved, not read as a path
-    monkeypatch.setattr("_common.default_model", lambda: checkpoint_dir("llama-gqa"))
+    monkeypatch.setattr("minitransformer.synth.default_model", lambda: checkpoint_dir("llama-gqa"))
     assert exp02.main(["--lengths", "16", "--repeat", "1", "--warmup", "0"]) == 0
     assert "(d = 8)" in capsys.readouterr().out
     assert exp04.main(["--prompt-tokens", "4", "--new-tokens", "3"]) == 0

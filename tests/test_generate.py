@@ -3,6 +3,7 @@ import numpy as np
 import pytest
 
 import minitransformer as mt
+from minitransformer.sampling import SamplingSettings
 
 # ../shared/models/stories260K/README.md: transformers and llama2.c's run.c agree on these ids
 # for the greedy continuation of "<s> Once upon a time" (an outside reference, not our output).
@@ -26,8 +27,8 @@ def test_cache_and_recompute_give_identical_greedy_tokens(tiny_model, length, n_
 
 def test_cache_and_recompute_identical_when_sampling(tiny_model):
     ids = [1, 2, 3]
-    kw = dict(do_sample=True, temperature=0.8, top_k=20, top_p=0.9, repetition_penalty=1.3,
-              seed=7, eos_token_id=[])
+    kw = dict(sampling=SamplingSettings(do_sample=True, temperature=0.8, top_k=20, top_p=0.9,
+                                        repetition_penalty=1.3), seed=7, eos_token_id=[])
     assert mt.generate(tiny_model, ids, 25, cache=True, **kw) == \
         mt.generate(tiny_model, ids, 25, cache=False, **kw)
 
@@ -48,7 +49,7 @@ def test_real_checkpoint_cache_identical_on_many_prompts(stories, prompt):
 
 
 def test_seeded_sampling_is_reproducible_and_seed_dependent(tiny_model):
-    kw = dict(do_sample=True, temperature=1.5, eos_token_id=[])
+    kw = dict(sampling=SamplingSettings(do_sample=True, temperature=1.5), eos_token_id=[])
     a = mt.generate(tiny_model, [1, 2], 30, seed=1, **kw)
     assert a == mt.generate(tiny_model, [1, 2], 30, seed=1, **kw)
     assert a != mt.generate(tiny_model, [1, 2], 30, seed=2, **kw)
@@ -79,13 +80,8 @@ def test_max_new_tokens_zero_gives_nothing(tiny_model):
     (dict(max_new_tokens=-1), "max_new_tokens"),
     (dict(max_new_tokens=2.5), "max_new_tokens"),
     (dict(ids=[1] * 250, max_new_tokens=10), "positions"),
-    (dict(temperature=-0.1), "temperature"),
-    (dict(top_p=0.0), "top_p"),
-    (dict(top_p=1.5), "top_p"),
-    (dict(top_k=-2), "top_k"),
-    (dict(repetition_penalty=0.0), "repetition_penalty"),
-    (dict(repetition_penalty=float("inf")), "repetition_penalty"),
-    (dict(temperature=float("inf")), "temperature"),
+    (dict(sampling=None), "SamplingSettings"),
+    (dict(sampling={"temperature": 0.5}), "SamplingSettings"),
     (dict(seed="x"), "seed"),
     (dict(seed=-1), "seed"),
     (dict(eos_token_id="a"), "eos_token_id"),
@@ -94,7 +90,7 @@ def test_bad_settings_are_clear_errors(checkpoint_dir, kwargs, message):
     model = mt.load(checkpoint_dir("qwen2-gqa-tied-bf16"))  # 256 positions, vocab 96
     args = dict(ids=[1, 2], max_new_tokens=3) | kwargs
     with pytest.raises(ValueError, match=message):
-        mt.generate(model, args.pop("ids"), args.pop("max_new_tokens"), do_sample=True, **args)
+        mt.generate(model, args.pop("ids"), args.pop("max_new_tokens"), **args)
 
 
 def test_logits_rejects_bad_ids(checkpoint_dir):
@@ -123,9 +119,10 @@ def test_numpy_scalars_are_accepted_as_lengths_settings_and_slots(checkpoint_dir
     from minitransformer.serve.engine import Engine, Request
     model = mt.load(checkpoint_dir("qwen2-gqa-tied-bf16"))
     ids = [3, 1, 4]
-    kw = dict(do_sample=True, top_k=5, seed=np.int64(3), eos_token_id=[])
-    expected = mt.generate(model, ids, 5, temperature=0.75, **kw)
-    assert mt.generate(model, np.array(ids), np.int32(5), temperature=np.float32(0.75),
+    kw = dict(seed=np.int64(3), eos_token_id=[])
+    expected = mt.generate(model, ids, 5, sampling=SamplingSettings(True, 0.75, 5), **kw)
+    assert mt.generate(model, np.array(ids), np.int32(5),
+                       sampling=SamplingSettings(np.bool_(True), np.float32(0.75), np.int64(5)),
                        **kw) == expected
     engine = Engine(model, slots=np.int64(2), num_blocks=np.int32(8), block_size=np.int16(4))
     run = engine.run([Request(tuple(ids), max_new_tokens=np.int64(5), eos_token_id=[])])

@@ -82,8 +82,9 @@ def test_logits_match_hf_live(pair):
 def test_greedy_generate_matches_hf(pair, penalty):
     ours, hf, ids = pair
     expected = hf_greedy(hf, ids, 12, penalty)
-    assert mt.generate(ours, ids, 12, repetition_penalty=penalty) == expected
-    assert mt.generate(ours, ids, 12, cache=False, repetition_penalty=penalty) == expected
+    settings = SamplingSettings(repetition_penalty=penalty)
+    assert mt.generate(ours, ids, 12, sampling=settings) == expected
+    assert mt.generate(ours, ids, 12, cache=False, sampling=settings) == expected
 
 
 SETTINGS = [  # (temperature, top_k, top_p, repetition_penalty)

@@ -24,7 +24,7 @@ def test_concurrent_clients_get_their_solo_tokens(model, policy):
     V = model.config.vocab_size
     requests = [Request(tuple(rng.integers(0, V, rng.integers(1, 12)).tolist()),
                         int(rng.integers(1, 20)),
-                        settings=SamplingSettings(do_sample=bool(i % 2), temperature=0.8,
+                        sampling=SamplingSettings(do_sample=bool(i % 2), temperature=0.8,
                                                   top_p=0.9),
                         seed=i, eos_token_id=[] if i % 3 else None) for i in range(12)]
     online = OnlineEngine(Engine(model, slots=3, num_blocks=20, block_size=4, policy=policy,

@@ -28,15 +28,15 @@ def job(model, kind="completion", **body):
 def test_defaults_and_meanings(model):
     j = job(model, prompt="The cat")
     assert j.request.prompt == tuple(model.tokenizer.encode("The cat"))
-    assert j.request.max_new_tokens == 16 and j.request.settings.temperature == 1.0
+    assert j.request.max_new_tokens == 16 and j.request.sampling.temperature == 1.0
     assert not j.stream and not j.include_usage and j.stop == ()
-    assert job(model, prompt="The cat", temperature=0).request.settings.greedy
+    assert job(model, prompt="The cat", temperature=0).request.sampling.greedy
     chat = job(model, "chat", messages=[{"role": "user", "content": "The cat"}])
     assert chat.request.max_new_tokens == POOL - len(chat.request.prompt)   # what fits
     j = job(model, prompt=[5, 6], stop="x", stream=True, stream_options={"include_usage": True},
             top_k=-1, ignore_eos=True, seed=3, logprobs=None, n=1, presence_penalty=0)
     assert j.request.prompt == (5, 6) and j.stop == ("x",) and j.include_usage
-    assert j.request.settings.top_k == 0 and j.request.eos_token_id == [] and not j.eos
+    assert j.request.sampling.top_k == 0 and j.request.eos_token_id == [] and not j.eos
     assert j.request.seed == 3
 
 

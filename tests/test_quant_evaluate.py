@@ -11,7 +11,8 @@ from minitransformer.backend import to_device, to_numpy
 from minitransformer.synth import make_checkpoint, qwen2_config, train_tokenizer
 from minitransformer.measure import text as data
 from minitransformer.measure.quality import (BATTERY, agreement, answered, battery, perplexity,
-                            reference_tokens, tokens_of)
+                                             reference_tokens, tokens_of)
+from minitransformer.sampling import SamplingSettings
 from quant.qmodel import projection_names, quantize_model
 
 TEXT = ("The keeper of the lighthouse counted the boats every evening. " * 40).strip()
@@ -82,7 +83,7 @@ def test_answers_are_whole_words_case_insensitive():
 def test_battery_counts_the_answers_it_finds(model):
     prompt = BATTERY[0][0]
     said = model.tokenizer.decode(mt.generate(model, model.tokenizer.encode(prompt), 8,
-                                              repetition_penalty=1.1))
+                                              sampling=SamplingSettings(repetition_penalty=1.1)))
     word = next(w for w in said.split() if w.isalnum())       # whatever the model says...
     questions = [(prompt, [word]), (prompt, ["zzzz"])]
     result = battery(model, 1.1, 8, questions=questions, batch_invariant=True)

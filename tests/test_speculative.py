@@ -100,14 +100,15 @@ def test_greedy_equals_plain_greedy_on_a_real_model(stories, story_drafts, promp
 def test_greedy_with_repetition_penalty_and_eos(stories):
     ids = stories.tokenizer.encode("Once upon a time")
     draft = quantize_model(stories, "int4-row")
-    plain = mt.generate(stories, ids, 50, repetition_penalty=1.3, eos_token_id=[])
-    r = speculative_generate(stories, draft, ids, 50, gamma=4, repetition_penalty=1.3,
+    penalty = SamplingSettings(repetition_penalty=1.3)
+    plain = mt.generate(stories, ids, 50, sampling=penalty, eos_token_id=[])
+    r = speculative_generate(stories, draft, ids, 50, gamma=4, sampling=penalty,
                              eos_token_id=[])
     assert r.tokens == plain
     eos = plain[20]  # stop at this token's first appearance, as generate does
-    assert speculative_generate(stories, draft, ids, 50, gamma=4, repetition_penalty=1.3,
+    assert speculative_generate(stories, draft, ids, 50, gamma=4, sampling=penalty,
                                 eos_token_id=eos).tokens == \
-        mt.generate(stories, ids, 50, repetition_penalty=1.3, eos_token_id=eos)
+        mt.generate(stories, ids, 50, sampling=penalty, eos_token_id=eos)
 
 
 def test_greedy_on_the_default_model():
@@ -131,7 +132,7 @@ def test_bad_input_is_refused_clearly(checkpoint_dir):
     with pytest.raises(ValueError, match="token ids"):
         speculative_generate(model, model, [1, 10_000], 5)
     with pytest.raises(ValueError, match="temperature"):
-        speculative_generate(model, model, [1, 2], 5, do_sample=True, temperature=-1.0)
+        speculative_generate(model, model, [1, 2], 5, sampling={"temperature": 0.5})
     r = speculative_generate(model, model, [1, 2], 0)
     assert r.tokens == [] and r.target_passes == 0
     for n in (0, model.config.num_hidden_layers + 1, 1.5):
@@ -196,17 +197,18 @@ def goodness_of_fit(samples, joint) -> float:
     return float(chisquare(observed, expected * n / expected.sum()).pvalue)
 
 
-def sample_runs(target, draft, n_runs, k, gamma, prompt=(1, 2, 3), **settings):
+def sample_runs(target, draft, n_runs, k, gamma, sampling, prompt=(1, 2, 3)):
     prompt = list(prompt)
-    return [tuple(speculative_generate(target, draft, prompt, k, gamma=gamma, do_sample=True,
-                                       seed=seed, eos_token_id=[], **settings).tokens)
+    return [tuple(speculative_generate(target, draft, prompt, k, gamma=gamma, sampling=sampling,
+                                       seed=seed, eos_token_id=[]).tokens)
             for seed in range(n_runs)]
 
 
 N_RUNS = 1500  # seeded runs per test: a few seconds, and a wrong rule misses by miles
 SAMPLING_CASES = {  # name -> (tokens compared, gamma, sampling settings)
-    "bonus path": (2, 1, dict(temperature=0.1)),
-    "all knobs": (3, 3, dict(temperature=0.1, top_k=4, top_p=0.95, repetition_penalty=1.5)),
+    "bonus path": (2, 1, SamplingSettings(do_sample=True, temperature=0.1)),
+    "all knobs": (3, 3, SamplingSettings(do_sample=True, temperature=0.1, top_k=4, top_p=0.95,
+                                         repetition_penalty=1.5)),
 }
 
 
@@ -214,13 +216,13 @@ SAMPLING_CASES = {  # name -> (tokens compared, gamma, sampling settings)
 def test_sampling_keeps_the_targets_distribution(pair, case):
     k, gamma, settings = SAMPLING_CASES[case]
     target, draft = pair
-    joint = exact_joint(target, [1, 2, 3], k, SamplingSettings(do_sample=True, **settings))
-    samples = sample_runs(target, draft, N_RUNS, k, gamma, **settings)
+    joint = exact_joint(target, [1, 2, 3], k, settings)
+    samples = sample_runs(target, draft, N_RUNS, k, gamma, settings)
     # Fixed seeds: this p-value is one deterministic number, not a coin flip per run.
     assert goodness_of_fit(samples, joint) > 1e-3
     # ...and the draft really is different: its own distribution fails the same test.
-    draft_samples = [tuple(mt.generate(draft, [1, 2, 3], k, do_sample=True, seed=s,
-                                       eos_token_id=[], **settings)) for s in range(N_RUNS)]
+    draft_samples = [tuple(mt.generate(draft, [1, 2, 3], k, sampling=settings, seed=s,
+                                       eos_token_id=[])) for s in range(N_RUNS)]
     assert goodness_of_fit(draft_samples, joint) < 1e-6
 
 
@@ -229,8 +231,8 @@ def test_sampling_with_prompt_lookup_keeps_the_targets_distribution(pair):
     k, gamma, settings = SAMPLING_CASES["all knobs"]
     target, _ = pair
     prompt = [1, 2, 3, 1, 2, 1]  # repeats: the lookup always has something to propose
-    joint = exact_joint(target, prompt, k, SamplingSettings(do_sample=True, **settings))
-    samples = sample_runs(target, PromptLookup(), N_RUNS, k, gamma, prompt, **settings)
+    joint = exact_joint(target, prompt, k, settings)
+    samples = sample_runs(target, PromptLookup(), N_RUNS, k, gamma, settings, prompt)
     assert goodness_of_fit(samples, joint) > 1e-3
 
 
@@ -249,9 +251,9 @@ def resample_from_p(p, q, x, rng):
 def test_a_wrong_rule_fails_the_same_test(pair, monkeypatch, wrong_rule):
     k, gamma, settings = SAMPLING_CASES["bonus path"]
     target, draft = pair
-    joint = exact_joint(target, [1, 2, 3], k, SamplingSettings(do_sample=True, **settings))
+    joint = exact_joint(target, [1, 2, 3], k, settings)
     monkeypatch.setattr(speculative, "leviathan_step", wrong_rule)
-    samples = sample_runs(target, draft, N_RUNS, k, gamma, **settings)
+    samples = sample_runs(target, draft, N_RUNS, k, gamma, settings)
     assert goodness_of_fit(samples, joint) < 1e-6
 
 

@@ -161,10 +161,10 @@ def battery(model, repetition_penalty: float, max_new_tokens: int = 8,
 
     if not questions:
         raise ValueError("no questions to ask: 0 correct of 0 would say nothing")
-    settings = SamplingSettings(repetition_penalty=repetition_penalty)
+    sampling = SamplingSettings(repetition_penalty=repetition_penalty)
     requests = [Request(tuple((model.tokenizer.chat_prompt(
         [{"role": "user", "content": CHAT_INSTRUCTION.format(prompt=prompt)}])
-        if chat else encode(model, prompt))), max_new_tokens, settings=settings)
+        if chat else encode(model, prompt))), max_new_tokens, sampling=sampling)
         for prompt, _ in questions]
     slots, block_size = len(requests), 16
     engine = Engine(model, slots=slots, block_size=block_size, batch_invariant=batch_invariant,

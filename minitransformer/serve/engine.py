@@ -61,7 +61,7 @@ from minitransformer.checks import is_integer, is_real
 from minitransformer.generate import check_prompt, eos_ids, last_logits, seeded_rng
 from minitransformer.model import forward
 from minitransformer.serve.paged import PagedCache, blocks_for
-from minitransformer.sampling import SamplingSettings, next_token
+from minitransformer.sampling import check_sampling, next_token
 from minitransformer.serve.records import Request, Result, Run, metrics  # noqa: F401 (the API)
 
 POLICIES = ("static", "continuous")
@@ -309,8 +309,7 @@ class Engine:
         if not isinstance(request, Request):
             raise ValueError(f"expected a minitransformer.serve.records.Request, got "
                              f"{type(request).__name__}")
-        if not isinstance(request.settings, SamplingSettings):
-            raise ValueError(f"settings must be a SamplingSettings, got {request.settings!r}")
+        check_sampling(request.sampling)
         t = request.arrival
         if not is_real(t) or not 0 <= t < math.inf:
             raise ValueError(f"arrival must be a finite number of seconds >= 0, got {t!r}")
@@ -332,7 +331,7 @@ class Engine:
         return result.id
 
     def _sample(self, live, logits) -> None:
-        token = next_token(logits, live.tokens, live.result.request.settings, live.rng)
+        token = next_token(logits, live.tokens, live.result.request.sampling, live.rng)
         live.tokens.append(token)
         live.result.tokens.append(token)
 

@@ -91,14 +91,14 @@ def parse(body, kind: str, model, name: str, pool_tokens: int) -> Job:
         raise APIError(f"{len(prompt)} prompt tokens + {field}={max_tokens} exceed what fits: "
                        f"{positions} model positions, a KV pool of {pool_tokens} tokens",
                        field)
-    settings = SamplingSettings(
+    sampling = SamplingSettings(
         do_sample=True, temperature=number(body, "temperature", 1.0, 0, 2),
         top_p=number(body, "top_p", 1.0, 0, 1, low_open=True),
         top_k=max(0, number(body, "top_k", 0, -1, math.inf, True)),       # vLLM: -1 is off
         repetition_penalty=number(body, "repetition_penalty", 1.0, 0, math.inf, low_open=True))
     seed = number(body, "seed", None, 0, 2**63 - 1, True)
     ignore_eos = body.get("ignore_eos", False) is True                   # vLLM's extra
-    request = Request(tuple(prompt), max_tokens, settings=settings, seed=seed,
+    request = Request(tuple(prompt), max_tokens, sampling=sampling, seed=seed,
                       eos_token_id=[] if ignore_eos else None)
     stream = flag(body, "stream")
     options = body.get("stream_options")

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from minitransformer.sampling import SamplingSettings
+from minitransformer.sampling import GREEDY, SamplingSettings
 
 STATUSES = ("waiting", "running", "finished", "cancelled", "rejected")
 
@@ -40,7 +40,7 @@ class Request:
     prompt: tuple                   # token ids
     max_new_tokens: int
     arrival: float = 0.0            # seconds on the serving clock
-    settings: SamplingSettings = SamplingSettings()
+    sampling: SamplingSettings = GREEDY
     seed: int = None                # of the request's own numpy Generator
     eos_token_id: object = None     # as generate: None = the model's ids, [] = never stop
 
