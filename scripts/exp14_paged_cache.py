@@ -43,7 +43,7 @@ def serve(model, requests, slots, block_size, share=True, progress=None):
     """-> the PagedStats of every step (continuous batching, a pool no request waits on).
     progress: a Progress over the requests, told as they finish."""
     engine = Engine(model, slots=slots, num_blocks=pool_for(requests, slots, block_size),
-                    block_size=block_size, share_prefixes=share)
+                    block_size=block_size, prefix_caching=share)
 
     def report(e):
         finished = sum(r.status == "finished" for r in e.results)

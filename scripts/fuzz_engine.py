@@ -1,15 +1,19 @@
 """Fuzz the serving engine: many random workloads, every invariant checked after every step.
 
 The cases are tests/engine_fuzz.py's (the CI test runs a few of them): random slots, block
-sizes, pools from tight (waiting, preemption) to roomy, shared prompt prefixes, greedy and
-seeded sampling, eos on or off, cancels at random steps, both policies. Checked after every
-step: tokens so far equal to ``generate`` alone (== in batch-invariant mode; --fast checks the
-default mode by the near-tie policy at the end), refcounts equal to the block tables holding
-each block, the free list; at the end: zero blocks held and every request returned.
+sizes, pools from tight (waiting, preemption, eviction) to roomy, shared and repeated prompts,
+greedy and seeded sampling, eos on or off, cancels at random steps, both policies, prefix
+caching on or off, chunked prefill on or off. Checked after every step: the paged cache's books
+(refcounts equal to the block tables holding each block, the free list and the kept blocks
+exactly the unheld ones, names consistent); tokens so far equal to ``generate`` alone for a
+request the exactness policy calls exact (batch-invariant mode, prompt prefilled whole, nothing
+cached; --fast checks the default mode); every other request by the near-tie policy at the
+end; at the end: zero blocks held and every request returned.
 
 Runs on the tiny random models of tests/conftest.py (made in a temporary directory), or on
 --model PATH. Prints one line per model (cases, requests, steps, preemptions, cancels,
-rejections, requests that shared a prefix, failures); a failing case prints its seed and what
+rejections, requests that found a cached prefix, blocks evicted from the prefix cache, cases
+with chunked prefill, failures); a failing case prints its seed and what
 broke, and the exit status is 1. Reproduce one with --first SEED --cases 1.
 """
 import argparse
@@ -28,7 +32,8 @@ from engine_fuzz import run_case  # noqa: E402
 
 from minitransformer.synth import make_checkpoint  # noqa: E402
 
-COLUMNS = ("requests", "steps", "preemptions", "cancelled", "rejected", "shared")
+COLUMNS = ("requests", "steps", "preemptions", "cancelled", "rejected", "cached", "evicted",
+           "chunked")
 
 
 def fuzz(label, model, seeds, batch_invariant) -> tuple:
@@ -79,7 +84,8 @@ def main(argv=None):
         for label, model in models:
             rows.append((label, *fuzz(label, model, seeds, not args.fast)))
 
-    mode = "fast batching, near ties allowed" if args.fast else "batch-invariant, tokens =="
+    mode = "fast batching, near ties allowed" if args.fast else \
+        "batch-invariant, tokens == where exact"
     print(f"Engine fuzz: {args.cases} random workloads per model (seeds {seeds.start}.."
           f"{seeds.stop - 1}; {mode}), every invariant checked after every step")
     print()

@@ -2,19 +2,23 @@
 
 Shared by tests/test_engine_fuzz.py (a fixed seed, a few cases, in CI) and
 scripts/fuzz_engine.py (as many cases as asked). A case draws slots, a block size, a pool
-from tight (waiting and preemption) to roomy, requests with shared prompt prefixes, greedy or
-seeded sampling, eos on or off, zero-token and too-long requests, and cancels at random steps
-under either policy. The engine's clock is set to the step count before each step (as an
-online loop may set it to wall time) and arrivals are whole steps: admission then depends on
-whole seconds only, so a case runs the same schedule every time (while a step takes < 1 s).
+from tight (waiting, preemption, eviction from the prefix cache) to roomy, requests with shared
+prompt prefixes and repeated prompts, greedy or seeded sampling, eos on or off, zero-token and
+too-long requests, cancels at random steps, prefix caching on or off and chunked prefill on
+(a small token budget) or off, under either policy. The engine's clock is set to the step
+count before each step (as an online loop may set it to wall time) and arrivals are whole
+steps: admission then depends on whole seconds only, so a case runs the same schedule every
+time (while a step takes < 1 s).
 
-Invariants after every step: every block's refcount equals the block tables holding it, and
-the free list holds exactly the unheld blocks; a running or padding row holds its blocks, a
-waiting request none; in batch-invariant mode, each request's tokens so far are a prefix of what
-``generate`` gives it alone (==). At the end: every request over and returned, zero blocks
-held, an empty prefix index, and each request's tokens against its solo tokens by the
-exactness policy of tests/conftest.py (== in batch-invariant mode; in the default fast mode a
-token may differ only where the solo run was at a near tie).
+Invariants after every step: the paged cache's books (``PagedCache.check``: refcounts equal
+the block tables holding each block, the free list and the prefix cache's kept blocks are
+exactly the unheld ones, names consistent); a running or padding row holds its blocks, a
+waiting request none; with caching off, no block named. A request the policy calls exact
+(batch-invariant mode, its prompt prefilled whole, nothing of it cached) has tokens so far
+that are a prefix of what ``generate`` gives it alone (==). At the end: every request over and
+returned, zero blocks held, and each request's tokens against its solo tokens by the exactness
+policy of tests/conftest.py (== where exact; elsewhere a token may differ only where the solo
+run was at a near tie).
 """
 import math
 
@@ -47,6 +51,8 @@ def random_case(rng, vocab_size, max_positions):
         own = rng.integers(0, vocab_size, int(rng.integers(1, 12))).tolist()
         shared = len(stem) if rng.random() < 0.5 else int(rng.integers(0, len(stem) + 1))
         prompt = (stem[:shared] + own)[:longest]
+        if requests and rng.random() < 0.2:     # an earlier prompt again: cached in full
+            prompt = list(requests[int(rng.integers(len(requests)))].prompt)
         new = int(rng.integers(0, min(24, max_positions - len(prompt)) + 1))
         settings = SamplingSettings(
             do_sample=bool(rng.random() < 0.5), temperature=float(rng.choice([0.7, 1.0])),
@@ -57,27 +63,33 @@ def random_case(rng, vocab_size, max_positions):
                                 seed=int(rng.integers(2**31)),
                                 eos_token_id=None if rng.random() < 0.3 else []))
     biggest = max(blocks_for(len(r.prompt) + r.max_new_tokens, bs) for r in requests)
-    kwargs = dict(slots=int(rng.integers(1, 5)), block_size=bs,
+    slots = int(rng.integers(1, 5))
+    kwargs = dict(slots=slots, block_size=bs,
                   num_blocks=int(rng.integers(max(1, biggest // 2), 2 * biggest + 2)),
                   policy=str(rng.choice(["static", "continuous"])),
-                  share_prefixes=bool(rng.random() < 0.75))
+                  prefix_caching=bool(rng.random() < 0.75),
+                  max_num_batched_tokens=None if rng.random() < 0.5 else
+                  slots + int(rng.integers(1, 9)))
     cancels = {int(rng.integers(0, 30)): int(rng.integers(0, len(requests)))
                for _ in range(int(rng.integers(0, 3)))}
     return kwargs, requests, cancels
 
 
+def exact(engine, result) -> bool:
+    """Does the policy promise this request generate's very bits? Batch-invariant mode, and
+    its prompt prefilled whole (no chunk) with nothing cached."""
+    return engine.batch_invariant and not result.cached_tokens and result.prefill_chunks <= 1
+
+
 def check_pool(engine) -> None:
-    """Refcounts equal holders; the free list is exactly the unheld blocks; rows hold blocks."""
+    """The cache's books; exactly the running rows and padding rows hold blocks."""
     cache = engine.cache
-    holders = np.zeros(cache.num_blocks, dtype=np.int64)
-    for seq in cache.seqs.values():
-        np.add.at(holders, seq.blocks, 1)
-    assert (cache.refcount == holders).all(), "a refcount differs from its block tables"
-    assert sorted(cache.free) == np.flatnonzero(holders == 0).tolist(), "free list"
-    rows = {live.result.id for live in engine.running() + engine.padding}
-    assert rows == set(cache.seqs), "the cache holds exactly the running and padding rows"
+    cache.check()
+    members = [live for live in engine.slots if live is not None]
+    assert all(live.result.id in cache.seqs for live in engine.running()), "a row lost blocks"
+    assert set(cache.seqs) <= {live.result.id for live in members}, "blocks of nobody's row"
     assert not any(live.result.id in cache.seqs for live in engine.waiting)
-    assert all(block in cache.prefix_of for block in cache.prefix.values())
+    assert engine.prefix_caching or not cache.index.name_of, "named blocks with caching off"
 
 
 def run_case(model, seed, batch_invariant=True) -> dict:
@@ -99,12 +111,11 @@ def run_case(model, seed, batch_invariant=True) -> dict:
         engine.step()
         check_pool(engine)
         for result, tokens in zip(engine.results, expected):
-            assert not batch_invariant or result.tokens == tokens[:len(result.tokens)], \
+            assert not exact(engine, result) or result.tokens == tokens[:len(result.tokens)], \
                 f"case {seed}, request {result.id}: a token differs from generate alone"
     check_pool(engine)
     cache = engine.cache
-    assert cache.num_free == cache.num_blocks and not cache.seqs and not cache.prefix
-    assert not engine.padding and not engine.held_back
+    assert cache.num_free == cache.num_blocks and not cache.seqs and not any(engine.slots)
     for result, request, tokens in zip(engine.results, requests, expected):
         where = f"case {seed}, request {result.id}"
         assert result.status in ("finished", "cancelled", "rejected"), where
@@ -115,7 +126,7 @@ def run_case(model, seed, batch_invariant=True) -> dict:
         else:                             # finished: all its tokens; cancelled: those so far
             solo_so_far = tokens if result.status == "finished" else tokens[:len(result.tokens)]
             assert_like_solo(model, result.tokens, solo_so_far, request.prompt,
-                             request.sampling, request.seed, batch_invariant)
+                             request.sampling, request.seed, exact(engine, result))
         if result.tokens:
             assert request.arrival <= result.first_token <= result.finished, where
     if any(r.status == "finished" and r.tokens for r in engine.results):
@@ -125,5 +136,6 @@ def run_case(model, seed, batch_invariant=True) -> dict:
                 preemptions=sum(r.preemptions for r in engine.results),
                 cancelled=sum(r.status == "cancelled" for r in engine.results),
                 rejected=sum(r.status == "rejected" for r in engine.results),
-                shared=sum(r.shared_tokens > 0 for r in engine.results),
-                static=kwargs["policy"] == "static")
+                cached=sum(r.cached_tokens > 0 for r in engine.results),
+                evicted=engine.cache.index.evicted,
+                chunked=kwargs["max_num_batched_tokens"] is not None, caching=kwargs["prefix_caching"], static=kwargs["policy"] == "static")

@@ -9,7 +9,7 @@ import pytest
 import minitransformer as mt
 from engine_fuzz import run_case
 
-CASES = 6
+CASES = 8
 
 
 @pytest.mark.parametrize("name, batch_invariant", [("qwen2-gqa-tied-bf16", True),
@@ -21,7 +21,9 @@ def test_random_workloads_keep_every_invariant(checkpoint_dir, name, batch_invar
     # generator cannot quietly fuzz less)
     assert any(s["preemptions"] for s in seen) and any(s["cancelled"] for s in seen)
     assert any(s["static"] for s in seen) and any(not s["static"] for s in seen)
-    assert any(s["shared"] for s in seen)
+    assert any(s["cached"] for s in seen) and any(s["evicted"] for s in seen)
+    assert any(s["chunked"] for s in seen) and any(not s["chunked"] for s in seen)
+    assert any(not s["caching"] for s in seen)
 
 
 def test_the_fuzz_script_runs_and_reports(capsys):

@@ -1,4 +1,5 @@
-"""The paged cache: block tables, reference counts, prefix sharing, copy on write, swapping."""
+"""The paged cache: block tables, reference counts, the prefix cache (naming, keeping, LRU
+eviction), copy on write, swapping."""
 import numpy as np
 import pytest
 
@@ -8,10 +9,11 @@ from minitransformer.model import forward
 from minitransformer.serve.paged import PagedCache, PoolExhausted, blocks_for
 
 
-def prefill(model, cache, seq_id, prompt):
+def prefill(model, cache, seq_id, prompt, seal=True):
     held = cache.add(seq_id, prompt)
     forward(model, np.array([prompt[held:]]), cache.view([seq_id]))
-    cache.register_prefix(seq_id, prompt)
+    if seal:
+        cache.seal(seq_id, prompt)
     return held
 
 
@@ -23,14 +25,10 @@ def keys(cache, seq_id, layer=0):
 
 
 def check_invariants(cache):
-    """refcount = how many tables hold a block; free = exactly the unheld blocks, once."""
-    held = np.zeros(cache.num_blocks, dtype=np.int64)
+    """The cache's own books (PagedCache.check), and no block held beyond a sequence's need."""
+    cache.check()
     for seq in cache.seqs.values():
-        np.add.at(held, seq.blocks, 1)
         assert len(seq.blocks) == cache.blocks_for(seq.length) or seq.length == 0
-    assert held.tolist() == cache.refcount.tolist()
-    assert sorted(cache.free) == np.flatnonzero(held == 0).tolist()
-    assert set(cache.prefix.values()) <= set(np.flatnonzero(held > 0).tolist())
 
 
 @pytest.mark.parametrize("block_size", [1, 3, 16])
@@ -54,7 +52,10 @@ def test_every_block_returns_to_the_pool(tiny_model):
     check_invariants(cache)
     for i in range(4):
         cache.free_seq(i)
-    assert cache.num_free == 20 and not cache.refcount.any() and not cache.prefix
+    assert cache.num_free == 20 and not cache.refcount.any()
+    # kept: the full blocks, [0..3] (computed once, held by three) and 13 tokens' next two
+    assert list(cache.index.unheld) == list(cache.index.name_of) == [1, 3, 4]
+    check_invariants(cache)
 
 
 @pytest.mark.parametrize("common", [0, 3, 4, 9, 12])
@@ -65,9 +66,7 @@ def test_shared_prefix_holds_fewer_blocks_by_the_expected_count(tiny_model, comm
     held = {}
     for share in (True, False):
         cache = PagedCache.allocate(tiny_model.config, 30, bs)
-        prefill(tiny_model, cache, "a", a)
-        if not share:
-            cache.prefix.clear(), cache.prefix_of.clear()
+        prefill(tiny_model, cache, "a", a, seal=share)
         got = prefill(tiny_model, cache, "b", b)
         assert got == (common // bs * bs if share else 0)
         held[share] = cache.stats().blocks_held
@@ -137,17 +136,71 @@ def test_swap_out_and_in_is_bit_exact(tiny_model):
         cache.swap_in("c", swapped)                        # 3 blocks needed, 0 free
 
 
-def test_trim_frees_blocks_and_unindexes_a_block_it_will_rewrite(tiny_model):
+def test_trim_frees_blocks_and_a_named_block_it_keeps_is_copied_before_a_write(tiny_model):
     cache = PagedCache.allocate(tiny_model.config, 8, 4)
-    prefill(tiny_model, cache, "a", list(range(1, 11)))   # blocks of 4, 4, 2; two indexed
-    assert len(cache.prefix) == 2
+    prompt = list(range(1, 11))
+    prefill(tiny_model, cache, "a", prompt)                # blocks of 4, 4, 2; two named
+    assert len(cache.index.name_of) == 2
     cache.trim("a", 5)                                     # 5 tokens left: 2 blocks
     assert len(cache.seqs["a"].blocks) == 2 and cache.num_free == 6
-    assert len(cache.prefix) == 1                          # block 2 will be rewritten
-    assert cache.shared_prefix(list(range(1, 11))) == cache.seqs["a"].blocks[:1]
+    assert len(cache.seqs["a"].names) == 1                 # block 1 is no longer all a's
+    named = cache.seqs["a"].blocks[1]
+    before = to_numpy(cache.k[0][named]).copy()
+    assert cache.blocks_needed("a", 1) == 1                # a copy before writing slot 5
+    cache.make_room(["a"], 1)
+    forward(tiny_model, np.array([[77]]), cache.view(["a"]))
+    assert cache.seqs["a"].blocks[1] != named and np.array_equal(to_numpy(cache.k[0][named]),
+                                                                 before)
+    assert cache.index.find(cache.cached_prefix(prompt)[0]) == [0, named]   # still whole
     check_invariants(cache)
-    with pytest.raises(ValueError, match="cannot trim 6"):
-        cache.trim("a", 6)
+    with pytest.raises(ValueError, match="cannot trim 7"):
+        cache.trim("a", 7)
+
+
+def test_kept_blocks_are_found_again_and_evicted_least_recently_released_first(tiny_model):
+    cache = PagedCache.allocate(tiny_model.config, 6, 2)
+    for i, first in enumerate((10, 20, 30)):               # 3 prompts of one full block + 1
+        prefill(tiny_model, cache, i, [first, first + 1, first + 2])
+    saved = to_numpy(cache.k[0][cache.seqs[1].blocks[0]]).copy()
+    for i in (1, 0, 2):                                    # released in this order
+        cache.free_seq(i)
+    assert list(cache.index.unheld) == [2, 0, 4] and cache.num_free == 6
+    assert prefill(tiny_model, cache, "again", [20, 21, 90]) == 2    # 1's block, revived
+    assert cache.seqs["again"].blocks[0] == 2 and 2 not in cache.index.unheld
+    assert np.array_equal(to_numpy(cache.k[0][2]), saved)  # the very keys, not recomputed
+    assert cache.index.evicted == 0                        # the free list is used first
+    prefill(tiny_model, cache, "big", list(range(40, 47)))  # 4 blocks: 2 free + 2 evicted
+    assert cache.index.evicted == 2 and list(cache.index.unheld) == []
+    assert cache.cached_prefix([10, 11, 12])[1] == []      # the oldest kept ones went
+    check_invariants(cache)
+
+
+def test_add_counts_the_kept_blocks_it_revives_and_overcommits_nothing(tiny_model):
+    cache = PagedCache.allocate(tiny_model.config, 4, 2)
+    prefill(tiny_model, cache, "a", [1, 2, 3, 4, 5, 6, 7, 8])   # 4 full blocks, all named
+    cache.free_seq("a")
+    assert cache.num_free == 4 and len(cache.index.unheld) == 4
+    # 3 cached blocks held again + 1 copy of the third (written at the last token) = 4; the
+    # copy evicts [7, 8], and the third goes back to the kept ones: 1 free after all
+    assert cache.add_cost([1, 2, 3, 4, 5, 6]) == 4
+    assert cache.add("b", [1, 2, 3, 4, 5, 6]) == 5 and cache.num_free == 1
+    assert cache.index.evicted == 1 and cache.cached_prefix([7, 8, 9])[1] == []
+    with pytest.raises(PoolExhausted, match="needs 2 blocks, 1 free"):
+        cache.add("c", [7, 8, 9])
+    check_invariants(cache)
+
+
+def test_check_names_a_broken_rule(tiny_model):
+    cache = PagedCache.allocate(tiny_model.config, 6, 2)
+    prefill(tiny_model, cache, "a", [1, 2, 3])
+    cache.check()
+    cache.refcount[0] += 1
+    with pytest.raises(RuntimeError, match="refcount differs"):
+        cache.check()
+    cache.refcount[0] -= 1
+    cache.free.append(cache.seqs["a"].blocks[0])
+    with pytest.raises(RuntimeError, match="not exactly the unheld blocks"):
+        cache.check()
 
 
 def test_waste_is_under_one_block_per_sequence_and_reservation_is_the_max(tiny_model):
@@ -178,7 +231,7 @@ def test_random_operations_keep_the_books(tiny_model):
             try:
                 cache.add(step, prompt)
                 cache.seqs[step].length = len(prompt)      # as if prefilled
-                cache.register_prefix(step, prompt)
+                cache.seal(step, prompt)
                 live.append(step)
             except PoolExhausted:
                 pass
@@ -205,4 +258,5 @@ def test_random_operations_keep_the_books(tiny_model):
         check_invariants(cache)
     for s in live:
         cache.free_seq(s)
-    assert cache.num_free == 24 and not cache.refcount.any() and not cache.prefix
+    assert cache.num_free == 24 and not cache.refcount.any()
+    assert set(cache.index.unheld) == set(cache.index.name_of)

@@ -239,8 +239,9 @@ def test_models_health_and_metrics(served):
     online, url, client = served
     assert [m.id for m in client.models.list().data] == [NAME]
     assert urllib.request.urlopen(url + "/health").status == 200
-    client.completions.create(model=NAME, prompt="The sun", max_tokens=5, temperature=0,
-                              extra_body={"ignore_eos": True})
+    for _ in range(2):              # the second finds the first's full blocks cached
+        client.completions.create(model=NAME, prompt="The sun rose over the hills",
+                                  max_tokens=5, temperature=0, extra_body={"ignore_eos": True})
     text = urllib.request.urlopen(url + "/metrics").read().decode()
     samples = dict(line.rsplit(" ", 1) for line in text.splitlines() if line[:1] != "#")
     label = f'{{model_name="{NAME}"}}'
@@ -248,6 +249,12 @@ def test_models_health_and_metrics(served):
     assert int(samples["vllm:generation_tokens_total" + label]) == made
     assert int(samples["vllm:prompt_tokens_total" + label]) == \
         sum(len(r.request.prompt) for r in online.engine.results)
+    results = online.engine.results
+    hits = int(samples["vllm:prefix_cache_hits_total" + label])
+    assert int(samples["vllm:prefix_cache_queries_total" + label]) == \
+        sum(len(r.request.prompt) for r in results if r.prefill_chunks)  # the admitted
+    assert hits == sum(r.cached_tokens for r in results) >= results[-1].cached_tokens > 0
+    assert results[-1].cached_tokens == (len(results[-1].request.prompt) - 1) // 4 * 4
     assert samples["vllm:num_requests_running" + label] == "0"
     assert float(samples["vllm:kv_cache_usage_perc" + label]) == 0.0
     finished = sum(r.status == "finished" for r in online.engine.results)

@@ -1,29 +1,43 @@
 """A serving engine: a request queue, N slots, batching over a paged cache (experiments 13, 14).
 
 The batch is not a group but a set of slots. Each ``step``:
-  1. admit    while a slot is free, the next waiting request enters: its prompt gets blocks
-              (sharing any cached prefix) and is prefilled alone, which picks its first token;
-  2. preempt  if the pool cannot take every running sequence's next token, the latest
+  1. preempt  if the pool cannot take every decoding sequence's next token, the latest
               admitted is swapped out to host memory and queued first, until the rest fit;
-  3. decode   every sequence that was already running gets one token, in one batched step;
+  2. decode   every sequence past its prompt gets one token, in one batched step;
+  3. prefill  prompts are computed: first those already under way, then, while a slot is
+              free, the next waiting request enters (its prompt gets blocks, holding any cached
+              prefix) and is prefilled alone; the pass over a prompt's last token picks its
+              first token;
   4. retire   a sequence that made its last token leaves its slot.
 The two policies differ in two decisions only (``_admits`` and ``_retire``, side by side):
 
     policy      a free slot takes a waiting request ...   a finished sequence ...
     continuous  at the very next step (Orca's              leaves at once: blocks freed,
                 iteration-level scheduling)                answer returned
-    static      only when the whole batch is over          stays as a padding row (computed,
-                                                           thrown away, blocks held); the batch
-                                                           is returned when its last ends
+    static      only when the whole batch is over          keeps its slot, marked finished,
+                                                           as a padding row (computed, thrown
+                                                           away, blocks held); the batch is
+                                                           returned when its last ends
+
+Prefix caching (``prefix_caching=True``, the default; see paged.py): the full blocks of every
+sequence are named as they fill, and kept after their request ends, so a later prompt that
+starts with the same tokens (the next turn of a chat, a shared system prompt) is prefilled
+from the first token not cached. Chunked prefill (``max_num_batched_tokens``, vLLM's name; None
+is off): a step computes at most that many tokens, the decodes first (one each), then chunks
+of waiting prompts in the room left, so a long prompt no longer stops every stream for the
+whole of its prefill; it is spread over several steps, each a decode of the others plus a
+chunk. (vLLM puts the decodes and the chunk in one forward pass over a flattened batch; here
+they are two calls within the same budget.)
 
 Exactness: each request owns its settings and seeded generator and uses generate's
-``next_token``, and is prefilled alone. With ``batch_invariant=True`` it is decoded with
-per-row-exact arithmetic (see model.prepare), so its tokens are the ones ``generate`` gives it
-alone. The default decodes the batch as one flat matrix per projection (B times fewer weight
-reads), which moves logits in their last bits: a token can change only where the solo run was
-at a near tie. Prefix sharing is a like exception in both modes: shared keys/values were
-computed inside another prompt's prefill, whose sums group their terms differently, and may
-differ in the last bit (so far no test has seen a token change).
+``next_token``. A prompt prefilled whole with nothing cached, in ``batch_invariant=True`` mode,
+gets the very tokens ``generate`` gives it alone (==): per-row-exact decode arithmetic (see
+model.prepare). Three things compute the same numbers from differently shaped products, so
+their last bits may move, and a token may differ only where the solo run was at a near tie
+(its top two logits within the tests' NEAR_TIE): the default fast decode (the batch as one flat
+matrix per projection: B times fewer weight reads); a cached prefix (its keys and values were
+computed inside another sequence's pass); a chunked prefill (the prompt's keys and values
+computed in pieces, each chunk attending over the cache).
 
 Memory: a request is admitted only if the pool can take its prompt with room for its next
 token, and every running sequence's next token. Outcomes: "finished" (eos or
@@ -31,7 +45,7 @@ max_new_tokens); "cancelled" by ``cancel`` (tokens so far, blocks freed at once)
 at submission if prompt + max_new_tokens exceeds the whole pool. A malformed request is a
 ValueError at submission, and nothing of it is queued. The clock is the engine's measured
 compute time (it jumps ahead when idle).
-Leaves out: chunked prefill, priorities, recompute-preemption, caching freed prefixes.
+Leaves out: priorities, recompute-preemption, one forward pass for decodes and chunks together.
 
 Example: three requests of 1, 3 and 1 tokens through 2 slots. Continuous reuses the slot
 request 0 leaves; static holds request 0's row as padding until request 1 ends, so request 2
@@ -48,6 +62,16 @@ waits for the next batch:
 ...           r0.returned == r1.returned)
 continuous 3 steps; decode batch sizes [1, 1] ; 0 returned with 1: False
 static 4 steps; decode batch sizes [2, 2] ; 0 returned with 1: True
+
+With a budget of 4 tokens a step, a 10-token prompt is prefilled in chunks of 4, 4 and 2, and
+a second request with the same prompt finds its first 8 tokens cached (two blocks of 4):
+
+>>> engine = Engine(model, slots=1, block_size=4, max_num_batched_tokens=4)
+>>> run = engine.run([Request(tuple(range(1, 11)), 1, eos_token_id=[])] * 2)
+>>> [n for n, _ in run.prefill_times], [r.cached_tokens for r in run.results]
+([4, 4, 2, 2], [0, 8])
+>>> engine.prefix_queries, engine.prefix_hits             # prompt tokens looked up / found
+(20, 8)
 """
 import math
 import time
@@ -85,6 +109,16 @@ class _Live:                        # a request the engine is serving
         made = self.result.tokens
         return made[-1] in self.eos or len(made) == self.result.request.max_new_tokens
 
+    @property
+    def prefilling(self) -> bool:
+        """Running, its prompt not all computed yet (no token made)."""
+        return self.result.status == "running" and not self.result.tokens
+
+    @property
+    def finished(self) -> bool:
+        """Static batching's mark: over, but still in its slot until its batch ends."""
+        return self.result.status == "finished"
+
 
 def pool_for(requests, slots: int, block_size: int) -> int:
     """Blocks for a pool in which every slot can hold the longest request: nobody waits for
@@ -100,23 +134,28 @@ def pool_for(requests, slots: int, block_size: int) -> int:
 class Engine:
     def __init__(self, model, slots: int = SLOTS, num_blocks: int = None,
                  block_size: int = BLOCK_SIZE, policy: str = "continuous",
-                 share_prefixes: bool = True, batch_invariant: bool = False):
+                 prefix_caching: bool = True, max_num_batched_tokens: int = None,
+                 batch_invariant: bool = False):
         if policy not in POLICIES:
             raise ValueError(f"policy={policy!r}: use 'static' or 'continuous'")
-        for name, n in (("slots", slots), ("block_size", block_size), ("num_blocks", num_blocks)):
+        for name, n in (("slots", slots), ("block_size", block_size), ("num_blocks", num_blocks),
+                        ("max_num_batched_tokens", max_num_batched_tokens)):
             if n is not None and (not is_integer(n) or n < 1):
                 raise ValueError(f"{name}={n!r}: expected an integer >= 1")
+        if max_num_batched_tokens is not None and max_num_batched_tokens <= slots:
+            raise ValueError(f"max_num_batched_tokens={max_num_batched_tokens} leaves no room "
+                             f"for a prompt beside {slots} decodes: give more than slots")
         if num_blocks is None:
             num_blocks = slots * blocks_for(TOKENS_PER_SLOT, block_size)
-        self.model, self.policy, self.share = model, policy, share_prefixes
+        self.model, self.policy = model, policy
+        self.prefix_caching, self.budget = prefix_caching, max_num_batched_tokens
         self.batch_invariant = batch_invariant  # see "Exactness" above
         self.cache = PagedCache.allocate(model.config, num_blocks, block_size)
         self.slots = [None] * slots
         self.waiting = deque()      # _Live in arrival order; preempted ones at the front
-        self.padding = []           # static: finished members whose rows still run
-        self.held_back = []         # static: finished members, returned when the batch ends
         self.results, self.clock, self.steps, self.admitted = [], 0.0, 0, 0
         self.preemptions = 0        # since the engine started, over all requests
+        self.prefix_queries = self.prefix_hits = 0   # prompt tokens looked up / found cached
         self.decode_times, self.prefill_times, self.memory = [], [], []
 
     # --- the public API ----------------------------------------------------------------------
@@ -158,17 +197,19 @@ class Engine:
         return False
 
     def running(self) -> list:
-        return [live for live in self.slots if live is not None]
+        """The sequences in slots that are not over (prefilling or decoding)."""
+        return [live for live in self.slots if live is not None and not live.finished]
 
     def step(self) -> None:
-        """Admit and prefill, preempt, decode one token per running sequence, retire."""
+        """Preempt, decode one token per sequence past its prompt, prefill, retire."""
         start = time.perf_counter()
-        decoding = self.running()   # already running: they decode; newcomers prefill
-        if not decoding and self.waiting and self.waiting[0].result.arrival > self.clock:
+        if not self.running() and self.waiting and self.waiting[0].result.arrival > self.clock:
             self.clock = self.waiting[0].result.arrival  # idle: jump to the next arrival
-        made = self._admit()
-        made += self._decode(self._preempt(decoding + self.padding))  # padding rows run too
-        if not decoding and not self.running() and self.waiting:  # an empty pool refused it
+        rows = [live for live in self.running() if not live.prefilling] + self._padding()
+        rows = self._preempt(rows)
+        made = self._decode(rows)
+        made += self._prefill(None if self.budget is None else self.budget - len(rows))
+        if not self.running() and self.waiting:  # an empty pool refused the first request
             raise RuntimeError("nothing running and the first request cannot be admitted")
         synchronize()
         self.clock += time.perf_counter() - start
@@ -185,17 +226,20 @@ class Engine:
         """May free slots take waiting requests this step?"""
         if self.policy == "continuous":
             return True             # any free slot, at the very next step
-        return not self.running()   # static: a new batch only once the last one is over
+        return not any(self.slots)  # static: a new batch only once the last one is over
 
     def _retire(self, live) -> None:
-        """A sequence made its last token: it leaves its slot."""
+        """A sequence made its last token: it leaves its slot (static: at its batch's end)."""
         if self.policy == "continuous":
             self._end(live, "finished")             # its blocks go back to the pool
-        else:                       # static: its row stays in the batch, computed and thrown
-            self.padding.append(live)               # away, until the longest member ends
-            self.held_back.append(live)
-            self._close(live, "finished", returned=False)
-            self._leave_slot(live)
+        else:                       # static: marked finished, its row stays in the batch,
+            self._close(live, "finished", returned=False)   # computed and thrown away
+            self._end_batch_if_over()
+
+    def _padding(self) -> list:
+        """Static: finished members whose rows still run (holding their blocks)."""
+        return [live for live in self.slots if live is not None and live.finished
+                and live.result.id in self.cache.seqs]
 
     def _end(self, live, status: str) -> None:
         """A running sequence is over: its blocks back to the pool, its slot free, returned."""
@@ -206,39 +250,114 @@ class Engine:
     def _leave_slot(self, live) -> None:
         """Free a slot (a sequence finished, was cancelled or preempted)."""
         self.slots[self.slots.index(live)] = None
-        if self.policy == "static" and not self.running():
-            self._end_batch()
+        self._end_batch_if_over()
 
-    def _end_batch(self) -> None:
-        """Static: the batch's last running member left, so the batch is over, now: its
+    def _end_batch_if_over(self) -> None:
+        """Static: once no member of the batch is running, the batch is over, now: its
         padding rows are freed and every finished member is returned."""
-        for row in self.padding:
-            self.cache.free_seq(row.result.id)
-        for member in self.held_back:
-            member.result.returned = self.clock
-        self.padding, self.held_back = [], []
+        if self.policy != "static" or self.running():
+            return
+        for i, member in enumerate(self.slots):
+            if member is not None:
+                if member.result.id in self.cache.seqs:
+                    self.cache.free_seq(member.result.id)
+                member.result.returned = self.clock
+                self.slots[i] = None
 
     # --- the parts of a step -----------------------------------------------------------------
-    def _admit(self) -> list:
-        """Fill free slots from the head of the queue, first come first served -> the
-        newcomers, each with its first token."""
-        made = []
-        if not self._admits():
-            return made
-        while None in self.slots and self.waiting:
-            live = self.waiting[0]
-            if live.result.arrival > self.clock or not self._fits(live):
-                break               # nobody overtakes the head of the queue
-            self.waiting.popleft()
-            self.slots[self.slots.index(None)] = live
-            live.order, self.admitted = self.admitted, self.admitted + 1
-            live.result.status = "running"
-            if live.swapped:        # a preempted sequence resumes where it was
-                self.cache.swap_in(live.result.id, live.swapped)
-                live.swapped = None
+    def _preempt(self, rows) -> list:
+        """Make room for every row's next token -> the rows that stay. Padding rows go first
+        (nobody waits for their tokens: they keep their slot, finished, without blocks); then
+        the latest admitted running sequence (vLLM's choice: the earliest keep their progress)
+        is swapped out to host memory and queued first, to be swapped back in bit for bit
+        when the pool has room."""
+        while self._growth(rows) > self.cache.num_free:
+            padding = [row for row in rows if row.finished]
+            if padding:
+                victim = padding[-1]                # still returned with its batch
+                self.cache.free_seq(victim.result.id)
             else:
-                made.append(self._prefill(live))
+                victim = max(self.running(), key=lambda live: live.order)
+                victim.swapped = self.cache.swap_out(victim.result.id)
+                self._leave_slot(victim)
+                victim.result.status = "waiting"
+                victim.result.preemptions += 1
+                self.preemptions += 1
+                self.waiting.appendleft(victim)
+            if victim in rows:
+                rows.remove(victim)
+        return rows
+
+    def _decode(self, rows) -> list:
+        """One token for every row in one batched forward pass -> the rows that sampled one
+        (a padding row's is computed and thrown away)."""
+        if not rows:
+            return []
+        start, ids = time.perf_counter(), [row.result.id for row in rows]
+        self.cache.make_room(ids, 1)
+        newest = np.array([[row.tokens[-1]] for row in rows])              # (B, 1)
+        hidden = forward(self.model, newest, self.cache.view(ids),          # decode: (B, 1, D)
+                         self.batch_invariant)
+        for live, logits in zip(rows, last_logits(self.model, hidden, self.batch_invariant)):
+            if live.finished:
+                self.cache.trim(live.result.id, 1)  # a padding row never grows
+            else:
+                self._sample(live, logits)
+                self._seal(live)
+        self.decode_times.append((len(rows), time.perf_counter() - start))
+        return [live for live in rows if not live.finished]
+
+    def _prefill(self, budget) -> list:
+        """Compute prompts, at most budget tokens of them (None: no limit): those under way
+        first, oldest first, then newcomers -> the sequences whose prompt is now done, each
+        with its first token."""
+        made, admits = [], self._admits()   # (static: decided once, before anyone enters)
+        while budget is None or budget > 0:
+            under_way = [live for live in self.running() if live.prefilling]
+            live = min(under_way, key=lambda live: live.order) if under_way else \
+                self._admit() if admits else None
+            if live is None:
+                break
+            if not live.prefilling:                 # a preempted sequence swapped back in
+                continue
+            rid, prompt = live.result.id, live.tokens
+            done = self.cache.seqs[rid].length      # prompt tokens cached or computed
+            n = len(prompt) - done if budget is None else min(len(prompt) - done, budget)
+            start = time.perf_counter()
+            hidden = forward(self.model, np.array([prompt[done:done + n]]),   # (1, n, D)
+                             self.cache.view([rid]))
+            self._seal(live)
+            live.result.prefill_chunks += 1
+            if done + n == len(prompt):             # the last prompt token's logits
+                self._sample(live, last_logits(self.model, hidden)[0])
+                made.append(live)
+            self.prefill_times.append((n, time.perf_counter() - start))
+            budget = None if budget is None else budget - n
         return made
+
+    def _admit(self):
+        """The head of the queue into a free slot, if it may enter -> it, or None. Nobody
+        overtakes the head of the queue, first come first served."""
+        if None not in self.slots or not self.waiting:
+            return None
+        live = self.waiting[0]
+        if live.result.arrival > self.clock or not self._fits(live):
+            return None
+        self.waiting.popleft()
+        self.slots[self.slots.index(None)] = live
+        live.order, self.admitted = self.admitted, self.admitted + 1
+        live.result.status = "running"
+        rid, prompt = live.result.id, live.tokens
+        if live.swapped:            # a preempted sequence resumes where it was
+            self.cache.swap_in(rid, live.swapped)
+            live.swapped = None
+        else:
+            held = self.cache.add(rid, prompt, len(prompt) + live.result.request.max_new_tokens)
+            live.result.cached_tokens = held
+            if self.prefix_caching:
+                self.prefix_queries, self.prefix_hits = (self.prefix_queries + len(prompt),
+                                                         self.prefix_hits + held)
+        return live
 
     def _fits(self, live) -> bool:
         """Memory admission: can the pool take this sequence with room for its next token
@@ -253,54 +372,10 @@ class Engine:
         """Free blocks the next token of every row takes (new blocks, copies of shared ones)."""
         return sum(self.cache.blocks_needed(row.result.id, 1) for row in rows)
 
-    def _prefill(self, live) -> _Live:
-        start, rid, prompt = time.perf_counter(), live.result.id, live.tokens
-        held = self.cache.add(rid, prompt, len(prompt) + live.result.request.max_new_tokens)
-        hidden = forward(self.model, np.array([prompt[held:]]), self.cache.view([rid]))
-        if self.share:
-            self.cache.register_prefix(rid, prompt)
-        live.result.shared_tokens = held
-        self._sample(live, last_logits(self.model, hidden)[0])
-        self.prefill_times.append((len(prompt) - held, time.perf_counter() - start))
-        return live
-
-    def _preempt(self, rows) -> list:
-        """Make room for every row's next token -> the rows that stay. Padding rows go first
-        (nobody waits for their tokens); then the latest admitted running sequence (vLLM's
-        choice: the earliest keep their progress) is swapped out to host memory and queued
-        first, to be swapped back in bit for bit when the pool has room."""
-        while self._growth(rows) > self.cache.num_free:
-            if self.padding:
-                victim = self.padding.pop()         # still returned with its batch
-                self.cache.free_seq(victim.result.id)
-            else:
-                victim = max(rows, key=lambda row: row.order)
-                victim.swapped = self.cache.swap_out(victim.result.id)
-                self._leave_slot(victim)
-                victim.result.status = "waiting"
-                victim.result.preemptions += 1
-                self.preemptions += 1
-                self.waiting.appendleft(victim)
-            rows.remove(victim)
-        return rows
-
-    def _decode(self, rows) -> list:
-        """One token for every row in one batched forward pass -> the rows that sampled one
-        (a padding row's is computed and thrown away)."""
-        if not rows:
-            return []
-        start, ids = time.perf_counter(), [row.result.id for row in rows]
-        self.cache.make_room(ids, 1)
-        newest = np.array([[row.tokens[-1]] for row in rows])              # (B, 1)
-        hidden = forward(self.model, newest, self.cache.view(ids),          # decode: (B, 1, D)
-                         self.batch_invariant)
-        for live, logits in zip(rows, last_logits(self.model, hidden, self.batch_invariant)):
-            if live in self.padding:
-                self.cache.trim(live.result.id, 1)  # a padding row never grows
-            else:
-                self._sample(live, logits)
-        self.decode_times.append((len(rows), time.perf_counter() - start))
-        return [live for live in rows if live not in self.padding]
+    def _seal(self, live) -> None:
+        """Prefix caching: offer the sequence's newly full blocks to later prompts."""
+        if self.prefix_caching:
+            self.cache.seal(live.result.id, live.tokens)
 
     # --- small helpers -----------------------------------------------------------------------
     def _check(self, request) -> tuple:

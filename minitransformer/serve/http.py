@@ -192,7 +192,8 @@ def create_app(online: OnlineEngine, name: str):
 
 def serve(model_path, host="127.0.0.1", port=8000, name=None, slots=SLOTS, num_blocks=None,
           block_size=BLOCK_SIZE, policy="continuous", max_waiting=MAX_WAITING,
-          batch_invariant=False, drain_timeout=30.0) -> None:
+          batch_invariant=False, drain_timeout=30.0, prefix_caching=True,
+          max_num_batched_tokens=None) -> None:
     """Load a model and serve it until interrupted (Ctrl-C drains, then cancels)."""
     try:
         import uvicorn
@@ -204,10 +205,14 @@ def serve(model_path, host="127.0.0.1", port=8000, name=None, slots=SLOTS, num_b
     model = mt.load(model_path)
     name = name or Path(model.path).name
     engine = Engine(model, slots=slots, num_blocks=num_blocks, block_size=block_size,
-                    policy=policy, batch_invariant=batch_invariant)
+                    policy=policy, batch_invariant=batch_invariant,
+                    prefix_caching=prefix_caching, max_num_batched_tokens=max_num_batched_tokens)
     online = OnlineEngine(engine, max_waiting=max_waiting)
+    chunks = "whole prompts" if max_num_batched_tokens is None else \
+        f"chunked prefill, {max_num_batched_tokens} tokens a step"
     print(f"serving {name!r} ({policy} batching, {slots} slots, {engine.cache.num_blocks} "
-          f"blocks of {block_size}) on http://{host}:{port}/v1", file=sys.stderr)
+          f"blocks of {block_size}, prefix caching {'on' if prefix_caching else 'off'}, "
+          f"{chunks}) on http://{host}:{port}/v1", file=sys.stderr)
     try:
         uvicorn.run(create_app(online, name), host=host, port=port, log_level="warning",
                     timeout_graceful_shutdown=drain_timeout)

@@ -55,6 +55,8 @@ class Snapshot:                 # the engine's state after a step, for /metrics 
     blocks_used: int
     blocks_total: int
     preemptions: int            # since start
+    prefix_queries: int = 0     # prompt tokens looked up in the prefix cache, since start
+    prefix_hits: int = 0        # of which found cached
 
 
 @dataclass(eq=False)
@@ -181,7 +183,8 @@ class OnlineEngine:
         cache = self.engine.cache
         return Snapshot(len(self.engine.running()), len(self.engine.waiting),
                         cache.num_blocks - cache.num_free, cache.num_blocks,
-                        self.engine.preemptions)
+                        self.engine.preemptions, self.engine.prefix_queries,
+                        self.engine.prefix_hits)
 
     def _send(self, ticket, update) -> None:
         try:

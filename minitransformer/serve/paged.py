@@ -11,20 +11,27 @@ al., 2023; vLLM) borrows the operating system's answer:
                  in memory and contiguous to the model
     refcount     how many block tables hold each block
 
-A sequence wastes at most the unfilled slots of its last block. A prompt that starts with the
-same full blocks of tokens as one already held shares those blocks (prefix sharing, through an
-index keyed by the tokens up to each block's end); a shared block is copied before anyone
-writes into it (copy on write). Room is made first (``add``, ``make_room``): allocation can
-fail, and a failure changes nothing. ``view(seq_ids)`` is what ``model.forward`` talks to:
-``positions``, ``update`` (write the new keys/values into their slots, return all held,
-gathered through the block tables) and ``advance``.
+A sequence wastes at most the unfilled slots of its last block. Room is made first (``add``,
+``make_room``): allocation can fail, and a failure changes nothing. ``view(seq_ids)`` is what
+``model.forward`` talks to: ``positions``, ``update`` (write the new keys/values into their
+slots, return all held, gathered through the block tables) and ``advance``.
+
+Prefix caching (vLLM's automatic prefix caching): a full block gets a name, a hash of its
+parent's name and its own tokens, so equal names mean equal whole prefixes (``block_names``).
+``seal`` offers a sequence's full blocks to the ``PrefixIndex``; ``add`` looks a new prompt's
+leading names up there and holds the blocks found instead of computing them again. When its
+last holder goes, a named block is kept (refcount 0, counted free) and given out again, its
+name forgotten, only when the free list is empty, least recently released first: so a chat's
+next turn, or any prompt starting with a kept one, finds its start already computed. A named
+block is never written: a sequence that must write into one (or into a block someone else
+holds) copies it first (copy on write).
 
 Shapes: N blocks in the pool, bs slots per block, nb blocks in a table; B, T, S, Hkv, d as in
-model.py. Leaves out: keeping freed prefix blocks for later requests (vLLM's evictor), kernels
-that read blocks in place (we gather a copy per layer and step), sharing partial blocks.
+model.py. Leaves out: kernels that read blocks in place (we gather a copy per layer and step),
+naming partial blocks, and the extra keys vLLM hashes in (adapters, images).
 
-Example: blocks of 4 slots. Sequence "a" holds 6 tokens in 2 blocks; "b" starts with the same
-4 tokens, so its block table starts with a's first block, held by both:
+Example: blocks of 4 slots. Sequence "a" holds 6 tokens in 2 blocks, one of them full; "b"
+starts with the same 4 tokens, so its block table starts with a's first block:
 
 >>> from minitransformer.config import ModelConfig
 >>> from minitransformer.synth import qwen2_config
@@ -33,7 +40,7 @@ Example: blocks of 4 slots. Sequence "a" holds 6 tokens in 2 blocks; "b" starts 
 >>> cache.add("a", a)                 # -> prompt tokens already held: none
 0
 >>> cache.view(["a"]).advance(6)      # (what forward does once every layer wrote them)
->>> cache.register_prefix("a", a)     # offer a's full blocks to later prompts
+>>> cache.seal("a", a)                # name a's full blocks: offered to later prompts
 >>> cache.add("b", [5, 6, 7, 8, 42])  # b's first 4 tokens are a's first block
 4
 >>> cache.seqs["a"].blocks, cache.seqs["b"].blocks      # the block tables
@@ -43,13 +50,25 @@ Example: blocks of 4 slots. Sequence "a" holds 6 tokens in 2 blocks; "b" starts 
 >>> p = 5                             # a's token at position 5 lives in block 1, slot 1:
 >>> cache.seqs["a"].blocks[p // cache.block_size], p % cache.block_size
 (1, 1)
+
+Both end; block 0 stays cached, free but named, and a later prompt finds it:
+
+>>> cache.free_seq("a"); cache.free_seq("b")
+>>> cache.num_free, list(cache.index.unheld)            # every block free, block 0 kept
+(8, [0])
+>>> cache.add("c", [5, 6, 7, 8, 11, 12]), cache.seqs["c"].blocks
+(4, [0, 2])
 """
+import hashlib
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from minitransformer.backend import to_device, to_numpy, xp
 from minitransformer.shape import ceil_div
+
+ROOT = b""                  # the parent name of a sequence's first block
 
 
 def blocks_for(tokens: int, block_size: int) -> int:
@@ -61,8 +80,78 @@ def blocks_for(tokens: int, block_size: int) -> int:
     return ceil_div(tokens, block_size)
 
 
+def block_names(tokens, block_size: int, parent: bytes = ROOT) -> list:
+    """Names of the full blocks of tokens: block i's name is SHA-256(name of block i-1, its
+    token ids), so a name stands for the whole prefix up to the block's end, as in vLLM.
+
+    A cryptographic hash, not Python's ``hash``: that one is made to be fast, not to resist
+    collisions (``hash(n) == n`` for small ints), and a collision here would hand one
+    request another's keys and values.
+    >>> a, b = block_names([1, 2, 3, 4, 5], 2), block_names([1, 2, 3, 9], 2)
+    >>> len(a), a[0] == b[0], a[1] == b[1]       # 2 full blocks; the second ones differ
+    (2, True, False)
+    >>> block_names([3, 4], 2, parent=a[0]) == a[1:]        # a name chains its parent's
+    True
+    """
+    names = []
+    for end in range(block_size, len(tokens) + 1, block_size):
+        block = np.asarray(tokens[end - block_size:end], dtype=np.int64)
+        parent = hashlib.sha256(parent + block.tobytes()).digest()
+        names.append(parent)
+    return names
+
+
 class PoolExhausted(RuntimeError):
     """Too few free blocks; nothing was changed. The caller waits, preempts or rejects."""
+
+
+@dataclass
+class PrefixIndex:
+    """The prefix cache's book: full blocks by name, and those nobody holds, oldest first.
+
+    It keeps, and only its methods change:
+      - ``block_of`` and ``name_of`` are inverse maps, one block per name, one name per block;
+      - ``unheld`` is exactly the named blocks with no holder (refcount 0), least recently
+        released first: free to take, their keys and values intact until ``evict``;
+      - a named block is never written (the cache copies it first), so its slots hold the
+        tokens its name stands for as long as it is named.
+    """
+    block_of: dict = field(default_factory=dict)    # name -> block
+    name_of: dict = field(default_factory=dict)     # block -> name
+    unheld: OrderedDict = field(default_factory=OrderedDict)  # block -> None, LRU first
+    evicted: int = 0        # blocks given out again, their names forgotten, since the start
+
+    def find(self, names) -> list:
+        """The blocks of the leading names found, in order (a miss ends the prefix)."""
+        found = []
+        for name in names:
+            if name not in self.block_of:
+                break
+            found.append(self.block_of[name])
+        return found
+
+    def offer(self, name, block: int) -> None:
+        """Name a full, written block, unless the name or the block is already taken."""
+        if name not in self.block_of and block not in self.name_of:
+            self.block_of[name], self.name_of[block] = block, name
+
+    def held(self, block: int) -> None:
+        """A block gets a holder: if it was kept unheld, it is no longer evictable."""
+        self.unheld.pop(block, None)
+
+    def released(self, block: int) -> bool:
+        """Its last holder went: a named block is kept (True), an unnamed one is not."""
+        if block in self.name_of:
+            self.unheld[block] = None
+            return True
+        return False
+
+    def evict(self) -> int:
+        """The least recently released kept block, its name forgotten, to be reused."""
+        block, _ = self.unheld.popitem(last=False)
+        del self.block_of[self.name_of.pop(block)]
+        self.evicted += 1
+        return block
 
 
 @dataclass
@@ -70,6 +159,7 @@ class SeqBlocks:
     blocks: list            # the block table: physical block ids, in position order
     length: int = 0         # tokens written
     max_len: int = 0        # the most it may grow to (what a reservation would hold)
+    names: list = field(default_factory=list)   # names of its first full blocks (see seal)
 
 
 @dataclass(frozen=True)
@@ -97,6 +187,7 @@ class PagedStats:
     slots_filled: int       # slots holding a token, each physical block counted once
     tokens_logical: int     # sum of sequence lengths (a shared prefix counted per sequence)
     tokens_reserved: int    # sum of max_len: what reserving each sequence's maximum would hold
+    blocks_cached: int = 0  # unheld but kept for the prefix cache (counted free)
 
     @property
     def slots_wasted(self) -> int:
@@ -110,10 +201,9 @@ class PagedCache:
     v: list
     block_size: int
     refcount: np.ndarray    # (N,) host ints
-    free: list              # free block ids, used as a stack
+    free: list              # unheld, unnamed block ids, used as a stack
     seqs: dict = field(default_factory=dict)      # seq id -> SeqBlocks
-    prefix: dict = field(default_factory=dict)    # tuple(tokens up to a block's end) -> block
-    prefix_of: dict = field(default_factory=dict)  # block -> its key in `prefix`
+    index: PrefixIndex = field(default_factory=PrefixIndex)     # named full blocks
 
     @classmethod
     def allocate(cls, config, num_blocks: int, block_size: int, dtype=xp.float32):
@@ -133,7 +223,8 @@ class PagedCache:
 
     @property
     def num_free(self) -> int:
-        return len(self.free)
+        """Blocks nobody holds: the free list and the kept blocks of the prefix cache."""
+        return len(self.free) + len(self.index.unheld)
 
     @property
     def bytes_per_token(self) -> int:
@@ -146,47 +237,55 @@ class PagedCache:
 
     # --- allocation --------------------------------------------------------------------------
     def _take(self) -> int:
-        self.refcount[self.free[-1]] = 1
-        return self.free.pop()
+        """A block for one holder: from the free list, else the least recently used kept one."""
+        block = self.free.pop() if self.free else self.index.evict()
+        self.refcount[block] = 1
+        return block
+
+    def _hold(self, block: int) -> None:
+        self.refcount[block] += 1
+        self.index.held(block)
 
     def _release(self, block: int) -> None:
         self.refcount[block] -= 1
-        if self.refcount[block] == 0:  # last holder gone: back to the pool, out of the index
-            self.free.append(block)
-            self.prefix.pop(self.prefix_of.pop(block, None), None)
+        if self.refcount[block] == 0 and not self.index.released(block):
+            self.free.append(block)     # unnamed: back to the pool (named: kept, see index)
+
+    def _writable(self, block: int) -> bool:
+        """One holder and no name: writing into it changes nobody else's tokens."""
+        return self.refcount[block] == 1 and block not in self.index.name_of
 
     def _copy_block(self, src: int) -> int:
-        """Copy on write: a private copy of a shared block, and one holder less for the old."""
+        """Copy on write: a private copy of a shared or named block, one holder less for it."""
         dst = self._take()
         for k, v in zip(self.k, self.v):
             k[dst], v[dst] = k[src], v[src]
         self._release(src)
         return dst
 
-    def shared_prefix(self, prompt) -> list:
-        """Blocks already holding the prompt's leading full blocks of tokens, in order."""
-        blocks, bs = [], self.block_size
-        for end in range(bs, len(prompt) + 1, bs):
-            block = self.prefix.get(tuple(prompt[:end]))
-            if block is None:
-                break
-            blocks.append(block)
-        return blocks
+    def cached_prefix(self, prompt) -> tuple:
+        """-> (names of the prompt's full blocks, the blocks found cached for the leading
+        ones) and how many prompt tokens they hold: all but the last prompt token, at most,
+        since its logits pick the first new token."""
+        names = block_names(prompt, self.block_size)
+        found = self.index.find(names)
+        return names, found, min(len(found) * self.block_size, len(prompt) - 1)
 
     def add_cost(self, prompt, then: int = 0) -> int:
         """Free blocks ``add(prompt)`` would take, and ``then`` more tokens after it (the
-        engine asks before it admits)."""
-        shared = len(self.shared_prefix(prompt))
-        held = min(shared * self.block_size, len(prompt) - 1)
-        copies = 1 if held < shared * self.block_size else 0  # held in full: see add
-        return self.blocks_for(len(prompt) + then) - shared + copies
+        engine asks before it admits): new blocks, a copy of a cached block it must write
+        into, and the kept blocks it revives (they leave the free count)."""
+        _, found, held = self.cached_prefix(prompt)
+        copies = 1 if held < len(found) * self.block_size else 0   # held in full: see add
+        revived = sum(self.refcount[b] == 0 for b in found)
+        return self.blocks_for(len(prompt) + then) - len(found) + copies + int(revived)
 
     def add(self, seq_id, prompt, max_len: int = 0) -> int:
-        """Give a new sequence blocks for its prompt, sharing what is already held.
+        """Give a new sequence blocks for its prompt, holding the cached ones it starts with.
 
         -> how many prompt tokens are already in the cache; the caller prefills the rest. The
         last prompt token is always left to compute (its logits pick the first new token), so
-        a prompt held in full gets its last block copied, to be overwritten at that slot.
+        a prompt cached in full gets its last block copied, to be overwritten at that slot.
         """
         if seq_id in self.seqs:
             raise ValueError(f"sequence {seq_id!r} is already in the cache")
@@ -195,10 +294,11 @@ class PagedCache:
         if self.add_cost(prompt) > self.num_free:
             raise PoolExhausted(f"a prompt of {len(prompt)} tokens needs "
                                 f"{self.add_cost(prompt)} blocks, {self.num_free} free")
-        shared = self.shared_prefix(prompt)
-        self.refcount[shared] += 1
-        held = min(len(shared) * self.block_size, len(prompt) - 1)
-        self.seqs[seq_id] = SeqBlocks(shared, held, max(max_len, len(prompt)))
+        names, found, held = self.cached_prefix(prompt)
+        for block in found:
+            self._hold(block)
+        self.seqs[seq_id] = SeqBlocks(list(found), held, max(max_len, len(prompt)),
+                                      names[:held // self.block_size])
         self.make_room([seq_id], len(prompt) - held)  # cannot fail: counted above
         return held
 
@@ -207,7 +307,7 @@ class PagedCache:
         seq = self.seqs[seq_id]
         new = self.blocks_for(seq.length + T) - len(seq.blocks)
         first = seq.length // self.block_size  # the block the first new token goes to
-        copies = sum(self.refcount[b] > 1 for b in seq.blocks[first:])  # shared: copy first
+        copies = sum(not self._writable(b) for b in seq.blocks[first:])  # copy first
         return max(new, 0) + int(copies)
 
     def make_room(self, seq_ids, T: int) -> None:
@@ -218,19 +318,21 @@ class PagedCache:
         for s in seq_ids:
             seq = self.seqs[s]
             for i in range(seq.length // self.block_size, len(seq.blocks)):
-                if self.refcount[seq.blocks[i]] > 1:  # about to be written: copy on write
+                if not self._writable(seq.blocks[i]):   # about to be written: copy on write
                     seq.blocks[i] = self._copy_block(seq.blocks[i])
             while len(seq.blocks) < self.blocks_for(seq.length + T):
                 seq.blocks.append(self._take())
 
-    def register_prefix(self, seq_id, prompt) -> None:
-        """Offer the prompt's full blocks to later sequences (call once they are written)."""
+    def seal(self, seq_id, tokens) -> None:
+        """Name the sequence's full blocks not named yet and offer them to the index; tokens:
+        its token ids, at least as many as it holds (call once they are written)."""
         seq, bs = self.seqs[seq_id], self.block_size
-        for i in range(min(len(prompt), seq.length) // bs):
-            key = tuple(prompt[:(i + 1) * bs])
-            if key not in self.prefix:
-                self.prefix[key] = seq.blocks[i]
-                self.prefix_of[seq.blocks[i]] = key
+        named, full = len(seq.names), seq.length // bs
+        if full > named:
+            parent = seq.names[-1] if seq.names else ROOT
+            seq.names += block_names(tokens[named * bs:full * bs], bs, parent)
+            for name, block in zip(seq.names[named:], seq.blocks[named:full]):
+                self.index.offer(name, block)
 
     def trim(self, seq_id, n: int) -> None:
         """Forget a sequence's last n tokens (rejected drafts, a benchmark's rollback)."""
@@ -238,16 +340,43 @@ class PagedCache:
         if not 0 <= n <= seq.length:
             raise ValueError(f"cannot trim {n} tokens from a sequence of {seq.length}")
         seq.length -= n
-        while len(seq.blocks) > self.blocks_for(seq.length):
+        del seq.names[seq.length // self.block_size:]   # a named block it keeps is copied
+        while len(seq.blocks) > self.blocks_for(seq.length):   # before it is written again
             self._release(seq.blocks.pop())
-        if seq.length % self.block_size and self.refcount[seq.blocks[-1]] == 1:
-            # its last block is about to be rewritten: no longer the prefix the index says
-            self.prefix.pop(self.prefix_of.pop(seq.blocks[-1], None), None)
 
     def free_seq(self, seq_id) -> None:
-        """Drop a sequence: each of its blocks loses a holder, and unheld ones are free."""
+        """Drop a sequence: each of its blocks loses a holder; unheld ones are free (kept
+        for the prefix cache if named)."""
         for block in self.seqs.pop(seq_id).blocks:
             self._release(block)
+
+    def check(self) -> None:
+        """The books, checked (tests and the engine fuzz call it after every step); a
+        RuntimeError names the first broken rule:
+        every block's refcount is the number of block tables holding it; every unheld block
+        is on the free list or kept by the index, once; a free-listed block has no name; the
+        index's two maps are inverse; a sequence's named blocks carry its own prefix's names."""
+        holders = np.zeros(self.num_blocks, dtype=np.int64)
+        for seq in self.seqs.values():
+            np.add.at(holders, seq.blocks, 1)
+        index = self.index
+        rules = [
+            ((self.refcount == holders).all(), "a refcount differs from its block tables"),
+            (sorted(self.free + list(index.unheld)) == np.flatnonzero(holders == 0).tolist(),
+             "the free list and the kept blocks are not exactly the unheld blocks"),
+            (not any(block in index.name_of for block in self.free),
+             "a block on the free list still has a name"),
+            (len(index.block_of) == len(index.name_of) and
+             all(index.name_of.get(block) == name for name, block in index.block_of.items()),
+             "the index's maps are not inverse"),
+            (all(index.name_of.get(block, name) == name for seq in self.seqs.values()
+                 for name, block in zip(seq.names, seq.blocks)),
+             "a sequence holds a block named for another prefix"),
+            (all(len(seq.names) <= seq.length // self.block_size for seq in self.seqs.values()),
+             "a sequence names a block it has not filled")]
+        for holds, broken in rules:
+            if not holds:
+                raise RuntimeError(f"paged cache books: {broken}")
 
     # --- preemption by swapping --------------------------------------------------------------
     def swap_out(self, seq_id) -> "Swapped":
@@ -272,7 +401,8 @@ class PagedCache:
         for layer in range(len(self.k)):
             self.k[layer][index] = to_device(swapped.k[layer])
             self.v[layer][index] = to_device(swapped.v[layer])
-        self.seqs[seq_id] = SeqBlocks(blocks, swapped.length, swapped.max_len)
+        self.seqs[seq_id] = SeqBlocks(blocks, swapped.length, swapped.max_len)  # unnamed:
+        # seal names its blocks again (the copies are private; the index may keep originals)
 
     # --- what the forward pass sees ----------------------------------------------------------
     def view(self, seq_ids) -> "PagedView":
@@ -289,7 +419,8 @@ class PagedCache:
                           int((self.refcount > 0).sum()), int((self.refcount > 1).sum()),
                           len(self.seqs), sum(filled.values()),
                           sum(s.length for s in self.seqs.values()),
-                          sum(s.max_len for s in self.seqs.values()))
+                          sum(s.max_len for s in self.seqs.values()),
+                          len(self.index.unheld))
 
 
 @dataclass
@@ -319,8 +450,8 @@ class PagedView:
         if table.min() < 0 or table.max() >= N:
             raise ValueError(f"block ids {table.min()}..{table.max()} outside a pool of {N}")
         blocks = np.take_along_axis(table, positions // bs, axis=1)       # (B, T)
-        if (cache.refcount[blocks] != 1).any():  # a shared block must never change under us
-            raise RuntimeError("write into a shared block: make_room copies it first")
+        if not all(map(cache._writable, blocks.ravel())):  # shared or named: never changed
+            raise RuntimeError("write into a shared or named block: make_room copies it first")
         return to_device(blocks), to_device(positions % bs), to_device(table), S
 
     def update(self, layer: int, k, v, slots=None):

@@ -7,6 +7,9 @@ A dashboard built for vLLM reads these unchanged:
     vllm:prompt_tokens_total                counter: prompt tokens of accepted requests
     vllm:generation_tokens_total            counter: tokens generated
     vllm:num_preemptions_total              counter: sequences swapped out for memory
+    vllm:prefix_cache_queries_total         counter: prompt tokens looked up in the prefix cache
+    vllm:prefix_cache_hits_total            counter: of those, tokens found cached (hit rate =
+                                            hits / queries, as vLLM's dashboards compute it)
     vllm:request_success_total              counter, by finished_reason (stop, length, abort)
     vllm:time_to_first_token_seconds        histogram: arrival to first token
     vllm:inter_token_latency_seconds        histogram: gap between consecutive tokens
@@ -15,8 +18,8 @@ A dashboard built for vLLM reads these unchanged:
 
 A histogram is cumulative buckets (``le`` = less or equal) plus a count and a sum, so a
 quantile is read off with PromQL's ``histogram_quantile``. Times are measured where the server
-hands tokens over, on the online engine's clock. Leaves out: vLLM's prefix-cache and speculative
-decoding metrics, multiprocess collection, the ``_created`` samples.
+hands tokens over, on the online engine's clock. Leaves out: vLLM's speculative decoding
+metrics, multiprocess collection, the ``_created`` samples.
 
 >>> h = Histogram("vllm:e2e_request_latency_seconds", "End to end.", (0.5, 1.0))
 >>> h.observe(0.3); h.observe(0.7)
@@ -117,7 +120,11 @@ class ServingMetrics:
                         ("vllm:generation_tokens_total", "Number of generation tokens "
                          "processed.", self.generation_tokens),
                         ("vllm:num_preemptions_total", "Cumulative number of preemptions.",
-                         snapshot.preemptions)]
+                         snapshot.preemptions),
+                        ("vllm:prefix_cache_queries_total", "Prefix cache queries, in terms of "
+                         "number of queried tokens.", snapshot.prefix_queries),
+                        ("vllm:prefix_cache_hits_total", "Prefix cache hits, in terms of "
+                         "number of cached tokens.", snapshot.prefix_hits)]
             out = []
             for name, help_text, value in gauges:
                 out += header(name, help_text, "gauge") + [f"{name}{{{lab}}} {value!r}"]

@@ -58,7 +58,8 @@ class Result:
     first_token: float = math.nan   # times on the serving clock (seconds)
     finished: float = math.nan      # last token made (or cancelled)
     returned: float = math.nan      # handed back: static batching returns a batch as a whole
-    shared_tokens: int = 0          # prompt tokens found in shared blocks
+    cached_tokens: int = 0          # prompt tokens found in the prefix cache
+    prefill_chunks: int = 0         # forward passes its prompt took (1: prefilled whole)
     preemptions: int = 0
 
     @property
