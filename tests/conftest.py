@@ -1,5 +1,9 @@
-"""Shared test fixtures: tiny random checkpoints of every shape the loader supports, and the
-one comparison helper (shape, then dtype, then values)."""
+"""Shared test fixtures: tiny random checkpoints of every shape the loader supports, the one
+comparison helper (shape, then dtype, then values), and the one way to run a script.
+
+scripts/ is on the import path (setup.cfg's pythonpath), so a test imports a script's helpers
+by the script's name."""
+import importlib
 import time
 from pathlib import Path
 
@@ -49,6 +53,25 @@ def stories():
     if not (STORIES / "model.safetensors").is_file():
         pytest.skip("../shared/models/stories260K is not present")
     return load(STORIES)
+
+
+@pytest.fixture
+def run_script(capsys):
+    """run_script(name, *args, status=0) -> (stdout, stderr) of scripts/<name>.py, run in this
+    process as its __main__ runs it (through _common.run: a library error is one 'error:' line
+    on stderr and exit status 2). The exit status must be `status`. A test starts a process of
+    its own only where the process is the point (the status and stderr a shell sees)."""
+    from _common import run
+
+    def run_one(name, *args, status=0):
+        module = importlib.import_module(name.removesuffix(".py"))
+        capsys.readouterr()  # what came before is not this script's
+        with pytest.raises(SystemExit) as done:
+            run(lambda: module.main([str(a) for a in args]))
+        out, err = capsys.readouterr()
+        assert (done.value.code or 0) == status, f"{name} exited {done.value.code}: {err[-2000:]}"
+        return out, err
+    return run_one
 
 
 def assert_same(actual, expected, rtol=None, atol=None):

@@ -13,7 +13,8 @@ time (while a step takes < 1 s).
 Invariants after every step: the paged cache's books (``PagedCache.check``: refcounts equal
 the block tables holding each block, the free list and the prefix cache's kept blocks are
 exactly the unheld ones, names consistent); a running or padding row holds its blocks, a
-waiting request none; with caching off, no block named. A request the policy calls exact
+waiting request none; no sequence wastes more than the unfilled tail of its last block; with
+caching off, no block named. A request the policy calls exact
 (batch-invariant mode, its prompt prefilled whole, nothing of it cached) has tokens so far
 that are a prefix of what ``generate`` gives it alone (==). At the end: every request over and
 returned, zero blocks held, and each request's tokens against its solo tokens by the exactness
@@ -90,6 +91,8 @@ def check_pool(engine) -> None:
     assert set(cache.seqs) <= {live.result.id for live in members}, "blocks of nobody's row"
     assert not any(live.result.id in cache.seqs for live in engine.waiting)
     assert engine.prefix_caching or not cache.index.name_of, "named blocks with caching off"
+    held = cache.stats()  # paging wastes at most the unfilled tail of one block per sequence
+    assert held.slots_wasted <= (cache.block_size - 1) * held.sequences, "paging waste"
 
 
 def run_case(model, seed, batch_invariant=True) -> dict:

@@ -118,16 +118,10 @@ def test_bad_input_is_refused_clearly():
         top_tokens(np.array([0.5, 0.5]), 3)
 
 
-def test_exp23_script_prints_the_square_root(stories):
+def test_exp23_script_prints_the_square_root(stories, run_script):
     import re
-    import subprocess
-    import sys
-    from pathlib import Path
-    script = Path(__file__).resolve().parents[1] / "scripts" / "exp23_soft_labels.py"
-    done = subprocess.run([sys.executable, str(script), "--model", stories.path],
-                          capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-2000:]
+    out, _ = run_script("exp23_soft_labels", "--model", stories.path)
     m = re.search(r"top / third: (\S+) at T = 1, (\S+) at T = 2 \(square root of \S+ = (\S+)\)",
-                  done.stdout)
+                  out)
     assert m and m.group(2) == m.group(3) and float(m.group(1)) > float(m.group(2)) > 1
-    assert "T^2 KL (loss)" in done.stdout
+    assert "T^2 KL (loss)" in out

@@ -1,5 +1,7 @@
 """The serving engine changes no token: every request gets what decoding it alone gives, bit for
-bit in batch-invariant mode, up to near ties in the default fast mode (conftest's policy)."""
+bit in batch-invariant mode, up to near ties in the default fast mode (conftest's policy).
+
+Scenarios, one situation each; random workloads are the fuzz's (tests/test_engine_fuzz.py)."""
 import math
 
 import numpy as np
@@ -9,7 +11,6 @@ import minitransformer as mt
 from conftest import assert_like_solo
 from engine_fuzz import solo
 from minitransformer.serve.engine import Engine
-from minitransformer.serve.paged import blocks_for
 from minitransformer.serve.records import Request, Result, metrics
 from minitransformer.sampling import SamplingSettings
 
@@ -32,52 +33,6 @@ def assert_pool_whole(engine):
     assert not cache.seqs and not any(engine.slots) and not engine.waiting
     assert set(cache.index.unheld) == set(cache.index.name_of)
     cache.check()
-
-
-def random_mix(rng, V, n):
-    """n requests: random prompts (60% start with a common stem), lengths, arrivals, greedy
-    or sampled with random knobs and a seed each, stopping at eos or not."""
-    stem, t, requests = rng.integers(0, V, 24).tolist(), 0.0, []
-    for _ in range(n):
-        own = rng.integers(0, V, rng.integers(1, 20)).tolist()
-        prompt = stem[:rng.integers(0, 25)] + own if rng.random() < 0.6 else own
-        settings = SamplingSettings(
-            do_sample=bool(rng.random() < 0.5), temperature=float(rng.choice([0.7, 1.0, 1.5])),
-            top_k=int(rng.choice([0, 5, 40])), top_p=float(rng.choice([1.0, 0.9])),
-            repetition_penalty=float(rng.choice([1.0, 1.3])))
-        t += float(rng.exponential(0.003))
-        requests.append(Request(tuple(prompt), int(rng.integers(1, 30)), t, settings,
-                                seed=int(rng.integers(2**31)),
-                                eos_token_id=None if rng.random() < 0.5 else []))
-    return requests
-
-
-@pytest.mark.parametrize("batch_invariant", [True, False])
-@pytest.mark.parametrize("name", ["qwen2-gqa-tied-bf16", "llama-gqa"])
-@pytest.mark.parametrize("seed", range(6))
-def test_random_mixes_give_every_request_its_solo_tokens(checkpoint_dir, name, seed,
-                                                         batch_invariant):
-    model = mt.load(checkpoint_dir(name))
-    rng = np.random.default_rng(seed)
-    requests = random_mix(rng, model.config.vocab_size, 16)
-    bs = int(rng.choice([1, 4, 16]))
-    tight = seed % 2 == 0  # half the mixes get a pool that forces waiting and preemption
-    blocks = blocks_for(60, bs) + 2 if tight else 400
-    engine = Engine(model, slots=int(rng.choice([1, 3, 8])), num_blocks=blocks, block_size=bs,
-                    policy=["static", "continuous"][seed % 3 != 0],
-                    prefix_caching=bool(seed % 4 != 1), batch_invariant=batch_invariant)
-    run = engine.run(requests)
-    for result in run.results:
-        r = result.request
-        if blocks_for(len(r.prompt) + r.max_new_tokens, bs) > blocks:
-            assert result.status == "rejected" and result.tokens == []
-            continue
-        assert result.status == "finished"
-        assert_solo(model, [result], batch_invariant)
-        assert result.first_token >= r.arrival and result.returned >= result.finished
-    # paging wastes at most the unfilled tail of one block per sequence
-    assert all(m.slots_wasted <= (bs - 1) * m.sequences for m in run.memory)
-    assert_pool_whole(engine)
 
 
 def test_shared_prefix_holds_the_expected_fewer_blocks(tiny_model):

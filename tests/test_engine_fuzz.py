@@ -1,9 +1,6 @@
 """The engine fuzzed in CI: a fixed seed and a few random workloads per tiny model, every
 invariant checked after every step (tests/engine_fuzz.py; scripts/fuzz_engine.py runs more),
 in batch-invariant mode (tokens ==) and in the default fast mode (conftest's near-tie policy)."""
-import sys
-from pathlib import Path
-
 import pytest
 
 import minitransformer as mt
@@ -12,8 +9,8 @@ from engine_fuzz import run_case
 CASES = 8
 
 
-@pytest.mark.parametrize("name, batch_invariant", [("qwen2-gqa-tied-bf16", True),
-                                                   ("llama-gqa", True), ("llama-gqa", False)])
+@pytest.mark.parametrize("batch_invariant", [True, False])
+@pytest.mark.parametrize("name", ["qwen2-gqa-tied-bf16", "llama-gqa"])
 def test_random_workloads_keep_every_invariant(checkpoint_dir, name, batch_invariant):
     model = mt.load(checkpoint_dir(name))
     seen = [run_case(model, seed, batch_invariant) for seed in range(CASES)]
@@ -26,11 +23,8 @@ def test_random_workloads_keep_every_invariant(checkpoint_dir, name, batch_invar
     assert any(not s["caching"] for s in seen)
 
 
-def test_the_fuzz_script_runs_and_reports(capsys):
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
-    import fuzz_engine
-    assert fuzz_engine.main(["--cases", "2", "--first", "3", "--models", "qwen2-mha-untied"]) == 0
-    table = capsys.readouterr().out
+def test_the_fuzz_script_runs_and_reports(run_script):
+    table, _ = run_script("fuzz_engine", "--cases", 2, "--first", 3, "--models", "qwen2-mha-untied")
     assert "2 random workloads per model (seeds 3..4; batch-invariant" in table
     assert table.splitlines()[-1].split()[0] == "qwen2-mha-untied"
     assert table.splitlines()[-1].split()[-1] == "0"        # failing

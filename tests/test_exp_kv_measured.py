@@ -4,24 +4,17 @@ Times are never asserted (speed lives in the scripts' printed ratios); what is a
 is exact: the same tokens and outputs both ways, the score bytes, the number of steps, that the
 allocator's peak contains the score matrix, and the shape of each printed table.
 """
-import importlib
-import sys
-from pathlib import Path
-
 import numpy as np
 import pytest
 
+import exp02_attention_scaling as exp02
+import exp04_cache_memory as exp04
+import exp05_prefill_vs_decode as exp05
+import exp07_decode_cost as exp07
 import minitransformer as mt
 from minitransformer.backend import BACKEND, to_numpy
 from minitransformer.kvcache import KVCache
 from minitransformer.model import forward
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
-exp02 = importlib.import_module("exp02_attention_scaling")
-exp04 = importlib.import_module("exp04_cache_memory")
-exp05 = importlib.import_module("exp05_prefill_vs_decode")
-exp06 = importlib.import_module("exp06_prefill_cost")
-exp07 = importlib.import_module("exp07_decode_cost")
 
 numpy_only = pytest.mark.skipif(BACKEND != "numpy", reason="byte counts below are tracemalloc's")
 
@@ -59,11 +52,10 @@ def test_exp02_peak_holds_the_score_matrix_one_way_only():
     assert r["max_diff"] < 1e-5
 
 
-def test_exp02_table(checkpoint_dir, capsys):
-    rc = exp02.main(["--model", str(checkpoint_dir("llama-gqa")), "--lengths", "16", "32",
-                     "--repeat", "1", "--warmup", "0"])
-    out = capsys.readouterr().out
-    assert rc == 0 and "(d = 8)" in out
+def test_exp02_table(checkpoint_dir, run_script):
+    out, _ = run_script("exp02_attention_scaling", "--model", checkpoint_dir("llama-gqa"),
+                        "--lengths", 16, 32, "--repeat", 1, "--warmup", 0)
+    assert "(d = 8)" in out
     rows = table_rows(out, "n ")
     assert [r[0] for r in rows] == ["16", "32"]
     assert [(r[6], r[7]) for r in rows] == [("1,024", "64"), ("4,096", "128")]  # n*n*4, n*4
@@ -85,14 +77,15 @@ def test_exp04_same_tokens_and_recompute_holds_more(tiny_model):
     assert "tracemalloc" in counter
 
 
-def test_exp04_table_and_errors(checkpoint_dir, capsys):
-    path = str(checkpoint_dir("qwen2-gqa-tied-bf16"))  # 256 positions
-    assert exp04.main(["--model", path, "--prompt-tokens", "8", "--new-tokens", "12"]) == 0
-    out = capsys.readouterr().out
+def test_exp04_table_and_errors(checkpoint_dir, run_script):
+    path = checkpoint_dir("qwen2-gqa-tied-bf16")  # 256 positions
+    out, _ = run_script("exp04_cache_memory", "--model", path, "--prompt-tokens", 8,
+                        "--new-tokens", 12)
     assert "no cache (full recompute)" in out and "KV cache (prefill + decode)" in out
     assert "tokens identical: 12 of 12" in out
-    with pytest.raises(SystemExit):
-        exp04.main(["--model", path, "--prompt-tokens", "200", "--new-tokens", "100"])
+    out, err = run_script("exp04_cache_memory", "--model", path, "--prompt-tokens", 200,
+                          "--new-tokens", 100, status=2)
+    assert out == "" and "256" in err
 
 
 def test_exp05_timed_loop_generates_what_generate_does(tiny_model):
@@ -102,25 +95,25 @@ def test_exp05_timed_loop_generates_what_generate_does(tiny_model):
     assert tokens == mt.generate(tiny_model, prompt, 10, eos_token_id=[])
 
 
-def test_exp05_table(checkpoint_dir, capsys):
-    rc = exp05.main(["--model", str(checkpoint_dir("llama-gqa")), "--prompt-tokens", "12",
-                     "--new-tokens", "6", "--repeat", "2", "--warmup", "0"])
-    rows = table_rows(capsys.readouterr().out, "phase ")
-    assert rc == 0
+def test_exp05_table(checkpoint_dir, run_script):
+    out, _ = run_script("exp05_prefill_vs_decode", "--model", checkpoint_dir("llama-gqa"),
+                        "--prompt-tokens", 12, "--new-tokens", 6, "--repeat", 2, "--warmup", 0)
+    rows = table_rows(out, "phase ")
     assert rows[0][:5] == ["prefill,", "12", "prompt", "tokens", "12"]
     assert rows[1][:4] == ["decode,", "5", "steps", "5"]
     assert all(float(x) > 0 for r in rows for x in r[-3:])
 
 
-def test_exp06_table_skips_lengths_beyond_the_model(checkpoint_dir, capsys):
-    rc = exp06.main(["--model", str(checkpoint_dir("llama-gqa")), "--lengths", "4", "16", "999",
-                     "--repeat", "1", "--warmup", "0"])
-    assert rc == 0
-    rows = table_rows(capsys.readouterr().out, "P ")
+def test_exp06_table_skips_lengths_beyond_the_model(checkpoint_dir, run_script):
+    path = checkpoint_dir("llama-gqa")
+    out, _ = run_script("exp06_prefill_cost", "--model", path, "--lengths", 4, 16, 999,
+                        "--repeat", 1, "--warmup", 0)
+    rows = table_rows(out, "P ")
     assert [r[0] for r in rows] == ["4", "16"]
     assert all(float(r[1]) > 0 for r in rows)
-    with pytest.raises(SystemExit):  # nothing left to measure: an argparse error, not max([])
-        exp06.main(["--model", str(checkpoint_dir("llama-gqa")), "--lengths", "999"])
+    # nothing left to measure: an argparse error, not max([])
+    out, err = run_script("exp06_prefill_cost", "--model", path, "--lengths", 999, status=2)
+    assert out == "" and "--lengths" in err and "Traceback" not in err
 
 
 def test_exp07_timed_step_sees_exactly_c_cached_tokens(tiny_model):
@@ -135,20 +128,18 @@ def test_exp07_timed_step_sees_exactly_c_cached_tokens(tiny_model):
     assert [t.repeat for t in timings] == [2 * t.rounds for t in timings]  # rounds of 2, pooled
 
 
-def test_exp07_table(checkpoint_dir, capsys):
-    rc = exp07.main(["--model", str(checkpoint_dir("qwen2-mha-untied")), "--lengths", "4", "16",
-                     "300", "--repeat", "1", "--warmup", "0"])
-    out = capsys.readouterr().out
-    assert rc == 0
+def test_exp07_table(checkpoint_dir, run_script):
+    out, _ = run_script("exp07_decode_cost", "--model", checkpoint_dir("qwen2-mha-untied"),
+                        "--lengths", 4, 16, 300, "--repeat", 1, "--warmup", 0)
     assert [r[0] for r in table_rows(out, "C ")] == ["4", "16"]  # 300 >= the 256 positions
     assert "C 4 -> 16 (4x the history)" in out
 
 
 def test_exp02_and_exp04_without_model_use_the_default_model(checkpoint_dir, monkeypatch,
-                                                              capsys):
+                                                              run_script):
     # --model defaults to the name 'default', which must be resolved, not read as a path
     monkeypatch.setattr("minitransformer.synth.default_model", lambda: checkpoint_dir("llama-gqa"))
-    assert exp02.main(["--lengths", "16", "--repeat", "1", "--warmup", "0"]) == 0
-    assert "(d = 8)" in capsys.readouterr().out
-    assert exp04.main(["--prompt-tokens", "4", "--new-tokens", "3"]) == 0
-    assert "tokens identical: 3 of 3" in capsys.readouterr().out
+    out, _ = run_script("exp02_attention_scaling", "--lengths", 16, "--repeat", 1, "--warmup", 0)
+    assert "(d = 8)" in out
+    out, _ = run_script("exp04_cache_memory", "--prompt-tokens", 4, "--new-tokens", 3)
+    assert "tokens identical: 3 of 3" in out

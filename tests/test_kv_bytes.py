@@ -1,20 +1,14 @@
 """Experiment 8: the KV-cache bytes formula against the bytes of the arrays actually held."""
-import importlib
-import sys
-from pathlib import Path
-
 import numpy as np
 import pytest
 
+import exp08_cache_bytes as exp08
 from minitransformer.backend import to_numpy
 from minitransformer.config import ModelConfig
 from minitransformer.kvcache import KVCache
 from minitransformer.model import forward
 from minitransformer.synth import qwen25_05b_config
 from sim.kv_memory import kv_bytes_per_token
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
-exp08 = importlib.import_module("exp08_cache_bytes")
 
 QWEN = ModelConfig.from_dict(qwen25_05b_config())
 
@@ -86,11 +80,10 @@ def test_headline_on_the_real_stories_model(stories):
     assert kv_bytes_per_token(c, 2) == per_token
 
 
-def test_script_table_is_exact(checkpoint_dir, monkeypatch, capsys):
+def test_script_table_is_exact(checkpoint_dir, monkeypatch, run_script):
     monkeypatch.setattr(exp08, "CHAPTER_ROWS", ((1, 295), (8, 32), (16, 16)))
-    rc = exp08.main(["--model", str(checkpoint_dir("qwen2-mqa-fp16")), "--tokens", "20"])
-    out = capsys.readouterr().out
-    assert rc == 0
+    out, _ = run_script("exp08_cache_bytes", "--model", checkpoint_dir("qwen2-mqa-fp16"),
+                        "--tokens", 20)
     assert "KV cache tensors per layer: (1, 1, 20, 8) float16" in out
     assert "measured: 1,280 bytes for 20 tokens = 64 bytes/token" in out  # 2 * 2 * 1 * 8 * 2
     formula = [line for line in out.splitlines() if line.startswith("formula : ")]

@@ -1,14 +1,10 @@
 """Experiments 15 to 21 run end to end on a tiny checkpoint and print their tables' shape."""
 import re
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
+from exp21_quantized_quality import swaps
 from minitransformer.synth import make_checkpoint, qwen2_config, train_tokenizer
-
-SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
 
 
 @pytest.fixture(scope="module")
@@ -23,13 +19,6 @@ def tiny(tmp_path_factory):
     return path, text
 
 
-def run(script, *args):
-    done = subprocess.run([sys.executable, str(SCRIPTS / script), *map(str, args)],
-                          capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-2000:]
-    return done.stdout
-
-
 @pytest.mark.parametrize("script, args, expected", [
     ("exp15_weight_memory.py", [], ["INT4 group-128", "expected B", "NF4 (block 64)"]),
     ("exp16_quant_error.py", [], ["INT8 per-row", "worst matrix", "mean error /"]),
@@ -42,20 +31,20 @@ def run(script, *args):
     ("exp19_int8_activation_levels.py", [], ["single tensor-wide scale", "distinct level"]),
     ("exp20_outlier_techniques.py", [], ["LLM.int8 decomposition", "GPTQ / AWQ"]),
 ])
-def test_script_prints_its_table(tiny, script, args, expected):
-    out = run(script, "--model", tiny[0], *args)
+def test_script_prints_its_table(tiny, run_script, script, args, expected):
+    out, _ = run_script(script, "--model", tiny[0], *args)
     for text in expected:
         assert text in out
 
 
-def test_exp16_rows_follow_the_schemes(tiny):
-    out = run("exp16_quant_error.py", "--model", tiny[0], "--schemes", "int8-row,nf4")
+def test_exp16_rows_follow_the_schemes(tiny, run_script):
+    out, _ = run_script("exp16_quant_error.py", "--model", tiny[0], "--schemes", "int8-row,nf4")
     rows = [line.split("  ")[0] for line in out.splitlines()]
     assert "INT8 per-row" in rows and "NF4 (block 64)" in rows and "INT4 per-tensor" not in rows
 
 
-def test_exp21_quality_table(tiny):
-    out = run("exp21_quantized_quality.py", "--model", tiny[0], "--text", tiny[1],
+def test_exp21_quality_table(tiny, run_script):
+    out, _ = run_script("exp21_quantized_quality.py", "--model", tiny[0], "--text", tiny[1],
               "--tokens", 64, "--window", 32, "--questions", 2, "--max-new-tokens", 3,
               "--positions", 8, "--schemes", "int8-row,nf4", "--llm-int8", 6)
     lines = [line for line in out.splitlines() if "/8" in line]
@@ -66,24 +55,20 @@ def test_exp21_quality_table(tiny):
     assert len(re.findall(r"\b\d/2 \[\d\.\d\d, \d\.\d\d\]", lines[0])) == 2
 
 
-def test_exp21_chat_needs_a_chat_template(tiny):
-    done = subprocess.run([sys.executable, str(SCRIPTS / "exp21_quantized_quality.py"),
-                           "--model", str(tiny[0]), "--text", str(tiny[1]), "--chat"],
-                          capture_output=True, text=True, timeout=300)
-    assert done.returncode == 2 and "has no chat template" in done.stderr
+def test_exp21_chat_needs_a_chat_template(tiny, run_script):
+    _, err = run_script("exp21_quantized_quality", "--model", tiny[0], "--text", tiny[1],
+                        "--chat", status=2)
+    assert "has no chat template" in err
 
 
 def test_exp21_names_the_schemes_that_swap():
-    sys.path.insert(0, str(SCRIPTS))
-    from exp21_quantized_quality import swaps
     line = swaps([("fp32", 12, 12), ("NF4", 11, 9), ("INT4 g128", 10, 10)], 1.1)
     assert "NF4 and INT4 g128 (11 vs 10 with rp 1.1, 9 vs 10 off)" in line
     assert "fp32 and" not in line and "and fp32" not in line
     assert "no two schemes" in swaps([("fp32", 3, 3), ("NF4", 2, 2)], 1.1)
 
 
-def test_exp21_says_when_the_text_is_too_short(tiny):
-    done = subprocess.run([sys.executable, str(SCRIPTS / "exp21_quantized_quality.py"),
-                           "--model", str(tiny[0]), "--text", str(tiny[1]), "--tokens", "100000"],
-                          capture_output=True, text=True, timeout=300)
-    assert done.returncode != 0 and "are needed; use --tokens or a longer --text" in done.stderr
+def test_exp21_says_when_the_text_is_too_short(tiny, run_script):
+    _, err = run_script("exp21_quantized_quality", "--model", tiny[0], "--text", tiny[1],
+                        "--tokens", 100000, status=2)
+    assert "are needed; use --tokens or a longer --text" in err

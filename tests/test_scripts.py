@@ -4,21 +4,11 @@ These are smoke tests with teeth: each script must exit cleanly, and where its t
 exact figure (the chapter's budget and speculative formulas, identical tokens) the figure is
 checked. Timings are printed by the scripts, never asserted here.
 """
-import importlib
 import json
-import sys
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
-
-
-def run(name, argv, capsys):
-    """Import scripts/<name>.py and call its main(argv) -> its stdout."""
-    code = importlib.import_module(name).main(argv)
-    assert code in (None, 0), f"{name} exited with {code}"
-    return capsys.readouterr().out
+import run_all
 
 
 @pytest.fixture(scope="module")
@@ -31,48 +21,46 @@ def tiny(tmp_path_factory):
     return str(make_checkpoint(tmp_path_factory.mktemp("tiny"), config, tokenizer=tokenizer))
 
 
-def test_exp01_identical_tokens(tiny, capsys):
-    out = run("exp01_kv_cache", ["--model", tiny, "--max-new-tokens", "12"], capsys)
+def test_exp01_identical_tokens(tiny, run_script):
+    out, _ = run_script("exp01_kv_cache", "--model", tiny, "--max-new-tokens", 12)
     assert "tokens identical: 12 of 12  -> identical output" in out
 
 
-def test_formula_scripts_print_the_chapter_figures(tiny, capsys):
-    out = run("exp24_memory_budget", [], capsys)
+def test_formula_scripts_print_the_chapter_figures(tiny, run_script):
+    out, _ = run_script("exp24_memory_budget")
     assert "337" in out and "65,378" in out and "3,136" in out and "13.0 GB" in out
-    out = run("exp22_speculative_formula", [], capsys)
+    out, _ = run_script("exp22_speculative_formula")
     assert "-> 3.40x" in out and "-> 0.79x" in out
-    out = run("exp10_mha_gqa_mqa", ["--chapter-model"], capsys)
+    out, _ = run_script("exp10_mha_gqa_mqa", "--chapter-model")
     assert "86,016 B/token" in out and "7.00x" in out
-    out = run("exp09_users_tokens", ["--chapter-model"], capsys)
+    out, _ = run_script("exp09_users_tokens", "--chapter-model")
     assert out.count("805,306,368") == 3
-    out = run("exp11_7b_context", [], capsys)
+    out, _ = run_script("exp11_7b_context")
     assert "131,072 B/token" in out
-    assert "MAC" in run("exp03_macs", ["--model", tiny], capsys)
+    assert "MAC" in run_script("exp03_macs", "--model", tiny)[0]
 
 
-def test_batching_scripts_run_and_feed_each_other(tiny, tmp_path, capsys):
+def test_batching_scripts_run_and_feed_each_other(tiny, tmp_path, run_script):
     costs = tmp_path / "costs.json"
-    run("exp12_batched_decode", ["--model", tiny, "--batch-sizes", "1,2,4", "--context", "8",
-                                 "--repeat", "2", "--save-step-costs", str(costs)], capsys)
+    run_script("exp12_batched_decode", "--model", tiny, "--batch-sizes", "1,2,4", "--context", 8,
+               "--repeat", 2, "--save-step-costs", costs)
     assert set(json.loads(costs.read_text())) == {"1", "2", "4"}
-    out = run("exp13_batching_sim", ["--step-costs", str(costs), "--slots", "4",
-                                     "--requests", "8", "--median", "4", "--max-len", "12",
-                                     "--total", "40"], capsys)
+    out, _ = run_script("exp13_batching_sim", "--step-costs", costs, "--slots", 4,
+                        "--requests", 8, "--median", 4, "--max-len", 12, "--total", 40)
     assert "measured" in out and "continuous" in out
-    out = run("exp13_engine", ["--model", tiny, "--requests", "8", "--median", "4",
-                               "--max-len", "12", "--total", "40", "--prompt-len", "6",
-                               "--check"], capsys)
+    out, _ = run_script("exp13_engine", "--model", tiny, "--requests", 8, "--median", 4,
+                        "--max-len", 12, "--total", 40, "--prompt-len", 6, "--check")
     assert "continuous vs static" in out
-    out = run("exp14_paged_cache", ["--model", tiny, "--block-sizes", "4,16"], capsys)
+    out, _ = run_script("exp14_paged_cache", "--model", tiny, "--block-sizes", "4,16")
     assert "paged" in out
-    out = run("bench_engine", ["--model", tiny, "--requests", "4", "--prompt-len", "4-8",
-                               "--new-tokens", "4-8", "--slots", "2"], capsys)
+    out, _ = run_script("bench_engine", "--model", tiny, "--requests", 4, "--prompt-len", "4-8",
+                        "--new-tokens", "4-8", "--slots", 2)
     assert "4/4" in out
 
 
-def test_bench_decode_runs_and_checks_its_bits(tiny, capsys):
-    out = run("bench_decode", ["--model", tiny, "--context", "8", "--repeat", "2",
-                               "--buffer-mb", "16"], capsys)
+def test_bench_decode_runs_and_checks_its_bits(tiny, run_script):
+    out, _ = run_script("bench_decode", "--model", tiny, "--context", 8, "--repeat", 2,
+                        "--buffer-mb", 16)
     assert "against the memory-bandwidth floor" in out and "/ floor" in out
     assert "bit for bit" in out  # batch-invariant rows: each exactly B = 1's logits
     assert "Quantized decode" in out and "NF4 (block 64)" in out
@@ -81,6 +69,6 @@ def test_bench_decode_runs_and_checks_its_bits(tiny, capsys):
 
 def test_run_all_runs_a_selection(tiny, capfd):
     """run_all starts each script as a process: its tables reach the file descriptor."""
-    assert importlib.import_module("run_all").main(["--model", tiny, "--only", "exp(09|24)"]) == 0
+    assert run_all.main(["--model", tiny, "--only", "exp(09|24)"]) == 0
     out = capfd.readouterr().out
     assert "Experiment 9: KV cache for users x tokens" in out and "Experiment 24" in out

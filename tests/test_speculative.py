@@ -257,26 +257,19 @@ def test_a_wrong_rule_fails_the_same_test(pair, monkeypatch, wrong_rule):
     assert goodness_of_fit(samples, joint) < 1e-6
 
 
-def run_exp22(model_path, *args):
-    import subprocess
-    import sys
-    from pathlib import Path
-    script = Path(__file__).resolve().parents[1] / "scripts" / "exp22_speculative.py"
-    done = subprocess.run([sys.executable, str(script), "--model", str(model_path),
-                           "--new-tokens", "16", "--repeats", "1", "--max-gamma", "3", *args],
-                          capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-2000:]
-    return done.stdout
+def run_exp22(run_script, model_path, *args):
+    return run_script("exp22_speculative", "--model", model_path, "--new-tokens", 16,
+                      "--repeats", 1, "--max-gamma", 3, *args)[0]
 
 
-def test_exp22_script_runs_and_finds_every_output_identical(stories):
-    out = run_exp22(stories.path, "--schemes", "int4-row")
+def test_exp22_script_runs_and_finds_every_output_identical(stories, run_script):
+    out = run_exp22(run_script, stories.path, "--schemes", "int4-row")
     for text in ("prompt lookup", "INT4 per-row", "first 2 of 5 layers", "v(n)",
                  "tokens identical to plain greedy in every run: yes"):
         assert text in out
 
 
-def test_exp22_script_on_the_default_model():
-    out = run_exp22("default", "--schemes", "int8-row", "--no-layers-draft")
+def test_exp22_script_on_the_default_model(run_script):
+    out = run_exp22(run_script, "default", "--schemes", "int8-row", "--no-layers-draft")
     assert "prompt lookup" in out and "INT8 per-row" in out and "first" not in out
     assert "tokens identical to plain greedy in every run: yes" in out

@@ -1,15 +1,12 @@
 """The scripts' table helper: aligned text, warnings beside their rows, the chapter's lines, the
 same table recorded as JSON; progress lines with a count and an estimate of what is left."""
 import json
-import sys
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
-from _chapter import CHAPTER, FIGURES  # noqa: E402
-from _common import Progress  # noqa: E402
-from _table import Table  # noqa: E402
+from _chapter import CHAPTER, FIGURES
+from _common import Progress
+from _table import Table
 
 
 def small_table():
