@@ -1,8 +1,8 @@
 """Experiment 7: the cost of one decode step as the cache grows, C = 16 ... 1,024.
 
 A cache is filled by prefill to C tokens, then one decode step (one token through the model,
-attending over the C cached ones, the head, the argmax) is timed; ``trim(1)`` rolls that token
-back so that every timed step sees exactly C. The fastest and the median of --repeat steps after
+attending over the C cached ones, and the head) is timed; a rollback, untimed, trims that token
+off so that every timed step sees exactly C (measure.timing.step_with_rollback). The fastest and the median of --repeat steps after
 --warmup (more while the median sits far above the fastest). Then the cache grows to the next C
 by prefilling the tokens in between (in one chunk), and so on. A step that comes out cheaper
 against a longer cache is measured again (a fresh pass) and flagged if it persists.
@@ -19,20 +19,12 @@ import numpy as np
 from _common import (Progress, add_model_argument, add_threads_argument, load_model, say,
                      timing_header)
 from _table import Table
-from minitransformer.generate import last_logits
 from minitransformer.kvcache import KVCache
-from minitransformer.measure.timing import median_time
+from minitransformer.measure.timing import median_time, step_with_rollback
 from minitransformer.model import forward
 from minitransformer.measure.sanity import cost_falls, recheck
 from minitransformer.shape import decode_read_bytes
 from sim.kv_memory import format_bytes, kv_bytes_per_token
-
-
-def decode_step(model, cache, token: int) -> int:
-    """One greedy decode step against the cache, then rolled back: -> the next token."""
-    logits = last_logits(model, forward(model, np.array([[token]]), cache))  # (1, 1) -> (1, V)
-    cache.trim(1)  # back to exactly the tokens it held, for the next timed step
-    return int(np.argmax(logits[0]))
 
 
 def step_times(model, lengths, warmup, repeat, seed=0):
@@ -45,7 +37,8 @@ def step_times(model, lengths, warmup, repeat, seed=0):
         held = int(cache.lengths[0])
         forward(model, ids[None, held:C], cache)        # grow the cache to C: prefill the gap
         token = int(ids[C])
-        timings.append(median_time(lambda: decode_step(model, cache, token), warmup, repeat))
+        step, rollback = step_with_rollback(model, cache, [[token]])     # (1, 1)
+        timings.append(median_time(step, warmup, repeat, after=rollback))
         progress(f"C={C}: {timings[-1].best * 1e3:.1f} ms/step "
                  f"(median {timings[-1].median * 1e3:.1f})")
     return timings

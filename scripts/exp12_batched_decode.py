@@ -32,7 +32,7 @@ from _table import Table
 from minitransformer.backend import to_device
 from minitransformer.generate import last_logits
 from minitransformer.kvcache import KVCache
-from minitransformer.measure.timing import time_together
+from minitransformer.measure.timing import step_with_rollback, time_together
 from minitransformer.model import forward
 from minitransformer.serve.paged import PagedCache, blocks_for, gather
 from minitransformer.measure.sanity import cost_falls, recheck
@@ -108,16 +108,12 @@ def main(argv=None):
             return last_logits(model, forward(model, ids[:B, None], cache.view(rows),
                                               batch_invariant), batch_invariant)
 
-        def step_contiguous():
-            rows_kv = KVCache([k[:B] for k in kv.k], [v[:B] for v in kv.v], kv.lengths[:B])
-            last_logits(model, forward(model, ids[:B, None], rows_kv))
-
         def rollback_paged():
             for b in rows:
                 cache.trim(b, 1)
 
-        def rollback_contiguous():
-            kv.lengths[:] = args.context
+        rows_kv = KVCache([k[:B] for k in kv.k], [v[:B] for v in kv.v], kv.lengths[:B])
+        step_contiguous, rollback_contiguous = step_with_rollback(model, rows_kv, ids[:B, None])
         return ([step_paged, lambda: step_paged(True), step_contiguous],
                 [rollback_paged, rollback_paged, rollback_contiguous])
 

@@ -26,23 +26,22 @@ from _common import (Progress, add_model_argument, add_schemes_argument, add_thr
 from _table import Table
 from minitransformer.kvcache import KVCache
 from minitransformer.lookup import PASSAGE, PromptLookup, rewrite_prompt
-from minitransformer.measure.timing import time_together
-from minitransformer.model import forward, head
-from minitransformer.measure.sanity import recheck, speedup_bound
-from minitransformer.shape import decode_read_bytes
-from minitransformer.measure.timing import verification_costs
-from minitransformer.speculative import first_layers, speculative_generate
 from minitransformer.measure.quality import agreement, reference_tokens
+from minitransformer.measure.sanity import recheck, speedup_bound
+from minitransformer.measure.timing import step_with_rollback, time_together, verification_costs
+from minitransformer.model import forward
+from minitransformer.shape import decode_read_bytes
+from minitransformer.speculative import first_layers, speculative_generate
 from quant.qmodel import SCHEMES, quantize_model
 from sim.speculative import best_gamma, best_lookup_gamma, expected_tokens, speedup
+
 
 def draft_cost(target, draft, ids, repeat) -> float:
     """c: one decode step of the draft over one of the target, timed side by side."""
     def step(model):
         kv = KVCache.allocate(model.config, 1, len(ids) + 1)
         forward(model, np.array([ids[:-1]]), kv)
-        return (lambda: head(model, forward(model, np.array([ids[-1:]]), kv)),
-                lambda: kv.trim(1))
+        return step_with_rollback(model, kv, np.array([ids[-1:]]))     # (1, 1)
     (t_target, undo_t), (t_draft, undo_d) = step(target), step(draft)
     times = time_together([t_target, t_draft], repeat=repeat, after=[undo_t, undo_d])
     return times[1].best / times[0].best

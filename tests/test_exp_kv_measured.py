@@ -14,6 +14,7 @@ import exp07_decode_cost as exp07
 import minitransformer as mt
 from minitransformer.backend import BACKEND, to_numpy
 from minitransformer.kvcache import KVCache
+from minitransformer.measure.timing import step_with_rollback
 from minitransformer.model import forward
 
 numpy_only = pytest.mark.skipif(BACKEND != "numpy", reason="byte counts below are tracemalloc's")
@@ -121,8 +122,11 @@ def test_exp07_timed_step_sees_exactly_c_cached_tokens(tiny_model):
     cache = KVCache.allocate(tiny_model.config, batch=1, max_len=len(ids))
     forward(tiny_model, np.array([ids[:7]]), cache)                 # C = 7
     expected = int(np.argmax(mt.logits(tiny_model, ids)[-1]))       # full recompute of C + 1
+    step, rollback = step_with_rollback(tiny_model, cache, [[ids[7]]])
     for _ in range(3):  # repeated, as the timing loop does: the same step each time
-        assert exp07.decode_step(tiny_model, cache, ids[7]) == expected
+        assert int(np.argmax(step()[0, -1])) == expected
+        assert cache.lengths.tolist() == [8]
+        rollback()
         assert cache.lengths.tolist() == [7]
     timings = exp07.step_times(tiny_model, [3, 9], warmup=1, repeat=2)
     assert [t.repeat for t in timings] == [2 * t.rounds for t in timings]  # rounds of 2, pooled

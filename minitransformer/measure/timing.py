@@ -40,7 +40,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from minitransformer.backend import BACKEND, synchronize, xp
+from minitransformer.backend import BACKEND, synchronize, to_numpy, xp
 from minitransformer.kvcache import KVCache
 from minitransformer.model import forward, head
 
@@ -125,10 +125,26 @@ def time_together(fns, warmup: int = 1, repeat: int = 5, after=None, max_spread=
 
 
 def median_time(fn, warmup: int = 1, repeat: int = 5, clock=time.perf_counter,
-                max_spread=MAX_SPREAD, retries=RETRIES) -> Timing:
-    """One function timed: ``time_together([fn], ...)[0]``."""
-    return time_together([fn], warmup, repeat, max_spread=max_spread, retries=retries,
+                max_spread=MAX_SPREAD, retries=RETRIES, after=None) -> Timing:
+    """One function timed: ``time_together([fn], ..., after=[after])[0]``."""
+    return time_together([fn], warmup, repeat, [after], max_spread=max_spread, retries=retries,
                          clock=clock)[0]
+
+
+def step_with_rollback(model, cache, tokens, batch_invariant=False) -> tuple:
+    """A forward pass to time over and over on one cache -> (step, rollback).
+
+    step() runs tokens (B, n) on top of what the cache holds and returns the host logits of
+    the n new positions (B, n, V): n = 1 is a decode step, n > 1 a verification pass (which
+    reads every position it checks). rollback() trims the n positions back off, so each call
+    sees the very same cache: pass it as time_together's ``after``, which is not timed.
+    """
+    tokens = np.asarray(tokens)                                              # (B, n)
+
+    def step():
+        hidden = forward(model, tokens, cache, batch_invariant)             # (B, n, D)
+        return to_numpy(head(model, hidden, batch_invariant))               # (B, n, V)
+    return step, lambda: cache.trim(tokens.shape[1])
 
 
 def timed(fn, clock=time.perf_counter):
@@ -228,8 +244,7 @@ def verification_costs(model, ids, largest: int, repeat: int = 5) -> dict:
     kv = KVCache.allocate(model.config, 1, len(ids))
     forward(model, np.array([ids[:-largest - 1]]), kv)
     tail = np.array([ids[-largest - 1:]])
-    passes = [lambda k=k: head(model, forward(model, tail[:, :k], kv))
-              for k in range(1, largest + 2)]
-    times = time_together(passes, repeat=repeat,
-                          after=[lambda k=k: kv.trim(k) for k in range(1, largest + 2)])
+    passes, rollbacks = zip(*(step_with_rollback(model, kv, tail[:, :k])
+                              for k in range(1, largest + 2)))
+    times = time_together(passes, repeat=repeat, after=rollbacks)
     return {n: times[n].best / times[0].best for n in range(1, largest + 1)}
