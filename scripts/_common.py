@@ -4,6 +4,7 @@ Scripts print their table on stdout and everything else (progress, timing, notes
 so `python scripts/expNN_....py > table.txt` captures exactly the chapter's table.
 """
 import argparse
+import math
 import os
 import sys
 import time
@@ -124,6 +125,47 @@ def positive_ints(text):
     except argparse.ArgumentTypeError:
         raise argparse.ArgumentTypeError(f"expected integers >= 1 separated by commas, "
                                          f"got {text!r}") from None
+
+
+def integers(text):
+    """argparse type: comma-separated integers, e.g. '0,62,826' -> [0, 62, 826]."""
+    try:
+        return [int(item) for item in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected integers separated by commas, "
+                                         f"got {text!r}") from None
+
+
+def numbers(text):
+    """argparse type: comma-separated numbers, inf allowed, e.g. '0.5,1,inf' -> [0.5, 1.0, inf].
+    What range each may take is the script's to check (or the function it feeds)."""
+    try:
+        values = [float(item) for item in text.split(",")]
+    except ValueError:
+        values = [math.nan]
+    if any(math.isnan(v) for v in values):
+        raise argparse.ArgumentTypeError(f"expected numbers separated by commas, got {text!r}")
+    return values
+
+
+def add_workload_arguments(parser, requests=64, median=18, max_len=231, total=1874):
+    """Experiment 13's requests: how many, and the skew of their output lengths (defaults:
+    the chapter's 64 requests, median 18, max 231, 1,874 tokens in all). -> workload_lengths."""
+    group = parser.add_argument_group("workload (output lengths, sim/workload.py)")
+    group.add_argument("--requests", type=positive_int, default=requests)
+    group.add_argument("--median", type=float, default=median, help="median output tokens")
+    group.add_argument("--max-len", type=positive_int, default=max_len, help="longest output")
+    group.add_argument("--total", type=positive_int, default=total, help="output tokens in all")
+    group.add_argument("--sigma", type=float, default=1.0,
+                       help="log-normal spread of the drawn lengths (default: 1.0)")
+    group.add_argument("--lengths-seed", type=int, default=0)
+
+
+def workload_lengths(args):
+    """The output lengths add_workload_arguments asked for (a ValueError where none fit)."""
+    from sim.workload import skewed_lengths
+    return skewed_lengths(args.requests, args.median, args.max_len, args.total, args.sigma,
+                          args.lengths_seed)
 
 
 def load_model(path):

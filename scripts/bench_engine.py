@@ -16,7 +16,7 @@ import argparse
 import numpy as np
 
 from _common import (Progress, add_model_argument, add_threads_argument, load_model, mt,
-                     positive_int, timing_header)
+                     positive_int, positive_ints, timing_header)
 from _table import Table
 from minitransformer.serve.engine import Engine, Request
 from minitransformer.measure.timing import time_together
@@ -28,7 +28,8 @@ def main(argv=None):
     parser.add_argument("--requests", type=int, default=24)
     parser.add_argument("--prompt-len", default="8-48", help="range of prompt lengths")
     parser.add_argument("--new-tokens", default="8-64", help="range of output lengths")
-    parser.add_argument("--slots", default="4,8,16", help="engine slot counts to run")
+    parser.add_argument("--slots", type=positive_ints, default="4,8,16",
+                        help="engine slot counts to run")
     parser.add_argument("--block-size", type=positive_int, default=16)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--repeat", type=positive_int, default=2,
@@ -38,11 +39,11 @@ def main(argv=None):
     try:
         p_lo, p_hi = (int(x) for x in args.prompt_len.split("-"))
         n_lo, n_hi = (int(x) for x in args.new_tokens.split("-"))
-        slot_counts = [int(s) for s in args.slots.split(",")]
     except ValueError:
-        parser.error("--prompt-len and --new-tokens take LO-HI, --slots a comma-separated list")
-    if min(p_lo, n_lo, args.requests, *slot_counts) < 1 or p_lo > p_hi or n_lo > n_hi:
-        parser.error("lengths, --requests and --slots must be >= 1, ranges LO <= HI")
+        parser.error("--prompt-len and --new-tokens take LO-HI")
+    if min(p_lo, n_lo, args.requests) < 1 or p_lo > p_hi or n_lo > n_hi:
+        parser.error("lengths and --requests must be >= 1, ranges LO <= HI")
+    slot_counts = args.slots
 
     model = load_model(args.model)
     rng = np.random.default_rng(args.seed)

@@ -32,9 +32,10 @@ import urllib.request
 
 import numpy as np
 
-from _common import add_model_argument, load_model, positive_int, progress, say
+from _common import (add_model_argument, add_workload_arguments, load_model, numbers,
+                     positive_int, progress, say, workload_lengths)
 from _table import Table
-from sim.workload import make_workload, skewed_lengths
+from sim.workload import make_workload
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NAME = "bench"
@@ -138,11 +139,7 @@ def served_tokens(port) -> int:
 
 
 def rates(text):
-    try:
-        values = [float(v) for v in text.split(",")]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r}: comma-separated numbers (inf allowed)") \
-            from None
+    values = numbers(text)
     if not all(v > 0 for v in values):
         raise argparse.ArgumentTypeError("every rate must be > 0 requests/s")
     return values
@@ -153,10 +150,7 @@ def main(argv=None):
     add_model_argument(parser)
     parser.add_argument("--rates", type=rates, default=[1.0, 4.0, math.inf],
                         help="Poisson arrival rates, requests/s (inf: all at once)")
-    parser.add_argument("--requests", type=positive_int, default=32, help="requests per rate")
-    parser.add_argument("--median", type=float, default=12, help="median output tokens")
-    parser.add_argument("--max-len", type=positive_int, default=96, help="longest output")
-    parser.add_argument("--total", type=int, default=700, help="output tokens in all")
+    add_workload_arguments(parser, requests=32, median=12, max_len=96, total=700)
     parser.add_argument("--prompt-len", type=positive_int, default=16, help="tokens per prompt")
     parser.add_argument("--slots", type=positive_int, default=8)
     parser.add_argument("--block-size", type=positive_int, default=16)
@@ -166,8 +160,7 @@ def main(argv=None):
     parser.add_argument("--timeout", type=float, default=600, help="seconds per request")
     args = parser.parse_args(argv)
     try:
-        lengths = skewed_lengths(args.requests, args.median, args.max_len, args.total,
-                                 seed=args.seed)
+        lengths = workload_lengths(args)
     except ValueError as e:
         parser.error(str(e))
     model = load_model(args.model)

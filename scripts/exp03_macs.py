@@ -8,7 +8,8 @@ counted is listed in sim/macs.py and printed under the table.
 import argparse
 import time
 
-from _common import add_chapter_model_argument, add_model_argument, model_config, say
+from _common import (add_chapter_model_argument, add_model_argument, model_config, positive_ints,
+                     say)
 from _table import Table
 from sim.arch import arch
 from sim.macs import compare
@@ -18,12 +19,12 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_model_argument(parser)
     add_chapter_model_argument(parser)
-    parser.add_argument("--tokens", default="64,128,256,512,1024,2048",
+    parser.add_argument("--tokens", type=positive_ints, default="64,128,256,512,1024,2048",
                         help="generation lengths T, comma-separated (default: %(default)s)")
     parser.add_argument("--prompt-len", type=int, default=1,
                         help="prompt tokens before the first generated one (default: 1)")
     args = parser.parse_args(argv)
-    tokens = [int(t) for t in args.tokens.split(",")]
+    tokens = args.tokens
 
     source, config = model_config(args)
     a = arch(config)

@@ -6,7 +6,7 @@ The chapter's 7B class: 32 layers, 8 key-value heads of dimension 128 (128 KB/to
 """
 import argparse
 
-import _common  # noqa: F401  (puts the repository on sys.path)
+from _common import positive_ints
 from _table import Table
 from sim.kv_memory import (GB, context_table, crossing_tokens, format_bytes,
                            kv_bytes_per_token)
@@ -15,7 +15,7 @@ from sim.memory_budget import FP16, SEVEN_B, ModelSpec, weight_bytes
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--contexts", default="1024,4096,8192,16384,32768,65536,100000,128000",
+    parser.add_argument("--contexts", type=positive_ints, default="1024,4096,8192,16384,32768,65536,100000,128000",
                         help="context lengths in tokens, comma-separated (default: %(default)s)")
     parser.add_argument("--layers", type=int, default=SEVEN_B.num_hidden_layers)
     parser.add_argument("--kv-heads", type=int, default=SEVEN_B.num_key_value_heads)
@@ -23,7 +23,7 @@ def main(argv=None):
     parser.add_argument("--params", type=float, default=SEVEN_B.parameters,
                         help="parameter count, for the fp16 weights (default: 7e9)")
     args = parser.parse_args(argv)
-    contexts = [int(n) for n in args.contexts.split(",")]
+    contexts = args.contexts
 
     model = ModelSpec("7B-class", args.params, args.layers, args.kv_heads, args.head_dim)
     weights = weight_bytes(model, FP16)

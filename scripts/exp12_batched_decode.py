@@ -26,8 +26,8 @@ import time
 
 import numpy as np
 
-from _common import (Progress, add_model_argument, add_threads_argument, load_model, progress,
-                     say, timing_header)
+from _common import (Progress, add_model_argument, add_threads_argument, load_model,
+                     positive_ints, progress, say, timing_header)
 from _table import Table
 from minitransformer.backend import to_device
 from minitransformer.generate import last_logits
@@ -73,7 +73,7 @@ def knee(sizes, tps, gain):
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_model_argument(parser)
-    parser.add_argument("--batch-sizes", default="1,2,4,8,16,24,32",
+    parser.add_argument("--batch-sizes", type=positive_ints, default="1,2,4,8,16,24,32",
                         help="comma-separated (default: %(default)s)")
     parser.add_argument("--context", type=int, default=64, help="tokens cached per sequence")
     parser.add_argument("--block-size", type=int, default=16)
@@ -87,12 +87,9 @@ def main(argv=None):
     parser.add_argument("--seed", type=int, default=0)
     add_threads_argument(parser)
     args = parser.parse_args(argv)
-    try:
-        sizes = sorted({int(b) for b in args.batch_sizes.split(",")})
-    except ValueError:
-        parser.error(f"--batch-sizes {args.batch_sizes!r}: expected integers like 1,2,4")
-    if sizes[0] < 1 or args.context < 1 or args.repeat < 1 or args.block_size < 1:
-        parser.error("batch sizes, --context, --repeat and --block-size must be >= 1")
+    sizes = sorted(set(args.batch_sizes))
+    if args.context < 1 or args.repeat < 1 or args.block_size < 1:
+        parser.error("--context, --repeat and --block-size must be >= 1")
 
     model = load_model(args.model)
     ran_on = timing_header(args)

@@ -13,12 +13,12 @@ import time
 
 import numpy as np
 
-from _common import say
+from _common import add_workload_arguments, numbers, say, workload_lengths
 from _table import Table
 from minitransformer.serve.records import metrics
 from sim.batching import (AffineCost, TableCost, capacity_rate, first_crossing,
                           simulate_continuous, simulate_static, sweep)
-from sim.workload import make_workload, skewed_lengths
+from sim.workload import make_workload
 
 LOADS = "0.05,0.1,0.2,0.3,0.4,0.5,0.6,0.7,0.8,0.9,1,1.25,1.5,2,3,5,inf"
 
@@ -52,17 +52,11 @@ def main(argv=None):
     parser.add_argument("--prefill-ms", type=float, default=0.0,
                         help="prefill charged per admitted request, added to the step that "
                              "admits it (default: 0, decode steps only, as the chapter)")
-    parser.add_argument("--requests", type=int, default=64)
-    parser.add_argument("--median", type=float, default=18)
-    parser.add_argument("--max-len", type=int, default=231)
-    parser.add_argument("--total", type=int, default=1874)
-    parser.add_argument("--sigma", type=float, default=1.0,
-                        help="log-normal spread of the drawn lengths (default: 1.0)")
-    parser.add_argument("--lengths-seed", type=int, default=0)
+    add_workload_arguments(parser)
     parser.add_argument("--rate", type=float, default=math.inf,
                         help="arrival rate (requests/s) of the first table (default: inf, "
                              "all at t = 0)")
-    parser.add_argument("--loads", default=LOADS,
+    parser.add_argument("--loads", type=numbers, default=LOADS,
                         help="sweep rates as multiples of what full continuous slots serve "
                              "(default: %(default)s)")
     parser.add_argument("--seeds", type=int, default=5,
@@ -71,8 +65,7 @@ def main(argv=None):
 
     try:
         cost = TableCost.from_json(args.step_costs) if args.step_costs else AffineCost()
-        lengths = skewed_lengths(args.requests, args.median, args.max_len, args.total,
-                                 args.sigma, args.lengths_seed)
+        lengths = workload_lengths(args)
         arrivals = make_workload(lengths, args.rate, seed=0)
         prefill = args.prefill_ms / 1e3
         runs = [simulate_static(arrivals, args.slots, cost, prefill),
@@ -94,7 +87,7 @@ def main(argv=None):
     table.show()
 
     capacity = capacity_rate(lengths, args.slots, cost)
-    loads = [float(x) for x in args.loads.split(",")]
+    loads = args.loads
     start = time.perf_counter()
     points = sweep(lengths, [x * capacity for x in loads], args.slots, cost, prefill,
                    range(args.seeds))

@@ -20,21 +20,20 @@ import math
 
 import numpy as np
 
-from _common import (Progress, add_model_argument, add_threads_argument, load_model, mt, say,
-                     timing_header)
+from _common import (Progress, add_model_argument, add_threads_argument, add_workload_arguments,
+                     load_model, mt, say, timing_header, workload_lengths)
 from _table import Table
 from minitransformer.serve.engine import Engine, pool_for
 from minitransformer.measure.timing import Timing
 from minitransformer.measure.sanity import cost_falls
 from minitransformer.serve.records import Request, metrics
 from sim.batching import TableCost, simulate_continuous, simulate_static
-from sim.workload import make_workload, skewed_lengths
+from sim.workload import make_workload
 
 
 def workload(args, vocab_size):
     """-> (lengths, engine requests) for the chapter's skewed lengths."""
-    lengths = skewed_lengths(args.requests, args.median, args.max_len, args.total,
-                             args.sigma, args.lengths_seed)
+    lengths = workload_lengths(args)
     arrivals = [a.time for a in make_workload(lengths, args.rate, seed=0)]
     rng = np.random.default_rng(args.seed)
     requests = [Request(tuple(rng.integers(0, vocab_size, args.prompt_len).tolist()), n,
@@ -94,12 +93,7 @@ def main(argv=None):
                         help="paged pool size (default: every slot can hold its longest "
                              "request, so nobody is preempted)")
     parser.add_argument("--prompt-len", type=int, default=16, help="tokens per prompt")
-    parser.add_argument("--requests", type=int, default=64)
-    parser.add_argument("--median", type=float, default=18)
-    parser.add_argument("--max-len", type=int, default=231)
-    parser.add_argument("--total", type=int, default=1874)
-    parser.add_argument("--sigma", type=float, default=1.0)
-    parser.add_argument("--lengths-seed", type=int, default=0)
+    add_workload_arguments(parser)
     parser.add_argument("--rate", type=float, default=math.inf,
                         help="Poisson arrivals, requests/s (default: inf, all at t = 0)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the random prompts")

@@ -12,7 +12,7 @@ import argparse
 
 import numpy as np
 
-from _common import add_model_argument, choose_layer, encode_prompt, load_model, say
+from _common import add_model_argument, choose_layer, encode_prompt, integers, load_model, say
 from _table import Table
 from quant.activations import PROMPT, capture_residuals, int8_levels, quantile_dims
 
@@ -24,7 +24,8 @@ def main(argv=None):
     parser.add_argument("--layer", type=int, default=None,
                         help="layer whose output is quantized (default: two thirds of the way)")
     parser.add_argument("--exclude", type=int, default=4, help="top dimensions left out")
-    parser.add_argument("--dims", default=None, help="comma-separated dimensions to show")
+    parser.add_argument("--dims", type=integers, default=None,
+                        help="comma-separated dimensions to show")
     args = parser.parse_args(argv)
     model = load_model(args.model)
     ids = encode_prompt(model, args.prompt)
@@ -32,7 +33,7 @@ def main(argv=None):
     say(f"forward pass over {len(ids)} tokens")
     h = capture_residuals(model, ids)[layer]                           # (T, D)
     maxima = np.abs(h).max(axis=0)                                     # (D,)
-    dims = ([int(d) for d in args.dims.split(",")] if args.dims else quantile_dims(maxima))
+    dims = args.dims or quantile_dims(maxima)
     if not all(0 <= d < h.shape[1] for d in dims):
         raise ValueError(f"--dims must be in 0..{h.shape[1] - 1}")
     one = int8_levels(h, dims)

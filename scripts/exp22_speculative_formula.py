@@ -8,14 +8,10 @@ another script; pass its alphas here with --alphas to read off what they are wor
 """
 import argparse
 
-import _common  # noqa: F401  (puts the repository on sys.path)
+from _common import numbers, positive_ints
 from _table import Table
 from sim.speculative import expected_tokens, speedup
 from sim.speculative import table as formula_table
-
-
-def floats(text):
-    return [float(x) for x in text.split(",")]
 
 
 def grid(title, alphas, gammas, cell, last=False):
@@ -29,15 +25,15 @@ def grid(title, alphas, gammas, cell, last=False):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--alphas", type=floats, default=floats("0.3,0.5,0.7,0.8,0.9,0.95"),
+    parser.add_argument("--alphas", type=numbers, default="0.3,0.5,0.7,0.8,0.9,0.95",
                         help="acceptance rates, comma-separated (default: 0.3,...,0.95)")
-    parser.add_argument("--gammas", default="1,2,4,8",
+    parser.add_argument("--gammas", type=positive_ints, default="1,2,4,8",
                         help="draft lengths, comma-separated (default: %(default)s)")
-    parser.add_argument("--costs", type=floats, default=floats("0.1,0.2"),
+    parser.add_argument("--costs", type=numbers, default="0.1,0.2",
                         help="draft cost per token as a fraction of the target's "
                              "(default: 0.1,0.2)")
     args = parser.parse_args(argv)
-    gammas = [int(g) for g in args.gammas.split(",")]
+    gammas = args.gammas
     try:  # every cell first, so a bad value fails before half a table is printed
         cells = {(x.c, x.alpha, x.gamma): x for x in formula_table(args.alphas, gammas, args.costs)}
     except ValueError as e:

@@ -15,7 +15,7 @@ import argparse
 
 import numpy as np
 
-from _common import add_model_argument, encode_prompt, load_model, mt
+from _common import add_model_argument, encode_prompt, load_model, mt, numbers
 from _table import Table
 from minitransformer.distill import (distillation_grad, distillation_loss, rank_ratio,
                                      soft_labels, top_tokens)
@@ -43,14 +43,10 @@ def main(argv=None):
     add_model_argument(parser, default="smollm2")
     parser.add_argument("--prompt", default="She poured the milk into the", help="prompt text")
     parser.add_argument("--top", type=int, default=5, help="tokens shown (default: 5)")
-    parser.add_argument("--temperatures", default="1,2,4,8",
+    parser.add_argument("--temperatures", type=numbers, default="1,2,4,8",
                         help="temperatures of the loss table, comma-separated")
     args = parser.parse_args(argv)
-    try:
-        temperatures = [float(t) for t in args.temperatures.split(",")]
-    except ValueError:
-        parser.error(f"--temperatures must be numbers separated by commas, "
-                     f"got {args.temperatures!r}")
+    temperatures = args.temperatures
     if not all(0 < t < float("inf") for t in temperatures):
         parser.error(f"every temperature must be a finite number > 0, got {args.temperatures}")
 

@@ -11,16 +11,12 @@ import argparse
 import dataclasses
 from pathlib import Path
 
-from _common import say
+from _common import numbers, say
 from minitransformer.config import load_config
 from _table import Table
 from sim.kv_memory import format_bytes
 from sim.memory_budget import (INT4, MODELS, PRECISIONS, Assumptions, ModelSpec,
                                budget_table)
-
-
-def floats(text):
-    return [float(x) for x in text.split(",")]
 
 
 def cells(row, gb):
@@ -35,7 +31,7 @@ def cells(row, gb):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--cards", type=floats, default=[8, 16, 24],
+    parser.add_argument("--cards", type=numbers, default=[8, 16, 24],
                         help="card memory in GB, comma-separated (default: 8,16,24)")
     parser.add_argument("--reserve-gb", type=float, default=Assumptions.reserve_gb,
                         help="held back on every card for activations and runtime "
