@@ -229,8 +229,8 @@ QUANT_BATCHES = (1, 4)
 
 
 def quantized_tables(models, args, ran_on):
-    """Each scheme's decode step against the fp32 step, resident bytes beside (issue 14.2);
-    prompt lookup against plain greedy on the rewrite task (issue 14.4). Side by side."""
+    """Each scheme's decode step against the fp32 step, resident bytes beside; prompt lookup
+    against plain greedy on the rewrite task. Side by side."""
     from quant.qmodel import SCHEMES, quantize_model, resident_bytes
     say("[+] quantized decode steps against fp32, side by side ...")
     quant = Table("Quantized decode: each scheme's step over the fp32 step",

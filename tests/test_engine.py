@@ -128,7 +128,7 @@ def test_cancelling_the_last_member_ends_a_static_batch(tiny_model):
 
 
 def test_cancelling_the_last_static_member_with_nothing_waiting_returns_the_batch(tiny_model):
-    # issue 12: the finished padding member was never freed nor returned (returned nan, its
+    # once a bug: the finished padding member was never freed nor returned (returned nan, its
     # blocks held, metrics' latency nan) when nothing waited to start a next step
     requests = [Request((1, 2), 2, eos_token_id=[]), Request((3, 4), 30, eos_token_id=[])]
     engine = Engine(tiny_model, slots=2, num_blocks=12, block_size=4, policy="static")
@@ -197,7 +197,7 @@ def test_bad_settings_and_requests_are_refused(tiny_model):
     assert engine.results == [] and not engine.waiting
 
 
-BAD_REQUESTS = [  # issue 12: each a ValueError naming the field, at submission
+BAD_REQUESTS = [  # each a ValueError naming the field, at submission
     (dict(sampling=None), "sampling"),
     (dict(sampling={"do_sample": True}), "sampling"),
     (dict(arrival="1"), "arrival"),
@@ -242,7 +242,7 @@ def test_only_requests_are_served(tiny_model):
 
 
 def test_run_is_atomic_and_serves_each_request_once(tiny_model):
-    # issue 12: a bad request after a good one left the good one queued, served twice later
+    # once a bug: a bad request after a good one left the good one queued, served twice later
     good = Request((1, 2, 3), 4, eos_token_id=[])
     engine = Engine(tiny_model, slots=2, num_blocks=8, block_size=4)
     with pytest.raises(ValueError, match=r"requests\[1\]: arrival"):

@@ -22,8 +22,8 @@ def step_costs(rounds):
     return measure
 
 
-def test_the_issue_step_costs_out_of_order_fire():
-    # issue 10: a batch of 7 in 28 ms, a batch of 1 in 184 ms
+def test_step_costs_out_of_order_fire():
+    # seen on a busy machine: a batch of 7 in 28 ms, a batch of 1 in 184 ms
     found = cost_falls([1, 7], [quiet(0.184), quiet(0.028)], "batch")
     assert list(found) == [1] and "batch 7 costs 0.15x batch 1" in found[1]
 
@@ -31,7 +31,7 @@ def test_the_issue_step_costs_out_of_order_fire():
 def test_a_fall_within_the_floor_is_not_a_warning_and_noise_is_no_excuse():
     assert cost_falls([1, 2], [quiet(0.100), quiet(0.100 * (1 - NOISE_FLOOR / 2))]) == {}
     assert cost_falls([1, 2], [quiet(0.100), quiet(0.070)]) != {}
-    # issue 10's exp 12 again: B = 24 disturbed in every sample, B = 32 quiet once; the wide
+    # the same machine's exp 12 again: B = 24 disturbed in every sample, B = 32 quiet once; the wide
     # spread of the larger batch does not hide the impossibility
     disturbed, lucky = Timing((0.341, 0.704, 0.690)), Timing((0.077, 0.662, 0.650))
     assert list(cost_falls([24, 32], [disturbed, lucky], "batch")) == [1]
@@ -59,7 +59,7 @@ def test_cached_slower_than_recompute_fires():
 
 
 def test_prefill_spike_fires_on_one_outlier_only():
-    # issue 10: one 1,466 ms outlier among passes of a few ms per token
+    # seen on a busy machine: one 1,466 ms outlier among passes of a few ms per token
     sizes = [8, 16, 32, 64]
     runs = [quiet(0.040), quiet(1.466), quiet(0.120), quiet(0.230)]
     found = spikes(sizes, sizes, runs)
@@ -69,7 +69,7 @@ def test_prefill_spike_fires_on_one_outlier_only():
 
 
 def test_speedup_bound():
-    # issue 10: 4.18x with 1.37 tokens kept per target pass
+    # seen on a busy machine: 4.18x with 1.37 tokens kept per target pass
     assert "ceiling" in speedup_bound(4.18, 1.37, 4, 0.1)
     assert speedup_bound(1.30, 1.37, 4, 0.0) is None         # 1.37 / 1 allows 1.37x
     assert speedup_bound(1.60, 1.37, 4, 0.0) is not None

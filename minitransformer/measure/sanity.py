@@ -77,7 +77,7 @@ def speedup_bound(speedup, tokens_per_pass, gamma, c, tolerance=NOISE_FLOOR):
     ``tokens_per_pass`` tokens and costs at least gamma draft steps of cost c (relative to a
     target step) plus one target step, so speedup <= tokens_per_pass / (gamma * c + 1).
 
-    >>> speedup_bound(4.18, 1.37, 4, 0.1)        # the impossible figure of issue 10
+    >>> speedup_bound(4.18, 1.37, 4, 0.1)        # a busy machine's impossible figure
     'speedup 4.18x above its ceiling 0.98x = 1.37 tokens per pass / (4 x c 0.10 + 1)'
     >>> speedup_bound(0.95, 1.37, 4, 0.1) is None
     True
