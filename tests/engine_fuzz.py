@@ -13,8 +13,8 @@ time (while a step takes < 1 s).
 Invariants after every step: the paged cache's books (``PagedCache.check``: refcounts equal
 the block tables holding each block, the free list and the prefix cache's kept blocks are
 exactly the unheld ones, names consistent); a running or padding row holds its blocks, a
-waiting request none; no sequence wastes more than the unfilled tail of its last block; with
-caching off, no block named. A request the policy calls exact
+waiting request none; a sequence holds no block its tokens do not fill (its prompt's, during
+a chunked prefill); with caching off, no block named. A request the policy calls exact
 (batch-invariant mode, its prompt prefilled whole, nothing of it cached) has tokens so far
 that are a prefix of what ``generate`` gives it alone (==). At the end: every request over and
 returned, zero blocks held, and each request's tokens against its solo tokens by the exactness
@@ -91,8 +91,11 @@ def check_pool(engine) -> None:
     assert set(cache.seqs) <= {live.result.id for live in members}, "blocks of nobody's row"
     assert not any(live.result.id in cache.seqs for live in engine.waiting)
     assert engine.prefix_caching or not cache.index.name_of, "named blocks with caching off"
-    held = cache.stats()  # paging wastes at most the unfilled tail of one block per sequence
-    assert held.slots_wasted <= (cache.block_size - 1) * held.sequences, "paging waste"
+    for live in members:  # paging holds no more than the blocks its tokens fill (its whole
+        seq = cache.seqs.get(live.result.id)   # prompt while a chunked prefill is under way)
+        written = len(live.tokens) if live.prefilling else seq.length if seq else 0
+        assert seq is None or len(seq.blocks) <= blocks_for(written, cache.block_size), \
+            "a sequence holds more blocks than its tokens fill"
 
 
 def run_case(model, seed, batch_invariant=True) -> dict:
