@@ -25,7 +25,8 @@ The stable public API:
     load(path)                         -> Model (config, weights, tokenizer)
     logits(model, ids)                 -> float32 (len(ids), vocab), one full forward pass
     generate(model, ids, max_new_tokens, cache=True, sampling=GREEDY, seed=None,
-             eos_token_id=None)        -> list of new token ids
+             eos_token_id=None, logprobs=None)
+                                       -> list of new token ids (logprobs=k: of TokenLogprob)
     stream(...)                        -> the same tokens, yielded as they are made
 where sampling is a ``minitransformer.sampling.SamplingSettings``.
 """

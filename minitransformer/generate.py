@@ -12,6 +12,7 @@ import numpy as np
 from minitransformer.backend import to_numpy
 from minitransformer.checks import is_integer
 from minitransformer.kvcache import KVCache
+from minitransformer.logprobs import check_top, token_logprob
 from minitransformer.model import forward, head
 from minitransformer.sampling import GREEDY, SamplingSettings, check_sampling, next_token
 
@@ -58,18 +59,23 @@ def last_logits(model, hidden, batch_invariant=False) -> np.ndarray:
 
 
 def stream(model, ids, max_new_tokens: int, cache: bool = True,
-           sampling: SamplingSettings = GREEDY, seed=None, eos_token_id=None):
+           sampling: SamplingSettings = GREEDY, seed=None, eos_token_id=None, logprobs=None):
     """Yield new token ids one at a time. Stops at an eos id or after max_new_tokens.
 
     sampling: how each token is chosen (sampling.py), greedy unless told otherwise;
     seed: of this call's own random generator (None: a fresh one from the OS);
     eos_token_id: an id or list of ids; None uses the model's (generation_config.json), and
-    an empty list never stops early.
+    an empty list never stops early. logprobs: None yields token ids; an integer k in
+    [0, MAX_LOGPROBS] yields a ``TokenLogprob`` per token instead (its id, its log-probability
+    under the model before any sampling setting, and the k most likely tokens there), taken
+    from the logits that chose it.
     """
     settings = check_sampling(sampling)
     ids = check_prompt(model, ids, max_new_tokens)
     eos = eos_ids(model, eos_token_id)
     rng = seeded_rng(seed)
+    if logprobs is not None:
+        check_top(logprobs)
     if max_new_tokens == 0:
         return
     tokens = ids.tolist()
@@ -79,8 +85,9 @@ def stream(model, ids, max_new_tokens: int, cache: bool = True,
     else:
         hidden = forward(model, ids[None])                        # (1, P, D)
     for step in range(max_new_tokens):
-        token = next_token(last_logits(model, hidden)[0], tokens, settings, rng)
-        yield token
+        z = last_logits(model, hidden)[0]                         # (V,)
+        token = next_token(z, tokens, settings, rng)
+        yield token if logprobs is None else token_logprob(z, token, logprobs)
         tokens.append(token)
         if token in eos or step == max_new_tokens - 1:
             return
@@ -91,9 +98,12 @@ def stream(model, ids, max_new_tokens: int, cache: bool = True,
 
 
 def generate(model, ids, max_new_tokens: int, cache: bool = True,
-             sampling: SamplingSettings = GREEDY, seed=None, eos_token_id=None) -> list[int]:
-    """The new token ids (the prompt not included). Keyword arguments as in ``stream``."""
-    return list(stream(model, ids, max_new_tokens, cache, sampling, seed, eos_token_id))
+             sampling: SamplingSettings = GREEDY, seed=None, eos_token_id=None,
+             logprobs=None) -> list:
+    """The new token ids (the prompt not included), or with ``logprobs=k`` a TokenLogprob per
+    new token. Keyword arguments as in ``stream``."""
+    return list(stream(model, ids, max_new_tokens, cache, sampling, seed, eos_token_id,
+                       logprobs))
 
 
 def logits(model, ids) -> np.ndarray:

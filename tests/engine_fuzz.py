@@ -4,11 +4,12 @@ Shared by tests/test_engine_fuzz.py (a fixed seed, a few cases, in CI) and
 scripts/fuzz_engine.py (as many cases as asked). A case draws slots, a block size, a pool
 from tight (waiting, preemption, eviction from the prefix cache) to roomy, requests with shared
 prompt prefixes and repeated prompts, greedy or seeded sampling, eos on or off, zero-token and
-too-long requests, cancels at random steps, prefix caching on or off and chunked prefill on
-(a small token budget) or off, under either policy. The engine's clock is set to the step
-count before each step (as an online loop may set it to wall time) and arrivals are whole
-steps: admission then depends on whole seconds only, so a case runs the same schedule every
-time (while a step takes < 1 s).
+too-long requests, requests for n parallel samples (sharing the prompt's blocks) and for
+logprobs, cancels at random steps, prefix caching on or off and chunked prefill on (a small
+token budget) or off, under either policy. The engine's clock is set to the step count before
+each step (as an online loop may set it to wall time) and arrivals are whole steps: admission
+then depends on whole seconds only, so a case runs the same schedule every time (while a step
+takes < 1 s).
 
 Invariants after every step: the paged cache's books (``PagedCache.check``: refcounts equal
 the block tables holding each block, the free list and the prefix cache's kept blocks are
@@ -16,16 +17,19 @@ exactly the unheld ones, names consistent); a running or padding row holds its b
 waiting request none; a sequence holds no block its tokens do not fill (its prompt's, during
 a chunked prefill); with caching off, no block named. A request the policy calls exact
 (batch-invariant mode, its prompt prefilled whole, nothing of it cached) has tokens so far
-that are a prefix of what ``generate`` gives it alone (==). At the end: every request over and
-returned, zero blocks held, and each request's tokens against its solo tokens by the exactness
-policy of tests/conftest.py (== where exact; elsewhere a token may differ only where the solo
-run was at a near tie).
+that are a prefix of what ``generate`` gives it alone (==), sample i of a request seeded
+seed + i. At the end: every request over and returned, zero blocks held, each request's
+tokens against its solo tokens by the exactness policy of tests/conftest.py (== where exact;
+elsewhere a token may differ only where the solo run was at a near tie), and each logprob
+within 1e-4 of generate's wherever the tokens so far agree.
 """
 import math
+from dataclasses import replace
 
 import numpy as np
 
 import minitransformer as mt
+from minitransformer.logprobs import log_softmax
 from minitransformer.serve.engine import Engine
 from minitransformer.serve.paged import blocks_for
 from minitransformer.sampling import SamplingSettings
@@ -36,11 +40,19 @@ from conftest import assert_like_solo
 STEP_SECONDS = 1.0          # the clock set before step i is i x this: a fixed schedule
 
 
-def solo(model, request):
-    """What minitransformer.generate gives the request alone, same settings and seed."""
+def solo(model, request, choice=0, logprobs=None):
+    """What minitransformer.generate gives the request (its sample ``choice``: seed + choice)
+    alone, same settings: token ids, or with ``logprobs=k`` TokenLogprobs."""
+    seed = request.seed if request.seed is None else request.seed + choice
     return mt.generate(model, list(request.prompt), request.max_new_tokens,
-                       sampling=request.sampling, seed=request.seed,
-                       eos_token_id=request.eos_token_id)
+                       sampling=request.sampling, seed=seed,
+                       eos_token_id=request.eos_token_id, logprobs=logprobs)
+
+
+def solo_sample(model, request, choice) -> tuple:
+    """-> (sample choice's solo tokens, their TokenLogprobs or None when not asked)."""
+    made = solo(model, request, choice, request.logprobs or 0)
+    return [t.token for t in made], made if request.logprobs is not None else None
 
 
 def random_case(rng, vocab_size, max_positions):
@@ -62,7 +74,10 @@ def random_case(rng, vocab_size, max_positions):
         arrival = float(rng.integers(0, 20)) * STEP_SECONDS if rng.random() < 0.5 else 0.0
         requests.append(Request(tuple(prompt), new, arrival, settings,
                                 seed=int(rng.integers(2**31)),
-                                eos_token_id=None if rng.random() < 0.3 else []))
+                                eos_token_id=None if rng.random() < 0.3 else [],
+                                n=int(rng.choice([1, 1, 2, 3])),
+                                logprobs=[None, 0, 3][int(rng.integers(3))],
+                                prompt_logprobs=[None, None, 1][int(rng.integers(3))]))
     biggest = max(blocks_for(len(r.prompt) + r.max_new_tokens, bs) for r in requests)
     slots = int(rng.integers(1, 5))
     kwargs = dict(slots=slots, block_size=bs,
@@ -71,6 +86,7 @@ def random_case(rng, vocab_size, max_positions):
                   prefix_caching=bool(rng.random() < 0.75),
                   max_num_batched_tokens=None if rng.random() < 0.5 else
                   slots + int(rng.integers(1, 9)))
+    requests = [replace(r, n=min(r.n, slots)) for r in requests]
     cancels = {int(rng.integers(0, 30)): int(rng.integers(0, len(requests)))
                for _ in range(int(rng.integers(0, 3)))}
     return kwargs, requests, cancels
@@ -103,7 +119,8 @@ def run_case(model, seed, batch_invariant=True) -> dict:
     rng = np.random.default_rng(seed)
     kwargs, requests, cancels = random_case(rng, model.config.vocab_size,
                                             model.config.max_position_embeddings)
-    expected = [solo(model, r) for r in requests]
+    expected = [solo_sample(model, r, i) for r in requests for i in range(r.n)]   # result order
+    asked = [r for r in requests for _ in range(r.n)]
     engine = Engine(model, batch_invariant=batch_invariant, **kwargs)
     for request in requests:
         engine.submit(request)
@@ -116,23 +133,41 @@ def run_case(model, seed, batch_invariant=True) -> dict:
         engine.clock = max(engine.clock, engine.steps * STEP_SECONDS)
         engine.step()
         check_pool(engine)
-        for result, tokens in zip(engine.results, expected):
+        for result, (tokens, _) in zip(engine.results, expected):
             assert not exact(engine, result) or result.tokens == tokens[:len(result.tokens)], \
                 f"case {seed}, request {result.id}: a token differs from generate alone"
     check_pool(engine)
     cache = engine.cache
     assert cache.num_free == cache.num_blocks and not cache.seqs and not any(engine.slots)
-    for result, request, tokens in zip(engine.results, requests, expected):
+    for result, request, (tokens, logprobs) in zip(engine.results, asked, expected):
         where = f"case {seed}, request {result.id}"
+        assert result.request is request, where
         assert result.status in ("finished", "cancelled", "rejected"), where
         assert not math.isnan(result.returned) and result.returned >= result.finished, where
         if result.status == "rejected":
-            need = blocks_for(len(request.prompt) + request.max_new_tokens, kwargs["block_size"])
+            bs, P = kwargs["block_size"], len(request.prompt)
+            need = max(blocks_for(P + request.max_new_tokens, bs),
+                       blocks_for(P + 1, bs) + request.n - 1)
             assert need > kwargs["num_blocks"] and result.tokens == [], where
         else:                             # finished: all its tokens; cancelled: those so far
             solo_so_far = tokens if result.status == "finished" else tokens[:len(result.tokens)]
             assert_like_solo(model, result.tokens, solo_so_far, request.prompt,
-                             request.sampling, request.seed, exact(engine, result))
+                             request.sampling, request.seed + result.choice,
+                             exact(engine, result))
+        if request.prompt_logprobs is not None and result.tokens:   # from its one prefill
+            assert result.cached_tokens == 0 and result.prompt_logprobs[0] is None, where
+            reference = log_softmax(mt.logits(model, list(request.prompt)))
+            scored = result.prompt_logprobs[1:]
+            assert [s.token for s in scored] == list(request.prompt[1:]), where
+            assert all(abs(s.logprob - row[s.token]) < 1e-4
+                       for s, row in zip(scored, reference)), where
+        if logprobs is not None:          # the model's own, where the tokens so far agree
+            assert [t.token for t in result.logprobs] == result.tokens, where
+            for mine, alone in zip(result.logprobs, logprobs):
+                if mine.token != alone.token:
+                    break
+                assert abs(mine.logprob - alone.logprob) < 1e-4, where
+                assert len(mine.top) == request.logprobs, where
         if result.tokens:
             assert request.arrival <= result.first_token <= result.finished, where
     if any(r.status == "finished" and r.tokens for r in engine.results):
@@ -144,4 +179,6 @@ def run_case(model, seed, batch_invariant=True) -> dict:
                 rejected=sum(r.status == "rejected" for r in engine.results),
                 cached=sum(r.cached_tokens > 0 for r in engine.results),
                 evicted=engine.cache.index.evicted,
-                chunked=kwargs["max_num_batched_tokens"] is not None, caching=kwargs["prefix_caching"], static=kwargs["policy"] == "static")
+                forked=sum(r.choice > 0 and r.tokens != [] for r in engine.results),
+                chunked=kwargs["max_num_batched_tokens"] is not None,
+                caching=kwargs["prefix_caching"], static=kwargs["policy"] == "static")

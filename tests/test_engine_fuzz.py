@@ -21,6 +21,7 @@ def test_random_workloads_keep_every_invariant(checkpoint_dir, name, batch_invar
     assert any(s["cached"] for s in seen) and any(s["evicted"] for s in seen)
     assert any(s["chunked"] for s in seen) and any(not s["chunked"] for s in seen)
     assert any(not s["caching"] for s in seen)
+    assert any(s["forked"] for s in seen)
 
 
 def test_the_fuzz_script_runs_and_reports(run_script):

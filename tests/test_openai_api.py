@@ -40,10 +40,27 @@ def test_defaults_and_meanings(model):
     assert j.request.seed == 3
 
 
+def test_logprobs_echo_and_n_become_the_engine_request(model):
+    j = parse({"model": "m", "prompt": "The cat", "logprobs": 3, "echo": True, "n": 2},
+              "completion", model, "m", POOL, max_n=2)
+    r = j.request
+    assert (r.n, r.logprobs, r.prompt_logprobs, j.logprobs, j.echo) == (2, 3, 3, True, "The cat")
+    j = job(model, prompt=[5, 6], echo=True)          # echo alone: text, no scoring
+    assert j.request.prompt_logprobs is None and j.echo == model.tokenizer.decode([5, 6])
+    chat = job(model, "chat", messages=[{"role": "user", "content": "a"}], logprobs=True)
+    assert (chat.request.logprobs, chat.request.prompt_logprobs, chat.echo) == (0, None, None)
+    chat = job(model, "chat", messages=[{"role": "user", "content": "a"}], logprobs=True,
+               top_logprobs=5)
+    assert chat.request.logprobs == 5 and chat.logprobs
+    assert job(model, prompt="a", logprobs=None).request.logprobs is None
+
+
 @pytest.mark.parametrize("body, field", [
     (dict(model="other", prompt="a"), "model"),
     (dict(prompt="a", n=3), "n"),
-    (dict(prompt="a", logprobs=2), "logprobs"),
+    (dict(prompt="a", logprobs=21), "logprobs"),
+    (dict(prompt="a", logprobs=True), "logprobs"),
+    (dict(prompt="a", echo="yes"), "echo"),
     (dict(prompt="a", frequency_penalty=0.5), "frequency_penalty"),
     (dict(prompt="a", max_tokens=0), "max_tokens"),
     (dict(prompt="a", max_tokens=1.5), "max_tokens"),

@@ -43,6 +43,9 @@ def fails(run_script, name, argv) -> str:
     ("exp12_batched_decode", ["--model", "{tiny}", "--context", "100000",
                               "--batch-sizes", "1"], "beyond the model's 128 positions"),
     ("bench_engine", ["--model", "{tiny}", "--block-size", "0"], "--block-size"),
+    ("bench_parallel_samples", ["--model", "{tiny}", "--n", "0"], "--n"),
+    ("bench_parallel_samples", ["--model", "{tiny}", "--prompt-len", "100000"],
+     "exceed the model's"),
     ("exp17_weight_outliers", ["--model", "{tiny}", "--matrix", "nope"], "not a tensor"),
 ])
 def test_bad_invocation_is_one_error_line_and_status_2(tiny, tmp_path, run_script, name, argv,

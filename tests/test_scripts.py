@@ -58,6 +58,21 @@ def test_batching_scripts_run_and_feed_each_other(tiny, tmp_path, run_script):
     assert "4/4" in out
 
 
+def test_bench_parallel_samples_counts_the_blocks_of_each_way(tiny, run_script):
+    """A 10-token prompt in blocks of 4 (2 full, 1 partly filled), 3 samples of 2 tokens."""
+    out, _ = run_script("bench_parallel_samples", "--model", tiny, "--n", 3, "--prompt-len", 10,
+                        "--new-tokens", 2, "--block-size", 4, "--repeat", 1)
+    ways = ["one request, n: 3", "3 requests, prefix caching", "3 requests, no caching"]
+    rows = {way: line[len(way):].split() for line in out.splitlines() for way in ways
+            if line.startswith(way)}
+    # (after prefill, peak, prefill tokens): the n samples hold the prompt's 3 blocks once,
+    # then 2 of them copy the last; separate requests share 2 full blocks and own a last each
+    # (its 2 tokens computed 3 times); without caching, 3 x 3
+    assert [(r[0], r[1], r[3]) for r in rows.values()] == [
+        ("3", "5", "10"), ("5", "5", "14"), ("9", "9", "30")]
+    assert [r[-1] for r in rows.values()] == ["3/3"] * 3
+
+
 def test_bench_decode_runs_and_checks_its_bits(tiny, run_script):
     out, _ = run_script("bench_decode", "--model", tiny, "--context", 8, "--repeat", 2,
                         "--buffer-mb", 16)

@@ -198,7 +198,7 @@ def test_bad_requests_get_400_naming_the_field(served, model):
     online, url, client = served
     positions = model.config.max_position_embeddings
     cases = [(dict(model="gpt-4", prompt="hi"), "model"),
-             (dict(model=NAME, prompt="hi", n=2), "n"),
+             (dict(model=NAME, prompt="hi", n=5), "n"),          # 4 slots
              (dict(model=NAME, prompt="hi", max_tokens=-1), "max_tokens"),
              (dict(model=NAME, prompt=[5] * positions), "prompt"),
              (dict(model=NAME, prompt="hi", max_tokens=200), "max_tokens"),

@@ -39,10 +39,24 @@ matrix per projection: B times fewer weight reads); a cached prefix (its keys an
 computed inside another sequence's pass); a chunked prefill (the prompt's keys and values
 computed in pieces, each chunk attending over the cache).
 
+Parallel samples: a request with ``n`` > 1 is n sequences (result ids id .. id + n - 1) that
+enter together, when n slots are free. Its prompt is prefilled once; the samples hold its
+blocks through ``PagedCache.fork`` and copy a block only when they write into it (the last,
+partly filled one, at their first decode). Sample i draws with its own generator seeded
+seed + i, from the same logits, so it gets the tokens of a single request seeded seed + i
+(the copies hold the same bits). Once admitted, each sample is a sequence like any other:
+preempted, cancelled, retired on its own.
+
+Logprobs: a request asking for them (``logprobs``, ``prompt_logprobs``: k alternatives) gets
+each token's log-probability from the logits that chose it (logprobs.py), the prompt's from
+its one prefill, whose every position goes through the head then; such a prompt is computed
+whole, its cached prefix blocks not reused (they hold no logits).
+
 Memory: a request is admitted only if the pool can take its prompt with room for its next
 token, and every running sequence's next token. Outcomes: "finished" (eos or
 max_new_tokens); "cancelled" by ``cancel`` (tokens so far, blocks freed at once); "rejected"
-at submission if prompt + max_new_tokens exceeds the whole pool. A malformed request is a
+at submission if prompt + max_new_tokens (or the prompt and n first tokens) exceeds the
+whole pool. A malformed request is a
 ValueError at submission, and nothing of it is queued. The clock is the engine's measured
 compute time (it jumps ahead when idle).
 Leaves out: priorities, recompute-preemption, one forward pass for decodes and chunks together.
@@ -76,14 +90,15 @@ a second request with the same prompt finds its first 8 tokens cached (two block
 import math
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
-from minitransformer.backend import synchronize
+from minitransformer.backend import synchronize, to_numpy
 from minitransformer.checks import is_integer, is_real
 from minitransformer.generate import check_prompt, eos_ids, last_logits, seeded_rng
-from minitransformer.model import forward
+from minitransformer.logprobs import check_top, token_logprob
+from minitransformer.model import forward, head
 from minitransformer.serve.paged import PagedCache, blocks_for
 from minitransformer.sampling import check_sampling, next_token
 from minitransformer.serve.records import Request, Result, Run, metrics  # noqa: F401 (the API)
@@ -102,6 +117,7 @@ class _Live:                        # a request the engine is serving
     eos: set
     order: int = 0                  # admission counter: the latest admitted is preempted first
     swapped: object = None          # host copy of its cache while preempted
+    siblings: list = field(default_factory=list)  # the other samples of its prompt, waiting
 
     @property
     def done(self) -> bool:
@@ -184,16 +200,34 @@ class Engine:
                    self.preemptions)
 
     def cancel(self, request_id: int) -> bool:
-        """Stop a request now: True if it was waiting or running, False if already over."""
-        for live in self.waiting:
-            if live.result.id == request_id:
-                self.waiting.remove(live)
+        """Stop a request (one sample of it, by its id) now: True if it was waiting or
+        running, False if already over. A sample not yet forked just leaves its group; a
+        cancelled prompt's other samples go back to the head of the queue, the next one
+        taking its place."""
+        for holder in list(self.waiting) + self.running():
+            for member in holder.siblings:
+                if member.result.id == request_id:          # a sample awaiting its fork
+                    holder.siblings.remove(member)
+                    self._close(member, "cancelled", returned=True)
+                    return True
+        for live in list(self.waiting) + self.running():
+            if live.result.id != request_id:
+                continue
+            heirs, live.siblings = live.siblings, []
+            if heirs:                               # the next sample waits in its place
+                heirs[0].siblings = heirs[1:]
+            if live in self.waiting:
+                i = self.waiting.index(live)
+                if heirs:
+                    self.waiting[i] = heirs[0]
+                else:
+                    del self.waiting[i]
                 self._close(live, "cancelled", returned=True)
-                return True
-        for live in self.running():
-            if live.result.id == request_id:
+            else:
                 self._end(live, "cancelled")
-                return True
+                if heirs:                           # (admitted: ahead of everyone waiting)
+                    self.waiting.appendleft(heirs[0])
+            return True
         return False
 
     def running(self) -> list:
@@ -328,20 +362,52 @@ class Engine:
                              self.cache.view([rid]))
             self._seal(live)
             live.result.prefill_chunks += 1
+            if live.result.request.prompt_logprobs is not None:
+                self._score_prompt(live, hidden, done)
             if done + n == len(prompt):             # the last prompt token's logits
-                self._sample(live, last_logits(self.model, hidden)[0])
-                made.append(live)
+                made += self._first_tokens(live, last_logits(self.model, hidden)[0])
             self.prefill_times.append((n, time.perf_counter() - start))
             budget = None if budget is None else budget - n
         return made
 
+    def _score_prompt(self, live, hidden, done: int) -> None:
+        """Prompt logprobs from a chunk's pass: every position through the head; position p's
+        logits score prompt token p + 1 (the last prompt position's pick the first new one)."""
+        z = to_numpy(head(self.model, hidden))[0]                         # (n, V)
+        k, prompt = live.result.request.prompt_logprobs, live.tokens
+        live.result.prompt_logprobs += [token_logprob(row, token, k)
+                                        for row, token in zip(z, prompt[done + 1:])]
+
+    def _first_tokens(self, live, logits) -> list:
+        """A prompt is done: its other samples take their reserved slots holding its blocks
+        (``fork``), and each picks a first token from the same logits with its own generator
+        -> the samples."""
+        for member in live.siblings:
+            self.cache.fork(live.result.id, member.result.id)
+            self.slots[self.slots.index(None)] = member
+            member.order, self.admitted = self.admitted, self.admitted + 1
+            mine, leader = member.result, live.result
+            mine.status, mine.cached_tokens = "running", leader.cached_tokens
+            mine.prefill_chunks, mine.prompt_logprobs = leader.prefill_chunks, \
+                leader.prompt_logprobs
+        group, live.siblings = [live] + live.siblings, []
+        for member in group:
+            self._sample(member, logits)
+        return group
+
+    def _reserved(self) -> int:
+        """Slots promised to the samples of prompts still being prefilled."""
+        return sum(len(live.siblings) for live in self.running())
+
     def _admit(self):
         """The head of the queue into a free slot, if it may enter -> it, or None. Nobody
-        overtakes the head of the queue, first come first served."""
-        if None not in self.slots or not self.waiting:
+        overtakes the head of the queue, first come first served. The n samples of a prompt
+        enter together: its prefill takes a slot, and n - 1 more are reserved."""
+        if not self.waiting:
             return None
         live = self.waiting[0]
-        if live.result.arrival > self.clock or not self._fits(live):
+        if self.slots.count(None) - self._reserved() < 1 + len(live.siblings) \
+                or live.result.arrival > self.clock or not self._fits(live):
             return None
         self.waiting.popleft()
         self.slots[self.slots.index(None)] = live
@@ -352,9 +418,13 @@ class Engine:
             self.cache.swap_in(rid, live.swapped)
             live.swapped = None
         else:
-            held = self.cache.add(rid, prompt, len(prompt) + live.result.request.max_new_tokens)
+            reuse = self._reuses(live)
+            held = self.cache.add(rid, prompt, len(prompt) + live.result.request.max_new_tokens,
+                                  reuse)
             live.result.cached_tokens = held
-            if self.prefix_caching:
+            if live.result.request.prompt_logprobs is not None:
+                live.result.prompt_logprobs = [None]    # nothing predicts the first token
+            if self.prefix_caching and reuse:
                 self.prefix_queries, self.prefix_hits = (self.prefix_queries + len(prompt),
                                                          self.prefix_hits + held)
         return live
@@ -364,13 +434,22 @@ class Engine:
         (else the next step could preempt it at once), and every running sequence's next?"""
         if live.swapped:
             enter = self.cache.swap_in_cost(live.swapped, then=1)
-        else:
+        elif self._reuses(live):
             enter = self.cache.add_cost(live.tokens, then=1)
+        else:
+            enter = self.cache.blocks_for(len(live.tokens) + 1)
+        enter += len(live.siblings)     # each sample's first token: a new block or a copy
         return enter + self._growth(self.running()) <= self.cache.num_free
 
     def _growth(self, rows) -> int:
         """Free blocks the next token of every row takes (new blocks, copies of shared ones)."""
         return sum(self.cache.blocks_needed(row.result.id, 1) for row in rows)
+
+    @staticmethod
+    def _reuses(live) -> bool:
+        """May its prompt start from cached blocks? Not when the logprobs of every prompt
+        token are asked for: they need every position's logits."""
+        return live.result.request.prompt_logprobs is None
 
     def _seal(self, live) -> None:
         """Prefix caching: offer the sequence's newly full blocks to later prompts."""
@@ -380,7 +459,7 @@ class Engine:
     # --- small helpers -----------------------------------------------------------------------
     def _check(self, request) -> tuple:
         """A request's fields, checked against the model before anything is held -> (prompt
-        ids, its generator, its eos ids)."""
+        ids, a generator per sample (seed + i for sample i), its eos ids)."""
         if not isinstance(request, Request):
             raise ValueError(f"expected a minitransformer.serve.records.Request, got "
                              f"{type(request).__name__}")
@@ -389,26 +468,47 @@ class Engine:
         if not is_real(t) or not 0 <= t < math.inf:
             raise ValueError(f"arrival must be a finite number of seconds >= 0, got {t!r}")
         prompt = check_prompt(self.model, request.prompt, request.max_new_tokens).tolist()
-        return prompt, seeded_rng(request.seed), eos_ids(self.model, request.eos_token_id)
+        n, slots = request.n, len(self.slots)
+        if not is_integer(n) or not 1 <= n <= slots:
+            raise ValueError(f"n must be an integer in [1, {slots}] (the engine's slots), "
+                             f"got {n!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            if getattr(request, name) is not None:
+                check_top(getattr(request, name), name)
+        seeded_rng(request.seed)    # checked once: then seed + i is an integer too
+        rngs = [seeded_rng(None if request.seed is None else request.seed + i) for i in range(n)]
+        return prompt, rngs, eos_ids(self.model, request.eos_token_id)
 
-    def _queue(self, request, prompt, rng, eos) -> int:
-        result = Result(len(self.results), float(request.arrival), request)
-        self.results.append(result)
-        live = _Live(result, prompt, rng, eos)
-        need = self.cache.blocks_for(len(prompt) + request.max_new_tokens)
-        if need > self.cache.num_blocks:
-            self._close(live, "rejected", returned=True, reason=f"needs up to {need} blocks "
-                        f"of {self.cache.block_size} tokens; the pool has {self.cache.num_blocks}")
-        elif request.max_new_tokens == 0:
-            self._close(live, "finished", returned=True)
-        else:
-            self.waiting.append(live)
-        return result.id
+    def _queue(self, request, prompt, rngs, eos) -> int:
+        """Queue a request's n samples (ids first .. first + n - 1) -> the first id."""
+        lives = []
+        for i, rng in enumerate(rngs):
+            result = Result(len(self.results), float(request.arrival), request, choice=i)
+            self.results.append(result)
+            lives.append(_Live(result, list(prompt), rng, eos))
+        bs, n = self.cache.block_size, len(lives)
+        need = max(blocks_for(len(prompt) + request.max_new_tokens, bs),
+                   blocks_for(len(prompt) + 1, bs) + n - 1)   # n samples' first tokens
+        for live in lives:
+            if need > self.cache.num_blocks:
+                self._close(live, "rejected", returned=True, reason=f"needs up to {need} "
+                            f"blocks of {bs} tokens; the pool has {self.cache.num_blocks}")
+            elif request.max_new_tokens == 0:
+                self._close(live, "finished", returned=True)
+        if lives[0].result.status == "waiting":
+            lives[0].siblings = lives[1:]
+            self.waiting.append(lives[0])
+        return lives[0].result.id
 
     def _sample(self, live, logits) -> None:
-        token = next_token(logits, live.tokens, live.result.request.sampling, live.rng)
+        """Pick the next token; its logprob (when asked) from the same logits, before the
+        request's sampling settings touch them."""
+        request = live.result.request
+        token = next_token(logits, live.tokens, request.sampling, live.rng)
         live.tokens.append(token)
         live.result.tokens.append(token)
+        if request.logprobs is not None:
+            live.result.logprobs.append(token_logprob(logits, token, request.logprobs))
 
     def _close(self, live, status, returned, reason="") -> None:
         """Over: its last token (or its cancel) is now; returned now unless held back."""

@@ -15,8 +15,11 @@ pool before the next step. A full queue answers 429 with ``Retry-After``; a bad 
 On shutdown uvicorn stops accepting, lets answers in flight finish for up to
 ``drain_timeout`` seconds, then the rest are cancelled.
 
+With ``n`` > 1 the answer has n choices (streamed chunks say which by their ``index``), and
+with logprobs each piece carries the log-probabilities of the tokens it was made from.
+
 Needs the ``serve`` extra (fastapi, uvicorn, jinja2); the library imports without it.
-Leaves out: authentication (any API key is accepted), several choices (n), logprobs, tools.
+Leaves out: authentication (any API key is accepted), tools.
 """
 import asyncio
 import json
@@ -28,7 +31,9 @@ from pathlib import Path
 from minitransformer.serve.detokenize import TextStream
 from minitransformer.serve.engine import BLOCK_SIZE, SLOTS
 from minitransformer.serve.online import MAX_WAITING, Closed, OnlineEngine, QueueFull
-from minitransformer.serve.openai_api import APIError, choice, parse, response, usage
+from minitransformer.serve.openai_api import (APIError, chat_logprobs, choice,
+                                              completion_logprobs, parse, response,
+                                              unpredicted, usage)
 from minitransformer.serve.prometheus import ServingMetrics
 
 RETRY_AFTER_S = 1               # what a 429 asks the client to wait
@@ -68,7 +73,8 @@ def create_app(online: OnlineEngine, name: str):
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             return error(APIError(f"the request body is not JSON ({e})"))
         try:
-            job = parse(body, kind, model, name, cache.num_blocks * cache.block_size)
+            job = parse(body, kind, model, name, cache.num_blocks * cache.block_size,
+                        max_n=len(online.engine.slots))
             ticket, tokens = submit(job)
         except APIError as e:
             return error(e)
@@ -77,14 +83,27 @@ def create_app(online: OnlineEngine, name: str):
         if job.stream:
             return StreamingResponse(events(job, head, ticket, tokens),
                                      media_type="text/event-stream")
+        n = job.request.n
+        texts, scored, reasons, total = [""] * n, [[] for _ in range(n)], {}, 0
         try:
-            text, reason, n = "", None, 0
-            async for piece, reason, n in watch(http, ticket, tokens):
-                text += piece
+            async for i, piece, lps, reason, total in watch(http, ticket, tokens):
+                texts[i] += piece
+                scored[i] += lps
+                reasons[i] = reason
         except APIError as e:
             return error(e)
-        return response(job, *head, [choice(kind, text, reason)],
-                        usage(len(job.request.prompt), n))
+        choices = [choice(kind, texts[i], reasons.get(i), index=i,
+                          logprobs=logprobs_object(job, scored[i])[0])
+                   for i in range(job.request.n)]
+        return response(job, *head, choices, usage(len(job.request.prompt), total))
+
+    def logprobs_object(job, scored, offset=0) -> tuple:
+        """-> (the choice's logprobs object or None, the text offset after it)."""
+        if not job.logprobs:
+            return None, offset
+        if job.kind == "chat":
+            return chat_logprobs(model.tokenizer, scored), offset
+        return completion_logprobs(model.tokenizer, scored, offset)
 
     @app.post("/v1/completions")
     async def completions(http: Request):
@@ -98,13 +117,13 @@ def create_app(online: OnlineEngine, name: str):
         """Hand the job to the engine -> (its ticket, an async iterator of (text,
         finish_reason, tokens so far)). Whoever iterates must cancel the ticket when done."""
         loop, updates = asyncio.get_running_loop(), asyncio.Queue()
-        previous = [None]
+        previous = {}               # per sample: when its last tokens were handed over
 
         def listener(update):       # runs on the engine's loop thread: observe, pass on
             if update.tokens:
-                metrics.tokens(update.record.arrival, previous[0], update.time,
+                metrics.tokens(update.record.arrival, previous.get(update.choice), update.time,
                                len(update.tokens))
-                previous[0] = update.time
+                previous[update.choice] = update.time
             loop.call_soon_threadsafe(updates.put_nowait, update)
         try:
             ticket = online.submit(job.request, listener)
@@ -117,27 +136,43 @@ def create_app(online: OnlineEngine, name: str):
         return ticket, pieces(job, ticket, updates)
 
     async def pieces(job, ticket, updates):
-        """Text as it becomes final; the last item carries the finish_reason."""
-        text, n = TextStream(model.tokenizer, job.request.prompt, job.stop), 0
-        while True:
+        """Per sample, text as it becomes final -> (sample, text, the TokenLogprobs of the
+        tokens it came from, finish_reason or None, tokens so far over all samples); a
+        sample's last item carries its finish_reason. With echo, each sample opens with the
+        prompt (and its tokens' logprobs)."""
+        n = job.request.n
+        texts = [TextStream(model.tokenizer, job.request.prompt, job.stop) for _ in range(n)]
+        counts, open_ = [0] * n, set(range(n))
+        while open_:
             update = await updates.get()
             if update.status in ("rejected", "error"):
                 raise APIError(update.reason, status=500 if update.status == "error" else 400)
-            piece = ""
+            i, text = update.choice, texts[update.choice]
+            if i not in open_:      # tokens made before its stop string's cancel took effect
+                continue
+            if job.echo is not None and counts[i] == 0 and update.tokens:
+                prompt = job.request.prompt
+                scored = [unpredicted(prompt[0])] + update.record.prompt_logprobs[1:] \
+                    if job.logprobs else []
+                yield i, job.echo, scored, None, sum(counts)
+            piece, used = "", 0
             for token in update.tokens:
-                n, piece = n + 1, piece + text.add(token)
+                used, piece = used + 1, piece + text.add(token)
                 if text.stopped:
-                    online.cancel(ticket)   # a stop string: no more tokens needed
+                    online.cancel(ticket, i)    # a stop string: no more tokens needed
                     break
+            counts[i] += used
+            scored = list(update.logprobs[:used])
             if text.stopped or update.done:
                 eos = update.record.tokens and update.record.tokens[-1] in job.eos
                 reason = "stop" if text.stopped or eos else \
                     "length" if update.status == "finished" else "abort"
                 metrics.ended(update.record.arrival, online.now(), reason)
-                yield piece + ("" if text.stopped else text.flush()), reason, n
-                return
-            if piece:
-                yield piece, None, n
+                open_.discard(i)
+                yield i, piece + ("" if text.stopped else text.flush()), scored, reason, \
+                    sum(counts)
+            elif piece or scored:
+                yield i, piece, scored, None, sum(counts)
 
     async def watch(http, ticket, tokens):
         """A non-streamed answer: wait for the next piece or the client leaving, whichever
@@ -167,20 +202,24 @@ def create_app(online: OnlineEngine, name: str):
         """Server-Sent Events: one chunk per piece, the finish_reason, usage, [DONE]."""
         def sse(reply):
             return f"data: {json.dumps(reply)}\n\n"
+
+        def chunk(*args, **kwargs):
+            return sse(response(job, *head, [choice(job.kind, *args, **kwargs)], chunk=True))
+        offsets = [0] * job.request.n   # completions: text_offset of each sample's next token
+        total = 0
         try:
             if job.kind == "chat":  # a chat stream opens with the role
-                yield sse(response(job, *head, [choice(job.kind, "", None, True, True)],
-                                   chunk=True))
-            async for piece, reason, n in tokens:
-                if piece:
-                    yield sse(response(job, *head, [choice(job.kind, piece, None, True)],
-                                       chunk=True))
+                for i in range(job.request.n):
+                    yield chunk("", None, True, True, index=i)
+            async for i, piece, scored, reason, total in tokens:
+                if piece or scored:
+                    logprobs, offsets[i] = logprobs_object(job, scored, offsets[i])
+                    yield chunk(piece, None, True, index=i, logprobs=logprobs)
                 if reason:
-                    yield sse(response(job, *head, [choice(job.kind, "", reason, True)],
-                                       chunk=True))
-                    if job.include_usage:
-                        yield sse(response(job, *head, [], usage(len(job.request.prompt), n),
-                                           chunk=True))
+                    yield chunk("", reason, True, index=i)
+            if job.include_usage:
+                yield sse(response(job, *head, [], usage(len(job.request.prompt), total),
+                                   chunk=True))
         except APIError as e:
             yield sse(e.body())
         finally:                    # also when the client disconnects mid-stream (the task

@@ -8,7 +8,8 @@ are made. ``OnlineEngine`` puts the same ``Engine`` in a background thread:
     submit(request, listener) --+
     cancel(ticket) -------------+-->  inbox --> engine.submit / engine.cancel
                                       engine.clock = now; engine.step()
-    listener(Update) <--------------  new tokens of each request, and its end
+    listener(Update) <--------------  new tokens of each request (of each of its n samples),
+                                      and its end
 
 The engine is not thread-safe, so only the loop calls it: clients leave commands in an inbox
 (held under a lock for microseconds, never across a step) and the loop applies them between
@@ -46,6 +47,8 @@ class Update:
     reason: str                 # why, for rejected / error
     time: float                 # seconds on the online clock when the tokens were handed over
     record: object              # the engine's record of the request (timings, preemptions)
+    choice: int = 0             # which of the request's n samples these tokens belong to
+    logprobs: tuple = ()        # a TokenLogprob per token, when the request asked for them
 
 
 @dataclass(frozen=True)
@@ -62,8 +65,14 @@ class Snapshot:                 # the engine's state after a step, for /metrics 
 @dataclass(eq=False)
 class Ticket:                   # a client's handle on its request
     listener: object
+    n: int = 1                  # samples: the engine's ids id .. id + n - 1
     id: int = None              # the engine's request id, once the loop has submitted it
-    sent: int = 0               # tokens already handed to the listener
+    sent: list = None           # per sample, tokens already handed to the listener
+    over: list = None           # per sample, whether its last update was sent
+
+    @property
+    def ids(self) -> range:
+        return range(self.id, self.id + self.n)
 
 
 class OnlineEngine:
@@ -85,7 +94,7 @@ class OnlineEngine:
     def submit(self, request, listener) -> Ticket:
         """Queue a request arriving now; listener(Update) gets its tokens. Raises QueueFull
         when max_waiting requests already wait, Closed after close()."""
-        ticket = Ticket(listener)
+        ticket = Ticket(listener, request.n if isinstance(request.n, int) else 1)
         with self.lock:
             if self.closing or self.error:
                 raise Closed("the engine is shutting down" if self.closing else str(self.error))
@@ -97,14 +106,18 @@ class OnlineEngine:
             self.lock.notify()
         return ticket
 
-    def cancel(self, ticket) -> None:
-        """Stop a request now: its blocks go back to the pool before the next step."""
+    def cancel(self, ticket, choice: int = None) -> None:
+        """Stop a request (or only its sample ``choice``) now: its blocks go back to the pool
+        before the next step."""
         with self.lock:
-            self.inbox.append(("cancel", ticket, None))
+            self.inbox.append(("cancel", ticket, choice))
             self.lock.notify()
 
     def stream(self, request):
-        """Yield a request's token ids as they are made (a blocking convenience)."""
+        """Yield a request's token ids as they are made (a blocking convenience, for n = 1:
+        the samples of n > 1 come through ``submit``'s listener, each update saying whose)."""
+        if request.n != 1:
+            raise ValueError(f"stream serves one sample, got n={request.n!r}: use submit")
         updates = queue.Queue()
         ticket = self.submit(request, updates.put)
         try:
@@ -133,10 +146,11 @@ class OnlineEngine:
                     self.lock.wait()
                 commands, self.inbox = self.inbox, []
             try:
-                for command, ticket, request in commands:
-                    self._apply(command, ticket, request)
+                for command, ticket, argument in commands:
+                    self._apply(command, ticket, argument)
                 for ticket in self.live if self.abandon else ():
-                    self.engine.cancel(ticket.id)   # close(drain=False): everyone, now
+                    for rid in ticket.ids:          # close(drain=False): everyone, now
+                        self.engine.cancel(rid)
                 self.snapshot = self._snapshot()     # the queue as clients now see it
                 if self._busy():
                     self.engine.clock = self.now()   # the engine's clock is the wall clock
@@ -153,28 +167,37 @@ class OnlineEngine:
     def _busy(self) -> bool:
         return bool(self.engine.waiting or self.engine.running())
 
-    def _apply(self, command, ticket, request) -> None:
+    def _apply(self, command, ticket, argument) -> None:
+        """submit (argument: the request) or cancel (argument: one sample, or None: all)."""
         if command == "cancel":
             if ticket.id is not None:   # None: its submission was refused, it is over
-                self.engine.cancel(ticket.id)
+                for choice, rid in enumerate(ticket.ids):
+                    if argument is None or argument == choice:
+                        self.engine.cancel(rid)
             return
         try:
-            ticket.id = self.engine.submit(request)
+            ticket.id = self.engine.submit(argument)
         except ValueError as e:     # bad ids or lengths: the request ends here
+            ticket.n = 1
             return self._send(ticket, Update((), True, "rejected", str(e), self.now(), None))
+        ticket.sent, ticket.over = [0] * ticket.n, [False] * ticket.n
         self.live.append(ticket)
 
     def _hand_over(self) -> None:
-        """Give each live request its new tokens; the ones now over leave the live list."""
+        """Give each live request its new tokens, sample by sample; a request whose samples
+        are all over leaves the live list."""
         now, still = self.now(), []
         for ticket in self.live:
-            record = self.engine.results[ticket.id]
-            new = tuple(record.tokens[ticket.sent:])
-            done = not math.isnan(record.returned)   # static batching returns at batch end
-            if new or done:
-                ticket.sent += len(new)
-                self._send(ticket, Update(new, done, record.status, record.reason, now, record))
-            if not done:
+            for choice, rid in enumerate(ticket.ids):
+                record, sent = self.engine.results[rid], ticket.sent[choice]
+                new = tuple(record.tokens[sent:])
+                done = not math.isnan(record.returned)   # static batching: at batch end
+                if ticket.over[choice] or not (new or done):
+                    continue
+                ticket.sent[choice], ticket.over[choice] = sent + len(new), done
+                self._send(ticket, Update(new, done, record.status, record.reason, now, record,
+                                          choice, tuple(record.logprobs[sent:sent + len(new)])))
+            if not all(ticket.over):
                 still.append(ticket)
         self.live = still
         self.snapshot = self._snapshot()
@@ -191,7 +214,8 @@ class OnlineEngine:
             ticket.listener(update)
         except Exception:           # a broken listener must not stop everyone else's tokens
             if ticket.id is not None:
-                self.engine.cancel(ticket.id)
+                for rid in ticket.ids:
+                    self.engine.cancel(rid)
 
     def _fail(self, error) -> None:
         with self.lock:

@@ -9,10 +9,17 @@ and meanings are OpenAI's, with vLLM's extras (``top_k``, ``repetition_penalty``
     max_tokens             new tokens at most (completions: 16 by default; chat: what fits)
     stop                   strings that end the answer; the text stops before them
     finish_reason          "stop" (eos or a stop string) or "length" (max_tokens reached)
+    n                      samples of the one prompt, prefilled once (choice i: seed + i)
+    logprobs               completions: k, each token's log-probability and the top k;
+                           chat: true, with top_logprobs: k
+    echo                   completions: the prompt comes back in front of the text (and its
+                           tokens' log-probabilities, with logprobs)
 
-Anything wrong is an ``APIError``: HTTP 400 with OpenAI's error body, naming the field.
-Fields this server does not implement (``logprobs``, ``n`` > 1, penalties, ``echo``...) are
-refused by name rather than silently ignored. Leaves out: tools, logprobs, several choices.
+Log-probabilities are the model's own (before temperature and the other sampling settings,
+as vLLM returns by default); k is at most ``MAX_LOGPROBS``. Anything wrong is an
+``APIError``: HTTP 400 with OpenAI's error body, naming the field. Fields this server does not
+implement (penalties, ``best_of``, tools...) are refused by name rather than silently ignored.
+Leaves out: tools, ``best_of``, echo in chat.
 """
 import math
 from dataclasses import dataclass
@@ -20,15 +27,17 @@ from dataclasses import dataclass
 from minitransformer.checks import is_integer, is_real
 from minitransformer.chat import encode_chat
 from minitransformer.generate import eos_ids
+from minitransformer.logprobs import MAX_LOGPROBS, TokenLogprob
 from minitransformer.sampling import SamplingSettings
 from minitransformer.serve.records import Request
 
 UNSUPPORTED = {  # field -> the value that means "off" (null, false, {} and [] pass too)
-    "n": 1, "best_of": 1, "echo": False, "logprobs": None, "top_logprobs": None, "suffix": None,
+    "best_of": 1, "suffix": None,
     "presence_penalty": 0, "frequency_penalty": 0, "logit_bias": None, "tools": None,
     "response_format": None,
 }
 MAX_STOP = 4                    # OpenAI's limit on stop strings
+LOWEST_LOGPROB = -9999.0        # what a log-probability of -inf is sent as (JSON has no inf)
 
 
 class APIError(Exception):
@@ -51,6 +60,8 @@ class Job:
     stop: tuple                 # stop strings
     stream: bool
     include_usage: bool         # stream_options.include_usage: a last chunk with usage
+    logprobs: bool = False      # send each token's log-probability (request.logprobs: top k)
+    echo: str = None            # completions with echo: the prompt's text, sent first
 
 
 def number(body, name, default, low, high, integer=False, low_open=False):
@@ -66,8 +77,9 @@ def number(body, name, default, low, high, integer=False, low_open=False):
     return value
 
 
-def parse(body, kind: str, model, name: str, pool_tokens: int) -> Job:
-    """A request body of /v1/completions (kind "completion") or /v1/chat/completions."""
+def parse(body, kind: str, model, name: str, pool_tokens: int, max_n: int = 1) -> Job:
+    """A request body of /v1/completions (kind "completion") or /v1/chat/completions;
+    ``max_n``: the most samples a request may ask for (the engine's slots)."""
     if not isinstance(body, dict):
         raise APIError("the request body must be a JSON object")
     if body.get("model") != name:
@@ -98,15 +110,46 @@ def parse(body, kind: str, model, name: str, pool_tokens: int) -> Job:
         repetition_penalty=number(body, "repetition_penalty", 1.0, 0, math.inf, low_open=True))
     seed = number(body, "seed", None, 0, 2**63 - 1, True)
     ignore_eos = body.get("ignore_eos", False) is True                   # vLLM's extra
+    n = number(body, "n", 1, 1, max_n, True)
+    top, echo = logprob_fields(body, kind)
     request = Request(tuple(prompt), max_tokens, sampling=sampling, seed=seed,
-                      eos_token_id=[] if ignore_eos else None)
+                      eos_token_id=[] if ignore_eos else None, n=n, logprobs=top,
+                      prompt_logprobs=top if echo else None)
     stream = flag(body, "stream")
     options = body.get("stream_options")
     if options is not None and (not stream or not isinstance(options, dict)):
         raise APIError("stream_options needs stream=true and must be an object",
                        "stream_options")
     return Job(kind, request, frozenset(eos_ids(model, request.eos_token_id)),
-               stop_strings(body), stream, bool(options and options.get("include_usage")))
+               stop_strings(body), stream, bool(options and options.get("include_usage")),
+               top is not None, echo_text(body, model, prompt) if echo else None)
+
+
+def logprob_fields(body, kind) -> tuple:
+    """-> (top k of each new token, or None for no logprobs; echo). OpenAI's two spellings:
+    completions ``logprobs: k`` (an integer), chat ``logprobs: true`` + ``top_logprobs: k``."""
+    def top_count(field):
+        return number(body, field, None, 0, MAX_LOGPROBS, True)
+    if kind == "completion":
+        if body.get("top_logprobs") is not None:
+            raise APIError("top_logprobs is a field of /v1/chat/completions; completions take "
+                           "logprobs: k", "top_logprobs")
+        return top_count("logprobs"), flag(body, "echo")
+    if body.get("echo") not in (None, False):
+        raise APIError("echo is a field of /v1/completions only", "echo")
+    top = top_count("top_logprobs")
+    if not flag(body, "logprobs"):
+        if top is not None:
+            raise APIError("top_logprobs needs logprobs: true", "top_logprobs")
+        return None, False
+    return top or 0, False
+
+
+def echo_text(body, model, prompt) -> str:
+    """The prompt as the client sent it (text), or its ids decoded."""
+    text = body.get("prompt")
+    text = text[0] if isinstance(text, list) and len(text) == 1 else text
+    return text if isinstance(text, str) else model.tokenizer.decode(prompt)
 
 
 def flag(body, name) -> bool:
@@ -152,16 +195,60 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
             "total_tokens": prompt_tokens + completion_tokens}
 
 
-def choice(kind, text, finish_reason, delta=False, first=False) -> dict:
-    """One choice of a response (delta: of a streamed chunk)."""
+def choice(kind, text, finish_reason, delta=False, first=False, index=0,
+           logprobs=None) -> dict:
+    """One choice of a response (delta: of a streamed chunk); logprobs as built by
+    completion_logprobs or chat_logprobs."""
     if kind == "completion":
-        return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+        return {"index": index, "text": text, "logprobs": logprobs,
+                "finish_reason": finish_reason}
     if delta:
         message = ({"role": "assistant"} if first else {}) | ({"content": text} if text or first
                                                               else {})
-        return {"index": 0, "delta": message, "logprobs": None, "finish_reason": finish_reason}
-    return {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-            "finish_reason": finish_reason}
+        return {"index": index, "delta": message, "logprobs": logprobs,
+                "finish_reason": finish_reason}
+    return {"index": index, "message": {"role": "assistant", "content": text},
+            "logprobs": logprobs, "finish_reason": finish_reason}
+
+
+def token_text(tokenizer, token: int) -> str:
+    """A token as logprobs name it: its own text (vLLM's "token_id:N" without a tokenizer)."""
+    return f"token_id:{token}" if tokenizer is None else tokenizer.token_text(token)
+
+
+def finite(logprob):
+    return None if logprob is None else max(logprob, LOWEST_LOGPROB)
+
+
+def completion_logprobs(tokenizer, scored, offset: int = 0) -> tuple:
+    """TokenLogprobs -> (the completions ``logprobs`` object, the text offset after them).
+    ``top_logprobs`` maps text -> logprob for the top k and the token itself (vLLM's rule);
+    a prompt's first token has null for both (nothing predicts it)."""
+    out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    for s in scored:
+        text = token_text(tokenizer, s.token)
+        out["tokens"].append(text)
+        out["token_logprobs"].append(finite(s.logprob))
+        out["top_logprobs"].append(None if s.top is None else {
+            token_text(tokenizer, t): finite(p) for t, p in s.top + ((s.token, s.logprob),)})
+        out["text_offset"].append(offset)
+        offset += len(text)
+    return out, offset
+
+
+def chat_logprobs(tokenizer, scored) -> dict:
+    """TokenLogprobs -> the chat ``logprobs`` object: per token its text, logprob, UTF-8 bytes
+    and the top k alternatives."""
+    def entry(token, logprob):
+        text = token_text(tokenizer, token)
+        return {"token": text, "logprob": finite(logprob), "bytes": list(text.encode())}
+    return {"content": [entry(s.token, s.logprob) | {
+        "top_logprobs": [entry(t, p) for t, p in s.top]} for s in scored]}
+
+
+def unpredicted(token: int) -> TokenLogprob:
+    """A prompt's first token as echo reports it: no logprob, no alternatives."""
+    return TokenLogprob(token, None, None)
 
 
 def response(job, rid, created, name, choices, usage_counts=None, chunk=False) -> dict:

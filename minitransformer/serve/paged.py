@@ -24,7 +24,9 @@ last holder goes, a named block is kept (refcount 0, counted free) and given out
 name forgotten, only when the free list is empty, least recently released first: so a chat's
 next turn, or any prompt starting with a kept one, finds its start already computed. A named
 block is never written: a sequence that must write into one (or into a block someone else
-holds) copies it first (copy on write).
+holds) copies it first (copy on write). ``fork`` gives a new sequence another's block table,
+its partly filled last block too (parallel samples of one prompt): whichever of them writes
+into a block first copies it.
 
 Shapes: N blocks in the pool, bs slots per block, nb blocks in a table; B, T, S, Hkv, d as in
 model.py. Leaves out: kernels that read blocks in place (we gather a copy per layer and step),
@@ -280,8 +282,9 @@ class PagedCache:
         revived = sum(self.refcount[b] == 0 for b in found)
         return self.blocks_for(len(prompt) + then) - len(found) + copies + int(revived)
 
-    def add(self, seq_id, prompt, max_len: int = 0) -> int:
-        """Give a new sequence blocks for its prompt, holding the cached ones it starts with.
+    def add(self, seq_id, prompt, max_len: int = 0, reuse: bool = True) -> int:
+        """Give a new sequence blocks for its prompt, holding the cached ones it starts with
+        (unless ``reuse`` is False: a caller that needs every prompt position computed).
 
         -> how many prompt tokens are already in the cache; the caller prefills the rest. The
         last prompt token is always left to compute (its logits pick the first new token), so
@@ -291,16 +294,29 @@ class PagedCache:
             raise ValueError(f"sequence {seq_id!r} is already in the cache")
         if len(prompt) < 1:
             raise ValueError("a sequence needs a prompt of at least one token")
-        if self.add_cost(prompt) > self.num_free:
-            raise PoolExhausted(f"a prompt of {len(prompt)} tokens needs "
-                                f"{self.add_cost(prompt)} blocks, {self.num_free} free")
-        names, found, held = self.cached_prefix(prompt)
+        cost = self.add_cost(prompt) if reuse else self.blocks_for(len(prompt))
+        if cost > self.num_free:
+            raise PoolExhausted(f"a prompt of {len(prompt)} tokens needs {cost} blocks, "
+                                f"{self.num_free} free")
+        names, found, held = self.cached_prefix(prompt) if reuse else ([], [], 0)
         for block in found:
             self._hold(block)
         self.seqs[seq_id] = SeqBlocks(list(found), held, max(max_len, len(prompt)),
                                       names[:held // self.block_size])
         self.make_room([seq_id], len(prompt) - held)  # cannot fail: counted above
         return held
+
+    def fork(self, seq_id, child_id) -> None:
+        """A new sequence holding the same blocks as seq_id, partly filled last block included
+        (parallel samples of one prompt): it takes no free block now; whichever of the two
+        writes first into a shared block copies it (``make_room``)."""
+        if child_id in self.seqs:
+            raise ValueError(f"sequence {child_id!r} is already in the cache")
+        seq = self.seqs[seq_id]
+        for block in seq.blocks:
+            self._hold(block)
+        self.seqs[child_id] = SeqBlocks(list(seq.blocks), seq.length, seq.max_len,
+                                        list(seq.names))
 
     def blocks_needed(self, seq_id, T: int) -> int:
         """Free blocks that appending T tokens to a sequence takes (new ones, copies)."""

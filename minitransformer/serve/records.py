@@ -43,6 +43,9 @@ class Request:
     sampling: SamplingSettings = GREEDY
     seed: int = None                # of the request's own numpy Generator
     eos_token_id: object = None     # as generate: None = the model's ids, [] = never stop
+    n: int = 1                      # parallel samples of the prompt; choice i seeded seed + i
+    logprobs: int = None            # None, or k: each new token's logprob and the top k
+    prompt_logprobs: int = None     # None, or k: the same for the prompt's tokens
 
 
 @dataclass
@@ -61,6 +64,9 @@ class Result:
     cached_tokens: int = 0          # prompt tokens found in the prefix cache
     prefill_chunks: int = 0         # forward passes its prompt took (1: prefilled whole)
     preemptions: int = 0
+    choice: int = 0                 # which of the request's n samples (results id - choice ..)
+    logprobs: list = field(default_factory=list)  # a TokenLogprob per token, when asked
+    prompt_logprobs: list = None    # [None, TokenLogprob, ...] per prompt token, when asked
 
     @property
     def ttft(self) -> float:

@@ -1,0 +1,254 @@
+"""Logprobs, echo and n parallel samples through the server, driven by the official ``openai``
+client on 127.0.0.1: the numbers are log_softmax of ``mt.logits`` on the same tokens (within
+1e-4), streamed or not; sample i is the single request seeded seed + i; bad fields get a 400."""
+import json
+import urllib.error
+import urllib.request
+
+import pytest
+
+import minitransformer as mt
+from minitransformer.chat import encode_chat
+from minitransformer.logprobs import MAX_LOGPROBS, log_softmax
+from minitransformer.sampling import SamplingSettings
+
+openai = pytest.importorskip("openai")
+pytest.importorskip("fastapi")
+from test_server import NAME, model, served  # noqa: E402,F401 (the fixtures: one server)
+
+TOLERANCE = 1e-4
+PROMPT = "The cat sat on the mat."
+
+
+def reference(model, prompt_ids, tokens):
+    """log_softmax of one full forward pass: the rows that score each of tokens (T, V)."""
+    return log_softmax(mt.logits(model, list(prompt_ids) + list(tokens)))[len(prompt_ids) - 1:-1]
+
+
+def warm(temperature):
+    return SamplingSettings(do_sample=True, temperature=temperature)
+
+
+def text_of(model, token):
+    return model.tokenizer.token_text(token)
+
+
+def check_completion_logprobs(model, ids, tokens, logprobs, k):
+    """The completions logprobs object of ``tokens`` (after prompt ``ids``) against the model."""
+    ref = reference(model, ids, tokens)
+    assert logprobs.tokens == [text_of(model, t) for t in tokens]
+    assert logprobs.token_logprobs == pytest.approx([row[t] for row, t in zip(ref, tokens)],
+                                                    abs=TOLERANCE)
+    for row, t, top in zip(ref, tokens, logprobs.top_logprobs):
+        best = sorted(range(len(row)), key=lambda i: -row[i])[:k]
+        expected = {text_of(model, i): row[i] for i in best + [t]}
+        assert top.keys() == expected.keys()
+        assert list(top.values()) == pytest.approx(list(expected.values()), abs=TOLERANCE)
+    offsets = [0]
+    for text in logprobs.tokens[:-1]:
+        offsets.append(offsets[-1] + len(text))
+    assert logprobs.text_offset == offsets
+
+
+@pytest.mark.parametrize("k", [0, 3])
+def test_completion_logprobs_are_the_models_streamed_or_not(served, model, k):
+    online, url, client = served
+    ids = model.tokenizer.encode(PROMPT)
+    tokens = mt.generate(model, ids, 10)
+    reply = client.completions.create(model=NAME, prompt=PROMPT, max_tokens=10, temperature=0,
+                                      logprobs=k)
+    check_completion_logprobs(model, ids, tokens, reply.choices[0].logprobs, k)
+    assert reply.choices[0].text == model.tokenizer.decode(ids + tokens)[len(PROMPT):]
+    chunks = list(client.completions.create(model=NAME, prompt=PROMPT, max_tokens=10,
+                                            temperature=0, logprobs=k, stream=True))
+    joined = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    for chunk in chunks:
+        if chunk.choices[0].logprobs:
+            for key in joined:
+                joined[key] += getattr(chunk.choices[0].logprobs, key)
+    check_completion_logprobs(model, ids, tokens, type(reply.choices[0].logprobs)(**joined), k)
+
+
+def test_sampled_logprobs_are_before_temperature(served, model):
+    """A hot, penalised, top-k-cut sample still reports the model's own log-probabilities."""
+    online, url, client = served
+    ids = model.tokenizer.encode(PROMPT)
+    reply = client.completions.create(model=NAME, prompt=PROMPT, max_tokens=8, logprobs=2,
+                                      temperature=1.7, top_p=0.8, seed=11,
+                                      extra_body={"top_k": 7, "repetition_penalty": 1.4})
+    hot = SamplingSettings(do_sample=True, temperature=1.7, top_p=0.8, top_k=7,
+                           repetition_penalty=1.4)
+    tokens = mt.generate(model, ids, 8, sampling=hot, seed=11)
+    check_completion_logprobs(model, ids, tokens, reply.choices[0].logprobs, 2)
+
+
+def test_echo_returns_the_prompt_and_its_tokens_logprobs(served, model):
+    online, url, client = served
+    ids = model.tokenizer.encode(PROMPT)
+    tokens = mt.generate(model, ids, 4)
+    for stream in (False, True):
+        reply = client.completions.create(model=NAME, prompt=PROMPT, max_tokens=4,
+                                          temperature=0, logprobs=1, echo=True, stream=stream)
+        chunks = list(reply) if stream else [reply]
+        text = "".join(c.choices[0].text for c in chunks if c.choices)
+        scored = [c.choices[0].logprobs for c in chunks if c.choices and c.choices[0].logprobs]
+        got = {key: sum((getattr(s, key) for s in scored), []) for key in
+               ("tokens", "token_logprobs", "top_logprobs")}
+        assert text == PROMPT + model.tokenizer.decode(ids + tokens)[len(PROMPT):]
+        assert got["tokens"] == [text_of(model, t) for t in ids + tokens]
+        assert got["token_logprobs"][0] is None and got["top_logprobs"][0] is None
+        ref = reference(model, ids[:1], ids[1:] + tokens)
+        assert got["token_logprobs"][1:] == pytest.approx(
+            [row[t] for row, t in zip(ref, ids[1:] + tokens)], abs=TOLERANCE)
+    plain = client.completions.create(model=NAME, prompt=ids, max_tokens=2, temperature=0,
+                                      echo=True)
+    assert plain.choices[0].text.startswith(PROMPT) and plain.choices[0].logprobs is None
+
+
+def test_chat_logprobs_and_top_logprobs_streamed_or_not(served, model):
+    online, url, client = served
+    messages = [{"role": "user", "content": "Tell me about the robot."}]
+    ids = encode_chat(model, messages)
+    tokens = mt.generate(model, ids, 8)
+    ref = reference(model, ids, tokens)
+    reply = client.chat.completions.create(model=NAME, messages=messages, max_tokens=8,
+                                           temperature=0, logprobs=True, top_logprobs=4)
+    content = reply.choices[0].logprobs.content
+    streamed = [entry for chunk in client.chat.completions.create(
+        model=NAME, messages=messages, max_tokens=8, temperature=0, logprobs=True,
+        top_logprobs=4, stream=True) if chunk.choices and chunk.choices[0].logprobs
+        for entry in chunk.choices[0].logprobs.content]
+    for entries in (content, streamed):
+        assert [e.token for e in entries] == [text_of(model, t) for t in tokens]
+        assert [bytes(e.bytes).decode() for e in entries] == [e.token for e in entries]
+        for e, row, t in zip(entries, ref, tokens):
+            assert abs(e.logprob - row[t]) < TOLERANCE
+            best = sorted(range(len(row)), key=lambda i: -row[i])[:4]
+            assert [a.token for a in e.top_logprobs] == [text_of(model, i) for i in best]
+            assert [a.logprob for a in e.top_logprobs] == pytest.approx(row[best],
+                                                                        abs=TOLERANCE)
+    plain = client.chat.completions.create(model=NAME, messages=messages, max_tokens=2,
+                                           logprobs=True)
+    assert all(e.top_logprobs == [] for e in plain.choices[0].logprobs.content)
+    assert client.chat.completions.create(model=NAME, messages=messages,
+                                          max_tokens=2).choices[0].logprobs is None
+
+
+def test_n_samples_are_the_single_requests_seeded_seed_plus_i(served, model):
+    online, url, client = served
+    ids = model.tokenizer.encode(PROMPT)
+    alone = [model.tokenizer.decode(ids + mt.generate(model, ids, 12, sampling=warm(0.9),
+                                                      seed=70 + i))[len(PROMPT):]
+             for i in range(3)]
+    reply = client.completions.create(model=NAME, prompt=PROMPT, max_tokens=12,
+                                      temperature=0.9, seed=70, n=3)
+    assert [c.index for c in reply.choices] == [0, 1, 2]
+    assert [c.text for c in reply.choices] == alone
+    assert len(set(alone)) > 1
+    single = client.completions.create(model=NAME, prompt=PROMPT, max_tokens=12,
+                                       temperature=0.9, seed=71)
+    assert single.choices[0].text == alone[1]
+    texts = ["", "", ""]
+    finished = set()
+    for chunk in client.completions.create(model=NAME, prompt=PROMPT, max_tokens=12,
+                                           temperature=0.9, seed=70, n=3, stream=True):
+        for c in chunk.choices:
+            texts[c.index] += c.text
+            if c.finish_reason:
+                finished.add(c.index)
+    assert texts == alone and finished == {0, 1, 2}
+    messages = [{"role": "user", "content": "Hello"}]
+    chat = client.chat.completions.create(model=NAME, messages=messages, max_tokens=6, n=2,
+                                          temperature=0.8, seed=5, logprobs=True)
+    chat_ids = encode_chat(model, messages)
+    for c in chat.choices:
+        tokens = mt.generate(model, chat_ids, 6, sampling=warm(0.8), seed=5 + c.index)
+        assert c.message.content == model.tokenizer.decode(chat_ids + tokens)[
+            len(model.tokenizer.decode(chat_ids)):]
+        assert [e.token for e in c.logprobs.content] == [text_of(model, t) for t in tokens]
+    assert chat.usage.completion_tokens == sum(len(c.logprobs.content) for c in chat.choices)
+    assert online.engine.cache.num_free == online.engine.cache.num_blocks
+
+
+def test_a_stop_string_ends_one_sample_not_the_others(served, model):
+    online, url, client = served
+    ids = model.tokenizer.encode(PROMPT)
+    texts = [model.tokenizer.decode(ids + mt.generate(model, ids, 16, sampling=warm(1.0), seed=s))[
+        len(PROMPT):] for s in (30, 31)]
+    stop = next(texts[0][i:i + 2] for i in range(1, len(texts[0]) - 1)
+                if "\ufffd" not in texts[0][i:i + 2] and texts[0][i:i + 2] not in texts[1])
+    reply = client.completions.create(model=NAME, prompt=PROMPT, max_tokens=16, temperature=1,
+                                      seed=30, n=2, stop=stop)
+    assert reply.choices[0].text == texts[0][:texts[0].index(stop)]
+    assert reply.choices[0].finish_reason == "stop"
+    assert reply.choices[1].text == texts[1] and reply.choices[1].finish_reason == "length"
+
+
+def post(url, path, body):
+    request = urllib.request.Request(url + path, json.dumps(body).encode(),
+                                     {"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request) as reply:
+            return reply.status, json.loads(reply.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+BOUND = f"in [0, {MAX_LOGPROBS}]"
+HOSTILE = [  # (path, fields, the param named, what the message says)
+    ("completions", dict(logprobs=MAX_LOGPROBS + 1), "logprobs", BOUND),
+    ("completions", dict(logprobs=-1), "logprobs", BOUND),
+    ("completions", dict(logprobs=True), "logprobs", BOUND),     # a bool is not a count
+    ("completions", dict(logprobs=2.0), "logprobs", BOUND),
+    ("completions", dict(logprobs="2"), "logprobs", BOUND),
+    ("completions", dict(logprobs=10**30), "logprobs", BOUND),
+    ("completions", dict(top_logprobs=2), "top_logprobs", "chat"),   # chat's field
+    ("completions", dict(echo=1), "echo", "true or false"),
+    ("completions", dict(echo="true"), "echo", "true or false"),
+    ("completions", dict(n=0), "n", "in [1, 4]"),
+    ("completions", dict(n=-3), "n", "in [1, 4]"),
+    ("completions", dict(n=True), "n", "in [1, 4]"),
+    ("completions", dict(n=2.5), "n", "in [1, 4]"),
+    ("completions", dict(n="2"), "n", "in [1, 4]"),
+    ("completions", dict(n=5), "n", "in [1, 4]"),                # more than the 4 slots
+    ("completions", dict(best_of=3), "best_of", "not supported"),
+    ("chat/completions", dict(logprobs=3), "logprobs", "true or false"),  # chat: a flag
+    ("chat/completions", dict(logprobs="true"), "logprobs", "true or false"),
+    ("chat/completions", dict(logprobs=True, top_logprobs=MAX_LOGPROBS + 1), "top_logprobs",
+     BOUND),
+    ("chat/completions", dict(logprobs=True, top_logprobs=-1), "top_logprobs", BOUND),
+    ("chat/completions", dict(logprobs=True, top_logprobs=False), "top_logprobs", BOUND),
+    ("chat/completions", dict(top_logprobs=2), "top_logprobs", "needs logprobs: true"),
+    ("chat/completions", dict(logprobs=False, top_logprobs=2), "top_logprobs", "needs"),
+    ("chat/completions", dict(echo=True), "echo", "/v1/completions only"),
+    ("chat/completions", dict(n=[2]), "n", "in [1, 4]"),
+]
+
+
+@pytest.mark.parametrize("path, fields, param, says", HOSTILE,
+                         ids=[f"{p}-{f}" for p, f, _, _ in HOSTILE])
+def test_bad_logprobs_echo_and_n_get_400_naming_the_field(served, path, fields, param, says):
+    online, url, client = served
+    body = {"model": NAME, "max_tokens": 2} | (
+        {"prompt": "hi"} if path == "completions" else
+        {"messages": [{"role": "user", "content": "hi"}]})
+    status, reply = post(url, f"/v1/{path}", body | fields)
+    assert status == 400 and reply["error"]["param"] == param, reply
+    assert says in reply["error"]["message"], reply
+    assert online.engine.cache.num_free == online.engine.cache.num_blocks
+
+
+def test_the_bound_on_k_is_accepted_at_its_edge(served):
+    """k = MAX_LOGPROBS is served (chat lists k alternatives; completions' map may hold fewer
+    keys: tokens whose texts are equal, such as two halves of characters, share one)."""
+    online, url, client = served
+    messages = [{"role": "user", "content": "hi"}]
+    reply = client.chat.completions.create(model=NAME, messages=messages, max_tokens=1,
+                                           logprobs=True, top_logprobs=MAX_LOGPROBS)
+    assert len(reply.choices[0].logprobs.content[0].top_logprobs) == MAX_LOGPROBS
+    reply = client.completions.create(model=NAME, prompt="hi", max_tokens=1,
+                                      logprobs=MAX_LOGPROBS)
+    assert 1 <= len(reply.choices[0].logprobs.top_logprobs[0]) <= MAX_LOGPROBS + 1
+    with pytest.raises(openai.BadRequestError, match=f"in \\[0, {MAX_LOGPROBS}\\]"):
+        client.chat.completions.create(model=NAME, messages=messages, max_tokens=1,
+                                       logprobs=True, top_logprobs=MAX_LOGPROBS + 1)
