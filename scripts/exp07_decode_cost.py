@@ -1,11 +1,12 @@
 """Experiment 7: the cost of one decode step as the cache grows, C = 16 ... 1,024.
 
 A cache is filled by prefill to C tokens, then one decode step (one token through the model,
-attending over the C cached ones, and the head) is timed; a rollback, untimed, trims that token
-off so that every timed step sees exactly C (measure.timing.step_with_rollback). The fastest and the median of --repeat steps after
---warmup (more while the median sits far above the fastest). Then the cache grows to the next C
-by prefilling the tokens in between (in one chunk), and so on. A step that comes out cheaper
-against a longer cache is measured again (a fresh pass) and flagged if it persists.
+attending over the C cached ones, and the head) is timed; a rollback, untimed, trims that token off
+so that every timed step sees exactly C (measure.timing.step_with_rollback). The fastest and the
+median of --repeat steps after --warmup (more while the median sits far above the fastest). Then the
+cache grows to the next C by prefilling the tokens in between (in one chunk), and so on. A step that
+comes out cheaper against a longer cache is measured again (a fresh pass) and flagged if it
+persists.
 
 The chapter: flat. Sixty-four times more history changed nothing measurable, because a step's
 cost is dominated by reading the weights; the cache it also reads is small beside them. The

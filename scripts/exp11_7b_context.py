@@ -15,7 +15,8 @@ from sim.memory_budget import FP16, SEVEN_B, ModelSpec, weight_bytes
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--contexts", type=positive_ints, default="1024,4096,8192,16384,32768,65536,100000,128000",
+    parser.add_argument("--contexts", type=positive_ints,
+                        default="1024,4096,8192,16384,32768,65536,100000,128000",
                         help="context lengths in tokens, comma-separated (default: %(default)s)")
     parser.add_argument("--layers", type=int, default=SEVEN_B.num_hidden_layers)
     parser.add_argument("--kv-heads", type=int, default=SEVEN_B.num_key_value_heads)

@@ -88,10 +88,10 @@ def assert_same(actual, expected, rtol=None, atol=None):
 
 
 # ---------------------------------------------------------------- batched tokens vs alone
-# The exactness policy of batching (serve/engine.py, "Exactness"). batch_invariant=True: a
-# batched request gets exactly the tokens generate gives it alone (==). The default fast
-# batching multiplies the batch as one flat matrix, which moves logits in their last bits (on
-# the tiny models, about 1e-6); a token may then differ only at a step where the solo run was that close to choosing
+# The exactness policy of batching (serve/engine.py, "Exactness"). batch_invariant=True: a batched
+# request gets exactly the tokens generate gives it alone (==). The default fast batching multiplies
+# the batch as one flat matrix, which moves logits in their last bits (on the tiny models, about
+# 1e-6); a token may then differ only at a step where the solo run was that close to choosing
 # another: greedy, its top two logits within NEAR_TIE; sampled, its draw within NEAR_TIE of a
 # boundary of the cumulative distribution. From there on the two runs are different sequences.
 NEAR_TIE = 1e-4

@@ -4,9 +4,10 @@ Serves the measured experiments of the chapter (2, 4, 6, 7, 12, 13, 22). A timin
 something else ran on the machine can come out impossible: a batch of 7 cheaper than a batch of
 1, a speculative speedup above what the accepted tokens allow. Each check here takes measured
 ``Timing``s (minitransformer/measure/timing.py) and returns a message per row that breaks its
-invariant, None or {} when all is well. The checks compare the fastest samples: a fastest sample cannot be
-too fast (a clock does not run early), only too slow (every sample of that row was disturbed), so
-the tolerance is the small difference two quiet runs of the same code show (``NOISE_FLOOR``).
+invariant, None or {} when all is well. The checks compare the fastest samples: a fastest sample
+cannot be too fast (a clock does not run early), only too slow (every sample of that row was
+disturbed), so the tolerance is the small difference two quiet runs of the same code show
+(``NOISE_FLOOR``).
 A wide spread is no excuse: it is the sign of a disturbed row, which is measured again.
 
 ``recheck`` is the loop every script runs around a check: measure, check, and while a check
