@@ -160,7 +160,8 @@ def serve(args) -> None:
                block_size=args.block_size, policy=args.policy, max_waiting=args.max_waiting,
                batch_invariant=args.batch_invariant, drain_timeout=args.drain_timeout,
                prefix_caching=args.enable_prefix_caching,
-               max_num_batched_tokens=args.max_num_batched_tokens)
+               max_num_batched_tokens=args.max_num_batched_tokens,
+               max_request_bytes=args.max_request_bytes)
 
 
 def parser() -> argparse.ArgumentParser:
@@ -202,6 +203,11 @@ def parser() -> argparse.ArgumentParser:
                    "of waiting prompts (default: off, each prompt prefilled whole)")
     s.add_argument("--drain-timeout", type=float, default=30.0,
                    help="seconds answers in flight may finish after Ctrl-C")
+    s.add_argument("--max-request-bytes", type=int, default=None,
+                   help="request bodies above this get HTTP 413 (default: room for a prompt "
+                   "filling the model's context in any language: positions x the longest "
+                   "token's bytes x 6, a JSON escape per byte, + 1 MiB; 5,029,888 for "
+                   "SmolLM2-135M)")
     s.set_defaults(run=serve)
     return p
 

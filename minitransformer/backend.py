@@ -57,3 +57,12 @@ def synchronize():
     """Wait for the device to finish queued work, so wall-clock timings mean something."""
     if BACKEND == "cupy":
         xp.cuda.Stream.null.synchronize()
+
+
+def memory_bytes() -> tuple[int, str]:
+    """-> (bytes arrays of the active backend can use at most, where): the GPU's free memory
+    on CuPy, the machine's physical memory otherwise. A size checked against it fails with
+    the project's own message before NumPy tries (and reports "Unable to allocate 931 TiB")."""
+    if BACKEND == "cupy":
+        return int(xp.cuda.Device().mem_info[0]), "free GPU memory"
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "physical memory"

@@ -53,8 +53,8 @@ def render(template: str, messages: list, add_generation_prompt: bool = True,
     except ImportError:
         raise ImportError("chat templates need jinja2: pip install -e '.[serve]'") from None
 
-    def raise_exception(message):
-        raise jinja2.exceptions.TemplateError(message)
+    def raise_exception(message):   # the template refuses the messages: the caller's mistake
+        raise ValueError(f"the chat template refuses these messages: {message}")
 
     def tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
         return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent,
@@ -93,7 +93,8 @@ def chat_ids(tokenizer, messages: list, add_generation_prompt: bool = True,
                       tokenizer.backend.id_to_token(tokenizer.bos_token_id))
     text = render(tokenizer.chat_template, check_messages(messages), add_generation_prompt,
                   **tokens)
-    return tokenizer.backend.encode(text, add_special_tokens=False).ids
+    # encode_batch, not encode: it lets other threads run (see tokenizer.encode_text)
+    return tokenizer.backend.encode_batch([text], add_special_tokens=False)[0].ids
 
 
 def encode_chat(model, messages: list, add_generation_prompt: bool = True) -> list[int]:

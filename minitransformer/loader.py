@@ -31,11 +31,13 @@ FLOAT_DTYPES = ("F32", "F16", "BF16")
 
 def weight_files(path: Path) -> dict[Path, set | None]:
     """The safetensors files of a checkpoint -> {file: the tensor names the index puts there
-    (None for a single unsharded file)}. Shard names must stay inside the checkpoint directory:
-    an index is data, and ``../../elsewhere`` or an absolute path in it must not be followed.
+    (None for a single unsharded file)}. An index beside a ``model.safetensors`` it does not
+    name is an error: which of the two is meant? Shard names must stay inside the checkpoint
+    directory: an index is data, and ``../../elsewhere`` or an absolute path in it must not be
+    followed.
     (Checked on the name, not the resolved path: the Hugging Face cache links each file to a
     blob outside the snapshot directory, legitimately.)"""
-    index = path / "model.safetensors.index.json"
+    index, single = path / "model.safetensors.index.json", path / "model.safetensors"
     if index.is_file():
         weight_map = read_json_object(index, "a shard index (an object)").get("weight_map")
         if not isinstance(weight_map, dict) or not weight_map:
@@ -52,8 +54,10 @@ def weight_files(path: Path) -> dict[Path, set | None]:
         for file in shards:
             if not file.is_file():
                 raise CheckpointError(f"{file}: shard not found (named in {index.name})")
+        if single.is_file() and single not in shards:
+            raise CheckpointError(f"{index}: the folder also holds {single.name}, which the "
+                                  "index does not name: which weights are meant is unclear")
         return dict(sorted(shards.items()))
-    single = path / "model.safetensors"
     if not single.is_file():
         raise CheckpointError(f"{path}: no model.safetensors or model.safetensors.index.json")
     return {single: None}
@@ -103,14 +107,20 @@ def load_weights(path: Path, config: ModelConfig) -> dict:
     return weights
 
 
-def eos_ids(path: Path) -> tuple[int, ...]:
-    """End-of-sequence ids: generation_config.json first, config.json as the fallback."""
+def eos_ids(path: Path, vocab_size: int) -> tuple[int, ...]:
+    """End-of-sequence ids: generation_config.json first, config.json as the fallback; each
+    must be a token the model can produce (below vocab_size), or generation never stops."""
     for name in ("generation_config.json", "config.json"):
         file = path / name
         if file.is_file():
             eos = read_json_object(file).get("eos_token_id")
             if eos is not None:
-                return token_ids_field(file, "eos_token_id", eos)
+                ids = token_ids_field(file, "eos_token_id", eos)
+                outside = [i for i in ids if i >= vocab_size]
+                if outside:
+                    raise CheckpointError(f"{file}: field 'eos_token_id' holds {outside[0]}, "
+                                          f"outside the vocabulary [0, {vocab_size})")
+                return ids
     return ()
 
 
@@ -127,4 +137,5 @@ def load(path) -> Model:
         raise CheckpointError(f"{path}: checkpoint directory not found")
     config = load_config(path)
     return Model(config=config, weights=load_weights(path, config),
-                 tokenizer=load_tokenizer(path), eos_token_ids=eos_ids(path), path=str(path))
+                 tokenizer=load_tokenizer(path), eos_token_ids=eos_ids(path, config.vocab_size),
+                 path=str(path))

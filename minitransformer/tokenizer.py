@@ -24,7 +24,7 @@ class Tokenizer:
     chat_template: str | None = None  # Jinja source from tokenizer_config.json, if any
 
     def encode(self, text: str) -> list[int]:
-        ids = self.backend.encode(text).ids
+        ids = encode_text(self.backend, text)
         if self.add_bos and self.bos_token_id is not None and ids[:1] != [self.bos_token_id]:
             ids = [self.bos_token_id] + ids
         return ids
@@ -47,6 +47,13 @@ class Tokenizer:
     @property
     def vocab_size(self) -> int:
         return self.backend.get_vocab_size(with_added_tokens=True)
+
+
+def encode_text(backend, text: str, add_special_tokens: bool = True) -> list[int]:
+    """text -> ids through a `tokenizers` backend, letting other threads run meanwhile:
+    ``encode`` holds Python's lock for the whole text (a second per megabyte), ``encode_batch``
+    of one text gives the same ids and releases it, so a server stays responsive."""
+    return backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
 
 def load_tokenizer(path) -> Tokenizer | None:

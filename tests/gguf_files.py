@@ -112,3 +112,68 @@ def add_tokenizer(writer, tokenizer, pre, TokenType):
     writer.add_chat_template("{% for m in messages %}<|endoftext|>{{ m['role'] }}: "
                              "{{ m['content'] }}\n{% endfor %}"
                              "{% if add_generation_prompt %}assistant:{% endif %}")
+
+
+# --- GGUF files spelled byte by byte, to break them -----------------------------------------
+# A second writer, by hand from the format's description, so that a test can write what no
+# correct writer would: a key twice, an offset off the alignment, two tensors on the same bytes.
+SCALAR_FORMATS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q",
+                  11: "q", 12: "d"}
+STRING, ARRAY = 8, 9
+
+
+def gguf_parts(path):
+    """A GGUF file -> (metadata entries [key, type, value, element type], tensors [name, dims
+    innermost first, GGML type id, bytes]), read with the gguf package's own reader."""
+    from gguf import GGUFReader, GGUFValueType
+
+    reader = GGUFReader(path)
+    entries = []
+    for key, field in reader.fields.items():
+        if key.startswith("GGUF."):
+            continue
+        kind = int(field.types[0])
+        item = int(field.types[1]) if field.types[0] == GGUFValueType.ARRAY else None
+        entries.append([key, kind, field.contents(), item])
+    tensors = [[t.name, [int(n) for n in t.shape], int(t.tensor_type),
+                bytes(np.ascontiguousarray(t.data).view(np.uint8).reshape(-1))]
+               for t in reader.tensors]
+    return entries, tensors
+
+
+def encode_value(kind, value, item=None) -> bytes:
+    import struct
+
+    if kind in SCALAR_FORMATS:
+        return struct.pack("<" + SCALAR_FORMATS[kind], value)
+    if kind == STRING:
+        raw = value.encode("utf-8", "surrogatepass") if isinstance(value, str) else value
+        return struct.pack("<Q", len(raw)) + raw
+    if kind != ARRAY:           # no GGUF type: four bytes of something
+        return struct.pack("<I", value)
+    return struct.pack("<IQ", item, len(value)) + b"".join(encode_value(item, v)
+                                                           for v in value)
+
+
+def gguf_bytes(entries, tensors, alignment=32, version=3, offsets=None, magic=b"GGUF",
+               counts=None) -> bytes:
+    """Spell a GGUF file. offsets: tensor index -> data offset to write instead of the true
+    one; counts: (tensors, entries) to claim instead of the true ones."""
+    import struct
+
+    n_tensors, n_entries = counts or (len(tensors), len(entries))
+    out = magic + struct.pack("<IQQ", version, n_tensors, n_entries)
+    for key, kind, value, item in entries:
+        out += encode_value(STRING, key) + struct.pack("<I", kind) + encode_value(kind, value,
+                                                                                  item)
+    data, placed = b"", []
+    for name, dims, type_id, raw in tensors:
+        data += b"\0" * (-len(data) % alignment)
+        placed.append(len(data))
+        data += raw
+    for i, (name, dims, type_id, raw) in enumerate(tensors):
+        offset = (offsets or {}).get(i, placed[i])
+        out += encode_value(STRING, name) + struct.pack("<I", len(dims))
+        out += struct.pack(f"<{len(dims)}Q", *dims) + struct.pack("<IQ", type_id, offset)
+    out += b"\0" * (-len(out) % alignment)
+    return out + data

@@ -37,7 +37,7 @@ def test_template_helpers_of_transformers():
         '[{"role": "user", "content": "çay"}]'              # non-ASCII kept, as transformers
     assert render("{% for m in messages %}{% if loop.index > 1 %}{% break %}{% endif %}"
                   "{{ m['content'] }}{% endfor %}", [{"role": "user", "content": "a"}] * 3) == "a"
-    with pytest.raises(jinja2.exceptions.TemplateError, match="only user"):
+    with pytest.raises(ValueError, match="template refuses these messages: only user"):
         render("{{ raise_exception('only user and assistant roles') }}", [{"role": "x",
                                                                              "content": ""}])
     with pytest.raises(jinja2.exceptions.SecurityError):   # the sandbox: no Python internals

@@ -236,6 +236,24 @@ def test_a_malformed_request_is_refused_at_submission_holding_nothing(checkpoint
     assert_pool_whole(engine)
 
 
+@pytest.mark.parametrize("sizes", [dict(num_blocks=10**12), dict(slots=10**7),
+                                   dict(slots=10**12, num_blocks=4)], ids=str)
+def test_a_pool_larger_than_memory_is_refused_before_allocating(tiny_model, sizes):
+    import time
+    import tracemalloc
+
+    tracemalloc.start()
+    start = time.perf_counter()
+    try:
+        with pytest.raises(ValueError, match=r"need [\d,]+ bytes .* more than the [\d,]+ "
+                                             r"bytes of (physical|free GPU) memory"):
+            Engine(tiny_model, **sizes)
+    finally:
+        peak = tracemalloc.get_traced_memory()[1]
+        tracemalloc.stop()
+    assert time.perf_counter() - start < 1 and peak < 2**20   # nothing was allocated
+
+
 def test_only_requests_are_served(tiny_model):
     with pytest.raises(ValueError, match="Request"):
         Engine(tiny_model).submit({"prompt": (1, 2), "max_new_tokens": 3})

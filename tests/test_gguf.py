@@ -162,7 +162,7 @@ def test_bad_files_are_named(tmp_path):
         mt.load(tmp_path / "absent.gguf")
     bad = tmp_path / "bad.gguf"
     bad.write_bytes(b"not a gguf file at all")
-    with pytest.raises(mt.CheckpointError, match="bad.gguf: not a readable GGUF"):
+    with pytest.raises(mt.CheckpointError, match="bad.gguf: not a GGUF file"):
         mt.load(bad)
     config = qwen2_config(**SHAPE)
     from minitransformer.synth import random_weights

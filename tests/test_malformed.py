@@ -147,6 +147,25 @@ def _(path):
     write_raw(path / "model.safetensors", b"[" * 100_000 + b"]" * 100_000, b"")
 
 
+@case("safetensors-header-empty", "model.safetensors", "empty safetensors header")
+def _(path):
+    write_raw(path / "model.safetensors", b" " * 8, read_raw(path / "model.safetensors")[1])
+
+
+@case("safetensors-header-no-tensor", "model.safetensors", "lists no tensor", "bytes of data")
+def _(path):
+    write_raw(path / "model.safetensors", {}, read_raw(path / "model.safetensors")[1])
+
+
+@case("safetensors-duplicate-key", "model.safetensors", NORM, "twice")
+def _(path):  # json.loads would keep the second entry: one tensor silently gone
+    file = path / "model.safetensors"
+    header, data = read_raw(file)
+    text = json.dumps(header)
+    entry = json.dumps({NORM: header[NORM]})[1:-1]
+    write_raw(file, text.replace("{", "{" + entry + ", ", 1).encode(), data)
+
+
 @case("safetensors-metadata-list", "model.safetensors", "__metadata__")
 def _(path):
     edit_header(path, lambda h: h.update(__metadata__=["x"]))
@@ -182,6 +201,13 @@ for label, make in {
 }.items():
     case(f"index-{label}", INDEX, "weight_map")(lambda path, make=make: shard(path, make))
 case("index-list", INDEX, "expected a shard index")(lambda p: shard(p, index="[]"))
+
+
+@case("index-beside-a-single-file", INDEX, "model.safetensors", "which")
+def _(path):
+    single = (path / "model.safetensors").read_bytes()
+    shard(path)
+    (path / "model.safetensors").write_bytes(single)
 case("index-not-json", INDEX, "not valid JSON")(lambda p: shard(p, index="{"))
 case("index-not-utf8", INDEX, "not UTF-8")(lambda p: shard(p, index=b'{"\xff": 1}'))
 case("index-missing-shard", "c.safetensors", "not found")(
@@ -250,6 +276,8 @@ for label, eos in {"float": 2.7, "string": "x", "object": {}, "bool": True, "neg
                    "list-with-string": [1, "x"], "list-of-lists": [[1]]}.items():
     case(f"generation-config-eos-{label}", GEN, "eos_token_id")(
         lambda path, eos=eos: (path / GEN).write_text(json.dumps({"eos_token_id": eos})))
+case("generation-config-eos-outside-vocab", GEN, "eos_token_id", "1024", "outside")(
+    lambda path: (path / GEN).write_text(json.dumps({"eos_token_id": [2, 1024]})))
 case("generation-config-list", GEN, "expected a JSON object")(
     lambda path: (path / GEN).write_text("[2]"))
 case("generation-config-not-utf8", GEN, "not UTF-8")(

@@ -56,7 +56,8 @@ def test_logprobs_echo_and_n_become_the_engine_request(model):
 
 
 @pytest.mark.parametrize("body, field", [
-    (dict(model="other", prompt="a"), "model"),
+    (dict(model=None, prompt="a"), "model"),
+    (dict(model=["m"], prompt="a"), "model"),
     (dict(prompt="a", n=3), "n"),
     (dict(prompt="a", logprobs=21), "logprobs"),
     (dict(prompt="a", logprobs=True), "logprobs"),
@@ -89,3 +90,78 @@ def test_chat_messages_are_checked(model):
     assert caught.value.param == "messages"
     with pytest.raises(APIError, match="JSON object"):
         parse([1, 2], "chat", model, "m", POOL)
+
+
+def test_an_unknown_model_is_404_model_not_found(model):
+    with pytest.raises(APIError) as caught:
+        parse({"model": "gpt-4", "prompt": "a"}, "completion", model, "m", POOL)
+    assert caught.value.status == 404 and caught.value.code == "model_not_found"
+    assert caught.value.body()["error"] == {
+        "message": "the model 'gpt-4' does not exist; this server has 'm'",
+        "type": "invalid_request_error", "param": "model", "code": "model_not_found"}
+
+
+# A boolean is not an integer, an integer is not a boolean, and a field this server does not
+# implement passes only with its neutral value.
+NEUTRAL = [dict(n=1), dict(n=None), dict(best_of=1), dict(echo=False), dict(logprobs=None),
+           dict(presence_penalty=0), dict(presence_penalty=0.0), dict(logit_bias={}),
+           dict(tools=[]), dict(response_format={"type": "text"}), dict(stop=None),
+           dict(ignore_eos=False), dict(user="someone"), dict(seed=2**63 - 1)]
+REFUSED = [(dict(n=0), "n"), (dict(n=True), "n"), (dict(n=1.0), "n"), (dict(n="1"), "n"),
+           (dict(best_of=0), "best_of"), (dict(best_of=True), "best_of"),
+           (dict(logprobs=False), "logprobs"), (dict(logprobs=1.0), "logprobs"),
+           (dict(echo=0), "echo"), (dict(echo="yes"), "echo"), (dict(top_logprobs=0),
+                                                                "top_logprobs"),
+           (dict(presence_penalty=False), "presence_penalty"),
+           (dict(frequency_penalty=0.1), "frequency_penalty"),
+           (dict(logit_bias={"5": 1}), "logit_bias"), (dict(suffix="x"), "suffix"),
+           (dict(response_format={"type": "json_object"}), "response_format"),
+           (dict(min_tokens=3), "min_tokens"), (dict(use_beam_search=True), "use_beam_search"),
+           (dict(ignore_eos="yes"), "ignore_eos"), (dict(ignore_eos=1), "ignore_eos"),
+           (dict(stream=1), "stream"), (dict(max_tokens=True), "max_tokens"),
+           (dict(max_tokens=10**4000), "max_tokens"), (dict(seed=10**300), "seed"),
+           (dict(seed=True), "seed"), (dict(temperature=True), "temperature"),
+           (dict(temperature=10**400), "temperature"), (dict(top_k=False), "top_k"),
+           (dict(prompt=[True, 5]), "prompt"), (dict(prompt=[5, 2.0]), "prompt"),
+           (dict(stop=[""]), "stop"), (dict(stop=0), "stop"), (dict(user=5), "user"),
+           (dict(stream=True, stream_options={"include_usage": 1}),
+            "stream_options.include_usage"),
+           (dict(prompt="a\ud800b"), "prompt"), (dict(stop=["\udfff"]), "stop"),
+           (dict(metadata={"k\ud800": "v"}), "metadata")]
+
+
+@pytest.mark.parametrize("fields", NEUTRAL, ids=lambda f: f"{f}")
+def test_neutral_values_pass(model, fields):
+    assert job(model, **{"prompt": "a"} | fields).request.prompt
+
+
+@pytest.mark.parametrize("fields, param", REFUSED, ids=lambda f: f"{f}"[:40])
+def test_strict_types_and_not_implemented_fields_are_refused(model, fields, param):
+    with pytest.raises(APIError) as caught:
+        job(model, **{"prompt": "a"} | fields)
+    assert caught.value.status == 400 and caught.value.param == param, caught.value
+
+
+def test_chat_logprobs_false_is_neutral_and_lone_surrogates_refused(model):
+    messages = [{"role": "user", "content": "hi"}]
+    assert job(model, "chat", messages=messages, logprobs=False).request.logprobs is None
+    for fields, param in ((dict(echo=0), "echo"), (dict(logprobs=0), "logprobs"),
+                          (dict(logprobs=True, top_logprobs=True), "top_logprobs")):
+        with pytest.raises(APIError) as caught:
+            job(model, "chat", messages=messages, **fields)
+        assert caught.value.param == param, fields
+    with pytest.raises(APIError, match="surrogate") as caught:
+        job(model, "chat", messages=[{"role": "user", "content": "\ud83d"}])
+    assert caught.value.param == "messages"
+
+
+def test_a_template_that_refuses_the_messages_is_a_400(model):
+    from dataclasses import replace
+
+    tokenizer = replace(model.tokenizer,
+                        chat_template="{{ raise_exception('roles must alternate') }}")
+    refusing = replace(model, tokenizer=tokenizer)
+    with pytest.raises(APIError, match="roles must alternate") as caught:
+        job(refusing, "chat", messages=[{"role": "user", "content": "hi"}])
+    assert caught.value.status == 400 and caught.value.param == "messages"
+

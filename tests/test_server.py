@@ -20,7 +20,8 @@ from minitransformer.synth import make_checkpoint, qwen2_config, train_tokenizer
 openai = pytest.importorskip("openai")
 pytest.importorskip("fastapi")
 uvicorn = pytest.importorskip("uvicorn")
-from minitransformer.serve.http import create_app  # noqa: E402 (after the skips)
+from minitransformer.serve.http import (create_app, default_max_request_bytes,  # noqa: E402
+                                        http_protocol)
 
 NAME = "tiny-chat"
 TEMPLATE = ("{% for m in messages %}<|endoftext|>{{ m['role'] }}: {{ m['content'] }}\n"
@@ -34,7 +35,8 @@ class Background:
         self.sock = socket.socket()
         self.sock.bind(("127.0.0.1", 0))
         self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning",
+                                                    http=http_protocol()))
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]},
                                        daemon=True)
         self.thread.start()
@@ -197,8 +199,7 @@ def test_a_waiting_client_that_gives_up_is_cancelled(model):
 def test_bad_requests_get_400_naming_the_field(served, model):
     online, url, client = served
     positions = model.config.max_position_embeddings
-    cases = [(dict(model="gpt-4", prompt="hi"), "model"),
-             (dict(model=NAME, prompt="hi", n=5), "n"),          # 4 slots
+    cases = [(dict(model=NAME, prompt="hi", n=5), "n"),          # 4 slots
              (dict(model=NAME, prompt="hi", max_tokens=-1), "max_tokens"),
              (dict(model=NAME, prompt=[5] * positions), "prompt"),
              (dict(model=NAME, prompt="hi", max_tokens=200), "max_tokens"),
@@ -210,6 +211,10 @@ def test_bad_requests_get_400_naming_the_field(served, model):
         assert caught.value.status_code == 400 and caught.value.body["param"] == field, body
     with pytest.raises(openai.BadRequestError, match="a KV pool of 192 tokens"):
         client.completions.create(model=NAME, prompt="hi", max_tokens=200)
+    with pytest.raises(openai.NotFoundError) as caught:       # as OpenAI and vLLM answer
+        client.completions.create(model="gpt-4", prompt="hi")
+    assert caught.value.body["code"] == "model_not_found" and caught.value.body["param"] == \
+        "model"
 
 
 def test_full_queue_gets_429_with_retry_after(model):
@@ -299,3 +304,255 @@ def test_serve_command_drains_answers_in_flight_on_ctrl_c(model):
         process.kill()
         process.wait()
     assert "serving 'tiny-chat'" in process.stderr.read()
+
+
+# --- hostile requests ---------------------------------------------------------------------------
+def exchange(url, raw: bytes, timeout=30):
+    """Send raw bytes to the server -> (status, headers, body as JSON or text)."""
+    host, port = url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=timeout) as sock:
+        sock.sendall(raw)
+        reply = b""
+        while b"\r\n\r\n" not in reply:
+            reply += sock.recv(65536) or b"\r\n\r\n"
+        head, _, body = reply.partition(b"\r\n\r\n")
+        lines = head.decode("latin-1").split("\r\n")
+        headers = dict(line.lower().split(": ", 1) for line in lines[1:] if ": " in line)
+        length = int(headers.get("content-length", -1))
+        while len(body) < length:
+            more = sock.recv(65536)
+            if not more:
+                break
+            body += more
+    status = int(lines[0].split()[1])
+    try:
+        return status, headers, json.loads(body)
+    except ValueError:
+        return status, headers, body.decode("latin-1")
+
+
+def post(path, body: bytes, content_type="application/json"):
+    return (f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: {content_type}\r\n"
+            f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n").encode() + body
+
+
+def completion(**fields):
+    return json.dumps({"model": NAME, "prompt": "hi", "max_tokens": 2} | fields).encode()
+
+
+def chat(content):
+    return json.dumps({"model": NAME, "max_tokens": 2,
+                       "messages": [{"role": "user", "content": content}]}).encode()
+
+
+def get(path, method="GET"):
+    return f"{method} {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n".encode()
+
+
+HOSTILE = {  # name -> (raw request, status, param or None, code or None)
+    "number of 5000 digits": (post("/v1/completions", b'{"model": "tiny-chat", "prompt": "hi",'
+                                   b' "max_tokens": 1' + b"0" * 5000 + b"}"), 400, None, None),
+    "nesting 100000 deep": (post("/v1/completions", b'{"model": "tiny-chat", "prompt": ' +
+                                 b"[" * 100_000 + b"]" * 100_000 + b"}"), 400, None, None),
+    "nesting 900 deep": (post("/v1/completions", b'{"model": "tiny-chat", "prompt": ' +
+                              b"[" * 900 + b"]" * 900 + b"}"), 400, "prompt", None),
+    "lone surrogate in a prompt": (post("/v1/completions", completion(prompt="a\ud800b")),
+                                   400, "prompt", None),
+    "lone surrogate in a message": (post("/v1/chat/completions", chat("\udc00 hi")), 400,
+                                    "messages", None),
+    "lone surrogate in a stop string": (post("/v1/completions", completion(stop="\ud800")),
+                                        400, "stop", None),
+    "not JSON": (post("/v1/completions", b"{model: tiny-chat}"), 400, None, "invalid_json"),
+    "not UTF-8": (post("/v1/completions", b'{"model": "\xff\xfe\xfa"}'), 400, None,
+                  "invalid_json"),
+    "empty body": (post("/v1/completions", b""), 400, None, "invalid_json"),
+    "a JSON array": (post("/v1/completions", b"[1, 2]"), 400, None, None),
+    "n 0": (post("/v1/completions", completion(n=0)), 400, "n", None),
+    "n true": (post("/v1/completions", completion(n=True)), 400, "n", None),
+    "best_of 0": (post("/v1/completions", completion(best_of=0)), 400, "best_of", None),
+    "logprobs false": (post("/v1/completions", completion(logprobs=False)), 400, "logprobs",
+                       None),
+    "echo 0": (post("/v1/completions", completion(echo=0)), 400, "echo", None),
+    "n 1.0": (post("/v1/completions", completion(n=1.0)), 400, "n", None),
+    "ignore_eos yes": (post("/v1/completions", completion(ignore_eos="yes")), 400,
+                       "ignore_eos", None),
+    "max_tokens true": (post("/v1/completions", completion(max_tokens=True)), 400,
+                        "max_tokens", None),
+    "temperature 1e400": (post("/v1/completions", b'{"model": "tiny-chat", "prompt": "hi", '
+                               b'"temperature": 1e400}'), 400, "temperature", None),
+    "unknown model": (post("/v1/completions", completion(model="gpt-4")), 404, "model",
+                      "model_not_found"),
+    "unknown path": (get("/v1/nowhere"), 404, None, "not_found"),
+    "unknown path, POST": (post("/v2/completions", completion()), 404, None, "not_found"),
+    "GET on a POST route": (get("/v1/completions"), 405, None, "method_not_allowed"),
+    "DELETE on /health": (get("/health", "DELETE"), 405, None, "method_not_allowed"),
+    "POST on /v1/models": (post("/v1/models", b"{}"), 405, None, "method_not_allowed"),
+    "not HTTP at all": (b"HELLO THERE\r\n\r\n", 400, None, "malformed_request"),
+    "a bad header line": (b"GET /health HTTP/1.1\r\nHost x\r\n\r\n", 400, None,
+                          "malformed_request"),
+    "content-length lies": (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: "
+                            b"nine\r\n\r\n", 400, None, "malformed_request"),
+    "over the size limit": (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
+                            b"application/json\r\nContent-Length: 999999999999\r\n\r\n{",
+                            413, None, "request_too_large"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(HOSTILE))
+def test_hostile_requests_get_openai_errors_and_the_server_lives_on(served, case):
+    online, url, client = served
+    raw, status, param, code = HOSTILE[case]
+    got, headers, body = exchange(url, raw)
+    assert got == status, body
+    assert headers["content-type"] == "application/json", body
+    assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}
+    assert body["error"]["type"] == "invalid_request_error" and body["error"]["message"]
+    assert body["error"]["param"] == param and body["error"]["code"] == code, body
+    assert urllib.request.urlopen(url + "/health", timeout=5).status == 200
+    reply = client.completions.create(model=NAME, prompt="hi", max_tokens=2)
+    assert reply.choices[0].finish_reason in ("stop", "length")
+
+
+def test_a_streamed_body_over_the_limit_is_refused_as_it_arrives(model):
+    """Chunked (no Content-Length): cut off with 413 once the bytes received pass the limit."""
+    online = OnlineEngine(Engine(model, slots=1, num_blocks=8, block_size=4))
+    server = Background(create_app(online, NAME, max_request_bytes=1000))
+    try:
+        chunk = b"x" * 600
+        raw = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n" +
+               b"%x\r\n%s\r\n" % (len(chunk), chunk) * 2 + b"0\r\n\r\n")
+        status, _, body = exchange(server.url, raw)
+        assert status == 413 and body["error"]["code"] == "request_too_large"
+        assert "at least 1200 bytes" in body["error"]["message"]
+        status, _, body = exchange(server.url, post("/v1/completions", completion()))
+        assert status == 200 and body["choices"][0]["text"] is not None
+    finally:
+        server.stop()
+        online.close()
+
+
+TEXTS = {"English": "The cat sat on the mat. ",
+         "Chinese": "\u6f22\u5b57\u306f\u96e3\u3057\u3044\u3002",
+         "emoji": "\U0001f600\U0001f680\U0001f30d ", "control": "\x01\x02\x1f\t",
+         "Arabic": "\u0645\u0631\u062d\u0628\u0627 ", "spaces": " " * 200}
+
+
+def filling(tokenizer, text, positions):
+    """text repeated to the longest prefix that fits `positions` tokens."""
+    long = text * (positions // max(1, len(tokenizer.encode(text))) + 2)
+    low, high = 0, len(long)
+    while low < high:           # the longest prefix of at most `positions` tokens
+        mid = (low + high + 1) // 2
+        low, high = (mid, high) if len(tokenizer.encode(long[:mid])) <= positions else \
+            (low, mid - 1)
+    return long[:low]
+
+
+def test_a_prompt_filling_the_context_fits_the_default_limit(model):
+    """In any script, escaped the costliest way JSON allows, a prompt up to the model's
+    context is under the default body limit, and is served."""
+    positions = model.config.max_position_embeddings
+    limit = default_max_request_bytes(model)
+    online = OnlineEngine(Engine(model, slots=1, num_blocks=2 * positions // 4, block_size=4))
+    server = Background(create_app(online, NAME))
+    try:
+        for language, text in TEXTS.items():
+            prompt = filling(model.tokenizer, text, positions - 1)
+            body = json.dumps({"model": NAME, "prompt": prompt, "max_tokens": 1},
+                              ensure_ascii=True).encode()
+            assert len(body) <= limit, language
+            status, _, reply = exchange(server.url, post("/v1/completions", body))
+            assert status == 200 and reply["usage"]["prompt_tokens"] == positions - 1, language
+    finally:
+        server.stop()
+        online.close()
+
+
+def test_smollm2_default_limit_takes_its_context_in_any_language():
+    from types import SimpleNamespace
+
+    from minitransformer.config import load_config
+    from minitransformer.real_model import NAME as SMOLLM2, is_imported
+    from minitransformer.synth import weights_dir
+    from minitransformer.tokenizer import load_tokenizer
+
+    path = weights_dir() / SMOLLM2
+    if not is_imported(path):
+        pytest.skip(f"{path} not imported")
+    model = SimpleNamespace(config=load_config(path), tokenizer=load_tokenizer(path))
+    positions, limit = model.config.max_position_embeddings, default_max_request_bytes(model)
+    assert limit == 5_029_888               # the figure --help states
+    for language, text in TEXTS.items():
+        prompt = filling(model.tokenizer, text, positions)
+        assert len(json.dumps({"model": "m", "prompt": prompt}).encode()) <= limit, language
+
+
+def test_health_answers_within_a_second_while_a_big_request_is_tokenized(model):
+    """A model of 4M positions, so that 2.6 MB of text may fit and must be tokenized."""
+    from dataclasses import replace
+
+    long = replace(model, config=replace(model.config, max_position_embeddings=2**22))
+    online = OnlineEngine(Engine(long, slots=1, num_blocks=8, block_size=4))
+    server = Background(create_app(online, NAME, max_request_bytes=40 << 20))
+    try:
+        body = completion(prompt="The robot counted 1234 boats, \u6f22\u5b57! " * 60_000)
+        done = []
+        big = threading.Thread(target=lambda: done.append(exchange(server.url, post(
+            "/v1/completions", body), timeout=300)))
+        answered = [time.perf_counter()]   # when each probe was answered
+        big.start()
+        while big.is_alive():
+            assert urllib.request.urlopen(server.url + "/health", timeout=5).status == 200
+            answered.append(time.perf_counter())
+            time.sleep(0.05)
+        took = answered[-1] - answered[0]
+        assert done[0][0] == 400 and "the KV pool" in done[0][2]["error"]["message"]
+        assert took > 2, took       # long enough for a stalled loop to show
+        gaps = [b - a for a, b in zip(answered, answered[1:])]
+        assert max(gaps) < 1.0, (max(gaps), took)   # /health never waited a second
+    finally:
+        server.stop()
+        online.close()
+
+
+def test_text_too_long_for_any_tokenization_is_refused_before_tokenizing(model):
+    """No token stands for more than the vocabulary's longest, so 10 MB of text cannot fit 256
+    positions: refused at once (tokenizing it would take many seconds)."""
+    online = OnlineEngine(Engine(model, slots=1, num_blocks=8, block_size=4))
+    server = Background(create_app(online, NAME, max_request_bytes=40 << 20))
+    try:
+        text = "The cat sat on the mat. " * 400_000
+        for path, body, param in (("/v1/completions", completion(prompt=text), "prompt"),
+                                  ("/v1/chat/completions", chat(text), "messages")):
+            start = time.perf_counter()
+            status, _, reply = exchange(server.url, post(path, body))
+            assert status == 400 and reply["error"]["param"] == param, reply
+            assert "9,600,000 bytes of text make more than 256 tokens" in \
+                reply["error"]["message"]
+            assert time.perf_counter() - start < 5
+    finally:
+        server.stop()
+        online.close()
+
+
+def test_cancelled_requests_are_counted_as_abort(served):
+    online, url, client = served
+
+    def aborted():
+        text = urllib.request.urlopen(url + "/metrics").read().decode()
+        line = f'vllm:request_success_total{{finished_reason="abort",model_name="{NAME}"}} '
+        return int(next(s for s in text.splitlines() if s.startswith(line)).split()[-1])
+
+    before = aborted()
+    stream = client.completions.create(model=NAME, prompt="Once upon a time", max_tokens=150,
+                                       stream=True, extra_body={"ignore_eos": True})
+    next(iter(stream))
+    stream.close()                  # the client goes away mid-answer
+    wait_for(lambda: aborted() == before + 1)
+    client.completions.create(model=NAME, prompt="The end", max_tokens=3)
+    assert aborted() == before + 1  # a finished request is not an abort
+    stream = client.completions.create(model=NAME, prompt="Once upon a time", max_tokens=150,
+                                       n=2, stream=True, extra_body={"ignore_eos": True})
+    next(iter(stream))
+    stream.close()                  # two samples, each counted as its own finished sequence
+    wait_for(lambda: aborted() == before + 3)

@@ -2,29 +2,32 @@
 
 GGUF is how llama.cpp, Ollama and LM Studio users hold their models: one file with a metadata
 table (the config and the tokenizer, under llama.cpp's key names) and the tensors, most of
-them in block formats (gguf_blocks.py). The container is read with the ``gguf`` package, the
-llama.cpp project's own numpy reader; everything after that is done here:
+them in block formats (gguf_blocks.py). The container is read and checked by gguf_file.py;
+everything after that is done here:
 
 1. metadata -> ModelConfig, naming the GGUF key that is missing or wrong;
 2. tensor names -> Hugging Face names (``blk.3.attn_q.weight`` ->
    ``model.layers.3.self_attn.q_proj.weight``), each dequantized to float32 and checked
    against the shape the config implies;
 3. for the llama architecture, llama.cpp's q/k row permutation undone (see ``unpermute``);
-4. the byte-level BPE tokenizer rebuilt from the vocabulary and merges, plus the chat template.
+4. the byte-level BPE tokenizer rebuilt from the vocabulary and merges, plus the chat template
+   (gguf_tokenizer.py). A file with no tokenizer metadata at all loads weights-only (a model
+   that takes token ids); one with part of it is an error.
 
 Supports the llama and qwen2 architectures and byte-level BPE vocabularies (``gpt2``, as
 SmolLM2, Qwen2 and Llama 3 have). Leaves out: SentencePiece vocabularies, rope scaling,
 and the block formats gguf_blocks.py does not decode; each is an error that says which.
 """
-from pathlib import Path
+import math
 
 import numpy as np
 
 from minitransformer.backend import to_device
-from minitransformer.checks import check_finite, check_missing, is_real
+from minitransformer.checks import check_finite, check_missing, is_integer, is_real
 from minitransformer.config import ModelConfig
 from minitransformer.errors import CheckpointError
 from minitransformer.formats.gguf_blocks import dequantize
+from minitransformer.formats.gguf_file import GGUFFile
 from minitransformer.formats.gguf_tokenizer import tokenizer_from_metadata
 from minitransformer.model import Model
 from minitransformer.shape import tensor_shapes
@@ -41,25 +44,6 @@ TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm",
              "output": "lm_head"}
 
 
-def read(path):
-    """-> gguf.GGUFReader over the file (memory-mapped), or a CheckpointError naming it."""
-    from gguf import GGUFReader  # imported here: the rest of the library runs without it
-
-    path = Path(path)
-    if not path.is_file():
-        raise CheckpointError(f"{path}: GGUF file not found")
-    try:
-        return GGUFReader(path)
-    except (ValueError, OSError, IndexError) as e:  # bad magic, truncated, unknown version
-        raise CheckpointError(f"{path}: not a readable GGUF file ({e})") from None
-
-
-def metadata(reader) -> dict:
-    """Every metadata field -> its Python value (strings, numbers, lists)."""
-    return {name: field.contents() for name, field in reader.fields.items()
-            if not name.startswith("GGUF.")}
-
-
 def config_from_metadata(meta: dict, tensor_names, source: str) -> ModelConfig:
     """GGUF metadata -> ModelConfig, with errors that name the GGUF key."""
     arch = meta.get("general.architecture")
@@ -68,13 +52,15 @@ def config_from_metadata(meta: dict, tensor_names, source: str) -> ModelConfig:
                               f"(supported: {', '.join(ARCHITECTURES)})")
 
     def number(key, kind=int, default=None):
+        """A count (an integer >= 1) or a finite number > 0, named by its key when wrong."""
         value = meta.get(f"{arch}.{key}", default)
         if value is None:
             raise CheckpointError(f"{source}: GGUF metadata {arch}.{key} is missing")
-        if not is_real(value) or (kind is int and value != int(value)):
+        ok = is_integer(value) if kind is int else is_real(value) and math.isfinite(value)
+        if not ok or value <= 0:
             raise CheckpointError(f"{source}: GGUF metadata {arch}.{key} must be "
-                                  f"{'an integer' if kind is int else 'a number'}, "
-                                  f"got {value!r}")
+                                  f"{'an integer >= 1' if kind is int else 'a number > 0'}, "
+                                  f"got {value!r:.100}")
         if kind is float:  # GGUF keeps float32: 1e-5 reads 9.99999974e-06; take the shortest
             return float(str(np.float32(value)))  # decimal that gives the same float32 back
         return int(value)
@@ -84,12 +70,17 @@ def config_from_metadata(meta: dict, tensor_names, source: str) -> ModelConfig:
         raise CheckpointError(f"{source}: rope scaling ({arch}.rope.scaling.type={scaling!r}) "
                               "is not supported")
     heads, hidden = number("attention.head_count"), number("embedding_length")
-    head_dim = number("attention.key_length", int, hidden // heads if heads > 0 else 0)
+    if hidden % heads:
+        raise CheckpointError(f"{source}: {arch}.embedding_length={hidden} is not a multiple "
+                              f"of {arch}.attention.head_count={heads}")
+    head_dim = number("attention.key_length", int, hidden // heads)
     rotated = number("rope.dimension_count", int, head_dim)
     if rotated != head_dim:
         raise CheckpointError(f"{source}: {arch}.rope.dimension_count={rotated} but the head "
                               f"dimension is {head_dim}: partial RoPE is not supported")
-    vocab = meta.get(f"{arch}.vocab_size") or len(meta.get("tokenizer.ggml.tokens") or ())
+    tokens = meta.get("tokenizer.ggml.tokens")
+    vocab = number("vocab_size", int, len(tokens) if isinstance(tokens, list) and tokens
+                   else None)
     cfg = {
         "model_type": arch, "vocab_size": vocab, "hidden_size": hidden,
         "intermediate_size": number("feed_forward_length"),
@@ -136,23 +127,19 @@ def unpermute(w, heads: int) -> np.ndarray:
     return w.swapaxes(1, 2).reshape(rows, *w.shape[3:])          # (heads, 2, d/2, ...)
 
 
-def read_weights(reader, config: ModelConfig, source: str) -> dict:
+def read_weights(file: GGUFFile, config: ModelConfig) -> dict:
     """Every tensor of the file, dequantized to float32 and renamed; checked against config."""
-    expected = tensor_shapes(config)
+    expected, source = tensor_shapes(config), file.path
     weights = {}
-    for t in reader.tensors:
+    for t in file.tensors:
         name = hf_name(t.name)
         if name is None or name not in expected:
             raise CheckpointError(f"{source}: unexpected tensor {t.name!r} "
                                   f"for a {config.model_type} model of this config")
-        shape = tuple(int(n) for n in reversed(t.shape.tolist()))  # GGUF lists (in, out)
-        if shape != expected[name]:
-            raise CheckpointError(f"{source}: tensor {t.name!r} has shape {shape} but the "
+        if t.shape != expected[name]:
+            raise CheckpointError(f"{source}: tensor {t.name!r} has shape {t.shape} but the "
                                   f"metadata implies {expected[name]} for {name}")
-        try:
-            w = dequantize(t.data, t.tensor_type.name, shape)
-        except ValueError as e:
-            raise CheckpointError(f"{source}: tensor {t.name!r}: {e}") from None
+        w = dequantize(file.raw(t), t.type_name, t.shape)   # sizes were checked by GGUFFile
         if config.model_type == "llama" and name.split(".")[-2] in ("q_proj", "k_proj"):
             heads = (config.num_attention_heads if "q_proj" in name
                      else config.num_key_value_heads)
@@ -164,17 +151,17 @@ def read_weights(reader, config: ModelConfig, source: str) -> dict:
 
 def read_model(path) -> tuple[Model, dict, dict]:
     """A .gguf file -> (Model, its metadata, GGUF type name -> number of tensors stored so)."""
-    reader = read(path)
-    meta = metadata(reader)
-    config = config_from_metadata(meta, {t.name for t in reader.tensors}, str(path))
-    weights = {n: to_device(w) for n, w in read_weights(reader, config, str(path)).items()}
-    tokenizer: Tokenizer | None = tokenizer_from_metadata(meta, str(path))
+    file = GGUFFile.open(path)
+    meta, source = file.metadata, file.path
+    config = config_from_metadata(meta, {t.name for t in file.tensors}, source)
+    tokenizer: Tokenizer | None = tokenizer_from_metadata(meta, config.vocab_size, source)
+    weights = {n: to_device(w) for n, w in read_weights(file, config).items()}
     eos = meta.get("tokenizer.ggml.eos_token_id")
     model = Model(config=config, weights=weights, tokenizer=tokenizer,
-                  eos_token_ids=() if eos is None else (int(eos),), path=str(path))
+                  eos_token_ids=() if eos is None else (eos,), path=source)
     types = {}
-    for t in reader.tensors:
-        types[t.tensor_type.name] = types.get(t.tensor_type.name, 0) + 1
+    for t in file.tensors:
+        types[t.type_name] = types.get(t.type_name, 0) + 1
     return model, meta, types
 
 

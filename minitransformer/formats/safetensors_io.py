@@ -65,8 +65,18 @@ def read_header(file: Path) -> tuple[dict, int]:
             raise CheckpointError(f"{file}: header length {n} is over the format's limit of "
                                   f"{MAX_HEADER} bytes")
         blob = f.read(n)
+    if not blob.strip():
+        raise CheckpointError(f"{file}: empty safetensors header (its length is {n} bytes of "
+                              "nothing): not a safetensors file, or a broken one")
+
+    def no_duplicates(pairs):   # json keeps the last of two equal keys: a tensor would vanish
+        names = [name for name, _ in pairs]
+        twice = sorted({name for name in names if names.count(name) > 1})
+        if twice:
+            raise CheckpointError(f"{file}: the header lists {twice[0]!r:.100} twice")
+        return dict(pairs)
     try:
-        header = json.loads(blob.decode("utf-8"))
+        header = json.loads(blob.decode("utf-8"), object_pairs_hook=no_duplicates)
     except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
         raise CheckpointError(f"{file}: malformed safetensors header ({e})") from None
     if not isinstance(header, dict):
@@ -74,6 +84,9 @@ def read_header(file: Path) -> tuple[dict, int]:
     metadata = header.pop("__metadata__", {})
     if not isinstance(metadata, dict):
         raise CheckpointError(f"{file}: __metadata__ must be a JSON object")
+    if not header and size > 8 + n:
+        raise CheckpointError(f"{file}: the header lists no tensor, but {size - 8 - n} bytes "
+                              "of data follow it")
     spans = sorted((check_entry(file, name, entry), name) for name, entry in header.items())
     position = 0  # the tensors, in offset order, must tile the data section exactly
     for (begin, end), name in spans:

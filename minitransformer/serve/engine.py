@@ -94,7 +94,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from minitransformer.backend import synchronize, to_numpy
+from minitransformer.backend import memory_bytes, synchronize, to_numpy
 from minitransformer.checks import is_integer, is_real
 from minitransformer.generate import check_prompt, eos_ids, last_logits, seeded_rng
 from minitransformer.logprobs import check_top, token_logprob
@@ -147,6 +147,26 @@ def pool_for(requests, slots: int, block_size: int) -> int:
     return slots * blocks_for(longest, block_size)
 
 
+def check_fits(config, slots: int, num_blocks: int, block_size: int) -> None:
+    """A ValueError saying how many bytes the KV pool and the slot table would take, when that
+    is more than the backend has: checked before anything is allocated.
+
+    >>> from minitransformer.config import ModelConfig
+    >>> from minitransformer.synth import qwen2_config
+    >>> check_fits(ModelConfig.from_dict(qwen2_config()), 8, 10**10, 16)  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    ValueError: a KV pool of 10000000000 blocks x 16 tokens and 8 slots need 40,960,000,000,064...
+    """
+    per_token = 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * 4
+    need = num_blocks * block_size * per_token + 8 * slots  # float32 K and V; a slot a pointer
+    have, where = memory_bytes()
+    if need > have:
+        raise ValueError(f"a KV pool of {num_blocks} blocks x {block_size} tokens and {slots} "
+                         f"slots need {need:,} bytes ({need / 2**30:,.1f} GiB), more than the "
+                         f"{have:,} bytes of {where}: ask for fewer blocks or slots")
+
+
 class Engine:
     def __init__(self, model, slots: int = SLOTS, num_blocks: int = None,
                  block_size: int = BLOCK_SIZE, policy: str = "continuous",
@@ -163,6 +183,7 @@ class Engine:
                              f"for a prompt beside {slots} decodes: give more than slots")
         if num_blocks is None:
             num_blocks = slots * blocks_for(TOKENS_PER_SLOT, block_size)
+        check_fits(model.config, slots, num_blocks, block_size)
         self.model, self.policy = model, policy
         self.prefix_caching, self.budget = prefix_caching, max_num_batched_tokens
         self.batch_invariant = batch_invariant  # see "Exactness" above

@@ -11,9 +11,16 @@ come: the HTTP side never waits for one request before taking the next, so concu
 share the engine's batch. With ``"stream": true`` each piece of text goes out at once as a
 Server-Sent Event, ``data: {json}`` and a blank line, ending with ``data: [DONE]``, the framing
 OpenAI and vLLM use. A client that disconnects cancels its request: its blocks go back to the
-pool before the next step. A full queue answers 429 with ``Retry-After``; a bad field, 400.
-On shutdown uvicorn stops accepting, lets answers in flight finish for up to
-``drain_timeout`` seconds, then the rest are cancelled.
+pool before the next step, and it is counted at /metrics as vLLM counts it
+(``finished_reason="abort"``). On shutdown uvicorn stops accepting, lets answers in flight
+finish for up to ``drain_timeout`` seconds, then the rest are cancelled.
+
+A client's mistake is a 4xx with OpenAI's error body, ``{"error": {"message", "type", "param",
+"code"}}``, whatever it is: a bad field (400), an unknown model (404), an unknown path (404), a
+wrong method (405), a body over ``max_request_bytes`` (413, refused before it is read), a full
+queue (429 with ``Retry-After``), even a request that is not HTTP (400). No request stalls
+the others: the event loop only moves bytes; parsing the JSON, laying out a chat and
+tokenizing, whose time grows with the request, run in worker threads.
 
 With ``n`` > 1 the answer has n choices (streamed chunks say which by their ``index``), and
 with logprobs each piece carries the log-probabilities of the tokens it was made from.
@@ -28,29 +35,61 @@ import time
 import uuid
 from pathlib import Path
 
+from minitransformer.checks import is_integer
 from minitransformer.serve.detokenize import TextStream
 from minitransformer.serve.engine import BLOCK_SIZE, SLOTS
 from minitransformer.serve.online import MAX_WAITING, Closed, OnlineEngine, QueueFull
 from minitransformer.serve.openai_api import (APIError, chat_logprobs, choice,
-                                              completion_logprobs, parse, response,
-                                              unpredicted, usage)
+                                              completion_logprobs, longest_token_bytes, parse,
+                                              response, unpredicted, usage)
 from minitransformer.serve.prometheus import ServingMetrics
 
 RETRY_AFTER_S = 1               # what a 429 asks the client to wait
+JSON_ESCAPE = 6                 # bytes a JSON string may spend on one byte of text: "\u0001"
+SLACK_BYTES = 1 << 20           # room for a request's other fields
 
 
-def create_app(online: OnlineEngine, name: str):
-    """The FastAPI application serving one model through one online engine."""
+def default_max_request_bytes(model) -> int:
+    """A body limit that never refuses a prompt filling the model's context, in any text: every
+    position holding the vocabulary's longest token, every byte of it spelled as a JSON escape,
+    plus 1 MiB. (SmolLM2: 8,192 positions x 81 bytes x 6 + 1 MiB = 5,029,888 bytes.)"""
+    positions = model.config.max_position_embeddings
+    longest = 8                 # bytes; a list of token ids spends at most this per position
+    if model.tokenizer is not None:
+        longest = max(longest, longest_token_bytes(model.tokenizer))
+    return positions * longest * JSON_ESCAPE + SLACK_BYTES
+
+
+def create_app(online: OnlineEngine, name: str, max_request_bytes: int = None):
+    """The FastAPI application serving one model through one online engine. Bodies over
+    max_request_bytes are refused with 413 (None: ``default_max_request_bytes``)."""
     from fastapi import FastAPI, Request
     from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+    from starlette.exceptions import HTTPException
+    from starlette.requests import ClientDisconnect
 
+    if max_request_bytes is not None and (not is_integer(max_request_bytes) or
+                                          max_request_bytes < 1):
+        raise ValueError(f"max_request_bytes={max_request_bytes!r}: expected an integer >= 1")
     model, cache = online.engine.model, online.engine.cache
+    limit = max_request_bytes or default_max_request_bytes(model)
+    longest = None if model.tokenizer is None else longest_token_bytes(model.tokenizer)
     metrics = ServingMetrics(name)
-    app = FastAPI(title="minitransformer", docs_url=None, redoc_url=None)
+    app = FastAPI(title="minitransformer", docs_url=None, redoc_url=None, openapi_url=None)
     created = int(time.time())
 
     def error(e: APIError):
         return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+
+    @app.exception_handler(HTTPException)
+    async def framework_error(http: Request, e: HTTPException):
+        """The framework's own 4xx (unknown path, wrong method) in OpenAI's body."""
+        what = {404: f"no route {http.url.path!r:.200}: this server answers /v1/completions, "
+                     "/v1/chat/completions, /v1/models, /health and /metrics",
+                405: f"{http.method} is not allowed on {http.url.path}"}
+        codes = {404: "not_found", 405: "method_not_allowed"}
+        return error(APIError(what.get(e.status_code, str(e.detail)), status=e.status_code,
+                              code=codes.get(e.status_code), headers=e.headers))
 
     @app.get("/health")
     async def health():
@@ -69,15 +108,16 @@ def create_app(online: OnlineEngine, name: str):
 
     async def answer(http: Request, kind: str):
         try:
-            body = await http.json()
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            return error(APIError(f"the request body is not JSON ({e})"))
-        try:
-            job = parse(body, kind, model, name, cache.num_blocks * cache.block_size,
-                        max_n=len(online.engine.slots))
+            raw = await read_body(http)
+            body = await asyncio.to_thread(decode_json, raw)
+            job = await asyncio.to_thread(parse, body, kind, model, name,
+                                          cache.num_blocks * cache.block_size,
+                                          len(online.engine.slots), longest)
             ticket, tokens = submit(job)
         except APIError as e:
             return error(e)
+        except ClientDisconnect:    # gone before it finished sending: nobody to answer
+            return PlainTextResponse("", status_code=400)
         rid = f"{'cmpl' if kind == 'completion' else 'chatcmpl'}-{uuid.uuid4().hex}"
         head = (rid, int(time.time()), name)
         if job.stream:
@@ -113,6 +153,25 @@ def create_app(online: OnlineEngine, name: str):
     async def chat_completions(http: Request):
         return await answer(http, "chat")
 
+    async def read_body(http) -> bytes:
+        """The body, refused with 413 as soon as it is known to exceed the limit: at once
+        from its Content-Length, else when the bytes received pass it."""
+        declared = http.headers.get("content-length", "0")
+        if declared.isdigit() and int(declared) > limit:
+            raise_too_large(int(declared))
+        chunks, size = [], 0
+        async for chunk in http.stream():
+            chunks.append(chunk)
+            size += len(chunk)
+            if size > limit:
+                raise_too_large(size, "at least ")
+        return b"".join(chunks)
+
+    def raise_too_large(size, at_least=""):
+        raise APIError(f"the request body has {at_least}{size} bytes; this server takes at "
+                       f"most {limit} (--max-request-bytes)", status=413,
+                       code="request_too_large")
+
     def submit(job):
         """Hand the job to the engine -> (its ticket, an async iterator of (text,
         finish_reason, tokens so far)). Whoever iterates must cancel the ticket when done."""
@@ -133,46 +192,54 @@ def create_app(online: OnlineEngine, name: str):
         except Closed as e:
             raise APIError(str(e), status=503) from None
         metrics.accepted(len(job.request.prompt))
-        return ticket, pieces(job, ticket, updates)
+        return ticket, pieces(job, ticket, updates, online.now())
 
-    async def pieces(job, ticket, updates):
+    async def pieces(job, ticket, updates, arrival):
         """Per sample, text as it becomes final -> (sample, text, the TokenLogprobs of the
         tokens it came from, finish_reason or None, tokens so far over all samples); a
         sample's last item carries its finish_reason. With echo, each sample opens with the
-        prompt (and its tokens' logprobs)."""
+        prompt (and its tokens' logprobs). A sample left before its end (the client went
+        away) is counted as vLLM counts it: "abort"."""
         n = job.request.n
         texts = [TextStream(model.tokenizer, job.request.prompt, job.stop) for _ in range(n)]
         counts, open_ = [0] * n, set(range(n))
-        while open_:
-            update = await updates.get()
-            if update.status in ("rejected", "error"):
-                raise APIError(update.reason, status=500 if update.status == "error" else 400)
-            i, text = update.choice, texts[update.choice]
-            if i not in open_:      # tokens made before its stop string's cancel took effect
-                continue
-            if job.echo is not None and counts[i] == 0 and update.tokens:
-                prompt = job.request.prompt
-                scored = [unpredicted(prompt[0])] + update.record.prompt_logprobs[1:] \
-                    if job.logprobs else []
-                yield i, job.echo, scored, None, sum(counts)
-            piece, used = "", 0
-            for token in update.tokens:
-                used, piece = used + 1, piece + text.add(token)
-                if text.stopped:
-                    online.cancel(ticket, i)    # a stop string: no more tokens needed
-                    break
-            counts[i] += used
-            scored = list(update.logprobs[:used])
-            if text.stopped or update.done:
-                eos = update.record.tokens and update.record.tokens[-1] in job.eos
-                reason = "stop" if text.stopped or eos else \
-                    "length" if update.status == "finished" else "abort"
-                metrics.ended(update.record.arrival, online.now(), reason)
-                open_.discard(i)
-                yield i, piece + ("" if text.stopped else text.flush()), scored, reason, \
-                    sum(counts)
-            elif piece or scored:
-                yield i, piece, scored, None, sum(counts)
+        try:
+            while open_:
+                update = await updates.get()
+                if update.status in ("rejected", "error"):
+                    open_.clear()   # never served: not a finished request
+                    raise APIError(update.reason,
+                                   status=500 if update.status == "error" else 400)
+                i, text = update.choice, texts[update.choice]
+                arrival = update.record.arrival
+                if i not in open_:  # tokens made before its stop string's cancel took effect
+                    continue
+                if job.echo is not None and counts[i] == 0 and update.tokens:
+                    prompt = job.request.prompt
+                    scored = [unpredicted(prompt[0])] + update.record.prompt_logprobs[1:] \
+                        if job.logprobs else []
+                    yield i, job.echo, scored, None, sum(counts)
+                piece, used = "", 0
+                for token in update.tokens:
+                    used, piece = used + 1, piece + text.add(token)
+                    if text.stopped:
+                        online.cancel(ticket, i)    # a stop string: no more tokens needed
+                        break
+                counts[i] += used
+                scored = list(update.logprobs[:used])
+                if text.stopped or update.done:
+                    eos = update.record.tokens and update.record.tokens[-1] in job.eos
+                    reason = "stop" if text.stopped or eos else \
+                        "length" if update.status == "finished" else "abort"
+                    metrics.ended(arrival, online.now(), reason)
+                    open_.discard(i)
+                    yield i, piece + ("" if text.stopped else text.flush()), scored, reason, \
+                        sum(counts)
+                elif piece or scored:
+                    yield i, piece, scored, None, sum(counts)
+        finally:
+            for _ in open_:
+                metrics.ended(arrival, online.now(), "abort")
 
     async def watch(http, ticket, tokens):
         """A non-streamed answer: wait for the next piece or the client leaving, whichever
@@ -224,15 +291,50 @@ def create_app(online: OnlineEngine, name: str):
             yield sse(e.body())
         finally:                    # also when the client disconnects mid-stream (the task
             online.cancel(ticket)   # iterating this is cancelled): blocks freed at once
+            await tokens.aclose()   # and the request counted now, not when collected
         yield "data: [DONE]\n\n"
 
     return app
 
 
+def decode_json(raw: bytes):
+    """A request body -> its JSON value, or a 400 saying why not (also for what Python's
+    parser refuses beyond the grammar: numbers of thousands of digits, nesting too deep)."""
+    try:
+        return json.loads(raw)
+    except RecursionError:
+        raise APIError("the request body nests JSON arrays or objects too deeply") from None
+    except ValueError as e:     # JSONDecodeError, UnicodeDecodeError, the digit limit
+        if "integer string conversion" in str(e):
+            raise APIError(f"the request body holds an integer of more than "
+                           f"{sys.get_int_max_str_digits()} digits") from None
+        raise APIError(f"the request body is not JSON ({e})", code="invalid_json") from None
+
+
+def http_protocol():
+    """uvicorn's HTTP/1.1 protocol, answering a request that is not HTTP with OpenAI's error
+    body as every other error is answered (uvicorn's own answer is plain text)."""
+    import h11
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    class Protocol(H11Protocol):
+        def send_400_response(self, msg: str) -> None:
+            body = json.dumps(APIError(f"not a valid HTTP/1.1 request ({msg.rstrip('.')})",
+                                       code="malformed_request").body()).encode()
+            headers = [(b"content-type", b"application/json"), (b"connection", b"close"),
+                       (b"content-length", str(len(body)).encode())]
+            for event in (h11.Response(status_code=400, headers=headers), h11.Data(data=body),
+                          h11.EndOfMessage()):
+                self.transport.write(self.conn.send(event))
+            self.transport.close()
+
+    return Protocol
+
+
 def serve(model_path, host="127.0.0.1", port=8000, name=None, slots=SLOTS, num_blocks=None,
           block_size=BLOCK_SIZE, policy="continuous", max_waiting=MAX_WAITING,
           batch_invariant=False, drain_timeout=30.0, prefix_caching=True,
-          max_num_batched_tokens=None) -> None:
+          max_num_batched_tokens=None, max_request_bytes=None) -> None:
     """Load a model and serve it until interrupted (Ctrl-C drains, then cancels)."""
     try:
         import uvicorn
@@ -249,11 +351,13 @@ def serve(model_path, host="127.0.0.1", port=8000, name=None, slots=SLOTS, num_b
     online = OnlineEngine(engine, max_waiting=max_waiting)
     chunks = "whole prompts" if max_num_batched_tokens is None else \
         f"chunked prefill, {max_num_batched_tokens} tokens a step"
+    limit = max_request_bytes or default_max_request_bytes(model)
     print(f"serving {name!r} ({policy} batching, {slots} slots, {engine.cache.num_blocks} "
           f"blocks of {block_size}, prefix caching {'on' if prefix_caching else 'off'}, "
-          f"{chunks}) on http://{host}:{port}/v1", file=sys.stderr)
+          f"{chunks}, bodies up to {limit:,} bytes) on http://{host}:{port}/v1",
+          file=sys.stderr)
     try:
-        uvicorn.run(create_app(online, name), host=host, port=port, log_level="warning",
-                    timeout_graceful_shutdown=drain_timeout)
+        uvicorn.run(create_app(online, name, limit), host=host, port=port, http=http_protocol(),
+                    log_level="warning", timeout_graceful_shutdown=drain_timeout)
     finally:
         online.close(drain=False, timeout=10)

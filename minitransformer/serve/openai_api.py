@@ -16,11 +16,17 @@ and meanings are OpenAI's, with vLLM's extras (``top_k``, ``repetition_penalty``
                            tokens' log-probabilities, with logprobs)
 
 Log-probabilities are the model's own (before temperature and the other sampling settings,
-as vLLM returns by default); k is at most ``MAX_LOGPROBS``. Anything wrong is an
-``APIError``: HTTP 400 with OpenAI's error body, naming the field. Fields this server does not
-implement (penalties, ``best_of``, tools...) are refused by name rather than silently ignored.
-Leaves out: tools, ``best_of``, echo in chat.
+as vLLM returns by default); k is at most ``MAX_LOGPROBS``.
+
+Anything wrong is an ``APIError`` carrying OpenAI's error body, naming the field: 400 for a
+bad value, 404 (``model_not_found``) for a model this server does not serve. Types are strict:
+JSON's ``true`` is not the integer 1 and 1 is not ``true``. Fields of the API this server does
+not implement are refused unless they hold their neutral value (the value that means the same as
+leaving the field out), never silently dropped; they are listed in one table, ``NOT_IMPLEMENTED``.
+Text must be Unicode: JSON can spell a lone UTF-16 surrogate (``"\\ud800"``), which is no
+character, and a body holding one is refused. Leaves out: tools, ``best_of``, echo in chat.
 """
+import json
 import math
 from dataclasses import dataclass
 
@@ -31,13 +37,58 @@ from minitransformer.logprobs import MAX_LOGPROBS, TokenLogprob
 from minitransformer.sampling import SamplingSettings
 from minitransformer.serve.records import Request
 
-UNSUPPORTED = {  # field -> the value that means "off" (null, false, {} and [] pass too)
-    "best_of": 1, "suffix": None,
-    "presence_penalty": 0, "frequency_penalty": 0, "logit_bias": None, "tools": None,
-    "response_format": None,
-}
 MAX_STOP = 4                    # OpenAI's limit on stop strings
 LOWEST_LOGPROB = -9999.0        # what a log-probability of -inf is sent as (JSON has no inf)
+COMPOSE = 3                     # a normalizer may shrink text: NFC makes 3 jamo (9 bytes) 1 of 3
+
+# --- fields not implemented -------------------------------------------------------------------
+# field -> its neutral values (null always passes: it means "absent"), for both endpoints unless
+# a kind is named. A field leaves this table when it is implemented (and is parsed in `parse`).
+NOT_IMPLEMENTED = {
+    # several choices beyond n, log probabilities beyond logprobs and echo
+    "best_of": (1,), "prompt_logprobs": (),
+    # penalties and biases, structured output, tools
+    "presence_penalty": (0.0,), "frequency_penalty": (0.0,), "logit_bias": ({},),
+    "min_p": (0.0,), "min_tokens": (0,), "use_beam_search": (False,), "length_penalty": (1.0,),
+    "stop_token_ids": ([],), "include_stop_str_in_output": (False,), "suffix": ("",),
+    "response_format": ({"type": "text"},), "tools": ([],), "tool_choice": ("none",),
+    "functions": ([],), "function_call": ("none",),
+}
+
+
+def same(value, neutral) -> bool:
+    """Equal and of the same kind: false is not 0, 1 is not true, 1.0 is not an integer; a
+    number field's neutral (a float) is met by 0 and 0.0 alike.
+
+    >>> same(0, False), same(True, 1), same(1.0, 1), same(0, 0.0), same({}, {})
+    (False, False, False, True, True)
+    """
+    if isinstance(value, bool) or isinstance(neutral, bool):
+        return value is neutral
+    if isinstance(neutral, float):
+        return is_real(value) and value == neutral
+    if isinstance(neutral, int):
+        return is_integer(value) and value == neutral
+    return type(value) is type(neutral) and value == neutral
+
+
+def refuse_not_implemented(body: dict, kind: str) -> None:
+    for field, neutral in NOT_IMPLEMENTED.items():
+        neutral = neutral.get(kind, ()) if isinstance(neutral, dict) else neutral
+        value = body.get(field)
+        if value is not None and not any(same(value, n) for n in neutral):
+            allowed = " or ".join(["null", *map(json_text, neutral)])
+            raise APIError(f"{field}={json_text(value)} is not supported by this server "
+                           f"(only {allowed})", field)
+# ----------------------------------------------------------------------------------------------
+
+
+def json_text(value, limit=80) -> str:
+    """A value as JSON spells it (true, null), cut short for an error message."""
+    text = json.dumps(value)
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
 
 
 class APIError(Exception):
@@ -69,60 +120,108 @@ def number(body, name, default, low, high, integer=False, low_open=False):
     value = body.get(name, default)
     if value is None:
         return default
-    if not (is_integer(value) if integer else is_real(value)) or not math.isfinite(value) \
-            or value < low or value > high or (low_open and value == low):
+    ok = is_integer(value) if integer else is_real(value)
+    # a JSON integer may have thousands of digits: compare it as an int, never via a float
+    if ok and isinstance(value, float):
+        ok = math.isfinite(value)
+    if not ok or value < low or value > high or (low_open and value == low):
         bounds = f"{'(' if low_open else '['}{low}, {high}]"
         raise APIError(f"{name} must be {'an integer' if integer else 'a number'} in "
-                       f"{bounds}, got {value!r}", name)
+                       f"{bounds}, got {json_text(value)}", name)
     return value
 
 
-def parse(body, kind: str, model, name: str, pool_tokens: int, max_n: int = 1) -> Job:
+def longest_token_bytes(tokenizer) -> int:
+    """The most bytes of text one token of the vocabulary stands for (special tokens too)."""
+    backend = tokenizer.backend
+    return max(len(backend.decode([i], skip_special_tokens=False).encode())
+               for i in range(backend.get_vocab_size()))
+
+
+def parse(body, kind: str, model, name: str, pool_tokens: int, max_n: int = 1,
+          longest_token=None) -> Job:
     """A request body of /v1/completions (kind "completion") or /v1/chat/completions;
-    ``max_n``: the most samples a request may ask for (the engine's slots)."""
+    ``max_n``: the most samples a request may ask for (the engine's slots). Tokenizes and
+    lays out the prompt: a server runs this off its event loop. longest_token
+    (``longest_token_bytes``, computed once by the caller): text too long to fit the model's
+    positions, whatever its tokens, is refused before it is tokenized."""
     if not isinstance(body, dict):
         raise APIError("the request body must be a JSON object")
-    if body.get("model") != name:
-        raise APIError(f"the model {body.get('model')!r} does not exist; this server has "
-                       f"{name!r}", "model", code="model_not_found")
-    for field, off in UNSUPPORTED.items():
-        value = body.get(field)
-        if value is not None and value != off and value not in (False, {}, []):
-            raise APIError(f"{field}={value!r} is not supported by this server", field)
-    prompt = prompt_ids(body, kind, model)
-    positions = model.config.max_position_embeddings
-    param = "prompt" if kind == "completion" else "messages"
-    room = min(positions, pool_tokens) - len(prompt)  # tokens left for the answer
-    if room <= 0:
-        raise APIError(f"the prompt has {len(prompt)} tokens; the model takes {positions} "
-                       f"positions and the KV pool {pool_tokens} tokens in all", param)
-    field = "max_completion_tokens" if body.get("max_completion_tokens") is not None \
-        else "max_tokens"
-    max_tokens = number(body, field, 16 if kind == "completion" else room, 1, math.inf, True)
-    if max_tokens > room:
-        raise APIError(f"{len(prompt)} prompt tokens + {field}={max_tokens} exceed what fits: "
-                       f"{positions} model positions, a KV pool of {pool_tokens} tokens",
-                       field)
+    check_unicode(body)         # first the fields that cost nothing to check, then the prompt
+    served_model(body, name)
+    refuse_not_implemented(body, kind)
+    text(body, "user")
     sampling = SamplingSettings(
         do_sample=True, temperature=number(body, "temperature", 1.0, 0, 2),
         top_p=number(body, "top_p", 1.0, 0, 1, low_open=True),
         top_k=max(0, number(body, "top_k", 0, -1, math.inf, True)),       # vLLM: -1 is off
         repetition_penalty=number(body, "repetition_penalty", 1.0, 0, math.inf, low_open=True))
     seed = number(body, "seed", None, 0, 2**63 - 1, True)
-    ignore_eos = body.get("ignore_eos", False) is True                   # vLLM's extra
+    ignore_eos = flag(body, "ignore_eos")                                 # vLLM's extra
     n = number(body, "n", 1, 1, max_n, True)
     top, echo = logprob_fields(body, kind)
-    request = Request(tuple(prompt), max_tokens, sampling=sampling, seed=seed,
-                      eos_token_id=[] if ignore_eos else None, n=n, logprobs=top,
-                      prompt_logprobs=top if echo else None)
     stream = flag(body, "stream")
     options = body.get("stream_options")
     if options is not None and (not stream or not isinstance(options, dict)):
         raise APIError("stream_options needs stream=true and must be an object",
                        "stream_options")
-    return Job(kind, request, frozenset(eos_ids(model, request.eos_token_id)),
-               stop_strings(body), stream, bool(options and options.get("include_usage")),
-               top is not None, echo_text(body, model, prompt) if echo else None)
+    include_usage = flag(options or {}, "include_usage", "stream_options.include_usage")
+    stop = stop_strings(body)
+    field = "max_completion_tokens" if body.get("max_completion_tokens") is not None \
+        else "max_tokens"
+    max_tokens = number(body, field, None, 1, math.inf, True)
+
+    prompt = prompt_ids(body, kind, model, longest_token)
+    positions = model.config.max_position_embeddings
+    param = "prompt" if kind == "completion" else "messages"
+    room = min(positions, pool_tokens) - len(prompt)  # tokens left for the answer
+    if room <= 0:
+        raise APIError(f"the prompt has {len(prompt)} tokens; the model takes {positions} "
+                       f"positions and the KV pool {pool_tokens} tokens in all", param)
+    if max_tokens is None:      # completions: 16, as OpenAI; chat: what fits
+        max_tokens = 16 if kind == "completion" else room
+    if max_tokens > room:
+        raise APIError(f"{len(prompt)} prompt tokens + {field}={max_tokens} exceed what fits: "
+                       f"{positions} model positions, a KV pool of {pool_tokens} tokens",
+                       field)
+    request = Request(tuple(prompt), max_tokens, sampling=sampling, seed=seed,
+                      eos_token_id=[] if ignore_eos else None, n=n, logprobs=top,
+                      prompt_logprobs=top if echo else None)
+    return Job(kind, request, frozenset(eos_ids(model, request.eos_token_id)), stop, stream,
+               include_usage, top is not None,
+               echo_text(body, model, prompt) if echo else None)
+
+
+def served_model(body, name: str) -> None:
+    """The model asked for must be the one served: else 404, as OpenAI and vLLM answer."""
+    asked = body.get("model")
+    if not isinstance(asked, str):
+        raise APIError(f"model must be a string naming the served model ({name!r}), got "
+                       f"{json_text(asked)}", "model")
+    if asked != name:
+        raise APIError(f"the model {asked!r:.200} does not exist; this server has {name!r}",
+                       "model", status=404, code="model_not_found")
+
+
+def check_unicode(body: dict) -> None:
+    """Every string of the body (keys too) is Unicode text: no lone UTF-16 surrogate, which JSON
+    can spell ("\\ud800") but no encoder or tokenizer takes. The error names the top field."""
+    for field, value in body.items():
+        stack = [field, value]
+        while stack:
+            item = stack.pop()
+            if isinstance(item, str):
+                try:
+                    item.encode("utf-8")
+                except UnicodeEncodeError as e:
+                    raise APIError(f"{field!r:.100} holds a lone UTF-16 surrogate "
+                                   f"({item[e.start]!r}), which is not a character",
+                                   field.encode("utf-8", "replace").decode()) from None
+            elif isinstance(item, dict):
+                stack.extend(item)
+                stack.extend(item.values())
+            elif isinstance(item, list):
+                stack.extend(item)
 
 
 def logprob_fields(body, kind) -> tuple:
@@ -135,7 +234,7 @@ def logprob_fields(body, kind) -> tuple:
             raise APIError("top_logprobs is a field of /v1/chat/completions; completions take "
                            "logprobs: k", "top_logprobs")
         return top_count("logprobs"), flag(body, "echo")
-    if body.get("echo") not in (None, False):
+    if flag(body, "echo"):
         raise APIError("echo is a field of /v1/completions only", "echo")
     top = top_count("top_logprobs")
     if not flag(body, "logprobs"):
@@ -152,18 +251,31 @@ def echo_text(body, model, prompt) -> str:
     return text if isinstance(text, str) else model.tokenizer.decode(prompt)
 
 
-def flag(body, name) -> bool:
+def flag(body, name, param=None) -> bool:
     value = body.get(name, False)
     if value is not None and not isinstance(value, bool):
-        raise APIError(f"{name} must be true or false, got {value!r}", name)
+        raise APIError(f"{param or name} must be true or false, got {json_text(value)}",
+                       param or name)
     return bool(value)
 
 
-def prompt_ids(body, kind, model) -> list:
+def text(body, name) -> str | None:
+    value = body.get(name)
+    if value is not None and not isinstance(value, str):
+        raise APIError(f"{name} must be a string, got {json_text(value)}", name)
+    return value
+
+
+def prompt_ids(body, kind, model, longest_token=None) -> list:
     """The prompt as token ids: text, a list of ids, or chat messages through the template."""
     if kind == "chat":
+        messages = body.get("messages")
+        texts = [m.get("content") for m in messages if isinstance(m, dict)] \
+            if isinstance(messages, list) else []
+        check_text_fits(model, [t for t in texts if isinstance(t, str)], longest_token,
+                        "messages")
         try:
-            return encode_chat(model, body.get("messages"))
+            return encode_chat(model, messages)
         except ValueError as e:
             raise APIError(str(e), "messages") from None
     prompt = body.get("prompt")
@@ -172,21 +284,35 @@ def prompt_ids(body, kind, model) -> list:
     if isinstance(prompt, str) and prompt:
         if model.tokenizer is None:
             raise APIError("the model has no tokenizer: send the prompt as token ids", "prompt")
+        check_text_fits(model, [prompt], longest_token, "prompt")
         return model.tokenizer.encode(prompt)
     V = model.config.vocab_size
     if isinstance(prompt, list) and prompt and all(
-            isinstance(i, int) and not isinstance(i, bool) and 0 <= i < V for i in prompt):
+            is_integer(i) and 0 <= i < V for i in prompt):
         return prompt
     raise APIError(f"prompt must be a non-empty string or a list of token ids in [0, {V}) "
                    f"(one prompt per request)", "prompt")
 
 
+def check_text_fits(model, texts, longest_token, param) -> None:
+    """No token stands for more than longest_token bytes, so text of more bytes than the
+    model's positions x longest_token (x COMPOSE, for a normalizer's shrinking) makes more
+    tokens than fit: refused at once, not after seconds of tokenizing."""
+    positions = model.config.max_position_embeddings
+    size = sum(len(text.encode("utf-8")) for text in texts)
+    if longest_token is not None and size > positions * longest_token * COMPOSE:
+        raise APIError(f"the prompt's {size:,} bytes of text make more than {positions} tokens "
+                       f"(no token of this vocabulary stands for more than {longest_token} "
+                       f"bytes); the model takes {positions} positions", param)
+
+
 def stop_strings(body) -> tuple:
     stop = body.get("stop")
-    stop = [stop] if isinstance(stop, str) else stop or []
+    stop = [stop] if isinstance(stop, str) else [] if stop is None else stop
     if not isinstance(stop, list) or len(stop) > MAX_STOP or \
-            not all(isinstance(s, str) for s in stop):
-        raise APIError(f"stop must be a string or a list of at most {MAX_STOP} strings", "stop")
+            not all(isinstance(s, str) and s for s in stop):
+        raise APIError(f"stop must be a string or a list of at most {MAX_STOP} non-empty "
+                       f"strings, got {json_text(stop)}", "stop")
     return tuple(stop)
 
 
