@@ -4,9 +4,9 @@ One request asking for --n samples is served by the engine (the prompt prefilled
 blocks shared by the samples, each block copied only when a sample writes into it), and so are
 --n separate requests of the same prompt, seeded seed + i as sample i is, with prefix caching
 on (full blocks of a prompt already computed are held, not computed again) and off. All three
-in one run, side by side, on fresh engines of --n slots. Printed per way: the KV blocks held once every prompt is
-prefilled, at the peak and on average over the steps, prompt tokens computed in prefill, the
-wall seconds (fastest and median of --repeat runs), and whether sample i got the tokens of
+in one run, side by side, on fresh engines of --n slots. Printed per way: the KV blocks held
+once every prompt is prefilled, at the peak and on average over the steps, prompt tokens
+computed in prefill, the wall seconds (fastest and median of --repeat runs), and whether sample i got the tokens of
 separate request i (it must: the same seed, the same logits, batch-invariant decoding).
 
 What to expect: right after prefill the n samples hold the prompt's blocks once; separate
