@@ -6,8 +6,9 @@ blocks shared by the samples, each block copied only when a sample writes into i
 on (full blocks of a prompt already computed are held, not computed again) and off. All three
 in one run, side by side, on fresh engines of --n slots. Printed per way: the KV blocks held
 once every prompt is prefilled, at the peak and on average over the steps, prompt tokens
-computed in prefill, the wall seconds (fastest and median of --repeat runs), and whether sample i got the tokens of
-separate request i (it must: the same seed, the same logits, batch-invariant decoding).
+computed in prefill, the wall seconds (fastest and median of --repeat runs), and whether sample
+i got the tokens of separate request i (it must: the same seed, the same logits,
+batch-invariant decoding).
 
 What to expect: right after prefill the n samples hold the prompt's blocks once; separate
 requests with prefix caching hold its full blocks once but each its own partly filled last
