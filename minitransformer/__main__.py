@@ -54,6 +54,7 @@ def add_sampling(parser, max_new_tokens) -> None:
 
 
 def sampling(args) -> SamplingSettings:
+    """The sampling options as the one SamplingSettings every generation takes."""
     return SamplingSettings(args.do_sample, args.temperature, args.top_k, args.top_p,
                             args.repetition_penalty)
 
@@ -90,7 +91,7 @@ def generate(args) -> None:
     model = load_model(args)
     ids = model.tokenizer.encode(args.prompt)
     sys.stdout.write(args.prompt)
-    stream_text(model, ids, mt.stream(model, ids, args.max_new_tokens, sampling=sampling(args),
+    stream_text(model, ids, mt.stream(model, ids, args.max_new_tokens, sampling=args.sampling,
                                       seed=args.seed))
 
 
@@ -103,7 +104,7 @@ def chat_engine(model) -> Engine:
 
 def turn(engine, ids, args):
     """Yield the answer's token ids as the engine makes them; cancelled if left early."""
-    rid = engine.submit(Request(tuple(ids), args.max_new_tokens, sampling=sampling(args),
+    rid = engine.submit(Request(tuple(ids), args.max_new_tokens, sampling=args.sampling,
                                 seed=args.seed))
     result, sent = engine.results[rid], 0
     try:
@@ -215,6 +216,8 @@ def parser() -> argparse.ArgumentParser:
 def main(argv=None) -> None:
     args = parser().parse_args(argv)
     try:
+        if "do_sample" in vars(args):   # checked before the model is loaded, not after
+            args.sampling = sampling(args)
         args.run(args)
     except (ValueError, ImportError) as e:   # CheckpointError is a ValueError
         print(f"error: {e}", file=sys.stderr)

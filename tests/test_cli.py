@@ -103,6 +103,13 @@ def test_bad_model_is_one_error_line(tmp_path):
     assert "checkpoint directory not found" in done.stderr
 
 
+def test_bad_sampling_is_refused_before_anything_is_loaded_or_printed(tmp_path):
+    # the model does not exist either: the settings are checked first
+    done = cli("generate", "--model", str(tmp_path / "nowhere"), "hi", "--temperature", "-1")
+    assert done.returncode == 2 and done.stdout == ""
+    assert done.stderr == "error: temperature must be a finite number >= 0, got -1.0\n"
+
+
 @pytest.mark.skipif(shutil.which("tmux") is None, reason="tmux is not installed")
 def test_chat_in_a_real_terminal(story_chat_model):
     """Type into the chat under tmux, as a person would, and read the screen."""
