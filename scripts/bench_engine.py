@@ -18,7 +18,8 @@ import numpy as np
 from _common import (Progress, add_model_argument, add_threads_argument, load_model, mt,
                      positive_int, positive_ints, timing_header)
 from _table import Table
-from minitransformer.serve.engine import Engine, Request
+from minitransformer.serve.engine import Engine
+from minitransformer.serve.records import Request
 from minitransformer.measure.timing import time_together
 
 

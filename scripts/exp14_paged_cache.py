@@ -25,7 +25,8 @@ import numpy as np
 from _common import (Progress, add_model_argument, add_threads_argument, load_model, mt,
                      positive_ints, say, timing_header)
 from _table import Table
-from minitransformer.serve.engine import Engine, Request, pool_for
+from minitransformer.serve.engine import Engine, pool_for
+from minitransformer.serve.records import Request
 from minitransformer.serve.paged import blocks_for
 from minitransformer.synth import make_checkpoint, qwen2_config
 from sim.workload import skewed_lengths

@@ -116,7 +116,8 @@ def test_forward_rejects_bad_ids(checkpoint_dir, ids, message):
 
 
 def test_numpy_scalars_are_accepted_as_lengths_settings_and_slots(checkpoint_dir):
-    from minitransformer.serve.engine import Engine, Request
+    from minitransformer.serve.engine import Engine
+    from minitransformer.serve.records import Request
     model = mt.load(checkpoint_dir("qwen2-gqa-tied-bf16"))
     ids = [3, 1, 4]
     kw = dict(seed=np.int64(3), eos_token_id=[])

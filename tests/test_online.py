@@ -8,7 +8,8 @@ import pytest
 from conftest import wait_for
 import minitransformer as mt
 from engine_fuzz import solo
-from minitransformer.serve.engine import Engine, Request
+from minitransformer.serve.engine import Engine
+from minitransformer.serve.records import Request
 from minitransformer.serve.online import Closed, OnlineEngine, QueueFull
 from minitransformer.sampling import SamplingSettings
 

@@ -26,6 +26,9 @@ import numpy as np
 from minitransformer.backend import to_numpy
 from minitransformer.generate import generate
 from minitransformer.model import forward, head
+from minitransformer.sampling import SamplingSettings
+from minitransformer.serve.engine import Engine, pool_for
+from minitransformer.serve.records import Request
 
 # Written for this project: completion-style prompts (base models complete, they do not chat).
 BATTERY = [
@@ -156,9 +159,6 @@ def battery(model, repetition_penalty: float, max_new_tokens: int = 8,
     batch_invariant=True gives every answer exactly the tokens it gets alone (slower).
     chat: ask through the tokenizer's chat template (an instruct model's own format).
     progress(i, n) as answer i of n is completed."""
-    from minitransformer.serve.engine import Engine, Request, pool_for
-    from minitransformer.sampling import SamplingSettings
-
     if not questions:
         raise ValueError("no questions to ask: 0 correct of 0 would say nothing")
     sampling = SamplingSettings(repetition_penalty=repetition_penalty)
