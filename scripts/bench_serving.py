@@ -1,21 +1,34 @@
-"""Serving benchmark through real HTTP: static vs continuous batching under Poisson arrivals.
+"""Serving benchmark through real HTTP: three workloads, each with a feature on and off.
 
-Experiment 13's comparison, measured from live traffic instead of the engine's own clock: for
-each policy a real server (``python3 -m minitransformer serve``) is started on 127.0.0.1, and
-requests arrive as a Poisson process at each --rates value, each one a streamed
-/v1/completions call from its own client thread. The workload is the chapter's shape scaled
-down (sim/workload.py: skewed output lengths with a given median, max and total; end of
-sequence off, so each request makes exactly its length; random prompts of --prompt-len
-tokens; greedy). Measured as vLLM's benchmark_serving measures them, per request:
+Every workload starts real servers (``python3 -m minitransformer serve``) on 127.0.0.1, one per
+setting compared, both up at once and used in turn (rounds alternate, so a change in the
+machine's load falls on both), and measures what clients see, as vLLM's benchmark_serving
+measures it, per request:
 
-    TTFT    time to first token: request sent -> first streamed event with output
+    TTFT    time to first token: request sent -> first streamed event with output text
     TPOT    time per output token after the first: (end-to-end - TTFT) / (tokens - 1)
     E2E     end-to-end latency: request sent -> last event ([DONE])
+    gap     time between two consecutive streamed events with output text
 
-and per run the output throughput (tokens / wall time from first send to last answer). The
-comparison table gives continuous over static for each rate, beside the chapter's figures.
-Arrivals, lengths and prompts are seeded; the timings are the machine's (stated in the header).
-Traffic goes to 127.0.0.1 only. Leaves out: a dataset of real prompts, goodput/SLOs.
+    poisson      experiment 13's comparison, static vs continuous batching: requests arrive as
+                 a Poisson process at each --rates value, each a streamed /v1/completions call
+                 from its own client thread; the workload is the chapter's shape scaled down
+                 (sim/workload.py: skewed output lengths; end of sequence off; random prompts
+                 of --prompt-len tokens; greedy). Per run, the output throughput too.
+    chat         prefix caching on and off: --conversations chats of --turns turns through
+                 /v1/chat/completions (greedy), each turn sending the whole history, which
+                 grows to about 600 tokens on SmolLM2 (a system message holding a document,
+                 short questions, the answers). With caching a turn finds the history's full
+                 blocks cached and prefills only what is new. Each conversation opens with its
+                 own number, so one never finds another's blocks.
+    long-prompt  chunked prefill on and off: --streams requests are decoding when a prompt of
+                 --long-prompt tokens arrives; with whole-prompt prefill every stream stops for
+                 the whole of it, with chunked prefill (--max-num-batched-tokens) they keep
+                 flowing. The streams' largest gap and the long request's own TTFT.
+
+Prompts, arrivals and lengths are seeded; the timings are the machine's (stated in the header
+with its load). Traffic goes to 127.0.0.1 only. Leaves out: a dataset of real prompts,
+goodput/SLOs.
 """
 import argparse
 import http.client
@@ -32,13 +45,40 @@ import urllib.request
 
 import numpy as np
 
-from _common import (add_model_argument, add_workload_arguments, load_model, numbers,
+from _common import (Progress, add_model_argument, add_workload_arguments, load_model, numbers,
                      positive_int, progress, say, workload_lengths)
 from _table import Table
 from sim.workload import make_workload
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NAME = "bench"
+WORKLOADS = ("poisson", "chat", "long-prompt")
+# The chat's system message: a document the questions are about (written for this benchmark).
+DOCUMENT = (
+    "You answer questions about the following note on a small lending library. The library "
+    "of the village of Ashford Mill opened in 1923 in two rooms above the bakery, with four "
+    "hundred books given by the families of the valley. Its first librarian, Ruth Callow, "
+    "kept the loans in a ledger bound in green cloth, one line per book, and she wrote the "
+    "date of return in red ink so that late books could be seen from across the room. In "
+    "1951 the library moved into the old school house by the river, where it still stands. "
+    "The move took three days and was done by the pupils of the new school, who carried the "
+    "books in baskets along the towpath. The collection grew to six thousand volumes by 1970, "
+    "most of them novels, local histories and books on farming, bee keeping and the care of "
+    "horses. A reading room with a stove was added in 1964, paid for by a summer fair that "
+    "the village still holds on the first Saturday of July. The library lends books for "
+    "three weeks, and a loan may be renewed twice, by letter or in person. Children may "
+    "borrow five books at a time and adults eight. The ledger was replaced by a card index "
+    "in 1958 and by a computer in 1994, but the green ledger is kept in a glass case by the "
+    "door, open at the page of the first loan: a book on the weather, returned four days "
+    "late. Today the library is run by volunteers, opens on Tuesday, Thursday and Saturday "
+    "mornings, and holds a story hour for young children every Saturday at ten. Its "
+    "greatest treasure is a hand drawn map of the valley from 1802, which shows the mill, "
+    "the ford and the path over the hill that the drovers used. Answer briefly and only "
+    "from the note.")
+QUESTIONS = ("When did the library open, and where?",
+             "Who carried the books when the library moved?",
+             "How many books may a child borrow?",
+             "What is kept in the glass case by the door?")
 
 
 def free_port() -> int:
@@ -47,49 +87,88 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(args, policy, model_path, port):
-    """A server process for one policy; returns once /health answers (or fails loudly)."""
+def start_server(args, label, flags, model_path):
+    """A server process with these extra command-line flags -> (process, port), once /health
+    answers (or fails loudly)."""
+    port = free_port()
+    say(f"starting the {label} server on 127.0.0.1:{port}")
     env = os.environ | {"OPENBLAS_NUM_THREADS": str(args.threads),
                         "OMP_NUM_THREADS": str(args.threads)}
     command = [sys.executable, "-m", "minitransformer", "serve", "--model", model_path,
-               "--port", str(port), "--served-model-name", NAME, "--policy", policy,
-               "--slots", str(args.slots), "--block-size", str(args.block_size),
-               "--max-waiting", str(args.requests + 1)]
+               "--port", str(port), "--served-model-name", NAME, "--slots", str(args.slots),
+               "--block-size", str(args.block_size), "--max-waiting", str(args.requests + 1),
+               *flags]
     server = subprocess.Popen(command, cwd=ROOT, env=env, stderr=subprocess.DEVNULL)
     for _ in range(1200):           # at most 120 s to load the model and bind
         if server.poll() is not None:
-            raise SystemExit(f"error: the {policy} server exited with {server.returncode}")
+            raise SystemExit(f"error: the {label} server exited with {server.returncode}")
         try:
             if urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1).status == 200:
-                return server
+                return server, port
         except OSError:
             time.sleep(0.1)
     server.kill()
-    raise SystemExit(f"error: the {policy} server did not come up in 120 s")
+    raise SystemExit(f"error: the {label} server did not come up in 120 s")
 
 
-def one_request(port, prompt, max_tokens, timeout) -> dict:
-    """Stream one completion; -> send time, first-text time, end time, tokens (from usage)."""
-    body = json.dumps({"model": NAME, "prompt": prompt, "max_tokens": max_tokens,
-                       "temperature": 0, "stream": True, "ignore_eos": True,
-                       "stream_options": {"include_usage": True}})
+class Servers:
+    """The servers compared, by label, up together; stopped (Ctrl-C, as a person would) on
+    leaving the with block."""
+
+    def __init__(self, args, model_path, settings):
+        self.running = {}
+        try:
+            for label, flags in settings.items():
+                self.running[label] = start_server(args, label, flags, model_path)
+        except BaseException:
+            self.__exit__()
+            raise
+
+    def __enter__(self):
+        return {label: port for label, (_, port) in self.running.items()}
+
+    def __exit__(self, *_):
+        for server, _ in self.running.values():
+            server.send_signal(signal.SIGINT)
+        for server, _ in self.running.values():
+            server.wait(30)
+
+
+def one_request(port, body, timeout, on_text=None) -> dict:
+    """Stream one request (a /v1/completions body, or /v1/chat/completions if it has messages)
+    -> send time, the time of every event with output text, end time, tokens (from usage),
+    the text. on_text(record), if given, is called at each such event."""
+    chat = "messages" in body
+    body = json.dumps(body | {"model": NAME, "stream": True,
+                              "stream_options": {"include_usage": True}})
     connection = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
-    sent = time.perf_counter()
-    connection.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
+    record = {"sent": time.perf_counter(), "events": [], "tokens": 0, "text": "",
+              "prompt_tokens": 0}
+    connection.request("POST", "/v1/chat/completions" if chat else "/v1/completions", body,
+                       {"Content-Type": "application/json"})
     response = connection.getresponse()
-    first, tokens = math.nan, 0
     if response.status != 200:
         raise RuntimeError(f"HTTP {response.status}: {response.read()[:200]!r}")
     for line in response:           # SSE: "data: {...}" lines, blank lines between events
         if not line.startswith(b"data: ") or line.strip() == b"data: [DONE]":
             continue
         event = json.loads(line[6:])
-        if event["choices"] and math.isnan(first):  # the first event carrying output: a
-            first = time.perf_counter()             # token's text (or the end, if none shows)
+        if "error" in event:
+            raise RuntimeError(f"the stream ended in an error: {event['error']}")
+        for c in event["choices"]:
+            piece = (c["delta"].get("content") or "") if chat else c["text"]
+            if piece or (c["finish_reason"] and not record["events"]):   # (or the end, if
+                record["events"].append(time.perf_counter())              # no text shows)
+                record["text"] += piece
+                if on_text:
+                    on_text(record)
         if event.get("usage"):
-            tokens = event["usage"]["completion_tokens"]
+            record["tokens"] = event["usage"]["completion_tokens"]
+            record["prompt_tokens"] = event["usage"]["prompt_tokens"]
     connection.close()
-    return {"sent": sent, "first": first, "end": time.perf_counter(), "tokens": tokens}
+    record["end"] = time.perf_counter()
+    record["first"] = record["events"][0] if record["events"] else math.nan
+    return record
 
 
 def run_rate(port, workload, prompts, args, label) -> list:
@@ -99,8 +178,10 @@ def run_rate(port, workload, prompts, args, label) -> list:
 
     def client(i, arrival):
         time.sleep(max(0.0, start + arrival.time - time.perf_counter()))
+        body = {"prompt": prompts[i], "max_tokens": arrival.output_len, "temperature": 0,
+                "ignore_eos": True}
         try:
-            records[i] = one_request(port, prompts[i], arrival.output_len, args.timeout)
+            records[i] = one_request(port, body, args.timeout)
         except (OSError, RuntimeError) as e:
             records[i] = {"error": str(e)}
     for i, arrival in enumerate(workload):
@@ -131,65 +212,58 @@ def summary(records) -> dict:
                                ("p99", lambda v: np.percentile(v, 99)))}}
 
 
-def served_tokens(port) -> int:
-    """vllm:generation_tokens_total as the server counted it."""
+def counters(port) -> dict:
+    """The server's own counters from /metrics: name -> value (without labels)."""
     text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
-    return next(int(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-                if line.startswith("vllm:generation_tokens_total{"))
+    return {line.split("{", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+            if line.startswith("vllm:") and line.split("{", 1)[0].endswith("_total")}
 
 
-def rates(text):
-    values = numbers(text)
-    if not all(v > 0 for v in values):
-        raise argparse.ArgumentTypeError("every rate must be > 0 requests/s")
-    return values
+def setting_lines(args, model) -> list:
+    from threadpoolctl import threadpool_info
+
+    from minitransformer.measure.timing import machine
+    kernels = sorted({str(p.get("architecture")) for p in threadpool_info()
+                      if p["user_api"] == "blas"}) or ["?"]
+    return [f"model {model.path}; servers with {args.threads} BLAS thread(s), {args.slots} "
+            f"slots, blocks of {args.block_size}; {machine()}; BLAS kernel "
+            f"{', '.join(kernels)}; times are wall-clock, client and servers sharing the cores"]
 
 
-def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    add_model_argument(parser)
-    parser.add_argument("--rates", type=rates, default=[1.0, 4.0, math.inf],
-                        help="Poisson arrival rates, requests/s (inf: all at once)")
-    add_workload_arguments(parser, requests=32, median=12, max_len=96, total=700)
-    parser.add_argument("--prompt-len", type=positive_int, default=16, help="tokens per prompt")
-    parser.add_argument("--slots", type=positive_int, default=8)
-    parser.add_argument("--block-size", type=positive_int, default=16)
-    parser.add_argument("--threads", type=positive_int, default=1,
-                        help="BLAS threads of the servers")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--timeout", type=float, default=600, help="seconds per request")
-    args = parser.parse_args(argv)
-    try:
-        lengths = workload_lengths(args)
-    except ValueError as e:
-        parser.error(str(e))
-    model = load_model(args.model)
+ms = lambda v: f"{1000 * v:.0f}"  # noqa: E731
+PERCENTILE_COLUMNS = [("TTFT mean ms", ms), ("TTFT p50 ms", ms), ("TTFT p99 ms", ms),
+                      ("TPOT mean ms", ms), ("TPOT p99 ms", ms), ("E2E mean s", ".2f"),
+                      ("E2E p99 s", ".2f")]
+
+
+def percentiles(s) -> list:
+    return [s["ttft_mean"], s["ttft_p50"], s["ttft_p99"], s["tpot_mean"], s["tpot_p99"],
+            s["e2e_mean"], s["e2e_p99"]]
+
+
+# --- the three workloads ----------------------------------------------------------------------
+def poisson(args, model) -> None:
+    """Static vs continuous batching under Poisson arrivals (experiment 13)."""
+    lengths = workload_lengths(args)
     rng = np.random.default_rng(args.seed)
     prompts = [rng.integers(0, model.config.vocab_size, args.prompt_len).tolist()
                for _ in lengths]
-
     results = {}
-    for policy in ("static", "continuous"):
-        port = free_port()
-        say(f"starting the {policy} server on 127.0.0.1:{port}")
-        server = start_server(args, policy, model.path, port)
-        try:
-            one_request(port, prompts[0], 2, args.timeout)  # warm-up: first-call costs
+    settings = {policy: ["--policy", policy] for policy in ("static", "continuous")}
+    with Servers(args, model.path, settings) as ports:
+        for policy, port in ports.items():
+            one_request(port, {"prompt": prompts[0], "max_tokens": 2}, args.timeout)  # warm
             sent = 2
             for rate in args.rates:
                 workload = make_workload(lengths, rate, seed=args.seed)
                 records = run_rate(port, workload, prompts, args, f"{policy} at {rate:g} req/s")
                 results[policy, rate] = summary(records)
                 sent += results[policy, rate]["tokens"]
-            counted = served_tokens(port)
+            counted = counters(port)["vllm:generation_tokens_total"]
             if counted != sent:
-                raise SystemExit(f"error: the {policy} server counted {counted} tokens, "
+                raise SystemExit(f"error: the {policy} server counted {counted:.0f} tokens, "
                                  f"the clients received {sent}")
-        finally:
-            server.send_signal(signal.SIGINT)
-            server.wait(30)
 
-    ms = lambda v: f"{1000 * v:.0f}"  # noqa: E731
     table = Table("Serving through HTTP: static vs continuous batching, Poisson arrivals",
                   experiment=13,
                   differs="live HTTP traffic on this machine (client, server, tokenizer and "
@@ -201,9 +275,8 @@ def main(argv=None):
                            ("E2E p99 s", ".2f")])
     table.header(f"{args.requests} requests per rate, output tokens median {np.median(lengths):g}"
                  f", max {max(lengths)}, total {sum(lengths):,}; prompts of {args.prompt_len} "
-                 f"tokens; {args.slots} slots; greedy; each a streamed /v1/completions call",
-                 f"model {model.path}; servers with {args.threads} BLAS thread(s); times are "
-                 f"wall-clock on this machine, client and servers sharing its cores")
+                 f"tokens; greedy; each a streamed /v1/completions call",
+                 *setting_lines(args, model))
     for (policy, rate), s in results.items():
         table.row(policy, rate, s["throughput"], s["ttft_mean"], s["ttft_p99"], s["tpot_mean"],
                   s["tpot_p99"], s["e2e_mean"], s["e2e_p50"], s["e2e_p99"])
@@ -215,7 +288,249 @@ def main(argv=None):
                    f"{st['e2e_p99'] / co['e2e_p99']:.1f}x better, mean TTFT "
                    f"{st['ttft_mean'] / co['ttft_mean']:.1f}x better")
     table.show()
+
+
+def chat(args, model) -> None:
+    """Multi-turn chats with prefix caching off and on, the same conversations, greedy."""
+    document = " ".join(DOCUMENT.split()[:args.document_words])
+    settings = {"caching off": ["--no-enable-prefix-caching"],
+                "caching on": ["--enable-prefix-caching"]}
+    turns = {label: [] for label in settings}         # label -> [[record per turn] per chat]
+    progress_line = Progress(args.conversations * len(settings), "chat")
+    with Servers(args, model.path, settings) as ports:
+        for port in ports.values():                   # warm-up: first-call costs, no caching
+            one_request(port, {"prompt": [1, 2, 3], "max_tokens": 2}, args.timeout)
+        for c in range(args.conversations):
+            for label, port in ports.items():          # the same chat on each, in turn
+                messages = [{"role": "system", "content": f"Conversation {c + 1}. {document}"}]
+                records = []
+                for t in range(args.turns):
+                    messages.append({"role": "user", "content": QUESTIONS[t % len(QUESTIONS)]})
+                    record = one_request(port, {"messages": messages, "temperature": 0,
+                                                "max_tokens": args.answer_tokens}, args.timeout)
+                    messages.append({"role": "assistant", "content": record["text"]})
+                    records.append(record)
+                turns[label].append(records)
+                progress_line(f"{label}, conversation {c + 1}: TTFT per turn "
+                              + ", ".join(f"{r['first'] - r['sent']:.2f}" for r in records)
+                              + " s")
+        hits = counters(ports["caching on"])
+
+    table = Table("Prefix caching: a multi-turn chat through HTTP, time to first token per turn",
+                  experiment=13, chapter=False,
+                  columns=[("turn", "d"), ("prompt tokens", "d"), ("off min ms", ms),
+                           ("off median ms", ms), ("on min ms", ms), ("on median ms", ms),
+                           ("off / on", ".1f")])
+    table.header(f"{args.conversations} conversations of {args.turns} turns, each turn the "
+                 f"whole history through /v1/chat/completions (streamed, greedy, answers of at "
+                 f"most {args.answer_tokens} tokens); the same conversations on a server with "
+                 f"prefix caching off and one with it on, alternating", *setting_lines(args, model))
+    ratios = []
+    for t in range(args.turns):
+        off = [chat_[t]["first"] - chat_[t]["sent"] for chat_ in turns["caching off"]]
+        on = [chat_[t]["first"] - chat_[t]["sent"] for chat_ in turns["caching on"]]
+        prompt = int(np.median([chat_[t]["prompt_tokens"] for chat_ in turns["caching on"]]))
+        ratio = np.median(off) / np.median(on)
+        ratios += [ratio] if t else []
+        table.row(t + 1, prompt, min(off), np.median(off), min(on), np.median(on), ratio)
+    same = sum(a["text"] == b["text"] for x, y in zip(turns["caching off"], turns["caching on"])
+               for a, b in zip(x, y))
+    queries = hits.get("vllm:prefix_cache_queries_total", 0)
+    rate = hits.get("vllm:prefix_cache_hits_total", 0) / queries if queries else math.nan
+    if ratios:
+        table.note(f"turns 2-{args.turns}: time to first token {min(ratios):.1f}x to "
+                   f"{max(ratios):.1f}x lower with prefix caching (median over the "
+                   f"conversations; target: at least 3x)")
+    table.note(f"answers identical with caching on and off: {same} of "
+               f"{args.conversations * args.turns}; the caching server's prefix cache hit "
+               f"rate: {rate:.0%} of {queries:,.0f} prompt tokens (vllm:prefix_cache_*)")
+    table.show()
+    percentile_table("Prefix caching: the chat requests' percentiles", "caching",
+                     {label: summary([r for chat_ in turns[label] for r in chat_])
+                      for label in settings})
+
+
+def long_prompt(args, model) -> None:
+    """Streams decoding when a long prompt arrives: whole-prompt prefill against chunked."""
+    settings = {"whole prefill": [],
+                "chunked prefill": ["--max-num-batched-tokens", str(args.max_num_batched_tokens)]}
+    rounds = {label: [] for label in settings}
+    rng, ids = np.random.default_rng(args.seed), text_ids(model)
+    progress_line = Progress(args.rounds * len(settings), "long prompt")
+    with Servers(args, model.path, settings) as ports:
+        for port in ports.values():
+            one_request(port, {"prompt": [1, 2, 3], "max_tokens": 2}, args.timeout)
+        for r in range(args.rounds):
+            short = [rng.choice(ids, args.prompt_len).tolist() for _ in range(args.streams)]
+            long = rng.choice(ids, args.long_prompt).tolist()
+            for label, port in ports.items():
+                rounds[label].append(arrival_among_streams(port, short, long, args))
+                streams, long_record = rounds[label][-1]
+                progress_line(f"{label}, round {r + 1}: largest gap "
+                              f"{largest_gap(streams):.2f} s, long TTFT "
+                              f"{long_record['first'] - long_record['sent']:.2f} s")
+
+    table = Table(f"Chunked prefill: {args.streams} streams decoding when a "
+                  f"{args.long_prompt:,}-token prompt arrives", experiment=13, chapter=False,
+                  columns=[("prefill", ""), ("largest gap min s", ".2f"),
+                           ("largest gap median s", ".2f"), ("gap p50 ms", ms),
+                           ("gap p99 ms", ms), ("long TTFT min s", ".2f"),
+                           ("long TTFT median s", ".2f")])
+    table.header(f"{args.rounds} rounds; each: {args.streams} streamed /v1/completions calls "
+                 f"(prompts of {args.prompt_len} tokens, {args.stream_tokens} tokens each, "
+                 f"greedy) and, once each has streamed {args.wait_tokens} pieces, one of "
+                 f"{args.long_prompt:,} random text tokens; chunked prefill: at most "
+                 f"{args.max_num_batched_tokens} tokens a step (--max-num-batched-tokens)",
+                 *setting_lines(args, model))
+    figures = {}
+    for label, runs in rounds.items():
+        worst = [largest_gap(streams) for streams, _ in runs]
+        gaps = np.concatenate([np.diff(s["events"]) for streams, _ in runs for s in streams])
+        ttft = [long_record["first"] - long_record["sent"] for _, long_record in runs]
+        figures[label] = np.median(worst), np.median(ttft)
+        table.row(label, min(worst), np.median(worst), np.percentile(gaps, 50),
+                  np.percentile(gaps, 99), min(ttft), np.median(ttft))
+    (gap_off, ttft_off), (gap_on, ttft_on) = figures["whole prefill"], figures["chunked prefill"]
+    table.note(f"chunked prefill: the streams' largest gap {gap_off / gap_on:.1f}x smaller "
+               f"(target: at least 3x); the long request's own time to first token "
+               f"{ttft_on / ttft_off:.2f}x that of whole-prompt prefill (target: at most 1.5x); "
+               f"medians over the rounds")
+    table.show()
+    percentile_table("Chunked prefill: the streams' percentiles", "prefill",
+                     {label: summary([s for streams, _ in runs for s in streams])
+                      for label, runs in rounds.items()})
+
+
+def text_ids(model):
+    """Token ids that decode on their own to printable ASCII: random prompts of these read as
+    (nonsense) text, and the streams' answers come out as text a piece per token (a prompt of
+    any ids can lead a model to bytes of an unfinished character, held back until complete,
+    which would hide the gaps measured)."""
+    tokenizer = model.tokenizer
+    if tokenizer is None:
+        raise ValueError(f"{model.path}: the long-prompt workload needs a tokenizer")
+    texts = [tokenizer.decode([i]) for i in range(model.config.vocab_size)]
+    return np.array([i for i, t in enumerate(texts) if t and t.isascii() and t.isprintable()])
+
+
+def arrival_among_streams(port, short, long, args) -> tuple:
+    """Start the streams; once each has streamed wait_tokens pieces, send the long prompt
+    -> (the streams' records, the long request's record)."""
+    records, started = [None] * len(short), threading.Semaphore(0)
+
+    def stream(i):
+        def on_text(record):
+            if len(record["events"]) == args.wait_tokens:
+                started.release()
+        try:
+            records[i] = one_request(port, {"prompt": short[i], "max_tokens": args.stream_tokens,
+                                            "temperature": 0, "ignore_eos": True},
+                                     args.timeout, on_text)
+        except (OSError, RuntimeError) as e:
+            records[i] = {"error": str(e)}
+        if len(records[i].get("events", ())) < args.wait_tokens:
+            started.release()       # over before it got there: the check below says so
+    threads = [threading.Thread(target=stream, args=(i,), daemon=True)
+               for i in range(len(short))]
+    for thread in threads:
+        thread.start()
+    for _ in threads:
+        started.acquire(timeout=args.timeout)
+    long_record = one_request(port, {"prompt": long, "max_tokens": 4, "temperature": 0,
+                                     "ignore_eos": True}, args.timeout)
+    for thread in threads:
+        thread.join(args.timeout)
+    failed = [r for r in records if r is None or "error" in r]
+    if failed:
+        raise SystemExit(f"error: {len(failed)} streams failed, e.g. {failed[0]}")
+    if any(r["events"][-1] < long_record["first"] for r in records):
+        raise SystemExit("error: a stream ended before the long prompt's first token: give "
+                         "--stream-tokens more")
+    return records, long_record
+
+
+def largest_gap(streams) -> float:
+    """The longest wait between two pieces of text of any stream (seconds)."""
+    return max(float(np.diff(s["events"]).max()) for s in streams)
+
+
+def percentile_table(title, what, summaries) -> None:
+    table = Table(title, experiment=13, chapter=False,
+                  columns=[(what, ""), ("tok/s", ".1f"), *PERCENTILE_COLUMNS])
+    for label, s in summaries.items():
+        table.row(label, s["throughput"], *percentiles(s))
+    table.show()
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_model_argument(parser)
+    parser.add_argument("--workloads", type=workloads, default=list(WORKLOADS),
+                        help=f"comma-separated, of {', '.join(WORKLOADS)} (default: all)")
+    parser.add_argument("--slots", type=positive_int, default=8)
+    parser.add_argument("--block-size", type=positive_int, default=16)
+    parser.add_argument("--threads", type=positive_int, default=1,
+                        help="BLAS threads of the servers")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--timeout", type=float, default=600, help="seconds per request")
+    group = parser.add_argument_group("poisson: static vs continuous batching")
+    group.add_argument("--rates", type=rates, default=[1.0, 4.0, math.inf],
+                       help="Poisson arrival rates, requests/s (inf: all at once)")
+    group.add_argument("--prompt-len", type=positive_int, default=16,
+                       help="tokens per prompt (also the streams' of long-prompt)")
+    add_workload_arguments(parser, requests=32, median=12, max_len=96, total=700)
+    group = parser.add_argument_group("chat: prefix caching off vs on")
+    group.add_argument("--conversations", type=positive_int, default=3)
+    group.add_argument("--turns", type=positive_int, default=4)
+    group.add_argument("--answer-tokens", type=positive_int, default=64,
+                       help="max_tokens of each answer")
+    group.add_argument("--document-words", type=positive_int, default=len(DOCUMENT.split()),
+                       help="words of the system message's document (default: all of it)")
+    group = parser.add_argument_group("long-prompt: whole vs chunked prefill")
+    group.add_argument("--rounds", type=positive_int, default=3)
+    group.add_argument("--streams", type=positive_int, default=4)
+    group.add_argument("--stream-tokens", type=positive_int, default=64,
+                       help="tokens each stream makes")
+    group.add_argument("--wait-tokens", type=positive_int, default=4,
+                       help="pieces each stream has streamed when the long prompt is sent")
+    group.add_argument("--long-prompt", type=positive_int, default=1500, help="its tokens")
+    group.add_argument("--max-num-batched-tokens", type=positive_int, default=256,
+                       help="the chunked server's token budget per step")
+    args = parser.parse_args(argv)
+    if "poisson" in args.workloads:
+        try:
+            workload_lengths(args)
+        except ValueError as e:
+            parser.error(str(e))
+    if args.wait_tokens >= args.stream_tokens:
+        parser.error("--wait-tokens must be below --stream-tokens")
+    if args.streams >= args.slots:
+        parser.error("--streams must leave a slot for the long prompt (--slots)")
+    if args.max_num_batched_tokens <= args.slots:
+        parser.error("--max-num-batched-tokens must exceed --slots (the decodes come first)")
+    model = load_model(args.model)
+    for name in args.workloads:
+        try:
+            {"poisson": poisson, "chat": chat, "long-prompt": long_prompt}[name](args, model)
+        except RuntimeError as e:   # a request refused or failed: the server's own words
+            raise SystemExit(f"error: {name}: {e}") from None
     return 0
+
+
+def rates(text):
+    values = numbers(text)
+    if not all(v > 0 for v in values):
+        raise argparse.ArgumentTypeError("every rate must be > 0 requests/s")
+    return values
+
+
+def workloads(text):
+    names = [name for name in text.split(",") if name]
+    unknown = [name for name in names if name not in WORKLOADS]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(f"unknown workload(s) {', '.join(unknown) or '(none)'}"
+                                         f"; choose from {', '.join(WORKLOADS)}")
+    return names
 
 
 if __name__ == "__main__":

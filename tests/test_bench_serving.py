@@ -1,20 +1,67 @@
-"""scripts/bench_serving.py end to end on a tiny model: two real servers, real HTTP traffic."""
+"""scripts/bench_serving.py end to end on a tiny model: real servers, real HTTP traffic, each
+workload with its feature off and on."""
+import json
+
 import pytest
 
 pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 
+TEMPLATE = ("{% for m in messages %}<|endoftext|>{{ m['role'] }}: {{ m['content'] }}\n"
+            "{% endfor %}{% if add_generation_prompt %}assistant:{% endif %}")
 
-def test_bench_serving_prints_both_policies_and_the_comparison(tmp_path, run_script):
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
     from minitransformer.synth import make_checkpoint, qwen2_config, train_tokenizer
 
-    tiny = make_checkpoint(tmp_path / "tiny", qwen2_config(vocab_size=320),
-                           tokenizer=train_tokenizer(300))
-    out, _ = run_script("bench_serving", "--model", tiny, "--requests", 6, "--median", 4,
-                        "--max-len", 12, "--total", 36, "--rates", "50,inf")
-    rows = [line.split() for line in out.splitlines() if line.startswith(("static ",
-                                                                          "continuous "))]
-    assert [(r[0], r[1]) for r in rows] == [("static", "50"), ("static", "inf"),
-                                            ("continuous", "50"), ("continuous", "inf")]
-    assert all("nan" not in r for r in rows)
+    path = make_checkpoint(tmp_path_factory.mktemp("bench") / "tiny",
+                           qwen2_config(vocab_size=320), tokenizer=train_tokenizer(300))
+    settings = json.loads((path / "tokenizer_config.json").read_text())
+    (path / "tokenizer_config.json").write_text(json.dumps(settings | {"chat_template":
+                                                                       TEMPLATE}))
+    return str(path)
+
+
+def rows(out, *labels):
+    return [line.split() for line in out.splitlines() if line.startswith(labels)]
+
+
+def test_bench_serving_prints_both_policies_and_the_comparison(tiny, run_script):
+    out, _ = run_script("bench_serving", "--model", tiny, "--workloads", "poisson",
+                        "--requests", 6, "--median", 4, "--max-len", 12, "--total", 36,
+                        "--rates", "50,inf")
+    found = rows(out, "static ", "continuous ")
+    assert [(r[0], r[1]) for r in found] == [("static", "50"), ("static", "inf"),
+                                             ("continuous", "50"), ("continuous", "inf")]
+    assert all("nan" not in r for r in found)
     assert "at inf req/s continuous vs static: throughput" in out
+
+
+def test_bench_serving_chat_and_long_prompt_print_each_feature_off_and_on(tiny, run_script):
+    out, _ = run_script("bench_serving", "--model", tiny, "--workloads", "chat,long-prompt",
+                        "--slots", 4, "--block-size", 4, "--conversations", 2, "--turns", 3,
+                        "--answer-tokens", 6, "--document-words", 5, "--rounds", 1,
+                        "--streams", 2, "--stream-tokens", 40, "--long-prompt", 120,
+                        "--max-num-batched-tokens", 16)
+    turns = [line.split() for line in out.split("time to first token per turn")[1]
+             .split("turns 2-3")[0].splitlines() if line.strip()[:1].isdigit()]
+    assert [int(t[0]) for t in turns] == [1, 2, 3]
+    assert int(turns[2][1]) > int(turns[0][1])                 # the history grows
+    assert "answers identical with caching on and off: 6 of 6" in out
+    assert "prefix cache hit rate" in out
+    assert [r[:2] for r in rows(out, "caching ")] == [["caching", "off"], ["caching", "on"]]
+    assert [r[:2] for r in rows(out, "whole ", "chunked ")] == \
+        [["whole", "prefill"], ["chunked", "prefill"]] * 2        # gaps, then percentiles
+    assert "chunked prefill: the streams' largest gap" in out
+    assert all("nan" not in r for r in rows(out, "caching ", "whole ", "chunked "))
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--workloads", "chat,nope"], "unknown workload"),
+    (["--streams", "8", "--slots", "8"], "--streams must leave a slot"),
+    (["--wait-tokens", "9", "--stream-tokens", "9"], "--wait-tokens must be below"),
+    (["--max-num-batched-tokens", "8"], "must exceed --slots")])
+def test_bench_serving_refuses_bad_options_naming_them(argv, message, run_script):
+    _, err = run_script("bench_serving", "--model", "default", *argv, status=2)
+    assert message in err
