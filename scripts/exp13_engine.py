@@ -129,6 +129,13 @@ def main(argv=None):
     for run in runs:
         policy_row(table, run)
     table.note(ratios(*[metrics(r.results) for r in runs]))
+    prompt_tokens = sum(len(r.request.prompt) for r in runs[1].results)
+    table.note(f"prefix caching (on, the engine's default) found "
+               f"{sum(r.cached_tokens for r in runs[1].results)} of {prompt_tokens:,} prompt "
+               f"tokens cached (continuous): random prompts share no block, so the table is "
+               f"the same without it; chunked prefill (off) would change nothing either, "
+               f"{args.prompt_len}-token prompts fitting in one step's budget (bench_serving.py "
+               f"measures both features on the workloads where they matter)")
     table.show()
 
     try:

@@ -1,7 +1,7 @@
 """Serving: the machinery between a model and many users, read after the core.
 
     records      Request, Result, Run and their metrics: the vocabulary of a serving run
-    paged        the paged KV cache: blocks, block tables, slots, prefix sharing
+    paged        the paged KV cache: blocks, block tables, slots, the prefix cache
     engine       continuous (and static) batching over the paged cache, step by step
     online       the engine on its own thread, fed by a queue: requests arrive while it runs
     detokenize   tokens -> text as they stream, spaces and multi-byte characters whole
