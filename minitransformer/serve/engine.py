@@ -281,7 +281,9 @@ class Engine:
         """May free slots take waiting requests this step?"""
         if self.policy == "continuous":
             return True             # any free slot, at the very next step
-        return not any(self.slots)  # static: a new batch only once the last one is over
+        # static: a new batch only once the last one is over; it forms until its first token
+        # (with chunked prefill, members may take several steps to prefill)
+        return all(live is None or live.prefilling for live in self.slots)
 
     def _retire(self, live) -> None:
         """A sequence made its last token: it leaves its slot (static: at its batch's end)."""
