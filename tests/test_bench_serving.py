@@ -42,7 +42,7 @@ def test_bench_serving_chat_and_long_prompt_print_each_feature_off_and_on(tiny, 
     out, _ = run_script("bench_serving", "--model", tiny, "--workloads", "chat,long-prompt",
                         "--slots", 4, "--block-size", 4, "--conversations", 2, "--turns", 3,
                         "--answer-tokens", 6, "--document-words", 5, "--rounds", 1,
-                        "--streams", 2, "--stream-tokens", 40, "--long-prompt", 120,
+                        "--streams", 2, "--stream-tokens", 220, "--long-prompt", 120,
                         "--max-num-batched-tokens", 16)
     table = out.split("time to first token per turn")[1].split("turns 2-3")[0]
     turns = [row for row in map(str.split, table.splitlines())
