@@ -7,6 +7,8 @@ Reading order, in the chapter's order (the experiment each part serves in bracke
     config.py, shape.py  the model's shape: config.json, and every size derived from it once
     model.py             the forward pass, prefill and decode alike, top to bottom       [2]
     kvcache.py           the KV cache: append, attend over, trim                      [1-8]
+    kvquant.py           the cache's formats: f32, f16, q8_0 / q4_0 codes and scales [8, 10]
+    tiled.py             the same attention, its scores one tile at a time             [2, 4]
     sampling.py          the next token: greedy, or temperature, top-k, top-p, penalty
     generate.py          generation without and with the cache                    [1, 4-7]
     serve/               batching: records, paged cache, engine; then the server    [12-14]
@@ -25,7 +27,7 @@ The stable public API:
     load(path)                         -> Model (config, weights, tokenizer)
     logits(model, ids)                 -> float32 (len(ids), vocab), one full forward pass
     generate(model, ids, max_new_tokens, cache=True, sampling=GREEDY, seed=None,
-             eos_token_id=None, logprobs=None)
+             eos_token_id=None, logprobs=None, kv_dtype="f32", attention="plain")
                                        -> list of new token ids (logprobs=k: of TokenLogprob)
     stream(...)                        -> the same tokens, yielded as they are made
 where sampling is a ``minitransformer.sampling.SamplingSettings``.

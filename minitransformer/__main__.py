@@ -18,6 +18,8 @@ import time
 
 import minitransformer as mt
 from minitransformer.chat import encode_chat
+from minitransformer.kvquant import KV_DTYPES
+from minitransformer.model import ATTENTIONS
 from minitransformer.real_model import checkpoint
 from minitransformer.sampling import SamplingSettings
 from minitransformer.serve.detokenize import Detokenizer
@@ -161,7 +163,8 @@ def serve(args) -> None:
                batch_invariant=args.batch_invariant, drain_timeout=args.drain_timeout,
                prefix_caching=args.enable_prefix_caching,
                max_num_batched_tokens=args.max_num_batched_tokens,
-               max_request_bytes=args.max_request_bytes)
+               max_request_bytes=args.max_request_bytes,
+               kv_cache_dtype=args.kv_cache_dtype, attention=args.attention)
 
 
 def parser() -> argparse.ArgumentParser:
@@ -208,6 +211,11 @@ def parser() -> argparse.ArgumentParser:
                    "filling the model's context in any language: positions x the longest "
                    "token's bytes x 6, a JSON escape per byte, + 1 MiB; 5,029,888 for "
                    "SmolLM2-135M)")
+    s.add_argument("--kv-cache-dtype", choices=KV_DTYPES, default="f32",
+                   help="the KV cache's format: float32, float16, or llama.cpp's q8_0 / q4_0 "
+                   "blocks (integer codes and a float16 scale per 32 numbers)")
+    s.add_argument("--attention", choices=tuple(ATTENTIONS), default="plain",
+                   help="tiled: the same attention, the score matrix held a tile at a time")
     s.set_defaults(run=serve)
     return p
 

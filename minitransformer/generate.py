@@ -12,6 +12,7 @@ import numpy as np
 from minitransformer.backend import to_numpy
 from minitransformer.checks import is_integer
 from minitransformer.kvcache import KVCache
+from minitransformer.kvquant import check_kv_dtype
 from minitransformer.logprobs import check_top, token_logprob
 from minitransformer.model import forward, head
 from minitransformer.sampling import GREEDY, SamplingSettings, check_sampling, next_token
@@ -59,7 +60,8 @@ def last_logits(model, hidden, batch_invariant=False) -> np.ndarray:
 
 
 def stream(model, ids, max_new_tokens: int, cache: bool = True,
-           sampling: SamplingSettings = GREEDY, seed=None, eos_token_id=None, logprobs=None):
+           sampling: SamplingSettings = GREEDY, seed=None, eos_token_id=None, logprobs=None,
+           kv_dtype: str = "f32", attention: str = "plain"):
     """Yield new token ids one at a time. Stops at an eos id or after max_new_tokens.
 
     sampling: how each token is chosen (sampling.py), greedy unless told otherwise;
@@ -68,7 +70,8 @@ def stream(model, ids, max_new_tokens: int, cache: bool = True,
     an empty list never stops early. logprobs: None yields token ids; an integer k in
     [0, MAX_LOGPROBS] yields a ``TokenLogprob`` per token instead (its id, its log-probability
     under the model before any sampling setting, and the k most likely tokens there), taken
-    from the logits that chose it.
+    from the logits that chose it. kv_dtype: the cache's format, f32, f16, q8_0 or q4_0
+    (kvquant.py). attention: "plain" or "tiled" (model.forward).
     """
     settings = check_sampling(sampling)
     ids = check_prompt(model, ids, max_new_tokens)
@@ -76,14 +79,17 @@ def stream(model, ids, max_new_tokens: int, cache: bool = True,
     rng = seeded_rng(seed)
     if logprobs is not None:
         check_top(logprobs)
+    check_kv_dtype(kv_dtype)
+    if not cache and kv_dtype != "f32":
+        raise ValueError(f"kv_dtype={kv_dtype!r} needs the cache (cache=True)")
     if max_new_tokens == 0:
         return
     tokens = ids.tolist()
     if cache:
-        kv = KVCache.allocate(model.config, batch=1, max_len=len(tokens) + max_new_tokens)
-        hidden = forward(model, ids[None], kv)                    # prefill: (1, P, D)
+        kv = KVCache.allocate(model.config, 1, len(tokens) + max_new_tokens, kv_dtype)
+        hidden = forward(model, ids[None], kv, attention=attention)   # prefill: (1, P, D)
     else:
-        hidden = forward(model, ids[None])                        # (1, P, D)
+        hidden = forward(model, ids[None], attention=attention)       # (1, P, D)
     for step in range(max_new_tokens):
         z = last_logits(model, hidden)[0]                         # (V,)
         token = next_token(z, tokens, settings, rng)
@@ -92,18 +98,18 @@ def stream(model, ids, max_new_tokens: int, cache: bool = True,
         if token in eos or step == max_new_tokens - 1:
             return
         if cache:
-            hidden = forward(model, np.array([[token]]), kv)      # decode: (1, 1, D)
-        else:
-            hidden = forward(model, np.array([tokens]))           # recompute: (1, P+step+1, D)
+            hidden = forward(model, np.array([[token]]), kv, attention=attention)  # decode
+        else:                                                         # recompute everything
+            hidden = forward(model, np.array([tokens]), attention=attention)
 
 
 def generate(model, ids, max_new_tokens: int, cache: bool = True,
              sampling: SamplingSettings = GREEDY, seed=None, eos_token_id=None,
-             logprobs=None) -> list:
+             logprobs=None, kv_dtype: str = "f32", attention: str = "plain") -> list:
     """The new token ids (the prompt not included), or with ``logprobs=k`` a TokenLogprob per
     new token. Keyword arguments as in ``stream``."""
     return list(stream(model, ids, max_new_tokens, cache, sampling, seed, eos_token_id,
-                       logprobs))
+                       logprobs, kv_dtype, attention))
 
 
 def logits(model, ids) -> np.ndarray:

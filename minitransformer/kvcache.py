@@ -8,6 +8,9 @@ would copy O(T^2) bytes over a generation), passed into ``model.forward`` and fi
 Per layer it holds one key and one value array of shape (B, Hkv, S_max, d): only the Hkv
 key/value heads, never the H query heads they serve. So its size is the chapter's formula by
 construction:  bytes per token = 2 (k and v) x L x Hkv x d x bytes per element.
+The arrays are float32 by default; ``kv_dtype`` picks float16 or llama.cpp's q8_0 / q4_0
+blocks (kvquant.py: integer codes plus a float16 scale per 32 numbers of a head's vector),
+which the cache holds, writes and slices the same way.
 
 Each row b of the batch has its own length: row b's next token goes to slot ``lengths[b]``, which
 is also its position. Rows may differ (batched decode of sequences of different lengths); the
@@ -20,23 +23,25 @@ import numpy as np
 
 from minitransformer.backend import to_device, xp
 from minitransformer.checks import is_integer
+from minitransformer.kvquant import kv_dtype_of, zeros
 
 
 @dataclass
 class KVCache:
-    k: list                # L arrays (B, Hkv, S_max, d)
+    k: list                # L arrays (B, Hkv, S_max, d) (or QuantizedArrays of that shape)
     v: list                # L arrays (B, Hkv, S_max, d)
     lengths: np.ndarray    # (B,) tokens held by each row, on the host
 
     @classmethod
-    def allocate(cls, config, batch: int, max_len: int, dtype=xp.float32) -> "KVCache":
+    def allocate(cls, config, batch: int, max_len: int, kv_dtype: str = "f32") -> "KVCache":
+        """kv_dtype: f32, f16, q8_0 or q4_0 (kvquant.KV_DTYPES)."""
         for name, n in (("batch", batch), ("max_len", max_len)):
             if not is_integer(n) or n < 1:
                 raise ValueError(f"a cache needs an integer {name} >= 1, got {n!r}")
         shape = (batch, config.num_key_value_heads, max_len, config.head_dim)
         L = config.num_hidden_layers
-        return cls(k=[xp.zeros(shape, dtype) for _ in range(L)],
-                   v=[xp.zeros(shape, dtype) for _ in range(L)],
+        return cls(k=[zeros(shape, kv_dtype) for _ in range(L)],
+                   v=[zeros(shape, kv_dtype) for _ in range(L)],
                    lengths=np.zeros(batch, dtype=np.int64))
 
     @property
@@ -44,8 +49,12 @@ class KVCache:
         return self.k[0].shape[2]
 
     @property
+    def kv_dtype(self) -> str:
+        return kv_dtype_of(self.k[0])
+
+    @property
     def nbytes(self) -> int:
-        """Bytes of the arrays actually held (all slots, filled or not)."""
+        """Bytes of the arrays actually held (all slots, filled or not; codes and scales)."""
         return sum(int(a.nbytes) for a in self.k + self.v)
 
     def positions(self, T: int) -> np.ndarray:

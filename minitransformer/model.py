@@ -7,6 +7,9 @@ whole sequence (the slow path of experiment 1); with a cache it appends the new 
 values and attends over everything held (prefill is a call with the whole prompt, decode a call
 with one token per sequence). The cache can be the contiguous KVCache or the paged one: the
 forward pass only asks it where the new tokens go and for the keys/values to attend over.
+Attention is ``attention`` below, the one to read first; ``forward(..., attention="tiled")``
+computes the same thing without the (T, S) score matrix (tiled.py). A quantized cache
+(kvquant.py) hands back codes and scales, dequantized where attention reads them.
 
 A forward pass first prepares what all its layers share (``prepare``: the positions, their RoPE
 angles, the cache's slots, which groups of rows need a causal mask), then runs the layers one
@@ -28,7 +31,9 @@ import numpy as np  # host-side bookkeeping only (positions); the math goes thro
 from minitransformer.backend import to_device, xp
 from minitransformer.config import ModelConfig
 from minitransformer.fused import Layer, fuse
+from minitransformer.kvquant import dequantize
 from minitransformer.linear import is_quantized, linear  # noqa: F401 (is_quantized: re-exported)
+from minitransformer.tiled import CausalTiles, tiled_attention
 
 
 @dataclass(frozen=True)
@@ -130,6 +135,11 @@ def attention(q, k, v, visible=None):
     return out.reshape(B, Hkv, G, T, d).transpose(0, 3, 1, 2, 4).reshape(B, T, H * d)
 
 
+# forward(..., attention=...): the plain function above, or the same one computed tile by tile
+# without ever holding the (T, S) scores (tiled.py)
+ATTENTIONS = {"plain": attention, "tiled": tiled_attention}
+
+
 @dataclass(frozen=True)
 class Batch:
     """What one forward pass works out once, before its first layer, for all of them."""
@@ -140,9 +150,10 @@ class Batch:
     #                         0..S-1, with causal_mask(their positions, S) or None (see prepare)
     slots: object           # the cache's own write/read indices (None without a cache)
     per_row: bool           # batch-invariant mode: see linear and prepare
+    attend: object = attention  # attention or tiled_attention (see ATTENTIONS)
 
 
-def prepare(model: Model, ids, cache=None, batch_invariant=False) -> Batch:
+def prepare(model: Model, ids, cache=None, batch_invariant=False, attention="plain") -> Batch:
     """Check ids (B, T), find their positions, and prepare what every layer will need.
 
     Rows of a batch may hold different lengths (sequences decoding side by side). By default
@@ -151,8 +162,10 @@ def prepare(model: Model, ids, cache=None, batch_invariant=False) -> Batch:
     terms by count, BLAS picks its kernel by size), so a row's last bits depend on its
     neighbours. batch_invariant=True makes each group of equal-length rows attend on its own
     and multiplies row by row (see linear): a batched request then gets the very bits it gets
-    alone, at the price of reading every weight once per row.
+    alone, at the price of reading every weight once per row. attention: a name in ATTENTIONS.
     """
+    if attention not in ATTENTIONS:
+        raise ValueError(f"attention={attention!r}: use one of {', '.join(ATTENTIONS)}")
     c = model.config
     ids = np.asarray(ids)  # host token ids, checked here: on CuPy a bad id would wrap around
     if ids.ndim != 2 or ids.size == 0 or not np.issubdtype(ids.dtype, np.integer):
@@ -180,10 +193,12 @@ def prepare(model: Model, ids, cache=None, batch_invariant=False) -> Batch:
         # (every decode step of a single sequence)
         sees_all = T == 1 and bool((lengths[rows] == S).all())
         rows = rows if isinstance(rows, slice) else to_device(rows)
-        groups.append((rows, S, None if sees_all else causal_mask(on_device[rows], S)))
+        mask = causal_mask if attention == "plain" else CausalTiles  # tiled: no (T, S) array
+        groups.append((rows, S, None if sees_all else mask(on_device[rows], S)))
     cos, sin = rope_angles(on_device, c.head_dim, c.rope_theta)
     slots = None if cache is None else cache.slots(positions)
-    return Batch(on_device, cos, sin, tuple(groups), slots, batch_invariant)
+    return Batch(on_device, cos, sin, tuple(groups), slots, batch_invariant,
+                 ATTENTIONS[attention])
 
 
 def attention_block(model, i, x, batch: Batch, cache):
@@ -199,13 +214,16 @@ def attention_block(model, i, x, batch: Batch, cache):
         k, v = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)     # (B, Hkv, T, d)
     else:              # store the new keys/values, attend over everything held
         k, v = cache.update(i, k, v, batch.slots)                    # (B, Hkv, S, d)
+    attend = batch.attend
+    if attend is attention:  # floats (a quantized cache: all held keys dequantized at once)
+        k, v = dequantize(k), dequantize(v)
     if len(batch.groups) == 1:                                       # every row together
         _, S, visible = batch.groups[0]
-        out = attention(q, k[:, :, :S], v[:, :, :S], visible)        # (B, T, H*d)
+        out = attend(q, k[:, :, :S], v[:, :, :S], visible)           # (B, T, H*d)
     else:
         out = xp.empty((B, T, H * d), dtype=q.dtype)
         for rows, S, visible in batch.groups:
-            out[rows] = attention(q[rows], k[rows, :, :S], v[rows, :, :S], visible)
+            out[rows] = attend(q[rows], k[rows, :, :S], v[rows, :, :S], visible)
     return linear(out, layer.o, layer.o_bias, per_row)               # (B, T, D)
 
 
@@ -241,15 +259,17 @@ def embed(model: Model, ids):
     return model.weights["model.embed_tokens.weight"][to_device(np.asarray(ids))]
 
 
-def forward(model: Model, ids, cache=None, batch_invariant=False):
+def forward(model: Model, ids, cache=None, batch_invariant=False, attention="plain"):
     """Token ids (B, T) -> final hidden states (B, T, D), after the last RMSNorm.
 
     Without a cache the T tokens are the whole sequence (positions 0..T-1). With one they are
     appended to what it holds: positions continue from each row's length, and the cache has
     grown by T when this returns. batch_invariant: see prepare (the default batches for
-    speed; True gives each row exactly the bits it gets alone).
+    speed; True gives each row exactly the bits it gets alone). attention: "plain" (the
+    function above) or "tiled" (tiled.py: the same numbers within float32 rounding, the
+    scores held one tile at a time).
     """
-    batch = prepare(model, ids, cache, batch_invariant)
+    batch = prepare(model, ids, cache, batch_invariant, attention)
     h = embed(model, ids)                                            # (B, T, D)
     for i in range(model.config.num_hidden_layers):
         h = block(model, i, h, batch, cache)

@@ -107,6 +107,18 @@ def add_schemes_argument(parser, default=None):
                              f"(default: {','.join(default)})")
 
 
+def add_cache_arguments(parser):
+    """--kv-cache-dtype (the KV cache's format) and --attention (plain or tiled)."""
+    from minitransformer.kvquant import KV_DTYPES
+    from minitransformer.model import ATTENTIONS
+    parser.add_argument("--kv-cache-dtype", choices=KV_DTYPES, default="f32",
+                        help="the KV cache's format: f32, f16, or llama.cpp's q8_0 / q4_0 "
+                             "blocks (default: f32)")
+    parser.add_argument("--attention", choices=tuple(ATTENTIONS), default="plain",
+                        help="tiled: the same attention, its scores a tile at a time "
+                             "(default: plain)")
+
+
 def positive_int(text):
     """argparse type: an integer >= 1 (a count, a length, a size), refused when parsed."""
     try:

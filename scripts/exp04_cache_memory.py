@@ -19,6 +19,12 @@ token, O(N^2) tokens processed in all. The default is the chapter's 256 new toke
 time on the default model (measured: 40 s user, 9 s system, most of it the recompute; one BLAS
 thread, on a 2-core machine shared with other work), far longer on Qwen2.5-0.5B on a CPU;
 --new-tokens 64 is a quick look.
+
+The last rows: the allocator peak of one long prefill (--prefill-tokens, default 2,048, into a
+KV cache, on --prefill-model, default SmolLM2-135M) with the plain attention and with the
+tiled one (minitransformer/tiled.py), which never holds the (heads, T, T) scores: the rest of
+the peak is the MLP's activations and the like. A 2,048-token prefill on SmolLM2 takes tens of
+seconds each way on this CPU; the main job runs a shorter one.
 """
 import argparse
 from functools import partial
@@ -28,8 +34,11 @@ import numpy as np
 from _common import (Progress, add_model_argument, add_threads_argument, load_model, model_path,
                      mt, say)
 from _table import Table
+from minitransformer.backend import to_numpy
 from minitransformer.config import load_config
+from minitransformer.kvcache import KVCache
 from minitransformer.measure.timing import limit_threads, peak_bytes
+from minitransformer.model import forward
 from quant.qmodel import resident_bytes
 from sim.kv_memory import format_bytes, kv_bytes_per_token
 
@@ -57,6 +66,20 @@ def measure(model, prompt, new_tokens):
     return runs, peak.counter
 
 
+def long_prefill(model, tokens: int) -> dict:
+    """-> {'plain' | 'tiled': peak bytes of one prefill of `tokens` tokens into a cache, the
+    cache allocated before counting}, and the largest |difference| of their hidden states."""
+    ids = np.random.default_rng(1).integers(0, model.config.vocab_size, (1, tokens))
+    peaks, hidden = {}, {}
+    for attention in ("plain", "tiled"):
+        cache = KVCache.allocate(model.config, 1, tokens)
+        say(f"prefill of {tokens} tokens, {attention} attention ...")
+        peak = peak_bytes(lambda: forward(model, ids, cache, attention=attention))
+        peaks[attention], hidden[attention] = peak.peak_bytes, to_numpy(peak.result)
+        say(f"{attention}: peak {peak.peak_bytes:,} B")
+    return peaks, float(np.abs(hidden["plain"] - hidden["tiled"]).max())
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_model_argument(parser)
@@ -65,6 +88,11 @@ def main(argv=None):
     parser.add_argument("--new-tokens", type=int, default=256,
                         help="tokens generated each way (default: the chapter's 256; recompute "
                              "costs O(N^2) passes, so fewer is much faster)")
+    parser.add_argument("--prefill-model", default="smollm2", metavar="PATH|NAME",
+                        help="the model of the long prefill (default: smollm2)")
+    parser.add_argument("--prefill-tokens", type=int, default=2048,
+                        help="tokens of the long prefill, plain against tiled attention "
+                             "(default: 2048; 0 leaves it out)")
     add_threads_argument(parser)
     args = parser.parse_args(argv)
     path = model_path(args.model)
@@ -74,6 +102,8 @@ def main(argv=None):
         parser.error(f"need P >= 1, N >= 1 and P + N <= {c.max_position_embeddings} "
                      f"(the model's positions), got P={P}, N={N}")
 
+    if args.prefill_tokens < 0:
+        parser.error("--prefill-tokens must be >= 0")
     model = load_model(path)
     prompt = np.random.default_rng(0).integers(0, c.vocab_size, P).tolist()
     mt.generate(model, prompt[:4], 2)  # warm-up: first-call allocations out of the numbers
@@ -83,6 +113,13 @@ def main(argv=None):
     (slow, peak_slow), (fast, peak_fast) = runs["recompute"], runs["cache"]
     cache_held = (P + N) * kv_bytes_per_token(c, 4)
     same = sum(a == b for a, b in zip(slow, fast))
+    if args.prefill_tokens:
+        long_model = load_model(model_path(args.prefill_model))
+        n = args.prefill_tokens
+        if n > long_model.config.max_position_embeddings:
+            parser.error(f"--prefill-tokens {n} exceeds the prefill model's "
+                         f"{long_model.config.max_position_embeddings} positions")
+        prefill_peaks, prefill_diff = long_prefill(long_model, n)
 
     table = Table(f"Experiment 4: memory with and without the KV cache ({P}-token prompt, {N} "
                   "new tokens, greedy, float32)", experiment=4,
@@ -94,11 +131,23 @@ def main(argv=None):
                  f"memory does not depend on timing ({threads})")
     table.row("no cache (full recompute)", peak_slow, peak_slow)
     table.row("KV cache (prefill + decode)", peak_fast, peak_fast)
+    if args.prefill_tokens:
+        lc = long_model.config
+        for attention in ("plain", "tiled"):
+            table.row(f"{n:,}-token prefill, {attention} attention", prefill_peaks[attention],
+                      prefill_peaks[attention])
     table.note(f"no cache / cache: {peak_slow / peak_fast:.1f}x the memory",
                f"of the cached run's peak, the cache itself: {cache_held:,} B ({P + N} slots x "
                f"{kv_bytes_per_token(c, 4):,} B/token in float32, preallocated; exact, "
                "experiment 8)",
                f"tokens identical: {same} of {N}")
+    if args.prefill_tokens:
+        scores = lc.num_attention_heads * n * n * 4
+        table.note(f"long prefill on {long_model.path} ({lc.num_attention_heads} heads): "
+                   f"plain / tiled {prefill_peaks['plain'] / prefill_peaks['tiled']:.1f}x the "
+                   f"memory; the plain one's scores alone are {lc.num_attention_heads} x {n:,} x "
+                   f"{n:,} x 4 = {scores:,} B per layer; hidden states plain vs tiled: max "
+                   f"|difference| {prefill_diff:.1e}")
     table.show()
     return 0 if same == N else 1
 

@@ -20,8 +20,9 @@ import math
 
 import numpy as np
 
-from _common import (Progress, add_model_argument, add_threads_argument, add_workload_arguments,
-                     load_model, mt, say, timing_header, workload_lengths)
+from _common import (Progress, add_cache_arguments, add_model_argument, add_threads_argument,
+                     add_workload_arguments, load_model, mt, say, timing_header,
+                     workload_lengths)
 from _table import Table
 from minitransformer.serve.engine import Engine, pool_for
 from minitransformer.measure.timing import Timing
@@ -43,7 +44,8 @@ def workload(args, vocab_size):
 
 def serve(model, requests, policy, args):
     engine = Engine(model, slots=args.slots, num_blocks=args.num_blocks,
-                    block_size=args.block_size, policy=policy)
+                    block_size=args.block_size, policy=policy, kv_dtype=args.kv_cache_dtype,
+                    attention=args.attention)
     progress, done = Progress(len(requests), policy), [0]
 
     def report(e):
@@ -102,6 +104,7 @@ def main(argv=None):
                              "ones this run measured")
     parser.add_argument("--check", action="store_true",
                         help="also generate every request alone and compare the tokens (slow)")
+    add_cache_arguments(parser)
     add_threads_argument(parser)
     args = parser.parse_args(argv)
     if min(args.slots, args.block_size, args.prompt_len) < 1:
@@ -165,7 +168,8 @@ def main(argv=None):
         for i, result in enumerate(runs[1].results, 1):
             r = result.request
             same += result.tokens == mt.generate(model, list(r.prompt), r.max_new_tokens,
-                                                 eos_token_id=[])
+                                                 eos_token_id=[], kv_dtype=args.kv_cache_dtype,
+                                                 attention=args.attention)
             if i % 8 == 0 or i == len(requests):
                 say(f"[{i}/{len(requests)}] checked against generate: {same} identical")
         static_same = all(a.tokens == b.tokens for a, b in zip(*(run.results for run in runs)))

@@ -20,13 +20,14 @@ from sim.memory_budget import (INT4, MODELS, PRECISIONS, Assumptions, ModelSpec,
 
 
 def cells(row, gb):
-    """-> (left, max tokens) as printed: why nothing fits, when nothing does."""
+    """-> (left, max tokens, max tokens with a q8_0 cache) as printed: why nothing fits, when
+    nothing does."""
     if row.weight_bytes > row.card_gb * gb:
-        return "-", "weights do not fit"
+        return "-", "weights do not fit", "-"
     left = row.left_bytes / gb
     if row.left_bytes <= 0:  # two decimals, or -0.02 GB would print as -0.0
-        return f"{left:.2f} GB", "no room after reserve"
-    return f"{left:.1f} GB", f"{row.max_tokens:,}"
+        return f"{left:.2f} GB", "no room after reserve", "-"
+    return f"{left:.1f} GB", f"{row.max_tokens:,}", f"{row.max_tokens_int8:,}"
 
 
 def main(argv=None):
@@ -70,6 +71,8 @@ def main(argv=None):
                   if args.int4_bits == INT4.bits_per_weight else ""),
                f"  KV cache in fp16 ({assumptions.kv_bytes_per_elem} B per number) whatever the "
                "weights are; max tokens = floor(left / KV bytes per token), all users together",
+               "  beside it an int8 cache, llama.cpp's q8_0: 32 int8 codes + one fp16 scale per "
+               "32 numbers = 34/32 B per number (the bytes our q8_0 KVCache holds)",
                *(f"  {m.name}: {m.parameters:,.0f} parameters, {m.num_hidden_layers} layers x "
                  f"{m.num_key_value_heads} kv heads x {m.head_dim}" for m in models)]
     for i, card in enumerate(args.cards):
@@ -78,12 +81,13 @@ def main(argv=None):
                       chapter=i == len(args.cards) - 1,
                       columns=[("model", ""), ("precision", ""),
                                ("weights", lambda v: f"{v:.1f} GB"),
-                               ("left", ""), ("KV/token", format_bytes), ("max tokens", "")])
+                               ("left", ""), ("KV/token", format_bytes), ("max tokens", ""),
+                               ("KV/token q8_0", format_bytes), ("max tokens q8_0", "")])
         table.header(*(assumed if i == 0 else ()))
         for r in (r for r in rows if r.card_gb == card):
-            left, tokens = cells(r, assumptions.gb)
+            left, tokens, tokens_int8 = cells(r, assumptions.gb)
             table.row(r.model, r.precision, r.weight_bytes / assumptions.gb, left,
-                      r.kv_bytes_per_token, tokens)
+                      r.kv_bytes_per_token, tokens, r.kv_int8_bytes_per_token, tokens_int8)
         table.show()
 
 if __name__ == "__main__":

@@ -32,7 +32,8 @@ MAIN_JOB = [
     ("exp01_kv_cache.py", {MODEL, THREADS}, []),
     ("exp02_attention_scaling.py", {MODEL, THREADS}, []),
     ("exp03_macs.py", {MODEL}, []),
-    ("exp04_cache_memory.py", {MODEL, THREADS}, []),
+    # the long prefill, plain against tiled attention, at 512 tokens (2,048 alone: minutes)
+    ("exp04_cache_memory.py", {MODEL, THREADS}, ["--prefill-tokens", "512"]),
     ("exp05_prefill_vs_decode.py", {MODEL, THREADS}, []),
     ("exp06_prefill_cost.py", {MODEL, THREADS}, []),
     ("exp07_decode_cost.py", {MODEL, THREADS}, []),
@@ -56,6 +57,9 @@ MAIN_JOB = [
     # 2,048 tokens are scored in two windows of 1,024 (the attention's square cost halves),
     # and the speculative run compares prompt lookup with the best quantized draft only.
     ("exp21_quantized_quality.py", {MODEL}, ["--window", "1024"]),
+    # the KV cache's formats on 256 tokens (nine prefills; 1,024 tokens and f16 alone)
+    ("exp21_kv_cache_quality.py", {MODEL}, ["--tokens", "256", "--kv-dtypes", "f32", "q8_0",
+                                            "q4_0"]),
     ("exp22_speculative_formula.py", set(), []),
     ("exp22_speculative.py", {MODEL, THREADS},
      ["--schemes", "int8-row", "--no-layers-draft", "--repeats", "2"]),

@@ -16,6 +16,10 @@ ones that reproduce every quoted figure exactly (and each is pinned by at least 
   to within 3e-5 GB;
 - the cache stays fp16 whatever the weights are.
 
+Beside the chapter's fp16 cache each row also prices an int8 one, llama.cpp's q8_0 (blocks of 32
+int8 codes and one fp16 scale: 34 bytes per 32 numbers, minitransformer/kvquant.py, the bytes
+our KVCache holds in that format): nearly twice the resident tokens.
+
 All of them are fields of `Assumptions` and `Precision`, and a card or model of your own is a
 number and a `ModelSpec` (or a config via `ModelSpec.from_config`). Leaves out: activation
 memory growing with batch size, cache paging overheads, tensor-parallel splits.
@@ -23,6 +27,7 @@ memory growing with batch size, cache paging overheads, tensor-parallel splits.
 import math
 from dataclasses import dataclass
 
+from minitransformer.kvquant import cache_bytes_per_token
 from sim.arch import kv_dims, parameter_count
 from sim.kv_memory import GB, kv_bytes_per_token
 
@@ -79,6 +84,8 @@ class Budget:
     left_bytes: int
     kv_bytes_per_token: int
     max_tokens: int
+    kv_int8_bytes_per_token: int = 0  # the same, with a q8_0 cache
+    max_tokens_int8: int = 0
 
 
 def weight_bytes(model, precision):
@@ -98,8 +105,9 @@ def budget(card_gb, model, precision, assumptions=Assumptions()):
     weights = weight_bytes(model, precision)
     left = card - weights - reserve
     per_token = kv_bytes_per_token(model, assumptions.kv_bytes_per_elem)
+    int8 = cache_bytes_per_token(model, "q8_0")
     return Budget(card_gb, model.name, precision.name, weights, left, per_token,
-                  max(left, 0) // per_token)
+                  max(left, 0) // per_token, int8, max(left, 0) // int8)
 
 
 def budget_table(cards_gb=CARDS_GB, models=MODELS, precisions=PRECISIONS,

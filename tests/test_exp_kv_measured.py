@@ -39,9 +39,10 @@ def test_exp02_both_ways_give_the_attention_of_the_newest_position():
     scores = q[-1] @ k.T / np.sqrt(d)                     # (n,): the newest query sees all
     weights = np.exp(scores - scores.max())
     expected = (weights / weights.sum()) @ v              # independent of model.attention
-    recompute, cached = exp02.step_both_ways(q, k, v)
+    recompute, cached, tiled = exp02.step_both_ways(q, k, v)
     np.testing.assert_allclose(to_numpy(recompute()), expected, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(to_numpy(cached()), expected, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(to_numpy(tiled()), expected, rtol=1e-5, atol=1e-6)
 
 
 @numpy_only
@@ -50,7 +51,9 @@ def test_exp02_peak_holds_the_score_matrix_one_way_only():
     assert (r["scores_recompute"], r["scores_cached"]) == (256 * 256 * 4, 256 * 4)
     assert r["peak_recompute"] >= r["scores_recompute"]   # the n x n matrix was really made
     assert r["peak_cached"] < r["scores_recompute"] // 10  # and the cached step never made it
-    assert r["max_diff"] < 1e-5
+    assert r["scores_tiled"] == 64 * 64 * 4                # tiles of 64 x 64 scores
+    assert r["peak_tiled"] < r["scores_recompute"]         # the n x n scores never made
+    assert r["max_diff"] < 1e-5 and r["max_diff_tiled"] < 1e-5
 
 
 def test_exp02_table(checkpoint_dir, run_script):
@@ -60,6 +63,7 @@ def test_exp02_table(checkpoint_dir, run_script):
     rows = table_rows(out, "n ")
     assert [r[0] for r in rows] == ["16", "32"]
     assert [(r[6], r[7]) for r in rows] == [("1,024", "64"), ("4,096", "128")]  # n*n*4, n*4
+    assert [r[10] for r in rows] == ["1,024", "4,096"]    # a tile: n x n while n < 64
 
 
 @numpy_only
@@ -81,12 +85,19 @@ def test_exp04_same_tokens_and_recompute_holds_more(tiny_model):
 def test_exp04_table_and_errors(checkpoint_dir, run_script):
     path = checkpoint_dir("qwen2-gqa-tied-bf16")  # 256 positions
     out, _ = run_script("exp04_cache_memory", "--model", path, "--prompt-tokens", 8,
-                        "--new-tokens", 12)
+                        "--new-tokens", 12, "--prefill-model", path, "--prefill-tokens", 200)
     assert "no cache (full recompute)" in out and "KV cache (prefill + decode)" in out
     assert "tokens identical: 12 of 12" in out
+    peaks = {line.split()[2]: int(line.split()[-1].replace(",", ""))
+             for line in out.splitlines() if line.startswith("200-token prefill")}
+    assert peaks["plain"] > 4 * 200 * 200 * 4 > peaks["tiled"]  # 4 heads' (200, 200) scores
+    assert "scores alone are 4 x 200 x 200 x 4 = 640,000 B per layer" in out
     out, err = run_script("exp04_cache_memory", "--model", path, "--prompt-tokens", 200,
                           "--new-tokens", 100, status=2)
     assert out == "" and "256" in err
+    out, err = run_script("exp04_cache_memory", "--model", path, "--prefill-model", path,
+                          "--prefill-tokens", 300, status=2)
+    assert out == "" and "--prefill-tokens 300 exceeds the prefill model's 256 positions" in err
 
 
 def test_exp05_timed_loop_generates_what_generate_does(tiny_model):
@@ -145,5 +156,6 @@ def test_exp02_and_exp04_without_model_use_the_default_model(checkpoint_dir, mon
     monkeypatch.setattr("minitransformer.synth.default_model", lambda: checkpoint_dir("llama-gqa"))
     out, _ = run_script("exp02_attention_scaling", "--lengths", 16, "--repeat", 1, "--warmup", 0)
     assert "(d = 8)" in out
-    out, _ = run_script("exp04_cache_memory", "--prompt-tokens", 4, "--new-tokens", 3)
+    out, _ = run_script("exp04_cache_memory", "--prompt-tokens", 4, "--new-tokens", 3,
+                        "--prefill-tokens", 0)
     assert "tokens identical: 3 of 3" in out

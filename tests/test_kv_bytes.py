@@ -6,6 +6,7 @@ import exp08_cache_bytes as exp08
 from minitransformer.backend import to_numpy
 from minitransformer.config import ModelConfig
 from minitransformer.kvcache import KVCache
+from minitransformer.kvquant import KV_DTYPES, QuantizedArray, cache_bytes_per_token
 from minitransformer.model import forward
 from minitransformer.synth import qwen25_05b_config
 from sim.kv_memory import kv_bytes_per_token
@@ -14,41 +15,51 @@ QWEN = ModelConfig.from_dict(qwen25_05b_config())
 
 
 def held_bytes(cache):
-    """Independent of KVCache.nbytes: element count of every array times its item size."""
-    return sum(int(np.prod(a.shape)) * a.dtype.itemsize for a in cache.k + cache.v)
+    """Independent of KVCache.nbytes: element count of every array held (a quantized cache's
+    codes and scales) times its item size."""
+    arrays = [part for a in cache.k + cache.v
+              for part in ((a.codes, a.scales) if isinstance(a, QuantizedArray) else (a,))]
+    return sum(int(np.prod(a.shape)) * a.dtype.itemsize for a in arrays)
 
 
-@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+# bytes one head's vector takes, written out by hand: d floats, or d / g blocks of g codes of
+# 8 or 4 bits and one 2-byte float16 scale each (g = 32, or gcd(32, d) for the small heads)
+BY_HAND = {"f32": lambda d, g: 4 * d, "f16": lambda d, g: 2 * d,
+           "q8_0": lambda d, g: d // g * (g + 2), "q4_0": lambda d, g: d // g * (g // 2 + 2)}
+
+
+@pytest.mark.parametrize("dtype", KV_DTYPES)
 @pytest.mark.parametrize("users, tokens", [(1, 1), (1, 7), (3, 5)])
 def test_formula_equals_bytes_of_a_cache_filled_by_prefill(tiny_model, dtype, users, tokens):
     """Exactly `tokens` slots, filled by a real forward pass: nbytes == the formula, exactly."""
     c = tiny_model.config
-    cache = KVCache.allocate(c, batch=users, max_len=tokens, dtype=dtype)
+    cache = KVCache.allocate(c, batch=users, max_len=tokens, kv_dtype=dtype)
     ids = np.random.default_rng(0).integers(0, c.vocab_size, (users, tokens))
     forward(tiny_model, ids, cache)
     assert cache.lengths.tolist() == [tokens] * users
     for layer in cache.k + cache.v:  # kv heads only, never the H query heads
         assert layer.shape == (users, c.num_key_value_heads, tokens, c.head_dim)
-        assert layer.dtype == dtype
-    formula = users * tokens * kv_bytes_per_token(c, np.dtype(dtype).itemsize)
-    assert formula == users * tokens * 2 * c.num_hidden_layers * c.num_key_value_heads \
-        * c.head_dim * np.dtype(dtype).itemsize
+    formula = users * tokens * cache_bytes_per_token(c, dtype)
+    by_hand = BY_HAND[dtype](c.head_dim, np.gcd(32, c.head_dim))
+    assert formula == users * tokens * 2 * c.num_hidden_layers * c.num_key_value_heads * by_hand
     assert cache.nbytes == held_bytes(cache) == formula
+    if dtype in ("f32", "f16"):
+        assert kv_bytes_per_token(c, by_hand // c.head_dim) == cache_bytes_per_token(c, dtype)
 
 
 def test_the_chapters_figures():
     """(1, 2, 295, 64) float16 per layer, 3,624,960 bytes for 295 tokens = 12,288 bytes/token."""
-    r = exp08.row("Qwen2.5-0.5B", QWEN, np.float16, 1, 295)
+    r = exp08.row("Qwen2.5-0.5B", QWEN, "f16", 1, 295)
     assert r["layer_shape"] == (1, 2, 295, 64)
     assert r["measured"] == r["formula"] == 3_624_960
     assert r["per_token"] == 12_288 == r["measured"] // 295
-    mha = exp08.row("MHA", exp08.replace(QWEN, num_key_value_heads=14), np.float16, 1, 1)
+    mha = exp08.row("MHA", exp08.replace(QWEN, num_key_value_heads=14), "f16", 1, 1)
     assert mha["measured"] == 86_016 == 7 * 12_288
 
 
 def test_only_total_tokens_matter():
     """Users x tokens with the same product hold the same bytes (scaled-down chapter rows)."""
-    held = {exp08.row("Qwen", QWEN, np.float16, u, t)["measured"]
+    held = {exp08.row("Qwen", QWEN, "f16", u, t)["measured"]
             for u, t in ((1, 256), (4, 64), (16, 16), (64, 4))}
     assert held == {256 * 12_288}
 
@@ -65,7 +76,7 @@ def test_preallocated_slots_count_whatever_they_hold(tiny_model):
 
 
 def test_fill_writes_every_slot_of_every_layer():
-    cache = KVCache.allocate(QWEN, batch=2, max_len=3, dtype=np.float16)
+    cache = KVCache.allocate(QWEN, batch=2, max_len=3, kv_dtype="f16")
     exp08.fill(cache, 3)
     assert cache.lengths.tolist() == [3, 3]
     assert all((to_numpy(a) == 1).all() for a in cache.k + cache.v)
@@ -90,4 +101,8 @@ def test_script_table_is_exact(checkpoint_dir, monkeypatch, run_script):
     assert formula[0].startswith("formula : 2 * 2 * 1 * 8 * 2")
     assert formula[0].endswith("= 64 bytes/token")
     assert "3,624,960" in out and "12,288" in out
-    assert "formula == measured in 11 of 11 rows; same users x tokens, same bytes: yes" in out
+    assert "formula == measured in 17 of 17 rows; same users x tokens, same bytes: yes" in out
+    # the formats on --model (d = 8: one block of 8 codes + a 2-byte scale per head vector)
+    assert "q8_0         40 B/token measured, formula 2 * 2 * 1 * 1 * 10 = 40: equal" in out
+    assert "q4_0         24 B/token measured, formula 2 * 2 * 1 * 1 * 6 = 24: equal" in out
+    assert "codes (1, 1, 20, 4) uint8 + scales (1, 1, 20, 1) float16" in out

@@ -10,8 +10,8 @@ from minitransformer.model import forward, head
 
 def test_nbytes_is_the_formula_kv_heads_only(tiny_model):
     c = tiny_model.config
-    for dtype, size in ((np.float32, 4), (np.float16, 2)):
-        cache = KVCache.allocate(c, batch=3, max_len=50, dtype=dtype)
+    for dtype, size in (("f32", 4), ("f16", 2)):
+        cache = KVCache.allocate(c, batch=3, max_len=50, kv_dtype=dtype)
         assert cache.k[0].shape == (3, c.num_key_value_heads, 50, c.head_dim)
         per_token = 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * size
         assert cache.nbytes == per_token * 3 * 50
@@ -38,7 +38,7 @@ def test_trim_rolls_back_exactly(tiny_model):
 
 
 def test_fp16_cache_stays_close(tiny_model):
-    cache = KVCache.allocate(tiny_model.config, batch=1, max_len=8, dtype=np.float16)
+    cache = KVCache.allocate(tiny_model.config, batch=1, max_len=8, kv_dtype="f16")
     out = to_numpy(head(tiny_model, forward(tiny_model, np.array([[1, 2, 3, 4]]), cache)))[0]
     assert out.dtype == np.float32
     np.testing.assert_allclose(out, mt.logits(tiny_model, [1, 2, 3, 4]), atol=5e-3)

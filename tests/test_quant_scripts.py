@@ -72,3 +72,17 @@ def test_exp21_says_when_the_text_is_too_short(tiny, run_script):
     _, err = run_script("exp21_quantized_quality", "--model", tiny[0], "--text", tiny[1],
                         "--tokens", 100000, status=2)
     assert "are needed; use --tokens or a longer --text" in err
+
+
+def test_exp21_kv_cache_quality_table(tiny, run_script):
+    out, _ = run_script("exp21_kv_cache_quality", "--model", tiny[0], "--text", tiny[1],
+                        "--tokens", 40, "--schemes", "int8-row", "--kv-dtypes", "q8_0", "q4_0")
+    rows = [line.split() for line in out.splitlines() if "/40 [" in line]
+    assert [r[0] for r in rows] == ["fp32"] * 3 + ["INT8"] * 3
+    caches = [next(c for c in r if c in ("f32", "q8_0", "q4_0")) for r in rows]
+    assert caches == ["f32", "q8_0", "q4_0"] * 2          # fp32 then INT8 weights
+    assert "40/40 [" in " ".join(rows[0])                 # the f32 cache agrees with itself
+    assert "1.0000 [1.0000, 1.0000]" in " ".join(rows[0])
+    assert all(r[-2] == f"{b:,}" for r, b in zip(rows, [3 * 2 * 2 * 8 * 4, 3 * 2 * 2 * 10,
+                                                         3 * 2 * 2 * 6] * 2))
+    assert "llama.cpp: -ctk / -ctv q8_0 and q4_0" in out

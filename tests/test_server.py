@@ -306,6 +306,48 @@ def test_serve_command_drains_answers_in_flight_on_ctrl_c(model):
     assert "serving 'tiny-chat'" in process.stderr.read()
 
 
+def test_serve_command_with_a_quantized_cache_and_tiled_attention(model):
+    """--kv-cache-dtype q8_0 --attention tiled: the client's text is generate's with the same
+    cache format and attention (batch-invariant: bit for bit); a bad format is refused."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    bad = subprocess.run([sys.executable, "-m", "minitransformer", "serve", "--model", model.path,
+                          "--kv-cache-dtype", "int8"], cwd=root, capture_output=True, text=True)
+    assert bad.returncode == 2 and "--kv-cache-dtype: invalid choice: 'int8'" in bad.stderr
+    assert all(name in bad.stderr.splitlines()[-1] for name in ("f32", "f16", "q8_0", "q4_0"))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    process = subprocess.Popen([sys.executable, "-m", "minitransformer", "serve", "--model",
+                                model.path, "--port", str(port), "--served-model-name", NAME,
+                                "--kv-cache-dtype", "q8_0", "--attention", "tiled",
+                                "--batch-invariant"], cwd=root, stderr=subprocess.PIPE,
+                               text=True)
+    try:
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none",
+                               max_retries=0)
+
+        def up():
+            try:
+                return urllib.request.urlopen(f"http://127.0.0.1:{port}/health").status == 200
+            except OSError:
+                return False
+        wait_for(up, timeout=60)
+        prompt = "The cat sat on the mat."
+        ids = model.tokenizer.encode(prompt)
+        tokens, text, finish = expected(model, ids, 24, kv_dtype="q8_0", attention="tiled")
+        reply = client.completions.create(model=NAME, prompt=prompt, max_tokens=24,
+                                          temperature=0)
+        assert reply.choices[0].text == text and reply.choices[0].finish_reason == finish
+    finally:
+        process.kill()
+        process.wait()
+    assert "q8_0 cache, tiled attention" in process.stderr.read()
+
+
 # --- hostile requests ---------------------------------------------------------------------------
 def exchange(url, raw: bytes, timeout=30):
     """Send raw bytes to the server -> (status, headers, body as JSON or text)."""

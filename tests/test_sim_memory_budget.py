@@ -54,6 +54,20 @@ def test_every_row_is_consistent():
     assert all(r.max_tokens == 0 for r in rows if r.model == "70B")  # 70B fits nowhere here
 
 
+def test_an_int8_cache_nearly_doubles_the_resident_tokens():
+    """q8_0: 34 bytes per 32 numbers (32 int8 codes + a 2-byte scale), so 7B's 128 KB/token
+    become 68 KB, and every row holds floor(left / that) tokens."""
+    rows = budget_table()
+    seven = next(r for r in rows if r.model == "7B")
+    assert seven.kv_int8_bytes_per_token == 2 * 32 * 8 * (128 // 32) * 34 == 69_632
+    for r in rows:
+        assert r.kv_int8_bytes_per_token * 32 == r.kv_bytes_per_token * 17   # 34/32 vs 2
+        assert r.max_tokens_int8 == max(r.left_bytes, 0) // r.kv_int8_bytes_per_token
+        assert r.max_tokens <= r.max_tokens_int8 <= 2 * r.max_tokens + 1
+    on_16 = next(r for r in rows if (r.card_gb, r.model, r.precision) == (16, "7B", "int8"))
+    assert on_16.max_tokens == 65_378 and on_16.max_tokens_int8 == 123_064
+
+
 def test_your_own_card_and_model():
     spec = ModelSpec.from_config(QWEN25_05B, "qwen2.5-0.5b")
     assert spec.parameters == parameter_count(QWEN25_05B)

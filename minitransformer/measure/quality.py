@@ -25,6 +25,7 @@ import numpy as np
 
 from minitransformer.backend import to_numpy
 from minitransformer.generate import generate
+from minitransformer.kvcache import KVCache
 from minitransformer.model import forward, head
 from minitransformer.sampling import SamplingSettings
 from minitransformer.serve.engine import Engine, pool_for
@@ -100,6 +101,26 @@ def perplexity(model, ids, window: int, progress=None, chunk: int = 256) -> Perp
         if progress is not None:
             progress(i, len(starts))
     return Perplexity(float(np.exp(nll / count)), nll, count)
+
+
+def next_token_scores(model, ids, kv_dtype: str = "f32", chunk: int = 256):
+    """One prefill of ids[:-1] through a KV cache of format kv_dtype (so that attention reads
+    keys and values as that cache holds them) -> (nll (n,), picks (n,)), n = len(ids) - 1:
+    each next token's negative log-likelihood (nats, float64) and the model's argmax there."""
+    ids = np.asarray(ids, dtype=np.int64)
+    if len(ids) < 2:
+        raise ValueError(f"scoring needs at least 2 tokens (one to predict), got {len(ids)}")
+    inputs, targets = ids[:-1], ids[1:]
+    cache = KVCache.allocate(model.config, 1, len(inputs), kv_dtype)
+    hidden = forward(model, inputs[None], cache)                           # (1, n, D)
+    nll, picks = [], []
+    for a in range(0, len(targets), chunk):
+        logits = to_numpy(head(model, hidden[:, a:a + chunk]))[0].astype(np.float64)
+        top = logits.max(axis=1)
+        log_z = top + np.log(np.exp(logits - top[:, None]).sum(axis=1))
+        nll.append(log_z - logits[np.arange(len(logits)), targets[a:a + chunk]])
+        picks.append(logits.argmax(axis=1))
+    return np.concatenate(nll), np.concatenate(picks)
 
 
 def default_repetition_penalty(model, fallback: float = 1.1) -> float:

@@ -98,7 +98,7 @@ from minitransformer.backend import memory_bytes, synchronize, to_numpy
 from minitransformer.checks import is_integer, is_real
 from minitransformer.generate import check_prompt, eos_ids, last_logits, seeded_rng
 from minitransformer.logprobs import check_top, token_logprob
-from minitransformer.model import forward, head
+from minitransformer.model import ATTENTIONS, forward, head
 from minitransformer.serve.paged import PagedCache, blocks_for
 from minitransformer.sampling import check_sampling, next_token
 from minitransformer.serve.records import Request, Result, Run, metrics  # noqa: F401 (the API)
@@ -171,7 +171,10 @@ class Engine:
     def __init__(self, model, slots: int = SLOTS, num_blocks: int = None,
                  block_size: int = BLOCK_SIZE, policy: str = "continuous",
                  prefix_caching: bool = True, max_num_batched_tokens: int = None,
-                 batch_invariant: bool = False):
+                 batch_invariant: bool = False, kv_dtype: str = "f32",
+                 attention: str = "plain"):
+        """kv_dtype: the pool's format, f32, f16, q8_0 or q4_0 (kvquant.py); attention:
+        "plain" or "tiled" (model.forward)."""
         if policy not in POLICIES:
             raise ValueError(f"policy={policy!r}: use 'static' or 'continuous'")
         for name, n in (("slots", slots), ("block_size", block_size), ("num_blocks", num_blocks),
@@ -186,8 +189,11 @@ class Engine:
         check_fits(model.config, slots, num_blocks, block_size)
         self.model, self.policy = model, policy
         self.prefix_caching, self.budget = prefix_caching, max_num_batched_tokens
+        if attention not in ATTENTIONS:
+            raise ValueError(f"attention={attention!r}: use one of {', '.join(ATTENTIONS)}")
         self.batch_invariant = batch_invariant  # see "Exactness" above
-        self.cache = PagedCache.allocate(model.config, num_blocks, block_size)
+        self.attention = attention
+        self.cache = PagedCache.allocate(model.config, num_blocks, block_size, kv_dtype)
         self.slots = [None] * slots
         self.waiting = deque()      # _Live in arrival order; preempted ones at the front
         self.results, self.clock, self.steps, self.admitted = [], 0.0, 0, 0
@@ -354,7 +360,7 @@ class Engine:
         self.cache.make_room(ids, 1)
         newest = np.array([[row.tokens[-1]] for row in rows])              # (B, 1)
         hidden = forward(self.model, newest, self.cache.view(ids),          # decode: (B, 1, D)
-                         self.batch_invariant)
+                         self.batch_invariant, self.attention)
         for live, logits in zip(rows, last_logits(self.model, hidden, self.batch_invariant)):
             if live.finished:
                 self.cache.trim(live.result.id, 1)  # a padding row never grows
@@ -382,7 +388,7 @@ class Engine:
             n = len(prompt) - done if budget is None else min(len(prompt) - done, budget)
             start = time.perf_counter()
             hidden = forward(self.model, np.array([prompt[done:done + n]]),   # (1, n, D)
-                             self.cache.view([rid]))
+                             self.cache.view([rid]), attention=self.attention)
             self._seal(live)
             live.result.prefill_chunks += 1
             if live.result.request.prompt_logprobs is not None:

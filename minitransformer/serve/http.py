@@ -334,8 +334,10 @@ def http_protocol():
 def serve(model_path, host="127.0.0.1", port=8000, name=None, slots=SLOTS, num_blocks=None,
           block_size=BLOCK_SIZE, policy="continuous", max_waiting=MAX_WAITING,
           batch_invariant=False, drain_timeout=30.0, prefix_caching=True,
-          max_num_batched_tokens=None, max_request_bytes=None) -> None:
-    """Load a model and serve it until interrupted (Ctrl-C drains, then cancels)."""
+          max_num_batched_tokens=None, max_request_bytes=None, kv_cache_dtype="f32",
+          attention="plain") -> None:
+    """Load a model and serve it until interrupted (Ctrl-C drains, then cancels).
+    kv_cache_dtype: the pool's format (f32, f16, q8_0, q4_0); attention: plain or tiled."""
     try:
         import uvicorn
     except ImportError:
@@ -347,15 +349,16 @@ def serve(model_path, host="127.0.0.1", port=8000, name=None, slots=SLOTS, num_b
     name = name or Path(model.path).name
     engine = Engine(model, slots=slots, num_blocks=num_blocks, block_size=block_size,
                     policy=policy, batch_invariant=batch_invariant,
-                    prefix_caching=prefix_caching, max_num_batched_tokens=max_num_batched_tokens)
+                    prefix_caching=prefix_caching, max_num_batched_tokens=max_num_batched_tokens,
+                    kv_dtype=kv_cache_dtype, attention=attention)
     online = OnlineEngine(engine, max_waiting=max_waiting)
     chunks = "whole prompts" if max_num_batched_tokens is None else \
         f"chunked prefill, {max_num_batched_tokens} tokens a step"
     limit = max_request_bytes or default_max_request_bytes(model)
     print(f"serving {name!r} ({policy} batching, {slots} slots, {engine.cache.num_blocks} "
           f"blocks of {block_size}, prefix caching {'on' if prefix_caching else 'off'}, "
-          f"{chunks}, bodies up to {limit:,} bytes) on http://{host}:{port}/v1",
-          file=sys.stderr)
+          f"{chunks}, {kv_cache_dtype} cache, {attention} attention, bodies up to {limit:,} "
+          f"bytes) on http://{host}:{port}/v1", file=sys.stderr)
     try:
         uvicorn.run(create_app(online, name, limit), host=host, port=port, http=http_protocol(),
                     log_level="warning", timeout_graceful_shutdown=drain_timeout)

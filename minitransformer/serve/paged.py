@@ -68,6 +68,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from minitransformer.backend import to_device, to_numpy, xp
+from minitransformer.kvquant import QuantizedArray, kv_dtype_of, vector_bytes, zeros
 from minitransformer.shape import ceil_div
 
 ROOT = b""                  # the parent name of a sequence's first block
@@ -200,6 +201,7 @@ class PagedStats:
 @dataclass
 class PagedCache:
     k: list                 # L arrays (N, Hkv, bs, d): a block is a small (Hkv, bs, d) cache
+    #                         (float, or a QuantizedArray of codes and scales: kvquant.py)
     v: list
     block_size: int
     refcount: np.ndarray    # (N,) host ints
@@ -208,14 +210,15 @@ class PagedCache:
     index: PrefixIndex = field(default_factory=PrefixIndex)     # named full blocks
 
     @classmethod
-    def allocate(cls, config, num_blocks: int, block_size: int, dtype=xp.float32):
+    def allocate(cls, config, num_blocks: int, block_size: int, kv_dtype: str = "f32"):
+        """kv_dtype: f32, f16, q8_0 or q4_0 (kvquant.KV_DTYPES)."""
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"a paged cache needs num_blocks >= 1 and block_size >= 1, "
                              f"got {num_blocks}, {block_size}")
         shape = (num_blocks, config.num_key_value_heads, block_size, config.head_dim)
         L = config.num_hidden_layers
-        return cls(k=[xp.zeros(shape, dtype) for _ in range(L)],
-                   v=[xp.zeros(shape, dtype) for _ in range(L)], block_size=block_size,
+        return cls(k=[zeros(shape, kv_dtype) for _ in range(L)],
+                   v=[zeros(shape, kv_dtype) for _ in range(L)], block_size=block_size,
                    refcount=np.zeros(num_blocks, dtype=np.int64),
                    free=list(range(num_blocks - 1, -1, -1)))  # pop() hands out 0, 1, 2, ...
 
@@ -229,10 +232,14 @@ class PagedCache:
         return len(self.free) + len(self.index.unheld)
 
     @property
+    def kv_dtype(self) -> str:
+        return kv_dtype_of(self.k[0])
+
+    @property
     def bytes_per_token(self) -> int:
         """2 (k and v) x L x Hkv x d x bytes per element: the chapter's formula."""
         _, Hkv, _, d = self.k[0].shape
-        return 2 * len(self.k) * Hkv * d * self.k[0].dtype.itemsize
+        return 2 * len(self.k) * Hkv * vector_bytes(d, self.kv_dtype)
 
     def blocks_for(self, tokens: int) -> int:
         return blocks_for(tokens, self.block_size)
@@ -399,8 +406,8 @@ class PagedCache:
         """Copy a sequence's keys/values to host memory and free its blocks."""
         seq = self.seqs[seq_id]
         index = to_device(np.array(seq.blocks))
-        swapped = Swapped(seq.length, seq.max_len, [to_numpy(k[index]) for k in self.k],
-                          [to_numpy(v[index]) for v in self.v])
+        swapped = Swapped(seq.length, seq.max_len, [on_host(k[index]) for k in self.k],
+                          [on_host(v[index]) for v in self.v])
         self.free_seq(seq_id)
         return swapped
 
@@ -415,8 +422,8 @@ class PagedCache:
         blocks = [self._take() for _ in range(swapped.blocks)]
         index = to_device(np.array(blocks))  # host-made ids, in range by construction
         for layer in range(len(self.k)):
-            self.k[layer][index] = to_device(swapped.k[layer])
-            self.v[layer][index] = to_device(swapped.v[layer])
+            self.k[layer][index] = on_device(swapped.k[layer])
+            self.v[layer][index] = on_device(swapped.v[layer])
         self.seqs[seq_id] = SeqBlocks(blocks, swapped.length, swapped.max_len)  # unnamed:
         # seal names its blocks again (the copies are private; the index may keep originals)
 
@@ -486,8 +493,20 @@ class PagedView:
             s.length += T
 
 
+def on_host(held):
+    """A copy in host memory (codes and scales of a quantized cache alike)."""
+    return held.apply(to_numpy) if isinstance(held, QuantizedArray) else to_numpy(held)
+
+
+def on_device(held):
+    return held.apply(to_device) if isinstance(held, QuantizedArray) else to_device(held)
+
+
 def gather(pool, table, S: int):
-    """Pool (N, Hkv, bs, d), tables (B, nb) -> (B, Hkv, S, d): each row's blocks end to end."""
+    """Pool (N, Hkv, bs, d), tables (B, nb) -> (B, Hkv, S, d): each row's blocks end to end.
+    A quantized pool gathers its codes and scales, each the same way."""
+    if isinstance(pool, QuantizedArray):
+        return pool.apply(lambda a: gather(a, table, S))
     B, nb = table.shape
     _, Hkv, bs, d = pool.shape
     heads = xp.arange(Hkv)[None, :, None]                                # (1, Hkv, 1)

@@ -1,0 +1,112 @@
+"""Tiled attention: softmax(Q K^T / sqrt(d)) V one block of keys at a time, the score matrix
+never written (the idea of FlashAttention, Dao et al., arXiv:2205.14135, in plain NumPy).
+
+``model.attention`` is the one to read first; this is the same function computed another way.
+It takes the same arguments and returns the same numbers within float32 rounding, and
+``model.forward(..., attention="tiled")`` uses it in every layer, for prefill and decode.
+"""
+from minitransformer.backend import to_numpy, xp
+from minitransformer.kvquant import dequantize
+
+BLOCK = 64  # queries and keys per tile: a tile of scores is 64 x 64 floats (16 KB) per head
+
+
+class CausalTiles:
+    """model.causal_mask(positions, S) without its (B, T, S) array: a tile of it on demand.
+
+    >>> from minitransformer.backend import to_numpy
+    >>> tiles = CausalTiles(xp.asarray([[1, 2]]), 3)    # the doctest of model.causal_mask
+    >>> to_numpy(tiles[:, 0:2, 1:3]).astype(int).tolist()
+    [[[1, 0], [1, 1]]]
+    """
+    def __init__(self, positions, S: int):
+        self.positions, self.S = positions, S                      # (B, T) on the device
+        self.latest = to_numpy(positions).max(axis=0)              # (T,) on the host, once
+
+    def hidden(self, queries: slice, keys: slice) -> bool:
+        """Is the whole tile in every row's future? Decided on the host, no transfer."""
+        return keys.start > self.latest[queries].max()
+
+    def __getitem__(self, index):
+        rows, queries, keys = index                                 # [:, i:i+t, j:j+b]
+        slots = xp.arange(keys.start, min(keys.stop, self.S))       # (b,)
+        return slots[None, None, :] <= self.positions[rows, queries][:, :, None]  # (B, t, b)
+
+
+def tiled_attention(q, k, v, visible=None, block: int = BLOCK):
+    """Grouped-query attention tile by tile; arguments and result as model.attention's.
+
+    q (B, T, H, d); k, v (B, Hkv, S, d), float32 or a quantized cache's QuantizedArray;
+    visible (B, T, S), or CausalTiles (the same mask, made a tile at a time: what forward
+    passes), or None -> (B, T, H*d).
+
+    It replaces three lines of ``model.attention``: the scores of all S keys at once
+    (``scores = q @ k^T / sqrt(d)``), the masking of that (B, Hkv, G*T, S) array, and
+    ``softmax(scores) @ v``. Queries are taken ``block`` positions at a time, and for each
+    such tile the keys ``block`` slots at a time, so the largest array of scores is
+    (B, Hkv, G*block, block): for one head 64 x 64 floats whatever S is. A quantized cache is
+    dequantized here too, one block of keys and values at a time.
+
+    Why the result is the same: softmax(s) @ v = sum_j exp(s_j - m) v_j / sum_j exp(s_j - m)
+    for any constant m; the plain one takes m = the row's maximum over all keys. Here each
+    query row keeps a running maximum m, a running sum l = sum exp(s_j - m) and a running
+    output acc = sum exp(s_j - m) v_j over the keys seen so far. When a block raises the
+    maximum to m', both sums are multiplied by exp(m - m') (online-softmax rescaling), which
+    turns every term already in them into exp(s_j - m'): after the last block acc / l is
+    exactly the plain formula with m = the overall maximum. Only the rounding differs (exp of
+    other differences, sums in another order): within float32 tolerance, not bit for bit.
+    A tile whose keys are all hidden from all its queries (the future, in a causal prefill)
+    is skipped: it would add exp(-inf) = 0.
+    """
+    if not (isinstance(block, int) and block >= 1):
+        raise ValueError(f"block={block!r}: expected an integer >= 1")
+    B, T, H, d = q.shape
+    Hkv, S = k.shape[1], k.shape[2]
+    G = H // Hkv
+    scale = 1.0 / d ** 0.5
+    q = q.reshape(B, T, Hkv, G, d).transpose(0, 2, 3, 1, 4)         # (B, Hkv, G, T, d)
+    out = xp.empty((B, Hkv, G, T, d), dtype=xp.float32)
+    for i in range(0, T, block):                                     # a tile of queries
+        t = min(block, T - i)
+        qi = q[:, :, :, i:i + t].reshape(B, Hkv, G * t, d)           # (B, Hkv, G*t, d)
+        m = xp.full((B, Hkv, G * t, 1), -xp.inf, dtype=xp.float32)  # running maximum
+        l = xp.zeros((B, Hkv, G * t, 1), dtype=xp.float32)          # running sum of exp
+        acc = xp.zeros((B, Hkv, G * t, d), dtype=xp.float32)        # running sum of exp * v
+        for j in range(0, S, block):                                 # a block of keys
+            if visible is not None and hidden(visible, slice(i, i + t), slice(j, j + block)):
+                continue                                             # all hidden: adds 0
+            seen = None if visible is None else visible[:, i:i + t, j:j + block]  # (B, t, b)
+            kj = dequantize(k[:, :, j:j + block])                    # (B, Hkv, b, d)
+            vj = dequantize(v[:, :, j:j + block])
+            s = (qi @ kj.transpose(0, 1, 3, 2)) * scale              # (B, Hkv, G*t, b)
+            if seen is not None:
+                b = s.shape[-1]
+                s = xp.where(seen[:, None, None], s.reshape(B, Hkv, G, t, b), -xp.inf)
+                s = s.reshape(B, Hkv, G * t, b)
+            m_new = xp.maximum(m, s.max(axis=-1, keepdims=True))
+            # a row that has seen no visible key yet keeps m = -inf: shift by 0, not -inf - -inf
+            shift = xp.where(m_new == -xp.inf, 0, m_new)
+            rescale = xp.exp(m - shift)                              # (B, Hkv, G*t, 1)
+            p = xp.exp(s - shift)                                    # (B, Hkv, G*t, b)
+            l = l * rescale + p.sum(axis=-1, keepdims=True)
+            acc = acc * rescale + p @ vj                             # (B, Hkv, G*t, d)
+            m = m_new
+        out[:, :, :, i:i + t] = (acc / l).reshape(B, Hkv, G, t, d)
+    return out.transpose(0, 3, 1, 2, 4).reshape(B, T, H * d)
+
+
+def hidden(visible, queries: slice, keys: slice) -> bool:
+    """Does the mask hide this tile's keys from all its queries?"""
+    if isinstance(visible, CausalTiles):
+        return visible.hidden(queries, keys)
+    return not bool(to_numpy(visible[:, queries, keys].any()))  # an explicit transfer
+
+
+def largest_score_block(T: int, S: int, heads: int = 1, block: int = BLOCK) -> int:
+    """Bytes of the largest array of scores tiled_attention holds for T queries over S keys
+    (float32, `heads` query heads; the plain attention holds heads x T x S x 4).
+
+    >>> largest_score_block(4096, 4096), largest_score_block(1, 4096)
+    (16384, 256)
+    """
+    return heads * min(block, T) * min(block, S) * 4
