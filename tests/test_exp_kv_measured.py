@@ -95,8 +95,8 @@ def test_exp04_table_and_errors(checkpoint_dir, run_script):
     out, err = run_script("exp04_cache_memory", "--model", path, "--prompt-tokens", 200,
                           "--new-tokens", 100, status=2)
     assert out == "" and "256" in err
-    out, err = run_script("exp04_cache_memory", "--model", path, "--prefill-model", path,
-                          "--prefill-tokens", 300, status=2)
+    out, err = run_script("exp04_cache_memory", "--model", path, "--new-tokens", 12,
+                          "--prefill-model", path, "--prefill-tokens", 300, status=2)
     assert out == "" and "--prefill-tokens 300 exceeds the prefill model's 256 positions" in err
 
 
