@@ -97,6 +97,7 @@ import numpy as np
 from minitransformer.backend import memory_bytes, synchronize, to_numpy
 from minitransformer.checks import is_integer, is_real
 from minitransformer.generate import check_prompt, eos_ids, last_logits, seeded_rng
+from minitransformer.kvquant import cache_bytes_per_token
 from minitransformer.logprobs import check_top, token_logprob
 from minitransformer.model import ATTENTIONS, forward, head
 from minitransformer.serve.paged import PagedCache, blocks_for
@@ -147,7 +148,8 @@ def pool_for(requests, slots: int, block_size: int) -> int:
     return slots * blocks_for(longest, block_size)
 
 
-def check_fits(config, slots: int, num_blocks: int, block_size: int) -> None:
+def check_fits(config, slots: int, num_blocks: int, block_size: int,
+               kv_dtype: str = "f32") -> None:
     """A ValueError saying how many bytes the KV pool and the slot table would take, when that
     is more than the backend has: checked before anything is allocated.
 
@@ -158,8 +160,8 @@ def check_fits(config, slots: int, num_blocks: int, block_size: int) -> None:
     ...
     ValueError: a KV pool of 10000000000 blocks x 16 tokens and 8 slots need 40,960,000,000,064...
     """
-    per_token = 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * 4
-    need = num_blocks * block_size * per_token + 8 * slots  # float32 K and V; a slot a pointer
+    per_token = cache_bytes_per_token(config, kv_dtype)   # K and V in the pool's format
+    need = num_blocks * block_size * per_token + 8 * slots  # a slot a pointer
     have, where = memory_bytes()
     if need > have:
         raise ValueError(f"a KV pool of {num_blocks} blocks x {block_size} tokens and {slots} "
@@ -186,11 +188,11 @@ class Engine:
                              f"for a prompt beside {slots} decodes: give more than slots")
         if num_blocks is None:
             num_blocks = slots * blocks_for(TOKENS_PER_SLOT, block_size)
-        check_fits(model.config, slots, num_blocks, block_size)
-        self.model, self.policy = model, policy
-        self.prefix_caching, self.budget = prefix_caching, max_num_batched_tokens
         if attention not in ATTENTIONS:
             raise ValueError(f"attention={attention!r}: use one of {', '.join(ATTENTIONS)}")
+        check_fits(model.config, slots, num_blocks, block_size, kv_dtype)
+        self.model, self.policy = model, policy
+        self.prefix_caching, self.budget = prefix_caching, max_num_batched_tokens
         self.batch_invariant = batch_invariant  # see "Exactness" above
         self.attention = attention
         self.cache = PagedCache.allocate(model.config, num_blocks, block_size, kv_dtype)
