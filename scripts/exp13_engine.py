@@ -136,8 +136,8 @@ def main(argv=None):
     table.note(f"prefix caching (on, the engine's default) found "
                f"{sum(r.cached_tokens for r in runs[1].results)} of {prompt_tokens:,} prompt "
                f"tokens cached (continuous): random prompts share no block, so the table is "
-               f"the same without it; chunked prefill (off) would change nothing either, "
-               f"{args.prompt_len}-token prompts fitting in one step's budget (bench_serving.py "
+               f"the same without it; chunked prefill (off) would split no prompt here with a "
+               f"budget of {args.slots + args.prompt_len} tokens a step or more (bench_serving.py "
                f"measures both features on the workloads where they matter)")
     table.show()
 

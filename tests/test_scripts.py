@@ -51,8 +51,9 @@ def test_batching_scripts_run_and_feed_each_other(tiny, tmp_path, run_script):
     out, _ = run_script("exp13_engine", "--model", tiny, "--requests", 8, "--median", 4,
                         "--max-len", 12, "--total", 40, "--prompt-len", 6, "--check")
     assert "continuous vs static" in out
+    assert "prefix caching (on, the engine's default) found 0 of 48 prompt tokens" in out
     out, _ = run_script("exp14_paged_cache", "--model", tiny, "--block-sizes", "4,16")
-    assert "paged" in out
+    assert "paged" in out and "prefix caching (on) keeps finished requests' full blocks" in out
     out, _ = run_script("bench_engine", "--model", tiny, "--requests", 4, "--prompt-len", "4-8",
                         "--new-tokens", "4-8", "--slots", 2)
     assert "4/4" in out
