@@ -20,7 +20,13 @@ Why T^2: at high T, q_T - p_T shrinks like (s - z) / (V T), so the plain KL's gr
 soft-label term keeps its weight beside a hard-label one when T changes. KL rather than
 cross-entropy: they differ by the teacher's entropy, a constant with the same gradient, and KL
 is exactly zero when the distributions agree. Computed in float64 from any float logits.
-Leaves out: training (no optimiser here), the hard-label term, the student model itself.
+
+The hard label, for comparison, keeps only the teacher's verdict:
+
+    loss = -log q_1[argmax z]          (cross-entropy on the teacher's argmax)
+    d loss / d s = q_1 - onehot(argmax z)
+
+Training with either loss is in training.py. Leaves out: the student model itself.
 """
 import numpy as np
 
@@ -98,3 +104,33 @@ def distillation_grad(student_logits, teacher_logits, temperature: float) -> np.
     log_q, log_p, T = _both(student_logits, teacher_logits, temperature)
     grad = T * (np.exp(log_q) - np.exp(log_p)) / log_q.shape[0]       # (N, V)
     return grad.reshape(np.shape(student_logits))
+
+
+def hard_labels(teacher_logits) -> np.ndarray:
+    """Teacher logits (..., V) -> its verdict, the argmax token (...,) (ties: the lower id)."""
+    return check_logits(teacher_logits, "teacher logits").argmax(axis=-1)
+
+
+def hard_label_loss(student_logits, teacher_logits) -> float:
+    """Cross-entropy of the student on the teacher's argmax, averaged over positions."""
+    s = check_logits(student_logits, "student logits")
+    labels = _same_shape(s, teacher_logits)
+    log_q = log_softmax(s.reshape(-1, s.shape[-1]))                  # (N, V)
+    return float(-log_q[np.arange(len(log_q)), labels].mean())
+
+
+def hard_label_grad(student_logits, teacher_logits) -> np.ndarray:
+    """d hard_label_loss / d student_logits, (..., V) float64: (q_1 - onehot(argmax z)) / N."""
+    s = check_logits(student_logits, "student logits")
+    labels = _same_shape(s, teacher_logits)
+    grad = np.exp(log_softmax(s.reshape(-1, s.shape[-1])))          # (N, V)
+    grad[np.arange(len(grad)), labels] -= 1.0
+    return (grad / len(grad)).reshape(s.shape)
+
+
+def _same_shape(s, teacher_logits):
+    """-> the teacher's argmax over all leading positions (N,), once the shapes agree."""
+    z = check_logits(teacher_logits, "teacher logits")
+    if s.shape != z.shape:
+        raise ValueError(f"student logits {s.shape} and teacher logits {z.shape} differ in shape")
+    return z.reshape(-1, z.shape[-1]).argmax(axis=-1)

@@ -2,7 +2,9 @@
 
 The drafts: prompt lookup (proposals copied from earlier in the text, minitransformer/lookup.py:
 no draft model, c = 0), quantized copies of the target (--schemes; their matmuls run on the
-codes, quant/matmul.py) and the target's own first half of layers (an early-exit draft).
+codes, quant/matmul.py), the target's own first half of layers (an early-exit draft), and
+drafts distilled from the target (train_draft.py: its first few layers, the last one's MLP
+trained on the target's soft or hard labels), beside the untrained cut of the same depth.
 The task has repetition, where copying pays: the model is asked to rewrite a given passage.
 
 1. v(n): one target pass over n + 1 new positions (n proposals and the last token), in
@@ -34,6 +36,7 @@ from minitransformer.shape import decode_read_bytes
 from minitransformer.speculative import first_layers, speculative_generate
 from quant.qmodel import SCHEMES, quantize_model
 from sim.speculative import best_gamma, best_lookup_gamma, expected_tokens, speedup
+from train_draft import SHORT, Settings, distilled, drafts_of
 
 
 def draft_cost(target, draft, ids, repeat) -> float:
@@ -45,6 +48,16 @@ def draft_cost(target, draft, ids, repeat) -> float:
     (t_target, undo_t), (t_draft, undo_d) = step(target), step(draft)
     times = time_together([t_target, t_draft], repeat=repeat, after=[undo_t, undo_d])
     return times[1].best / times[0].best
+
+
+def distilled_choice(text):
+    """argparse type: --distilled, names from train_draft.SHORT, or 'none'."""
+    names = [] if text == "none" else [n for n in text.split(",") if n]
+    unknown = [n for n in names if n not in SHORT]
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown distilled draft(s) {', '.join(unknown)}; "
+                                         f"choose from {', '.join(SHORT)}, or none")
+    return names
 
 
 def main(argv=None):
@@ -60,6 +73,10 @@ def main(argv=None):
                         help="timed rounds of each generation, side by side (default: %(default)s)")
     parser.add_argument("--no-layers-draft", action="store_true",
                         help="leave out the first-half-of-layers draft")
+    parser.add_argument("--distilled", type=distilled_choice, default=list(SHORT),
+                        help="distilled drafts (train_draft.py; trained once, then cached): "
+                             f"comma-separated from {', '.join(SHORT)}, or none "
+                             "(default: all)")
     args = parser.parse_args(argv)
     header = timing_header(args)
 
@@ -83,6 +100,8 @@ def main(argv=None):
     if not args.no_layers_draft and target.config.num_hidden_layers > 1:
         L = target.config.num_hidden_layers
         drafts.append((f"first {L // 2} of {L} layers", lambda: first_layers(target, L // 2)))
+    if args.distilled and target.config.num_hidden_layers > Settings().layers:
+        drafts += drafts_of(target, distilled(target, Settings()), args.distilled)
     progress = Progress(len(drafts), "drafts")
     for label, make in drafts:
         draft = make()

@@ -8,6 +8,11 @@ T^2 KL(p_T || q_T) of a student against this teacher over every position of the 
 few temperatures, with the size of its gradient with and without the T^2. The student is the
 teacher's own first half of layers (an untrained half-depth starting point).
 
+Then the claim put to work (train_draft.py): drafts distilled from the teacher on its soft
+labels (T = 1 and T = 2) and on its hard labels, from the same start with the same budget,
+judged on held-out text by their KL to the teacher, top-1 agreement and acceptance rate as a
+speculative draft, with held-out KL against training steps (trained once, then cached).
+
 On the default model (random weights) the labels mean nothing; the arithmetic is the same. With
 --model pointing at a trained checkpoint (stories260K, Qwen2.5-0.5B) they are real.
 """
@@ -15,11 +20,14 @@ import argparse
 
 import numpy as np
 
-from _common import add_model_argument, encode_prompt, load_model, mt, numbers
+from _common import (add_model_argument, add_threads_argument, encode_prompt, load_model, mt,
+                     numbers, timing_header)
 from _table import Table
 from minitransformer.distill import (distillation_grad, distillation_loss, rank_ratio,
                                      soft_labels, top_tokens)
 from minitransformer.speculative import first_layers
+from train_draft import (add_settings_arguments, curve_table, distilled, settings_of,
+                         training_table)
 
 
 def continuation(tokenizer, ids, new) -> str:
@@ -45,7 +53,12 @@ def main(argv=None):
     parser.add_argument("--top", type=int, default=5, help="tokens shown (default: 5)")
     parser.add_argument("--temperatures", type=numbers, default="1,2,4,8",
                         help="temperatures of the loss table, comma-separated")
+    parser.add_argument("--no-training", action="store_true",
+                        help="leave out the distilled drafts (train_draft.py)")
+    add_threads_argument(parser)
+    add_settings_arguments(parser)
     args = parser.parse_args(argv)
+    header = timing_header(args)
     temperatures = args.temperatures
     if not all(0 < t < float("inf") for t in temperatures):
         parser.error(f"every temperature must be a finite number > 0, got {args.temperatures}")
@@ -89,6 +102,14 @@ def main(argv=None):
         grad = float(np.linalg.norm(distillation_grad(s, z, T)))
         table.row(T, loss / T**2, loss, grad, grad / T**2)
     table.show()
+
+    settings = settings_of(args)
+    if args.no_training or teacher.config.num_hidden_layers <= settings.layers:
+        return 0
+    d = distilled(teacher, settings, args.retrain)
+    training_table(teacher, d, experiment=23).header(header).random_weights(teacher).show()
+    curve_table(d, experiment=23).show()
+    return 0
 
 if __name__ == "__main__":
     from _common import run

@@ -1,0 +1,313 @@
+"""Distil a speculative draft: soft labels against hard, the same start and the same budget.
+
+The draft is the target's first --layers layers with the last one's MLP block retrained
+(minitransformer/training.py); the rest is the target's own, frozen. Three students start
+from the untrained cut and see the same batches with the same Adam: one learns the teacher's
+soft labels at T = 1, one at T = 2 (distill.py's T^2-scaled KL), one its hard labels
+(cross-entropy on the argmax). Training text: a stretch of the 1911 Britannica article on
+Shakespeare after the 2,049 tokens experiment 21 scores; held-out text: the article's last
+tokens, never trained on. On the held-out text each student's KL to the teacher, top-1
+agreement, and the acceptance rate alpha it reaches as a draft: sampling (sum of min(p, q))
+and greedy (agreement with the teacher's own greedy continuations of held-out prompts).
+
+Trained weights, curves and figures are cached under weights/drafts/ (one file per model and
+setting), so experiments 22 and 23 and the main job reuse them; --retrain ignores the cache.
+"""
+import argparse
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from _common import (Progress, add_model_argument, add_threads_argument, load_model,
+                     positive_int, run, say, timing_header)
+from _table import Table
+from minitransformer import training as tr
+from minitransformer.measure.quality import agreement, reference_tokens
+from minitransformer.measure.text import TextUnavailable, britannica_text
+from minitransformer.speculative import first_layers
+from minitransformer.synth import weights_dir
+
+VERSION = "draft-distillation-v1"      # bump when the training changes what it produces
+SCORED_BY_EXP21 = 2049                 # experiment 21's tokens: the start of the article
+WINDOW = 256                           # each window of text is one sequence from position 0
+STUDENTS = {"soft, T = 1": tr.Labels("soft", 1.0), "soft, T = 2": tr.Labels("soft", 2.0),
+            "hard": tr.Labels("hard")}
+SHORT = {"cut": "untrained cut", "soft1": "soft, T = 1", "soft2": "soft, T = 2", "hard": "hard"}
+
+
+@dataclass(frozen=True)
+class Settings:
+    layers: int = 6            # the draft: the target's first `layers`, the last one's MLP trained
+    steps: int = 150
+    batch: int = 32
+    lr: float = 3e-4
+    train_tokens: int = 4096   # positions of training text (steps * batch may pass over them again)
+    held_tokens: int = 512     # held-out positions, for KL, top-1 and sampling alpha
+    prompts: int = 2           # held-out prompts whose greedy continuation gives greedy alpha
+    new_tokens: int = 32       # greedy tokens per prompt
+    eval_every: int = 25
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class Distilled:
+    settings: Settings
+    params: dict               # student name -> trained piece (training.PIECE names)
+    figures: dict              # 'untrained cut' and each student -> kl, top1, alpha, greedy
+    curve: list                # [step, {student: held-out KL}] from step 0 (the untrained cut)
+    losses: dict               # student -> its training loss over the last eval_every steps
+    train_range: tuple         # token positions of the article trained on, and held out
+    held_range: tuple
+
+
+def add_settings_arguments(parser):
+    s = Settings()
+    parser.add_argument("--layers", type=positive_int, default=s.layers,
+                        help="the draft's layers, the last one's MLP trained "
+                             "(default: %(default)s)")
+    parser.add_argument("--steps", type=positive_int, default=s.steps,
+                        help="Adam steps per student (default: %(default)s)")
+    parser.add_argument("--batch", type=positive_int, default=s.batch,
+                        help="positions per step (default: %(default)s)")
+    parser.add_argument("--lr", type=float, default=s.lr,
+                        help="Adam's learning rate (default: %(default)s)")
+    parser.add_argument("--retrain", action="store_true", help="ignore the cached drafts")
+
+
+def settings_of(args) -> Settings:
+    if not 0 < args.lr < float("inf"):
+        raise ValueError(f"--lr must be a finite number > 0, got {args.lr}")
+    return Settings(layers=args.layers, steps=args.steps, batch=args.batch, lr=args.lr)
+
+
+def cache_file(target, settings: dict, what: str) -> Path:
+    """weights/drafts/<model>-<what>-<layers>-layers-<digest of model and settings>.npz"""
+    path = Path(target.path or "model")
+    files = sorted(path.glob("*.safetensors")) if path.is_dir() else [path]
+    key = json.dumps([VERSION, str(path.resolve()), [f.stat().st_size for f in files if
+                      f.exists()], settings], sort_keys=True)
+    digest = hashlib.sha1(key.encode()).hexdigest()[:12]
+    return weights_dir() / "drafts" / (f"{path.name}-{what}-{settings['layers']}-layers-"
+                                       f"{digest}.npz")
+
+
+def save_npz(file: Path, arrays: dict) -> None:
+    file.parent.mkdir(parents=True, exist_ok=True)
+    partial = file.with_suffix(".partial.npz")
+    np.savez(partial, **arrays)
+    partial.rename(file)  # a complete file or none: an interrupted run leaves no bad cache
+
+
+def distilled(target, settings: Settings, retrain: bool = False) -> Distilled:
+    """The three students for this target and settings: from the cache, else trained now."""
+    file = cache_file(target, settings.__dict__, "students")
+    if file.is_file() and not retrain:
+        say(f"trained drafts from {file}")
+        return load(file, settings)
+    result = distil(target, settings)
+    save(file, result)
+    say(f"trained drafts cached in {file}")
+    return result
+
+
+def text_ranges(n_tokens: int, settings: Settings):
+    """Token ranges of the article: training after experiment 21's tokens, held out at the end.
+    """
+    train = (SCORED_BY_EXP21, SCORED_BY_EXP21 + settings.train_tokens)
+    held = (n_tokens - settings.held_tokens - settings.prompts * WINDOW, n_tokens)
+    if held[0] < train[1]:
+        raise ValueError(f"the article gives {n_tokens} tokens: too few for "
+                         f"{settings.train_tokens} training and {settings.held_tokens} held-out")
+    return train, held
+
+
+def inputs_over(target, k, ids, progress):
+    """Windows of WINDOW tokens through the target -> the draft's inputs and the teacher's
+    final hidden states, (len(ids), D) each."""
+    parts = []
+    for a in range(0, len(ids), WINDOW):
+        parts.append(tr.draft_inputs(target, k, ids[a:a + WINDOW]))
+        progress(f"{a + len(ids[a:a + WINDOW])} positions")
+    return (np.concatenate([h for h, _ in parts]), np.concatenate([f for _, f in parts]))
+
+
+def teacher_outputs(target, s: Settings):
+    """The text through the teacher, cached beside the drafts: -> dict with the draft's inputs
+    h and the teacher's final hidden states for the training and held-out positions, the
+    held-out prompts with the teacher's greedy continuations, and the token ranges used."""
+    key = {k: getattr(s, k) for k in ("layers", "train_tokens", "held_tokens", "prompts",
+                                      "new_tokens")}
+    file = cache_file(target, key, "teacher")
+    if file.is_file():
+        with np.load(file) as data:
+            return {k: data[k] for k in data.files}
+    if target.tokenizer is None:
+        raise ValueError(f"{target.path}: no tokenizer.json, cannot tokenize the training text")
+    try:
+        ids = np.asarray(target.tokenizer.encode(britannica_text()))
+    except TextUnavailable as e:
+        raise ValueError(str(e)) from None
+    train_range, held_range = text_ranges(len(ids), s)
+    train_ids = ids[slice(*train_range)]
+    held_ids = ids[held_range[0]:held_range[0] + s.held_tokens]
+    prompts = [ids[held_range[0] + s.held_tokens + i * WINDOW:][:WINDOW // 4]
+               for i in range(s.prompts)]
+    windows = -(-len(train_ids) // WINDOW) + -(-len(held_ids) // WINDOW)
+    progress = Progress(windows, "teacher over the text")
+    out = {"train_range": np.array(train_range), "held_range": np.array(held_range),
+           "prompts": np.array(prompts)}
+    out["h"], out["teacher"] = inputs_over(target, s.layers, train_ids, progress)
+    out["h_held"], out["teacher_held"] = inputs_over(target, s.layers, held_ids, progress)
+    progress = Progress(s.prompts, "teacher's greedy continuations of held-out prompts")
+    continuations = []
+    for prompt in prompts:
+        continuations.append(reference_tokens(target, prompt.tolist(), s.new_tokens))
+        progress()
+    out["continuations"] = np.array(continuations)
+    save_npz(file, out)
+    return out
+
+
+def distil(target, s: Settings) -> Distilled:
+    t = teacher_outputs(target, s)
+    h, teacher, h_held, teacher_held = t["h"], t["teacher"], t["h_held"], t["teacher_held"]
+    continuations = [(p.tolist(), c.tolist()) for p, c in zip(t["prompts"], t["continuations"])]
+    train_range, held_range = tuple(t["train_range"].tolist()), tuple(t["held_range"].tolist())
+    frozen = tr.Frozen.of(target)
+
+    def figures(params):
+        draft = tr.draft_model(target, s.layers, params)
+        kept = sum(agreement(draft, p, c) for p, c in continuations)
+        return tr.closeness(params, frozen, h_held, teacher_held) | {
+            "greedy": kept / (len(continuations) * s.new_tokens)}
+
+    start = tr.start_params(target, s.layers)
+    figures_of = {"untrained cut": figures(start)}
+    assert np.array_equal(  # the start is the untrained cut, exactly
+        tr.draft_model(target, s.layers, start).layers[-1].down,
+        first_layers(target, s.layers).layers[-1].down)
+    kl0 = figures_of["untrained cut"]["kl"]
+    curve = [[0, {name: kl0 for name in STUDENTS}]]
+    running = {name: [] for name in STUDENTS}
+    progress = Progress(s.steps, "training steps, three students side by side")
+
+    def on_step(step, params, losses):
+        for name, loss in losses.items():
+            running[name] = (running[name] + [loss])[-s.eval_every:]
+        if step % s.eval_every == 0 or step == s.steps:
+            kls = {name: tr.closeness(p, frozen, h_held, teacher_held)["kl"]
+                   for name, p in params.items()}
+            curve.append([step, kls])
+            progress("held-out KL " + ", ".join(f"{n} {v:.3f}" for n, v in kls.items()),
+                     done=step - progress.i)
+
+    params = tr.train(STUDENTS, start, frozen, h, teacher, s.steps, s.batch, s.lr, s.seed,
+                      on_step)
+    progress = Progress(len(STUDENTS), "held-out figures")
+    for name, p in params.items():
+        figures_of[name] = figures(p)
+        progress(name)
+    losses = {name: float(np.mean(v)) for name, v in running.items()}
+    return Distilled(s, params, figures_of, curve, losses, train_range, held_range)
+
+
+def save(file: Path, d: Distilled) -> None:
+    arrays = {f"{i}/{k}": w for i, name in enumerate(STUDENTS) for k, w in d.params[name].items()}
+    meta = {"figures": d.figures, "curve": d.curve, "losses": d.losses,
+            "train_range": d.train_range, "held_range": d.held_range}
+    save_npz(file, arrays | {"meta": np.array(json.dumps(meta))})
+
+
+def load(file: Path, settings: Settings) -> Distilled:
+    with np.load(file) as data:
+        meta = json.loads(str(data["meta"]))
+        params = {name: {k: data[f"{i}/{k}"] for k in tr.PIECE}
+                  for i, name in enumerate(STUDENTS)}
+    return Distilled(settings, params, meta["figures"], meta["curve"], meta["losses"],
+                     tuple(meta["train_range"]), tuple(meta["held_range"]))
+
+
+def drafts_of(target, d: Distilled, chosen) -> list:
+    """-> [(label, a function making the draft Model)] for the chosen SHORT names ('cut': the
+    untrained cut of the same depth, the trained drafts' common start)."""
+    k, L = d.settings.layers, target.config.num_hidden_layers
+    made = []
+    for short in chosen:
+        name = SHORT[short]
+        if short == "cut":
+            made.append((f"first {k} of {L} layers", lambda: first_layers(target, k)))
+        else:
+            made.append((f"first {k}, distilled ({name})",
+                         lambda name=name: tr.draft_model(target, k, d.params[name])))
+    return made
+
+
+def training_table(target, d: Distilled, experiment: int) -> Table:
+    s = d.settings
+    L = target.config.num_hidden_layers
+    table = Table(f"Distilled drafts: the first {s.layers} of {L} layers of {target.path}, the "
+                  f"last one's MLP trained", experiment=experiment, chapter=False, columns=[
+                      ("draft", ""), ("train loss", ".4f"), ("held-out KL", ".4f"),
+                      ("top-1 agreement", ".3f"), ("alpha sampling", ".3f"),
+                      ("alpha greedy", ".3f")])
+    table.header(f"same start (the untrained cut), same {s.steps} Adam steps of {s.batch} "
+                 f"positions (lr {s.lr:g}), same batches; only the labels differ",
+                 f"training: tokens {d.train_range[0]:,}..{d.train_range[1]:,} of the 1911 "
+                 f"Britannica article on Shakespeare (after experiment 21's "
+                 f"{SCORED_BY_EXP21:,}); held out: tokens {d.held_range[0]:,}.."
+                 f"{d.held_range[1]:,}, never trained on")
+    for name, f in d.figures.items():
+        table.row(name, d.losses.get(name, float("nan")), f["kl"], f["top1"], f["alpha"],
+                  f["greedy"])
+    best_soft = min((n for n in STUDENTS if n != "hard"), key=lambda n: d.figures[n]["kl"])
+    soft, hard = d.figures[best_soft], d.figures["hard"]
+    verdict = ("soft labels beat hard labels" if soft["greedy"] > hard["greedy"]
+               and soft["kl"] < hard["kl"] else "soft labels do NOT beat hard labels here")
+    table.note("train loss: each student's own loss (T^2 KL or cross-entropy), mean of its "
+               f"last {s.eval_every} steps",
+               f"held-out KL: KL(teacher || draft) at T = 1 over {s.held_tokens} positions; "
+               "top-1: the argmaxes agree there",
+               "alpha sampling: mean sum min(p, q), the per-token acceptance under Leviathan's "
+               "rule; alpha greedy: agreement with the teacher's own greedy continuations of "
+               f"{s.prompts} held-out prompts ({s.prompts * s.new_tokens} tokens)",
+               f"{verdict}: greedy alpha {soft['greedy']:.3f} ({best_soft}) against "
+               f"{hard['greedy']:.3f} (hard), held-out KL {soft['kl']:.4f} against "
+               f"{hard['kl']:.4f}")
+    return table
+
+
+def curve_table(d: Distilled, experiment: int) -> Table:
+    names = list(STUDENTS)
+    table = Table("Held-out KL to the teacher against training steps", experiment=experiment,
+                  chapter=False, columns=[("step", "d")] + [(f"KL {n}", ".4f") for n in names])
+    table.header("KL(teacher || draft) at T = 1 on the held-out text; step 0 is the "
+                 "untrained cut, the same for all")
+    for step, kls in d.curve:
+        table.row(step, *[kls[n] for n in names])
+    table.plot("step", [f"KL {n}" for n in names], "held-out KL to the teacher, soft and "
+               "hard students")
+    return table
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_model_argument(parser, default="smollm2")
+    add_threads_argument(parser)
+    add_settings_arguments(parser)
+    args = parser.parse_args(argv)
+    header = timing_header(args)
+    target = load_model(args.model)
+    d = distilled(target, settings_of(args), args.retrain)
+    table = training_table(target, d, experiment=23)
+    table.header(header)
+    table.random_weights(target)
+    table.show()
+    curve_table(d, experiment=23).show()
+    return 0
+
+
+if __name__ == "__main__":
+    run(main)

@@ -1,0 +1,203 @@
+"""Training a draft: every backward against finite differences, Adam, and the draft as a Model."""
+import numpy as np
+import pytest
+
+import minitransformer as mt
+from minitransformer import training as tr
+from minitransformer.distill import (distillation_loss, hard_label_grad, hard_label_loss,
+                                     log_softmax)
+from minitransformer.model import forward, head
+from minitransformer.speculative import first_layers, speculative_generate
+from minitransformer.synth import make_checkpoint, qwen2_config
+
+
+def numeric_grad(f, x, h=1e-6):
+    """Central differences of the scalar f() with respect to every entry of x (changed in place
+    and restored)."""
+    g = np.zeros_like(x)
+    for i in np.ndindex(x.shape):
+        keep = x[i]
+        x[i] = keep + h
+        up = f()
+        x[i] = keep - h
+        down = f()
+        x[i] = keep
+        g[i] = (up - down) / (2 * h)
+    return g
+
+
+def close(analytic, numeric):
+    np.testing.assert_allclose(analytic, numeric, rtol=1e-6, atol=1e-8)
+
+
+@pytest.fixture
+def rng():
+    return np.random.default_rng(0)
+
+
+def test_linear_backward(rng):
+    x, w, c = rng.normal(size=(2, 3, 4)), rng.normal(size=(5, 4)), rng.normal(size=(2, 3, 5))
+    dx, dw = tr.linear_backward(x, w, c)
+    close(dx, numeric_grad(lambda: (tr.linear(x, w) * c).sum(), x))
+    close(dw, numeric_grad(lambda: (tr.linear(x, w) * c).sum(), w))
+
+
+def test_rms_norm_backward_and_forward_is_the_models(rng):
+    x, g, c = rng.normal(size=(3, 6)), rng.normal(size=6), rng.normal(size=(3, 6))
+    eps = 1e-5
+    y, r = tr.rms_norm(x, g, eps)
+    np.testing.assert_allclose(y, mt.model.rms_norm(x, g, eps), rtol=1e-14)
+    dx, dg = tr.rms_norm_backward(x, g, r, c)
+    close(dx, numeric_grad(lambda: (tr.rms_norm(x, g, eps)[0] * c).sum(), x))
+    close(dg, numeric_grad(lambda: (tr.rms_norm(x, g, eps)[0] * c).sum(), g))
+
+
+def test_silu_backward_and_forward_is_the_models(rng):
+    x, c = rng.normal(0, 4, size=(4, 7)), rng.normal(size=(4, 7))
+    np.testing.assert_allclose(tr.silu(x), mt.model.silu(x), rtol=1e-14)
+    close(tr.silu_backward(x, c), numeric_grad(lambda: (tr.silu(x) * c).sum(), x))
+    # far out on both sides: no overflow, slopes 0 and 1
+    np.testing.assert_allclose(tr.silu_backward(np.array([-200.0, 200.0]), 1.0), [0.0, 1.0])
+
+
+def small_piece(rng, D=6, F=5):
+    return {"norm": rng.normal(1, 0.1, D), "gate": rng.normal(0, 0.5, (F, D)),
+            "up": rng.normal(0, 0.5, (F, D)), "down": rng.normal(0, 0.5, (D, F))}
+
+
+def test_piece_backward(rng):
+    params, h, c = small_piece(rng), rng.normal(size=(3, 6)), rng.normal(size=(3, 6))
+    o, saved = tr.piece(params, h, 1e-5)
+    dh, grads = tr.piece_backward(params, saved, c)
+    loss = lambda: (tr.piece(params, h, 1e-5)[0] * c).sum()  # noqa: E731
+    close(dh, numeric_grad(loss, h))
+    assert set(grads) == set(params) == set(tr.PIECE)
+    for name in params:
+        assert grads[name].shape == params[name].shape
+        close(grads[name], numeric_grad(loss, params[name]))
+
+
+def test_head_backward(rng):
+    E, f, c = rng.normal(size=(9, 4)), rng.normal(size=(3, 4)), rng.normal(size=(3, 9))
+    close(tr.head_backward(E, c), numeric_grad(lambda: (tr.head(f, E) * c).sum(), f))
+
+
+def test_hard_label_loss_and_grad(rng):
+    s, z = rng.normal(size=(3, 8)), rng.normal(size=(3, 8))
+    labels = z.argmax(axis=-1)
+    expected = -log_softmax(s)[np.arange(3), labels].mean()
+    assert hard_label_loss(s, z) == pytest.approx(expected, rel=1e-14)
+    close(hard_label_grad(s, z), numeric_grad(lambda: hard_label_loss(s, z), s))
+    with pytest.raises(ValueError, match="differ in shape"):
+        hard_label_loss(s, z[:2])
+
+
+@pytest.mark.parametrize("labels", [tr.Labels("soft", 1.0), tr.Labels("soft", 2.0),
+                                    tr.Labels("hard")])
+def test_the_whole_backward_pass(rng, labels):
+    """loss_and_grads: the piece, the frozen final norm and head, the loss: against finite
+    differences of the loss itself, in float64."""
+    D, V = 6, 11
+    params, h = small_piece(rng, D), rng.normal(size=(4, D))
+    frozen = tr.Frozen(rng.normal(size=(V, D)), rng.normal(1, 0.1, D), 1e-5)
+    z = rng.normal(0, 2, size=(4, V))
+    _, grads = tr.loss_and_grads(params, frozen, h, z, labels)
+
+    def loss():
+        return labels.loss_and_grad(tr.logits(params, frozen, h)[0], z)[0]
+    for name in params:
+        close(grads[name], numeric_grad(loss, params[name]))
+
+
+def test_adam_by_hand():
+    """First step: m_hat = g, v_hat = g^2, so every parameter moves by lr * sign(g) (almost)."""
+    params, grads = {"w": np.array([1.0, 2.0, -3.0])}, {"w": np.array([0.5, -4.0, 1e-3])}
+    adam = tr.Adam(lr=0.1)
+    adam.step(params, grads)
+    np.testing.assert_allclose(params["w"], [0.9, 2.1, -3.1], rtol=1e-4)
+    # second step, by the formulas
+    g2 = np.array([1.0, 1.0, 1.0])
+    m = 0.9 * 0.1 * grads["w"] + 0.1 * g2
+    v = 0.999 * 0.001 * grads["w"] ** 2 + 0.001 * g2 ** 2
+    expected = params["w"] - 0.1 * (m / (1 - 0.81)) / (np.sqrt(v / (1 - 0.999 ** 2)) + 1e-8)
+    adam.step(params, {"w": g2})
+    np.testing.assert_allclose(params["w"], expected, rtol=1e-12)
+    with pytest.raises(ValueError, match="learning rate"):
+        tr.Adam(lr=0)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny")
+    make_checkpoint(path, qwen2_config(vocab_size=64, hidden_size=32, intermediate_size=48,
+                                       num_hidden_layers=3), seed=3)
+    return mt.load(path)
+
+
+def test_untrained_draft_is_the_cut_and_the_training_forward_is_the_models(tiny):
+    ids = np.arange(1, 13) % 64
+    start = tr.start_params(tiny, 2)
+    draft = tr.draft_model(tiny, 2, start)
+    cut = first_layers(tiny, 2)
+    np.testing.assert_array_equal(mt.logits(draft, ids), mt.logits(cut, ids))
+    h, final = tr.draft_inputs(tiny, 2, ids)
+    np.testing.assert_allclose(final, forward(tiny, ids[None])[0], rtol=1e-6, atol=1e-6)
+    frozen = tr.Frozen.of(tiny)
+    s, _ = tr.logits(start, frozen, h)
+    np.testing.assert_allclose(s, mt.logits(cut, ids), rtol=1e-5, atol=1e-5)
+    # changed parameters reach the model, and the target is left as it was
+    params = {k: w + 0.1 for k, w in start.items()}
+    before = mt.logits(tiny, ids)
+    s, _ = tr.logits(params, frozen, h)
+    np.testing.assert_allclose(s, mt.logits(tr.draft_model(tiny, 2, params), ids),
+                               rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(mt.logits(tiny, ids), before)
+    np.testing.assert_array_equal(mt.logits(tr.draft_model(tiny, 2, start), ids),
+                                  mt.logits(cut, ids))
+
+
+def test_training_brings_the_student_closer_and_the_draft_is_exact(tiny):
+    rng = np.random.default_rng(1)
+    train_ids, held_ids = rng.integers(0, 64, 96), rng.integers(0, 64, 48)
+    k, frozen = 1, tr.Frozen.of(tiny)
+    h, teacher = tr.draft_inputs(tiny, k, train_ids)
+    h_held, teacher_held = tr.draft_inputs(tiny, k, held_ids)
+    start = tr.start_params(tiny, k)
+    students = {"soft": tr.Labels("soft", 1.0), "hard": tr.Labels("hard")}
+    seen = []
+    trained = tr.train(students, start, frozen, h, teacher, steps=40, batch=16, lr=3e-3,
+                       on_step=lambda step, params, losses: seen.append((step, losses)))
+    assert [s for s, _ in seen] == list(range(1, 41)) and set(seen[0][1]) == set(students)
+    before = tr.closeness(start, frozen, h_held, teacher_held)
+    after = tr.closeness(trained["soft"], frozen, h_held, teacher_held)
+    assert after["kl"] < 0.8 * before["kl"]
+    assert 0 <= after["top1"] <= 1 and 0 < after["alpha"] <= 1
+    # the start is untouched; the students differ only by their labels
+    np.testing.assert_array_equal(start["gate"], tr.start_params(tiny, k)["gate"])
+    assert not np.array_equal(trained["soft"]["gate"], trained["hard"]["gate"])
+    # the KL of closeness is distill.py's at T = 1
+    s, _ = tr.logits(start, frozen, h_held)
+    z = tr.head(teacher_held, frozen.embed)
+    assert before["kl"] == pytest.approx(distillation_loss(s, z, 1.0), rel=1e-9)
+    # the trained draft is an ordinary Model: speculative decoding keeps greedy's tokens
+    draft = tr.draft_model(tiny, k, trained["soft"])
+    prompt = [3, 5, 7, 11]
+    plain = mt.generate(tiny, prompt, 24, eos_token_id=[])
+    assert speculative_generate(tiny, draft, prompt, 24, gamma=3,
+                                eos_token_id=[]).tokens == plain
+
+
+def test_bad_settings_are_refused(tiny):
+    with pytest.raises(ValueError, match="1 <= k <= 3"):
+        tr.start_params(tiny, 0)
+    with pytest.raises(ValueError, match="soft' or 'hard"):
+        tr.Labels("medium")
+    with pytest.raises(ValueError, match="temperature"):
+        tr.Labels("soft", 0.0)
+    h = np.zeros((4, 32), np.float32)
+    with pytest.raises(ValueError, match="batch"):
+        tr.train({}, tr.start_params(tiny, 1), tr.Frozen.of(tiny), h, h, steps=1, batch=8,
+                 lr=1e-3)
+    with pytest.raises(ValueError, match="steps"):
+        tr.train({}, tr.start_params(tiny, 1), tr.Frozen.of(tiny), h, h, steps=0, batch=2,
+                 lr=1e-3)
