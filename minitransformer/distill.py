@@ -106,11 +106,6 @@ def distillation_grad(student_logits, teacher_logits, temperature: float) -> np.
     return grad.reshape(np.shape(student_logits))
 
 
-def hard_labels(teacher_logits) -> np.ndarray:
-    """Teacher logits (..., V) -> its verdict, the argmax token (...,) (ties: the lower id)."""
-    return check_logits(teacher_logits, "teacher logits").argmax(axis=-1)
-
-
 def hard_label_loss(student_logits, teacher_logits) -> float:
     """Cross-entropy of the student on the teacher's argmax, averaged over positions."""
     s = check_logits(student_logits, "student logits")

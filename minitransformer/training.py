@@ -1,10 +1,13 @@
 """Training a draft by distillation, written out: each forward beside its backward, and Adam.
 
-The draft is the target's first k layers with the last one's MLP retrained (its norm gain
-too); everything else (the first k - 1 layers, layer k-1's attention, the final norm and the
-tied head) is the target's own, frozen and shared. The trained piece reads the residual
-stream h after layer k-1's attention, which training never changes, so h is computed once
-(``draft_inputs``) and each step runs only what comes after it:
+The draft is the target's first k layers with the last one's MLP block trained (its norm
+gain too); everything else (the first k - 1 layers, layer k-1's attention, the final norm and
+the tied head) is the target's own, frozen and shared. The trained block may start as the
+target's own layer k-1 MLP (then the untrained draft is exactly the cut first_layers) or as
+a copy of another layer's, such as the target's last, the block that writes for the head.
+The trained piece reads the residual stream h after layer k-1's attention, which training
+never changes, so h is computed once (``draft_inputs``) and each step runs only what comes
+after it:
 
     h (N, D) -> n = rms_norm(h, g)                    g: post_attention_layernorm  trained
              -> m = silu(n Wg^T) * (n Wu^T)           (N, F)                       trained
@@ -227,10 +230,14 @@ def host32(a) -> np.ndarray:
     return np.ascontiguousarray(to_numpy(a), dtype=np.float32)
 
 
-def start_params(target: Model, k: int) -> dict:
-    """The trained piece's starting point: copies of the target's own layer k-1 MLP block, so
-    that before training the draft is exactly the untrained cut first_layers(target, k)."""
-    prefix = f"model.layers.{check_layers(target, k) - 1}."
+def start_params(target: Model, layer: int) -> dict:
+    """The trained piece's starting point: copies of the target's layer `layer` MLP block. With
+    layer = k - 1 the draft before training is exactly the untrained cut first_layers(target,
+    k); with the target's last layer it starts from the block that feeds the final norm."""
+    L = target.config.num_hidden_layers
+    if not is_integer(layer) or not 0 <= layer < L:
+        raise ValueError(f"the starting block's layer must be in 0..{L - 1}, got {layer!r}")
+    prefix = f"model.layers.{layer}."
     return {short: host32(target.weights[prefix + name]).copy() for short, name in PIECE.items()}
 
 
@@ -301,8 +308,15 @@ def train(students: dict, start: dict, frozen: Frozen, inputs, teacher_hidden, s
 
 # ---- how close a student is, on held-out positions ------------------------------------------
 
-def closeness(params, frozen: Frozen, h, teacher_hidden, chunk: int = 128) -> dict:
-    """Student against teacher over positions h (N, D) it never trained on:
+def teacher_logits(frozen: Frozen, teacher_hidden, chunk: int = 128) -> np.ndarray:
+    """The teacher's final hidden states (N, D) -> its logits (N, V), float32, chunk by chunk."""
+    return np.concatenate([head(teacher_hidden[a:a + chunk], frozen.embed)
+                           for a in range(0, len(teacher_hidden), chunk)])
+
+
+def closeness(params, frozen: Frozen, h, z, chunk: int = 128) -> dict:
+    """Student against teacher over positions h (N, D) it never trained on, z (N, V) the
+    teacher's logits there (teacher_logits):
     kl       mean KL(p || q) at T = 1 (nats), p the teacher's distribution, q the student's
     top1     fraction of positions where the two argmaxes agree: the acceptance rate of a
              greedy draft on this text
@@ -311,10 +325,10 @@ def closeness(params, frozen: Frozen, h, teacher_hidden, chunk: int = 128) -> di
     kl = top1 = alpha = 0.0
     for a in range(0, len(h), chunk):
         s, _ = logits(params, frozen, h[a:a + chunk])                 # (n, V)
-        z = head(teacher_hidden[a:a + chunk], frozen.embed)            # (n, V)
-        log_q, log_p = log_softmax(s.astype(np.float64)), log_softmax(z.astype(np.float64))
+        z_chunk = z[a:a + chunk]                                        # (n, V)
+        log_q, log_p = log_softmax(s.astype(np.float64)), log_softmax(z_chunk.astype(np.float64))
         p, q = np.exp(log_p), np.exp(log_q)
         kl += float((p * (log_p - log_q)).sum())
-        top1 += float((s.argmax(axis=-1) == z.argmax(axis=-1)).sum())
+        top1 += float((s.argmax(axis=-1) == z_chunk.argmax(axis=-1)).sum())
         alpha += float(np.minimum(p, q).sum())
     return {"kl": kl / len(h), "top1": top1 / len(h), "alpha": alpha / len(h)}

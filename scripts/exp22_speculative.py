@@ -36,7 +36,7 @@ from minitransformer.shape import decode_read_bytes
 from minitransformer.speculative import first_layers, speculative_generate
 from quant.qmodel import SCHEMES, quantize_model
 from sim.speculative import best_gamma, best_lookup_gamma, expected_tokens, speedup
-from train_draft import SHORT, Settings, distilled, drafts_of
+from train_draft import SHORT, add_settings_arguments, distilled, drafts_of, settings_of
 
 
 def draft_cost(target, draft, ids, repeat) -> float:
@@ -77,6 +77,7 @@ def main(argv=None):
                         help="distilled drafts (train_draft.py; trained once, then cached): "
                              f"comma-separated from {', '.join(SHORT)}, or none "
                              "(default: all)")
+    add_settings_arguments(parser)
     args = parser.parse_args(argv)
     header = timing_header(args)
 
@@ -100,8 +101,9 @@ def main(argv=None):
     if not args.no_layers_draft and target.config.num_hidden_layers > 1:
         L = target.config.num_hidden_layers
         drafts.append((f"first {L // 2} of {L} layers", lambda: first_layers(target, L // 2)))
-    if args.distilled and target.config.num_hidden_layers > Settings().layers:
-        drafts += drafts_of(target, distilled(target, Settings()), args.distilled)
+    settings = settings_of(args)
+    if args.distilled and target.config.num_hidden_layers > settings.layers:
+        drafts += drafts_of(target, distilled(target, settings, args.retrain), args.distilled)
     progress = Progress(len(drafts), "drafts")
     for label, make in drafts:
         draft = make()

@@ -63,7 +63,9 @@ MAIN_JOB = [
     ("exp22_speculative_formula.py", set(), []),
     ("exp22_speculative.py", {MODEL, THREADS},
      ["--schemes", "int8-row", "--no-layers-draft", "--repeats", "2"]),
-    ("exp23_soft_labels.py", {MODEL}, []),
+    # Experiment 22 trains the distilled drafts on first use (a few minutes; cached under
+    # weights/drafts/ after that); experiment 23 prints their training from the same cache.
+    ("exp23_soft_labels.py", {MODEL, THREADS}, []),
     ("exp24_memory_budget.py", set(), []),
 ]
 

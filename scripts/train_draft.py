@@ -1,10 +1,11 @@
 """Distil a speculative draft: soft labels against hard, the same start and the same budget.
 
-The draft is the target's first --layers layers with the last one's MLP block retrained
-(minitransformer/training.py); the rest is the target's own, frozen. Three students start
-from the untrained cut and see the same batches with the same Adam: one learns the teacher's
-soft labels at T = 1, one at T = 2 (distill.py's T^2-scaled KL), one its hard labels
-(cross-entropy on the argmax). Training text: a stretch of the 1911 Britannica article on
+The draft is the target's first --layers layers with the last one's MLP block trained
+(minitransformer/training.py); the rest is the target's own, frozen. The block starts as a
+copy of the target's last MLP block (--start own: the cut's own block, the untrained cut).
+Three students from that one start see the same batches with the same Adam: one learns the
+teacher's soft labels at T = 1, one at T = 2 (distill.py's T^2-scaled KL), one its hard
+labels (cross-entropy on the argmax). Training text: a stretch of the 1911 Britannica article on
 Shakespeare after the 2,049 tokens experiment 21 scores; held-out text: the article's last
 tokens, never trained on. On the held-out text each student's KL to the teacher, top-1
 agreement, and the acceptance rate alpha it reaches as a draft: sampling (sum of min(p, q))
@@ -33,23 +34,27 @@ from minitransformer.synth import weights_dir
 VERSION = "draft-distillation-v1"      # bump when the training changes what it produces
 SCORED_BY_EXP21 = 2049                 # experiment 21's tokens: the start of the article
 WINDOW = 256                           # each window of text is one sequence from position 0
+PROMPT = 64                            # tokens of each held-out prompt for greedy alpha
 STUDENTS = {"soft, T = 1": tr.Labels("soft", 1.0), "soft, T = 2": tr.Labels("soft", 2.0),
             "hard": tr.Labels("hard")}
+START = "start: the last layer's MLP block"
 SHORT = {"cut": "untrained cut", "soft1": "soft, T = 1", "soft2": "soft, T = 2", "hard": "hard"}
 
 
 @dataclass(frozen=True)
 class Settings:
     layers: int = 6            # the draft: the target's first `layers`, the last one's MLP trained
-    steps: int = 150
+    steps: int = 200
     batch: int = 32
-    lr: float = 3e-4
+    lr: float = 2e-3
     train_tokens: int = 4096   # positions of training text (steps * batch may pass over them again)
     held_tokens: int = 512     # held-out positions, for KL, top-1 and sampling alpha
     prompts: int = 2           # held-out prompts whose greedy continuation gives greedy alpha
     new_tokens: int = 32       # greedy tokens per prompt
     eval_every: int = 25
     seed: int = 0
+    start: str = "last"        # the trained block starts as: "own" layer's, or the "last" one's
+    text: str = ""             # a text file to train and test on; "": the Britannica article
 
 
 @dataclass(frozen=True)
@@ -57,7 +62,7 @@ class Distilled:
     settings: Settings
     params: dict               # student name -> trained piece (training.PIECE names)
     figures: dict              # 'untrained cut' and each student -> kl, top1, alpha, greedy
-    curve: list                # [step, {student: held-out KL}] from step 0 (the untrained cut)
+    curve: list                # [step, {student: held-out KL}] from step 0 (the start)
     losses: dict               # student -> its training loss over the last eval_every steps
     train_range: tuple         # token positions of the article trained on, and held out
     held_range: tuple
@@ -74,13 +79,27 @@ def add_settings_arguments(parser):
                         help="positions per step (default: %(default)s)")
     parser.add_argument("--lr", type=float, default=s.lr,
                         help="Adam's learning rate (default: %(default)s)")
+    parser.add_argument("--train-tokens", type=positive_int, default=s.train_tokens,
+                        help="positions of training text (default: %(default)s)")
+    parser.add_argument("--held-tokens", type=positive_int, default=s.held_tokens,
+                        help="held-out positions (default: %(default)s)")
+    parser.add_argument("--text", default="", metavar="FILE",
+                        help="train on the start of this text and hold out its end (default: "
+                             "the Britannica article, after experiment 21's tokens)")
+    parser.add_argument("--start", choices=("last", "own"), default=s.start,
+                        help="the trained block starts as a copy of the target's last MLP "
+                             "block, or as the cut's own (then the start is the untrained cut) "
+                             "(default: %(default)s)")
     parser.add_argument("--retrain", action="store_true", help="ignore the cached drafts")
 
 
 def settings_of(args) -> Settings:
     if not 0 < args.lr < float("inf"):
         raise ValueError(f"--lr must be a finite number > 0, got {args.lr}")
-    return Settings(layers=args.layers, steps=args.steps, batch=args.batch, lr=args.lr)
+    text = str(Path(args.text).resolve()) if args.text else ""
+    return Settings(layers=args.layers, steps=args.steps, batch=args.batch, lr=args.lr,
+                    train_tokens=args.train_tokens, held_tokens=args.held_tokens, text=text,
+                    start=args.start)
 
 
 def cache_file(target, settings: dict, what: str) -> Path:
@@ -116,11 +135,13 @@ def distilled(target, settings: Settings, retrain: bool = False) -> Distilled:
 def text_ranges(n_tokens: int, settings: Settings):
     """Token ranges of the article: training after experiment 21's tokens, held out at the end.
     """
-    train = (SCORED_BY_EXP21, SCORED_BY_EXP21 + settings.train_tokens)
-    held = (n_tokens - settings.held_tokens - settings.prompts * WINDOW, n_tokens)
+    skip = 0 if settings.text else SCORED_BY_EXP21
+    train = (skip, skip + settings.train_tokens)
+    held = (n_tokens - settings.held_tokens - settings.prompts * PROMPT, n_tokens)
     if held[0] < train[1]:
-        raise ValueError(f"the article gives {n_tokens} tokens: too few for "
-                         f"{settings.train_tokens} training and {settings.held_tokens} held-out")
+        raise ValueError(f"{source(settings)} gives {n_tokens} tokens: too few for "
+                         f"{settings.train_tokens} training and {held[1] - held[0]} held-out "
+                         f"(use --train-tokens and --held-tokens)")
     return train, held
 
 
@@ -139,21 +160,25 @@ def teacher_outputs(target, s: Settings):
     h and the teacher's final hidden states for the training and held-out positions, the
     held-out prompts with the teacher's greedy continuations, and the token ranges used."""
     key = {k: getattr(s, k) for k in ("layers", "train_tokens", "held_tokens", "prompts",
-                                      "new_tokens")}
+                                      "new_tokens", "text")}
     file = cache_file(target, key, "teacher")
     if file.is_file():
         with np.load(file) as data:
             return {k: data[k] for k in data.files}
     if target.tokenizer is None:
         raise ValueError(f"{target.path}: no tokenizer.json, cannot tokenize the training text")
-    try:
-        ids = np.asarray(target.tokenizer.encode(britannica_text()))
-    except TextUnavailable as e:
-        raise ValueError(str(e)) from None
+    if s.text:
+        text = Path(s.text).read_text(encoding="utf-8")
+    else:
+        try:
+            text = britannica_text()
+        except TextUnavailable as e:
+            raise ValueError(str(e)) from None
+    ids = np.asarray(target.tokenizer.encode(text))
     train_range, held_range = text_ranges(len(ids), s)
     train_ids = ids[slice(*train_range)]
     held_ids = ids[held_range[0]:held_range[0] + s.held_tokens]
-    prompts = [ids[held_range[0] + s.held_tokens + i * WINDOW:][:WINDOW // 4]
+    prompts = [ids[held_range[0] + s.held_tokens + i * PROMPT:][:PROMPT]
                for i in range(s.prompts)]
     windows = -(-len(train_ids) // WINDOW) + -(-len(held_ids) // WINDOW)
     progress = Progress(windows, "teacher over the text")
@@ -171,25 +196,34 @@ def teacher_outputs(target, s: Settings):
     return out
 
 
+def source(s: Settings) -> str:
+    return s.text or "the 1911 Britannica article on Shakespeare"
+
+
 def distil(target, s: Settings) -> Distilled:
     t = teacher_outputs(target, s)
     h, teacher, h_held, teacher_held = t["h"], t["teacher"], t["h_held"], t["teacher_held"]
     continuations = [(p.tolist(), c.tolist()) for p, c in zip(t["prompts"], t["continuations"])]
     train_range, held_range = tuple(t["train_range"].tolist()), tuple(t["held_range"].tolist())
     frozen = tr.Frozen.of(target)
+    z_held = tr.teacher_logits(frozen, teacher_held)                   # (held, V)
 
     def figures(params):
         draft = tr.draft_model(target, s.layers, params)
         kept = sum(agreement(draft, p, c) for p, c in continuations)
-        return tr.closeness(params, frozen, h_held, teacher_held) | {
+        return tr.closeness(params, frozen, h_held, z_held) | {
             "greedy": kept / (len(continuations) * s.new_tokens)}
 
-    start = tr.start_params(target, s.layers)
-    figures_of = {"untrained cut": figures(start)}
-    assert np.array_equal(  # the start is the untrained cut, exactly
-        tr.draft_model(target, s.layers, start).layers[-1].down,
+    own = tr.start_params(target, s.layers - 1)
+    assert np.array_equal(  # the cut's own block: the untrained cut, exactly
+        tr.draft_model(target, s.layers, own).layers[-1].down,
         first_layers(target, s.layers).layers[-1].down)
-    kl0 = figures_of["untrained cut"]["kl"]
+    figures_of = {"untrained cut": figures(own)}
+    start = own if s.start == "own" else tr.start_params(target,
+                                                         target.config.num_hidden_layers - 1)
+    if s.start != "own":
+        figures_of[START] = figures(start)
+    kl0 = figures_of[START if s.start != "own" else "untrained cut"]["kl"]
     curve = [[0, {name: kl0 for name in STUDENTS}]]
     running = {name: [] for name in STUDENTS}
     progress = Progress(s.steps, "training steps, three students side by side")
@@ -198,7 +232,7 @@ def distil(target, s: Settings) -> Distilled:
         for name, loss in losses.items():
             running[name] = (running[name] + [loss])[-s.eval_every:]
         if step % s.eval_every == 0 or step == s.steps:
-            kls = {name: tr.closeness(p, frozen, h_held, teacher_held)["kl"]
+            kls = {name: tr.closeness(p, frozen, h_held, z_held)["kl"]
                    for name, p in params.items()}
             curve.append([step, kls])
             progress("held-out KL " + ", ".join(f"{n} {v:.3f}" for n, v in kls.items()),
@@ -253,19 +287,16 @@ def training_table(target, d: Distilled, experiment: int) -> Table:
                       ("draft", ""), ("train loss", ".4f"), ("held-out KL", ".4f"),
                       ("top-1 agreement", ".3f"), ("alpha sampling", ".3f"),
                       ("alpha greedy", ".3f")])
-    table.header(f"same start (the untrained cut), same {s.steps} Adam steps of {s.batch} "
+    start = ("the untrained cut" if s.start == "own" else f"layer {s.layers - 1}'s MLP block "
+             f"replaced by a copy of layer {L - 1}'s")
+    table.header(f"same start ({start}), same {s.steps} Adam steps of {s.batch} "
                  f"positions (lr {s.lr:g}), same batches; only the labels differ",
-                 f"training: tokens {d.train_range[0]:,}..{d.train_range[1]:,} of the 1911 "
-                 f"Britannica article on Shakespeare (after experiment 21's "
-                 f"{SCORED_BY_EXP21:,}); held out: tokens {d.held_range[0]:,}.."
-                 f"{d.held_range[1]:,}, never trained on")
+                 f"training: tokens {d.train_range[0]:,}..{d.train_range[1]:,} of {source(s)}"
+                 + ("" if s.text else f" (after the {SCORED_BY_EXP21:,} experiment 21 scores)")
+                 + f"; held out: tokens {d.held_range[0]:,}..{d.held_range[1]:,}, never "
+                 "trained on")
     for name, f in d.figures.items():
-        table.row(name, d.losses.get(name, float("nan")), f["kl"], f["top1"], f["alpha"],
-                  f["greedy"])
-    best_soft = min((n for n in STUDENTS if n != "hard"), key=lambda n: d.figures[n]["kl"])
-    soft, hard = d.figures[best_soft], d.figures["hard"]
-    verdict = ("soft labels beat hard labels" if soft["greedy"] > hard["greedy"]
-               and soft["kl"] < hard["kl"] else "soft labels do NOT beat hard labels here")
+        table.row(name, d.losses.get(name), f["kl"], f["top1"], f["alpha"], f["greedy"])
     table.note("train loss: each student's own loss (T^2 KL or cross-entropy), mean of its "
                f"last {s.eval_every} steps",
                f"held-out KL: KL(teacher || draft) at T = 1 over {s.held_tokens} positions; "
@@ -273,9 +304,39 @@ def training_table(target, d: Distilled, experiment: int) -> Table:
                "alpha sampling: mean sum min(p, q), the per-token acceptance under Leviathan's "
                "rule; alpha greedy: agreement with the teacher's own greedy continuations of "
                f"{s.prompts} held-out prompts ({s.prompts * s.new_tokens} tokens)",
-               f"{verdict}: greedy alpha {soft['greedy']:.3f} ({best_soft}) against "
-               f"{hard['greedy']:.3f} (hard), held-out KL {soft['kl']:.4f} against "
-               f"{hard['kl']:.4f}")
+               *verdict(d.figures))
+    return table
+
+
+# (figure, what it is, True when higher is better)
+MEASURES = [("kl", "held-out KL", False), ("alpha", "alpha sampling", True),
+            ("top1", "top-1", True), ("greedy", "alpha greedy", True)]
+
+
+def verdict(figures) -> list:
+    """The comparison as measured: the better soft student against the hard one, per measure,
+    and why soft labels may lose where they do."""
+    best = min((n for n in STUDENTS if n != "hard"), key=lambda n: figures[n]["kl"])
+    soft, hard = figures[best], figures["hard"]
+    wins = {label: (soft[key] > hard[key]) == higher and soft[key] != hard[key]
+            for key, label, higher in MEASURES}
+
+    def better(key, label):
+        return "equal" if soft[key] == hard[key] else "soft" if wins[label] else "hard"
+    lines = [f"soft ({best}) against hard: " + "; ".join(
+        f"{label} {soft[key]:.4f} against {hard[key]:.4f} ({better(key, label)}"
+        f"{'' if soft[key] == hard[key] else ' better'})" for key, label, _ in MEASURES)]
+    lost = [label for label, won in wins.items() if not won]
+    if not lost:
+        lines.append("soft labels beat hard labels on every measure here")
+        return lines
+    lines.append(f"soft labels do NOT beat hard labels here on {', '.join(lost)}. Why that may "
+                 "be: the student (one MLP block on a few layers) stays far from the teacher; "
+                 "the T^2 KL spends its few parameters on the whole distribution, the tail "
+                 "included, while cross-entropy on the argmax spends them on the one token "
+                 "top-1 and a greedy draft are judged by; and a few minutes of training is far "
+                 "from convergence")
+    return lines
     return table
 
 
@@ -283,8 +344,8 @@ def curve_table(d: Distilled, experiment: int) -> Table:
     names = list(STUDENTS)
     table = Table("Held-out KL to the teacher against training steps", experiment=experiment,
                   chapter=False, columns=[("step", "d")] + [(f"KL {n}", ".4f") for n in names])
-    table.header("KL(teacher || draft) at T = 1 on the held-out text; step 0 is the "
-                 "untrained cut, the same for all")
+    table.header("KL(teacher || draft) at T = 1 on the held-out text; step 0 is the start, "
+                 "the same for all")
     for step, kls in d.curve:
         table.row(step, *[kls[n] for n in names])
     table.plot("step", [f"KL {n}" for n in names], "held-out KL to the teacher, soft and "

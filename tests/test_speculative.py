@@ -270,6 +270,7 @@ def test_exp22_script_runs_and_finds_every_output_identical(stories, run_script)
 
 
 def test_exp22_script_on_the_default_model(run_script):
-    out = run_exp22(run_script, "default", "--schemes", "int8-row", "--no-layers-draft")
+    out = run_exp22(run_script, "default", "--schemes", "int8-row", "--no-layers-draft",
+                    "--distilled", "none")
     assert "prompt lookup" in out and "INT8 per-row" in out and "first" not in out
     assert "tokens identical to plain greedy in every run: yes" in out

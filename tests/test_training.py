@@ -6,7 +6,7 @@ import minitransformer as mt
 from minitransformer import training as tr
 from minitransformer.distill import (distillation_loss, hard_label_grad, hard_label_loss,
                                      log_softmax)
-from minitransformer.model import forward, head
+from minitransformer.model import forward
 from minitransformer.speculative import first_layers, speculative_generate
 from minitransformer.synth import make_checkpoint, qwen2_config
 
@@ -136,7 +136,7 @@ def tiny(tmp_path_factory):
 
 def test_untrained_draft_is_the_cut_and_the_training_forward_is_the_models(tiny):
     ids = np.arange(1, 13) % 64
-    start = tr.start_params(tiny, 2)
+    start = tr.start_params(tiny, 1)                                  # layer 1 of a 2-layer cut
     draft = tr.draft_model(tiny, 2, start)
     cut = first_layers(tiny, 2)
     np.testing.assert_array_equal(mt.logits(draft, ids), mt.logits(cut, ids))
@@ -162,22 +162,23 @@ def test_training_brings_the_student_closer_and_the_draft_is_exact(tiny):
     k, frozen = 1, tr.Frozen.of(tiny)
     h, teacher = tr.draft_inputs(tiny, k, train_ids)
     h_held, teacher_held = tr.draft_inputs(tiny, k, held_ids)
-    start = tr.start_params(tiny, k)
+    start = tr.start_params(tiny, 2)                     # the last layer's block, at layer 0
     students = {"soft": tr.Labels("soft", 1.0), "hard": tr.Labels("hard")}
     seen = []
     trained = tr.train(students, start, frozen, h, teacher, steps=40, batch=16, lr=3e-3,
                        on_step=lambda step, params, losses: seen.append((step, losses)))
     assert [s for s, _ in seen] == list(range(1, 41)) and set(seen[0][1]) == set(students)
-    before = tr.closeness(start, frozen, h_held, teacher_held)
-    after = tr.closeness(trained["soft"], frozen, h_held, teacher_held)
+    z_held = tr.teacher_logits(frozen, teacher_held)
+    before = tr.closeness(start, frozen, h_held, z_held)
+    after = tr.closeness(trained["soft"], frozen, h_held, z_held)
     assert after["kl"] < 0.8 * before["kl"]
     assert 0 <= after["top1"] <= 1 and 0 < after["alpha"] <= 1
     # the start is untouched; the students differ only by their labels
-    np.testing.assert_array_equal(start["gate"], tr.start_params(tiny, k)["gate"])
+    np.testing.assert_array_equal(start["gate"], tr.start_params(tiny, 2)["gate"])
     assert not np.array_equal(trained["soft"]["gate"], trained["hard"]["gate"])
     # the KL of closeness is distill.py's at T = 1
     s, _ = tr.logits(start, frozen, h_held)
-    z = tr.head(teacher_held, frozen.embed)
+    z = z_held
     assert before["kl"] == pytest.approx(distillation_loss(s, z, 1.0), rel=1e-9)
     # the trained draft is an ordinary Model: speculative decoding keeps greedy's tokens
     draft = tr.draft_model(tiny, k, trained["soft"])
@@ -188,8 +189,10 @@ def test_training_brings_the_student_closer_and_the_draft_is_exact(tiny):
 
 
 def test_bad_settings_are_refused(tiny):
+    with pytest.raises(ValueError, match=r"layer must be in 0\.\.2, got 3"):
+        tr.start_params(tiny, 3)
     with pytest.raises(ValueError, match="1 <= k <= 3"):
-        tr.start_params(tiny, 0)
+        tr.draft_model(tiny, 0, tr.start_params(tiny, 0))
     with pytest.raises(ValueError, match="soft' or 'hard"):
         tr.Labels("medium")
     with pytest.raises(ValueError, match="temperature"):
@@ -201,3 +204,48 @@ def test_bad_settings_are_refused(tiny):
     with pytest.raises(ValueError, match="steps"):
         tr.train({}, tr.start_params(tiny, 1), tr.Frozen.of(tiny), h, h, steps=0, batch=2,
                  lr=1e-3)
+
+
+def test_the_scripts_train_cache_and_use_the_drafts(tmp_path):
+    """train_draft.py trains and caches; experiment 23 reuses the cache and prints the tables;
+    experiment 22 puts the trained drafts beside the untrained cut, tokens identical."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from minitransformer.synth import train_tokenizer
+    scripts = Path(__file__).resolve().parents[1] / "scripts"
+    model = make_checkpoint(tmp_path / "model", qwen2_config(
+        vocab_size=320, num_hidden_layers=3, max_position_embeddings=512), seed=5,
+        tokenizer=train_tokenizer(vocab_size=300))
+    text = tmp_path / "text.txt"
+    text.write_text("The keeper climbed the steps and lit the lamp at dusk. " * 60)
+    env = dict(os.environ, MT_WEIGHTS_DIR=str(tmp_path / "weights"))
+    settings = ["--model", str(model), "--layers", "2", "--steps", "4", "--batch", "8",
+                "--train-tokens", "128", "--held-tokens", "64", "--text", str(text)]
+
+    def run(script, *args, status=0):
+        done = subprocess.run([sys.executable, str(scripts / script), *settings, *args],
+                              capture_output=True, text=True, timeout=300, env=env)
+        assert done.returncode == status, done.stderr[-2000:]
+        return done
+
+    done = run("train_draft.py")
+    assert "trained drafts cached" in done.stderr
+    for row in ("untrained cut", "soft, T = 1", "soft, T = 2", "hard", "KL soft, T = 2"):
+        assert row in done.stdout
+    assert "beat hard labels" in done.stdout
+    assert len(list((tmp_path / "weights" / "drafts").glob("*.npz"))) == 2  # teacher, students
+    done = run("exp23_soft_labels.py")
+    assert "trained drafts from" in done.stderr and "trained drafts cached" not in done.stderr
+    assert "Held-out KL to the teacher against training steps" in done.stdout
+    done = run("exp22_speculative.py", "--schemes", "int8-row", "--no-layers-draft",
+               "--new-tokens", "12", "--repeats", "1", "--max-gamma", "3",
+               "--distilled", "cut,soft2,hard")
+    for row in ("first 2 of 3 layers", "first 2, distilled (soft, T = 2)",
+                "first 2, distilled (hard)", "identical to plain greedy in every run: yes"):
+        assert row in done.stdout
+    assert "distilled (soft, T = 1)" not in done.stdout
+    done = run("exp22_speculative.py", "--distilled", "soft3", status=2)
+    assert "unknown distilled draft(s) soft3" in done.stderr
