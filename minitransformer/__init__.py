@@ -15,6 +15,7 @@ Reading order, in the chapter's order (the experiment each part serves in bracke
     ../quant/            weight quantization: schemes, quantizers, QWeight          [15-21]
     speculative.py       a draft guesses, the target checks (lookup.py: a free draft)  [22]
     distill.py           soft labels and the distillation loss                         [23]
+    training.py          a draft trained on them: forward beside backward, Adam    [22, 23]
     ../sim/              cost models, numbers from shapes and formulas [3, 9-11, 13, 22, 24]
 
 A first pass may skip: loader.py, tokenizer.py, chat.py and formats/ (where the bytes come

@@ -111,6 +111,7 @@ def main(argv=None):
     curve_table(d, experiment=23).show()
     return 0
 
+
 if __name__ == "__main__":
     from _common import run
     run(main)

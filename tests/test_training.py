@@ -206,46 +206,38 @@ def test_bad_settings_are_refused(tiny):
                  lr=1e-3)
 
 
-def test_the_scripts_train_cache_and_use_the_drafts(tmp_path):
+def test_the_scripts_train_cache_and_use_the_drafts(tmp_path, monkeypatch, run_script):
     """train_draft.py trains and caches; experiment 23 reuses the cache and prints the tables;
     experiment 22 puts the trained drafts beside the untrained cut, tokens identical."""
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
     from minitransformer.synth import train_tokenizer
-    scripts = Path(__file__).resolve().parents[1] / "scripts"
     model = make_checkpoint(tmp_path / "model", qwen2_config(
         vocab_size=320, num_hidden_layers=3, max_position_embeddings=512), seed=5,
         tokenizer=train_tokenizer(vocab_size=300))
     text = tmp_path / "text.txt"
     text.write_text("The keeper climbed the steps and lit the lamp at dusk. " * 60)
-    env = dict(os.environ, MT_WEIGHTS_DIR=str(tmp_path / "weights"))
-    settings = ["--model", str(model), "--layers", "2", "--steps", "4", "--batch", "8",
-                "--train-tokens", "128", "--held-tokens", "64", "--text", str(text)]
+    monkeypatch.setenv("MT_WEIGHTS_DIR", str(tmp_path / "weights"))
+    settings = ["--model", model, "--layers", 2, "--steps", 4, "--batch", 8,
+                "--train-tokens", 128, "--held-tokens", 64, "--text", text]
 
-    def run(script, *args, status=0):
-        done = subprocess.run([sys.executable, str(scripts / script), *settings, *args],
-                              capture_output=True, text=True, timeout=300, env=env)
-        assert done.returncode == status, done.stderr[-2000:]
-        return done
-
-    done = run("train_draft.py")
-    assert "trained drafts cached" in done.stderr
-    for row in ("untrained cut", "soft, T = 1", "soft, T = 2", "hard", "KL soft, T = 2"):
-        assert row in done.stdout
-    assert "beat hard labels" in done.stdout
+    out, err = run_script("train_draft.py", *settings)
+    assert "trained drafts cached" in err
+    for row in ("untrained cut", "start: the last layer's MLP block", "soft, T = 1",
+                "soft, T = 2", "hard", "KL soft, T = 2", "soft (soft, T = "):
+        assert row in out
+    assert "beat hard labels" in out
     assert len(list((tmp_path / "weights" / "drafts").glob("*.npz"))) == 2  # teacher, students
-    done = run("exp23_soft_labels.py")
-    assert "trained drafts from" in done.stderr and "trained drafts cached" not in done.stderr
-    assert "Held-out KL to the teacher against training steps" in done.stdout
-    done = run("exp22_speculative.py", "--schemes", "int8-row", "--no-layers-draft",
-               "--new-tokens", "12", "--repeats", "1", "--max-gamma", "3",
-               "--distilled", "cut,soft2,hard")
+    out, err = run_script("exp23_soft_labels.py", *settings)
+    assert "trained drafts from" in err and "trained drafts cached" not in err
+    assert "Held-out KL to the teacher against training steps" in out
+    out, _ = run_script("exp22_speculative.py", *settings, "--schemes", "int8-row",
+                        "--no-layers-draft", "--new-tokens", 12, "--repeats", 1,
+                        "--max-gamma", 3, "--distilled", "cut,soft2,hard")
     for row in ("first 2 of 3 layers", "first 2, distilled (soft, T = 2)",
                 "first 2, distilled (hard)", "identical to plain greedy in every run: yes"):
-        assert row in done.stdout
-    assert "distilled (soft, T = 1)" not in done.stdout
-    done = run("exp22_speculative.py", "--distilled", "soft3", status=2)
-    assert "unknown distilled draft(s) soft3" in done.stderr
+        assert row in out
+    assert "distilled (soft, T = 1)" not in out
+    _, err = run_script("exp22_speculative.py", "--distilled", "soft3", status=2)
+    assert "unknown distilled draft(s) soft3" in err
+    _, err = run_script("train_draft.py", *settings[:-2], "--text", tmp_path / "none.txt",
+                        status=2)
+    assert "none.txt" in err
