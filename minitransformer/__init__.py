@@ -17,7 +17,6 @@ Reading order, in the chapter's order (the experiment each part serves in bracke
     distill.py           soft labels and the distillation loss                         [23]
     training.py          a draft trained on them: forward beside backward, Adam    [22, 23]
     ../sim/              cost models, numbers from shapes and formulas [3, 9-11, 13, 22, 24]
-    kvquant.py, tiled.py the cache's memory levers: a quantized cache, tiled attention [8, 10]
 
 A first pass may skip: loader.py, tokenizer.py, chat.py and formats/ (where the bytes come
 from), linear.py, fused.py, backend.py and strict.py (how the products run fast, or on a
