@@ -54,6 +54,15 @@ def add_sampling(parser, max_new_tokens) -> None:
     group.add_argument("--seed", type=int, default=None)
 
 
+def add_cache(parser) -> None:
+    group = parser.add_argument_group("KV cache and attention")
+    group.add_argument("--kv-cache-dtype", choices=KV_DTYPES, default="f32",
+                       help="the KV cache's format: float32, float16, or llama.cpp's q8_0 / "
+                       "q4_0 blocks (integer codes and a float16 scale per 32 numbers)")
+    group.add_argument("--attention", choices=tuple(ATTENTIONS), default="plain",
+                       help="tiled: the same attention, the score matrix held a tile at a time")
+
+
 def sampling(args) -> SamplingSettings:
     """The sampling options as the one SamplingSettings every generation takes."""
     return SamplingSettings(args.do_sample, args.temperature, args.top_k, args.top_p,
@@ -93,14 +102,16 @@ def generate(args) -> None:
     ids = model.tokenizer.encode(args.prompt)
     sys.stdout.write(args.prompt)
     stream_text(model, ids, mt.stream(model, ids, args.max_new_tokens, sampling=args.sampling,
-                                      seed=args.seed))
+                                      seed=args.seed, kv_dtype=args.kv_cache_dtype,
+                                      attention=args.attention))
 
 
-def chat_engine(model) -> Engine:
+def chat_engine(model, kv_dtype="f32", attention="plain") -> Engine:
     """One slot, a pool for the model's whole context (and the copy of a block a prompt cached
     in full must write into), prefix caching on: the conversation stays cached between turns."""
     context = model.config.max_position_embeddings
-    return Engine(model, slots=1, num_blocks=blocks_for(context, BLOCK_SIZE) + 1)
+    return Engine(model, slots=1, num_blocks=blocks_for(context, BLOCK_SIZE) + 1,
+                  kv_dtype=kv_dtype, attention=attention)
 
 
 def turn(engine, ids, args):
@@ -125,7 +136,7 @@ def chat(args) -> None:
     print(f"chatting with {model.path}: empty line or Ctrl-D to quit, /reset to start over",
           file=sys.stderr)
     system = [{"role": "system", "content": args.system}] if args.system else []
-    messages, engine = list(system), chat_engine(model)
+    messages, engine = list(system), chat_engine(model, args.kv_cache_dtype, args.attention)
     while True:
         sys.stdout.write("you> ")  # not input()'s prompt: without readline it goes to stderr
         sys.stdout.flush()
@@ -175,11 +186,13 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("prompt")
     add_model(g)
     add_sampling(g, 64)
+    add_cache(g)
     g.set_defaults(run=generate)
     c = commands.add_parser("chat", help="a multi-turn chat with the model's chat template")
     add_model(c)
     c.add_argument("--system", default=None, help="a system message to start with")
     add_sampling(c, 256)
+    add_cache(c)
     c.set_defaults(run=chat)
     s = commands.add_parser("serve", help="an OpenAI-compatible server (needs the serve extra)",
                             formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -211,11 +224,7 @@ def parser() -> argparse.ArgumentParser:
                    "filling the model's context in any language: positions x the longest "
                    "token's bytes x 6, a JSON escape per byte, + 1 MiB; 5,029,888 for "
                    "SmolLM2-135M)")
-    s.add_argument("--kv-cache-dtype", choices=KV_DTYPES, default="f32",
-                   help="the KV cache's format: float32, float16, or llama.cpp's q8_0 / q4_0 "
-                   "blocks (integer codes and a float16 scale per 32 numbers)")
-    s.add_argument("--attention", choices=tuple(ATTENTIONS), default="plain",
-                   help="tiled: the same attention, the score matrix held a tile at a time")
+    add_cache(s)
     s.set_defaults(run=serve)
     return p
 

@@ -75,6 +75,26 @@ def test_generate_and_chat_on_a_tiny_model(tiny_chat_model):
     assert done.stdout == "you> model> " + continuation(model, ids, 8) + "\nyou> \n"
 
 
+def test_generate_and_chat_with_a_quantized_cache_and_tiled_attention(tiny_chat_model):
+    model, prompt = tiny_chat_model, "The cat sat"
+    ids = model.tokenizer.encode(prompt)
+    tokens = mt.generate(model, ids, 12, kv_dtype="q4_0", attention="tiled")
+    text = model.tokenizer.decode(ids + tokens)[len(model.tokenizer.decode(ids)):]
+    done = cli("generate", "--model", model.path, prompt, "--max-new-tokens", "12",
+               "--kv-cache-dtype", "q4_0", "--attention", "tiled")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == prompt + text + "\n"
+    chat_ids = encode_chat(model, [{"role": "user", "content": prompt}])
+    answer = mt.generate(model, chat_ids, 8, kv_dtype="q8_0")
+    done = cli("chat", "--model", model.path, "--max-new-tokens", "8", "--kv-cache-dtype",
+               "q8_0", stdin=f"{prompt}\n")
+    expected = model.tokenizer.decode(chat_ids + answer)[len(model.tokenizer.decode(chat_ids)):]
+    assert done.stdout == "you> model> " + expected + "\nyou> \n"
+    for bad in (["--kv-cache-dtype", "q5_k"], ["--attention", "flash"]):
+        done = cli("generate", "--model", model.path, prompt, *bad)
+        assert done.returncode == 2 and "invalid choice" in done.stderr and not done.stdout
+
+
 def test_generate_streams_the_text_of_generate(stories):
     done = cli("generate", "--model", stories.path, "Once upon a time", "--max-new-tokens", "40")
     assert done.returncode == 0, done.stderr
