@@ -48,6 +48,17 @@ def to_numpy(a):
     return numpy.asarray(a)
 
 
+def numpy_kernel(fn):
+    """A function written for NumPy arrays -> the same function for this backend's arrays.
+
+    For the routes written against NumPy's own calls (blas.py, quant/matmul.py): on NumPy it
+    is fn itself; under strict, fn runs on the NumPy data the device arrays wrap, as a kernel
+    runs on device memory (no transfer), so strict makes NumPy's very calls, with its bits.
+    CuPy takes its own route before reaching one of these.
+    """
+    return xp.kernel(fn) if BACKEND == "strict" else fn
+
+
 def to_device(a):
     """A host array -> an array of the active backend (no copy on NumPy)."""
     return xp.asarray(a)

@@ -12,12 +12,15 @@ checkpoint's names meet the fused ones:
 Stacking rows is exact: output row r of the stack is output row r of the part it came from.
 The model's weights dict keeps every checkpoint name, as a view into the stacked matrix, so a
 learner can still look up "model.layers.3.self_attn.k_proj.weight", and nothing is held twice.
-Quantized weights (model.is_quantized) cannot be stacked as arrays: a Stacked keeps
-them apart and concatenates their outputs, which is the same function.
+Quantized weights (linear.is_quantized) cannot be stacked as arrays: a Stacked keeps
+them apart and concatenates their outputs, which is the same function. The stacks are made once
+per weights dict, where a Model is built (model.Model): a Model made from another with the same
+dict (a draft of its first layers, a changed config) shares them.
 """
 from dataclasses import dataclass
 
 from minitransformer.backend import xp
+from minitransformer.linear import is_quantized
 
 
 @dataclass(frozen=True)
@@ -34,14 +37,21 @@ class Layer:
 
 
 @dataclass(frozen=True)
+class Fused:
+    """What fuse made from one weights dict: the dict (its q/k/v and gate/up now views into the
+    stacks) and the layers. A Model keeps it while its weights are this very dict."""
+    weights: dict
+    layers: tuple           # Layer per layer
+
+
+@dataclass(frozen=True)
 class Stacked:
     """Matrices that multiply themselves (quantized), stacked along out: x (..., in) ->
     (..., sum of outs), each part's outputs side by side, as one stacked matrix would give."""
     parts: tuple
 
     def matmul(self, x):
-        from minitransformer.linear import linear
-        return xp.concatenate([linear(x, w) for w in self.parts], axis=-1)
+        return xp.concatenate([w.matmul(x) for w in self.parts], axis=-1)
 
 
 def stack(weights: dict, names: list):
@@ -50,12 +60,9 @@ def stack(weights: dict, names: list):
     `weights` by views into the stack; anything else goes into a Stacked as it is."""
     if names[0] not in weights:
         return None
-    from minitransformer.linear import is_quantized
     parts = [weights[n] for n in names]
     if any(is_quantized(w) for w in parts):
         return Stacked(tuple(parts))
-    if stacked_views(parts):  # a Model made from another one's weights: share, never copy
-        return parts[0].base
     whole = xp.concatenate(parts)                                    # (sum of outs, ...)
     start = 0
     for name, part in zip(names, parts):
@@ -64,25 +71,9 @@ def stack(weights: dict, names: list):
     return whole
 
 
-def address(a) -> int:
-    """Where an array's first element lives (host or device memory)."""
-    return a.__array_interface__["data"][0] if hasattr(a, "__array_interface__") \
-        else a.data.ptr
-
-
-def stacked_views(parts) -> bool:
-    """Are these arrays, in order, the rows of one array end to end (what stack made)?"""
-    base = parts[0].base
-    if base is None or any(p.base is not base or p.shape[1:] != base.shape[1:] for p in parts):
-        return False
-    ends = [address(base)] + [address(p) + p.nbytes for p in parts]
-    starts = [address(p) for p in parts] + [address(base) + base.nbytes]
-    return ends == starts  # each part starts where the one before it ended, and they fill base
-
-
-def fuse(config, weights: dict):
-    """-> (a new weights dict whose q/k/v and gate/up are views into the stacks, Layer per
-    layer). The caller's dict is left as it was."""
+def fuse(config, weights: dict) -> Fused:
+    """-> a new weights dict whose q/k/v and gate/up are views into the stacks, and a Layer per
+    layer. The caller's dict is left as it was."""
     weights, layers = dict(weights), []
     for i in range(config.num_hidden_layers):
         p = f"model.layers.{i}."
@@ -96,4 +87,4 @@ def fuse(config, weights: dict):
             post_norm=weights[p + "post_attention_layernorm.weight"],
             gate_up=stack(weights, [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]),
             down=weights[p + "mlp.down_proj.weight"]))
-    return weights, tuple(layers)
+    return Fused(weights, tuple(layers))

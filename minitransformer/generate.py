@@ -54,8 +54,15 @@ def seeded_rng(seed) -> np.random.Generator:
     return np.random.default_rng(seed)
 
 
-def last_logits(model, hidden, batch_invariant=False) -> np.ndarray:
-    """Hidden states (B, T, D) -> host logits (B, V) of the last position only."""
+def last_logits(model, ids, cache=None, batch_invariant=False, attention="plain") -> np.ndarray:
+    """Token ids (B, T) -> host logits (B, V) of each row's last position: a forward pass
+    (with the cache, if given; attention as in model.forward), then the head on the last
+    hidden state.
+
+    batch_invariant (see model.prepare) is given once and holds for both: each row's logits
+    are then the very bits it gets alone.
+    """
+    hidden = forward(model, ids, cache, batch_invariant, attention)        # (B, T, D)
     return to_numpy(head(model, hidden[:, -1:], batch_invariant))[:, -1]
 
 
@@ -85,22 +92,19 @@ def stream(model, ids, max_new_tokens: int, cache: bool = True,
     if max_new_tokens == 0:
         return
     tokens = ids.tolist()
-    if cache:
-        kv = KVCache.allocate(model.config, 1, len(tokens) + max_new_tokens, kv_dtype)
-        hidden = forward(model, ids[None], kv, attention=attention)   # prefill: (1, P, D)
-    else:
-        hidden = forward(model, ids[None], attention=attention)       # (1, P, D)
+    kv = KVCache.allocate(model.config, 1, len(tokens) + max_new_tokens, kv_dtype) \
+        if cache else None
+    logits = last_logits(model, ids[None], kv, attention=attention)[0]   # prefill: (V,)
     for step in range(max_new_tokens):
-        z = last_logits(model, hidden)[0]                         # (V,)
-        token = next_token(z, tokens, settings, rng)
-        yield token if logprobs is None else token_logprob(z, token, logprobs)
+        token = next_token(logits, tokens, settings, rng)
+        yield token if logprobs is None else token_logprob(logits, token, logprobs)
         tokens.append(token)
         if token in eos or step == max_new_tokens - 1:
             return
         if cache:
-            hidden = forward(model, np.array([[token]]), kv, attention=attention)  # decode
+            logits = last_logits(model, np.array([[token]]), kv, attention=attention)[0]
         else:                                                         # recompute everything
-            hidden = forward(model, np.array([tokens]), attention=attention)
+            logits = last_logits(model, np.array([tokens]), attention=attention)[0]
 
 
 def generate(model, ids, max_new_tokens: int, cache: bool = True,

@@ -30,9 +30,9 @@ import numpy as np  # host-side bookkeeping only (positions); the math goes thro
 
 from minitransformer.backend import to_device, xp
 from minitransformer.config import ModelConfig
-from minitransformer.fused import Layer, fuse
+from minitransformer.fused import Fused, fuse
 from minitransformer.kvquant import dequantize
-from minitransformer.linear import is_quantized, linear  # noqa: F401 (is_quantized: re-exported)
+from minitransformer.linear import linear
 from minitransformer.tiled import CausalTiles, tiled_attention
 
 
@@ -43,15 +43,22 @@ class Model:
     tokenizer: object = None  # minitransformer.tokenizer.Tokenizer, or None
     eos_token_ids: tuple = ()
     path: str = ""
-    layers: tuple = field(init=False, repr=False, compare=False)  # Layer per layer (fused.py)
+    fused: Fused = field(default=None, repr=False, compare=False)  # made here (fused.py)
 
     def __post_init__(self):
-        # Made here, so that every Model (loaded, quantized, edited with dataclasses.replace)
-        # multiplies the weights its dict holds. The dict's q/k/v and gate/up become views
-        # into the fused matrices: nothing is held twice.
-        weights, layers = fuse(self.config, self.weights)
-        object.__setattr__(self, "weights", weights)
-        object.__setattr__(self, "layers", layers)
+        # The fused matrices are made here, once per weights dict, so that every Model
+        # (loaded, quantized, edited with dataclasses.replace) multiplies the weights its dict
+        # holds; one made from another with the very same dict (a draft of its first layers)
+        # shares them. The dict's q/k/v and gate/up become views into the fused matrices:
+        # nothing is held twice.
+        if self.fused is None or self.fused.weights is not self.weights:
+            object.__setattr__(self, "fused", fuse(self.config, self.weights))
+            object.__setattr__(self, "weights", self.fused.weights)
+
+    @property
+    def layers(self) -> tuple:
+        """Layer per layer: the weights as the forward pass multiplies them (fused.py)."""
+        return self.fused.layers
 
 
 def rms_norm(x, weight, eps):
@@ -278,8 +285,12 @@ def forward(model: Model, ids, cache=None, batch_invariant=False, attention="pla
     return rms_norm(h, model.weights["model.norm.weight"], model.config.rms_norm_eps)
 
 
-def head(model: Model, hidden, batch_invariant=False):
-    """Hidden states (B, T, D) -> logits (B, T, V). A tied model reuses the embedding matrix."""
+def head(model: Model, hidden, per_row=False):
+    """Hidden states (B, T, D) -> logits (B, T, V). A tied model reuses the embedding matrix.
+
+    per_row: as in linear; generate.last_logits gives it forward's batch_invariant, so one
+    flag covers a forward pass and its head.
+    """
     tied = model.config.tie_word_embeddings
     return linear(hidden, model.weights["model.embed_tokens.weight" if tied else "lm_head.weight"],
-                  per_row=batch_invariant)
+                  per_row=per_row)

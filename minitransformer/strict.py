@@ -30,6 +30,7 @@ may index a device array and be assigned into one (CuPy uploads them); shapes, d
 Left out: device memory and streams, and CuPy's wrap-around of out-of-bounds indices (NumPy
 still raises, so index checks stay the host code's job either way).
 """
+import dataclasses
 import operator
 
 import numpy
@@ -234,6 +235,33 @@ def to_host(a) -> numpy.ndarray:
     if isinstance(a, DeviceArray):
         return a._data.copy()
     return numpy.asarray(a)
+
+
+def kernel(fn):
+    """fn, a function of NumPy arrays -> the same function of device arrays, run on their data
+    as a device kernel runs on device memory: device arrays among the arguments (also as the
+    fields of a dataclass, such as a quantized weight) are passed as the NumPy arrays they
+    wrap, and array results come back wrapped. No transfer and nothing refused: inside, the
+    calls are exactly the ones a NumPy run makes (backend.numpy_kernel).
+
+    >>> double = kernel(lambda a: numpy.multiply(a, 2))
+    >>> double(asarray([1.0, 2.0]))
+    DeviceArray(array([2., 4.]))
+    """
+    def on_data(*args):
+        return wrap(fn(*(data_of(a) for a in args)))
+    on_data.__name__ = getattr(fn, "__name__", "kernel")
+    return on_data
+
+
+def data_of(a):
+    """A kernel's argument -> the NumPy data it wraps (a dataclass: its fields' data)."""
+    if type(a) is DeviceArray:
+        return a._data
+    if dataclasses.is_dataclass(a) and not isinstance(a, type):
+        return dataclasses.replace(a, **{f.name: data_of(getattr(a, f.name))
+                                         for f in dataclasses.fields(a) if f.init})
+    return a
 
 
 def asarray(a, dtype=None, **kwargs):

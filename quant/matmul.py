@@ -25,6 +25,8 @@ scheme here (a compiled kernel keeps its 16 levels in a SIMD register and looks 
 speed of a cast).
 The cost that is left is NumPy's: the cast writes 4 bytes a weight into the buffer and BLAS
 reads them back, at cache speed but not free, where a compiled kernel converts in registers.
+Each block's product goes into BLAS by minitransformer/blas.py's way for its shape (timed on
+the BLAS running here). The strict test backend runs this very code on the data it wraps.
 Leaves out: integer matmuls (the activations stay float), multithreaded blocks, CuPy (on a
 GPU the whole-matrix path is used: bandwidth there makes the temporary cheap).
 """
@@ -32,8 +34,8 @@ import threading
 
 import numpy as np
 
-from minitransformer.backend import BACKEND
-from minitransformer.linear import FEW_ROWS, few_rows_matmul
+from minitransformer.backend import BACKEND, numpy_kernel
+from minitransformer.blas import FEW_ROWS, numpy_multiply
 from minitransformer.shape import ceil_div
 from quant.packing import integer_levels
 
@@ -44,9 +46,14 @@ _tables = {}                  # id(levels) -> (levels, lookup table or None): lo
 
 def blocked_matmul(q, x):
     """x (..., in) @ q.dequantize().T -> (..., out), float32, a block of rows at a time."""
-    out, cols = q.shape
-    if BACKEND != "numpy" or not fast_layout(q):
+    if BACKEND == "cupy" or not fast_layout(q):
         return x @ q.dequantize().T                   # the specification, whole matrix
+    return on_device(q, x)
+
+
+def numpy_blocked_matmul(q, x):
+    """blocked_matmul on NumPy arrays (under the strict backend: on the data it wraps)."""
+    out, cols = q.shape
     table = lookup_table(q)
     xb = block_columns(q, table, x.reshape(-1, cols))                  # (M, in), block order
     y = np.empty((xb.shape[0], out), np.float32)                       # (M, out)
@@ -58,25 +65,19 @@ def blocked_matmul(q, x):
         r1 = min(out, r0 + rows)
         w = levels_block(q, r0, r1, table, floats, ints)  # (n, in) levels, in scale units
         if per_row:
-            multiply(xb, w, y[:, r0:r1])
+            numpy_multiply(xb, w, y[:, r0:r1])
         elif len(xb) > FEW_ROWS:  # a prefill: one pass scaling the block, one large product
             w *= np.repeat(scales[r0:r1], q.group, axis=1)[:, :cols]
-            multiply(xb, w, y[:, r0:r1])
-        else:
+            numpy_multiply(xb, w, y[:, r0:r1])
+        else:  # up to FEW_ROWS rows: faster than scaling the block (measured on OpenBLAS's
+            #    SkylakeX and Haswell kernels alike, groups of 64 and 128, blocks of Qwen2.5)
             grouped_matmul(xb, w, scales[r0:r1], q.group, y[:, r0:r1])
     if per_row:
         y *= scales.reshape(1, -1)                    # (1, out) or (1, 1): scale outputs
     return y.reshape(x.shape[:-1] + (out,))
 
 
-def multiply(x, w, out):
-    """out (M, n) = x (M, in) @ w (n, in).T, by the call BLAS does fastest for M rows."""
-    if len(x) == 1:
-        np.matmul(w, x[0], out=out[0])               # a matrix-vector product
-    elif len(x) <= FEW_ROWS:
-        few_rows_matmul(x, w, out)                   # slices its small-matrix kernel takes
-    else:
-        np.matmul(x, w.T, out=out)
+on_device = numpy_kernel(numpy_blocked_matmul)  # strict: NumPy's calls on the data it wraps
 
 
 def grouped_matmul(x, w, scales, group: int, out):

@@ -3,7 +3,7 @@
 Serves experiments 15 (resident bytes), 16 (which matrices count) and 21 (the model that is
 evaluated). Every projection matrix (q, k, v, o, gate, up, down of every layer: 7 per layer,
 168 in Qwen2.5-0.5B) is replaced by a QWeight of the chosen scheme (schemes.py); the forward
-pass sees a quantized weight (`minitransformer.model.is_quantized`) and lets it multiply
+pass sees a quantized weight (`minitransformer.linear.is_quantized`) and lets it multiply
 itself. The embedding (and so the tied head), the norms and the biases stay float32, as in
 the chapter. `dequantize_model` goes back: every QWeight replaced by its float matrix.
 
@@ -16,7 +16,7 @@ import re
 from dataclasses import replace
 from numbers import Real
 
-from minitransformer.model import is_quantized
+from minitransformer.linear import is_quantized
 from quant.schemes import SCHEMES, check_scheme  # noqa: F401 (SCHEMES: imported from here too)
 
 PROJECTION = re.compile(r"layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj)\.weight$")

@@ -89,6 +89,22 @@ class Table:
         ending = [*self.notes, *self.chapter_lines()]
         return "\n".join(lines + ([""] + ending if ending else []))
 
+    def markdown(self) -> str:
+        """The same table as Markdown (a heading, the header lines, a pipe table, the notes),
+        for a script's --markdown file: figures in the documentation written by the script."""
+        lines = [f"### {self.title}", "", *(f"{h}  " for h in self.headers)]
+        if self.columns:
+            cells = [[cell(v, fmt) for v, (_, fmt) in zip(r, self.columns)] for r in self.rows]
+            left = [all(isinstance(r[i], str) for r in self.rows) and bool(self.rows)
+                    for i in range(len(self.columns))]
+            lines += ["", "| " + " | ".join(name for name, _ in self.columns) + " |",
+                      "|" + "|".join(":---" if lf else "---:" for lf in left) + "|"]
+            for i, row in enumerate(cells):
+                warning = f" WARNING: {self.warnings[i]}" if i in self.warnings else ""
+                lines.append("| " + " | ".join(row) + " |" + warning)
+        ending = [*self.notes, *self.chapter_lines()]
+        return "\n".join(lines + ([""] + [f"{n}  " for n in ending] if ending else [])) + "\n"
+
     def show(self):
         """Print on stdout (and record, when MT_TABLES is set)."""
         print(self.text(), flush=True)

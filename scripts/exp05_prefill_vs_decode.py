@@ -26,7 +26,6 @@ from _table import Table
 from minitransformer.generate import last_logits
 from minitransformer.kvcache import KVCache
 from minitransformer.measure.timing import MAX_SPREAD, RETRIES, Timing, timed
-from minitransformer.model import forward
 
 
 def one_run(model, prompt, new_tokens):
@@ -34,7 +33,7 @@ def one_run(model, prompt, new_tokens):
     cache = KVCache.allocate(model.config, batch=1, max_len=len(prompt) + new_tokens)
 
     def step(ids):  # ids (1, T) -> the next token, greedy
-        return int(np.argmax(last_logits(model, forward(model, ids, cache))[0]))
+        return int(np.argmax(last_logits(model, ids, cache)[0]))
 
     token, prefill = timed(lambda: step(np.array([prompt])))          # (1, P) -> first token
     tokens, steps = [token], []

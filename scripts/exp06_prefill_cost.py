@@ -19,7 +19,6 @@ from _table import Table
 from minitransformer.generate import last_logits
 from minitransformer.kvcache import KVCache
 from minitransformer.measure.timing import median_time
-from minitransformer.model import forward
 from minitransformer.measure.sanity import cost_falls, recheck, spikes
 
 
@@ -27,7 +26,7 @@ def prefill_time(model, ids, warmup, repeat):
     """ids (P,) -> Timing of one prefill pass (fresh cache each time)."""
     def prefill():
         cache = KVCache.allocate(model.config, batch=1, max_len=len(ids))
-        return last_logits(model, forward(model, ids[None], cache))    # (1, P) -> (1, V)
+        return last_logits(model, ids[None], cache)                     # (1, P) -> (1, V)
     return median_time(prefill, warmup, repeat)
 
 

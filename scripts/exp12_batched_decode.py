@@ -102,8 +102,7 @@ def main(argv=None):
 
         def step_paged(batch_invariant=False):  # as the engine does it: room, then the step
             cache.make_room(rows, 1)
-            return last_logits(model, forward(model, ids[:B, None], cache.view(rows),
-                                              batch_invariant), batch_invariant)
+            return last_logits(model, ids[:B, None], cache.view(rows), batch_invariant)
 
         def rollback_paged():
             for b in rows:

@@ -7,10 +7,9 @@ import pytest
 import minitransformer as mt
 import conftest
 from conftest import assert_like_solo
-from minitransformer.backend import to_numpy
 from minitransformer.generate import last_logits
 from minitransformer.kvcache import KVCache
-from minitransformer.model import forward, head
+from minitransformer.model import forward
 from minitransformer.serve.paged import PagedCache
 from minitransformer.sampling import SamplingSettings
 from minitransformer.synth import make_checkpoint, qwen2_config
@@ -18,15 +17,14 @@ from minitransformer.synth import make_checkpoint, qwen2_config
 
 def decode_step(model, tokens, cache, batch_invariant=False):
     """One new token per row, (B,) -> logits (B, V): forward with T = 1, then the head."""
-    hidden = forward(model, np.asarray(tokens).reshape(-1, 1), cache, batch_invariant)
-    return last_logits(model, hidden, batch_invariant)
+    return last_logits(model, np.asarray(tokens).reshape(-1, 1), cache, batch_invariant)
 
 
 def solo_decode_logits(model, prompt, token):
     """Prefill the prompt alone, then decode one token: logits (V,), as generate computes."""
     kv = KVCache.allocate(model.config, 1, len(prompt) + 1)
     forward(model, np.array([prompt]), kv)
-    return last_logits(model, forward(model, np.array([[token]]), kv))[0]
+    return last_logits(model, np.array([[token]]), kv)[0]
 
 
 def paged_batch(model, prompts, block_size):
@@ -81,8 +79,8 @@ def test_many_batched_steps_give_generate_s_tokens(tiny_model, batch_invariant):
     tokens = []
     for i, prompt in enumerate(prompts):  # prefill alone: it picks the first token
         cache.add(i, prompt)
-        hidden = forward(tiny_model, np.array([prompt]), cache.view([i]))
-        tokens.append([int(np.argmax(last_logits(tiny_model, hidden)[0]))])
+        tokens.append([int(np.argmax(last_logits(tiny_model, np.array([prompt]),
+                                                 cache.view([i]))[0]))])
     for _ in range(19):                   # then 19 batched steps, greedy
         cache.make_room(range(4), 1)
         logits = decode_step(tiny_model, [t[-1] for t in tokens], cache.view(range(4)),
@@ -113,10 +111,10 @@ def test_long_rows_past_the_blas_size_switch(tmp_path):
 
 
 def test_a_single_row_gets_the_same_bits_in_both_modes(tiny_model):
-    """Batch 1 multiplies the same (T, D) matrix either way: the solo reference is one."""
+    """Batch 1 makes the very same calls either way (one (T, D) matrix per product): the solo
+    reference is one."""
     ids = np.random.default_rng(4).integers(0, tiny_model.config.vocab_size, (1, 7))
-    fast, exact = (to_numpy(head(tiny_model, forward(tiny_model, ids, batch_invariant=mode),
-                                 batch_invariant=mode)) for mode in (False, True))
+    fast, exact = (last_logits(tiny_model, ids, batch_invariant=mode) for mode in (False, True))
     assert np.array_equal(fast, exact)
 
 

@@ -107,3 +107,26 @@ def test_limit_threads_sets_blas_and_says_so():
             threadpoolctl.threadpool_limits(p["num_threads"], user_api=p["user_api"])
     with pytest.raises(ValueError, match="threads"):
         measure.limit_threads(0)
+
+
+def test_where_it_ran_names_the_cpu_avx512_and_the_blas_kernel(monkeypatch):
+    pools = [{"user_api": "blas", "internal_api": "openblas", "version": "0.3.31",
+              "filepath": "/lib/libopenblas.so", "architecture": "Haswell", "num_threads": 1}]
+    monkeypatch.setattr(measure, "blas", lambda: pools)
+    monkeypatch.setattr(measure, "cpu", lambda: {"model": "AMD EPYC 7B13", "avx512": False})
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    assert measure.where_it_ran() == ("CPU: AMD EPYC 7B13 (2 cores), AVX-512: no; BLAS: "
+                                      "openblas 0.3.31 (libopenblas.so), kernel Haswell, 1 thread")
+    assert measure.blas_kernel() == "Haswell"
+    monkeypatch.setattr(measure, "blas", lambda: [])
+    assert measure.blas_kernel() == "no-BLAS" and measure.where_it_ran().endswith("none found")
+
+
+def test_the_cpu_is_read_from_this_machine():
+    c = measure.cpu()
+    assert c["model"] and c["avx512"] in (True, False, None)
+    if os.path.isfile("/proc/cpuinfo"):   # Linux on x86: the model name line, verbatim
+        with open("/proc/cpuinfo") as f:
+            lines = [x for x in f if x.startswith("model name")]
+        if lines:
+            assert c["model"] == " ".join(lines[0].split(":", 1)[1].split())

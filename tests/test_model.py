@@ -85,19 +85,6 @@ def test_no_float64_on_the_decode_path(tiny_model):
         weights["model.norm.weight"] * np.float64(1.5) + np.zeros(1)
 
 
-@pytest.mark.parametrize("M", [2, 5, 16])
-def test_few_rows_matmul_is_the_flat_product(M):
-    from minitransformer.linear import few_rows_block, few_rows_matmul
-    rng = np.random.default_rng(M)
-    out = few_rows_block(M, 96) * 2 + 5  # two blocks and a short third
-    w = rng.standard_normal((out, 96)).astype(np.float32)
-    x = rng.standard_normal((M, 96)).astype(np.float32)
-    y = to_numpy(few_rows_matmul(to_device(x), to_device(w)))
-    bound = 4 * 96 * np.finfo(np.float32).eps * (np.abs(x) @ np.abs(w).T)
-    assert y.shape == (M, out) and y.dtype == np.float32
-    assert np.all(np.abs(y - x @ w.T) <= bound)
-
-
 def test_decode_skips_the_mask_only_where_every_slot_is_seen(tiny_model):
     """No mask is the mask that hides nothing: same bits; rows of different lengths keep one."""
     from minitransformer.kvcache import KVCache

@@ -171,7 +171,7 @@ def test_a_quantized_model_batched_row_by_row_gets_each_rows_solo_bits(model):
 
 
 def test_dequantize_model_holds_the_specified_float_matrices(model):
-    from minitransformer.model import is_quantized
+    from minitransformer.linear import is_quantized
     from quant.qmodel import dequantize_model
     from quant.scales import relative_error
     q = quantize_model(model, "int4-g128")

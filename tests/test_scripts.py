@@ -74,10 +74,16 @@ def test_bench_parallel_samples_counts_the_blocks_of_each_way(tiny, run_script):
     assert [r[-1] for r in rows.values()] == ["3/3"] * 3
 
 
-def test_bench_decode_runs_and_checks_its_bits(tiny, run_script):
+def test_bench_decode_runs_and_checks_its_bits(tiny, run_script, tmp_path):
+    from minitransformer.measure.timing import blas_kernel, where_it_ran
+    markdown = tmp_path / "decode.md"
     out, _ = run_script("bench_decode", "--model", tiny, "--context", 8, "--repeat", 2,
-                        "--buffer-mb", 16)
+                        "--buffer-mb", 16, "--markdown", markdown)
     assert "against the memory-bandwidth floor" in out and "/ floor" in out
+    assert where_it_ran().split("; BLAS:")[0] in out and f"kernel {blas_kernel()}" in out
+    written = markdown.read_text()       # the same tables, headed by the kernel
+    assert written.startswith(f"# Decode benchmark: OpenBLAS kernel {blas_kernel()}\n")
+    assert written.count("\n### ") == 4 and "| model | B=1 ms | B=16 flat ms |" in written
     assert "bit for bit" in out  # batch-invariant rows: each exactly B = 1's logits
     assert "Quantized decode" in out and "NF4 (block 64)" in out
     assert "prompt lookup on a rewrite task" in out and "yes" in out.split("rewrite task")[-1]

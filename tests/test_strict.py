@@ -8,7 +8,7 @@ import sys
 import numpy as np
 import pytest
 
-from minitransformer import strict
+from minitransformer import blas, strict
 
 HOST = np.arange(6, dtype=np.float32).reshape(2, 3)
 
@@ -62,20 +62,35 @@ def test_to_host_is_the_way_off_and_a_copy(x):
     assert strict.to_host(x)[0, 0] == 0
 
 
-def test_the_model_under_strict_gives_numpys_logits_bit_for_bit(checkpoint_dir):
-    """One subprocess with MT_BACKEND=strict: the wrapper changes no bit of the math."""
+@pytest.mark.parametrize("route", blas.ROUTES)
+def test_the_model_under_strict_gives_numpys_logits_bit_for_bit(checkpoint_dir, monkeypatch,
+                                                                 route):
+    """One subprocess with MT_BACKEND=strict: the wrapper changes no bit of the math, float or
+    quantized. Same bits because both sides make the same calls: strict runs NumPy's own
+    routes on the data it wraps (backend.numpy_kernel), and the way each product goes into
+    BLAS, which a process otherwise measures for itself (blas.py), is fixed alike on both
+    sides (MT_PRODUCTS there, blas.FIXED here), once for each way."""
     import minitransformer as mt
+    from quant.qmodel import quantize_model
     path = checkpoint_dir("llama-bias-headdim")
-    ids = [3, 1, 4, 1, 5]
-    code = ("import json, sys, numpy as np, minitransformer as mt; m = mt.load(sys.argv[1]); "
+    ids, schemes = [3, 1, 4, 1, 5], ("int8-row", "int4-g128", "nf4")
+    code = ("import json, sys, minitransformer as mt; from quant.qmodel import quantize_model; "
+            "m = mt.load(sys.argv[1]); "
             "print(json.dumps([mt.logits(m, [3, 1, 4, 1, 5]).tobytes().hex(), "
             "mt.generate(m, [3, 1, 4], 6, eos_token_id=[]), "
-            "type(m.weights['model.norm.weight']).__name__]))")
+            "type(m.weights['model.norm.weight']).__name__] + "
+            f"[mt.logits(quantize_model(m, s), [3, 1, 4, 1, 5]).tobytes().hex() "
+            f"for s in {schemes!r}]))")
     done = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True,
-                          text=True, env=dict(os.environ, MT_BACKEND="strict"), timeout=120)
+                          text=True, timeout=120,
+                          env=dict(os.environ, MT_BACKEND="strict", MT_PRODUCTS=route))
     assert done.returncode == 0, done.stderr
-    logits, tokens, kind = json.loads(done.stdout)
+    logits, tokens, kind, *quantized = json.loads(done.stdout)
+    monkeypatch.setattr(blas, "FIXED", route)
     model = mt.load(path)
     assert kind == "DeviceArray"
     assert bytes.fromhex(logits) == mt.logits(model, ids).tobytes()
     assert tokens == mt.generate(model, [3, 1, 4], 6, eos_token_id=[])
+    for scheme, hexed in zip(schemes, quantized):
+        assert bytes.fromhex(hexed) == mt.logits(quantize_model(model, scheme), ids).tobytes(), \
+            scheme

@@ -233,6 +233,57 @@ def machine() -> str:
     return text
 
 
+def cpu() -> dict:
+    """{"model": the CPU's name, "avx512": True, False or None (unknown)}, read from Linux's
+    /proc/cpuinfo (elsewhere: the platform's name for the processor, AVX-512 unknown)."""
+    import platform
+    try:
+        with open("/proc/cpuinfo") as f:
+            info = f.read()
+    except OSError:
+        return {"model": platform.processor() or platform.machine() or "unknown",
+                "avx512": None}
+    fields = {}
+    for line in info.splitlines():               # "model name\t: ...", the first CPU's
+        key, _, value = line.partition(":")
+        fields.setdefault(key.strip(), value.strip())
+    model = " ".join(fields.get("model name", "").split())
+    flags = fields.get("flags", "").split()
+    return {"model": model or platform.machine() or "unknown",
+            "avx512": ("avx512f" in flags) if flags else None}
+
+
+def blas() -> list:
+    """The BLAS libraries NumPy's products run on, as threadpoolctl reports them: dicts with
+    internal_api (openblas, mkl, ...), version, architecture (OpenBLAS's kernel, e.g.
+    SkylakeX or Haswell: chosen per CPU, or forced by OPENBLAS_CORETYPE), num_threads."""
+    from threadpoolctl import threadpool_info
+    return [p for p in threadpool_info() if p["user_api"] == "blas"]
+
+
+def blas_kernel() -> str:
+    """The BLAS kernel in one word, e.g. 'SkylakeX' (for a file name), or the library's name."""
+    pools = blas()
+    if not pools:
+        return "no-BLAS"
+    return pools[0].get("architecture") or pools[0]["internal_api"]
+
+
+def where_it_ran() -> str:
+    """One line: the CPU, AVX-512 or not, and every BLAS library, version, kernel and threads.
+
+    What a figure means depends on all of them: OpenBLAS picks a different kernel on a CPU
+    without AVX-512, and its products then take other times (and sum in other orders)."""
+    c = cpu()
+    avx = {True: "yes", False: "no", None: "unknown"}[c["avx512"]]
+    pools = [f"{p['internal_api']} {p.get('version') or '?'} "
+             f"({os.path.basename(p.get('filepath', ''))}), kernel "
+             f"{p.get('architecture') or '?'}, {p['num_threads']} thread"
+             f"{'s' if p['num_threads'] != 1 else ''}" for p in blas()]
+    return (f"CPU: {c['model']} ({os.cpu_count()} cores), AVX-512: {avx}; "
+            f"BLAS: {'; '.join(pools) or 'none found'}")
+
+
 def verification_costs(model, ids, largest: int, repeat: int = 5) -> dict:
     """{n: one pass over n + 1 new positions, in one-token decode steps} for n = 1..largest.
 

@@ -361,13 +361,13 @@ class Engine:
         start, ids = time.perf_counter(), [row.result.id for row in rows]
         self.cache.make_room(ids, 1)
         newest = np.array([[row.tokens[-1]] for row in rows])              # (B, 1)
-        hidden = forward(self.model, newest, self.cache.view(ids),          # decode: (B, 1, D)
-                         self.batch_invariant, self.attention)
-        for live, logits in zip(rows, last_logits(self.model, hidden, self.batch_invariant)):
+        logits = last_logits(self.model, newest, self.cache.view(ids),      # decode: (B, V)
+                             self.batch_invariant, self.attention)
+        for live, row in zip(rows, logits):
             if live.finished:
                 self.cache.trim(live.result.id, 1)  # a padding row never grows
             else:
-                self._sample(live, logits)
+                self._sample(live, row)
                 self._seal(live)
         self.decode_times.append((len(rows), time.perf_counter() - start))
         return [live for live in rows if not live.finished]
@@ -396,7 +396,8 @@ class Engine:
             if live.result.request.prompt_logprobs is not None:
                 self._score_prompt(live, hidden, done)
             if done + n == len(prompt):             # the last prompt token's logits
-                made += self._first_tokens(live, last_logits(self.model, hidden)[0])
+                last = to_numpy(head(self.model, hidden[:, -1:]))[0, -1]      # (V,)
+                made += self._first_tokens(live, last)
             self.prefill_times.append((n, time.perf_counter() - start))
             budget = None if budget is None else budget - n
         return made
