@@ -18,9 +18,9 @@ rows one flat product, and for 2..FEW_ROWS rows the first product of each shape 
 ways on its own operands and keeps the fastest for that shape, for the rest of the process.
 
 The three ways sum in different orders, so their last bits differ. Within a process a shape
-always takes the same way, so the same calls give the same bits; across processes the choice
-may differ, and `MT_PRODUCTS=flat|rows|slices` fixes it (read at import, as MT_BACKEND) for a
-comparison of bits between two runs. On CuPy every product is one cuBLAS call (flat); the
+always takes the same way, so the same calls give the same bits; across processes the measured
+choice may differ, and `MT_PRODUCTS=flat|rows|slices` fixes it (read at import, as MT_BACKEND)
+for a comparison of bits between two runs. On CuPy every product is one cuBLAS call (flat); the
 strict test backend runs exactly NumPy's calls on the data it wraps (backend.numpy_kernel).
 """
 import os
@@ -43,8 +43,9 @@ chosen = {}              # (M, n, in, dtypes) -> the way measured fastest for th
 def multiply(x, w, out=None):
     """x (M, in) @ w (n, in).T -> (M, n), by the way chosen for M rows (see the docstring).
 
-    >>> a, b = np.ones((2, 3), np.float32), np.arange(12, dtype=np.float32).reshape(4, 3)
-    >>> multiply(a, b).tolist()
+    >>> from minitransformer.backend import to_device, to_numpy
+    >>> a, b = xp.ones((2, 3), xp.float32), to_device(np.arange(12.0, dtype=np.float32))
+    >>> to_numpy(multiply(a, b.reshape(4, 3))).tolist()
     [[3.0, 12.0, 21.0, 30.0], [3.0, 12.0, 21.0, 30.0]]
     """
     if BACKEND == "cupy":                                            # one cuBLAS call
@@ -61,14 +62,13 @@ def numpy_multiply(x, w, out=None):
 
 
 def way(x, w) -> str:
-    """The way M rows of x multiply w here: FIXED, or by rule, or measured once per shape."""
+    """The way M rows of x multiply w here: by rule for 1 or many rows; for 2..FEW_ROWS,
+    FIXED, or the way measured fastest the first time this shape came."""
     M = len(x)
+    if M == 1 or M > FEW_ROWS:
+        return "flat"  # one row: w @ x.T with x.T (in, 1), NumPy's matrix-vector product
     if FIXED is not None:
         return FIXED
-    if M == 1:
-        return "flat"  # w @ x.T with x.T (in, 1): NumPy makes it a matrix-vector product
-    if M > FEW_ROWS:
-        return "flat"
     key = (M, *w.shape, x.dtype.str, w.dtype.str)
     if key not in chosen:
         chosen[key] = fastest(x, w)
@@ -76,14 +76,20 @@ def way(x, w) -> str:
 
 
 def fastest(x, w) -> str:
-    """Time the three ways on these operands (TRIALS each, interleaved) -> the fastest."""
+    """Time the three ways on these operands (TRIALS each, interleaved) -> the fastest.
+
+    `rows` is M alike matrix-vector products: timed as one of them, times M (on a large
+    matrix, such as a vocabulary's head, that keeps the measuring short)."""
     out = np.empty((len(x), len(w)), np.result_type(x, w))
+    calls = {"flat": lambda: flat(x, w, out), "rows": lambda: rows(x[:1], w, out),
+             "slices": lambda: slices(x, w, out)}
     best = dict.fromkeys(ROUTES, float("inf"))
     for _ in range(TRIALS):
         for route in ROUTES:
             start = time.perf_counter()
-            CALLS[route](x, w, out)
+            calls[route]()
             best[route] = min(best[route], time.perf_counter() - start)
+    best["rows"] *= len(x)
     return min(ROUTES, key=best.get)
 
 

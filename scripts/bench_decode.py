@@ -34,6 +34,7 @@ docs/benchmarks/ (docs/benchmarks.md: how to run it under each kernel).
 """
 import argparse
 import inspect
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -259,7 +260,6 @@ def main(argv=None):
 
 def write_markdown(path, tables, argv):
     """The tables as Markdown, headed by the kernel and the command that made them."""
-    import sys
     command = " ".join(["python3 scripts/bench_decode.py",
                         *(sys.argv[1:] if argv is None else argv)])
     text = "\n".join([f"# Decode benchmark: OpenBLAS kernel {blas_kernel()}", "",
