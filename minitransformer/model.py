@@ -288,8 +288,9 @@ def forward(model: Model, ids, cache=None, batch_invariant=False, attention="pla
 def head(model: Model, hidden, per_row=False):
     """Hidden states (B, T, D) -> logits (B, T, V). A tied model reuses the embedding matrix.
 
-    per_row: as in linear; generate.last_logits gives it forward's batch_invariant, so one
-    flag covers a forward pass and its head.
+    per_row: as in linear. The functions that run a forward pass and its head
+    (generate.last_logits, measure.timing.step_with_rollback) give it forward's
+    batch_invariant: their callers give the flag once, for both.
     """
     tied = model.config.tie_word_embeddings
     return linear(hidden, model.weights["model.embed_tokens.weight" if tied else "lm_head.weight"],
