@@ -34,6 +34,7 @@ docs/benchmarks/ (docs/benchmarks.md: how to run it under each kernel).
 """
 import argparse
 import inspect
+import os
 import sys
 from pathlib import Path
 
@@ -260,8 +261,10 @@ def main(argv=None):
 
 def write_markdown(path, tables, argv):
     """The tables as Markdown, headed by the kernel and the command that made them."""
-    command = " ".join(["python3 scripts/bench_decode.py",
-                        *(sys.argv[1:] if argv is None else argv)])
+    forced = [f"OPENBLAS_CORETYPE={os.environ['OPENBLAS_CORETYPE']}"] \
+        if os.environ.get("OPENBLAS_CORETYPE") else []       # a kernel forced for this run
+    command = " ".join([*forced, "python3 scripts/bench_decode.py",
+                        *(sys.argv[1:] if argv is None else map(str, argv))])
     text = "\n".join([f"# Decode benchmark: OpenBLAS kernel {blas_kernel()}", "",
                       f"Written by `{command}`; every figure below is the script's own.", "",
                       *(t.markdown() for t in tables)])
