@@ -1,5 +1,7 @@
 """n parallel samples of one prompt: prefilled once, its blocks shared copy-on-write, sample i
 the tokens a single request seeded seed + i gets (== in batch-invariant mode)."""
+import importlib
+
 import numpy as np
 import pytest
 
@@ -13,6 +15,8 @@ from minitransformer.sampling import SamplingSettings
 from minitransformer.serve.engine import Engine
 from minitransformer.serve.paged import PagedCache
 from minitransformer.serve.records import Request
+
+generate_module = importlib.import_module("minitransformer.generate")  # not the function
 
 PROMPT = (5, 9, 2, 7, 7, 1, 30, 12, 4, 18)          # 10 tokens: 2 full blocks of 4 and a half
 SAMPLED = SamplingSettings(do_sample=True, temperature=1.0)
@@ -56,10 +60,9 @@ def test_sample_i_is_the_single_request_seeded_seed_plus_i(tiny_model, batch_inv
 
 def test_the_prompt_is_prefilled_once_and_shared(tiny_model, monkeypatch):
     calls = []
-    real = engine_module.forward
-    monkeypatch.setattr(engine_module, "forward",
-                        lambda model, ids, *a, **k: calls.append(ids.shape) or
-                        real(model, ids, *a, **k))
+    for module in (engine_module, generate_module):    # prefills here, decodes in last_logits
+        monkeypatch.setattr(module, "forward", lambda model, ids, *a, **k:
+                            calls.append(ids.shape) or forward(model, ids, *a, **k))
     engine = Engine(tiny_model, slots=8, block_size=4)
     engine.submit(Request(PROMPT, 5, sampling=SAMPLED, seed=1, n=8, eos_token_id=[]))
     engine.step()
