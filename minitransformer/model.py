@@ -57,8 +57,9 @@ class Model:
 
     @property
     def layers(self) -> tuple:
-        """Layer per layer: the weights as the forward pass multiplies them (fused.py)."""
-        return self.fused.layers
+        """Layer per layer: the weights as the forward pass multiplies them (fused.py). A draft
+        of the first layers shares its target's and has as many as its config says."""
+        return self.fused.layers[:self.config.num_hidden_layers]
 
 
 def rms_norm(x, weight, eps):

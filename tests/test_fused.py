@@ -34,7 +34,7 @@ def test_the_stacks_hold_the_checkpoint_s_matrices_once(tiny_model):
 
 def test_a_model_made_from_another_shares_or_restacks(tiny_model):
     draft = first_layers(tiny_model, 1)                     # same weights: shared, not copied
-    assert draft.layers[0].qkv is tiny_model.layers[0].qkv
+    assert draft.layers[0].qkv is tiny_model.layers[0].qkv and len(draft.layers) == 1
     name = "model.layers.0.self_attn.v_proj.weight"
     edited = replace(tiny_model, weights={**tiny_model.weights,
                                           name: tiny_model.weights[name] * 2})
