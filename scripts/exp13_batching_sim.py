@@ -20,6 +20,8 @@ from sim.batching import (AffineCost, TableCost, capacity_rate, first_crossing,
                           simulate_continuous, simulate_static, sweep)
 from sim.workload import make_workload
 
+STATIC_RULE = ("static: when a batch ends, the next starts with whatever is waiting (the engine's "
+               "rule; no batching window)")
 LOADS = "0.05,0.1,0.2,0.3,0.4,0.5,0.6,0.7,0.8,0.9,1,1.25,1.5,2,3,5,inf"
 
 
@@ -79,7 +81,8 @@ def main(argv=None):
                  f"{np.median(lengths):g}, max {max(lengths)}, total {sum(lengths):,} "
                  f"(log-normal sigma {args.sigma:g}, seed {args.lengths_seed})",
                  *f"step cost: {describe(cost, args.step_costs)}".splitlines(),
-                 f"slots {args.slots}; prefill {args.prefill_ms:g} ms per admitted request")
+                 f"slots {args.slots}; prefill {args.prefill_ms:g} ms per admitted request",
+                 STATIC_RULE)
     static, cont = (metrics(r.results) for r in runs)
     table.note(f"continuous vs static: throughput {cont.throughput / static.throughput:.2f}x, "
                f"mean latency {static.latency_mean / cont.latency_mean:.2f}x better, "
@@ -100,7 +103,7 @@ def main(argv=None):
                       ("mean s static", ".2f"), ("mean s continuous", ".2f"),
                       ("latency gain", ".1f")])
     table.header(f"load = rate / {capacity:.2f} req/s, the rate {args.slots} always-busy slots "
-                 "serve")
+                 "serve", STATIC_RULE)
     for p in points:
         table.row(p.rate, p.load, p.static.throughput, p.continuous.throughput,
                   p.throughput_gain, p.static.latency_mean, p.continuous.latency_mean,

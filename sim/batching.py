@@ -3,9 +3,11 @@
 A step decodes one token for every request in the batch and costs t(B) seconds, B the
 batch size (the measured curve of experiment 12, or the affine default below).
 
-static      collects requests until it has `slots` of them (or no more will come), runs
-            them together, and returns nobody before the longest member ends: a finished
-            request keeps its slot, as padding, and its step cost is still t(B).
+static      when the previous batch ends, starts the next with whatever is waiting (up to
+            `slots` requests; when nothing is, with what arrives first), runs them together,
+            and returns nobody before the longest member ends: a finished request keeps its
+            slot, as padding, and its step cost is still t(B). The real engine's rule
+            (minitransformer/serve/engine.py): it does not wait for a batch to fill.
 continuous  the batch is a set of slots: a slot freed at the end of a step admits the next
             waiting request at the very next step (Orca's iteration-level scheduling).
 
@@ -19,8 +21,9 @@ Leaves out: memory limits on slots (experiment 14), preemption, prompt-length-de
 prefill, and the gap between a finished step and the host noticing it.
 
 `sweep` runs both policies over a range of Poisson arrival rates: how much continuous batching
-wins depends on the load as much as on the lengths (all at t = 0 no request waits for a batch
-to fill, so the latency gain is at its smallest), and scripts/exp13_batching_sim.py prints
+wins depends on the load as much as on the lengths (at a low load batches are small and seldom
+hold anyone back; as the load grows a request waits for the whole batch before it, and a short
+one is returned with the longest), and scripts/exp13_batching_sim.py prints
 where the chapter's two figures fall.
 
 Example: outputs of 3, 1 and 2 tokens, all at t = 0, 2 slots, every step 1 s. Static runs
@@ -131,12 +134,16 @@ def _result(a, first, finished, returned):
 
 
 def simulate_static(arrivals, slots=8, step_cost=AffineCost(), prefill_s=0.0) -> Run:
-    """Fixed batches of `slots` requests, each held until its longest member ends."""
+    """Batches of up to `slots` requests, each formed when the previous one ends from whatever
+    is waiting (the engine's rule), and held until its longest member ends."""
     _check(arrivals, slots)
-    t, steps, results = 0.0, 0, []
-    for start in range(0, len(arrivals), slots):
-        batch = arrivals[start:start + slots]
-        t = max(t, batch[-1].time)     # wait for a full batch, or for the last request
+    t, steps, nxt, results = 0.0, 0, 0, []
+    while nxt < len(arrivals):
+        t = max(t, arrivals[nxt].time)      # idle: jump to the next arrival
+        batch = []
+        while nxt < len(arrivals) and len(batch) < slots and arrivals[nxt].time <= t:
+            batch.append(arrivals[nxt])
+            nxt += 1
         step = step_cost(len(batch))   # paid by every step, finished members included
         first = t + prefill_s * len(batch) + step
         longest = max(a.output_len for a in batch)
