@@ -8,6 +8,7 @@ import math
 import os
 import sys
 import time
+from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -55,8 +56,8 @@ def model_config(args):
         return "Qwen2.5-0.5B shape", ModelConfig.from_dict(qwen25_05b_config())
     path = model_path(args.model)
     if str(path).endswith(".gguf"):
-        return str(path), mt.load(path).config
-    return str(path), load_config(path)
+        return model_name(path), mt.load(path).config
+    return model_name(path), load_config(path)
 
 
 def is_chapter_model(config) -> bool:
@@ -67,6 +68,13 @@ def is_chapter_model(config) -> bool:
     from minitransformer.synth import qwen25_05b_config
     chapter = ModelConfig.from_dict(qwen25_05b_config())
     return replace(config, torch_dtype=chapter.torch_dtype) == chapter
+
+
+def model_name(model) -> str:
+    """A model (or its path) as a table names it: its folder's name ('default',
+    'SmolLM2-135M-Instruct') or its .gguf file's, never a path, which would differ from one
+    machine to the next."""
+    return Path(str(getattr(model, "path", model))).name
 
 
 def encode_prompt(model, text):

@@ -25,6 +25,7 @@ from _common import Progress, add_model_argument, add_threads_argument, load_mod
 from _table import Table
 from minitransformer.generate import last_logits
 from minitransformer.kvcache import KVCache
+from minitransformer.measure.sanity import conclude
 from minitransformer.measure.timing import MAX_SPREAD, RETRIES, Timing, timed
 
 
@@ -106,9 +107,10 @@ def main(argv=None):
               prefill.median / P * 1e3)
     table.row(f"decode, {N - 1} steps", N - 1, decode.best * (N - 1), decode.best * 1e3,
               decode.median * 1e3)
-    table.note(f"a decode step costs {decode.best / (prefill.best / P):.1f}x a prompt token "
-               f"(the chapter: 166.5 / 25.6 = 6.5x); one prefill pass of {P} tokens costs "
-               f"{prefill.best / decode.best:.1f} decode steps")
+    table.note(conclude("the ratio", f"a decode step costs {decode.best / (prefill.best / P):.1f}x "
+                        f"a prompt token (the chapter: 166.5 / 25.6 = 6.5x); one prefill pass of "
+                        f"{P} tokens costs {prefill.best / decode.best:.1f} decode steps",
+                        {"prefill": (prefill, None), "decode": (decode, None)}))
     table.plot("phase", ["ms per token"], "prefill against decode, cost per token", kind="bar")
     table.show()
     return 0

@@ -4,10 +4,11 @@ One prefill pass over P tokens, as generation does it (a cache allocated for the
 forward pass, the head on the last position), timed for each P: the fastest and the median of
 --repeat passes after --warmup (more while the median sits far above the fastest). A longer pass
 that comes out cheaper than a shorter one, or a per-token cost standing above both neighbours,
-is measured again and, if it persists, flagged beside its row. The chapter: the time grows with
-P, but per token it falls, because a pass over P tokens multiplies every weight matrix by P rows
-at once (matrix-matrix work) and reads each weight once for all of them. This is why time to
-first token grows with the prompt.
+or one whose repeats disagree by more than 25%, is measured again (with the row before it) and,
+if it persists, flagged beside its row; the closing ratio is printed only when its rows are
+not. The chapter: the time grows with P, but per token it falls, because a pass over P
+tokens multiplies every weight matrix by P rows at once (matrix-matrix work) and reads each
+weight once for all of them. This is why time to first token grows with the prompt.
 """
 import argparse
 
@@ -19,7 +20,7 @@ from _table import Table
 from minitransformer.generate import last_logits
 from minitransformer.kvcache import KVCache
 from minitransformer.measure.timing import median_time
-from minitransformer.measure.sanity import cost_falls, recheck, spikes
+from minitransformer.measure.sanity import conclude, cost_falls, recheck, spikes, unsteady
 
 
 def prefill_time(model, ids, warmup, repeat):
@@ -55,7 +56,8 @@ def main(argv=None):
 
     def measure(previous):
         """-> [Timing per P]; on a re-measurement only the rows a check flagged are redone."""
-        redo = range(len(lengths)) if previous is None else flagged(previous)
+        redo = range(len(lengths)) if previous is None else \
+            sorted({j for i in flagged(previous) for j in (i - 1, i) if j >= 0})
         progress = Progress(len(redo), "prefill" if previous is None else "re-measuring")
         timings = list(previous or [None] * len(lengths))
         for i in redo:
@@ -66,9 +68,10 @@ def main(argv=None):
 
     def flagged(timings):  # a longer pass cheaper than a shorter one; a per-token outlier
         found = cost_falls(lengths, timings, "a pass over P =")
-        for i, message in spikes(lengths, lengths, timings).items():
+        for i, message in (spikes(lengths, lengths, timings)
+                           | unsteady(lengths, timings, "P=")).items():
             found[i] = found.get(i, message)
-        return found | {i - 1: found[i] for i in found if i > 0 and i - 1 not in found}
+        return found
 
     timings, warnings = recheck(measure, flagged)
 
@@ -81,7 +84,9 @@ def main(argv=None):
         table.row(P, t.best * 1e3, t.median * 1e3, t.best * 1e3 / P, P / t.best,
                   warning=warnings.get(i))
     (P0, t0), (P1, t1) = (lengths[0], timings[0].best), (lengths[-1], timings[-1].best)
-    table.note(f"P {P0} -> {P1}: the pass costs {t1 / t0:.1f}x, a token {t1 / P1 / (t0 / P0):.2f}x")
+    ends = {f"P={lengths[i]}": (timings[i], warnings.get(i)) for i in (0, len(lengths) - 1)}
+    table.note(conclude("the pass's growth", f"P {P0} -> {P1}: the pass costs {t1 / t0:.1f}x, "
+                        f"a token {t1 / P1 / (t0 / P0):.2f}x", ends))
     table.plot("P", ["ms per token"], "prefill: cost per prompt token against prompt length",
                logx=True)
     table.show()

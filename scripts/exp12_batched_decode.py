@@ -4,8 +4,11 @@ Every sequence has its own 64-token prompt, prefilled alone into the paged cache
 uses; then B of them decode one token together in one step (model.forward), timed as the
 fastest and the median of --repeat steps (the fastest is the least disturbed by other work on
 the machine, and the ratios use it; each step is rolled back, so the cache stays at 64 tokens).
-A larger batch whose step comes out cheaper than a smaller one's is measured again and flagged
-beside its row if it persists. Printed per B: step latency, tokens/s, both
+A row that breaks what batching cannot do (a larger batch's step cheaper than a smaller one's,
+or fewer tokens/s than a smaller batch: it could take turns), or whose repeats disagree by
+more than 25%, is measured again and flagged beside its row if it persists; the knee and the
+ratios below are printed only from rows that are not (else a line says the machine was too
+noisy, with its load). Printed per B: step latency, tokens/s, both
 relative to B = 1, the gain of each row over the one before, the same step over a contiguous
 KVCache (what the block table costs in NumPy), the chapter's ratios against ours, and the
 knee: the batch size after which doubling the batch buys less than --knee-gain more
@@ -35,7 +38,8 @@ from minitransformer.kvcache import KVCache
 from minitransformer.measure.timing import step_with_rollback, time_together
 from minitransformer.model import forward
 from minitransformer.serve.paged import PagedCache, blocks_for, gather
-from minitransformer.measure.sanity import cost_falls, recheck
+from minitransformer.measure.sanity import (conclude, cost_falls, merged, per_unit_rises,
+                                             recheck, unsteady)
 
 
 def fill(model, B, context, block_size, seed):
@@ -128,8 +132,10 @@ def main(argv=None):
                      f"{c:.1f} ms contiguous")
         return timings
 
-    def check(timings):  # a larger batch cannot take less time than a smaller one
-        return cost_falls(sizes, [paged for paged, _, _ in timings], "batch")
+    def check(timings):  # a larger batch: not cheaper, not fewer tokens/s; repeats that agree
+        steps = [paged for paged, _, _ in timings]
+        return merged(cost_falls(sizes, steps, "batch"), per_unit_rises(sizes, sizes, steps),
+                      unsteady(sizes, steps, "B="))
 
     timings, warnings = recheck(measure, check)
     (step_paged, step_exact, _), (rollback, _, _) = steps_for(sizes[-1])
@@ -155,14 +161,23 @@ def main(argv=None):
                   None if i == 0 else tps[i] / tps[i - 1], c.best * 1e3,
                   warning=warnings.get(i))
     at = dict(zip(sizes, zip(paged, tps)))
+    pairs = [(a, b) for a, b in ((1, 16), (16, 32)) if a in at and b in at]
     parts = [f"{a} -> {b}: throughput x{at[b][1] / at[a][1]:.2f} "
              f"({at[b][1] / at[a][1] - 1:+.0%}), latency x{at[b][0] / at[a][0]:.2f}"
-             for a, b in ((1, 16), (16, 32)) if a in at and b in at]
+             for a, b in pairs]
+
+    def rows(until):    # the rows a conclusion rests on: B <= until
+        return {f"B={B}": (t[0], warnings.get(i)) for i, (B, t) in enumerate(zip(sizes, timings))
+                if B <= until}
     k = knee(sizes, tps, args.knee_gain)
-    table.note("here: " + ("; ".join(parts) if parts else "(needs batch sizes 1, 16, 32)"),
-               f"knee: B = {k} (doubling to {2 * k} buys {at[2 * k][1] / at[k][1] - 1:+.0%} "
-               f"tokens/s, under {args.knee_gain:.0%})" if k else
-               f"knee: not reached (every measured doubling buys {args.knee_gain:.0%} or more)")
+    table.note(conclude("here", "here: " + "; ".join(parts), {
+                   f"B={B}": (timings[sizes.index(B)][0], warnings.get(sizes.index(B)))
+                   for pair in pairs for B in pair})
+               if parts else "here: (needs batch sizes 1, 16, 32)",
+               conclude("knee", f"knee: B = {k} (doubling to {2 * k} buys "
+                        f"{at[2 * k][1] / at[k][1] - 1:+.0%} tokens/s, under {args.knee_gain:.0%})"
+                        if k else f"knee: not reached (every measured doubling buys "
+                        f"{args.knee_gain:.0%} or more)", rows(2 * k if k else sizes[-1])))
     table.plot("B", ["tokens/s"], "batched decode: throughput against batch size (the knee)")
     table.plot("B", ["step ms"], "batched decode: step latency against batch size")
     table.show()

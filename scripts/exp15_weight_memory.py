@@ -12,7 +12,7 @@ import tracemalloc
 
 import numpy as np
 
-from _common import Progress, add_model_argument, add_schemes_argument, load_model
+from _common import Progress, add_model_argument, add_schemes_argument, load_model, model_name
 from _table import Table
 from minitransformer.backend import BACKEND, to_numpy
 from quant.qmodel import SCHEMES, projection_names, quantize_model, resident_bytes
@@ -59,7 +59,7 @@ def main(argv=None):
         del quantized
         progress(s.label)
 
-    table = Table(f"Experiment 15: weights in memory ({model.path})", experiment=15,
+    table = Table(f"Experiment 15: weights in memory ({model_name(model)})", experiment=15,
                   chapter=False, columns=[("all parameters at", ""), ("4 bytes", decimal),
                                           ("2 bytes", decimal), ("1 byte", decimal)])
     table.header(f"{n_all:,} parameters, {n_proj:,} of them in {len(names)} projection matrices")

@@ -8,7 +8,7 @@ group-128 (0.0952 vs 0.1323) at 4.25 vs 4.125 bits per weight.
 import argparse
 import time
 
-from _common import add_model_argument, add_schemes_argument, load_model, progress, say
+from _common import add_model_argument, add_schemes_argument, load_model, model_name, progress, say
 from _table import Table
 from quant.analysis import error_table
 from quant.qmodel import SCHEMES, projection_names
@@ -35,7 +35,7 @@ def main(argv=None):
 
     params = sum(model.weights[n].shape[0] * model.weights[n].shape[1] for n in names)
     out = Table(f"Experiment 16: quantization error over {len(names)} projection matrices "
-                f"({params / 1e6:.1f} M parameters), {model.path}", experiment=16, columns=[
+                f"({params / 1e6:.1f} M parameters), {model_name(model)}", experiment=16, columns=[
                     ("scheme", ""), ("bits/weight", ".3f"), ("mean", ".4f"), ("worst", ".4f"),
                     ("worst matrix", "")])
     out.header("relative error ||W - W_hat|| / ||W||, per matrix").random_weights(model)

@@ -12,7 +12,7 @@ import argparse
 
 import numpy as np
 
-from _common import add_model_argument, is_chapter_model, load_model, say
+from _common import add_model_argument, is_chapter_model, load_model, model_name, say
 from _table import Table
 from minitransformer.backend import to_numpy
 from quant.absmax import absmax_per_tensor
@@ -49,7 +49,7 @@ def main(argv=None):
     w = to_numpy(model.weights[name])
     s = outlier_stats(name, w, args.sigmas)
 
-    table = Table(f"Experiment 17: one matrix's outliers, {model.path}", experiment=17)
+    table = Table(f"Experiment 17: one matrix's outliers, {model_name(model)}", experiment=17)
     table.random_weights(model)
     table.note(f"{s.name}   ({s.shape[0]} x {s.shape[1]})")
     table.note(f"chosen as {why}")

@@ -14,7 +14,7 @@ import argparse
 
 import numpy as np
 
-from _common import add_model_argument, choose_layer, encode_prompt, load_model, say
+from _common import add_model_argument, choose_layer, encode_prompt, load_model, model_name, say
 from _table import Table
 from quant.activations import (PROMPT, capture_residuals, log2_histogram,
                                longest_run, per_dim_max, persistence, top_dims)
@@ -42,7 +42,7 @@ def main(argv=None):
     D = maxima.shape[1]
 
     table = Table(f"Experiment 18: outlier features ({len(ids)}-token prompt, {D} dimensions, "
-                  f"{L} layers), {model.path}", experiment=18, columns=[
+                  f"{L} layers), {model_name(model)}", experiment=18, columns=[
                       ("layer", "d"), ("max |h|", ".1f"), ("dim", "d"), ("pos", "d"),
                       ("max |h| w/o pos 0", ".1f"), ("dim w/o pos 0", "d"),
                       ("median dim", ".2f"), (f"top {args.top} dims w/o pos 0", "")])

@@ -12,7 +12,8 @@ import argparse
 
 import numpy as np
 
-from _common import add_model_argument, choose_layer, encode_prompt, integers, load_model, say
+from _common import (add_model_argument, choose_layer, encode_prompt, integers, load_model,
+                     model_name, say)
 from _table import Table
 from quant.activations import PROMPT, capture_residuals, int8_levels, quantile_dims
 
@@ -40,7 +41,7 @@ def main(argv=None):
     kept = int8_levels(h, dims, exclude=args.exclude)
 
     table = Table(f"Experiment 19: INT8 of the activations after layer {layer} "
-                  f"({h.shape[0]} tokens x {h.shape[1]} dims), {model.path}", experiment=19)
+                  f"({h.shape[0]} tokens x {h.shape[1]} dims), {model_name(model)}", experiment=19)
     table.random_weights(model)
     table.note(f"levels used: {one.used} of 256   (step {one.scale:.4g} = max |h| "
                f"{maxima.max():.1f} / 127)")

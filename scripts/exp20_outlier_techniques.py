@@ -8,7 +8,7 @@ times layer l+1's q_proj; the number is the output error ||Y - Y_hat|| / ||Y||.
 """
 import argparse
 
-from _common import add_model_argument, choose_layer, encode_prompt, load_model, say
+from _common import add_model_argument, choose_layer, encode_prompt, load_model, model_name, say
 from _table import Table
 from quant.activations import PROMPT, capture_residuals
 from quant.techniques import matmul_operands, measure
@@ -34,7 +34,7 @@ def main(argv=None):
 
     table = Table(f"Experiment 20: techniques against outliers, measured on layer {layer + 1}'s "
                   f"q_proj (X {x.shape[0]} x {x.shape[1]}, W {w.shape[0]} x {w.shape[1]}), "
-                  f"{model.path}", experiment=20, columns=[
+                  f"{model_name(model)}", experiment=20, columns=[
                       ("technique", ""), ("what it does about outliers", ""), ("error", ".4f"),
                       ("note", "")])
     table.header("output error ||XW^T - X_hat W_hat^T|| / ||XW^T||").random_weights(model)

@@ -17,8 +17,8 @@ import argparse
 import time
 from pathlib import Path
 
-from _common import (Progress, add_model_argument, add_schemes_argument, load_model, progress,
-                     say)
+from _common import (Progress, add_model_argument, add_schemes_argument, load_model, model_name,
+                     progress, say)
 from _table import Table
 from minitransformer.measure.text import TextUnavailable, britannica_text
 from minitransformer.measure.quality import (BATTERY, agreement, battery,
@@ -105,7 +105,7 @@ def main(argv=None):
         done(label)
 
     n_q = min(args.questions, len(BATTERY))
-    table = Table(f"Experiment 21: quantized model quality, {model.path}", experiment=21,
+    table = Table(f"Experiment 21: quantized model quality, {model_name(model)}", experiment=21,
                   columns=[("scheme", ""), ("perplexity", ",.2f"),
                            (f"battery rp {penalty:g}", lambda v: score(v, n_q)),
                            ("battery rp off", lambda v: score(v, n_q)),

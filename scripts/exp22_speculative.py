@@ -24,19 +24,42 @@ import argparse
 import numpy as np
 
 from _common import (Progress, add_model_argument, add_schemes_argument, add_threads_argument,
-                     load_model, mt, positive_int, run, say, timing_header)
+                     load_model, model_name, mt, positive_int, run, say, timing_header)
 from _table import Table
 from minitransformer.kvcache import KVCache
 from minitransformer.lookup import PASSAGE, PromptLookup, rewrite_prompt
 from minitransformer.measure.quality import agreement, reference_tokens
-from minitransformer.measure.sanity import recheck, speedup_bound
-from minitransformer.measure.timing import step_with_rollback, time_together, verification_costs
+from minitransformer.measure.sanity import (NOISE_FLOOR, conclude, merged, recheck,
+                                             speedup_bound, unsteady)
+from minitransformer.measure.timing import (step_with_rollback, time_together,
+                                            verification_timings)
 from minitransformer.model import forward
 from minitransformer.shape import decode_read_bytes
 from minitransformer.speculative import first_layers, speculative_generate
 from quant.qmodel import SCHEMES, quantize_model
 from sim.speculative import best_gamma, best_lookup_gamma, expected_tokens, speedup
 from train_draft import SHORT, add_settings_arguments, distilled, drafts_of, settings_of
+
+
+def disagree(t_plain, t_spec):
+    """A message if either side's repeats disagree beyond the stated spread, quoting the two
+    speedups the table prints (from the fastest runs and from the medians)."""
+    doubts = unsteady(["plain", "speculative"], [t_plain, t_spec], scale=1, unit="s",
+                      fmt=".2f")
+    if not doubts:
+        return None
+    return (f"speedup {t_plain.best / t_spec.best:.2f}x from the fastest runs, "
+            f"{t_plain.median / t_spec.median:.2f}x from the medians: "
+            + "; ".join(doubts.values()) + "; too noisy to conclude")
+
+
+def v_falls(passes) -> dict:
+    """v(n) must not fall as n grows (a pass over more positions does more work): {n: message}
+    for each v(n) below v(n - 1) beyond the noise floor, quoting v as the header prints it."""
+    v = [1.0] + [t.best / passes[0].best for t in passes[1:]]
+    return {n: f"v({n}) = {v[n]:.2f} below v({n - 1}) = {v[n - 1]:.2f}: a pass over more "
+               "positions cannot be cheaper" for n in range(1, len(v))
+            if v[n] < v[n - 1] * (1 - NOISE_FLOOR)}
 
 
 def draft_cost(target, draft, ids, repeat) -> float:
@@ -87,7 +110,10 @@ def main(argv=None):
     say(f"[1/4] plain greedy: {n} tokens after a {len(ids)}-token prompt ...")
     plain = reference_tokens(target, ids, n)
     say(f"[2/4] v(n): verification passes over 2..{G + 1} positions ...")
-    v = verification_costs(target, ids + plain, G, args.repeats)
+    passes, v_warnings = recheck(
+        lambda _: verification_timings(target, ids + plain, G, args.repeats),
+        lambda t: merged(v_falls(t), unsteady(range(G + 1), t, "pass over n = ")))
+    v = {n: passes[n].best / passes[0].best for n in range(1, G + 1)}
     target_bytes = decode_read_bytes(target.config, target.weights)
 
     say("[3/4] drafts: alpha, c, predicted speedup per gamma ...")
@@ -130,9 +156,9 @@ def main(argv=None):
                                  warmup=0, repeat=args.repeats)
 
         def ceiling(timings):  # a speedup above what the kept tokens allow: a disturbed plain run
-            t_plain, t_spec = timings
+            t_plain, t_spec = timings       # or repeats that disagree: a busy machine
             return speedup_bound(t_plain.best / t_spec.best, results["spec"].tokens_per_pass,
-                                 g, c)
+                                 g, c) or disagree(t_plain, t_spec)
         (t_plain, t_spec), warning = recheck(race, ceiling)
         r = results["spec"]
         same = r.tokens == plain
@@ -143,7 +169,7 @@ def main(argv=None):
                  f"tokens {'identical' if same else 'DIFFERENT'}")
 
     x = lambda value: f"{value:.2f}x"  # noqa: E731
-    table = Table(f"Experiment 22 (measured): speculative decoding, {target.path}",
+    table = Table(f"Experiment 22 (measured): speculative decoding, {model_name(target)}",
                   experiment=22, columns=[
                       ("draft", ""), ("alpha", ".3f"), ("c time", ".2f"), ("c bytes", ".3f"),
                       ("gamma", "d"), ("tokens/pass pred.", ".2f"), ("tokens/pass meas.", ".2f"),
@@ -153,8 +179,14 @@ def main(argv=None):
                  "v(n): one target pass over n + 1 positions, in one-token decode steps "
                  "(the chapter's formula: 1)",
                  "  " + "  ".join(f"n={k}: {value:.2f}" for k, value in v.items()),
+                 "  passes, fastest / median ms: " + "  ".join(
+                     f"n={k}: {t.best * 1e3:.1f} / {t.median * 1e3:.1f}"
+                     for k, t in enumerate(passes)),
+                 *(f"  WARNING: {m}" for m in v_warnings.values()),
                  "c: a draft step over a target step, as time here and as weight bytes read",
-                 "gamma: the draft length with the best predicted speedup on these costs")
+                 conclude("gamma", "gamma: the draft length with the best predicted speedup on "
+                          "these costs", {f"v({n})": (passes[n], v_warnings.get(n))
+                                          for n in range(G + 1)}))
     for (label, _, alpha, c, c_bytes, g, tpp, pred), (r, best, median, same, warning) in zip(
             rows, measured):
         table.row(label, alpha, c, c_bytes, g, tpp, r.tokens_per_pass, pred, best, median,

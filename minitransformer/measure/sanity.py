@@ -13,9 +13,20 @@ A wide spread is no excuse: it is the sign of a disturbed row, which is measured
 ``recheck`` is the loop every script runs around a check: measure, check, and while a check
 fires measure again; a message that survives is printed beside its row.
 
+Steady rows and conclusions. The project's test of a row is that its repeats agree: after
+re-measuring (time_together's extra rounds, then ``recheck``), the median sits within
+``MAX_SPREAD`` (25%) of the fastest (``unsteady`` names the rows that fail it). A line derived
+from rows (a knee, a best gamma, a speedup, "the step costs 1.2x") is printed by ``conclude``
+only when every row it rests on is steady and no check still fires on it; otherwise the line
+says that the machine was too noisy to conclude, why, and the load average it saw. The rows
+themselves are printed either way, with their warnings beside them: hiding a row would hide
+the noise.
+
 Leaves out: statistical tests (a handful of samples per row cannot carry them), and invariants
 of things that are not timed (tokens, bytes), which the tests assert exactly.
 """
+from minitransformer.measure.timing import MAX_SPREAD, load_average, max_load
+
 NOISE_FLOOR = 0.10  # two runs of the same code on a quiet machine differ by up to ~10%
 
 
@@ -71,6 +82,93 @@ def spikes(labels, sizes, timings, unit="token", tolerance=NOISE_FLOOR) -> dict:
             found[i] = (f"P={labels[i]} costs {per[i] * 1e3:.2f} ms per {unit}, "
                         f"{per[i] / around:.1f}x its neighbours: one disturbed measurement")
     return found
+
+
+def per_unit_rises(labels, sizes, timings, what="batch", unit="token", tolerance=NOISE_FLOOR):
+    """Work done per second that must not fall as the batch grows (one step over B rows cannot
+    cost more than B / b steps over b rows: it could run them in turns): {row index: message}
+    for each row whose rate (size / best time) is below the previous row's beyond the tolerance.
+
+    >>> from minitransformer.measure.timing import Timing
+    >>> found = per_unit_rises([1, 2], [1, 2], [Timing((0.0186,)), Timing((0.0417,))])
+    >>> for part in found[1].split(": "): print(part)
+    batch 2 makes 48.0 tokens/s, 0.89x batch 1 (53.8)
+    batching cannot be slower than taking turns
+    """
+    rate = [n / t.best for t, n in zip(timings, sizes)]
+    found = {}
+    for i in range(1, len(rate)):
+        if rate[i] < rate[i - 1] / (1 + tolerance):
+            found[i] = (f"{what} {labels[i]} makes {rate[i]:.1f} {unit}s/s, "
+                        f"{rate[i] / rate[i - 1]:.2f}x {what} {labels[i - 1]} "
+                        f"({rate[i - 1]:.1f}): batching cannot be slower than taking turns")
+    return found
+
+
+def unsteady(labels, timings, what="", max_spread=MAX_SPREAD, scale=1e3, unit="ms",
+             fmt=".1f") -> dict:
+    """Rows whose repeats disagree: the median more than ``max_spread`` above the fastest.
+    {row index: message}, quoting the fastest and the median as the table prints them
+    (seconds x ``scale`` in ``unit``, format ``fmt``).
+
+    >>> from minitransformer.measure.timing import Timing
+    >>> unsteady([1, 2], [Timing((0.010, 0.011, 0.012)), Timing((0.010, 0.020, 0.030))], "B=")
+    {1: 'B=2: median 20.0 ms, 2.00x the fastest 10.0 ms: repeats disagree beyond 25%'}
+    """
+    found = {}
+    for i, (label, t) in enumerate(zip(labels, timings)):
+        if t.spread > max_spread:
+            found[i] = (f"{what}{label}: median {format(t.median * scale, fmt)} {unit}, "
+                        f"{t.median / t.best:.2f}x the fastest {format(t.best * scale, fmt)} "
+                        f"{unit}: repeats disagree beyond {max_spread:.0%}")
+    return found
+
+
+def merged(*found) -> dict:
+    """Several checks' {row: message} as one, the first message of a row kept."""
+    out = {}
+    for messages in found:
+        for i, message in messages.items():
+            out.setdefault(i, message)
+    return out
+
+
+def conclude(what, line, rows, max_spread=MAX_SPREAD) -> str:
+    """The derived line when the rows it rests on are steady, else why not.
+
+    what: the conclusion's name ('knee'); line: the line to print (a string, or a callable
+    returning it, not called when the rows are doubted); rows: {label: (Timing, warning or
+    None)}, the rows it rests on and what a check still says of them.
+
+    >>> from minitransformer.measure.timing import Timing
+    >>> quiet, busy = Timing((0.010, 0.011), load=1.0), Timing((0.010, 0.030), load=3.2)
+    >>> conclude("knee", "knee: B = 16", {"B=1": (quiet, None), "B=2": (quiet, None)})
+    'knee: B = 16'
+    >>> conclude("knee", "knee: B = 1", {"B=1": (quiet, None), "B=2": (busy, None)})
+    'knee: not concluded, the machine was too noisy (B=2: repeats 100% apart); load average 3.2'
+    >>> line = conclude("knee", "knee: B = 1", {"B=2": (quiet, "batch 2 costs less")})
+    >>> for part in line.split("; "): print(part)
+    knee: not concluded, the machine was too noisy (B=2: still flagged, see its row)
+    load average 1.0
+    """
+    doubts = []
+    for label, (timing, warning) in rows.items():
+        if warning:
+            doubts.append(f"{label}: still flagged, see its row")
+        elif timing.spread > max_spread:
+            doubts.append(f"{label}: repeats {timing.spread:.0%} apart")
+    if not doubts:
+        return line() if callable(line) else line
+    return (f"{what}: not concluded, the machine was too noisy ({'; '.join(doubts)}); "
+            f"{load_seen(t for t, _ in rows.values())}")
+
+
+def load_seen(timings=()) -> str:
+    """'load average X' : the highest 1-minute load average seen while the timings measured (now,
+    when they do not say), the machine's cores beside it in the table's header."""
+    load = max_load(*(t.load for t in timings))
+    load = load_average() if load is None else load
+    return "load average unknown" if load is None else f"load average {load:.1f}"
 
 
 def speedup_bound(speedup, tokens_per_pass, gamma, c, tolerance=NOISE_FLOOR):

@@ -61,6 +61,7 @@ class Timing:
     """
     samples: tuple
     rounds: int = 1     # 1 + how many times it was re-measured because the spread was large
+    load: float = None  # the highest 1-minute load average seen while measuring (None: unknown)
 
     @property
     def best(self) -> float:
@@ -113,12 +114,14 @@ def time_together(fns, warmup: int = 1, repeat: int = 5, after=None, max_spread=
             if undo is not None:
                 undo()
 
+    seen = load_average()
     for _ in range(warmup):
         one_round(keep=False)
     for rounds in range(1, retries + 2):
         for _ in range(repeat):
             one_round(keep=True)
-        timings = [Timing(tuple(s), rounds) for s in samples]
+        seen = max_load(seen, load_average())
+        timings = [Timing(tuple(s), rounds, seen) for s in samples]
         if all(t.spread <= max_spread for t in timings):
             break
     return timings
@@ -222,6 +225,18 @@ def limit_threads(threads) -> str:
             f"({', '.join(names) or 'no BLAS found'}, {set_by})")
 
 
+def load_average():
+    """The 1-minute load average (runnable processes, ours included), None where the system
+    does not say."""
+    return os.getloadavg()[0] if hasattr(os, "getloadavg") else None
+
+
+def max_load(*loads):
+    """The highest of the known loads, None when none is known."""
+    known = [x for x in loads if x is not None]
+    return max(known) if known else None
+
+
 def machine() -> str:
     """A line saying what the timings ran on, for the table's header: a number measured on a
     machine that was busy with something else means little without it."""
@@ -285,7 +300,15 @@ def where_it_ran() -> str:
 
 
 def verification_costs(model, ids, largest: int, repeat: int = 5) -> dict:
-    """{n: one pass over n + 1 new positions, in one-token decode steps} for n = 1..largest.
+    """{n: one pass over n + 1 new positions, in one-token decode steps} for n = 1..largest
+    (the ratios of ``verification_timings``)."""
+    times = verification_timings(model, ids, largest, repeat)
+    return {n: times[n].best / times[0].best for n in range(1, largest + 1)}
+
+
+def verification_timings(model, ids, largest: int, repeat: int = 5) -> list:
+    """[Timing of one target pass over k new positions, k = 1..largest + 1]: k = 1 is the
+    one-token decode step, k = n + 1 verifies n proposals.
 
     What verifying n proposals costs on this machine (the chapter's formula takes 1: on a GPU
     both passes read the weights once). Timed side by side (time_together), each pass
@@ -297,5 +320,4 @@ def verification_costs(model, ids, largest: int, repeat: int = 5) -> dict:
     tail = np.array([ids[-largest - 1:]])
     passes, rollbacks = zip(*(step_with_rollback(model, kv, tail[:, :k])
                               for k in range(1, largest + 2)))
-    times = time_together(passes, repeat=repeat, after=rollbacks)
-    return {n: times[n].best / times[0].best for n in range(1, largest + 1)}
+    return time_together(passes, repeat=repeat, after=rollbacks)
