@@ -10,16 +10,23 @@ run twice, on the model and on the chapter's Qwen2.5-0.5B shape.
 --report DIR also writes DIR/index.html (one self-contained page: every table, the chapter's
 figures beside ours, plots; plots need matplotlib, the 'report' extra) and every table as JSON
 (DIR/tables.json). Per script the wall time and the CPU time are printed: on a machine shared
-with other work the CPU time is what the script would take alone (one BLAS thread).
+with other work the CPU time is what the script would take alone (one BLAS thread). The summary
+ends with the total, the load average seen between scripts, and a verdict: a machine is named
+busy when the job waited for a core (wall time above 1.2x the CPU time) or other work kept the
+load average a whole core above the job's own threads. --summary FILE also writes that summary
+as Markdown (docs/main-job.md is written so: what the documentation says the job costs).
 """
 import argparse
 import os
+import platform
 import re
+import shlex
 import resource
 import subprocess
 import sys
 import tempfile
 import time
+from datetime import datetime, timezone
 from pathlib import Path
 
 from _common import add_model_argument, say
@@ -88,6 +95,47 @@ def cpu_seconds() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
+WAITED = 1.2      # wall time above this many times the CPU time: the job waited for a core
+OTHER_LOAD = 1.0  # load average this far above the job's own threads: other work was running
+
+
+def load_average():
+    return os.getloadavg()[0] if hasattr(os, "getloadavg") else None
+
+
+def verdict(wall, cpu, loads, threads) -> str:
+    """Quiet or busy, and why: from the job's own wall and CPU time and the load it saw.
+
+    >>> verdict(600, 590, [1.0, 1.1], 1)
+    'quiet: wall 1.02x CPU, load average 1.0-1.1 for 1 BLAS thread'
+    >>> verdict(1039, 559, [2.9, 4.1], 1)
+    'BUSY (other work shared the cores): wall 1.86x CPU, load average 2.9-4.1 for 1 BLAS thread'
+    """
+    known = [x for x in loads if x is not None]
+    ratio = wall / cpu if cpu > 0 else float("inf")
+    seen = f"load average {min(known):.1f}-{max(known):.1f}" if known else "load average unknown"
+    busy = ratio > WAITED or (known and max(known) >= threads + OTHER_LOAD)
+    return (f"{'BUSY (other work shared the cores)' if busy else 'quiet'}: wall {ratio:.2f}x "
+            f"CPU, {seen} for {threads} BLAS thread{'s' if threads != 1 else ''}")
+
+
+def markdown(summary, argv, total, cpu_total, judged) -> str:
+    """The summary as the Markdown page docs/main-job.md is."""
+    rows = "\n".join(f"| {s} | {status} | {wall:.1f} | {cpu:.1f} |"
+                      for s, status, wall, cpu in summary.rows)
+    when = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    return (f"# The main job: what it cost where it ran\n\n"
+            f"Written by `python scripts/run_all.py {shlex.join(argv)}` on {when}; "
+            "do not edit by hand, run it again.\n\n"
+            f"- machine: {os.cpu_count()} CPU cores, {platform.machine()}, "
+            f"{platform.python_implementation()} {platform.python_version()}\n"
+            f"- total: **{total:.0f} s wall ({total / 60:.1f} min)**, {cpu_total:.0f} s CPU\n"
+            f"- {judged}\n\n"
+            "On a busy machine the wall time includes waiting for a core; the CPU time is what "
+            "the job takes alone.\n\n"
+            "| script | status | wall s | CPU s |\n|---|---|---:|---:|\n" + rows + "\n")
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_model_argument(parser, default=None)  # None: each script's own default model
@@ -97,7 +145,11 @@ def main(argv=None):
                         help="BLAS threads of every timing script (default: 1)")
     parser.add_argument("--report", default=None, metavar="DIR",
                         help="also write DIR/index.html and every table as JSON")
+    parser.add_argument("--summary", default=None, metavar="FILE",
+                        help="also write the summary (times, load, verdict) as Markdown, e.g. "
+                             "docs/main-job.md")
     args = parser.parse_args(argv)
+    shown_argv = sys.argv[1:] if argv is None else list(argv)
     job = [entry for entry in MAIN_JOB if not args.only or re.search(args.only, entry[0])]
     work = Path(tempfile.mkdtemp(prefix="run_all_"))
     step_costs = work / "step_costs.json"
@@ -107,6 +159,7 @@ def main(argv=None):
         for old in Path(env[RECORD_ENV]).glob("*.json"):
             old.unlink()
     failed, timings, start, cpu_start = [], [], time.perf_counter(), cpu_seconds()
+    loads = [load_average()]
     for i, (script, takes, extra) in enumerate(job, 1):
         if script == "exp13_batching_sim.py" and not step_costs.is_file():
             extra = []  # experiment 12 did not run: the simulation's default cost model
@@ -117,6 +170,7 @@ def main(argv=None):
         t, cpu = time.perf_counter(), cpu_seconds()
         code = subprocess.run(argv, env=env).returncode
         wall, cpu = time.perf_counter() - t, cpu_seconds() - cpu
+        loads.append(load_average())
         timings.append((shown, "ok" if code == 0 else f"FAILED ({code})", wall, cpu))
         say(f"=== {script}: {timings[-1][1]} in {wall:.1f} s (CPU {cpu:.1f} s) ===")
         if code != 0:
@@ -129,10 +183,16 @@ def main(argv=None):
                    "quiet machine (wall time on a shared one includes waiting for a core)")
     for row in timings:
         summary.row(*row)
+    judged = verdict(total, cpu_total, loads, args.threads)
     summary.note(f"total: {total:.0f} s wall ({total / 60:.1f} min), {cpu_total:.0f} s CPU"
-                 + (f"; failed: {', '.join(failed)}" if failed else ""))
+                 + (f"; failed: {', '.join(failed)}" if failed else ""),
+                 f"machine: {os.cpu_count()} CPU cores; {judged}")
     os.environ.update({k: v for k, v in env.items() if k == RECORD_ENV})
     summary.show()
+    if args.summary:
+        Path(args.summary).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.summary).write_text(markdown(summary, shown_argv, total, cpu_total, judged))
+        say(f"summary: {args.summary}")
     if args.report:
         from _report import write_report
         page = write_report(Path(args.report), title="minitransformer: the chapter's tables")
