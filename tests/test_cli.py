@@ -1,6 +1,7 @@
 """``python3 -m minitransformer generate|chat``: what a person sees in a terminal."""
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -29,10 +30,14 @@ def cli(*args, stdin=""):
     return done
 
 
-def continuation(model, ids, n):
+def continuation(model, ids, n, **settings):
     """The text generate's tokens add after ids, decoded as one piece."""
     tokenizer = model.tokenizer
-    return tokenizer.decode(ids + mt.generate(model, ids, n))[len(tokenizer.decode(ids)):]
+    return tokenizer.decode(ids + mt.generate(model, ids, n, **settings))[
+        len(tokenizer.decode(ids)):]
+
+
+CHAT = {"repetition_penalty": 1.1}  # chat's built-in default where the checkpoint gives none
 
 
 @pytest.fixture(scope="module")
@@ -72,7 +77,7 @@ def test_generate_and_chat_on_a_tiny_model(tiny_chat_model):
     assert done.stdout == prompt + text + "\n"
     done = cli("chat", "--model", model.path, "--max-new-tokens", "8", stdin=f"{prompt}\n")
     ids = encode_chat(model, [{"role": "user", "content": prompt}])
-    assert done.stdout == "you> model> " + continuation(model, ids, 8) + "\nyou> \n"
+    assert done.stdout == "you> model> " + continuation(model, ids, 8, **CHAT) + "\nyou> \n"
 
 
 def test_generate_and_chat_with_a_quantized_cache_and_tiled_attention(tiny_chat_model):
@@ -108,7 +113,8 @@ def test_chat_answers_each_turn_with_the_template(story_chat_model):
     done = cli("chat", "--model", model.path, "--max-new-tokens", "12", stdin=f"{first}\n\n")
     assert done.returncode == 0, done.stderr
     ids = encode_chat(model, [{"role": "user", "content": first}])
-    assert done.stdout == "you> model> " + continuation(model, ids, 12) + "\nyou> "
+    assert done.stdout == "you> model> " + continuation(model, ids, 12, **CHAT) + "\nyou> "
+    assert "repetition_penalty 1.1 (built-in)" in done.stderr
 
 
 @pytest.mark.parametrize("command", ["generate", "chat", "serve"])
@@ -130,16 +136,76 @@ def test_bad_sampling_is_refused_before_anything_is_loaded_or_printed(tmp_path):
     assert done.stderr == "error: temperature must be a finite number >= 0, got -1.0\n"
 
 
-@pytest.mark.skipif(shutil.which("tmux") is None, reason="tmux is not installed")
-def test_chat_in_a_real_terminal(story_chat_model):
-    """Type into the chat under tmux, as a person would, and read the screen."""
-    model, session = story_chat_model, f"mt-chat-{uuid.uuid4().hex[:8]}"
+def with_sampling_defaults(model, tmp_path, defaults):
+    """A copy of the checkpoint whose generation_config.json also gives sampling defaults."""
+    for file in Path(model.path).iterdir():
+        shutil.copy(file, tmp_path / file.name)
+    config = json.loads((tmp_path / "generation_config.json").read_text())
+    (tmp_path / "generation_config.json").write_text(json.dumps(config | defaults))
+    return tmp_path
 
+
+def test_the_checkpoints_sampling_defaults_are_used_unless_given(tiny_chat_model, tmp_path):
+    defaults = {"do_sample": True, "temperature": 0.7, "top_k": 20, "repetition_penalty": 1.3}
+    path = with_sampling_defaults(tiny_chat_model, tmp_path, defaults)
+    model, prompt = mt.load(path), "The cat sat"
+    ids = model.tokenizer.encode(prompt)
+    done = cli("generate", "--model", str(path), prompt, "--max-new-tokens", "12", "--seed", "5")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == prompt + continuation(model, ids, 12, seed=5, **defaults) + "\n"
+    assert "temperature 0.7 (generation_config.json)" in done.stderr
+    done = cli("generate", "--model", str(path), prompt, "--max-new-tokens", "12", "--seed", "5",
+               "--temperature", "0.5")               # the command line wins
+    assert done.stdout == prompt + continuation(model, ids, 12, seed=5,
+                                                **defaults | {"temperature": 0.5}) + "\n"
+    assert "temperature 0.5 (command line)" in done.stderr
+    chat_ids = encode_chat(model, [{"role": "user", "content": prompt}])
+    done = cli("chat", "--model", str(path), "--max-new-tokens", "8", "--seed", "2",
+               stdin=f"{prompt}\n")
+    assert done.stdout == ("you> model> " + continuation(model, chat_ids, 8, seed=2, **defaults)
+                           + "\nyou> \n")
+
+
+@pytest.mark.parametrize("bad", [{"temperature": -1}, {"top_p": 0}, {"top_k": "many"}])
+def test_a_bad_sampling_default_in_the_checkpoint_is_one_error_line(tiny_chat_model, tmp_path,
+                                                                    bad):
+    path = with_sampling_defaults(tiny_chat_model, tmp_path, bad)
+    done = cli("generate", "--model", str(path), "hi")
+    assert done.returncode == 2 and done.stderr.startswith("error: ")
+    assert "generation_config.json" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_reset_says_so_and_starts_over(tiny_chat_model):
+    model, prompt = tiny_chat_model, "The cat sat"
+    done = cli("chat", "--model", model.path, "--max-new-tokens", "6",
+               stdin=f"hello\n/reset\n{prompt}\n")
+    ids = encode_chat(model, [{"role": "user", "content": prompt}])   # hello forgotten
+    assert "you> (conversation cleared: the next line starts a new one)\nyou> model> " \
+        + continuation(model, ids, 6, **CHAT) + "\nyou> " in done.stdout
+
+
+def test_help_is_plain_text_with_each_default_once():
+    for command in ([], ["generate"], ["chat"], ["serve"]):
+        text = cli(*command, "--help").stdout
+        assert "``" not in text and ":class:" not in text and "(default: None)" not in text
+        options = re.split(r"\n  (?=-)", text)[1:]          # one block per option
+        assert command == [] or len(options) > 5
+        for block in options:
+            if not block.startswith("-h"):
+                assert block.count("(default:") == 1, block
+    serve = " ".join(cli("serve", "--help").stdout.split())
+    assert "--host HOST address to listen on (default: 127.0.0.1" in serve
+    assert "--port PORT TCP port (default: 8000)" in serve
+    assert serve.count("folder name)") == 1
+
+
+def tmux_session(name):
+    """-> (tmux(*args), screen(), wait_for(text, count)) for one detached session."""
     def tmux(*args):
         return subprocess.run(["tmux", *args], capture_output=True, text=True, check=True).stdout
 
     def screen():
-        return tmux("capture-pane", "-p", "-J", "-t", session)
+        return tmux("capture-pane", "-p", "-J", "-t", name)
 
     def wait_for(text, count=1):
         for _ in range(600):        # at most 60 s
@@ -147,7 +213,36 @@ def test_chat_in_a_real_terminal(story_chat_model):
                 return
             time.sleep(0.1)
         raise AssertionError(f"{text!r} never appeared; the screen:\n{screen()}")
+    return tmux, screen, wait_for
 
+
+@pytest.mark.skipif(shutil.which("tmux") is None, reason="tmux is not installed")
+def test_keys_typed_while_the_model_answers_are_discarded(story_chat_model):
+    """An Enter pressed during an answer used to be read afterwards as an empty line, which
+    ends the session: it is thrown away, and the next prompt waits for the person."""
+    model, session = story_chat_model, f"mt-chat-{uuid.uuid4().hex[:8]}"
+    tmux, screen, wait_for = tmux_session(session)
+    command = f"{sys.executable} -m minitransformer chat --model {model.path} " \
+              f"--max-new-tokens 200"
+    tmux("new-session", "-d", "-s", session, "-x", "200", "-y", "50", "-c", str(ROOT), command)
+    try:
+        wait_for("you>")
+        tmux("send-keys", "-t", session, "Once upon a time", "Enter", "Enter", "x", "Enter")
+        wait_for("you>", 2)
+        time.sleep(1)
+        assert screen().count("you>") == 2 and "model> x" not in screen(), screen()
+        tmux("send-keys", "-t", session, "The dog was happy", "Enter")
+        wait_for("you>", 3)                 # still chatting: the typed-ahead lines were dropped
+        assert "you> The dog was happy\nmodel> " in screen()
+    finally:
+        subprocess.run(["tmux", "kill-session", "-t", session], capture_output=True)
+
+
+@pytest.mark.skipif(shutil.which("tmux") is None, reason="tmux is not installed")
+def test_chat_in_a_real_terminal(story_chat_model):
+    """Type into the chat under tmux, as a person would, and read the screen."""
+    model, session = story_chat_model, f"mt-chat-{uuid.uuid4().hex[:8]}"
+    tmux, screen, wait_for = tmux_session(session)
     command = f"{sys.executable} -m minitransformer chat --model {model.path} " \
               f"--max-new-tokens 16"
     tmux("new-session", "-d", "-s", session, "-x", "200", "-y", "50", "-c", str(ROOT), command)
@@ -161,7 +256,7 @@ def test_chat_in_a_real_terminal(story_chat_model):
         for line in turns:
             messages.append({"role": "user", "content": line})
             ids = encode_chat(model, messages)
-            replies.append(continuation(model, ids, 16))
+            replies.append(continuation(model, ids, 16, **CHAT))
             messages.append({"role": "assistant", "content": replies[-1]})
         shown = screen()
         for line, reply in zip(turns, replies):
