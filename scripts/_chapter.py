@@ -80,3 +80,12 @@ FIGURES = {
 
 CHAPTER = {n: (f"chapter: {figures}", f"why ours differs: {why}")
            for n, (figures, why) in FIGURES.items()}
+
+# Why ours differs when the model is trained (not the embedded random one), where the reason
+# above speaks of random weights.
+TRAINED = {
+    16: "the chapter's 168 matrices of Qwen2.5-0.5B against this trained model's: both have "
+        "outliers, so per-tensor scales suffer in both, by how much depends on each model's "
+        "outliers",
+    18: "a different trained model: its outlier dimensions, and where they grow, are its own",
+}

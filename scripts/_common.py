@@ -214,22 +214,28 @@ class Progress:
     seconds: the estimate is the time per unit so far times the units left.
 
     cost(i): the relative cost of unit i (1-based) when units are not alike, e.g. a recompute
-    step over a growing sequence, so the estimate does not fall short."""
+    step over a growing sequence, so the estimate does not fall short.
+    more: the units a re-measurement adds (a busy machine: time_together's extra round of
+    every function, recheck's second pass); when the work outruns the plan, the total grows by
+    that much and the line says why, so the count never runs past its own total."""
 
-    def __init__(self, n, label="", cost=None):
+    def __init__(self, n, label="", cost=None, more=1):
         self.n, self.label, self.i, self.start = n, label, 0, time.perf_counter()
-        self.cost = cost or (lambda i: 1)
+        self.cost, self.more = cost or (lambda i: 1), more
 
     def __call__(self, message="", done=1):
         self.i += done
-        self.n = max(self.n, self.i)  # more work than planned (a re-measurement): count it
+        grew = self.i > self.n
+        while self.n < self.i:    # more work than planned (a re-measurement): count it
+            self.n += self.more
         elapsed = time.perf_counter() - self.start
         spent = sum(self.cost(j) for j in range(1, self.i + 1))
         left = elapsed / spent * sum(self.cost(j) for j in range(self.i + 1, self.n + 1)) \
             if spent else 0.0
         eta = f", about {left:.0f} s left" if self.i < self.n else ""
         say(f"[{self.i}/{self.n}] {self.label}{': ' if self.label and message else ''}"
-            f"{message} ({elapsed:.0f} s{eta})")
+            f"{message} ({elapsed:.0f} s{eta})"
+            + (f"; {self.more} more: measuring again, the machine was busy" if grew else ""))
 
 
 def add_threads_argument(parser):

@@ -18,7 +18,7 @@ import os
 import sys
 from pathlib import Path
 
-from _chapter import CHAPTER, RANDOM_WEIGHTS
+from _chapter import CHAPTER, RANDOM_WEIGHTS, TRAINED
 
 RECORD_ENV = "MT_TABLES"
 
@@ -40,9 +40,12 @@ class Table:
         return self
 
     def random_weights(self, model):
-        """Say in the header that quality figures are meaningless when the model is random."""
+        """Say in the header that quality figures are meaningless when the model is random;
+        on a trained model, give the reason why ours differs that speaks of trained weights."""
         if is_random(model):
             self.header(RANDOM_WEIGHTS)
+        elif self.experiment in TRAINED and self.differs is None:
+            self.differs = TRAINED[self.experiment]
         return self
 
     def row(self, *values, warning=None):

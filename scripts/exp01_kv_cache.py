@@ -29,7 +29,7 @@ PROMPT = ("The key and value vectors of position seven are computed from the inp
 def both_ways(model, ids, n, repeat, kv_dtype="f32", attention="plain"):
     """-> ({'recompute' | 'cache': tokens}, [Timing recompute, Timing cache]), side by side."""
     tokens = {}
-    progress = Progress(2 * repeat, "generations")
+    progress = Progress(2 * repeat, "generations", more=2 * repeat)
 
     def generation(name, cache):
         def run():
