@@ -1,5 +1,8 @@
 """The main job as one page: every recorded table as HTML, the chapter's figures beside ours,
 and the plots each table declared, in one self-contained file (no network, no extra files).
+Every plot names its axes with their units; where the chapter gives a comparable figure (a
+ratio, a byte count, a perplexity) it is drawn on the plot as a marker labelled "chapter". The
+navigation wraps on a narrow window, and wide tables scroll inside their own box.
 
 Reads the tables the scripts recorded (DIR/tables/<script>.json, see _table.py), writes
 DIR/tables.json (all of them, in order) and DIR/index.html. Plots are drawn by matplotlib when it
@@ -25,7 +28,11 @@ tr.warn td { background: #fff0f0; } .warning { color: #b00; font-weight: bold; }
 .header, .note { color: #555; margin: .15em 0; font-size: 13px; }
 .chapter { background: #eef5ff; border-left: 4px solid #4a7fd6; padding: .4em .8em;
            margin: .6em 0; font-size: 13.5px; }
-.plot img { max-width: 100%; } nav a { margin-right: .8em; white-space: nowrap; }
+.plot img { max-width: 100%; height: auto; }
+nav { display: flex; flex-wrap: wrap; gap: .25em .9em; font-size: 13.5px; }
+nav a { white-space: nowrap; }
+.scroll { overflow-x: auto; max-width: 100%; }
+@media (max-width: 900px) { body { margin: 1em auto; } table { font-size: 12px; } }
 """
 
 
@@ -44,7 +51,8 @@ def write_report(directory: Path, title: str) -> Path:
     missing = "" if plotter else (
         "<p class='warning'>plots need matplotlib: pip install -e '.[report]'; "
         "the tables are all here</p>")
-    page = (f"<!doctype html><html><head><meta charset='utf-8'><title>{html.escape(title)}"
+    page = ("<!doctype html><html><head><meta charset='utf-8'><meta name='viewport' "
+            f"content='width=device-width, initial-scale=1'><title>{html.escape(title)}"
             f"</title><style>{STYLE}</style></head><body><h1>{html.escape(title)}</h1>"
             f"<p class='note'>Each table as its script printed it, the chapter's figure under "
             f"it (Qwen2.5-0.5B on a laptop GPU) and why ours differs. Every table is also in "
@@ -68,7 +76,7 @@ def section(table, anchor, plotter) -> str:
     parts = [f"<h2 id='{anchor}'>{html.escape(table['title'])}</h2>"]
     parts += [f"<p class='header'>{html.escape(h)}</p>" for h in table["header"]]
     if table["columns"]:
-        parts.append(html_table(table))
+        parts.append(f"<div class='scroll'>{html_table(table)}</div>")
     parts += [f"<p class='note'>{html.escape(n)}</p>" for n in table["notes"]]
     if table["chapter"]:
         parts.append(f"<div class='chapter'><b>{html.escape(table['chapter'])}</b><br>"
@@ -107,26 +115,37 @@ def matplotlib_or_none():
 
 
 def plot_png(plt, table, spec) -> str:
-    """One declared plot of the table's own columns -> base64 PNG."""
+    """One declared plot of the table's own columns -> base64 PNG: axes labelled with their
+    units, the chapter's comparable figures as markers labelled "chapter"."""
     columns = table["columns"]
     x = [r[columns.index(spec["x"])] for r in table["rows"]]
-    fig, ax = plt.subplots(figsize=(7, 3.6), dpi=100)
+    fig, ax = plt.subplots(figsize=(7, 3.8), dpi=100)
     ax.set_yscale("log" if spec["logy"] else "linear")
+    chapter = spec.get("chapter") or []
     if spec["kind"] == "bar":
         width = 0.8 / len(spec["ys"])
         for k, name in enumerate(spec["ys"]):
             y = [number(r[columns.index(name)]) for r in table["rows"]]
             ax.bar([i + k * width for i in range(len(x))], y, width, label=name)
-        ax.set_xticks([i + width * (len(spec["ys"]) - 1) / 2 for i in range(len(x))])
+        middle = width * (len(spec["ys"]) - 1) / 2
+        ax.set_xticks([i + middle for i in range(len(x))])
         ax.set_xticklabels([str(v) for v in x], rotation=20, ha="right", fontsize=8)
+        points = [(x.index(a) + middle, b) for a, b, _ in chapter if a in x]
     else:
         for name in spec["ys"]:
             points = [(number(a), number(r[columns.index(name)]))
                       for a, r in zip(x, table["rows"])]
             points = [(a, b) for a, b in points if math.isfinite(a) and math.isfinite(b)]
             ax.plot(*zip(*points), marker="o", label=name)
-        ax.set_xlabel(spec["x"])
         ax.set_xscale("log" if spec["logx"] else "linear")
+        points = [(number(a), number(b)) for a, b, _ in chapter]
+    if points:
+        ax.scatter(*zip(*points), marker="*", s=160, color="black", zorder=5, label="chapter")
+        for (a, b), (_, _, printed) in zip(points, [c for c in chapter if
+                                                     spec["kind"] != "bar" or c[0] in x]):
+            ax.annotate(printed, (a, b), textcoords="offset points", xytext=(6, 6), fontsize=8)
+    ax.set_xlabel(spec.get("xlabel") or spec["x"])
+    ax.set_ylabel(spec.get("ylabel") or ", ".join(spec["ys"]))
     if spec.get("hline"):
         label, value = spec["hline"]
         ax.axhline(value, color="gray", linestyle="--", label=label)

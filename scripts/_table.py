@@ -62,19 +62,32 @@ class Table:
         self.notes.extend(line for line in lines if line is not None)
         return self
 
-    def plot(self, x, ys, title, kind="line", logx=False, logy=False, hline=None):
+    def plot(self, x, ys, title, *, xlabel, ylabel, kind="line", logx=False, logy=False,
+             hline=None, chapter=()):
         """Declare a plot of columns ``ys`` against column ``x`` for the report.
+        xlabel, ylabel: the axes' labels, units included ('batch size B (sequences)',
+        'step latency (ms)').
         hline: (label, value), a level drawn across; the value must be printed in the header
-        or the notes (the report draws nothing the table does not show)."""
+        or the notes (the report draws nothing the table does not show).
+        chapter: the chapter's comparable figures, [(x, y, as printed), ...], drawn as markers
+        labelled "chapter"; 'as printed' must be in the chapter's line under the table."""
         names = [name for name, _ in self.columns]
         for column in [x, *ys]:
             if column not in names:
                 raise ValueError(f"{self.title}: plot of unknown column {column!r}")
+        if not xlabel or not ylabel:
+            raise ValueError(f"{self.title}: a plot needs both axis labels, with units")
         if hline and not any(f"{hline[1]:,}" in line or str(hline[1]) in line
                              for line in self.headers + self.notes):
             raise ValueError(f"{self.title}: the level {hline[1]} is not printed with the table")
+        said = " ".join(self.chapter_lines())
+        for _, _, printed in chapter:
+            if printed not in said:
+                raise ValueError(f"{self.title}: the chapter's {printed!r} is not printed "
+                                 "with the table")
         self.plots.append({"x": x, "ys": list(ys), "title": title, "kind": kind,
-                           "logx": logx, "logy": logy, "hline": hline})
+                           "xlabel": xlabel, "ylabel": ylabel, "logx": logx, "logy": logy,
+                           "hline": hline, "chapter": [list(point) for point in chapter]})
         return self
 
     def text(self) -> str:

@@ -127,7 +127,12 @@ def main(argv=None):
     table.note(f"newest position's output, recompute vs cached: max |difference| {worst:.1e}; "
                f"recompute vs tiled: {worst_tiled:.1e}")
     table.plot("n", ["recompute ms", "cached ms"], "one attention step against the context, "
-               "with and without the cache", logx=True, logy=True)
+               "with and without the cache", xlabel="context n (tokens)",
+               ylabel="one step (ms)", logx=True, logy=True)
+    table.plot("n", ["scores n x n B", "scores 1 x n B"], "attention scores built in one step, "
+               "with and without the cache", xlabel="context n (tokens)",
+               ylabel="score bytes (B, fp32)", logx=True, logy=True,
+               chapter=[(4096, 4096 * 4096 * 4, "67 MB"), (4096, 4096 * 4, "16 KB")])
     table.show()
     return 0 if max(worst, worst_tiled) < 1e-4 else 1
 

@@ -52,7 +52,8 @@ def main(argv=None):
                "embedding lookup, sampling (none is a multiply-accumulate over a weight or the "
                "context)")
     table.plot("T", ["no cache GMAC", "KV cache GMAC"], "multiply-accumulates to generate T "
-               "tokens, with and without the cache", logx=True, logy=True)
+               "tokens, with and without the cache", xlabel="tokens generated T",
+               ylabel="multiply-accumulates (GMAC)", logx=True, logy=True)
     table.show()
 
 if __name__ == "__main__":

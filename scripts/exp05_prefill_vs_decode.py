@@ -111,7 +111,8 @@ def main(argv=None):
                         f"a prompt token (the chapter: 166.5 / 25.6 = 6.5x); one prefill pass of "
                         f"{P} tokens costs {prefill.best / decode.best:.1f} decode steps",
                         {"prefill": (prefill, None), "decode": (decode, None)}))
-    table.plot("phase", ["ms per token"], "prefill against decode, cost per token", kind="bar")
+    table.plot("phase", ["ms per token"], "prefill against decode, cost per token", kind="bar",
+               xlabel="phase", ylabel="time per token (ms)")
     table.show()
     return 0
 

@@ -88,6 +88,7 @@ def main(argv=None):
     table.note(conclude("the pass's growth", f"P {P0} -> {P1}: the pass costs {t1 / t0:.1f}x, "
                         f"a token {t1 / P1 / (t0 / P0):.2f}x", ends))
     table.plot("P", ["ms per token"], "prefill: cost per prompt token against prompt length",
+               xlabel="prompt length P (tokens)", ylabel="time per prompt token (ms)",
                logx=True)
     table.show()
     return 0

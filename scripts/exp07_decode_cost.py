@@ -92,7 +92,8 @@ def main(argv=None):
                         f"({lengths[-1] / lengths[0]:.0f}x the history): the step costs "
                         f"{timings[-1].best / base:.2f}x", ends),
                f"weights {format_bytes(weights)} read per step whatever C")
-    table.plot("C", ["step ms"], "decode: one step's cost against the cache length", logx=True)
+    table.plot("C", ["step ms"], "decode: one step's cost against the cache length",
+               xlabel="cache length C (tokens)", ylabel="one decode step (ms)", logx=True)
     table.show()
     return 0
 

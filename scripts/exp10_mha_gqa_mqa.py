@@ -57,7 +57,7 @@ def main(argv=None):
     table.note(f"per format: a real KVCache of {SLOTS} slots, its nbytes / {SLOTS}; q8_0 and "
                "q4_0 hold 32 codes of 8 or 4 bits and one float16 scale per 32 numbers")
     table.plot("variant", ["bytes/token"], "KV cache bytes per token: MHA, GQA, MQA",
-               kind="bar")
+               kind="bar", xlabel="attention variant", ylabel="KV cache per token (bytes)")
     table.show()
     return 0 if exact else 1
 

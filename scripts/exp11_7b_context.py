@@ -43,6 +43,7 @@ def main(argv=None):
     table.note(f"one user's cache outgrows the {weights / GB:.1f} GB of fp16 weights from "
                f"{cross:,} tokens of context")
     table.plot("context", ["cache GB"], "one user's KV cache against context, and the weights",
+               xlabel="context (tokens)", ylabel="KV cache of one user (GB)",
                hline=("fp16 weights", round(weights / GB, 1)))
     table.show()
 

@@ -178,8 +178,12 @@ def main(argv=None):
                         f"{at[2 * k][1] / at[k][1] - 1:+.0%} tokens/s, under {args.knee_gain:.0%})"
                         if k else f"knee: not reached (every measured doubling buys "
                         f"{args.knee_gain:.0%} or more)", rows(2 * k if k else sizes[-1])))
-    table.plot("B", ["tokens/s"], "batched decode: throughput against batch size (the knee)")
-    table.plot("B", ["step ms"], "batched decode: step latency against batch size")
+    table.plot("B", ["tokens/s vs B=1"], "batched decode: throughput against batch size, "
+               "relative to B = 1 (the knee)", xlabel="batch size B (sequences)",
+               ylabel="tokens/s relative to B = 1 (x)", chapter=[(16, 6.0, "x6.0")])
+    table.plot("B", ["latency vs B=1"], "batched decode: step latency against batch size, "
+               "relative to B = 1", xlabel="batch size B (sequences)",
+               ylabel="step latency relative to B = 1 (x)", chapter=[(16, 2.67, "x2.67")])
     table.show()
 
     ways = Table("Two ways to batch (paged): one flat matrix per projection (the default) vs row "
@@ -195,7 +199,7 @@ def main(argv=None):
               f"the two (max |difference| {np.abs(fast_logits - exact_logits).max():.1e}); "
               f"greedy token changed in {changed} of {sizes[-1]} rows")
     ways.plot("B", ["flat tokens/s", "row by row tokens/s"], "flat against row-by-row batching: "
-              "throughput")
+              "throughput", xlabel="batch size B (sequences)", ylabel="throughput (tokens/s)")
     ways.show()
     if args.save_step_costs:
         with open(args.save_step_costs, "w") as f:

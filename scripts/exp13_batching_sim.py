@@ -10,6 +10,7 @@ arrival rate showing where the chapter's two figures (1.6x throughput, >10x mean
 import argparse
 import math
 import time
+from pathlib import Path
 
 import numpy as np
 
@@ -31,7 +32,8 @@ def describe(cost, path):
                 "not a measurement\n  (chosen so 1 -> 16 gives the chapter's x6.0 throughput and"
                 " x2.67 latency;\n  pass --step-costs FILE with experiment 12's measured costs)")
     points = ", ".join(f"B={b} {s * 1e3:.1f} ms" for b, s in zip(cost.batch_sizes, cost.seconds))
-    return f"measured, from {path}: {points}\n  (linear in between)"
+    return (f"measured by experiment 12 (the step-cost file {Path(path).name}): {points}\n"
+            "  (linear in between)")
 
 
 def policy_table(title, runs):
@@ -121,9 +123,10 @@ def main(argv=None):
     table.note("both chapter figures (>= 1.6x throughput, > 10x mean latency) at loads: "
                + (", ".join(f"{x:g}" for x in both) if both else "none of the sweep's"))
     table.plot("load", ["mean s static", "mean s continuous"], "mean latency against load: "
-               "static against continuous batching", logx=True, logy=True)
+               "static against continuous batching", xlabel="load (offered / capacity)",
+               ylabel="mean end-to-end latency (s)", logx=True, logy=True)
     table.plot("load", ["tokens/s static", "tokens/s continuous"], "throughput against load",
-               logx=True)
+               xlabel="load (offered / capacity)", ylabel="throughput (tokens/s)", logx=True)
     table.show()
 
 

@@ -126,7 +126,7 @@ def main(argv=None):
                f"(at most {args.block_size - 1} each); stand-in replay identical to the real "
                "run: " + ("yes" if same else "NO"))
     table.plot("approach", ["held MB", "used MB"], "KV memory held: paged against reserving",
-               kind="bar", logy=True)
+               kind="bar", logy=True, xlabel="approach", ylabel="KV memory (MB)")
     table.show()
 
     table = Table("Block-size trade-off, same workload", experiment=14, chapter=False,
@@ -136,9 +136,11 @@ def main(argv=None):
         h, f, *_, pk = totals(sweep[bs], context)
         entries = np.mean([m.blocks_held / max(m.sequences, 1) for m in sweep[bs]])
         table.row(bs, h * bpt / MB, 100 * (1 - f / h), pk, entries)
-    table.plot("block", ["waste %"], "paged waste against block size", logx=True)
+    table.plot("block", ["waste %"], "paged waste against block size", logx=True,
+               xlabel="block size (tokens)", ylabel="waste (% of held)")
     table.plot("block", ["table entries"], "block-table entries per sequence against block size",
-               logx=True, logy=True)
+               logx=True, logy=True, xlabel="block size (tokens)",
+               ylabel="block-table entries (per sequence)")
     table.show()
 
     bs = args.block_size

@@ -78,7 +78,8 @@ def main(argv=None):
                "one float16 per scale;",
                "allocator = bytes tracemalloc saw still allocated after quantizing (the float "
                "model still alive), NumPy only")
-    table.plot("projections", ["total MB"], "weights in memory per scheme", kind="bar")
+    table.plot("projections", ["total MB"], "weights in memory per scheme", kind="bar",
+               xlabel="storage scheme", ylabel="weights in memory (MB)")
     table.show()
 
 

@@ -57,7 +57,11 @@ def main(argv=None):
                  f"weights; there a group of {group} is the whole row, and group-{group} equals "
                  "per-row")
     out.plot("scheme", ["mean", "worst"], "quantization error per scheme (relative, per matrix)",
-             kind="bar", logy=True)
+             kind="bar", logy=True, xlabel="quantization scheme",
+             ylabel="relative error (||W - W_hat|| / ||W||)",
+             chapter=[("INT4 per-tensor", 0.99, "worst matrix 0.99"),
+                      ("NF4 (block 64)", 0.0952, "NF4 0.0952"),
+                      ("INT4 group-128", 0.1323, "group-128 0.1323")])
     out.show()
 
 

@@ -80,7 +80,8 @@ def main(argv=None):
         table.note(f"{b.low:>6.0f} - {b.high:>6.0f} | {b.count:>4} "
                    f"{'#' * min(b.count, 40):<40}| {n:>4} {'#' * min(n, 40)}")
     table.plot("layer", ["max |h|", "max |h| w/o pos 0", "median dim"], "largest and median "
-               "dimension of the residual stream, layer by layer", logy=True)
+               "dimension of the residual stream, layer by layer", logy=True,
+               xlabel="layer", ylabel="|h| (residual stream value)")
     table.show()
 
 

@@ -124,7 +124,11 @@ def main(argv=None):
         table.row(label, ppl, on, off, agree, proj / 1e6, total / 1e6)
     table.note(swaps([(label, on, off) for label, _, (on, off), *_ in rows], penalty))
     table.plot("scheme", ["perplexity"], "perplexity per scheme (lower is better)", kind="bar",
-               logy=True)
+               logy=True, xlabel="quantization scheme", ylabel="perplexity (lower is better)",
+               chapter=[("fp32", 23.08, "fp32 23.08"), ("INT8 per-row", 22.96, "22.96"),
+                        ("INT4 per-tensor", 365416000, "365,416,000"),
+                        ("INT4 per-row", 46.18, "46.18"), ("INT4 group-128", 31.08, "31.08"),
+                        ("NF4 (block 64)", 24.55, "24.55")])
     table.show()
 
 

@@ -164,7 +164,8 @@ def main(argv=None):
         if script == "exp13_batching_sim.py" and not step_costs.is_file():
             extra = []  # experiment 12 did not run: the simulation's default cost model
         argv = command(script, takes, extra, args, step_costs)
-        shown = " ".join([script, *argv[2:]])
+        # the step-cost file lives in a temporary folder: named by its role, not its path
+        shown = " ".join([script, *argv[2:]]).replace(str(step_costs), "STEP_COSTS.json")
         say(f"=== [{i}/{len(job)}] {shown} ===")
         print(f"\n{'=' * 78}\n{shown}\n{'=' * 78}", flush=True)
         t, cpu = time.perf_counter(), cpu_seconds()
