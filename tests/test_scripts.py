@@ -94,3 +94,31 @@ def test_run_all_runs_a_selection(tiny, capfd):
     assert run_all.main(["--model", tiny, "--only", "exp(09|24)"]) == 0
     out = capfd.readouterr().out
     assert "Experiment 9: KV cache for users x tokens" in out and "Experiment 24" in out
+
+
+@pytest.mark.parametrize("noisy", [False, True])
+def test_exp12_concludes_only_from_steady_rows(tiny, monkeypatch, capsys, noisy):
+    """Step timings injected: quiet, the knee is printed; with B = 2's repeats disagreeing
+    (and fewer tokens/s than B = 1) even after re-measuring, the row is flagged with the
+    figures the table prints and the knee is withheld, naming the load."""
+    from minitransformer.measure.timing import Timing
+    exp12 = importlib.import_module("exp12_batched_decode")
+    steps = {1: (0.010,) * 3, 2: (0.030, 0.060, 0.060) if noisy else (0.012,) * 3,
+             4: (0.020,) * 3}
+
+    def fake(fns, warmup=1, repeat=5, after=None):   # B = the rows the step decodes
+        B = fake.sizes.pop(0)
+        return [Timing(steps[B], load=3.5)] * 3
+    fake.sizes = [1, 2, 4] * 2    # then the re-measurement: the flagged rows and those before
+    monkeypatch.setattr(exp12, "time_together", fake)
+    out = run("exp12_batched_decode", ["--model", tiny, "--batch-sizes", "1,2,4", "--context",
+                                       "8", "--repeat", "3"], capsys)
+    if not noisy:
+        assert "knee: B = 2 (doubling to 4 buys +20% tokens/s, under 25%)" in out
+        assert "WARNING" not in out
+        return
+    assert "knee: not concluded, the machine was too noisy (B=2: still flagged, see its row)" \
+        "; load average 3.5" in out
+    row = next(line for line in out.splitlines() if line.lstrip().startswith("2 "))
+    assert "WARNING: batch 2 makes 66.7 tokens/s, 0.67x batch 1 (100.0)" in row
+    assert "  66.7  " in row and any(" 100.0 " in line for line in out.splitlines())
