@@ -30,11 +30,11 @@ def cli(*args, stdin=""):
     return done
 
 
-def continuation(model, ids, n, **settings):
+def continuation(model, ids, n, seed=None, **settings):
     """The text generate's tokens add after ids, decoded as one piece."""
     tokenizer = model.tokenizer
-    return tokenizer.decode(ids + mt.generate(model, ids, n, **settings))[
-        len(tokenizer.decode(ids)):]
+    tokens = mt.generate(model, ids, n, sampling=SamplingSettings(**settings), seed=seed)
+    return tokenizer.decode(ids + tokens)[len(tokenizer.decode(ids)):]
 
 
 CHAT = {"repetition_penalty": 1.1}  # chat's built-in default where the checkpoint gives none

@@ -97,12 +97,12 @@ def test_run_all_runs_a_selection(tiny, capfd):
 
 
 @pytest.mark.parametrize("noisy", [False, True])
-def test_exp12_concludes_only_from_steady_rows(tiny, monkeypatch, capsys, noisy):
+def test_exp12_concludes_only_from_steady_rows(tiny, monkeypatch, run_script, noisy):
     """Step timings injected: quiet, the knee is printed; with B = 2's repeats disagreeing
     (and fewer tokens/s than B = 1) even after re-measuring, the row is flagged with the
     figures the table prints and the knee is withheld, naming the load."""
+    import exp12_batched_decode as exp12
     from minitransformer.measure.timing import Timing
-    exp12 = importlib.import_module("exp12_batched_decode")
     steps = {1: (0.010,) * 3, 2: (0.030, 0.060, 0.060) if noisy else (0.012,) * 3,
              4: (0.020,) * 3}
 
@@ -111,8 +111,8 @@ def test_exp12_concludes_only_from_steady_rows(tiny, monkeypatch, capsys, noisy)
         return [Timing(steps[B], load=3.5)] * 3
     fake.sizes = [1, 2, 4] * 2    # then the re-measurement: the flagged rows and those before
     monkeypatch.setattr(exp12, "time_together", fake)
-    out = run("exp12_batched_decode", ["--model", tiny, "--batch-sizes", "1,2,4", "--context",
-                                       "8", "--repeat", "3"], capsys)
+    out, _ = run_script("exp12_batched_decode", "--model", tiny, "--batch-sizes", "1,2,4",
+                        "--context", 8, "--repeat", 3)
     if not noisy:
         assert "knee: B = 2 (doubling to 4 buys +20% tokens/s, under 25%)" in out
         assert "WARNING" not in out

@@ -36,7 +36,8 @@ def test_every_experiment_has_the_chapter_figure_and_a_reason():
 def test_recorded_as_data(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("MT_TABLES", str(tmp_path))
     t = small_table()
-    t.plot("B", ["step ms"], "step against batch")
+    t.plot("B", ["step ms"], "step against batch", xlabel="batch size B",
+           ylabel="step (ms)")
     t.show()
     Table("second", columns=[("x", "d")]).row(3).show()
     assert "Experiment 12: a title" in capsys.readouterr().out
@@ -52,7 +53,7 @@ def test_recorded_as_data(tmp_path, monkeypatch, capsys):
 def test_mistakes_are_caught_where_they_are_made():
     t = small_table()
     with pytest.raises(ValueError, match="unknown column 'tokens/s'"):
-        t.plot("B", ["tokens/s"], "x")
+        t.plot("B", ["tokens/s"], "x", xlabel="B", ylabel="tokens/s")
     with pytest.raises(ValueError, match="2 values for 3 columns"):
         t.row(1, 2.0)
 
@@ -66,3 +67,13 @@ def test_progress_counts_and_estimates_what_is_left(capsys, monkeypatch):
     assert capsys.readouterr().err.splitlines() == [
         "[1/4] runs: first (10 s, about 90 s left)",
         "[2/4] runs: second (20 s, about 47 s left)"]
+
+
+def test_progress_never_counts_past_its_own_total(capsys, monkeypatch):
+    monkeypatch.setattr("_common.time.perf_counter", lambda: 0.0)
+    p = Progress(2, "runs", more=2)                 # a re-measurement adds a round of 2
+    for name in ("a", "b", "c"):
+        p(name)
+    lines = capsys.readouterr().err.splitlines()
+    assert [line.split("]")[0] for line in lines] == ["[1/2", "[2/2", "[3/4"]
+    assert lines[2].endswith("; 2 more: measuring again, the machine was busy")
