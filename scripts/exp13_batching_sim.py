@@ -17,12 +17,10 @@ import numpy as np
 from _common import add_workload_arguments, numbers, say, workload_lengths
 from _table import Table
 from minitransformer.serve.records import metrics
-from sim.batching import (AffineCost, TableCost, capacity_rate, first_crossing,
+from sim.batching import (STATIC_RULE, AffineCost, TableCost, capacity_rate, first_crossing,
                           simulate_continuous, simulate_static, sweep)
 from sim.workload import make_workload
 
-STATIC_RULE = ("static: when a batch ends, the next starts with whatever is waiting (the engine's "
-               "rule; no batching window)")
 LOADS = "0.05,0.1,0.2,0.3,0.4,0.5,0.6,0.7,0.8,0.9,1,1.25,1.5,2,3,5,inf"
 
 

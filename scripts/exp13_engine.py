@@ -28,7 +28,7 @@ from _table import Table
 from minitransformer.serve.engine import Engine, pool_for
 from minitransformer.measure.sanity import NOISE_FLOOR, load_seen
 from minitransformer.serve.records import Request, metrics
-from sim.batching import TableCost, simulate_continuous, simulate_static
+from sim.batching import STATIC_RULE, TableCost, simulate_continuous, simulate_static
 from sim.workload import make_workload
 
 
@@ -163,7 +163,7 @@ def main(argv=None):
     sim = Table("Simulation (sim/batching.py) of the same workload", experiment=13,
                 columns=COLUMNS)
     sim.header(f"step costs {source}: {points} ms; prefill {prefill * 1e3:.1f} ms per "
-               "admitted request")
+               "admitted request", STATIC_RULE)
     for run in sims:
         policy_row(sim, run, engine=False)
     for B, message in warnings.items():

@@ -47,6 +47,10 @@ import numpy as np
 from minitransformer.serve.records import Metrics, Result, Run, metrics
 from sim.workload import make_workload
 
+# The static policy in words, for the tables that use it (the engine's rule, no batching window)
+STATIC_RULE = ("static: when a batch ends, the next starts with whatever is waiting (the "
+               "engine's rule; no batching window)")
+
 
 @dataclass(frozen=True)
 class AffineCost:
