@@ -122,3 +122,14 @@ def test_exp12_concludes_only_from_steady_rows(tiny, monkeypatch, run_script, no
     row = next(line for line in out.splitlines() if line.lstrip().startswith("2 "))
     assert "WARNING: batch 2 makes 66.7 tokens/s, 0.67x batch 1 (100.0)" in row
     assert "  66.7  " in row and any(" 100.0 " in line for line in out.splitlines())
+
+
+def test_exp13_engine_checks_the_step_costs_it_prints():
+    """The warning quotes the medians the simulation's header prints, against the dearest
+    smaller batch (a slow drift past several sizes is caught, not only a step between two)."""
+    from exp13_engine import step_warnings
+    from sim.batching import TableCost
+    cost = TableCost((1, 2, 5, 6, 7, 8), (0.0331, 0.0423, 0.0547, 0.0535, 0.0503, 0.0471))
+    assert step_warnings(cost) == {     # B=6 and 7 stay within the 10% floor of B=5
+        8: "B=8 47.1 ms below B=5 54.7 ms: a larger batch cannot be cheaper"}
+    assert step_warnings(TableCost((1, 2, 4), (0.030, 0.029, 0.050))) == {}   # within 10%
