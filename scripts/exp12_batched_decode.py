@@ -166,18 +166,18 @@ def main(argv=None):
              f"({at[b][1] / at[a][1] - 1:+.0%}), latency x{at[b][0] / at[a][0]:.2f}"
              for a, b in pairs]
 
-    def rows(until):    # the rows a conclusion rests on: B <= until
-        return {f"B={B}": (t[0], warnings.get(i)) for i, (B, t) in enumerate(zip(sizes, timings))
-                if B <= until}
+    def rests_on(used):     # the rows a conclusion rests on, and what a check says of them
+        return {f"B={B}": (timings[i][0], warnings.get(i)) for i, B in enumerate(sizes)
+                if B in used}
     k = knee(sizes, tps, args.knee_gain)
-    table.note(conclude("here", "here: " + "; ".join(parts), {
-                   f"B={B}": (timings[sizes.index(B)][0], warnings.get(sizes.index(B)))
-                   for pair in pairs for B in pair})
+    table.note(conclude("here", "here: " + "; ".join(parts),
+                        rests_on({B for pair in pairs for B in pair}))
                if parts else "here: (needs batch sizes 1, 16, 32)",
                conclude("knee", f"knee: B = {k} (doubling to {2 * k} buys "
                         f"{at[2 * k][1] / at[k][1] - 1:+.0%} tokens/s, under {args.knee_gain:.0%})"
                         if k else f"knee: not reached (every measured doubling buys "
-                        f"{args.knee_gain:.0%} or more)", rows(2 * k if k else sizes[-1])))
+                        f"{args.knee_gain:.0%} or more)",
+                        rests_on({B for B in sizes if B <= (2 * k if k else sizes[-1])})))
     table.plot("B", ["tokens/s vs B=1"], "batched decode: throughput against batch size, "
                "relative to B = 1 (the knee)", xlabel="batch size B (sequences)",
                ylabel="tokens/s relative to B = 1 (x)", chapter=[(16, 6.0, "x6.0")])
