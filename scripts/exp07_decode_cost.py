@@ -73,7 +73,7 @@ def main(argv=None):
     timings, warnings = recheck(
         lambda _: step_times(model, lengths, args.warmup, args.repeat),
         lambda t: merged(cost_falls(lengths, t, "a step against C ="),
-                         unsteady(lengths, t, "C=")))
+                         unsteady([f"{C:,}" for C in lengths], t, "C=")))
     weights = decode_read_bytes(c, model.weights)
     per_token = kv_bytes_per_token(c, 4)
 
@@ -87,7 +87,7 @@ def main(argv=None):
     for i, (C, t) in enumerate(zip(lengths, timings)):
         table.row(C, t.best * 1e3, t.median * 1e3, t.best / base, C * per_token,
                   C * per_token / weights, warning=warnings.get(i))
-    ends = {f"C={lengths[i]}": (timings[i], warnings.get(i)) for i in (0, len(lengths) - 1)}
+    ends = {f"C={lengths[i]:,}": (timings[i], warnings.get(i)) for i in (0, len(lengths) - 1)}
     table.note(conclude("the step's growth", f"C {lengths[0]:,} -> {lengths[-1]:,} "
                         f"({lengths[-1] / lengths[0]:.0f}x the history): the step costs "
                         f"{timings[-1].best / base:.2f}x", ends),
