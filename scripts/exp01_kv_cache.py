@@ -19,7 +19,7 @@ from _common import (Progress, add_cache_arguments, add_model_argument, add_thre
                      encode_prompt, load_model, mt, positive_int, timing_header)
 from _table import Table, is_random
 from minitransformer.measure.timing import time_together
-from minitransformer.measure.sanity import recheck, slower
+from minitransformer.measure.sanity import conclude, recheck, slower, unsteady
 
 PROMPT = ("The key and value vectors of position seven are computed from the input at position "
           "seven and the positions before it. When position eight arrives, nothing about "
@@ -43,8 +43,15 @@ def both_ways(model, ids, n, repeat, kv_dtype="f32", attention="plain"):
                                 warmup=0, repeat=repeat,
                                 after=[lambda: progress("no cache (recompute)"),
                                        lambda: progress("KV cache")]),
-        lambda t: slower(t[1], t[0], "the cached generation", "the recompute"))
+        lambda t: slower(t[1], t[0], "the cached generation", "the recompute")
+        or unsteady_pair(t))
     return tokens, timings, warning
+
+
+def unsteady_pair(timings):
+    """A message if either way's repeats disagree beyond the stated spread (in s, as printed)."""
+    found = unsteady(["no cache", "KV cache"], timings, scale=1, unit="s", fmt=".3f")
+    return "; ".join(found.values()) or None
 
 
 def main(argv=None):
@@ -82,7 +89,8 @@ def main(argv=None):
     table.note(f"tokens identical: {same} of {n}  -> "
                f"{'identical output' if same == n else 'DIFFERENT'}"
                + ("" if exact else f" ({args.kv_cache_dtype} cache: not required to match)"),
-               f"speedup: {t_slow.best / t_fast.best:.1f}x", "",
+               conclude("speedup", f"speedup: {t_slow.best / t_fast.best:.1f}x",
+                        {"no cache": (t_slow, None), "KV cache": (t_fast, warning)}), "",
                f"prompt : {model.tokenizer.decode(ids)!r}",
                f"output : {model.tokenizer.decode(fast)!r}")
     if is_random(model):
