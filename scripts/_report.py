@@ -69,7 +69,9 @@ def order(path):
 
 
 def short(table):
-    return table["title"].split(":")[0][:40]
+    """The navigation's name of a table: its title up to the first colon, cut at a word."""
+    name = table["title"].split(":")[0]
+    return name if len(name) <= 40 else name[:40].rsplit(" ", 1)[0] + "..."
 
 
 def section(table, anchor, plotter) -> str:
