@@ -349,7 +349,8 @@ def curve_table(d: Distilled, experiment: int) -> Table:
     for step, kls in d.curve:
         table.row(step, *[kls[n] for n in names])
     table.plot("step", [f"KL {n}" for n in names], "held-out KL to the teacher, soft and "
-               "hard students", logy=True)
+               "hard students", logy=True, xlabel="training step",
+               ylabel="KL(teacher || draft) (nats per token)")
     return table
 
 
