@@ -43,9 +43,9 @@ import numpy as np
 from _common import add_threads_argument, load_model, say, timing_header
 from _table import Table
 from minitransformer.backend import xp
-from minitransformer.generate import last_logits
 from minitransformer.kvcache import KVCache
-from minitransformer.measure.timing import blas_kernel, time_together, where_it_ran
+from minitransformer.measure.timing import (blas_kernel, step_with_rollback, time_together,
+                                            where_it_ran)
 from minitransformer.linear import linear
 from minitransformer.model import forward
 from minitransformer.shape import decode_read_bytes
@@ -99,9 +99,10 @@ def product_weights(model) -> int:
         for w in (layer.qkv, layer.o, layer.gate_up, layer.down))
 
 
-def decode_steps(model, batch, context, seed=0):
+def decode_steps(model, batch, context, seed=0, batch_invariant=False):
     """A cache of `batch` rows holding the same `context` random tokens (one prefill, copied)
-    -> (step(batch_invariant=False) -> logits (B, V), rollback, the prompt and the token)."""
+    -> (step() -> logits (B, 1, V), its rollback (measure.timing.step_with_rollback), the
+    prompt and the token). The same seed gives the same cache."""
     c = model.config
     rng = np.random.default_rng(seed)
     prompt = rng.integers(0, c.vocab_size, (1, context))
@@ -113,9 +114,7 @@ def decode_steps(model, batch, context, seed=0):
     cache.lengths[:] = context
     token = np.full((batch, 1), int(rng.integers(0, c.vocab_size)))
 
-    def step(batch_invariant=False):
-        return last_logits(model, token, cache, batch_invariant)               # (B, V)
-    return step, lambda: cache.trim(1), prompt, token[:1]
+    return (*step_with_rollback(model, cache, token, batch_invariant), prompt, token[:1])
 
 
 def transformers_step(path, prompt, token, threads):
@@ -184,7 +183,7 @@ def main(argv=None):
         where[spec] = (len(fns) - 1, None)
         ref = None if args.no_reference else transformers_step(path, prompt, token, args.threads)
         if ref is not None:
-            ours, theirs = step()[0], ref[0]()
+            ours, theirs = step()[0, -1], ref[0]()
             rollback(), ref[1]()
             differences[spec] = float(np.abs(ours - theirs).max())
             fns.append(ref[0]), after.append(ref[1])
@@ -231,12 +230,13 @@ def main(argv=None):
     for spec, path, model in models:
         one, one_back = decode_steps(model, 1, args.context)[:2]
         step, rollback = decode_steps(model, BATCH, args.context)[:2]
+        exact, exact_back = decode_steps(model, BATCH, args.context, batch_invariant=True)[:2]
         t1, flat, rows, gemm = time_together(
-            [one, step, lambda: step(True), lambda: a @ a], warmup=1, repeat=args.repeat,
-            after=[one_back, rollback, rollback, None])
-        alone, exact = one(), step(True)
-        one_back(), rollback()
-        same = bool((exact == alone).all())  # every row of the invariant step: B = 1's bits
+            [one, step, exact, lambda: a @ a], warmup=1, repeat=args.repeat,
+            after=[one_back, rollback, exact_back, None])
+        alone, rows_alone = one(), exact()
+        one_back(), exact_back()
+        same = bool((rows_alone == alone).all())  # every row of the invariant step: B = 1's bits
         rate = 2 * 1024 ** 3 / gemm.best                                # flop/s of this kernel
         ceiling = max(2 * BATCH * product_weights(model) / rate,        # flops at that rate
                       decode_read_bytes(model.config, model.weights) / bandwidth)  # or reads
