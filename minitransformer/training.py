@@ -33,7 +33,7 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from minitransformer.backend import to_numpy
+from minitransformer.backend import to_device, to_numpy
 from minitransformer.checks import is_integer, is_real
 from minitransformer.distill import (check_temperature, distillation_grad, distillation_loss,
                                      hard_label_grad, hard_label_loss, log_softmax)
@@ -246,7 +246,7 @@ def draft_model(target: Model, k: int, params: dict) -> Model:
     Every other weight is the target's own array (shared, not copied)."""
     prefix = f"model.layers.{check_layers(target, k) - 1}."
     weights = dict(target.weights)
-    weights.update({prefix + PIECE[short]: np.asarray(w, np.float32)
+    weights.update({prefix + PIECE[short]: to_device(np.asarray(w, np.float32))
                     for short, w in params.items()})
     return replace(target, config=replace(target.config, num_hidden_layers=k), weights=weights)
 

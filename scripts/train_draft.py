@@ -26,6 +26,7 @@ from _common import (Progress, add_model_argument, add_threads_argument, load_mo
                      positive_int, run, say, timing_header)
 from _table import Table
 from minitransformer import training as tr
+from minitransformer.backend import to_numpy
 from minitransformer.measure.quality import agreement, reference_tokens
 from minitransformer.measure.text import TextUnavailable, britannica_text
 from minitransformer.speculative import first_layers
@@ -216,8 +217,8 @@ def distil(target, s: Settings) -> Distilled:
 
     own = tr.start_params(target, s.layers - 1)
     assert np.array_equal(  # the cut's own block: the untrained cut, exactly
-        tr.draft_model(target, s.layers, own).layers[-1].down,
-        first_layers(target, s.layers).layers[-1].down)
+        to_numpy(tr.draft_model(target, s.layers, own).layers[-1].down),
+        to_numpy(first_layers(target, s.layers).layers[-1].down))
     figures_of = {"untrained cut": figures(own)}
     start = own if s.start == "own" else tr.start_params(target,
                                                          target.config.num_hidden_layers - 1)
