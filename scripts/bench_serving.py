@@ -45,8 +45,8 @@ import urllib.request
 
 import numpy as np
 
-from _common import (Progress, add_model_argument, add_workload_arguments, load_model, numbers,
-                     positive_int, progress, say, workload_lengths)
+from _common import (Progress, add_model_argument, add_workload_arguments, load_model, model_name,
+                     numbers, positive_int, progress, say, workload_lengths)
 from _table import Table
 from sim.workload import make_workload
 
@@ -225,7 +225,7 @@ def setting_lines(args, model) -> list:
     from minitransformer.measure.timing import machine
     kernels = sorted({str(p.get("architecture")) for p in threadpool_info()
                       if p["user_api"] == "blas"}) or ["?"]
-    return [f"model {model.path}; servers with {args.threads} BLAS thread(s), {args.slots} "
+    return [f"model {model_name(model)}; servers with {args.threads} BLAS thread(s), {args.slots} "
             f"slots, blocks of {args.block_size}; {machine()}; BLAS kernel "
             f"{', '.join(kernels)}; times are wall-clock, client and servers sharing the cores"]
 

@@ -31,8 +31,8 @@ from functools import partial
 
 import numpy as np
 
-from _common import (Progress, add_model_argument, add_threads_argument, load_model, model_path,
-                     mt, say)
+from _common import (Progress, add_model_argument, add_threads_argument, load_model, model_name,
+                     model_path, mt, say)
 from _table import Table
 from minitransformer.backend import to_numpy
 from minitransformer.config import load_config
@@ -143,7 +143,7 @@ def main(argv=None):
                f"tokens identical: {same} of {N}")
     if args.prefill_tokens:
         scores = lc.num_attention_heads * n * n * 4
-        table.note(f"long prefill on {long_model.path} ({lc.num_attention_heads} heads): "
+        table.note(f"long prefill on {model_name(long_model)} ({lc.num_attention_heads} heads): "
                    f"plain / tiled {prefill_peaks['plain'] / prefill_peaks['tiled']:.1f}x the "
                    f"memory; the plain one's scores alone are {lc.num_attention_heads} x {n:,} x "
                    f"{n:,} x 4 = {scores:,} B per layer; hidden states plain vs tiled: max "

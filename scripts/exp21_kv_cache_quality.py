@@ -23,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
-from _common import Progress, add_model_argument, add_schemes_argument, load_model, say
+from _common import Progress, add_model_argument, add_schemes_argument, load_model, model_name, say
 from _table import Table
 from minitransformer.kvquant import KV_DTYPES, cache_bytes_per_token
 from minitransformer.measure.quality import next_token_scores, tokens_of, wilson_interval
@@ -90,7 +90,7 @@ def main(argv=None):
             rows.append((label, kv_dtype, math.exp(nll.mean()), ratio, agree))
             done(f"{label} weights, {kv_dtype} cache: perplexity {math.exp(nll.mean()):.3f}")
 
-    table = Table(f"Experiment 21, the KV cache: quality by cache format, {model.path}",
+    table = Table(f"Experiment 21, the KV cache: quality by cache format, {model_name(model)}",
                   experiment=21, chapter=False,
                   columns=[("weights", ""), ("cache", ""), ("perplexity", ".3f"),
                            ("vs f32 cache [95%]", ""), ("agree [95%]", ""),

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-from _common import (Progress, add_model_argument, add_threads_argument, load_model,
+from _common import (Progress, add_model_argument, add_threads_argument, load_model, model_name,
                      positive_int, run, say, timing_header)
 from _table import Table
 from minitransformer import training as tr
@@ -283,8 +283,9 @@ def drafts_of(target, d: Distilled, chosen) -> list:
 def training_table(target, d: Distilled, experiment: int) -> Table:
     s = d.settings
     L = target.config.num_hidden_layers
-    table = Table(f"Distilled drafts: the first {s.layers} of {L} layers of {target.path}, the "
-                  f"last one's MLP trained", experiment=experiment, chapter=False, columns=[
+    table = Table(f"Distilled drafts: the first {s.layers} of {L} layers of "
+                  f"{model_name(target)}, the last one's MLP trained", experiment=experiment,
+                  chapter=False, columns=[
                       ("draft", ""), ("train loss", ".4f"), ("held-out KL", ".4f"),
                       ("top-1 agreement", ".3f"), ("alpha sampling", ".3f"),
                       ("alpha greedy", ".3f")])

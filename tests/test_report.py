@@ -181,3 +181,13 @@ def test_a_real_browser_renders_the_page(tmp_path, monkeypatch, capsys):
         # nothing overflows sideways: the page's right margin (inside the body's 1em padding)
         # is blank, where an unwrapped navigation or a too-wide table would run on
         assert pixels.crop((width - 10, 0, width, 1800)).getextrema()[0] > 200, width
+
+
+def test_no_script_puts_a_checkpoint_path_in_a_table():
+    """A path names a model on one machine only: tables name it by model_name (its folder);
+    a path may still appear in an error or a progress line, which the report never shows."""
+    for script in sorted(SCRIPTS.glob("*.py")):
+        for number, line in enumerate(script.read_text().splitlines(), 1):
+            if ".path}" in line:
+                assert any(word in line for word in ("raise", "Error", ".error(", "say(")), \
+                    f"{script.name}:{number}: {line.strip()}"
