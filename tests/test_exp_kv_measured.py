@@ -147,7 +147,9 @@ def test_exp07_table(checkpoint_dir, run_script):
     out, _ = run_script("exp07_decode_cost", "--model", checkpoint_dir("qwen2-mha-untied"),
                         "--lengths", 4, 16, 300, "--repeat", 1, "--warmup", 0)
     assert [r[0] for r in table_rows(out, "C ")] == ["4", "16"]  # 300 >= the 256 positions
-    assert "C 4 -> 16 (4x the history)" in out
+    # one timed repeat on a shared machine: the growth is concluded, or said not to be
+    assert "C 4 -> 16 (4x the history)" in out or \
+        "the step's growth: not concluded, the machine was too noisy" in out
 
 
 def test_exp02_and_exp04_without_model_use_the_default_model(checkpoint_dir, monkeypatch,
