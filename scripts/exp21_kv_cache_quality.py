@@ -19,7 +19,6 @@ runs --tokens 256, where the intervals say how little a small sample decides.
 """
 import argparse
 import math
-from pathlib import Path
 
 import numpy as np
 
@@ -27,7 +26,7 @@ from _common import Progress, add_model_argument, add_schemes_argument, load_mod
 from _table import Table
 from minitransformer.kvquant import KV_DTYPES, cache_bytes_per_token
 from minitransformer.measure.quality import next_token_scores, tokens_of, wilson_interval
-from minitransformer.measure.text import TextUnavailable, britannica_text
+from minitransformer.measure.text import evaluation_text
 from quant.qmodel import SCHEMES, quantize_model
 
 WEIGHTS = ("int8-row", "nf4")   # beside fp32: the chapter's best INT8 and its best 4-bit scheme
@@ -57,13 +56,7 @@ def main(argv=None):
                         help="evaluation text (default: experiment 21's, the 1911 Britannica "
                              "article on Shakespeare)")
     args = parser.parse_args(argv)
-    if args.text:
-        text, source = Path(args.text).read_text(encoding="utf-8"), args.text
-    else:
-        try:
-            text, source = britannica_text(), "the 1911 Britannica article on Shakespeare"
-        except TextUnavailable as e:
-            raise ValueError(str(e)) from None
+    text, source = evaluation_text(args.text)
     model = load_model(args.model)
     n = args.tokens
     if not 2 <= n + 1 <= model.config.max_position_embeddings:

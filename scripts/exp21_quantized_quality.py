@@ -15,12 +15,11 @@ with --schemes, --tokens, --questions, --positions.
 """
 import argparse
 import time
-from pathlib import Path
 
 from _common import (Progress, add_model_argument, add_schemes_argument, load_model, model_name,
                      progress, say)
 from _table import Table
-from minitransformer.measure.text import TextUnavailable, britannica_text
+from minitransformer.measure.text import evaluation_text
 from minitransformer.measure.quality import (BATTERY, agreement, battery,
                                              default_repetition_penalty, encode, perplexity,
                                              reference_tokens, tokens_of, wilson_interval)
@@ -75,13 +74,7 @@ def main(argv=None):
     if args.max_new_tokens is None:
         args.max_new_tokens = 16 if args.chat else 8
 
-    if args.text:
-        text, source = Path(args.text).read_text(encoding="utf-8"), args.text
-    else:
-        try:
-            text, source = britannica_text(), "the 1911 Britannica article on Shakespeare"
-        except TextUnavailable as e:
-            raise ValueError(str(e)) from None
+    text, source = evaluation_text(args.text)
     model = load_model(args.model)
     if args.chat and (model.tokenizer is None or model.tokenizer.chat_template is None):
         parser.error(f"--chat: {model.path} has no chat template")

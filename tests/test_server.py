@@ -1,10 +1,14 @@
 """The OpenAI-compatible server, driven by the official ``openai`` client over real HTTP on
 127.0.0.1: every answer's text is the text of ``generate`` alone, streamed or not."""
 import json
+import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
 import urllib.request
+from pathlib import Path
 
 import pytest
 
@@ -24,6 +28,7 @@ from minitransformer.serve.http import (create_app, default_max_request_bytes,  
                                         http_protocol)
 
 NAME = "tiny-chat"
+ROOT = Path(__file__).resolve().parents[1]
 TEMPLATE = ("{% for m in messages %}<|endoftext|>{{ m['role'] }}: {{ m['content'] }}\n"
             "{% endfor %}{% if add_generation_prompt %}assistant:{% endif %}")
 
@@ -269,30 +274,31 @@ def test_models_health_and_metrics(served):
         assert f"# TYPE {name}" in text
 
 
-def test_serve_command_drains_answers_in_flight_on_ctrl_c(model):
-    """The real command in its own process: Ctrl-C lets a stream in flight finish."""
-    import signal
-    import subprocess
-    import sys
-    from pathlib import Path
-
+def serve_command(model, *options):
+    """`python3 -m minitransformer serve` in its own process on a free port of 127.0.0.1, once
+    /health answers -> (process, an openai client of it). The caller kills the process."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     process = subprocess.Popen([sys.executable, "-m", "minitransformer", "serve", "--model",
-                                model.path, "--port", str(port), "--served-model-name", NAME],
-                               cwd=Path(__file__).resolve().parents[1],
-                               stderr=subprocess.PIPE, text=True)
-    try:
-        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none",
-                               max_retries=0)
+                                model.path, "--port", str(port), "--served-model-name", NAME,
+                                *options], cwd=ROOT, stderr=subprocess.PIPE, text=True)
 
-        def up():
-            try:
-                return urllib.request.urlopen(f"http://127.0.0.1:{port}/health").status == 200
-            except OSError:
-                return False
-        wait_for(up, timeout=60)
+    def up():
+        try:
+            return urllib.request.urlopen(f"http://127.0.0.1:{port}/health").status == 200
+        except OSError:
+            return process.poll() is not None   # it died: stop waiting, the test will say so
+    wait_for(up, timeout=60)
+    assert process.poll() is None, process.stderr.read()
+    return process, openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none",
+                                  max_retries=0)
+
+
+def test_serve_command_drains_answers_in_flight_on_ctrl_c(model):
+    """The real command in its own process: Ctrl-C lets a stream in flight finish."""
+    process, client = serve_command(model)
+    try:
         stream = iter(client.completions.create(model=NAME, prompt="The robot", max_tokens=40,
                                                 stream=True, extra_body={"ignore_eos": True}))
         chunks = [next(stream)]
@@ -309,33 +315,13 @@ def test_serve_command_drains_answers_in_flight_on_ctrl_c(model):
 def test_serve_command_with_a_quantized_cache_and_tiled_attention(model):
     """--kv-cache-dtype q8_0 --attention tiled: the client's text is generate's with the same
     cache format and attention (batch-invariant: bit for bit); a bad format is refused."""
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    root = Path(__file__).resolve().parents[1]
     bad = subprocess.run([sys.executable, "-m", "minitransformer", "serve", "--model", model.path,
-                          "--kv-cache-dtype", "int8"], cwd=root, capture_output=True, text=True)
+                          "--kv-cache-dtype", "int8"], cwd=ROOT, capture_output=True, text=True)
     assert bad.returncode == 2 and "--kv-cache-dtype: invalid choice: 'int8'" in bad.stderr
     assert all(name in bad.stderr.splitlines()[-1] for name in ("f32", "f16", "q8_0", "q4_0"))
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    process = subprocess.Popen([sys.executable, "-m", "minitransformer", "serve", "--model",
-                                model.path, "--port", str(port), "--served-model-name", NAME,
-                                "--kv-cache-dtype", "q8_0", "--attention", "tiled",
-                                "--batch-invariant"], cwd=root, stderr=subprocess.PIPE,
-                               text=True)
+    process, client = serve_command(model, "--kv-cache-dtype", "q8_0", "--attention", "tiled",
+                                    "--batch-invariant")
     try:
-        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none",
-                               max_retries=0)
-
-        def up():
-            try:
-                return urllib.request.urlopen(f"http://127.0.0.1:{port}/health").status == 200
-            except OSError:
-                return False
-        wait_for(up, timeout=60)
         prompt = "The cat sat on the mat."
         ids = model.tokenizer.encode(prompt)
         tokens, text, finish = expected(model, ids, 24, kv_dtype="q8_0", attention="tiled")

