@@ -33,10 +33,11 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from minitransformer.backend import to_device, to_numpy
+from minitransformer.backend import to_device, to_numpy, xp
 from minitransformer.checks import is_integer, is_real
 from minitransformer.distill import (check_temperature, distillation_grad, distillation_loss,
                                      hard_label_grad, hard_label_loss, log_softmax)
+from minitransformer.fused import Fused
 from minitransformer.model import Model, attention_block, block, embed, mlp, prepare
 from minitransformer.model import rms_norm as model_rms_norm
 
@@ -243,12 +244,20 @@ def start_params(target: Model, layer: int) -> dict:
 
 def draft_model(target: Model, k: int, params: dict) -> Model:
     """The trained draft: the target cut to k layers, layer k-1's MLP block from params.
-    Every other weight is the target's own array (shared, not copied)."""
-    prefix = f"model.layers.{check_layers(target, k) - 1}."
-    weights = dict(target.weights)
-    weights.update({prefix + PIECE[short]: to_device(np.asarray(w, np.float32))
-                    for short, w in params.items()})
-    return replace(target, config=replace(target.config, num_hidden_layers=k), weights=weights)
+    Every other weight, fused matrices included, is the target's own array (shared, not
+    copied): only the trained block is new."""
+    k = check_layers(target, k)
+    prefix = f"model.layers.{k - 1}."
+    trained = {short: to_device(np.asarray(w, np.float32)) for short, w in params.items()}
+    gate_up = xp.concatenate([trained["gate"], trained["up"]])      # (2F, D), as fused.py
+    F = len(trained["gate"])
+    weights = dict(target.weights) | {
+        prefix + PIECE["norm"]: trained["norm"], prefix + PIECE["down"]: trained["down"],
+        prefix + PIECE["gate"]: gate_up[:F], prefix + PIECE["up"]: gate_up[F:]}
+    last = replace(target.layers[k - 1], post_norm=trained["norm"], gate_up=gate_up,
+                   down=trained["down"])
+    return replace(target, config=replace(target.config, num_hidden_layers=k), weights=weights,
+                   fused=Fused(weights, target.layers[:k - 1] + (last,)))
 
 
 def draft_inputs(target: Model, k: int, ids):

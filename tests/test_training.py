@@ -142,6 +142,10 @@ def test_untrained_draft_is_the_cut_and_the_training_forward_is_the_models(tiny)
     draft = tr.draft_model(tiny, 2, start)
     cut = first_layers(tiny, 2)
     np.testing.assert_array_equal(mt.logits(draft, ids), mt.logits(cut, ids))
+    # shared, not copied: the target's layers before the trained block, its embedding
+    assert draft.layers[0] is tiny.layers[0]
+    assert draft.weights["model.embed_tokens.weight"] is tiny.weights["model.embed_tokens.weight"]
+    assert draft.layers[1].gate_up is not tiny.layers[1].gate_up
     h, final = tr.draft_inputs(tiny, 2, ids)
     np.testing.assert_allclose(final, to_numpy(forward(tiny, ids[None])[0]), rtol=1e-6, atol=1e-6)
     frozen = tr.Frozen.of(tiny)
