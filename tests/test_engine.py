@@ -73,6 +73,18 @@ def test_a_request_waits_while_the_pool_is_short(tiny_model):
     assert_pool_whole(engine)
 
 
+def test_a_prompt_cached_in_full_is_admitted_again_into_a_pool_its_exact_size(tiny_model):
+    """8 tokens in blocks of 4 fill 2 blocks and the answer a third: the pool's size. Asked
+    again, the prompt is cached in full; the copy of its last block and the answer's block are
+    never held together, so it fits, and gives the same token from its cached blocks."""
+    engine = Engine(tiny_model, slots=1, block_size=4, num_blocks=3)
+    prompt = tuple(range(1, 9))
+    results = [engine.run([Request(prompt, 1, eos_token_id=[])]).results[-1] for _ in range(3)]
+    assert [r.cached_tokens for r in results] == [0, 7, 7]
+    assert len({tuple(r.tokens) for r in results}) == 1
+    assert_pool_whole(engine)
+
+
 def test_a_request_longer_than_the_pool_is_rejected_and_the_rest_served(tiny_model):
     ok = Request((1, 2, 3), 5, eos_token_id=[])
     huge = Request(tuple(range(1, 30)), 20, eos_token_id=[])  # 49 tokens > 8 blocks x 4

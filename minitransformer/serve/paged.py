@@ -287,7 +287,10 @@ class PagedCache:
         _, found, held = self.cached_prefix(prompt)
         copies = 1 if held < len(found) * self.block_size else 0   # held in full: see add
         revived = sum(self.refcount[b] == 0 for b in found)
-        return self.blocks_for(len(prompt) + then) - len(found) + copies + int(revived)
+        # the copy lives only until the prompt's last block is written: by then its source is
+        # free again, so it and the blocks for ``then`` more tokens are never needed together
+        return max(self.blocks_for(len(prompt)) + copies,
+                   self.blocks_for(len(prompt) + then)) - len(found) + revived
 
     def add(self, seq_id, prompt, max_len: int = 0, reuse: bool = True) -> int:
         """Give a new sequence blocks for its prompt, holding the cached ones it starts with
