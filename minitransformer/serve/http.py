@@ -29,6 +29,7 @@ Needs the ``serve`` extra (fastapi, uvicorn, jinja2); the library imports withou
 Leaves out: authentication (any API key is accepted), tools.
 """
 import asyncio
+import contextlib
 import json
 import sys
 import time
@@ -249,8 +250,10 @@ def create_app(online: OnlineEngine, name: str, max_request_bytes: int = None):
             while True:
                 piece = asyncio.ensure_future(anext(tokens))
                 await asyncio.wait({piece, gone}, return_when=asyncio.FIRST_COMPLETED)
-                if not piece.done():
-                    piece.cancel()
+                if not piece.done():     # the client left: end the pending read first, so
+                    piece.cancel()       # the generator runs its own cleanup before aclose
+                    with contextlib.suppress(asyncio.CancelledError, StopAsyncIteration):
+                        await piece
                     return
                 try:
                     yield piece.result()
