@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from minitransformer.checks import is_integer
+from minitransformer.checks import duplicate_keys, is_integer
 from minitransformer.errors import CheckpointError
 
 # safetensors dtype name -> numpy dtype of the stored bytes (BF16 is read as raw uint16)
@@ -70,8 +70,7 @@ def read_header(file: Path) -> tuple[dict, int]:
                               "nothing): not a safetensors file, or a broken one")
 
     def no_duplicates(pairs):   # json keeps the last of two equal keys: a tensor would vanish
-        names = [name for name, _ in pairs]
-        twice = sorted({name for name in names if names.count(name) > 1})
+        twice = duplicate_keys(pairs)
         if twice:
             raise CheckpointError(f"{file}: the header lists {twice[0]!r:.100} twice")
         return dict(pairs)
