@@ -252,7 +252,8 @@ def poisson(args, model) -> None:
     settings = {policy: ["--policy", policy] for policy in ("static", "continuous")}
     with Servers(args, model.path, settings) as ports:
         for policy, port in ports.items():
-            one_request(port, {"prompt": prompts[0], "max_tokens": 2}, args.timeout)  # warm
+            one_request(port, {"prompt": prompts[0], "max_tokens": 2, "ignore_eos": True},
+                        args.timeout)                   # warm: exactly 2 tokens, counted below
             sent = 2
             for rate in args.rates:
                 workload = make_workload(lengths, rate, seed=args.seed)

@@ -121,7 +121,7 @@ def main(argv=None):
         """-> [(paged, paged batch-invariant, contiguous) Timings per B]; a re-measurement
         redoes the flagged rows and the row before each."""
         redo = range(len(sizes)) if previous is None else \
-            sorted({j for i in check(previous) for j in (i - 1, i)})
+            sorted({j for i in check(previous) for j in (i - 1, i) if j >= 0})
         timings = list(previous or [None] * len(sizes))
         progress = Progress(len(redo), "batched step" if previous is None else "re-measuring")
         for i in redo:

@@ -640,3 +640,11 @@ def test_cancelled_requests_are_counted_as_abort(served):
     next(iter(stream))
     stream.close()                  # two samples, each counted as its own finished sequence
     wait_for(lambda: aborted() == before + 3)
+
+
+def test_a_model_name_is_escaped_in_the_metrics_labels():
+    """--served-model-name is the client's word; quoted into a label it must stay one label."""
+    from minitransformer.serve.prometheus import ServingMetrics
+
+    assert ServingMetrics('my "best"\\model\n').labels == \
+        'model_name="my \\"best\\"\\\\model\\n"'

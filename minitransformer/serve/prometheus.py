@@ -74,7 +74,9 @@ class ServingMetrics:
     """Counters and histograms of one server, fed by the engine loop, read by /metrics."""
 
     def __init__(self, model_name: str):
-        self.labels = f'model_name="{model_name}"'
+        # a label value, escaped as Prometheus's text format asks: \\, \" and \n
+        escaped = model_name.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+        self.labels = f'model_name="{escaped}"'
         self.lock = threading.Lock()    # observations come from the loop thread
         self.prompt_tokens = self.generation_tokens = 0
         self.finished = dict.fromkeys(FINISH_REASONS, 0)
