@@ -59,8 +59,8 @@ def main(argv=None):
     text, source = evaluation_text(args.text)
     model = load_model(args.model)
     n = args.tokens
-    if not 2 <= n + 1 <= model.config.max_position_embeddings:
-        parser.error(f"--tokens must be in 1..{model.config.max_position_embeddings - 1}")
+    if not 3 <= n + 1 <= model.config.max_position_embeddings:  # 2 scores: an interval
+        parser.error(f"--tokens must be in 2..{model.config.max_position_embeddings - 1}")
     try:
         ids = tokens_of(model, text, n + 1)
     except ValueError as e:
