@@ -30,6 +30,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from _common import add_model_argument, say
+from minitransformer.measure.timing import load_average
 from _table import RECORD_ENV, Table
 
 HERE = Path(__file__).resolve().parent
@@ -97,10 +98,6 @@ def cpu_seconds() -> float:
 
 WAITED = 1.2      # wall time above this many times the CPU time: the job waited for a core
 OTHER_LOAD = 1.0  # load average this far above the job's own threads: other work was running
-
-
-def load_average():
-    return os.getloadavg()[0] if hasattr(os, "getloadavg") else None
 
 
 def verdict(wall, cpu, loads, threads) -> str:

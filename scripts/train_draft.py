@@ -339,7 +339,6 @@ def verdict(figures) -> list:
                  "top-1 and a greedy draft are judged by; and a few minutes of training is far "
                  "from convergence")
     return lines
-    return table
 
 
 def curve_table(d: Distilled, experiment: int) -> Table:

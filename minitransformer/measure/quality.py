@@ -73,6 +73,19 @@ class Perplexity:
     tokens: int       # tokens scored
 
 
+def token_nll(logits, targets) -> np.ndarray:
+    """Logits (n, V) and the tokens that came (n,) -> each one's negative log-likelihood (n,),
+    in float64, through a log-sum-exp shifted by each row's largest logit.
+
+    >>> token_nll(np.zeros((1, 4)), [2]).round(4).tolist()      # uniform over 4: log 4
+    [1.3863]
+    """
+    logits = np.asarray(logits, dtype=np.float64)
+    top = logits.max(axis=1)
+    log_z = top + np.log(np.exp(logits - top[:, None]).sum(axis=1))
+    return log_z - logits[np.arange(len(logits)), targets]
+
+
 def perplexity(model, ids, window: int, progress=None, chunk: int = 256) -> Perplexity:
     """Score ids[1:] given what precedes each, in windows of `window` inputs (T = len(ids)).
 
@@ -93,10 +106,7 @@ def perplexity(model, ids, window: int, progress=None, chunk: int = 256) -> Perp
         hidden = forward(model, inputs[None])                              # (1, T, D)
         for a in range(0, len(targets), chunk):
             logits = to_numpy(head(model, hidden[:, a:a + chunk]))[0]     # (chunk, V)
-            logits = logits[: len(targets) - a].astype(np.float64)
-            top = logits.max(axis=1)
-            log_z = top + np.log(np.exp(logits - top[:, None]).sum(axis=1))
-            nll += float((log_z - logits[np.arange(len(logits)), targets[a:a + chunk]]).sum())
+            nll += float(token_nll(logits[: len(targets) - a], targets[a:a + chunk]).sum())
         count += len(targets)
         if progress is not None:
             progress(i, len(starts))
@@ -115,10 +125,8 @@ def next_token_scores(model, ids, kv_dtype: str = "f32", chunk: int = 256):
     hidden = forward(model, inputs[None], cache)                           # (1, n, D)
     nll, picks = [], []
     for a in range(0, len(targets), chunk):
-        logits = to_numpy(head(model, hidden[:, a:a + chunk]))[0].astype(np.float64)
-        top = logits.max(axis=1)
-        log_z = top + np.log(np.exp(logits - top[:, None]).sum(axis=1))
-        nll.append(log_z - logits[np.arange(len(logits)), targets[a:a + chunk]])
+        logits = to_numpy(head(model, hidden[:, a:a + chunk]))[0]               # (chunk, V)
+        nll.append(token_nll(logits, targets[a:a + chunk]))
         picks.append(logits.argmax(axis=1))
     return np.concatenate(nll), np.concatenate(picks)
 
