@@ -1,15 +1,18 @@
 """The ways a product x @ w.T goes into BLAS (blas.py): each is the product, up to the order of
-its sums; the way a shape takes is fixed once per process, so the same calls give the same bits.
+its sums; the way a shape takes is measured (one row too) and fixed once per process, so the same
+calls give the same bits.
 """
 import os
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
 
 from minitransformer import blas
 from minitransformer.backend import to_device, to_numpy
+from minitransformer.linear import linear
 
 
 def operands(M, n=None, cols=96, seed=0):
@@ -47,10 +50,14 @@ def test_a_shape_keeps_its_way_so_the_same_calls_give_the_same_bits(monkeypatch)
     monkeypatch.setattr(blas, "chosen", {})
     x, w = operands(4, n=300)
     first = to_numpy(blas.multiply(to_device(x), to_device(w)))
-    assert list(blas.chosen.values()) in (["flat"], ["rows"], ["slices"])  # measured once
+    assert list(blas.chosen.values()) in [[route] for route in blas.ROUTES]  # measured once
     again = [to_numpy(blas.multiply(to_device(x), to_device(w))) for _ in range(3)]
     assert len(blas.chosen) == 1 and all(np.array_equal(a, first) for a in again)
-    assert blas.way(x[:1], w) == "flat" and blas.way(np.ones((17, 96), np.float32), w) == "flat"
+    one = to_numpy(blas.multiply(to_device(x[:1]), to_device(w)))  # one row: measured too
+    assert len(blas.chosen) == 2 and blas.chosen[(1, *w.shape, "<f4", "<f4")] in blas.ONE_ROW
+    assert all(np.array_equal(to_numpy(blas.multiply(to_device(x[:1]), to_device(w))), one)
+               for _ in range(3))
+    assert blas.way(np.ones((17, 96), np.float32), w) == "flat" and len(blas.chosen) == 2
 
 
 def test_a_fixed_way_is_taken_for_every_shape(monkeypatch):
@@ -59,7 +66,7 @@ def test_a_fixed_way_is_taken_for_every_shape(monkeypatch):
         monkeypatch.setattr(blas, "FIXED", route)
         for M in (1, 4, 40):
             x, w = operands(M, n=50)
-            assert blas.way(x, w) == (route if 1 < M <= blas.FEW_ROWS else "flat")
+            assert blas.way(x, w) == (route if M <= blas.FEW_ROWS else "flat")
             within_summation_error(to_numpy(blas.multiply(to_device(x), to_device(w))), x, w)
     assert blas.chosen == {}                                  # nothing measured
 
@@ -69,5 +76,76 @@ def test_an_unknown_fixed_way_is_refused_at_import():
                           capture_output=True, text=True, timeout=60,
                           env=dict(os.environ, MT_PRODUCTS="fastest"))
     assert done.returncode != 0
-    assert "MT_PRODUCTS='fastest' is not a way to multiply: use one of flat, rows, slices" \
+    assert "MT_PRODUCTS='fastest' is not a way to multiply: use one of flat, rows, slices, dots" \
         in done.stderr
+
+
+def slowed(monkeypatch, ways, seconds=0.003):
+    """Make each of `ways` (blas.py's functions) slower by `seconds` a call (or by ways[name]
+    where ways is a dict) -> the calls made."""
+    made = []
+    delays = ways if isinstance(ways, dict) else dict.fromkeys(ways, seconds)
+    for name in blas.ROUTES:
+        real = getattr(blas, name)
+
+        def call(x, w, out=None, real=real, name=name):
+            made.append(name)
+            time.sleep(delays.get(name, 0))
+            return real(x, w, out)
+        monkeypatch.setattr(blas, name, call)
+    return made
+
+
+@pytest.mark.parametrize("M", [1, 4])
+def test_the_way_measured_fastest_is_taken(monkeypatch, M):
+    """For each way the chooser may take for M rows: all the others slowed by 3 ms a call (the
+    product itself takes microseconds) -> that way is chosen; for one row `rows` is not timed
+    (it is flat's own matrix-vector call)."""
+    x, w = operands(M, n=300)
+    assert blas.candidates(M) == (blas.ONE_ROW if M == 1 else blas.ROUTES)
+    assert set(blas.ONE_ROW) == set(blas.ROUTES) - {"rows"}
+    for route in blas.candidates(M):
+        made = slowed(monkeypatch, set(blas.ROUTES) - {route})
+        assert blas.fastest(x, w) == route
+        assert set(made) == set(blas.candidates(M))
+        assert len(made) == blas.TRIALS * len(blas.candidates(M))
+        monkeypatch.undo()
+
+
+def test_rows_and_dots_count_one_pass_over_w_per_row(monkeypatch):
+    """They are timed on one row of x: the chooser counts that time M times. A flat product of
+    4 rows slowed by 8 ms beats one row slowed by 4 ms (16 ms for the 4)."""
+    x, w = operands(4, n=300)
+    for one_pass in ("rows", "dots"):
+        slowed(monkeypatch, {"flat": 0.008, one_pass: 0.004, "slices": 0.03,
+                             ({"rows", "dots"} - {one_pass}).pop(): 0.03})
+        assert blas.fastest(x, w) == "flat"
+        monkeypatch.undo()
+
+
+def test_a_large_weight_is_timed_from_memory(monkeypatch):
+    """From COLD_BYTES on, the caches are flushed before every timing (a decode step finds no
+    weight cached); a smaller weight is timed as it is."""
+    flushes = []
+    monkeypatch.setattr(blas, "flush_caches", lambda buffer: flushes.append(buffer.nbytes))
+    monkeypatch.setattr(blas, "FLUSH_BYTES", 4096)
+    x, w = operands(1, n=300)
+    monkeypatch.setattr(blas, "COLD_BYTES", w.nbytes + 1)
+    blas.fastest(x, w)
+    assert flushes == []
+    monkeypatch.setattr(blas, "COLD_BYTES", w.nbytes)
+    blas.fastest(x, w)
+    assert flushes == [4096] * (blas.TRIALS * len(blas.ONE_ROW))
+
+
+@pytest.mark.parametrize("route", blas.ROUTES)
+def test_a_row_of_a_per_row_product_has_the_bits_it_has_alone(monkeypatch, route):
+    """Batch-invariant mode (linear's per_row) under each way, one row's included: every row of
+    a 5-row product is bit for bit the product of that row alone."""
+    monkeypatch.setattr(blas, "FIXED", route)
+    x, w = operands(5, n=300)
+    rows = to_numpy(linear(to_device(x[:, None, :]), to_device(w), per_row=True))  # (5, 1, n)
+    for b in range(len(x)):
+        alone = to_numpy(linear(to_device(x[None, b:b + 1]), to_device(w)))        # (1, 1, n)
+        assert np.array_equal(rows[b], alone[0])
+    within_summation_error(rows[:, 0], x, w)

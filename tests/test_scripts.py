@@ -5,10 +5,13 @@ exact figure (the chapter's budget and speculative formulas, identical tokens) t
 checked. Timings are printed by the scripts, never asserted here.
 """
 import json
+import re
+from pathlib import Path
 
 import pytest
 
 import run_all
+from minitransformer import blas
 
 
 @pytest.fixture(scope="module")
@@ -78,15 +81,39 @@ def test_bench_decode_runs_and_checks_its_bits(tiny, run_script, tmp_path):
     from minitransformer.measure.timing import blas_kernel, where_it_ran
     markdown = tmp_path / "decode.md"
     out, _ = run_script("bench_decode", "--model", tiny, "--context", 8, "--repeat", 2,
-                        "--buffer-mb", 16, "--markdown", markdown)
+                        "--buffer-mb", 16, "--matrix-mb", 8, "--markdown", markdown)
     assert "against the memory-bandwidth floor" in out and "/ floor" in out
     assert where_it_ran().split("; BLAS:")[0] in out and f"kernel {blas_kernel()}" in out
     written = markdown.read_text()       # the same tables, headed by the kernel
     assert written.startswith(f"# Decode benchmark: OpenBLAS kernel {blas_kernel()}\n")
-    assert written.count("\n### ") == 4 and "| model | B=1 ms | B=16 flat ms |" in written
+    assert written.count("\n### ") == 5 and "| model | B=1 ms | B=16 flat ms |" in written
+    routes = out.split("Product routes:")[1].split("Decode benchmark:")[0]
+    assert "W (2340, 896) float32" in routes and "dot product over the same bytes" in routes
+    assert all(f" {route} " in routes for route in blas.ONE_ROW)
+    assert re.search(rf"blas.py takes ({'|'.join(blas.ONE_ROW)}) for one row of this shape, "
+                     "measured on this W", routes)
     assert "bit for bit" in out  # batch-invariant rows: each exactly B = 1's logits
     assert "Quantized decode" in out and "NF4 (block 64)" in out
     assert "prompt lookup on a rewrite task" in out and "yes" in out.split("rewrite task")[-1]
+
+
+def test_bench_decode_says_where_no_route_reaches_the_dot_product(tiny, run_script,
+                                                                  monkeypatch):
+    """No route streams at 100 times the dot product's rate: with that as "near", the routes table
+    says none is near, and the floor table adds each model's step at the best route's rate."""
+    import bench_decode
+    monkeypatch.setattr(bench_decode, "NEAR_DOT", 100.0)
+    out, _ = run_script("bench_decode", "--model", tiny, "--context", 8, "--repeat", 1,
+                        "--buffer-mb", 16, "--matrix-mb", 8, "--no-quant")
+    routes, floor = out.split("Product routes:")[1].split("Decode benchmark:")
+    best = re.search(r"best library route: \w+, ([0-9.]+) GB/s", routes).group(1)
+    assert re.search(rf"no route the library takes streams at 10000% of the dot product "
+                     rf"here \({best} against [0-9.]+ GB/s\)", routes)
+    assert re.search(rf"{Path(tiny).name}: at the best route's rate \({best} GB/s\) the "
+                     r"floor is [0-9.]+ ms; the step is [0-9.]+x it \(target <= 1.25x\)", floor)
+    probes = re.search(r"read bandwidth ([0-9.]+) GB/s \(dot product ([0-9.]+), matrix-vector "
+                       r"([0-9.]+): the faster sets the floor\)", floor).groups()
+    assert float(probes[0]) == max(map(float, probes[1:]))   # never the slower probe
 
 
 def test_run_all_runs_a_selection(tiny, capfd):
