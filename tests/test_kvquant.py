@@ -1,4 +1,5 @@
-"""The quantized KV cache: integer codes and float16 scales held, values within half a step,
+"""The quantized KV cache: integer codes and float16 scales held, values within half a step
+(each format's error and the logits error it allows: test_kvquant_bounds.py),
 the same tokens through every cache that holds the same codes (contiguous, paged, swapped)."""
 import numpy as np
 import pytest
@@ -8,7 +9,7 @@ from minitransformer.backend import to_numpy, xp
 from minitransformer.kvcache import KVCache
 from minitransformer.kvquant import (KV_DTYPES, QuantizedArray, dequantize, quantize,
                                      vector_bytes, zeros)
-from minitransformer.model import forward, head
+from minitransformer.model import forward
 from minitransformer.sampling import SamplingSettings
 from minitransformer.serve.engine import Engine
 from minitransformer.serve.paged import PagedCache
@@ -112,21 +113,6 @@ def test_misuse_is_refused(tiny_model):
         zeros((2, 7), "q4_0")
     with pytest.raises(ValueError, match="needs the cache"):
         mt.generate(tiny_model, [1], 1, cache=False, kv_dtype="q8_0")
-
-
-@pytest.mark.parametrize("kv_dtype", KV_DTYPES)
-def test_a_quantized_cache_stays_near_the_float32_logits(tiny_model, kv_dtype):
-    """Prefill and decode through each format: logits near the uncached ones, the distance
-    growing as the format shrinks (loose bounds: the tiny models' logits are ~1)."""
-    ids = np.array([[3, 1, 4, 1, 5, 9, 2, 6, 5, 3]])
-    exact = mt.logits(tiny_model, ids[0])
-    cache = KVCache.allocate(tiny_model.config, 1, 12, kv_dtype)
-    prefill = to_numpy(head(tiny_model, forward(tiny_model, ids[:, :9], cache)))[0]
-    decode = to_numpy(head(tiny_model, forward(tiny_model, ids[:, 9:], cache)))[0]
-    got = np.concatenate([prefill, decode])
-    bound = {"f32": 1e-5, "f16": 5e-3, "q8_0": 5e-2, "q4_0": 0.5}[kv_dtype]
-    assert np.abs(got - exact).max() <= bound
-    assert kv_dtype == "f32" or np.abs(got - exact).max() > 0   # it does quantize
 
 
 @pytest.mark.parametrize("attention", ["plain", "tiled"])
