@@ -475,7 +475,7 @@ class Engine:
 
     def _growth(self, rows) -> int:
         """Free blocks the next token of every row takes (new blocks, copies of shared ones)."""
-        return sum(self.cache.blocks_needed(row.result.id, 1) for row in rows)
+        return self.cache.room_needed([row.result.id for row in rows], 1)
 
     @staticmethod
     def _reuses(live) -> bool:

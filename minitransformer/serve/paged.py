@@ -330,15 +330,26 @@ class PagedCache:
 
     def blocks_needed(self, seq_id, T: int) -> int:
         """Free blocks that appending T tokens to a sequence takes (new ones, copies)."""
-        seq = self.seqs[seq_id]
-        new = self.blocks_for(seq.length + T) - len(seq.blocks)
-        first = seq.length // self.block_size  # the block the first new token goes to
-        copies = sum(not self._writable(b) for b in seq.blocks[first:])  # copy first
-        return max(new, 0) + int(copies)
+        return self.room_needed([seq_id], T)
+
+    def room_needed(self, seq_ids, T: int) -> int:
+        """Free blocks that appending T tokens to each of seq_ids takes: new blocks, and a
+        copy for every writer of a named or shared block, but for the last writer of an
+        unnamed block that only the writers hold (the others copied it: it is its own now,
+        as for the samples of one prompt writing their first tokens into its last block)."""
+        new, writers = 0, {}
+        for s in seq_ids:
+            seq = self.seqs[s]
+            new += max(self.blocks_for(seq.length + T) - len(seq.blocks), 0)
+            for b in seq.blocks[seq.length // self.block_size:]:   # about to be written
+                writers[b] = writers.get(b, 0) + 1
+        copies = sum(w - int(self.refcount[b] == w and b not in self.index.name_of)
+                     for b, w in writers.items())
+        return new + copies
 
     def make_room(self, seq_ids, T: int) -> None:
         """Blocks for T more tokens in each sequence: all of it, or PoolExhausted and nothing."""
-        need = sum(self.blocks_needed(s, T) for s in seq_ids)
+        need = self.room_needed(seq_ids, T)
         if need > self.num_free:
             raise PoolExhausted(f"{need} blocks needed, {self.num_free} free")
         for s in seq_ids:
@@ -408,7 +419,7 @@ class PagedCache:
     def swap_out(self, seq_id) -> "Swapped":
         """Copy a sequence's keys/values to host memory and free its blocks."""
         seq = self.seqs[seq_id]
-        index = to_device(np.array(seq.blocks))
+        index = to_device(np.array(seq.blocks, dtype=np.int64))
         swapped = Swapped(seq.length, seq.max_len, [on_host(k[index]) for k in self.k],
                           [on_host(v[index]) for v in self.v])
         self.free_seq(seq_id)
@@ -423,7 +434,7 @@ class PagedCache:
         if swapped.blocks > self.num_free:
             raise PoolExhausted(f"{swapped.blocks} blocks needed, {self.num_free} free")
         blocks = [self._take() for _ in range(swapped.blocks)]
-        index = to_device(np.array(blocks))  # host-made ids, in range by construction
+        index = to_device(np.array(blocks, dtype=np.int64))  # host-made ids, in range
         for layer in range(len(self.k)):
             self.k[layer][index] = on_device(swapped.k[layer])
             self.v[layer][index] = on_device(swapped.v[layer])
