@@ -24,6 +24,7 @@ import numpy as np
 from hypothesis import HealthCheck, settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
+from minitransformer.backend import to_numpy
 from minitransformer.serve.paged import PoolExhausted, blocks_for
 from stamps import Stamps, block_stamps, expected, holders, pool, read, write
 
@@ -59,7 +60,7 @@ class BlockBooks(RuleBasedStateMachine):
         c = self.cache
         return (list(c.free), list(c.index.unheld), c.refcount.tolist(),
                 {s: (list(q.blocks), q.length) for s, q in c.seqs.items()},
-                dict(c.index.name_of), [a.copy() for a in c.k])
+                dict(c.index.name_of), [to_numpy(a).copy() for a in c.k])
 
     def assert_unchanged(self, before):
         after = self.snapshot()
