@@ -147,14 +147,15 @@ def routes_table(args, ran_on):
     return table, library[best], dot
 
 
-def products_only(model):
-    """-> a function making the matrix-vector products of one decode step, and nothing else."""
+def products_only(model, rows=1):
+    """-> a function making the weight products of one decode step of `rows` rows (every
+    projection and the head times a (rows, in) matrix, as linear makes them), nothing else."""
     c = model.config
     head = model.weights["model.embed_tokens.weight" if c.tie_word_embeddings else
                          "lm_head.weight"]
     matrices = [w for layer in model.layers for w in (layer.qkv, layer.o, layer.gate_up,
                                                       layer.down)] + [head]
-    vectors = [xp.ones((1, w.shape[1]), dtype=xp.float32) for w in matrices]
+    vectors = [xp.ones((rows, w.shape[1]), dtype=xp.float32) for w in matrices]
     return lambda: [linear(x, w) for x, w in zip(vectors, matrices)]
 
 
@@ -170,6 +171,14 @@ def decode_steps(model, batch, context, seed=0, batch_invariant=False):
     """A cache of `batch` rows holding the same `context` random tokens (one prefill, copied)
     -> (step() -> logits (B, 1, V), its rollback (measure.timing.step_with_rollback), the
     prompt and the token). The same seed gives the same cache."""
+    cache, prompt, token = decode_cache(model, batch, context, seed)
+    return (*step_with_rollback(model, cache, token, batch_invariant), prompt, token[:1])
+
+
+def decode_cache(model, batch, context, seed=0, lengths=None):
+    """A cache of `batch` rows holding the same `context` random tokens (one prefill, copied),
+    or row b only the first lengths[b] of them -> (cache, the prompt (1, context), the next
+    token of every row (B, 1))."""
     c = model.config
     rng = np.random.default_rng(seed)
     prompt = rng.integers(0, c.vocab_size, (1, context))
@@ -178,10 +187,8 @@ def decode_steps(model, batch, context, seed=0, batch_invariant=False):
     cache = KVCache.allocate(c, batch, context + 1)
     for layer in range(c.num_hidden_layers):
         cache.k[layer][:], cache.v[layer][:] = one.k[layer][0], one.v[layer][0]
-    cache.lengths[:] = context
-    token = np.full((batch, 1), int(rng.integers(0, c.vocab_size)))
-
-    return (*step_with_rollback(model, cache, token, batch_invariant), prompt, token[:1])
+    cache.lengths[:] = context if lengths is None else lengths
+    return cache, prompt, np.full((batch, 1), int(rng.integers(0, c.vocab_size)))
 
 
 def transformers_step(path, prompt, token, threads):
@@ -342,13 +349,15 @@ def main(argv=None):
         write_markdown(args.markdown, tables, argv)
 
 
-def write_markdown(path, tables, argv):
-    """The tables as Markdown, headed by the kernel and the command that made them."""
+def write_markdown(path, tables, argv, title=None, script="bench_decode.py"):
+    """The tables as Markdown, headed by the title (default: the kernel's) and the command
+    that made them."""
     forced = [f"OPENBLAS_CORETYPE={os.environ['OPENBLAS_CORETYPE']}"] \
         if os.environ.get("OPENBLAS_CORETYPE") else []       # a kernel forced for this run
-    command = " ".join([*forced, "python3 scripts/bench_decode.py",
+    command = " ".join([*forced, f"python3 scripts/{script}",
                         *(sys.argv[1:] if argv is None else map(str, argv))])
-    text = "\n".join([f"# Decode benchmark: OpenBLAS kernel {blas_kernel()}", "",
+    title = title or f"Decode benchmark: OpenBLAS kernel {blas_kernel()}"
+    text = "\n".join([f"# {title}", "",
                       f"Written by `{command}`; every figure below is the script's own.", "",
                       *(t.markdown() for t in tables)])
     Path(path).parent.mkdir(parents=True, exist_ok=True)

@@ -160,3 +160,68 @@ def test_exp13_engine_checks_the_step_costs_it_prints():
     assert step_warnings(cost) == {     # B=6 and 7 stay within the 10% floor of B=5
         8: "B=8 47.1 ms below B=5 54.7 ms: a larger batch cannot be cheaper"}
     assert step_warnings(TableCost((1, 2, 4), (0.030, 0.029, 0.050))) == {}   # within 10%
+
+
+def test_profile_batched_splits_the_step_under_two_kernels(tiny, run_script, tmp_path):
+    """Every batch size profiled under the native kernel and a forced one (here the native
+    kernel again, forced in the child: any machine has it); the rest is the step less the
+    products and the attention."""
+    from minitransformer.measure.timing import blas_kernel
+    markdown = tmp_path / "profile.md"
+    kernel = blas_kernel()
+    out, _ = run_script("profile_batched", "--model", tiny, "--context", 8, "--repeat", 1,
+                        "--buffer-mb", 16, "--second", kernel, "--markdown", markdown)
+    native, forced = out.split(f"(forced: OPENBLAS_CORETYPE={kernel})")
+    assert f"profiled: OpenBLAS kernel {kernel}" in native and f"kernel {kernel}, 1 thread" \
+        in forced
+    for table in (native, forced):
+        rows = [line.split() for line in table.splitlines() if line.startswith(Path(tiny).name)]
+        assert [int(r[1]) for r in rows] == [1, 4, 16, 32]
+    assert markdown.read_text().count("\n### ") == 2
+
+
+def test_profile_batched_rest_is_the_step_less_its_parts(tiny):
+    import argparse
+    from profile_batched import COLUMNS, profile
+    result = profile(argparse.Namespace(model=[tiny], context=8, repeat=1, buffer_mb=16,
+                                        threads=1))
+    names = [name for name, _ in COLUMNS]
+    for row in result["rows"]:
+        step, products, attention, rest, share = (
+            row[names.index(n)] for n in ("step ms", "products ms", "attention ms", "rest ms",
+                                          "rest / step"))
+        assert rest == pytest.approx(step - products - attention, abs=1e-9)
+        assert share == pytest.approx(rest / step)
+
+
+def test_profile_batched_runs_the_second_kernel_in_a_child_that_forces_it(monkeypatch):
+    import subprocess
+    import profile_batched
+    ran = []
+
+    def fake_run(command, env, **kwargs):
+        ran.append((command, env))
+        return subprocess.CompletedProcess(command, 0, stdout='{"kernel": "K", "rows": []}')
+    monkeypatch.setattr(profile_batched.subprocess, "run", fake_run)
+    assert profile_batched.child_profile("Sandybridge", ["--repeat", 2]) == \
+        {"kernel": "K", "rows": []}
+    (command, env), = ran
+    assert env["OPENBLAS_CORETYPE"] == "Sandybridge"
+    assert command[1:] == [profile_batched.__file__, "--repeat", "2", "--child"]
+    assert profile_batched.second_kernel("SkylakeX") == "Haswell"
+
+
+def test_attention_work_counts_what_the_rows_hold():
+    """Bytes: every key and value each row holds after its new token, the cache's own arrays
+    measured; flops: 2 for q.k and 2 for p.v per held token, query head and dimension."""
+    from types import SimpleNamespace
+    from minitransformer.kvcache import KVCache
+    from profile_batched import attention_work, row_lengths
+    config = SimpleNamespace(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                             head_dim=8)
+    lengths = row_lengths(3, 6)                                   # 3, 4, 6 tokens
+    cache = KVCache.allocate(config, 3, 7)
+    held = sum(a[b, :, :n + 1].nbytes for a in cache.k + cache.v
+               for b, n in enumerate(lengths))
+    assert lengths.tolist() == [3, 4, 6]
+    assert attention_work(config, lengths) == (held, 4 * (4 + 5 + 7) * 4 * 8 * 2)

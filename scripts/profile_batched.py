@@ -1,0 +1,204 @@
+"""Profile: where a batched decode step's time goes, each part against its own ceiling.
+
+For B = 1, 4, 16, 32 rows of different lengths (row b holds between --context / 2 and --context
+tokens, as sequences decoding side by side do), one decode step in the default flat mode
+(forward and head, measure.timing.step_with_rollback) is timed side by side with its parts, each
+made alone on the step's own shapes:
+
+  products   every weight product of the step: each projection and the head times the B rows,
+             by linear, the very calls the step makes. Ceiling: the step's reads at the read
+             bandwidth (the faster of a dot product and a matrix-vector product over --buffer-mb)
+             or its flops (2 per weight per row) at this kernel's rate on a 1024^3 product,
+             timed in the same run, whichever is slower.
+  attention  every layer's attention over the cache, as the step calls it (all rows together
+             over the longest row's slots, the short rows masked). Ceiling: the keys and values
+             each row holds, read once, or its flops (2 for q.k and 2 for p.v per held token,
+             head and dimension) at the same rate, whichever is slower.
+  the rest   the step less those two: the norms, RoPE, SwiGLU's activation, the cache writes,
+             the embedding row, the residual adds and the per-row NumPy work around them. No
+             ceiling of its own (its bytes are the activations, a few MB); its share is printed.
+
+The step's ceiling is the sum of the two. The native BLAS kernel is measured in this process,
+a second one (--second, default: Haswell under SkylakeX, SkylakeX under Haswell on a CPU with
+AVX-512) in a child process with OPENBLAS_CORETYPE set: OpenBLAS fixes its kernel when a process
+loads it. BLAS threads fixed (--threads, default 1), the fastest of --repeat rounds and the
+median printed, ratios from the fastest. This profiles; it changes nothing in the engine. Models
+as bench_decode's (--model qwen|smollm2|PATH, default both). --markdown FILE writes the tables
+(docs/benchmarks/batched-profile.md).
+"""
+import argparse
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+
+from _common import add_threads_argument, load_model, say, timing_header
+from _table import Table
+from bench_decode import (checkpoint, decode_cache, product_weights, products_only, read_steps,
+                          write_markdown)
+from minitransformer.backend import xp
+from minitransformer.measure.timing import (blas_kernel, cpu, step_with_rollback, time_together,
+                                            where_it_ran)
+from minitransformer.model import prepare
+from minitransformer.shape import decode_read_bytes
+
+BATCHES = (1, 4, 16, 32)
+COLUMNS = [("model", ""), ("B", ""), ("step ms", ".1f"), ("step / ceiling", ".2f"),
+           ("products ms", ".1f"), ("products ceiling ms", ".1f"), ("/ ceiling", ".2f"),
+           ("attention ms", ".2f"), ("attention ceiling ms", ".3f"), ("/ ceiling", ".1f"),
+           ("rest ms", ".1f"), ("rest / step", ".2f")]
+
+
+def row_lengths(batch: int, context: int) -> np.ndarray:
+    """Tokens each of `batch` rows holds: spread evenly from context / 2 to context.
+
+    >>> row_lengths(4, 32).tolist(), row_lengths(1, 32).tolist()
+    ([16, 21, 26, 32], [32])
+    """
+    if batch == 1:
+        return np.array([context])
+    return np.linspace(context // 2, context, batch).astype(np.int64)
+
+
+def attention_only(model, cache, token):
+    """-> a function making every layer's attention of the step on this cache, nothing else:
+    a random query per row and head over the keys and values the cache holds (the step's
+    own shapes, groups and masks, from model.prepare)."""
+    c = model.config
+    batch = prepare(model, token, cache)
+    (rows, S, visible), = batch.groups                   # the flat mode: every row together
+    rng = np.random.default_rng(0)
+    q = xp.asarray(rng.standard_normal((len(token), 1, c.num_attention_heads, c.head_dim),
+                                       dtype=np.float32))                       # (B, 1, H, d)
+    held = [(cache.k[i][:, :, :S], cache.v[i][:, :, :S]) for i in range(c.num_hidden_layers)]
+    return lambda: [batch.attend(q, k, v, visible) for k, v in held]
+
+
+def attention_work(config, lengths) -> tuple:
+    """What one step's attention must do, over every layer -> (bytes of keys and values each
+    row holds, after this step's token; flops: 2 for q.k and 2 for p.v per held token, query
+    head and dimension)."""
+    held = int((np.asarray(lengths) + 1).sum())                       # tokens over all rows
+    L, d = config.num_hidden_layers, config.head_dim
+    return (2 * 4 * held * config.num_key_value_heads * d * L,
+            4 * held * config.num_attention_heads * d * L)
+
+
+def profile(args) -> dict:
+    """Everything measured under the kernel this process runs -> {"headers", "rows"}."""
+    models = []
+    for spec in args.model or ["qwen", "smollm2"]:
+        path = checkpoint(spec)
+        if path is not None:
+            models.append((os.path.basename(str(spec)), load_model(path)))
+    buffer = args.buffer_mb << 20
+    a = xp.ones((1024, 1024), dtype=xp.float32)
+    say(f"[{blas_kernel()}] read bandwidth and the kernel's product rate ...")
+    dot, matvec, gemm = time_together([*read_steps(buffer), lambda: a @ a], warmup=1,
+                                      repeat=args.repeat)
+    bandwidth, rate = max(buffer / dot.best, buffer / matvec.best), 2 * 1024 ** 3 / gemm.best
+    rows = []
+    for spec, model in models:
+        c = model.config
+        for B in BATCHES:
+            say(f"[{blas_kernel()}] {spec}: B = {B}, the step and its parts side by side ...")
+            lengths = row_lengths(B, args.context)
+            cache, _, token = decode_cache(model, B, args.context, lengths=lengths)
+            step, rollback = step_with_rollback(model, cache, token)
+            step_t, products_t, attention_t = time_together(
+                [step, products_only(model, B), attention_only(model, cache, token)],
+                warmup=1, repeat=args.repeat, after=[rollback, None, None])
+            products_ceiling = max(decode_read_bytes(c, model.weights) / bandwidth,
+                                   2 * B * product_weights(model) / rate)
+            kv_bytes, flops = attention_work(c, lengths)
+            attention_ceiling = max(kv_bytes / bandwidth, flops / rate)
+            rest = step_t.best - products_t.best - attention_t.best
+            rows.append([spec, B, step_t.best * 1e3,
+                         step_t.best / (products_ceiling + attention_ceiling),
+                         products_t.best * 1e3, products_ceiling * 1e3,
+                         products_t.best / products_ceiling, attention_t.best * 1e3,
+                         attention_ceiling * 1e3, attention_t.best / attention_ceiling,
+                         rest * 1e3, rest / step_t.best])
+    return {"kernel": blas_kernel(), "rows": rows, "headers": [
+        timing_header(args), where_it_ran(),
+        f"read bandwidth {bandwidth / 1e9:.2f} GB/s (dot product {buffer / dot.best / 1e9:.2f},"
+        f" matrix-vector {buffer / matvec.best / 1e9:.2f}: the faster); product rate "
+        f"{rate / 1e9:.1f} GFLOP/s (a 1024^3 product)"]}
+
+
+def second_kernel(native: str) -> str:
+    """The kernel to force beside the native one: Haswell beside SkylakeX, SkylakeX beside
+    Haswell where the CPU has AVX-512 (Sandybridge where not), Haswell beside any other."""
+    if native == "Haswell":
+        return "SkylakeX" if cpu()["avx512"] else "Sandybridge"
+    return "Haswell"
+
+
+def child_profile(kernel, argv) -> dict:
+    """This script under OPENBLAS_CORETYPE=kernel, in a child process -> its profile (its
+    progress goes to stderr as it comes)."""
+    done = subprocess.run([sys.executable, __file__, *map(str, argv), "--child"],
+                          stdout=subprocess.PIPE, text=True,
+                          env=dict(os.environ, OPENBLAS_CORETYPE=kernel))
+    if done.returncode != 0:
+        raise ValueError(f"the profile under OPENBLAS_CORETYPE={kernel} failed (exit "
+                         f"{done.returncode})")
+    return json.loads(done.stdout)
+
+
+def child_arguments(args) -> list:
+    """The command line a child runs the same profile with."""
+    return [*(a for m in args.model or [] for a in ("--model", m)), "--context", args.context,
+            "--repeat", args.repeat, "--buffer-mb", args.buffer_mb, "--threads", args.threads]
+
+
+def table(result, forced=None) -> Table:
+    t = Table(f"Batched decode step, profiled: OpenBLAS kernel {result['kernel']}"
+              + (f" (forced: OPENBLAS_CORETYPE={forced})" if forced else ""), columns=COLUMNS)
+    t.header("each part timed alone on the step's shapes, side by side with the step; rows of "
+             "different lengths (context / 2 .. context tokens)", *result["headers"])
+    for row in result["rows"]:
+        t.row(*row)
+    t.note("ceilings: products at their reads or their flops (at the 1024^3 rate), whichever "
+           "is slower; attention at the keys and values the rows hold or its flops; the step "
+           "at their sum; the rest (norms, RoPE, activation, cache writes, residuals) has none")
+    return t
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", action="append", metavar="PATH|qwen|smollm2",
+                        help="a checkpoint to profile (repeatable; default: qwen and smollm2)")
+    parser.add_argument("--context", type=int, default=128,
+                        help="tokens the longest row holds (default: %(default)s)")
+    parser.add_argument("--repeat", type=int, default=5, help="timed rounds (default: 5)")
+    parser.add_argument("--buffer-mb", type=int, default=1024,
+                        help="MiB streamed to measure read bandwidth (default: %(default)s)")
+    parser.add_argument("--second", metavar="KERNEL",
+                        help="the OpenBLAS kernel forced beside the native one (default: see "
+                             "above; 'none': the native kernel only)")
+    parser.add_argument("--markdown", metavar="FILE", help="also write the tables as Markdown")
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    add_threads_argument(parser)
+    args = parser.parse_args(argv)
+    if args.context < 2 or args.repeat < 1 or args.buffer_mb < 1:
+        parser.error("--context must be >= 2, --repeat and --buffer-mb >= 1")
+    if args.child:
+        print(json.dumps(profile(args)))
+        return 0
+    native = profile(args)
+    second = args.second or second_kernel(native["kernel"])
+    tables = [table(native).show()]
+    if second.lower() != "none":
+        tables.append(table(child_profile(second, child_arguments(args)), forced=second).show())
+    if args.markdown:
+        write_markdown(args.markdown, tables, argv, title="Batched decode step, profiled",
+                       script="profile_batched.py")
+    return 0
+
+
+if __name__ == "__main__":
+    from _common import run
+    run(main)
