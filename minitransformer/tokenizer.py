@@ -32,11 +32,6 @@ class Tokenizer:
     def decode(self, ids) -> str:
         return self.backend.decode([int(i) for i in ids], skip_special_tokens=True)
 
-    def token_text(self, token: int) -> str:
-        """One token's own text, special tokens included (how logprobs name a token; part
-        of a multi-byte character shows as U+FFFD)."""
-        return self.backend.decode([int(token)], skip_special_tokens=False)
-
     def chat_prompt(self, messages, add_generation_prompt: bool = True) -> list[int]:
         """[{"role": "user", "content": "..."}] -> token ids laid out by the chat template,
         ending where the assistant's answer starts (see chat.py; needs jinja2)."""

@@ -22,7 +22,10 @@ def model(tmp_path_factory):
 
 
 def job(model, kind="completion", **body):
-    return parse({"model": "m", **body}, kind, model, "m", POOL)
+    """The one Job of a request with one prompt."""
+    jobs = parse({"model": "m", **body}, kind, model, "m", POOL)
+    assert len(jobs) == 1
+    return jobs[0]
 
 
 def test_defaults_and_meanings(model):
@@ -41,14 +44,14 @@ def test_defaults_and_meanings(model):
 
 
 def test_logprobs_echo_and_n_become_the_engine_request(model):
-    j = parse({"model": "m", "prompt": "The cat", "logprobs": 3, "echo": True, "n": 2},
-              "completion", model, "m", POOL, max_n=2)
+    j, = parse({"model": "m", "prompt": "The cat", "logprobs": 3, "echo": True, "n": 2},
+               "completion", model, "m", POOL, max_n=2)
     r = j.request
-    assert (r.n, r.logprobs, r.prompt_logprobs, j.logprobs, j.echo) == (2, 3, 3, True, "The cat")
+    assert (r.n, r.logprobs, r.prompt_logprobs, j.logprobs, j.echo) == (2, 3, 3, True, True)
     j = job(model, prompt=[5, 6], echo=True)          # echo alone: text, no scoring
-    assert j.request.prompt_logprobs is None and j.echo == model.tokenizer.decode([5, 6])
+    assert j.request.prompt_logprobs is None and j.echo and not j.prompt_only
     chat = job(model, "chat", messages=[{"role": "user", "content": "a"}], logprobs=True)
-    assert (chat.request.logprobs, chat.request.prompt_logprobs, chat.echo) == (0, None, None)
+    assert (chat.request.logprobs, chat.request.prompt_logprobs, chat.echo) == (0, None, False)
     chat = job(model, "chat", messages=[{"role": "user", "content": "a"}], logprobs=True,
                top_logprobs=5)
     assert chat.request.logprobs == 5 and chat.logprobs
@@ -68,7 +71,7 @@ def test_logprobs_echo_and_n_become_the_engine_request(model):
     (dict(prompt="a", max_tokens=POOL), "max_tokens"),
     (dict(prompt=[1] * POOL), "prompt"),
     (dict(prompt=[1, 999]), "prompt"),
-    (dict(prompt=["a", "b"]), "prompt"),
+    (dict(prompt=["a", [1]]), "prompt"),
     (dict(prompt=""), "prompt"),
     (dict(prompt="a", top_p=0), "top_p"),
     (dict(prompt="a", temperature=float("nan")), "temperature"),

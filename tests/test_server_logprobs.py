@@ -29,25 +29,48 @@ def warm(temperature):
     return SamplingSettings(do_sample=True, temperature=temperature)
 
 
-def text_of(model, token):
-    return model.tokenizer.token_text(token)
+def names(tokenizer, context, tokens, end=True) -> list:
+    """The text each token adds to the output after ``context``, from whole decodes of every
+    prefix (not the server's windows): decode(prefix + token) minus the text so far; "" while
+    the text ends in an incomplete character, whose bytes the completing token carries (at
+    the end, the last token: the text then ends in U+FFFD)."""
+    out, done = [], tokenizer.decode(context)
+    for i in range(len(tokens)):
+        text = tokenizer.decode(list(context) + list(tokens[:i + 1]))
+        complete = len(text) > len(done) and not text.endswith("\ufffd")
+        out.append(text[len(done):] if complete else "")
+        done = text if complete else done
+    if end and out:
+        out[-1] += tokenizer.decode(list(context) + list(tokens))[len(done):]
+    return out
 
 
-def check_completion_logprobs(model, ids, tokens, logprobs, k):
-    """The completions logprobs object of ``tokens`` (after prompt ``ids``) against the model."""
+def name_at(tokenizer, context, tokens, i, token) -> str:
+    """The text ``token`` would add in place of tokens[i]."""
+    return names(tokenizer, context, list(tokens[:i]) + [token], end=False)[-1]
+
+
+def check_names_index_the_text(tokens, offsets, text):
+    """The tokens join to the text, and each text_offset points at its token."""
+    assert "".join(tokens) == text
+    assert all(text[o:].startswith(t) for o, t in zip(offsets, tokens))
+    assert offsets == [sum(map(len, tokens[:i])) for i in range(len(tokens))]
+
+
+def check_completion_logprobs(model, ids, tokens, logprobs, k, text=None):
+    """The completions logprobs object of ``tokens`` (after prompt ``ids``) against the model;
+    text: the choice's text, which the tokens must index."""
     ref = reference(model, ids, tokens)
-    assert logprobs.tokens == [text_of(model, t) for t in tokens]
+    assert logprobs.tokens == names(model.tokenizer, ids, tokens)
     assert logprobs.token_logprobs == pytest.approx([row[t] for row, t in zip(ref, tokens)],
                                                     abs=TOLERANCE)
-    for row, t, top in zip(ref, tokens, logprobs.top_logprobs):
+    for i, (row, t, top) in enumerate(zip(ref, tokens, logprobs.top_logprobs)):
         best = sorted(range(len(row)), key=lambda i: -row[i])[:k]
-        expected = {text_of(model, i): row[i] for i in best + [t]}
+        expected = {name_at(model.tokenizer, ids, tokens, i, j): row[j] for j in best + [t]}
         assert top.keys() == expected.keys()
         assert list(top.values()) == pytest.approx(list(expected.values()), abs=TOLERANCE)
-    offsets = [0]
-    for text in logprobs.tokens[:-1]:
-        offsets.append(offsets[-1] + len(text))
-    assert logprobs.text_offset == offsets
+    check_names_index_the_text(logprobs.tokens, logprobs.text_offset,
+                               "".join(logprobs.tokens) if text is None else text)
 
 
 @pytest.mark.parametrize("k", [0, 3])
@@ -57,7 +80,8 @@ def test_completion_logprobs_are_the_models_streamed_or_not(served, model, k):
     tokens = mt.generate(model, ids, 10)
     reply = client.completions.create(model=NAME, prompt=PROMPT, max_tokens=10, temperature=0,
                                       logprobs=k)
-    check_completion_logprobs(model, ids, tokens, reply.choices[0].logprobs, k)
+    check_completion_logprobs(model, ids, tokens, reply.choices[0].logprobs, k,
+                              reply.choices[0].text)
     assert reply.choices[0].text == model.tokenizer.decode(ids + tokens)[len(PROMPT):]
     chunks = list(client.completions.create(model=NAME, prompt=PROMPT, max_tokens=10,
                                             temperature=0, logprobs=k, stream=True))
@@ -66,7 +90,8 @@ def test_completion_logprobs_are_the_models_streamed_or_not(served, model, k):
         if chunk.choices[0].logprobs:
             for key in joined:
                 joined[key] += getattr(chunk.choices[0].logprobs, key)
-    check_completion_logprobs(model, ids, tokens, type(reply.choices[0].logprobs)(**joined), k)
+    check_completion_logprobs(model, ids, tokens, type(reply.choices[0].logprobs)(**joined), k,
+                              "".join(c.choices[0].text for c in chunks if c.choices))
 
 
 def test_sampled_logprobs_are_before_temperature(served, model):
@@ -79,7 +104,8 @@ def test_sampled_logprobs_are_before_temperature(served, model):
     hot = SamplingSettings(do_sample=True, temperature=1.7, top_p=0.8, top_k=7,
                            repetition_penalty=1.4)
     tokens = mt.generate(model, ids, 8, sampling=hot, seed=11)
-    check_completion_logprobs(model, ids, tokens, reply.choices[0].logprobs, 2)
+    check_completion_logprobs(model, ids, tokens, reply.choices[0].logprobs, 2,
+                              reply.choices[0].text)
 
 
 def test_echo_returns_the_prompt_and_its_tokens_logprobs(served, model):
@@ -93,9 +119,10 @@ def test_echo_returns_the_prompt_and_its_tokens_logprobs(served, model):
         text = "".join(c.choices[0].text for c in chunks if c.choices)
         scored = [c.choices[0].logprobs for c in chunks if c.choices and c.choices[0].logprobs]
         got = {key: sum((getattr(s, key) for s in scored), []) for key in
-               ("tokens", "token_logprobs", "top_logprobs")}
+               ("tokens", "token_logprobs", "top_logprobs", "text_offset")}
         assert text == PROMPT + model.tokenizer.decode(ids + tokens)[len(PROMPT):]
-        assert got["tokens"] == [text_of(model, t) for t in ids + tokens]
+        assert got["tokens"] == names(model.tokenizer, [], ids + tokens)
+        check_names_index_the_text(got["tokens"], got["text_offset"], text)
         assert got["token_logprobs"][0] is None and got["top_logprobs"][0] is None
         ref = reference(model, ids[:1], ids[1:] + tokens)
         assert got["token_logprobs"][1:] == pytest.approx(
@@ -119,12 +146,14 @@ def test_chat_logprobs_and_top_logprobs_streamed_or_not(served, model):
         top_logprobs=4, stream=True) if chunk.choices and chunk.choices[0].logprobs
         for entry in chunk.choices[0].logprobs.content]
     for entries in (content, streamed):
-        assert [e.token for e in entries] == [text_of(model, t) for t in tokens]
-        assert [bytes(e.bytes).decode() for e in entries] == [e.token for e in entries]
-        for e, row, t in zip(entries, ref, tokens):
+        assert [e.token for e in entries] == names(model.tokenizer, ids, tokens)
+        assert b"".join(bytes(e.bytes) for e in entries) == \
+            reply.choices[0].message.content.encode()        # the bytes rebuild the content
+        for i, (e, row, t) in enumerate(zip(entries, ref, tokens)):
             assert abs(e.logprob - row[t]) < TOLERANCE
             best = sorted(range(len(row)), key=lambda i: -row[i])[:4]
-            assert [a.token for a in e.top_logprobs] == [text_of(model, i) for i in best]
+            assert [a.token for a in e.top_logprobs] == [
+                name_at(model.tokenizer, ids, tokens, i, j) for j in best]
             assert [a.logprob for a in e.top_logprobs] == pytest.approx(row[best],
                                                                         abs=TOLERANCE)
     plain = client.chat.completions.create(model=NAME, messages=messages, max_tokens=2,
@@ -165,7 +194,7 @@ def test_n_samples_are_the_single_requests_seeded_seed_plus_i(served, model):
         tokens = mt.generate(model, chat_ids, 6, sampling=warm(0.8), seed=5 + c.index)
         assert c.message.content == model.tokenizer.decode(chat_ids + tokens)[
             len(model.tokenizer.decode(chat_ids)):]
-        assert [e.token for e in c.logprobs.content] == [text_of(model, t) for t in tokens]
+        assert [e.token for e in c.logprobs.content] == names(model.tokenizer, chat_ids, tokens)
     assert chat.usage.completion_tokens == sum(len(c.logprobs.content) for c in chat.choices)
     assert online.engine.cache.num_free == online.engine.cache.num_blocks
 

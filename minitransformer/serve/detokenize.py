@@ -38,13 +38,26 @@ class Detokenizer:
         self.sent = len(self.ids)   # ids[start:sent] were already turned into text
 
     def add(self, token) -> str:
+        piece = self.peek([token])[0]
         self.ids.append(int(token))
+        if piece:
+            self.start, self.sent = self.sent, len(self.ids)
+        return piece
+
+    def peek(self, tokens) -> list:
+        """The text ``add`` would return for each of tokens, put next instead of one another,
+        without adding any: how logprobs name a token (and each alternative to it), by the text
+        it adds to the output. "" for a token that ends in an incomplete character (its bytes
+        are named by the token that completes it, which carries the whole character: vLLM's
+        rule) or adds no text (a special token)."""
+        window = self.ids[self.start:]
         before = self.tokenizer.decode(self.ids[self.start:self.sent])
-        after = self.tokenizer.decode(self.ids[self.start:])
-        if len(after) <= len(before) or after.endswith(REPLACEMENT):
-            return ""               # no new text yet, or a character still incomplete
-        self.start, self.sent = self.sent, len(self.ids)
-        return after[len(before):]
+        pieces = []
+        for token in tokens:
+            after = self.tokenizer.decode(window + [int(token)])
+            new = len(after) > len(before) and not after.endswith(REPLACEMENT)
+            pieces.append(after[len(before):] if new else "")
+        return pieces
 
     def flush(self) -> str:
         """The text still held back at the end (an incomplete character shows as U+FFFD)."""

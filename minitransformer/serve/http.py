@@ -3,6 +3,7 @@
     POST /v1/completions        text (or token ids) in, a continuation out
     POST /v1/chat/completions   messages in, laid out by the checkpoint's chat template
     GET  /v1/models             the one model served
+    POST /tokenize, /detokenize vLLM's: text or chat messages -> token ids, and back
     GET  /health                200 while the engine runs
     GET  /metrics               Prometheus text, vLLM's metric names (see prometheus.py)
 
@@ -23,7 +24,10 @@ the others: the event loop only moves bytes; parsing the JSON, laying out a chat
 tokenizing, whose time grows with the request, run in worker threads.
 
 With ``n`` > 1 the answer has n choices (streamed chunks say which by their ``index``), and
-with logprobs each piece carries the log-probabilities of the tokens it was made from.
+with logprobs each piece carries the log-probabilities of the tokens it was made from, each
+token named by the text it adds (``Sample``): the tokens of a choice join to its text. A batch
+of prompts is submitted whole, its prompts batched by the engine like any requests, and its
+choices numbered prompt x n + sample.
 
 Needs the ``serve`` extra (fastapi, uvicorn, jinja2); the library imports without it.
 Leaves out: authentication (any API key is accepted), tools.
@@ -34,15 +38,18 @@ import json
 import sys
 import time
 import uuid
+from dataclasses import replace
 from pathlib import Path
 
 from minitransformer.checks import is_integer
-from minitransformer.serve.detokenize import TextStream
+from minitransformer.logprobs import TokenLogprob
+from minitransformer.serve.detokenize import Detokenizer, TextStream
 from minitransformer.serve.engine import BLOCK_SIZE, SLOTS
 from minitransformer.serve.online import MAX_WAITING, Closed, OnlineEngine, QueueFull
 from minitransformer.serve.openai_api import (APIError, chat_logprobs, choice,
-                                              completion_logprobs, longest_token_bytes, parse,
-                                              response, unpredicted, usage)
+                                              completion_logprobs, cut_to, detokenize_body,
+                                              longest_token_bytes, name_logprobs, parse,
+                                              response, tokenize_body, usage)
 from minitransformer.serve.prometheus import ServingMetrics
 
 RETRY_AFTER_S = 1               # what a 429 asks the client to wait
@@ -86,7 +93,8 @@ def create_app(online: OnlineEngine, name: str, max_request_bytes: int = None):
     async def framework_error(http: Request, e: HTTPException):
         """The framework's own 4xx (unknown path, wrong method) in OpenAI's body."""
         what = {404: f"no route {http.url.path!r:.200}: this server answers /v1/completions, "
-                     "/v1/chat/completions, /v1/models, /health and /metrics",
+                     "/v1/chat/completions, /v1/models, /tokenize, /detokenize, /health and "
+                     "/metrics",
                 405: f"{http.method} is not allowed on {http.url.path}"}
         codes = {404: "not_found", 405: "method_not_allowed"}
         return error(APIError(what.get(e.status_code, str(e.detail)), status=e.status_code,
@@ -111,40 +119,40 @@ def create_app(online: OnlineEngine, name: str, max_request_bytes: int = None):
         try:
             raw = await read_body(http)
             body = await asyncio.to_thread(decode_json, raw)
-            job = await asyncio.to_thread(parse, body, kind, model, name,
-                                          cache.num_blocks * cache.block_size,
-                                          len(online.engine.slots), longest)
-            ticket, tokens = submit(job)
+            jobs = await asyncio.to_thread(parse, body, kind, model, name,
+                                           cache.num_blocks * cache.block_size,
+                                           len(online.engine.slots), longest)
+            tickets, tokens = submit_all(jobs)
         except APIError as e:
             return error(e)
         except ClientDisconnect:    # gone before it finished sending: nobody to answer
             return PlainTextResponse("", status_code=400)
         rid = f"{'cmpl' if kind == 'completion' else 'chatcmpl'}-{uuid.uuid4().hex}"
-        head = (rid, int(time.time()), name)
+        head, job = (rid, int(time.time()), name), jobs[0]  # job: the settings all share
+        prompt_tokens = sum(len(j.request.prompt) for j in jobs)
         if job.stream:
-            return StreamingResponse(events(job, head, ticket, tokens),
-                                     media_type="text/event-stream")
-        n = job.request.n
-        texts, scored, reasons, total = [""] * n, [[] for _ in range(n)], {}, 0
+            return StreamingResponse(events(job, len(jobs), prompt_tokens, head, tickets,
+                                            tokens), media_type="text/event-stream")
+        count = len(jobs) * job.request.n
+        texts, named, reasons, total = [""] * count, [[] for _ in range(count)], {}, 0
         try:
-            async for i, piece, lps, reason, total in watch(http, ticket, tokens):
+            async for i, piece, lps, reason, total in watch(http, tickets, tokens):
                 texts[i] += piece
-                scored[i] += lps
+                named[i] += lps
                 reasons[i] = reason
         except APIError as e:
             return error(e)
         choices = [choice(kind, texts[i], reasons.get(i), index=i,
-                          logprobs=logprobs_object(job, scored[i])[0])
-                   for i in range(job.request.n)]
-        return response(job, *head, choices, usage(len(job.request.prompt), total))
+                          logprobs=logprobs_object(job, named[i])[0]) for i in range(count)]
+        return response(job, *head, choices, usage(prompt_tokens, total))
 
-    def logprobs_object(job, scored, offset=0) -> tuple:
+    def logprobs_object(job, named, offset=0) -> tuple:
         """-> (the choice's logprobs object or None, the text offset after it)."""
         if not job.logprobs:
             return None, offset
         if job.kind == "chat":
-            return chat_logprobs(model.tokenizer, scored), offset
-        return completion_logprobs(model.tokenizer, scored, offset)
+            return chat_logprobs(named), offset
+        return completion_logprobs(named, offset)
 
     @app.post("/v1/completions")
     async def completions(http: Request):
@@ -153,6 +161,24 @@ def create_app(online: OnlineEngine, name: str, max_request_bytes: int = None):
     @app.post("/v1/chat/completions")
     async def chat_completions(http: Request):
         return await answer(http, "chat")
+
+    async def tokenizer_endpoint(http: Request, handle):
+        """/tokenize and /detokenize (vLLM's): the body checked, the work off the loop."""
+        try:
+            body = await asyncio.to_thread(decode_json, await read_body(http))
+            return await asyncio.to_thread(handle, body, model, name, longest)
+        except APIError as e:
+            return error(e)
+        except ClientDisconnect:
+            return PlainTextResponse("", status_code=400)
+
+    @app.post("/tokenize")
+    async def tokenize(http: Request):
+        return await tokenizer_endpoint(http, tokenize_body)
+
+    @app.post("/detokenize")
+    async def detokenize(http: Request):
+        return await tokenizer_endpoint(http, detokenize_body)
 
     async def read_body(http) -> bytes:
         """The body, refused with 413 as soon as it is known to exceed the limit: at once
@@ -172,6 +198,45 @@ def create_app(online: OnlineEngine, name: str, max_request_bytes: int = None):
         raise APIError(f"the request body has {at_least}{size} bytes; this server takes at "
                        f"most {limit} (--max-request-bytes)", status=413,
                        code="request_too_large")
+
+    def submit_all(jobs):
+        """Hand every prompt's job to the engine, all or none (a full queue cancels those
+        already in) -> (their tickets, one async iterator of (choice index prompt x n +
+        sample, text, NamedLogprobs, finish_reason or None, tokens so far over all))."""
+        started = []
+        try:
+            for job in jobs:
+                started.append(submit(job))
+        except APIError:
+            for ticket, tokens in started:
+                online.cancel(ticket)
+            raise
+        n = jobs[0].request.n
+        return [t for t, _ in started], merged([tokens for _, tokens in started], n)
+
+    async def merged(streams, n):
+        """The items of each prompt's stream, as they come, numbered prompt x n + sample."""
+        totals = [0] * len(streams)
+        reads = {asyncio.ensure_future(anext(s)): p for p, s in enumerate(streams)}
+        try:
+            while reads:
+                done, _ = await asyncio.wait(reads, return_when=asyncio.FIRST_COMPLETED)
+                for read in done:
+                    p = reads.pop(read)
+                    try:
+                        i, piece, named, reason, totals[p] = read.result()
+                    except StopAsyncIteration:
+                        continue
+                    reads[asyncio.ensure_future(anext(streams[p]))] = p
+                    yield p * n + i, piece, named, reason, sum(totals)
+        finally:                    # a read still pending is ended before its stream closes
+            for read in reads:
+                read.cancel()
+                with contextlib.suppress(asyncio.CancelledError, StopAsyncIteration,
+                                         APIError):
+                    await read
+            for stream in streams:
+                await stream.aclose()
 
     def submit(job):
         """Hand the job to the engine -> (its ticket, an async iterator of (text,
@@ -196,14 +261,15 @@ def create_app(online: OnlineEngine, name: str, max_request_bytes: int = None):
         return ticket, pieces(job, ticket, updates, online.now())
 
     async def pieces(job, ticket, updates, arrival):
-        """Per sample, text as it becomes final -> (sample, text, the TokenLogprobs of the
-        tokens it came from, finish_reason or None, tokens so far over all samples); a
-        sample's last item carries its finish_reason. With echo, each sample opens with the
-        prompt (and its tokens' logprobs). A sample left before its end (the client went
-        away) is counted as vLLM counts it: "abort"."""
+        """Per sample, text as it becomes final -> (sample, text, the NamedLogprobs of the
+        tokens whose text it completes, finish_reason or None, tokens so far over all
+        samples); a sample's last item carries its finish_reason. With echo, each sample opens
+        with the prompt (and its tokens' logprobs); echo with max_tokens 0 is the prompt
+        alone. A sample left before its end (the client went away) is counted as vLLM counts
+        it: "abort"."""
         n = job.request.n
-        texts = [TextStream(model.tokenizer, job.request.prompt, job.stop) for _ in range(n)]
-        counts, open_ = [0] * n, set(range(n))
+        samples = [Sample(model.tokenizer, job.request.prompt, job.stop) for _ in range(n)]
+        counts, open_, echo = [0] * n, set(range(n)), None
         try:
             while open_:
                 update = await updates.get()
@@ -211,38 +277,48 @@ def create_app(online: OnlineEngine, name: str, max_request_bytes: int = None):
                     open_.clear()   # never served: not a finished request
                     raise APIError(update.reason,
                                    status=500 if update.status == "error" else 400)
-                i, text = update.choice, texts[update.choice]
+                i, sample = update.choice, samples[update.choice]
                 arrival = update.record.arrival
                 if i not in open_:  # tokens made before its stop string's cancel took effect
                     continue
-                if job.echo is not None and counts[i] == 0 and update.tokens:
-                    prompt = job.request.prompt
-                    scored = [unpredicted(prompt[0])] + update.record.prompt_logprobs[1:] \
-                        if job.logprobs else []
-                    yield i, job.echo, scored, None, sum(counts)
+                if job.echo and counts[i] == 0 and update.tokens:
+                    if echo is None:    # the prompt's names: as long as the prompt, off the loop
+                        echo = await asyncio.to_thread(
+                            echo_named, model.tokenizer, job.request.prompt,
+                            update.record.prompt_logprobs if job.logprobs else None)
+                    scored = echo if job.logprobs else []
+                    if job.prompt_only:     # its one token is not part of the answer
+                        online.cancel(ticket, i)
+                        metrics.ended(arrival, online.now(), "length")
+                        open_.discard(i)
+                        yield i, "".join(s.text for s in echo), scored, "length", sum(counts)
+                        continue
+                    yield i, "".join(s.text for s in echo), scored, None, sum(counts)
                 piece, used = "", 0
-                for token in update.tokens:
-                    used, piece = used + 1, piece + text.add(token)
-                    if text.stopped:
+                scores = update.logprobs if job.logprobs else (None,) * len(update.tokens)
+                for token, scored in zip(update.tokens, scores):
+                    used, piece = used + 1, piece + sample.add(token, scored)
+                    if sample.text.stopped:
                         online.cancel(ticket, i)    # a stop string: no more tokens needed
                         break
                 counts[i] += used
-                scored = list(update.logprobs[:used])
-                if text.stopped or update.done:
+                if sample.text.stopped or update.done:
+                    piece += sample.finish()
                     eos = update.record.tokens and update.record.tokens[-1] in job.eos
-                    reason = "stop" if text.stopped or eos else \
+                    reason = "stop" if sample.text.stopped or eos else \
                         "length" if update.status == "finished" else "abort"
                     metrics.ended(arrival, online.now(), reason)
                     open_.discard(i)
-                    yield i, piece + ("" if text.stopped else text.flush()), scored, reason, \
-                        sum(counts)
-                elif piece or scored:
-                    yield i, piece, scored, None, sum(counts)
+                    yield i, piece, sample.release(final=True), reason, sum(counts)
+                else:
+                    scored = sample.release(final=False)
+                    if piece or scored:
+                        yield i, piece, scored, None, sum(counts)
         finally:
             for _ in open_:
                 metrics.ended(arrival, online.now(), "abort")
 
-    async def watch(http, ticket, tokens):
+    async def watch(http, tickets, tokens):
         """A non-streamed answer: wait for the next piece or the client leaving, whichever
         comes first (a client that left cancels its request, as a stream's does)."""
         gone = asyncio.ensure_future(disconnected(http))
@@ -261,25 +337,28 @@ def create_app(online: OnlineEngine, name: str, max_request_bytes: int = None):
                     return
         finally:                    # done, failed or left: a no-op if the request is over
             gone.cancel()
-            online.cancel(ticket)
+            for ticket in tickets:
+                online.cancel(ticket)
             await tokens.aclose()
 
     async def disconnected(http):
         while not await http.is_disconnected():
             await asyncio.sleep(0.1)
 
-    async def events(job, head, ticket, tokens):
-        """Server-Sent Events: one chunk per piece, the finish_reason, usage, [DONE]."""
+    async def events(job, prompts, prompt_tokens, head, tickets, tokens):
+        """Server-Sent Events: one chunk per piece, the finish_reason, usage, [DONE]; job:
+        the settings the request's prompts share."""
         def sse(reply):
             return f"data: {json.dumps(reply)}\n\n"
 
         def chunk(*args, **kwargs):
             return sse(response(job, *head, [choice(job.kind, *args, **kwargs)], chunk=True))
-        offsets = [0] * job.request.n   # completions: text_offset of each sample's next token
+        count = prompts * job.request.n
+        offsets = [0] * count       # completions: text_offset of each choice's next token
         total = 0
         try:
             if job.kind == "chat":  # a chat stream opens with the role
-                for i in range(job.request.n):
+                for i in range(count):
                     yield chunk("", None, True, True, index=i)
             async for i, piece, scored, reason, total in tokens:
                 if piece or scored:
@@ -288,16 +367,77 @@ def create_app(online: OnlineEngine, name: str, max_request_bytes: int = None):
                 if reason:
                     yield chunk("", reason, True, index=i)
             if job.include_usage:
-                yield sse(response(job, *head, [], usage(len(job.request.prompt), total),
-                                   chunk=True))
+                yield sse(response(job, *head, [], usage(prompt_tokens, total), chunk=True))
         except APIError as e:
             yield sse(e.body())
         finally:                    # also when the client disconnects mid-stream (the task
-            online.cancel(ticket)   # iterating this is cancelled): blocks freed at once
+            for ticket in tickets:  # iterating this is cancelled): blocks freed at once
+                online.cancel(ticket)
             await tokens.aclose()   # and the request counted now, not when collected
         yield "data: [DONE]\n\n"
 
     return app
+
+
+class Sample:
+    """One choice as it is written: its text (a TextStream: stop strings held back) and the
+    NamedLogprobs of its tokens, each sent once the text it names is: so the tokens of every
+    chunk so far join to the text sent so far, and at the end to the whole text."""
+
+    def __init__(self, tokenizer, prompt, stop):
+        self.text = TextStream(tokenizer, prompt, stop)
+        self.held = []              # NamedLogprobs not sent yet
+        self.offset = 0             # where held[0]'s text starts in the choice's text
+        self.sent = 0               # characters of text sent
+
+    def add(self, token, scored=None) -> str:
+        """A new token (and its TokenLogprob, or None) -> the text now final."""
+        if scored is not None:      # named before it is added: the text it adds
+            self.held.append(name_logprobs(self.text.detokenizer, scored))
+        piece = self.text.add(token)
+        self.sent += len(piece)
+        return piece
+
+    def finish(self) -> str:
+        """The text held back at the end (a last incomplete character: its last token's)."""
+        piece = self.text.flush()
+        if piece and self.held:
+            self.held[-1] = replace(self.held[-1], text=self.held[-1].text + piece)
+        self.sent += len(piece)
+        return piece
+
+    def release(self, final: bool) -> list:
+        """The held NamedLogprobs whose text is sent, up to the last that names some text
+        (one that names none yet, the first bytes of a character, waits for the next); at the
+        end, all of them, cut to the text (a stop string ends it inside a token)."""
+        keep, end, kept = 0, self.offset, self.offset
+        for k, s in enumerate(self.held, 1):
+            end += len(s.text)
+            if end > self.sent and not final:
+                break
+            if s.text or final:
+                keep, kept = k, end
+        out = cut_to(self.held[:keep], self.offset, self.sent)
+        self.held, self.offset = self.held[keep:], min(kept, self.sent)
+        return out
+
+
+def echo_named(tokenizer, prompt, scored=None) -> list:
+    """A prompt's tokens named by the text each adds, as echo sends them; scored: the
+    engine's prompt logprobs ([None, TokenLogprob, ...]), or None for the texts alone. The
+    first token has a null logprob (nothing predicts it); a start token such as <s>, which
+    adds no text, is kept in its place and named "" (vLLM names it "<s>", and its
+    text_offset then counts 3 characters the text does not hold)."""
+    detokenizer, out = Detokenizer(tokenizer), []
+    for p, token in enumerate(prompt):
+        s = scored[p] if scored is not None and scored[p] is not None else \
+            TokenLogprob(token, None, None)
+        out.append(name_logprobs(detokenizer, s))
+        detokenizer.add(token)
+    rest = detokenizer.flush()
+    if rest:
+        out[-1] = replace(out[-1], text=out[-1].text + rest)
+    return out
 
 
 def decode_json(raw: bytes):

@@ -9,11 +9,21 @@ and meanings are OpenAI's, with vLLM's extras (``top_k``, ``repetition_penalty``
     max_tokens             new tokens at most (completions: 16 by default; chat: what fits)
     stop                   strings that end the answer; the text stops before them
     finish_reason          "stop" (eos or a stop string) or "length" (max_tokens reached)
-    n                      samples of the one prompt, prefilled once (choice i: seed + i)
+    prompt                 completions: a string, a list of token ids, or a batch (a list of
+                           strings or of token-id lists, at most MAX_PROMPTS): choice p x n + j
+                           is sample j of prompt p, as OpenAI orders them
+    n                      samples of each prompt, prefilled once (choice i: seed + i)
     logprobs               completions: k, each token's log-probability and the top k;
                            chat: true, with top_logprobs: k
     echo                   completions: the prompt comes back in front of the text (and its
-                           tokens' log-probabilities, with logprobs)
+                           tokens' log-probabilities, with logprobs); with max_tokens 0, the
+                           prompt alone (vLLM's way to score a text)
+
+A token in logprobs is named by the text it adds to the output (``name_logprobs``), leading
+space included, so the tokens of a choice join to its text and ``text_offset`` points at each;
+the first bytes of a character split over tokens add no text yet ("") and the token completing
+it carries the character (vLLM's names). Chat's ``bytes`` are those of the same text. vLLM's
+``/tokenize`` and ``/detokenize`` bodies are checked here too (``tokenize_body``).
 
 Log-probabilities are the model's own (before temperature and the other sampling settings,
 as vLLM returns by default); k is at most ``MAX_LOGPROBS``.
@@ -28,16 +38,19 @@ character, and a body holding one is refused. Leaves out: tools, ``best_of``, ec
 """
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from minitransformer.checks import is_integer, is_real
 from minitransformer.chat import encode_chat
 from minitransformer.generate import eos_ids
 from minitransformer.logprobs import MAX_LOGPROBS, TokenLogprob
 from minitransformer.sampling import SamplingSettings
+from minitransformer.tokenizer import encode_text
 from minitransformer.serve.records import Request
 
 MAX_STOP = 4                    # OpenAI's limit on stop strings
+MAX_PROMPTS = 64                # prompts of one completions request at most (the default
+                                # waiting queue's size: a batch is queued whole or not at all)
 LOWEST_LOGPROB = -9999.0        # what a log-probability of -inf is sent as (JSON has no inf)
 COMPOSE = 3                     # a normalizer may shrink text: NFC makes 3 jamo (9 bytes) 1 of 3
 
@@ -112,7 +125,9 @@ class Job:
     stream: bool
     include_usage: bool         # stream_options.include_usage: a last chunk with usage
     logprobs: bool = False      # send each token's log-probability (request.logprobs: top k)
-    echo: str = None            # completions with echo: the prompt's text, sent first
+    echo: bool = False          # completions with echo: the prompt's text (as its tokens
+                                # decode), sent first
+    prompt_only: bool = False   # echo with max_tokens 0: the prompt alone, no new token sent
 
 
 def number(body, name, default, low, high, integer=False, low_open=False):
@@ -139,8 +154,10 @@ def longest_token_bytes(tokenizer) -> int:
 
 
 def parse(body, kind: str, model, name: str, pool_tokens: int, max_n: int = 1,
-          longest_token=None) -> Job:
-    """A request body of /v1/completions (kind "completion") or /v1/chat/completions;
+          longest_token=None) -> tuple:
+    """A request body of /v1/completions (kind "completion") or /v1/chat/completions -> a
+    Job per prompt (a chat has one; completions may send a batch, whose choices are numbered
+    prompt x n + sample, as OpenAI orders them);
     ``max_n``: the most samples a request may ask for (the engine's slots). Tokenizes and
     lays out the prompt: a server runs this off its event loop. longest_token
     (``longest_token_bytes``, computed once by the caller): text too long to fit the model's
@@ -169,27 +186,31 @@ def parse(body, kind: str, model, name: str, pool_tokens: int, max_n: int = 1,
     stop = stop_strings(body)
     field = "max_completion_tokens" if body.get("max_completion_tokens") is not None \
         else "max_tokens"
-    max_tokens = number(body, field, None, 1, math.inf, True)
+    max_tokens = number(body, field, None, 0 if echo else 1, math.inf, True)
+    if max_tokens == 0:         # echo alone, vLLM's way to score a text: as vLLM, one token
+        max_tokens = 1          # is made and never sent (the prompt's logprobs need a pass)
 
-    prompt = prompt_ids(body, kind, model, longest_token)
-    positions = model.config.max_position_embeddings
-    param = "prompt" if kind == "completion" else "messages"
-    room = min(positions, pool_tokens) - len(prompt)  # tokens left for the answer
-    if room <= 0:
-        raise APIError(f"the prompt has {len(prompt)} tokens; the model takes {positions} "
-                       f"positions and the KV pool {pool_tokens} tokens in all", param)
-    if max_tokens is None:      # completions: 16, as OpenAI; chat: what fits
-        max_tokens = 16 if kind == "completion" else room
-    if max_tokens > room:
-        raise APIError(f"{len(prompt)} prompt tokens + {field}={max_tokens} exceed what fits: "
-                       f"{positions} model positions, a KV pool of {pool_tokens} tokens",
-                       field)
-    request = Request(tuple(prompt), max_tokens, sampling=sampling, seed=seed,
-                      eos_token_id=[] if ignore_eos else None, n=n, logprobs=top,
-                      prompt_logprobs=top if echo else None)
-    return Job(kind, request, frozenset(eos_ids(model, request.eos_token_id)), stop, stream,
-               include_usage, top is not None,
-               echo_text(body, model, prompt) if echo else None)
+    jobs, batch = [], prompts(body, kind, model, longest_token)
+    for p, prompt in enumerate(batch):
+        positions = model.config.max_position_embeddings
+        which = "the prompt" if len(batch) == 1 else f"prompt[{p}]"
+        param = "prompt" if kind == "completion" else "messages"
+        room = min(positions, pool_tokens) - len(prompt)  # tokens left for the answer
+        if room <= 0:
+            raise APIError(f"{which} has {len(prompt)} tokens; the model takes {positions} "
+                           f"positions and the KV pool {pool_tokens} tokens in all", param)
+        new = (16 if kind == "completion" else room) if max_tokens is None else max_tokens
+        if new > room:          # completions: 16 by default, as OpenAI; chat: what fits
+            raise APIError(f"{which} has {len(prompt)} tokens: + {field}={new} exceed "
+                           f"what fits: {positions} model positions, a KV pool of "
+                           f"{pool_tokens} tokens", field)
+        request = Request(tuple(prompt), new, sampling=sampling, seed=seed,
+                          eos_token_id=[] if ignore_eos else None, n=n, logprobs=top,
+                          prompt_logprobs=top if echo else None)
+        jobs.append(Job(kind, request, frozenset(eos_ids(model, request.eos_token_id)), stop,
+                        stream, include_usage, top is not None, echo,
+                        echo and body.get(field) == 0))
+    return tuple(jobs)
 
 
 def served_model(body, name: str) -> None:
@@ -244,13 +265,6 @@ def logprob_fields(body, kind) -> tuple:
     return top or 0, False
 
 
-def echo_text(body, model, prompt) -> str:
-    """The prompt as the client sent it (text), or its ids decoded."""
-    text = body.get("prompt")
-    text = text[0] if isinstance(text, list) and len(text) == 1 else text
-    return text if isinstance(text, str) else model.tokenizer.decode(prompt)
-
-
 def flag(body, name, param=None) -> bool:
     value = body.get(name, False)
     if value is not None and not isinstance(value, bool):
@@ -266,8 +280,10 @@ def text(body, name) -> str | None:
     return value
 
 
-def prompt_ids(body, kind, model, longest_token=None) -> list:
-    """The prompt as token ids: text, a list of ids, or chat messages through the template."""
+def prompts(body, kind, model, longest_token=None) -> list:
+    """The prompts as lists of token ids. Chat: one, its messages through the template.
+    Completions, as OpenAI and vLLM take them: a string, a list of token ids, or a batch of
+    up to MAX_PROMPTS of either kind (a list of strings, or of token-id lists)."""
     if kind == "chat":
         messages = body.get("messages")
         texts = [m.get("content") for m in messages if isinstance(m, dict)] \
@@ -275,23 +291,40 @@ def prompt_ids(body, kind, model, longest_token=None) -> list:
         check_text_fits(model, [t for t in texts if isinstance(t, str)], longest_token,
                         "messages")
         try:
-            return encode_chat(model, messages)
+            return [encode_chat(model, messages)]
         except ValueError as e:
             raise APIError(str(e), "messages") from None
-    prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]      # a batch of one prompt
+    prompt, V = body.get("prompt"), model.config.vocab_size
+    kinds = (f"a non-empty string, a non-empty list of token ids in [0, {V}), or a list of "
+             f"at most {MAX_PROMPTS} of either")
+    if isinstance(prompt, str) or (isinstance(prompt, list) and prompt and
+                                   not isinstance(prompt[0], (str, list))):
+        prompt = [prompt]       # one prompt: a batch of one
+    if not isinstance(prompt, list) or not prompt or len(prompt) > MAX_PROMPTS:
+        size = f" of {len(prompt)} prompts" if isinstance(prompt, list) and prompt else ""
+        raise APIError(f"prompt must be {kinds}; got {json_text(prompt, 40)}{size}", "prompt")
+    batch = len(prompt) > 1 or not isinstance(body["prompt"], str)
+    if len({type(p) for p in prompt}) > 1:
+        raise APIError(f"prompt mixes strings and token-id lists: it must be {kinds}",
+                       "prompt")
+    return [one_prompt(model, p, f"prompt[{i}]" if batch else "prompt", V, longest_token)
+            for i, p in enumerate(prompt)]
+
+
+def one_prompt(model, prompt, where: str, V: int, longest_token) -> list:
+    """One prompt of a completions request (text, or token ids in [0, V)) -> its ids."""
     if isinstance(prompt, str) and prompt:
         if model.tokenizer is None:
             raise APIError("the model has no tokenizer: send the prompt as token ids", "prompt")
         check_text_fits(model, [prompt], longest_token, "prompt")
         return model.tokenizer.encode(prompt)
-    V = model.config.vocab_size
     if isinstance(prompt, list) and prompt and all(
             is_integer(i) and 0 <= i < V for i in prompt):
         return prompt
-    raise APIError(f"prompt must be a non-empty string or a list of token ids in [0, {V}) "
-                   f"(one prompt per request)", "prompt")
+    bad = next(i for i in prompt if not (is_integer(i) and 0 <= i < V)) \
+        if isinstance(prompt, list) and prompt else prompt
+    raise APIError(f"{where} must be a non-empty string or a non-empty list of token ids in "
+                   f"[0, {V}); got {json_text(bad, 40)}", "prompt")
 
 
 def check_text_fits(model, texts, longest_token, param) -> None:
@@ -337,44 +370,63 @@ def choice(kind, text, finish_reason, delta=False, first=False, index=0,
             "logprobs": logprobs, "finish_reason": finish_reason}
 
 
-def token_text(tokenizer, token: int) -> str:
-    """A token as logprobs name it: its own text (vLLM's "token_id:N" without a tokenizer)."""
-    return f"token_id:{token}" if tokenizer is None else tokenizer.token_text(token)
+@dataclass(frozen=True)
+class NamedLogprob:
+    """A token's log-probability with the text that names it (and its alternatives)."""
+    text: str                   # what the token adds to the output
+    logprob: float              # None: a prompt's first token (nothing predicts it)
+    top: tuple = ()             # ((text, logprob), ...) of the top k; None with logprob None
+
+
+def name_logprobs(detokenizer, scored: TokenLogprob) -> NamedLogprob:
+    """Name a token, and each alternative to it, by the text it would add at the
+    detokenizer's position (before the token is added): so the texts of a choice's tokens
+    join to its text and ``text_offset`` points at each. Without a tokenizer (detokenizer
+    None), vLLM's names: "token_id:N"."""
+    others = () if scored.top is None else tuple(t for t, _ in scored.top)
+    texts = [f"token_id:{t}" for t in (scored.token, *others)] if detokenizer is None else \
+        detokenizer.peek([scored.token, *others])
+    top = None if scored.top is None else tuple(zip(texts[1:], (p for _, p in scored.top)))
+    return NamedLogprob(texts[0], scored.logprob, top)
+
+
+def cut_to(named: list, offset: int, size: int) -> list:
+    """The named tokens starting at text offset ``offset``, their texts cut at ``size``
+    characters of text in all: a stop string ends the text inside (or before) the tokens that
+    made it, and a token names only the text it adds to the output."""
+    out = []
+    for s in named:
+        out.append(replace(s, text=s.text[:max(0, size - offset)]))
+        offset += len(s.text)
+    return out
 
 
 def finite(logprob):
     return None if logprob is None else max(logprob, LOWEST_LOGPROB)
 
 
-def completion_logprobs(tokenizer, scored, offset: int = 0) -> tuple:
-    """TokenLogprobs -> (the completions ``logprobs`` object, the text offset after them).
+def completion_logprobs(named, offset: int = 0) -> tuple:
+    """NamedLogprobs -> (the completions ``logprobs`` object, the text offset after them).
     ``top_logprobs`` maps text -> logprob for the top k and the token itself (vLLM's rule);
     a prompt's first token has null for both (nothing predicts it)."""
     out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
-    for s in scored:
-        text = token_text(tokenizer, s.token)
-        out["tokens"].append(text)
+    for s in named:
+        out["tokens"].append(s.text)
         out["token_logprobs"].append(finite(s.logprob))
         out["top_logprobs"].append(None if s.top is None else {
-            token_text(tokenizer, t): finite(p) for t, p in s.top + ((s.token, s.logprob),)})
+            text: finite(p) for text, p in s.top + ((s.text, s.logprob),)})
         out["text_offset"].append(offset)
-        offset += len(text)
+        offset += len(s.text)
     return out, offset
 
 
-def chat_logprobs(tokenizer, scored) -> dict:
-    """TokenLogprobs -> the chat ``logprobs`` object: per token its text, logprob, UTF-8 bytes
-    and the top k alternatives."""
-    def entry(token, logprob):
-        text = token_text(tokenizer, token)
+def chat_logprobs(named) -> dict:
+    """NamedLogprobs -> the chat ``logprobs`` object: per token its text, logprob, UTF-8 bytes
+    (those of its text: joined, they are the content's) and the top k alternatives."""
+    def entry(text, logprob):
         return {"token": text, "logprob": finite(logprob), "bytes": list(text.encode())}
-    return {"content": [entry(s.token, s.logprob) | {
-        "top_logprobs": [entry(t, p) for t, p in s.top]} for s in scored]}
-
-
-def unpredicted(token: int) -> TokenLogprob:
-    """A prompt's first token as echo reports it: no logprob, no alternatives."""
-    return TokenLogprob(token, None, None)
+    return {"content": [entry(s.text, s.logprob) | {
+        "top_logprobs": [entry(t, p) for t, p in s.top]} for s in named]}
 
 
 def response(job, rid, created, name, choices, usage_counts=None, chunk=False) -> dict:
@@ -384,3 +436,86 @@ def response(job, rid, created, name, choices, usage_counts=None, chunk=False) -
         kind = "chat.completion.chunk"
     return {"id": rid, "object": kind, "created": created, "model": name, "choices": choices,
             "usage": usage_counts}
+
+
+# --- vLLM's /tokenize and /detokenize ---------------------------------------------------------
+TOKENIZE_FIELDS = {         # field -> (kind of request it belongs to, its default)
+    "model": ("both", None), "return_token_strs": ("both", False),
+    "prompt": ("completion", None), "messages": ("chat", None),
+    "add_special_tokens": ("both", None),      # default: true for a prompt, false for a chat
+    "add_generation_prompt": ("chat", True),
+}
+TOKENIZE_NEUTRAL = {"continue_final_message": False, "chat_template": None,
+                    "chat_template_kwargs": {}, "tools": [], "mm_processor_kwargs": {},
+                    "media_io_kwargs": {}}
+
+
+def tokenizer_request(body, model, name, fields) -> str:
+    """The checks /tokenize and /detokenize share: a JSON object of known fields (any other is
+    refused, naming it), the served model if named, a tokenizer to use."""
+    if not isinstance(body, dict):
+        raise APIError("the request body must be a JSON object")
+    check_unicode(body)
+    for field, value in body.items():
+        if field in fields:
+            continue
+        if field in TOKENIZE_NEUTRAL and (value is None or same(value, TOKENIZE_NEUTRAL[field])):
+            continue
+        raise APIError(f"{field!r:.100} is not a field this server takes here (it takes "
+                       f"{', '.join(fields)})", field.encode("utf-8", "replace").decode())
+    if body.get("model") is not None:
+        served_model(body, name)
+    if model.tokenizer is None:
+        raise APIError("the model has no tokenizer: it serves token ids only")
+
+
+def tokenize_body(body, model, name: str, longest_token=None) -> dict:
+    """vLLM's /tokenize: {"prompt": text} or {"messages": [...]} -> {"count", "max_model_len",
+    "tokens", "token_strs"}; add_special_tokens (a prompt: true by default, the BOS the
+    completions endpoint adds; a chat: false, its template holds them), return_token_strs
+    (the vocabulary's pieces: "▁Once", "ĠThe")."""
+    tokenizer_request(body, model, name, TOKENIZE_FIELDS)
+    chat = body.get("messages") is not None
+    if chat == (body.get("prompt") is not None):
+        raise APIError("/tokenize takes a prompt (a string) or messages, one of them",
+                       "prompt")
+    for field, (kind, default) in TOKENIZE_FIELDS.items():
+        if kind == ("completion" if chat else "chat") and body.get(field) is not None:
+            raise APIError(f"{field} goes with "
+                           f"{'a prompt' if kind == 'completion' else 'messages'}", field)
+    special = flag(body, "add_special_tokens") if body.get("add_special_tokens") is not None \
+        else not chat
+    if chat:
+        messages = body["messages"]
+        if not isinstance(messages, list):
+            raise APIError(f"messages must be a list of messages, got {json_text(messages)}",
+                           "messages")
+        generation = body.get("add_generation_prompt")
+        try:
+            ids = encode_chat(model, messages, True if generation is None else
+                              flag(body, "add_generation_prompt"))
+        except ValueError as e:
+            raise APIError(str(e), "messages") from None
+        if special and model.tokenizer.bos_token_id is not None:
+            ids = [model.tokenizer.bos_token_id] + ids
+    else:
+        prompt = text(body, "prompt")
+        ids = model.tokenizer.encode(prompt) if special else \
+            encode_text(model.tokenizer.backend, prompt, add_special_tokens=False)
+    strs = [model.tokenizer.backend.id_to_token(i) for i in ids] \
+        if flag(body, "return_token_strs") else None
+    return {"count": len(ids), "max_model_len": model.config.max_position_embeddings,
+            "tokens": ids, "token_strs": strs}
+
+
+def detokenize_body(body, model, name: str, longest_token=None) -> dict:
+    """vLLM's /detokenize: {"tokens": [ids]} -> {"prompt": their text}, special tokens kept
+    (as vLLM decodes)."""
+    tokenizer_request(body, model, name, ("model", "tokens"))
+    tokens, V = body.get("tokens"), model.config.vocab_size
+    if not isinstance(tokens, list) or not all(is_integer(i) and 0 <= i < V for i in tokens):
+        bad = next((i for i in tokens if not (is_integer(i) and 0 <= i < V)), None) \
+            if isinstance(tokens, list) else tokens
+        raise APIError(f"tokens must be a list of token ids in [0, {V}); got "
+                       f"{json_text(bad, 40)}", "tokens")
+    return {"prompt": model.tokenizer.backend.decode(tokens, skip_special_tokens=False)}
