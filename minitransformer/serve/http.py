@@ -4,6 +4,7 @@
     POST /v1/chat/completions   messages in, laid out by the checkpoint's chat template
     GET  /v1/models             the one model served
     POST /tokenize, /detokenize vLLM's: text or chat messages -> token ids, and back
+    GET  /tokenizer_info        vLLM's: the special tokens and chat template (lm-eval reads it)
     GET  /health                200 while the engine runs
     GET  /metrics               Prometheus text, vLLM's metric names (see prometheus.py)
 
@@ -49,7 +50,8 @@ from minitransformer.serve.online import MAX_WAITING, Closed, OnlineEngine, Queu
 from minitransformer.serve.openai_api import (APIError, chat_logprobs, choice,
                                               completion_logprobs, cut_to, detokenize_body,
                                               longest_token_bytes, name_logprobs, parse,
-                                              response, tokenize_body, usage)
+                                              response, tokenize_body, tokenizer_info,
+                                              usage)
 from minitransformer.serve.prometheus import ServingMetrics
 
 RETRY_AFTER_S = 1               # what a 429 asks the client to wait
@@ -93,8 +95,8 @@ def create_app(online: OnlineEngine, name: str, max_request_bytes: int = None):
     async def framework_error(http: Request, e: HTTPException):
         """The framework's own 4xx (unknown path, wrong method) in OpenAI's body."""
         what = {404: f"no route {http.url.path!r:.200}: this server answers /v1/completions, "
-                     "/v1/chat/completions, /v1/models, /tokenize, /detokenize, /health and "
-                     "/metrics",
+                     "/v1/chat/completions, /v1/models, /tokenize, /detokenize, /tokenizer_info, "
+                     "/health and /metrics",
                 405: f"{http.method} is not allowed on {http.url.path}"}
         codes = {404: "not_found", 405: "method_not_allowed"}
         return error(APIError(what.get(e.status_code, str(e.detail)), status=e.status_code,
@@ -171,6 +173,13 @@ def create_app(online: OnlineEngine, name: str, max_request_bytes: int = None):
             return error(e)
         except ClientDisconnect:
             return PlainTextResponse("", status_code=400)
+
+    @app.get("/tokenizer_info")
+    async def tokenizer_information():
+        try:
+            return tokenizer_info(model)
+        except APIError as e:
+            return error(e)
 
     @app.post("/tokenize")
     async def tokenize(http: Request):

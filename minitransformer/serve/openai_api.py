@@ -41,7 +41,7 @@ import math
 from dataclasses import dataclass, replace
 
 from minitransformer.checks import is_integer, is_real
-from minitransformer.chat import encode_chat
+from minitransformer.chat import encode_chat, special_tokens
 from minitransformer.generate import eos_ids
 from minitransformer.logprobs import MAX_LOGPROBS, TokenLogprob
 from minitransformer.sampling import SamplingSettings
@@ -519,3 +519,16 @@ def detokenize_body(body, model, name: str, longest_token=None) -> dict:
         raise APIError(f"tokens must be a list of token ids in [0, {V}); got "
                        f"{json_text(bad, 40)}", "tokens")
     return {"prompt": model.tokenizer.backend.decode(tokens, skip_special_tokens=False)}
+
+
+def tokenizer_info(model) -> dict:
+    """vLLM's /tokenizer_info: what a client needs to tokenize as the server does (lm-eval
+    reads it to use /tokenize): the special tokens by name, the chat template, the class."""
+    if model.tokenizer is None:
+        raise APIError("the model has no tokenizer: it serves token ids only", status=404,
+                       code="not_found")
+    tokens = special_tokens(model)
+    return {"tokenizer_class": "PreTrainedTokenizerFast", **tokens,
+            "add_bos_token": model.tokenizer.add_bos,
+            "chat_template": model.tokenizer.chat_template,
+            "model_max_length": model.config.max_position_embeddings}
