@@ -2,6 +2,8 @@
 logprobs alone) and vLLM's /tokenize and /detokenize, through the real server on 127.0.0.1:
 with the byte-level BPE of the test models, SentencePiece (stories260K, byte fallback) and
 SmolLM2's byte-level BPE when they are here."""
+import itertools
+
 import pytest
 
 import minitransformer as mt
@@ -71,6 +73,33 @@ def test_logprob_tokens_join_to_the_text_and_offsets_point_at_them(any_served, s
         assert ids[0] == model.tokenizer.bos_token_id and got["tokens"][0] == ""
     assert " " in "".join(got["tokens"][:len(ids)])       # the spaces are in the tokens
     assert online.engine.cache.num_free == online.engine.cache.num_blocks
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_stop_string_inside_a_token_cuts_its_name(served, model, stream):
+    """The text stops before a stop string that may end inside a token: the tokens still join
+    to the text (the last named by its part before the stop), streamed chunk by chunk too."""
+    online, url, client = served
+    ids = model.tokenizer.encode("The cat sat")
+    made = mt.generate(model, ids, 16, sampling=warm(1.0), seed=8)
+    full = model.tokenizer.decode(ids + made)[len("The cat sat"):]
+    ends = list(itertools.accumulate(map(len, names(model.tokenizer, ids, made))))
+    end = next(e for e in ends if e and full[e - 1] != "\ufffd")     # a token ends here
+    held = full[end - 1] + "\x00"    # never met; its start is: the text is held, then sent
+    stop = next(full[i:i + 2] for i in range(end + 1, len(full) - 1)
+                if "\ufffd" not in full[i:i + 2])
+    reply = client.completions.create(model=NAME, prompt="The cat sat", max_tokens=16,
+                                      seed=8, logprobs=1, stop=[stop, held], stream=stream)
+    chunks = list(reply) if stream else [reply]
+    text, tokens, offsets = "", [], []
+    for c in (c for c in chunks if c.choices):
+        text += c.choices[0].text
+        if c.choices[0].logprobs:
+            tokens += c.choices[0].logprobs.tokens
+            offsets += c.choices[0].logprobs.text_offset
+        assert "".join(tokens) == text[:len("".join(tokens))]   # never ahead of the text
+    assert text == full[:full.index(stop)]
+    check_names_index_the_text(tokens, offsets, text)
 
 
 def test_chat_token_bytes_rebuild_the_content(any_served):
