@@ -27,10 +27,9 @@ from _common import add_model_argument, load_model, mt, progress
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                                 "tests"))
-from conftest import SHAPES  # noqa: E402
+from conftest import CLOSE_CALLS, SHAPES, write_checkpoint  # noqa: E402
 from engine_fuzz import run_case  # noqa: E402
 
-from minitransformer.synth import make_checkpoint  # noqa: E402
 
 COLUMNS = ("requests", "steps", "preemptions", "cancelled", "rejected", "cached", "evicted",
            "chunked")
@@ -60,17 +59,18 @@ def main(argv=None):
     parser.add_argument("--fast", action="store_true",
                         help="fuzz the default fast batching (tokens may differ at near ties, "
                              "tests/conftest.py's policy) instead of batch-invariant mode (==)")
-    parser.add_argument("--models", default=",".join(SHAPES),
+    parser.add_argument("--models", default=",".join(SHAPES | CLOSE_CALLS),
                         help="tiny test models to fuzz when --model is not given "
-                             "(default: %(default)s)")
+                             "(default: %(default)s; the last has small logits and close "
+                             "calls, where a logit error shows most in --fast)")
     args = parser.parse_args(argv)
     if args.cases < 1 or args.first < 0:
         parser.error("--cases must be >= 1 and --first >= 0")
     names = [n for n in args.models.split(",") if n]
-    unknown = [n for n in names if n not in SHAPES]
+    unknown = [n for n in names if n not in SHAPES | CLOSE_CALLS]
     if unknown or not names:
         parser.error(f"unknown model(s) {', '.join(unknown) or '(none)'}; "
-                     f"choose from {', '.join(SHAPES)}")
+                     f"choose from {', '.join(SHAPES | CLOSE_CALLS)}")
     seeds = range(args.first, args.first + args.cases)
 
     rows = []
@@ -78,8 +78,7 @@ def main(argv=None):
         if args.model:
             models = [(args.model, load_model(args.model))]
         else:
-            models = [(name, mt.load(make_checkpoint(os.path.join(tmp, name), SHAPES[name][0],
-                                                     seed=1, dtype=SHAPES[name][1])))
+            models = [(name, mt.load(write_checkpoint(os.path.join(tmp, name), name, seed=1)))
                       for name in names]
         for label, model in models:
             rows.append((label, *fuzz(label, model, seeds, not args.fast)))

@@ -153,7 +153,7 @@ def run_case(model, seed, batch_invariant=True) -> dict:
             solo_so_far = tokens if result.status == "finished" else tokens[:len(result.tokens)]
             assert_like_solo(model, result.tokens, solo_so_far, request.prompt,
                              request.sampling, request.seed + result.choice,
-                             exact(engine, result))
+                             exact(engine, result), eos_token_id=request.eos_token_id)
         if request.prompt_logprobs is not None and result.tokens:   # from its one prefill
             assert result.cached_tokens == 0 and result.prompt_logprobs[0] is None, where
             reference = log_softmax(mt.logits(model, list(request.prompt)))

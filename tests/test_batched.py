@@ -1,6 +1,8 @@
 """Batched decode: B sequences of different lengths in one step. Batch-invariant mode gives each
 row the bits it gets alone; the default fast mode gives the same logits within float rounding
 and the same tokens except at near ties (conftest.assert_like_solo)."""
+import itertools
+
 import numpy as np
 import pytest
 
@@ -11,7 +13,7 @@ from minitransformer.generate import last_logits
 from minitransformer.kvcache import KVCache
 from minitransformer.model import forward
 from minitransformer.serve.paged import PagedCache
-from minitransformer.sampling import SamplingSettings
+from minitransformer.sampling import SamplingSettings, next_token
 from minitransformer.synth import make_checkpoint, qwen2_config
 
 
@@ -89,7 +91,7 @@ def test_many_batched_steps_give_generate_s_tokens(tiny_model, batch_invariant):
             tokens[row].append(int(np.argmax(row_logits)))
     for prompt, made in zip(prompts, tokens):
         assert_like_solo(tiny_model, made, mt.generate(tiny_model, prompt, 20, eos_token_id=[]),
-                         prompt, batch_invariant=batch_invariant)
+                         prompt, batch_invariant=batch_invariant, eos_token_id=[])
 
 
 def test_long_rows_past_the_blas_size_switch(tmp_path):
@@ -119,20 +121,66 @@ def test_a_single_row_gets_the_same_bits_in_both_modes(tiny_model):
 
 
 def test_the_policy_allows_a_different_token_only_at_a_near_tie(tiny_model):
-    prompt = [1, 2, 3]
-    alone = mt.generate(tiny_model, prompt, 6, eos_token_id=[])
-    runner_up = int(np.argsort(mt.logits(tiny_model, prompt + alone[:2])[-1])[-2])
-    diverged = alone[:2] + [runner_up, 0]          # step 2 took the solo run's second choice
-    gap = conftest.solo_margins(tiny_model, prompt, alone[:3], SamplingSettings(), None)[2]
-    assert gap > conftest.NEAR_TIE                 # a clear choice: no excuse to differ
+    never, greedy = dict(eos_token_id=[]), SamplingSettings()
+    for first in range(tiny_model.config.vocab_size):   # a prompt whose step 1 is clearer
+        prompt = [1, 2, first]                            # than its step 0 (the tiny models
+        alone = mt.generate(tiny_model, prompt, 8, **never)   # repeat a token, less and
+        gap = conftest.solo_margins(tiny_model, prompt, alone[:1], greedy, None)[0]  # less
+        runner_up = int(np.argsort(mt.logits(tiny_model, prompt)[-1])[-2])    # sure of it)
+        went_on = prompt + [runner_up]             # step 0 took the solo run's second choice,
+        diverged = went_on[3:] + mt.generate(tiny_model, went_on, 7, **never)  # then went on
+        later = conftest.solo_margins(tiny_model, went_on, diverged[1:], greedy, None)
+        if later.max() > gap:
+            break
+    at = 0
+    assert gap > conftest.NEAR_TIE and later.max() > gap   # clear choices: no excuse to differ
     with pytest.raises(AssertionError, match="not a near tie"):
-        assert_like_solo(tiny_model, diverged, alone, prompt)
+        assert_like_solo(tiny_model, diverged, alone, prompt, **never)
     with pytest.raises(AssertionError):
-        assert_like_solo(tiny_model, alone[:3], alone, prompt)   # stopped early
+        assert_like_solo(tiny_model, alone[:3], alone, prompt, **never)   # stopped early
     with pytest.raises(AssertionError):
-        assert_like_solo(tiny_model, diverged, alone, prompt, batch_invariant=True)
-    assert_like_solo(tiny_model, diverged, alone, prompt, tolerance=2 * gap)  # a wider policy
-    assert conftest.NEAR_TIES.pop() == (3, 2, gap)  # counted (and taken back off the report)
+        assert_like_solo(tiny_model, diverged, alone, prompt, batch_invariant=True, **never)
+    assert_like_solo(tiny_model, diverged, alone, prompt, tolerance=gap, **never)  # wider
+    assert conftest.NEAR_TIES.pop() == (3, at, gap)  # counted (and taken back off the report)
+    # past the forgiven step the request is still checked, against the solo run continued
+    # from the token taken: its clearest later choice, made otherwise, is not forgiven
+    step = at + 1 + int(np.argmax(later))
+    wrong = int(np.argsort(mt.logits(tiny_model, prompt + diverged[:step])[-1])[-2])
+    with pytest.raises(AssertionError, match=f"token {step} differs"):
+        assert_like_solo(tiny_model, diverged[:step] + [wrong] + diverged[step + 1:], alone,
+                         prompt, tolerance=gap, **never)
+    assert conftest.NEAR_TIES.pop() == (3, at, gap)
+    with pytest.raises(AssertionError, match="one run stopped"):     # and its length
+        assert_like_solo(tiny_model, diverged[:-1], alone, prompt, tolerance=gap, **never)
+    assert conftest.NEAR_TIES.pop() == (3, at, gap)
+
+
+@pytest.mark.parametrize("settings", [SamplingSettings(),
+                                      SamplingSettings(do_sample=True, temperature=1.0),
+                                      SamplingSettings(do_sample=True, temperature=0.5)])
+def test_a_margin_is_the_logit_change_that_changes_the_choice(settings):
+    """conftest.logit_margin against a direct search: moving every logit by 0.99 x the margin
+    changes no choice; by 1.01 x, one way of moving them does. The worst way for a boundary k of
+    the cumulative distribution raises the logits up to k and lowers the rest (greedy: raises
+    the runner-up, lowers the top)."""
+    rng, tried = np.random.default_rng(3), 0
+    for trial in range(12):
+        z = rng.normal(0, 1, 24).astype(np.float32)
+        margin = conftest.logit_margin(z, [], settings, np.random.default_rng(trial)) \
+            * np.abs(z).max()
+        if margin < 1e-4:                  # within float32 rounding of the sum: nothing to see
+            continue
+
+        def chosen(shift):
+            return next_token(z + shift.astype(np.float32), [], settings,
+                              np.random.default_rng(trial))
+        ways = [np.where(np.arange(z.size) <= k, sign, -sign)
+                for k in range(z.size) for sign in (1.0, -1.0)]
+        before = chosen(np.zeros(z.size))
+        assert all(chosen(0.99 * margin * way) == before for way in ways), trial
+        assert any(chosen(1.01 * margin * way) != before for way in ways), trial
+        tried += 1
+    assert tried >= 8
 
 
 def test_bad_token_ids_are_refused(tiny_model):

@@ -23,7 +23,7 @@ def assert_solo(model, results, batch_invariant=False):
         r, s = result.request, result.request.sampling
         assert_like_solo(model, result.tokens, solo(model, r), r.prompt, s, r.seed,
                          batch_invariant and not result.cached_tokens
-                         and result.prefill_chunks <= 1)
+                         and result.prefill_chunks <= 1, eos_token_id=r.eos_token_id)
 
 
 def assert_pool_whole(engine):
@@ -111,7 +111,8 @@ def test_cancel_waiting_running_and_finished_requests(tiny_model):
     r0, r1 = engine.results[0], engine.results[1]
     assert (r0.status, r1.status) == ("cancelled", "cancelled") and r1.tokens == []
     assert len(r0.tokens) == 5                              # a prefix of its solo tokens:
-    assert_like_solo(tiny_model, r0.tokens, solo(tiny_model, requests[0])[:5], (1, 2, 3))
+    assert_like_solo(tiny_model, r0.tokens, solo(tiny_model, requests[0])[:5], (1, 2, 3),
+                     eos_token_id=[])
     while engine.waiting or engine.running():
         engine.step()
     assert engine.results[2].status == "finished"

@@ -1,8 +1,13 @@
-"""Generation: the KV cache changes no token; sampling settings behave and fail clearly."""
+"""Generation: the KV cache changes no token; sampling settings behave and fail clearly.
+
+The cache and a recompute make differently shaped products (one new row against the cache,
+or the whole sequence again), so their logits differ in the last bits: their tokens are
+compared by the near-tie rule (conftest.assert_like_solo), the recompute the reference."""
 import numpy as np
 import pytest
 
 import minitransformer as mt
+from conftest import STORIES_NEAR_TIE, assert_like_solo
 from minitransformer.sampling import SamplingSettings
 
 # ../shared/models/stories260K/README.md: transformers and llama2.c's run.c agree on these ids
@@ -16,21 +21,24 @@ STORIES_GREEDY_60 = [
 
 @pytest.mark.parametrize("length", [1, 4, 17])
 @pytest.mark.parametrize("n_new", [1, 9, 30])
-def test_cache_and_recompute_give_identical_greedy_tokens(tiny_model, length, n_new):
+def test_cache_and_recompute_give_the_same_greedy_tokens(tiny_model, length, n_new):
     rng = np.random.default_rng(length * 100 + n_new)
     for _ in range(3):
         ids = rng.integers(0, tiny_model.config.vocab_size, length).tolist()
         fast = mt.generate(tiny_model, ids, n_new, cache=True, eos_token_id=[])
         slow = mt.generate(tiny_model, ids, n_new, cache=False, eos_token_id=[])
-        assert fast == slow and len(fast) == n_new
+        assert len(fast) == n_new
+        assert_like_solo(tiny_model, fast, slow, ids, eos_token_id=[])
 
 
-def test_cache_and_recompute_identical_when_sampling(tiny_model):
+def test_cache_and_recompute_give_the_same_tokens_when_sampling(tiny_model):
     ids = [1, 2, 3]
-    kw = dict(sampling=SamplingSettings(do_sample=True, temperature=0.8, top_k=20, top_p=0.9,
-                                        repetition_penalty=1.3), seed=7, eos_token_id=[])
-    assert mt.generate(tiny_model, ids, 25, cache=True, **kw) == \
-        mt.generate(tiny_model, ids, 25, cache=False, **kw)
+    sampling = SamplingSettings(do_sample=True, temperature=0.8, top_k=20, top_p=0.9,
+                                repetition_penalty=1.3)
+    kw = dict(sampling=sampling, seed=7, eos_token_id=[])
+    assert_like_solo(tiny_model, mt.generate(tiny_model, ids, 25, cache=True, **kw),
+                     mt.generate(tiny_model, ids, 25, cache=False, **kw), ids, sampling, 7,
+                     eos_token_id=[])
 
 
 def test_real_checkpoint_greedy_story(stories):
@@ -38,14 +46,16 @@ def test_real_checkpoint_greedy_story(stories):
     assert ids == [1, 403, 407, 261, 378]
     fast = mt.generate(stories, ids, 60)
     assert fast == STORIES_GREEDY_60
-    assert mt.generate(stories, ids, 60, cache=False) == fast
+    assert_like_solo(stories, fast, mt.generate(stories, ids, 60, cache=False), ids,
+                     tolerance=STORIES_NEAR_TIE)
     assert stories.tokenizer.decode(fast).startswith(", there was a little girl named Lily.")
 
 
 @pytest.mark.parametrize("prompt", ["Lily saw a dog", "The sun was hot", "Tom and Sue"])
-def test_real_checkpoint_cache_identical_on_many_prompts(stories, prompt):
+def test_real_checkpoint_cache_changes_no_token_on_many_prompts(stories, prompt):
     ids = stories.tokenizer.encode(prompt)
-    assert mt.generate(stories, ids, 40) == mt.generate(stories, ids, 40, cache=False)
+    assert_like_solo(stories, mt.generate(stories, ids, 40),
+                     mt.generate(stories, ids, 40, cache=False), ids, tolerance=STORIES_NEAR_TIE)
 
 
 def test_seeded_sampling_is_reproducible_and_seed_dependent(tiny_model):

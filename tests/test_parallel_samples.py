@@ -54,7 +54,7 @@ def test_sample_i_is_the_single_request_seeded_seed_plus_i(tiny_model, batch_inv
         assert alone == mt.generate(tiny_model, PROMPT, 12, sampling=SAMPLED,
                                     seed=40 + result.choice, eos_token_id=[])
         assert_like_solo(tiny_model, result.tokens, alone, PROMPT, SAMPLED,
-                         40 + result.choice, batch_invariant)
+                         40 + result.choice, batch_invariant, eos_token_id=[])
     assert len({tuple(r.tokens) for r in run.results}) > 1      # they are not one sample
 
 
@@ -144,7 +144,7 @@ def test_samples_of_a_chunked_prompt_wait_in_reserved_slots_for_its_end(tiny_mod
         assert result.prefill_chunks == 3 and len(result.tokens) == 3
         assert_like_solo(tiny_model, result.tokens, solo(tiny_model, result.request,
                                                          result.choice), PROMPT, SAMPLED,
-                         3 + result.choice, batch_invariant=False)
+                         3 + result.choice, batch_invariant=False, eos_token_id=[])
     engine = Engine(tiny_model, slots=3, block_size=4, max_num_batched_tokens=4)
     first = engine.submit(Request(PROMPT, 3, sampling=SAMPLED, seed=3, n=3, eos_token_id=[]))
     engine.step()

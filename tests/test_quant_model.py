@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 import minitransformer as mt
+from conftest import assert_like_solo
 from minitransformer.backend import BACKEND, to_device, to_numpy
 from quant.absmax import absmax_per_group, absmax_per_row
 from quant.int8 import int8_activations
@@ -103,7 +104,8 @@ def test_a_quantized_model_generates_the_same_tokens_with_and_without_the_cache(
     q = quantize_model(model, "nf4")
     fast = mt.generate(q, PROMPT, 12, eos_token_id=[])
     slow = mt.generate(q, PROMPT, 12, cache=False, eos_token_id=[])
-    assert fast == slow and len(fast) == 12
+    assert len(fast) == 12          # the cache's products and a recompute's: the near-tie rule
+    assert_like_solo(q, fast, slow, PROMPT, eos_token_id=[])
 
 
 def test_int8_activations_keep_outlier_columns_and_quantize_the_rest():

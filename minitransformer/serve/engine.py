@@ -34,7 +34,7 @@ Exactness: each request owns its settings and seeded generator and uses generate
 gets the very tokens ``generate`` gives it alone (==): per-row-exact decode arithmetic (see
 model.prepare). Three things compute the same numbers from differently shaped products, so
 their last bits may move, and a token may differ only where the solo run was at a near tie
-(its top two logits within the tests' NEAR_TIE): the default fast decode (the batch as one flat
+(within the tests' NEAR_TIE of choosing another): the default fast decode (the batch as one flat
 matrix per projection: B times fewer weight reads); a cached prefix (its keys and values were
 computed inside another sequence's pass); a chunked prefill (the prompt's keys and values
 computed in pieces, each chunk attending over the cache).
