@@ -181,12 +181,21 @@ def test_zero_tokens_and_model_eos_behave_like_generate(tiny_model):
     assert_solo(tiny_model, run.results)
 
 
-def test_late_arrivals_wait_for_their_time(tiny_model):
+def test_late_arrivals_wait_for_their_time(tiny_model, monkeypatch):
+    """The engine's clock stopped (every step lasts 0 s), so that only waiting moves it: the
+    first request is served at 0, the engine then idles to the late one's arrival, and the
+    late one's first token is made there, not before."""
+    from types import SimpleNamespace
+
+    from minitransformer.serve import engine as engine_module
+    monkeypatch.setattr(engine_module, "time", SimpleNamespace(perf_counter=lambda: 0.0))
     requests = [Request((1, 2), 3, arrival=0.0, eos_token_id=[]),
                 Request((3, 4), 3, arrival=100.0, eos_token_id=[])]
     run = Engine(tiny_model, slots=2).run(requests)
-    late = run.results[1]
-    assert late.first_token > 100.0 and 0 < late.ttft < 100.0 and run.elapsed > 100.0
+    early, late = run.results
+    assert early.first_token == early.finished == 0.0
+    assert late.first_token == late.finished == 100.0 and late.ttft == 0.0
+    assert run.elapsed == 100.0 and len(late.tokens) == 3
 
 
 def test_bad_settings_and_requests_are_refused(tiny_model):
