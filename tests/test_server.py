@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import wait_for
+from conftest import assert_like_solo, wait_for
+from engine_fuzz import exact
 import minitransformer as mt
 from minitransformer.chat import encode_chat
 from minitransformer.sampling import SamplingSettings
@@ -77,10 +78,27 @@ def served(model):
 
 def expected(model, ids, max_tokens, **sampling):
     """generate's tokens for these settings, their text and finish_reason."""
-    tokens = mt.generate(model, ids, max_tokens, **sampling)
+    return as_text(model, ids, mt.generate(model, ids, max_tokens, **sampling), max_tokens)
+
+
+def as_text(model, ids, tokens, max_tokens) -> tuple:
+    """-> (tokens, the text they add to the prompt's, finish_reason)."""
     text = model.tokenizer.decode(ids + tokens)[len(model.tokenizer.decode(ids)):]
     stopped = tokens[-1] in model.eos_token_ids and len(tokens) <= max_tokens
     return tokens, text, "stop" if stopped else "length"
+
+
+def answered(online, model, ids, max_tokens, **sampling):
+    """What the server last made for this prompt, as ``expected`` gives generate's, its tokens
+    checked against generate's by the exactness policy: == where its run was exact (batch-
+    invariant, the prompt prefilled whole, nothing cached); else the near-tie rule (a prompt
+    sent again finds its blocks cached, computed in another pass)."""
+    result = [r for r in online.engine.results if r.request.prompt == tuple(ids)][-1]
+    request = result.request
+    assert_like_solo(model, result.tokens, mt.generate(model, ids, max_tokens, **sampling), ids,
+                     request.sampling, request.seed, exact(online.engine, result),
+                     eos_token_id=request.eos_token_id)
+    return as_text(model, ids, result.tokens, max_tokens)
 
 
 SETTINGS = [dict(temperature=0), dict(temperature=0.9, top_p=0.9, seed=7)]
@@ -97,14 +115,15 @@ def as_generate(settings):
 def test_completion_text_is_generates(served, model, settings):
     online, url, client = served
     prompt = "The cat sat on the mat."
-    tokens, text, finish = expected(model, model.tokenizer.encode(prompt), 24,
-                                    **as_generate(settings))
+    ids = model.tokenizer.encode(prompt)
     reply = client.completions.create(model=NAME, prompt=prompt, max_tokens=24, **settings)
+    tokens, text, finish = answered(online, model, ids, 24, **as_generate(settings))
     assert reply.choices[0].text == text and reply.choices[0].finish_reason == finish
     assert reply.usage.completion_tokens == len(tokens)
     chunks = list(client.completions.create(model=NAME, prompt=prompt, max_tokens=24,
                                             stream=True, stream_options={"include_usage": True},
                                             **settings))
+    tokens, text, finish = answered(online, model, ids, 24, **as_generate(settings))
     assert "".join(c.choices[0].text for c in chunks if c.choices) == text
     assert len([c for c in chunks if c.choices and c.choices[0].text]) > 1  # not one lump
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == finish
@@ -116,14 +135,15 @@ def test_chat_text_is_generates_through_the_template(served, model, settings):
     online, url, client = served
     messages = [{"role": "user", "content": "Tell me about the robot."}]
     ids = encode_chat(model, messages)
-    tokens, text, finish = expected(model, ids, 20, **as_generate(settings))
     reply = client.chat.completions.create(model=NAME, messages=messages, max_tokens=20,
                                            **settings)
+    tokens, text, finish = answered(online, model, ids, 20, **as_generate(settings))
     assert reply.choices[0].message.content == text
     assert reply.choices[0].finish_reason == finish
     assert reply.usage.prompt_tokens == len(ids)
     chunks = list(client.chat.completions.create(model=NAME, messages=messages, max_tokens=20,
                                                  stream=True, **settings))
+    tokens, text, finish = answered(online, model, ids, 20, **as_generate(settings))
     assert chunks[0].choices[0].delta.role == "assistant"
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == text
 
@@ -147,7 +167,8 @@ def test_concurrent_clients_are_batched_and_exact(served, model):
     for t in threads:
         t.join(60)
     for i, prompt in enumerate(prompts):
-        _, text, _ = expected(model, model.tokenizer.encode(prompt), 30, seed=i, eos_token_id=[],
+        _, text, _ = answered(online, model, model.tokenizer.encode(prompt), 30, seed=i,
+                              eos_token_id=[],
                               sampling=SamplingSettings(do_sample=True, temperature=0.8))
         assert answers[i] == text
     assert max(b for b, _ in online.engine.decode_times[steps:]) > 1   # decoded together
