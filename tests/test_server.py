@@ -88,17 +88,22 @@ def as_text(model, ids, tokens, max_tokens) -> tuple:
     return tokens, text, "stop" if stopped else "length"
 
 
-def answered(online, model, ids, max_tokens, **sampling):
+def answered(online, model, ids, max_tokens, n=None, seed=None, **sampling):
     """What the server last made for this prompt, as ``expected`` gives generate's, its tokens
     checked against generate's by the exactness policy: == where its run was exact (batch-
     invariant, the prompt prefilled whole, nothing cached); else the near-tie rule (a prompt
-    sent again finds its blocks cached, computed in another pass)."""
-    result = [r for r in online.engine.results if r.request.prompt == tuple(ids)][-1]
-    request = result.request
-    assert_like_solo(model, result.tokens, mt.generate(model, ids, max_tokens, **sampling), ids,
-                     request.sampling, request.seed, exact(online.engine, result),
-                     eos_token_id=request.eos_token_id)
-    return as_text(model, ids, result.tokens, max_tokens)
+    sent again finds its blocks cached, computed in another pass). n: its last n samples, a
+    list (sample i against generate seeded seed + i)."""
+    made = []
+    for result in [r for r in online.engine.results if r.request.prompt == tuple(ids)][-(n or 1):]:
+        request = result.request
+        mine = None if seed is None else seed + result.choice
+        assert_like_solo(model, result.tokens,
+                         mt.generate(model, ids, max_tokens, seed=mine, **sampling), ids,
+                         request.sampling, mine, exact(online.engine, result),
+                         eos_token_id=request.eos_token_id)
+        made.append(as_text(model, ids, result.tokens, max_tokens))
+    return made if n else made[0]
 
 
 SETTINGS = [dict(temperature=0), dict(temperature=0.9, top_p=0.9, seed=7)]

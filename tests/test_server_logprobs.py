@@ -14,7 +14,7 @@ from minitransformer.sampling import SamplingSettings
 
 openai = pytest.importorskip("openai")
 pytest.importorskip("fastapi")
-from test_server import NAME, model, served  # noqa: E402,F401 (the fixtures: one server)
+from test_server import NAME, answered, model, served  # noqa: E402,F401 (the fixtures: one server)
 
 TOLERANCE = 1e-4
 PROMPT = "The cat sat on the mat."
@@ -77,14 +77,15 @@ def check_completion_logprobs(model, ids, tokens, logprobs, k, text=None):
 def test_completion_logprobs_are_the_models_streamed_or_not(served, model, k):
     online, url, client = served
     ids = model.tokenizer.encode(PROMPT)
-    tokens = mt.generate(model, ids, 10)
     reply = client.completions.create(model=NAME, prompt=PROMPT, max_tokens=10, temperature=0,
                                       logprobs=k)
+    tokens = answered(online, model, ids, 10)[0]       # generate's, by the exactness policy
     check_completion_logprobs(model, ids, tokens, reply.choices[0].logprobs, k,
                               reply.choices[0].text)
     assert reply.choices[0].text == model.tokenizer.decode(ids + tokens)[len(PROMPT):]
     chunks = list(client.completions.create(model=NAME, prompt=PROMPT, max_tokens=10,
                                             temperature=0, logprobs=k, stream=True))
+    tokens = answered(online, model, ids, 10)[0]
     joined = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
     for chunk in chunks:
         if chunk.choices[0].logprobs:
@@ -103,7 +104,7 @@ def test_sampled_logprobs_are_before_temperature(served, model):
                                       extra_body={"top_k": 7, "repetition_penalty": 1.4})
     hot = SamplingSettings(do_sample=True, temperature=1.7, top_p=0.8, top_k=7,
                            repetition_penalty=1.4)
-    tokens = mt.generate(model, ids, 8, sampling=hot, seed=11)
+    tokens = answered(online, model, ids, 8, seed=11, sampling=hot)[0]
     check_completion_logprobs(model, ids, tokens, reply.choices[0].logprobs, 2,
                               reply.choices[0].text)
 
@@ -136,19 +137,20 @@ def test_chat_logprobs_and_top_logprobs_streamed_or_not(served, model):
     online, url, client = served
     messages = [{"role": "user", "content": "Tell me about the robot."}]
     ids = encode_chat(model, messages)
-    tokens = mt.generate(model, ids, 8)
-    ref = reference(model, ids, tokens)
     reply = client.chat.completions.create(model=NAME, messages=messages, max_tokens=8,
                                            temperature=0, logprobs=True, top_logprobs=4)
+    tokens, text, _ = answered(online, model, ids, 8)     # generate's, by the policy
+    assert reply.choices[0].message.content == text
     content = reply.choices[0].logprobs.content
     streamed = [entry for chunk in client.chat.completions.create(
         model=NAME, messages=messages, max_tokens=8, temperature=0, logprobs=True,
         top_logprobs=4, stream=True) if chunk.choices and chunk.choices[0].logprobs
         for entry in chunk.choices[0].logprobs.content]
-    for entries in (content, streamed):
+    for entries, (tokens, text, _) in ((content, (tokens, text, None)),
+                                       (streamed, answered(online, model, ids, 8))):
+        ref = reference(model, ids, tokens)
         assert [e.token for e in entries] == names(model.tokenizer, ids, tokens)
-        assert b"".join(bytes(e.bytes) for e in entries) == \
-            reply.choices[0].message.content.encode()        # the bytes rebuild the content
+        assert b"".join(bytes(e.bytes) for e in entries) == text.encode()  # they rebuild it
         for i, (e, row, t) in enumerate(zip(entries, ref, tokens)):
             assert abs(e.logprob - row[t]) < TOLERANCE
             best = sorted(range(len(row)), key=lambda i: -row[i])[:4]
@@ -165,18 +167,18 @@ def test_chat_logprobs_and_top_logprobs_streamed_or_not(served, model):
 
 def test_n_samples_are_the_single_requests_seeded_seed_plus_i(served, model):
     online, url, client = served
-    ids = model.tokenizer.encode(PROMPT)
-    alone = [model.tokenizer.decode(ids + mt.generate(model, ids, 12, sampling=warm(0.9),
-                                                      seed=70 + i))[len(PROMPT):]
-             for i in range(3)]
+    ids = model.tokenizer.encode(PROMPT)       # (cached by the tests before: the near-tie rule)
     reply = client.completions.create(model=NAME, prompt=PROMPT, max_tokens=12,
                                       temperature=0.9, seed=70, n=3)
+    alone = [text for _, text, _ in answered(online, model, ids, 12, n=3, seed=70,
+                                               sampling=warm(0.9))]
     assert [c.index for c in reply.choices] == [0, 1, 2]
     assert [c.text for c in reply.choices] == alone
     assert len(set(alone)) > 1
     single = client.completions.create(model=NAME, prompt=PROMPT, max_tokens=12,
                                        temperature=0.9, seed=71)
-    assert single.choices[0].text == alone[1]
+    assert single.choices[0].text == answered(online, model, ids, 12, seed=71,
+                                              sampling=warm(0.9))[1]
     texts = ["", "", ""]
     finished = set()
     for chunk in client.completions.create(model=NAME, prompt=PROMPT, max_tokens=12,
@@ -185,15 +187,16 @@ def test_n_samples_are_the_single_requests_seeded_seed_plus_i(served, model):
             texts[c.index] += c.text
             if c.finish_reason:
                 finished.add(c.index)
-    assert texts == alone and finished == {0, 1, 2}
+    assert texts == [text for _, text, _ in answered(online, model, ids, 12, n=3, seed=70,
+                                                       sampling=warm(0.9))]
+    assert finished == {0, 1, 2}
     messages = [{"role": "user", "content": "Hello"}]
     chat = client.chat.completions.create(model=NAME, messages=messages, max_tokens=6, n=2,
                                           temperature=0.8, seed=5, logprobs=True)
     chat_ids = encode_chat(model, messages)
-    for c in chat.choices:
-        tokens = mt.generate(model, chat_ids, 6, sampling=warm(0.8), seed=5 + c.index)
-        assert c.message.content == model.tokenizer.decode(chat_ids + tokens)[
-            len(model.tokenizer.decode(chat_ids)):]
+    made = answered(online, model, chat_ids, 6, n=2, seed=5, sampling=warm(0.8))
+    for c, (tokens, text, _) in zip(chat.choices, made):
+        assert c.message.content == text
         assert [e.token for e in c.logprobs.content] == names(model.tokenizer, chat_ids, tokens)
     assert chat.usage.completion_tokens == sum(len(c.logprobs.content) for c in chat.choices)
     assert online.engine.cache.num_free == online.engine.cache.num_blocks
