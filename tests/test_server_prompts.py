@@ -283,3 +283,25 @@ def test_a_tokenizer_body_that_is_not_an_object_is_400(served, path, body):
     status, reply = post(url, path, body)
     assert status == 400 and "JSON object" in reply["error"]["message"]
 
+
+
+def test_a_batch_the_queue_cannot_take_is_refused_whole(model):
+    """A batch is queued whole or not at all: 3 prompts into 1 slot and a queue of 1 (at
+    least 2 would wait) get a 429, and those already handed over are cancelled (blocks free,
+    nothing counted at /metrics)."""
+    import urllib.request
+
+    from conftest import wait_for
+    online = OnlineEngine(Engine(model, slots=1, num_blocks=64, block_size=8), max_waiting=1)
+    server = Background(create_app(online, NAME))
+    try:
+        status, reply = post(server.url, "/v1/completions", {
+            "model": NAME, "prompt": [[5, 6], [7, 8], [9, 10]], "max_tokens": 4})
+        assert status == 429 and reply["error"]["code"] == "queue_full", reply
+        wait_for(lambda: not online.engine.waiting and not online.engine.running())
+        assert online.engine.cache.num_free == online.engine.cache.num_blocks
+        metrics = urllib.request.urlopen(server.url + "/metrics").read().decode()
+        assert f'vllm:prompt_tokens_total{{model_name="{NAME}"}} 0' in metrics
+    finally:
+        server.stop()
+        online.close()

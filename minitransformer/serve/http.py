@@ -220,6 +220,8 @@ def create_app(online: OnlineEngine, name: str, max_request_bytes: int = None):
             for ticket, tokens in started:
                 online.cancel(ticket)
             raise
+        for job in jobs:            # counted once the whole batch is in
+            metrics.accepted(len(job.request.prompt))
         n = jobs[0].request.n
         return [t for t, _ in started], merged([tokens for _, tokens in started], n)
 
@@ -266,7 +268,6 @@ def create_app(online: OnlineEngine, name: str, max_request_bytes: int = None):
                            headers={"Retry-After": str(RETRY_AFTER_S)}) from None
         except Closed as e:
             raise APIError(str(e), status=503) from None
-        metrics.accepted(len(job.request.prompt))
         return ticket, pieces(job, ticket, updates, online.now())
 
     async def pieces(job, ticket, updates, arrival):
