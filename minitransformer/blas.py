@@ -23,9 +23,9 @@ over the same bytes (scripts/bench_decode.py times every route: docs/benchmarks/
 here is tuned to one kernel: more than FEW_ROWS rows take one flat product, and for 1..FEW_ROWS
 rows the first product of each shape times the ways (for one row, `rows` is the very call
 `flat` makes, so three) on its own operands and keeps the fastest for that shape, for the rest
-of the process. A weight of COLD_BYTES or more is timed as
-a decode step reads it, from memory: the caches are flushed before each timing (a decode step
-reads every weight once, so none of them is still cached when its turn comes).
+of the process. A weight of COLD_BYTES or more is timed as a decode step reads it, from memory:
+the caches are flushed before each timing (a decode step reads every weight once, so none of
+them is still cached when its turn comes).
 
 The ways sum in different orders, so their last bits differ. Within a process a shape always
 takes the same way, so the same calls give the same bits (a row of a batch-invariant step makes

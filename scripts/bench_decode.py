@@ -61,6 +61,7 @@ from minitransformer.synth import make_checkpoint, qwen25_05b_config, weights_di
 FLOOR_TARGET, BATCH_TARGET, CEILING_SLACK, BATCH = 1.25, 4.0, 1.1, 16
 FLOOR_TARGETS = {"smollm2": 1.4}  # 135M weights: the work beside the products weighs more
 ROUTE_COLUMNS, NEAR_DOT = 896, 0.9  # the routes' matrix: Qwen2.5-0.5B's width; "near": 90%
+ROUTE_ROUNDS = 4                    # the routes are timed in 4 x --repeat rounds
 
 
 def checkpoint(spec):
@@ -121,14 +122,15 @@ def routes_table(args, ran_on):
     from minitransformer import blas
     routes, (x, w) = product_routes(args.matrix_mb << 20)
     chosen = blas.way(x, w)                  # measured here as for any weight (or MT_PRODUCTS)
-    timings = time_together([fn for _, _, fn in routes], warmup=1, repeat=args.repeat)
+    repeat = ROUTE_ROUNDS * args.repeat                  # each round is milliseconds: many
+    timings = time_together([fn for _, _, fn in routes], warmup=1, repeat=repeat)
     rates = [w.nbytes / t.best for t in timings]
     dot = rates[0]
     table = Table("Product routes: one row times one large float32 matrix",
                   columns=[("product", ""), ("library route", ""), ("GB/s", ".1f"),
                            ("median GB/s", ".1f"), ("/ dot product", ".2f")])
     table.header(f"W ({len(w)}, {w.shape[1]}) float32, {w.nbytes / 1e6:.0f} MB; GB/s: W's bytes "
-                 f"/ the fastest of {args.repeat}+ rounds after 1 warm-up, side by side", *ran_on)
+                 f"/ the fastest of {repeat}+ rounds after 1 warm-up, side by side", *ran_on)
     for (name, route, _), rate, t in zip(routes, rates, timings):
         table.row(name, route, rate / 1e9, w.nbytes / t.median / 1e9, rate / dot)
     library = {route: rate for (_, route, _), rate in zip(routes, rates) if route}

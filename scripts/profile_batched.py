@@ -190,7 +190,7 @@ def main(argv=None):
         return 0
     native = profile(args)
     second = args.second or second_kernel(native["kernel"])
-    tables = [table(native).show()]
+    tables = [table(native, forced=os.environ.get("OPENBLAS_CORETYPE")).show()]
     if second.lower() != "none":
         tables.append(table(child_profile(second, child_arguments(args)), forced=second).show())
     if args.markdown:
