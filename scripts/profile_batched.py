@@ -164,6 +164,11 @@ def table(result, forced=None) -> Table:
     t.note("ceilings: products at their reads or their flops (at the 1024^3 rate), whichever "
            "is slower; attention at the keys and values the rows hold or its flops; the step "
            "at their sum; the rest (norms, RoPE, activation, cache writes, residuals) has none")
+    rest = [name for name, _ in COLUMNS].index("rest ms")
+    busy = [f"{row[0]} B={row[1]}" for row in result["rows"] if row[rest] < 0]
+    if busy:
+        t.note(f"rest below 0 ({', '.join(busy)}): the parts' fastest rounds were not the "
+               "step's, the machine was too busy for this split; measure again on a quiet one")
     return t
 
 
