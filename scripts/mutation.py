@@ -1,0 +1,215 @@
+"""Mutation testing of the modules that carry the claims, with mutmut 3 (the 'mutation' extra).
+
+A test suite earns trust when breaking the code makes it fail. mutmut breaks one thing at a time
+(a comparison flipped, a constant off by one, an argument dropped, a statement made a no-op),
+runs the tests that reach the broken function, and records whether they failed ("killed") or
+passed ("survived"). A survivor is a property no test checks, or an equivalent mutant: a change
+that cannot alter any result (each is listed in EQUIVALENT below, with the reason).
+
+Each module runs on its own: a scratch copy of the tree in out/mutation/<module>/, mutmut's
+shared settings from setup.cfg's [mutmut] section plus the module to mutate and the test files
+that cover it (MODULES below; each mutant runs only the tests that reach it, stopping at the
+first failure), then the outcome read from mutmut's records. Prints one row per module on
+stdout (mutants, killed, survived, equivalent, no tests, timeout) with the equivalent mutants and
+their reasons under the table; every survivor that is not listed as equivalent goes to stderr
+with its diff, and to out/mutation/<module>/survivors.txt. Not in CI and not in the default test
+run: a minute or more per module on one core. On a shared machine:
+
+    nice -n 10 python3 scripts/mutation.py sampling speculative --markdown out/mutation.md
+
+The exit status is 1 when a survivor is neither killed nor listed as equivalent.
+"""
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from configparser import ConfigParser
+from pathlib import Path
+
+from _common import run, say
+from _table import Table
+
+ROOT = Path(__file__).resolve().parents[1]
+COPIED = ("minitransformer", "quant", "sim", "tests", "scripts", "setup.cfg", "pyproject.toml",
+          "README.md")
+
+# module -> (its file, the test files that cover it, pytest's -k filter or "").
+# The filters leave out the few tests that run the real SmolLM2 or the default model end to
+# end (tens of seconds each, and each runs again for every mutant that reaches it).
+MODULES = {
+    "sampling": ("minitransformer/sampling.py",
+                 ["tests/test_sampling.py", "tests/test_sampling_boundaries.py"], ""),
+    "speculative": ("minitransformer/speculative.py",
+                    ["tests/test_speculative.py"], "not default_model"),
+    "kvquant": ("minitransformer/kvquant.py",
+                ["tests/test_kvquant.py", "tests/test_kv_bytes.py"], ""),
+    "logprobs": ("minitransformer/logprobs.py", ["tests/test_logprobs.py"], "not smollm2"),
+    "tiled": ("minitransformer/tiled.py", ["tests/test_tiled.py"], "not smollm2"),
+    "gguf_file": ("minitransformer/formats/gguf_file.py",
+                  ["tests/test_gguf.py", "tests/test_gguf_malformed.py"], ""),
+    "training": ("minitransformer/training.py", ["tests/test_training.py"], ""),
+    "paged": ("minitransformer/serve/paged.py", ["tests/test_paged.py"], ""),
+    "engine": ("minitransformer/serve/engine.py", ["tests/test_engine.py"], ""),
+}
+
+# mutant name -> why no test can tell it from the original. A name is mutmut's: the module, the
+# function (x_NAME, or xǁCLASSǁNAME for a method) and the mutant's number in that function.
+EQUIVALENT = {
+    # sampling.py
+    "minitransformer.sampling.x_apply_repetition_penalty__mutmut_18":
+        "chosen >= 0: a logit of exactly 0 gives 0 / penalty == 0 * penalty == 0",
+    "minitransformer.sampling.x_probabilities__mutmut_7":
+        "0 <= top_k: top_k 0 partitions at 0, the k-th is the minimum, every token is kept",
+    "minitransformer.sampling.x_probabilities__mutmut_8":
+        "top_k <= V: top_k V makes the minimum the k-th, every token is kept",
+    "minitransformer.sampling.x_probabilities__mutmut_34":
+        "temperature or 2.0: only temperature 0 reaches it, which is greedy, and no caller "
+        "asks greedy settings for a distribution (next_token and speculative check greedy)",
+    "minitransformer.sampling.x_probabilities__mutmut_48":
+        'kind="STABLE": numpy reads the sort kind by its first letter, either case',
+    "minitransformer.sampling.x_probabilities__mutmut_56":
+        "a float mask of 0 and 1 selects in np.where as the bool mask does",
+    "minitransformer.sampling.x_probabilities__mutmut_58":
+        "a float mask of 0 and 1 selects in np.where as the bool mask does",
+    "minitransformer.sampling.x_draw__mutmut_19":
+        "the clamp is never reached: u < 1 so u * total < total, searchsorted stops inside",
+    "minitransformer.sampling.x_next_token__mutmut_9":
+        "the float32 cast is a no-op on the model's logits, float32 everywhere (loader.py)",
+    "minitransformer.sampling.x_next_token__mutmut_11":
+        "the float32 cast is a no-op on the model's logits, float32 everywhere (loader.py)",
+}
+
+# mutmut's exit codes -> outcome (mutmut/stats.py, status_by_exit_code)
+OUTCOMES = {1: "killed", 3: "killed", 0: "survived", 5: "no tests", 33: "no tests",
+            34: "skipped", 36: "timeout", 24: "timeout", -24: "timeout", 152: "timeout",
+            255: "timeout", 37: "killed", None: "not checked"}
+
+
+def prepare(name, scratch: Path, resume: bool) -> Path:
+    """A fresh copy of the tree in scratch/, its setup.cfg told what to mutate and test
+    (resume: keep an earlier run's copy and records, and go on where it stopped)."""
+    path, tests, keyword = MODULES[name]
+    meta = scratch / "mutants" / (path + ".meta")
+    if resume and meta.is_file():
+        return meta
+    if scratch.exists():
+        shutil.rmtree(scratch)
+    scratch.mkdir(parents=True)
+    for item in COPIED:
+        source = ROOT / item
+        if source.is_dir():
+            shutil.copytree(source, scratch / item,
+                            ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+        elif source.is_file():
+            shutil.copy2(source, scratch / item)
+    missing = [t for t in tests if not (ROOT / t).is_file()]
+    tests = [t for t in tests if t not in missing] + [path]  # + the module's own doctests
+    if missing:
+        say(f"{name}: no {', '.join(missing)} here; running without")
+    config = ConfigParser()
+    config.read(scratch / "setup.cfg")
+    if not config.has_section("mutmut"):
+        raise ValueError("setup.cfg has no [mutmut] section")
+    config["mutmut"]["only_mutate"] = path
+    config["mutmut"]["pytest_add_cli_args_test_selection"] = "\n" + "\n".join(
+        tests + (["-k", keyword] if keyword else []))
+    with open(scratch / "setup.cfg", "w") as f:
+        config.write(f)
+    # mutmut copies the tree into scratch/mutants/ and runs from there; it must exist before
+    # Python starts, or the import system remembers it as missing
+    (scratch / "mutants").mkdir()
+    return meta
+
+
+def mutate(name, scratch: Path, children: int, resume: bool) -> dict:
+    """Run mutmut on one module -> {mutant name: outcome}."""
+    meta = prepare(name, scratch, resume)
+    env = dict(os.environ, PYTHONPATH=str(scratch / "mutants"))  # subprocesses see the mutants
+    with open(scratch / "mutmut.log", "a" if resume else "w") as log:
+        done = subprocess.run(["mutmut", "run", "--max-children", str(children)], cwd=scratch,
+                              env=env, stdout=log, stderr=subprocess.STDOUT)
+    if not meta.is_file():
+        raise ValueError(f"{name}: mutmut made no records (exit status {done.returncode}); "
+                         f"see {scratch / 'mutmut.log'}")
+    codes = json.loads(meta.read_text())["exit_code_by_key"]
+    return {mutant: OUTCOMES.get(code, "suspicious") for mutant, code in codes.items()}
+
+
+def diff(mutant, scratch: Path) -> str:
+    shown = subprocess.run(["mutmut", "show", mutant], cwd=scratch, capture_output=True,
+                           text=True, env=dict(os.environ, PYTHONPATH=str(scratch / "mutants")))
+    return shown.stdout.strip()
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("modules", nargs="*", default=list(MODULES), metavar="MODULE",
+                        help=f"modules to mutate (default: all of {', '.join(MODULES)})")
+    parser.add_argument("--children", type=int, default=1,
+                        help="mutants tested at once (default: 1, for a shared machine)")
+    parser.add_argument("--out", default=str(ROOT / "out" / "mutation"),
+                        help="scratch folder, one copy of the tree per module "
+                             "(default: %(default)s)")
+    parser.add_argument("--resume", action="store_true",
+                        help="go on where a stopped run left off (its copy and records in "
+                             "--out) instead of starting afresh; a mutant already judged is "
+                             "not judged again, even if the tests changed")
+    parser.add_argument("--markdown", metavar="FILE", help="also write the table as Markdown")
+    args = parser.parse_args(argv)
+    unknown = [m for m in args.modules if m not in MODULES]
+    if unknown:
+        parser.error(f"unknown module {', '.join(unknown)}; choose from {', '.join(MODULES)}")
+    if args.children < 1:
+        parser.error("--children must be >= 1")
+    if shutil.which("mutmut") is None:
+        parser.error("mutmut is not installed: python3 -m pip install -e '.[mutation]'")
+    table = Table("Mutation testing: mutmut's mutants of each module, against its tests",
+                  columns=[("module", ""), ("mutants", "d"), ("killed", "d"),
+                           ("survived", "d"), ("equivalent", "d"), ("no tests", "d"),
+                           ("timeout", "d"), ("seconds", ".0f")], chapter=False)
+    version = subprocess.run(["mutmut", "--version"], capture_output=True, text=True).stdout
+    table.header(f"{version.strip()}; each mutant runs the listed tests that reach it "
+                 "(scripts/mutation.py, MODULES)")
+    unexplained, equivalents = 0, []
+    for name in args.modules:
+        scratch = Path(args.out) / name
+        say(f"{name}: mutating {MODULES[name][0]} (log: {scratch / 'mutmut.log'})")
+        start = time.perf_counter()
+        outcomes = mutate(name, scratch, args.children, args.resume)
+        count = {o: sum(1 for v in outcomes.values() if v == o)
+                 for o in ("killed", "survived", "no tests", "timeout")}
+        survivors = [m for m, o in outcomes.items() if o == "survived"]
+        equivalent = [m for m in survivors if m in EQUIVALENT]
+        alive = [m for m in survivors if m not in EQUIVALENT]
+        stale = [m for m in EQUIVALENT if m.startswith(module_prefix(name))
+                 and outcomes.get(m) != "survived"]
+        table.row(MODULES[name][0], len(outcomes), count["killed"], len(alive),
+                  len(equivalent), count["no tests"], count["timeout"],
+                  time.perf_counter() - start)
+        equivalents += [f"{m}: {EQUIVALENT[m]}" for m in equivalent]
+        shown = [diff(m, scratch) for m in alive]
+        (scratch / "survivors.txt").write_text("\n\n".join(shown) + "\n")
+        for text in shown:
+            say(text)
+        for m in stale:
+            say(f"{m}: listed as equivalent but {outcomes.get(m, 'not made')}: "
+                "update EQUIVALENT")
+        unexplained += len(alive) + len(stale)
+    if equivalents:
+        table.note("Equivalent (no result can change):", *equivalents)
+    table.show()
+    if args.markdown:
+        Path(args.markdown).write_text(table.markdown())
+    return 1 if unexplained else 0
+
+
+def module_prefix(name) -> str:
+    """'minitransformer.serve.paged.' for paged: the start of its mutants' names."""
+    return MODULES[name][0][:-len(".py")].replace("/", ".") + "."
+
+
+if __name__ == "__main__":
+    run(main)
