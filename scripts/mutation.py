@@ -45,9 +45,11 @@ MODULES = {
     "speculative": ("minitransformer/speculative.py",
                     ["tests/test_speculative.py"], "not default_model"),
     "kvquant": ("minitransformer/kvquant.py",
-                ["tests/test_kvquant.py", "tests/test_kv_bytes.py"], ""),
+                ["tests/test_kvquant.py", "tests/test_kv_bytes.py",
+                 "tests/test_kvquant_bounds.py", "tests/test_kvquant_edge_blocks.py"], ""),
     "logprobs": ("minitransformer/logprobs.py", ["tests/test_logprobs.py"], "not smollm2"),
-    "tiled": ("minitransformer/tiled.py", ["tests/test_tiled.py"], "not smollm2"),
+    "tiled": ("minitransformer/tiled.py", ["tests/test_tiled.py", "tests/test_tiled_in_use.py"],
+              "not smollm2"),
     "gguf_file": ("minitransformer/formats/gguf_file.py",
                   ["tests/test_gguf.py", "tests/test_gguf_malformed.py"], ""),
     "training": ("minitransformer/training.py", ["tests/test_training.py"], ""),
@@ -80,6 +82,28 @@ EQUIVALENT = {
         "the float32 cast is a no-op on the model's logits, float32 everywhere (loader.py)",
     "minitransformer.sampling.x_next_token__mutmut_11":
         "the float32 cast is a no-op on the model's logits, float32 everywhere (loader.py)",
+    # kvquant.py
+    "minitransformer.kvquant.x__leading__mutmut_11":
+        "wording only: the message still says 'leading axes', what the test checks",
+    "minitransformer.kvquant.x__leading__mutmut_12":
+        "wording only: the message still says 'leading axes', what the test checks",
+    "minitransformer.kvquant.x_quantize__mutmut_15":
+        "the float32 cast is a no-op on what the caches write: the model's float32 k and v",
+    "minitransformer.kvquant.x_quantize__mutmut_17":
+        "the float32 cast is a no-op on what the caches write: the model's float32 k and v",
+    "minitransformer.kvquant.x_quantize__mutmut_46":
+        "take_along_axis without axis=-1: -1 is numpy's default",
+    "minitransformer.kvquant.x_quantize__mutmut_54":
+        "a float16 scale is exact in float32 and float64 alike; x / s in float64 can round "
+        "a code differently only at a half-step tie, where either code is within the bound",
+    "minitransformer.kvquant.x_quantize__mutmut_66":
+        "an all-zero block divided by 2 instead of 1 is still all zeros",
+    "minitransformer.kvquant.x_quantize__mutmut_107":
+        "reshape(..., -2): numpy takes any negative size as the one to infer",
+    "minitransformer.kvquant.x_dequantize__mutmut_17":
+        "reshape(..., -2): numpy takes any negative size as the one to infer",
+    "minitransformer.kvquant.x_dequantize__mutmut_2":
+        "a float32 store copied to float32 instead of returned as is: the same numbers",
 }
 
 # mutmut's exit codes -> outcome (mutmut/stats.py, status_by_exit_code)
@@ -88,23 +112,51 @@ OUTCOMES = {1: "killed", 3: "killed", 0: "survived", 5: "no tests", 33: "no test
             255: "timeout", 37: "killed", None: "not checked"}
 
 
-def prepare(name, scratch: Path, resume: bool) -> Path:
-    """A fresh copy of the tree in scratch/, its setup.cfg told what to mutate and test
-    (resume: keep an earlier run's copy and records, and go on where it stopped)."""
-    path, tests, keyword = MODULES[name]
+def prepare(name, scratch: Path, mode: str) -> Path:
+    """The scratch copy for one module -> the path of mutmut's records of it.
+
+    mode "fresh": a new copy of the tree; "resume": keep an earlier run's copy and records and
+    go on where it stopped; "recheck": keep them, but bring in the current tests and judge the
+    survivors again (mutmut collects again which tests reach which function)."""
+    path = MODULES[name][0]
     meta = scratch / "mutants" / (path + ".meta")
-    if resume and meta.is_file():
+    if mode != "fresh" and not meta.is_file():
+        raise ValueError(f"{name}: no earlier run in {scratch} to {mode}")
+    if mode == "resume":
         return meta
-    if scratch.exists():
-        shutil.rmtree(scratch)
-    scratch.mkdir(parents=True)
-    for item in COPIED:
-        source = ROOT / item
-        if source.is_dir():
-            shutil.copytree(source, scratch / item,
-                            ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
-        elif source.is_file():
-            shutil.copy2(source, scratch / item)
+    if mode == "fresh":
+        if scratch.exists():
+            shutil.rmtree(scratch)
+        scratch.mkdir(parents=True)
+        for item in COPIED:
+            copy(ROOT / item, scratch / item)
+        # mutmut copies the tree into scratch/mutants/ and runs from there; it must exist
+        # before Python starts, or the import system remembers it as missing
+        (scratch / "mutants").mkdir()
+    else:
+        copy(ROOT / "tests", scratch / "tests")
+        copy(ROOT / "setup.cfg", scratch / "setup.cfg")
+        records = json.loads(meta.read_text())
+        codes = records["exit_code_by_key"]
+        records["exit_code_by_key"] = {m: None if c == 0 else c for m, c in codes.items()}
+        meta.write_text(json.dumps(records, indent=4))
+        (scratch / "mutants" / "mutmut-stats.json").unlink(missing_ok=True)
+    configure(name, scratch)
+    return meta
+
+
+def copy(source: Path, target: Path) -> None:
+    if target.is_dir():
+        shutil.rmtree(target)
+    if source.is_dir():
+        shutil.copytree(source, target, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    elif source.is_file():
+        shutil.copy2(source, target)
+
+
+def configure(name, scratch: Path) -> None:
+    """scratch/setup.cfg's [mutmut] section told what to mutate and which tests to run."""
+    path, tests, keyword = MODULES[name]
     missing = [t for t in tests if not (ROOT / t).is_file()]
     tests = [t for t in tests if t not in missing] + [path]  # + the module's own doctests
     if missing:
@@ -118,17 +170,13 @@ def prepare(name, scratch: Path, resume: bool) -> Path:
         tests + (["-k", keyword] if keyword else []))
     with open(scratch / "setup.cfg", "w") as f:
         config.write(f)
-    # mutmut copies the tree into scratch/mutants/ and runs from there; it must exist before
-    # Python starts, or the import system remembers it as missing
-    (scratch / "mutants").mkdir()
-    return meta
 
 
-def mutate(name, scratch: Path, children: int, resume: bool) -> dict:
+def mutate(name, scratch: Path, children: int, mode: str) -> dict:
     """Run mutmut on one module -> {mutant name: outcome}."""
-    meta = prepare(name, scratch, resume)
+    meta = prepare(name, scratch, mode)
     env = dict(os.environ, PYTHONPATH=str(scratch / "mutants"))  # subprocesses see the mutants
-    with open(scratch / "mutmut.log", "a" if resume else "w") as log:
+    with open(scratch / "mutmut.log", "w" if mode == "fresh" else "a") as log:
         done = subprocess.run(["mutmut", "run", "--max-children", str(children)], cwd=scratch,
                               env=env, stdout=log, stderr=subprocess.STDOUT)
     if not meta.is_file():
@@ -153,10 +201,13 @@ def main(argv=None):
     parser.add_argument("--out", default=str(ROOT / "out" / "mutation"),
                         help="scratch folder, one copy of the tree per module "
                              "(default: %(default)s)")
-    parser.add_argument("--resume", action="store_true",
+    parser.add_argument("--resume", dest="mode", action="store_const", const="resume",
+                        default="fresh",
                         help="go on where a stopped run left off (its copy and records in "
-                             "--out) instead of starting afresh; a mutant already judged is "
-                             "not judged again, even if the tests changed")
+                             "--out) instead of starting afresh")
+    parser.add_argument("--recheck", dest="mode", action="store_const", const="recheck",
+                        help="judge an earlier run's survivors again against the current "
+                             "tests (the killed stay killed: the module must be unchanged)")
     parser.add_argument("--markdown", metavar="FILE", help="also write the table as Markdown")
     args = parser.parse_args(argv)
     unknown = [m for m in args.modules if m not in MODULES]
@@ -178,7 +229,7 @@ def main(argv=None):
         scratch = Path(args.out) / name
         say(f"{name}: mutating {MODULES[name][0]} (log: {scratch / 'mutmut.log'})")
         start = time.perf_counter()
-        outcomes = mutate(name, scratch, args.children, args.resume)
+        outcomes = mutate(name, scratch, args.children, args.mode)
         count = {o: sum(1 for v in outcomes.values() if v == o)
                  for o in ("killed", "survived", "no tests", "timeout")}
         survivors = [m for m, o in outcomes.items() if o == "survived"]
