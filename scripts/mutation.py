@@ -138,7 +138,8 @@ def prepare(name, scratch: Path, mode: str) -> Path:
         copy(ROOT / "setup.cfg", scratch / "setup.cfg")
         records = json.loads(meta.read_text())
         codes = records["exit_code_by_key"]
-        records["exit_code_by_key"] = {m: None if c == 0 else c for m, c in codes.items()}
+        again = {0, 5, 33}                           # survived, or reached by no test yet
+        records["exit_code_by_key"] = {m: None if c in again else c for m, c in codes.items()}
         meta.write_text(json.dumps(records, indent=4))
         (scratch / "mutants" / "mutmut-stats.json").unlink(missing_ok=True)
     configure(name, scratch)
@@ -206,8 +207,9 @@ def main(argv=None):
                         help="go on where a stopped run left off (its copy and records in "
                              "--out) instead of starting afresh")
     parser.add_argument("--recheck", dest="mode", action="store_const", const="recheck",
-                        help="judge an earlier run's survivors again against the current "
-                             "tests (the killed stay killed: the module must be unchanged)")
+                        help="judge an earlier run's survivors (and the mutants no test "
+                             "reached) again against the current tests (the killed stay "
+                             "killed: the module must be unchanged)")
     parser.add_argument("--markdown", metavar="FILE", help="also write the table as Markdown")
     args = parser.parse_args(argv)
     unknown = [m for m in args.modules if m not in MODULES]

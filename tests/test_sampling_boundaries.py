@@ -7,8 +7,8 @@ import warnings
 import numpy as np
 import pytest
 
-from minitransformer.sampling import (SamplingSettings, apply_repetition_penalty, draw,
-                                      next_token, probabilities)
+from minitransformer.sampling import (SamplingSettings, apply_repetition_penalty,
+                                      check_sampling, draw, next_token, probabilities)
 
 
 class FixedDraw:
@@ -128,3 +128,10 @@ def test_bad_logits_say_what_to_suspect():
     with pytest.raises(ValueError, match=r"NaN or \+inf \(max nan\): the model's numbers "
                                          r"overflowed or its weights are broken$"):
         next_token(np.array([np.nan, 1.0], np.float32), [], SamplingSettings(), None)
+
+
+def test_sampling_is_given_as_settings_or_refused_by_name():
+    settings = SamplingSettings(do_sample=True, top_k=3)
+    assert check_sampling(settings) is settings
+    with pytest.raises(ValueError, match="sampling must be a SamplingSettings, got"):
+        check_sampling({"do_sample": True})
