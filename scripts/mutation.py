@@ -47,7 +47,9 @@ MODULES = {
     "kvquant": ("minitransformer/kvquant.py",
                 ["tests/test_kvquant.py", "tests/test_kv_bytes.py",
                  "tests/test_kvquant_bounds.py", "tests/test_kvquant_edge_blocks.py"], ""),
-    "logprobs": ("minitransformer/logprobs.py", ["tests/test_logprobs.py"], "not smollm2"),
+    "logprobs": ("minitransformer/logprobs.py",
+                 ["tests/test_logprobs.py", "tests/test_logprobs_top_and_positions.py"],
+                 "not smollm2"),
     "tiled": ("minitransformer/tiled.py", ["tests/test_tiled.py", "tests/test_tiled_in_use.py"],
               "not smollm2"),
     "gguf_file": ("minitransformer/formats/gguf_file.py",
@@ -104,6 +106,11 @@ EQUIVALENT = {
         "reshape(..., -2): numpy takes any negative size as the one to infer",
     "minitransformer.kvquant.x_dequantize__mutmut_2":
         "a float32 store copied to float32 instead of returned as is: the same numbers",
+    # logprobs.py
+    "minitransformer.logprobs.x_token_logprob__mutmut_15":
+        "0 <= k: k 0 takes argpartition(..., -1)[:0], as empty as arange(V)[:0]",
+    "minitransformer.logprobs.x_token_logprob__mutmut_16":
+        "k <= V: k V takes argpartition(..., V - 1)[:V], all V ids, then sorted the same",
 }
 
 # mutmut's exit codes -> outcome (mutmut/stats.py, status_by_exit_code)
@@ -183,6 +190,14 @@ def mutate(name, scratch: Path, children: int, mode: str) -> dict:
     if not meta.is_file():
         raise ValueError(f"{name}: mutmut made no records (exit status {done.returncode}); "
                          f"see {scratch / 'mutmut.log'}")
+    return recorded(name, scratch)
+
+
+def recorded(name, scratch: Path) -> dict:
+    """{mutant name: outcome} from mutmut's records of a run in scratch/."""
+    meta = scratch / "mutants" / (MODULES[name][0] + ".meta")
+    if not meta.is_file():
+        raise ValueError(f"{name}: no run recorded in {scratch}")
     codes = json.loads(meta.read_text())["exit_code_by_key"]
     return {mutant: OUTCOMES.get(code, "suspicious") for mutant, code in codes.items()}
 
@@ -210,6 +225,8 @@ def main(argv=None):
                         help="judge an earlier run's survivors (and the mutants no test "
                              "reached) again against the current tests (the killed stay "
                              "killed: the module must be unchanged)")
+    parser.add_argument("--table", dest="mode", action="store_const", const="table",
+                        help="run nothing: the table of the runs recorded in --out")
     parser.add_argument("--markdown", metavar="FILE", help="also write the table as Markdown")
     args = parser.parse_args(argv)
     unknown = [m for m in args.modules if m not in MODULES]
@@ -222,29 +239,33 @@ def main(argv=None):
     table = Table("Mutation testing: mutmut's mutants of each module, against its tests",
                   columns=[("module", ""), ("mutants", "d"), ("killed", "d"),
                            ("survived", "d"), ("equivalent", "d"), ("no tests", "d"),
-                           ("timeout", "d"), ("seconds", ".0f")], chapter=False)
+                           ("timeout", "d"), ("not run yet", "d"), ("seconds", ".0f")],
+                  chapter=False)
     version = subprocess.run(["mutmut", "--version"], capture_output=True, text=True).stdout
     table.header(f"{version.strip()}; each mutant runs the listed tests that reach it "
                  "(scripts/mutation.py, MODULES)")
     unexplained, equivalents = 0, []
     for name in args.modules:
         scratch = Path(args.out) / name
-        say(f"{name}: mutating {MODULES[name][0]} (log: {scratch / 'mutmut.log'})")
+        if args.mode != "table":
+            say(f"{name}: mutating {MODULES[name][0]} (log: {scratch / 'mutmut.log'})")
         start = time.perf_counter()
-        outcomes = mutate(name, scratch, args.children, args.mode)
+        outcomes = recorded(name, scratch) if args.mode == "table" else \
+            mutate(name, scratch, args.children, args.mode)
         count = {o: sum(1 for v in outcomes.values() if v == o)
-                 for o in ("killed", "survived", "no tests", "timeout")}
+                 for o in ("killed", "survived", "no tests", "timeout", "not checked")}
         survivors = [m for m, o in outcomes.items() if o == "survived"]
         equivalent = [m for m in survivors if m in EQUIVALENT]
         alive = [m for m in survivors if m not in EQUIVALENT]
         stale = [m for m in EQUIVALENT if m.startswith(module_prefix(name))
                  and outcomes.get(m) != "survived"]
         table.row(MODULES[name][0], len(outcomes), count["killed"], len(alive),
-                  len(equivalent), count["no tests"], count["timeout"],
-                  time.perf_counter() - start)
+                  len(equivalent), count["no tests"], count["timeout"], count["not checked"],
+                  None if args.mode == "table" else time.perf_counter() - start)
         equivalents += [f"{m}: {EQUIVALENT[m]}" for m in equivalent]
         shown = [diff(m, scratch) for m in alive]
-        (scratch / "survivors.txt").write_text("\n\n".join(shown) + "\n")
+        if args.mode != "table":
+            (scratch / "survivors.txt").write_text("\n\n".join(shown) + "\n")
         for text in shown:
             say(text)
         for m in stale:
@@ -252,7 +273,7 @@ def main(argv=None):
                 "update EQUIVALENT")
         unexplained += len(alive) + len(stale)
     if equivalents:
-        table.note("Equivalent (no result can change):", *equivalents)
+        table.note("Survivors that no test can kill, each with its reason:", *equivalents)
     table.show()
     if args.markdown:
         Path(args.markdown).write_text(table.markdown())
