@@ -242,7 +242,8 @@ def chat(args) -> None:
         sys.stdout.write("model> ")
         messages.append({"role": "assistant",
                          "content": stream_text(model, ids, turn(engine, ids, args, settings))})
-        print(f"[prefix cache: {engine.results[-1].cached_tokens} of {len(ids)} prompt tokens "
+        record = engine.results.popitem()[1]    # the turn's, the only one: taken, forgotten
+        print(f"[prefix cache: {record.cached_tokens} of {len(ids)} prompt tokens "
               f"reused]", file=sys.stderr)
         discard_typeahead()
 

@@ -68,7 +68,8 @@ def main(argv=None):
     def serve(name, requests, share):
         def once():
             runs[name] = Engine(model, slots=args.n, block_size=args.block_size,
-                                prefix_caching=share, batch_invariant=True).run(requests)
+                                prefix_caching=share, batch_invariant=True,
+                                history=True).run(requests)   # its per-step pool stats
             progress(name)
         return once
 

@@ -45,11 +45,11 @@ def workload(args, vocab_size):
 def serve(model, requests, policy, args):
     engine = Engine(model, slots=args.slots, num_blocks=args.num_blocks,
                     block_size=args.block_size, policy=policy, kv_dtype=args.kv_cache_dtype,
-                    attention=args.attention)
+                    attention=args.attention, history=True)     # its per-step timings
     progress, done = Progress(len(requests), policy), [0]
 
     def report(e):
-        finished = sum(r.status == "finished" for r in e.results)
+        finished = sum(r.status == "finished" for r in e.results.values())
         if finished >= done[0] + 8 or finished == len(requests) > done[0]:
             progress(f"{finished} requests finished, {e.steps} steps", done=finished - done[0])
             done[0] = finished

@@ -44,10 +44,10 @@ def serve(model, requests, slots, block_size, share=True, progress=None):
     """-> the PagedStats of every step (continuous batching, a pool no request waits on).
     progress: a Progress over the requests, told as they finish."""
     engine = Engine(model, slots=slots, num_blocks=pool_for(requests, slots, block_size),
-                    block_size=block_size, prefix_caching=share)
+                    block_size=block_size, prefix_caching=share, history=True)
 
     def report(e):
-        finished = sum(r.status == "finished" for r in e.results)
+        finished = sum(r.status == "finished" for r in e.results.values())
         if progress and finished >= progress.i + 8 or finished == len(requests) > progress.i:
             progress(f"{finished} requests finished, {e.steps} steps",
                      done=finished - progress.i)

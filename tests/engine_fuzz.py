@@ -133,13 +133,13 @@ def run_case(model, seed, batch_invariant=True) -> dict:
         engine.clock = max(engine.clock, engine.steps * STEP_SECONDS)
         engine.step()
         check_pool(engine)
-        for result, (tokens, _) in zip(engine.results, expected):
+        for result, (tokens, _) in zip(engine.results.values(), expected):
             assert not exact(engine, result) or result.tokens == tokens[:len(result.tokens)], \
                 f"case {seed}, request {result.id}: a token differs from generate alone"
     check_pool(engine)
     cache = engine.cache
     assert cache.num_free == cache.num_blocks and not cache.seqs and not any(engine.slots)
-    for result, request, (tokens, logprobs) in zip(engine.results, asked, expected):
+    for result, request, (tokens, logprobs) in zip(engine.results.values(), asked, expected):
         where = f"case {seed}, request {result.id}"
         assert result.request is request, where
         assert result.status in ("finished", "cancelled", "rejected"), where
@@ -170,15 +170,15 @@ def run_case(model, seed, batch_invariant=True) -> dict:
                 assert len(mine.top) == request.logprobs, where
         if result.tokens:
             assert request.arrival <= result.first_token <= result.finished, where
-    if any(r.status == "finished" and r.tokens for r in engine.results):
-        m = metrics(engine.results)
+    if any(r.status == "finished" and r.tokens for r in engine.results.values()):
+        m = metrics(engine.results.values())
         assert all(math.isfinite(x) for x in (m.throughput, m.latency_mean, m.ttft_mean))
     return dict(requests=len(requests), steps=engine.steps,
-                preemptions=sum(r.preemptions for r in engine.results),
-                cancelled=sum(r.status == "cancelled" for r in engine.results),
-                rejected=sum(r.status == "rejected" for r in engine.results),
-                cached=sum(r.cached_tokens > 0 for r in engine.results),
+                preemptions=sum(r.preemptions for r in engine.results.values()),
+                cancelled=sum(r.status == "cancelled" for r in engine.results.values()),
+                rejected=sum(r.status == "rejected" for r in engine.results.values()),
+                cached=sum(r.cached_tokens > 0 for r in engine.results.values()),
                 evicted=engine.cache.index.evicted,
-                forked=sum(r.choice > 0 and r.tokens != [] for r in engine.results),
+                forked=sum(r.choice > 0 and r.tokens != [] for r in engine.results.values()),
                 chunked=kwargs["max_num_batched_tokens"] is not None,
                 caching=kwargs["prefix_caching"], static=kwargs["policy"] == "static")

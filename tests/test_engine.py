@@ -41,7 +41,8 @@ def test_shared_prefix_holds_the_expected_fewer_blocks(tiny_model):
                 Request(tuple(stem + [50]), 3, eos_token_id=[])]
     held = {}
     for share in (True, False):
-        engine = Engine(tiny_model, slots=2, num_blocks=20, block_size=4, prefix_caching=share)
+        engine = Engine(tiny_model, slots=2, num_blocks=20, block_size=4, prefix_caching=share,
+                        history=True)
         run = engine.run(requests)
         held[share] = run.memory[0].blocks_held           # both admitted in the first step
         assert run.results[1].cached_tokens == (12 if share else 0)
@@ -116,7 +117,7 @@ def test_cancel_waiting_running_and_finished_requests(tiny_model):
     while engine.waiting or engine.running():
         engine.step()
     assert engine.results[2].status == "finished"
-    assert_solo(tiny_model, engine.results[2:])
+    assert_solo(tiny_model, list(engine.results.values())[2:])
     assert engine.cancel(ids[2]) is False and engine.cancel(99) is False
     assert_pool_whole(engine)
 
@@ -133,7 +134,7 @@ def test_cancelling_the_last_member_ends_a_static_batch(tiny_model):
     engine.cancel(1)                # the batch's last running member
     while engine.waiting or engine.running():
         engine.step()
-    r0, r1, r2 = engine.results
+    r0, r1, r2 = engine.results.values()
     assert (r0.status, r1.status, r2.status) == ("finished", "cancelled", "finished")
     assert r0.returned <= r2.first_token
     assert_solo(tiny_model, [r2])
@@ -152,16 +153,16 @@ def test_cancelling_the_last_static_member_with_nothing_waiting_returns_the_batc
     assert engine.slots[0].finished and math.isnan(engine.results[0].returned)
     assert engine.cancel(1) is True
     assert not engine.waiting and not engine.running()      # no further step will run
-    r0, r1 = engine.results
+    r0, r1 = engine.results.values()
     assert r0.status == "finished" and r0.returned == r1.returned == engine.clock
-    assert math.isfinite(metrics(engine.results).latency_mean)
+    assert math.isfinite(metrics(engine.results.values()).latency_mean)
     assert_pool_whole(engine)
 
 
 def test_static_admits_only_when_every_slot_is_free(tiny_model):
     requests = [Request((i + 1,), n, eos_token_id=[]) for i, n in enumerate([2, 6, 2, 2])]
-    static = Engine(tiny_model, slots=2, policy="static").run(requests)
-    cont = Engine(tiny_model, slots=2, policy="continuous").run(requests)
+    static = Engine(tiny_model, slots=2, policy="static", history=True).run(requests)
+    cont = Engine(tiny_model, slots=2, policy="continuous", history=True).run(requests)
     assert (static.steps, cont.steps) == (8, 6)  # 6 + 2 steps vs slot 0 reused twice
     # static computes a finished member's row as padding until its batch ends
     assert [B for B, _ in static.decode_times] == [2] * 6
@@ -216,7 +217,7 @@ def test_bad_settings_and_requests_are_refused(tiny_model):
         engine.submit(Request((1, 2), 10_000))
     with pytest.raises(ValueError, match="max_new_tokens"):
         engine.submit(Request((1, 2), -1))
-    assert engine.results == [] and not engine.waiting
+    assert engine.results == {} and not engine.waiting
 
 
 BAD_REQUESTS = [  # each a ValueError naming the field, at submission
@@ -254,7 +255,7 @@ def test_a_malformed_request_is_refused_at_submission_holding_nothing(checkpoint
         engine.submit(request)
     with pytest.raises(ValueError, match=r"requests\[1\]: .*" + named):
         engine.run([Request((1, 2), 3), request])
-    assert engine.results == [] and engine.steps == 0        # nothing queued, nothing run
+    assert engine.results == {} and engine.steps == 0        # nothing queued, nothing run
     assert_pool_whole(engine)
 
 
@@ -291,7 +292,7 @@ def test_run_is_atomic_and_serves_each_request_once(tiny_model):
     engine = Engine(tiny_model, slots=2, num_blocks=8, block_size=4)
     with pytest.raises(ValueError, match=r"requests\[1\]: arrival"):
         engine.run([good, Request((4, 5), 2, arrival=math.nan)])
-    assert engine.results == [] and not engine.waiting
+    assert engine.results == {} and not engine.waiting
     run = engine.run([good])
     assert len(run.results) == 1
     assert_solo(tiny_model, run.results)
@@ -326,7 +327,7 @@ def test_a_chat_turn_finds_the_last_turn_cached_prompt_and_answer(tiny_model):
     engine.submit(second)
     while engine.running() or engine.waiting:
         engine.step()
-    r1, r2 = engine.results
+    r1, r2 = engine.results.values()
     assert (r1.cached_tokens, r2.cached_tokens) == (0, 16)  # 4 full blocks of turn 1's 19
     assert (engine.prefix_queries, engine.prefix_hits) == (11 + 23, 16)
     assert_solo(tiny_model, [r1, r2])
@@ -338,17 +339,17 @@ def test_chunked_prefill_keeps_streams_decoding_and_changes_no_token(tiny_model,
     """Two requests decode; a 20-token prompt arrives: with a budget of b tokens a step it is
     prefilled in chunks of b - 2 while both streams make a token every step."""
     engine = Engine(tiny_model, slots=3, num_blocks=40, block_size=4, prefix_caching=False,
-                    max_num_batched_tokens=budget)
+                    max_num_batched_tokens=budget, history=True)
     for _ in range(2):
         engine.submit(Request((1, 2), 30, eos_token_id=[]))
-    while not all(r.tokens for r in engine.results):
+    while not all(r.tokens for r in engine.results.values()):
         engine.step()
     before = len(engine.prefill_times)
     engine.submit(Request(tuple(range(5, 25)), 3, arrival=engine.clock, eos_token_id=[]))
     made = []
     while engine.running() or engine.waiting:
         engine.step()
-        made.append([len(r.tokens) for r in engine.results])
+        made.append([len(r.tokens) for r in engine.results.values()])
     chunks = [n for n, _ in engine.prefill_times[before:]]
     room = budget - 2                                     # the two decodes come first
     assert chunks == [room] * (20 // room) + [20 % room] * (20 % room > 0) if room < 20 \
@@ -356,7 +357,7 @@ def test_chunked_prefill_keeps_streams_decoding_and_changes_no_token(tiny_model,
     assert engine.results[2].prefill_chunks == len(chunks)
     for previous, now in zip(made, made[1:len(chunks)]):  # both streams flowed meanwhile
         assert now[:2] == [previous[0] + 1, previous[1] + 1]
-    assert_solo(tiny_model, engine.results)               # the near-tie rule
+    assert_solo(tiny_model, engine.results.values())     # the near-tie rule
     assert_pool_whole(engine)
 
 

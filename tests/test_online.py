@@ -47,7 +47,7 @@ def test_concurrent_clients_get_their_solo_tokens(model, policy):
 
 
 def test_a_client_that_leaves_frees_its_blocks_at_once(model):
-    online = OnlineEngine(Engine(model, slots=2, num_blocks=60, block_size=4))
+    online = OnlineEngine(Engine(model, slots=2, num_blocks=60, block_size=4, history=True))
     tokens = online.stream(Request((1, 2, 3), 200, eos_token_id=[]))
     first = [next(tokens) for _ in range(3)]
     assert online.snapshot.blocks_used > 0

@@ -2,10 +2,11 @@
 (no web framework needed)."""
 import json
 
+import numpy as np
 import pytest
 
 import minitransformer as mt
-from minitransformer.serve.openai_api import APIError, parse
+from minitransformer.serve.openai_api import MAX_STOP_CHARS, APIError, parse
 from minitransformer.synth import make_checkpoint, qwen2_config, train_tokenizer
 
 POOL = 128                      # KV pool tokens of the imagined server
@@ -109,7 +110,9 @@ def test_an_unknown_model_is_404_model_not_found(model):
 NEUTRAL = [dict(n=1), dict(n=None), dict(best_of=1), dict(echo=False), dict(logprobs=None),
            dict(presence_penalty=0), dict(presence_penalty=0.0), dict(logit_bias={}),
            dict(tools=[]), dict(response_format={"type": "text"}), dict(stop=None),
-           dict(ignore_eos=False), dict(user="someone"), dict(seed=2**63 - 1)]
+           dict(ignore_eos=False), dict(user="someone"), dict(seed=2**63 - 1),
+           dict(bad_words=[]), dict(min_p=0), dict(guided_json=None),
+           dict(stop="x" * MAX_STOP_CHARS)]
 REFUSED = [(dict(n=0), "n"), (dict(n=True), "n"), (dict(n=1.0), "n"), (dict(n="1"), "n"),
            (dict(best_of=0), "best_of"), (dict(best_of=True), "best_of"),
            (dict(logprobs=False), "logprobs"), (dict(logprobs=1.0), "logprobs"),
@@ -130,7 +133,19 @@ REFUSED = [(dict(n=0), "n"), (dict(n=True), "n"), (dict(n=1.0), "n"), (dict(n="1
            (dict(stream=True, stream_options={"include_usage": 1}),
             "stream_options.include_usage"),
            (dict(prompt="a\ud800b"), "prompt"), (dict(stop=["\udfff"]), "stop"),
-           (dict(metadata={"k\ud800": "v"}), "metadata")]
+           (dict(metadata={"k\ud800": "v"}), "metadata"),
+           # vLLM's extras this server does not implement, and a field of neither API
+           (dict(guided_json={"type": "object"}), "guided_json"),
+           (dict(guided_choice=["yes", "no"]), "guided_choice"),
+           (dict(guided_regex="[0-9]+"), "guided_regex"), (dict(guided_grammar="g"),
+                                                            "guided_grammar"),
+           (dict(allowed_token_ids=[5, 6]), "allowed_token_ids"),
+           (dict(bad_words=["dog"]), "bad_words"), (dict(truncate_prompt_tokens=8),
+                                                    "truncate_prompt_tokens"),
+           (dict(min_p=0.1), "min_p"), (dict(frobnicate=1), "frobnicate"),
+           (dict(messages=[{"role": "user", "content": "hi"}]), "messages"),
+           (dict(stop="x" * (MAX_STOP_CHARS + 1)), "stop"),
+           (dict(stop=["a", "b", "y" * 250_000]), "stop")]
 
 
 @pytest.mark.parametrize("fields", NEUTRAL, ids=lambda f: f"{f}")
@@ -168,3 +183,103 @@ def test_a_template_that_refuses_the_messages_is_a_400(model):
         job(refusing, "chat", messages=[{"role": "user", "content": "hi"}])
     assert caught.value.status == 400 and caught.value.param == "messages"
 
+
+
+def test_best_of_must_equal_n_and_every_field_read_or_refused(model):
+    """best_of means the same as n only when equal to it (OpenAI and vLLM refuse best_of < n;
+    a larger one would drop samples this server makes); a chat body's prompt is no field of
+    chat, and is refused, not ignored."""
+    def ask(kind="completion", **fields):
+        return parse({"model": "m", **fields}, kind, model, "m", POOL, max_n=4)
+    assert ask(prompt="a", n=2, best_of=2)[0].request.n == 2
+    for n, best_of in ((2, 1), (1, 2), (3, 4)):
+        with pytest.raises(APIError, match="best_of must equal n") as caught:
+            ask(prompt="a", n=n, best_of=best_of)
+        assert caught.value.param == "best_of"
+    with pytest.raises(APIError, match="unrecognized") as caught:
+        ask("chat", messages=[{"role": "user", "content": "hi"}], prompt="hi")
+    assert caught.value.param == "prompt"
+
+
+# --- stop strings -----------------------------------------------------------------------------
+class Pieces:
+    """A tokenizer whose token i stands for the text pieces[i] (decoding only)."""
+
+    def __init__(self, pieces):
+        self.pieces = pieces
+
+    def decode(self, ids):
+        return "".join(self.pieces[i] for i in ids)
+
+
+def searched(chunks, stops) -> str:
+    """What a stream with these stop strings must send: after each chunk of text, a search of
+    all the text so far; at the first chunk where a stop string occurs, the text before its
+    earliest occurrence."""
+    text = ""
+    for chunk in chunks:
+        text += chunk
+        hits = [i for i in (text.find(s) for s in stops) if i >= 0]
+        if hits:
+            return text[:min(hits)]
+    return text
+
+
+def test_stop_strings_cut_where_a_search_of_the_whole_text_would():
+    """Random texts over a two-letter alphabet (many partial matches, overlapping stops) in
+    random pieces: the stream sends exactly the text before the first stop, and never sends
+    text that could still begin one."""
+    from minitransformer.serve.detokenize import TextStream
+    rng = np.random.default_rng(0)
+    for case in range(300):
+        pieces = ["".join(rng.choice(list("ab"), size=rng.integers(1, 4))) for _ in range(12)]
+        stops = ["".join(rng.choice(list("ab"), size=rng.integers(1, 7)))
+                 for _ in range(rng.integers(1, 5))]
+        ids = rng.integers(0, len(pieces), size=rng.integers(0, 25)).tolist()
+        stream, sent = TextStream(Pieces(pieces), stop=stops), ""
+        for i in ids:
+            sent += stream.add(i)
+        sent += stream.flush()
+        assert sent == searched([pieces[i] for i in ids], stops), (case, pieces, stops, ids)
+
+
+def test_what_a_stream_holds_back_is_exactly_what_may_begin_a_stop_string():
+    from minitransformer.serve.detokenize import TextStream
+    rng = np.random.default_rng(1)
+    for case in range(200):
+        stops = ["".join(rng.choice(list("ab"), size=rng.integers(1, 7)))
+                 for _ in range(rng.integers(1, 5))]
+        stream, sent, text = TextStream(Pieces(["a", "b"]), stop=stops), "", ""
+        for i in rng.integers(0, 2, size=30).tolist():
+            sent, text = sent + stream.add(i), text + "ab"[i]
+            if stream.stopped:
+                break
+            held = max((n for s in stops for n in range(1, len(s)) if text.endswith(s[:n])),
+                       default=0)
+            assert sent == text[:len(text) - held], (case, stops, text)
+
+
+def test_stop_matching_work_is_linear_in_the_text_whatever_the_stop_length():
+    """The worst case for a naive check: the text keeps matching a long prefix of every stop
+    string (a's, each stop a's then a b). The automata move at most twice per character and
+    string, with stops of 10 or of MAX_STOP_CHARS characters alike."""
+    from minitransformer.serve.detokenize import StopStrings
+    for length in (10, MAX_STOP_CHARS):
+        stops = StopStrings(["a" * (length - 1) + "b", "a" * (length // 2) + "c",
+                             "ab" * (length // 2), "b" * length])
+        for _ in range(500):
+            assert stops.feed("aaaa") is None
+        assert stops.moves <= 2 * 4 * 500 * 4
+        assert stops.partial() == length - 1     # held back: what may begin the first one
+    assert stops.feed("b") == -(length - 1)      # found: it began that far back
+
+
+def test_a_stream_matches_its_stop_strings_with_the_counted_automata():
+    """TextStream's own matching is that work: 2,000 one-letter tokens against four stop
+    strings of MAX_STOP_CHARS characters, at most 2 moves per character and string."""
+    from minitransformer.serve.detokenize import TextStream
+    stops = ["a" * (MAX_STOP_CHARS - 1) + "b", "a" * 10 + "c", "ab" * 100, "b" * 50]
+    stream = TextStream(Pieces(["a"]), stop=stops)
+    sent = "".join(stream.add(0) for _ in range(2000))
+    assert stream.stop.moves <= 2 * 4 * 2000
+    assert sent == "a" * (2000 - (MAX_STOP_CHARS - 1)) and not stream.stopped

@@ -63,7 +63,7 @@ def test_the_prompt_is_prefilled_once_and_shared(tiny_model, monkeypatch):
     for module in (engine_module, generate_module):    # prefills here, decodes in last_logits
         monkeypatch.setattr(module, "forward", lambda model, ids, *a, **k:
                             calls.append(ids.shape) or forward(model, ids, *a, **k))
-    engine = Engine(tiny_model, slots=8, block_size=4)
+    engine = Engine(tiny_model, slots=8, block_size=4, history=True)
     engine.submit(Request(PROMPT, 5, sampling=SAMPLED, seed=1, n=8, eos_token_id=[]))
     engine.step()
     assert calls == [(1, len(PROMPT))]                  # one prefill of the prompt
@@ -99,7 +99,7 @@ def test_samples_wait_for_enough_free_slots_and_survive_preemption(tiny_model):
         engine.step()
         check_pool(engine)
     assert engine.preemptions > 0
-    for result in engine.results:
+    for result in engine.results.values():
         assert result.tokens == solo(tiny_model, result.request, result.choice)
 
 
@@ -140,7 +140,7 @@ def test_samples_of_a_chunked_prompt_wait_in_reserved_slots_for_its_end(tiny_mod
     assert len(engine.running()) == 3 and engine.cache.stats().blocks_shared == 3
     while engine.waiting or engine.running():
         engine.step()
-    for result in engine.results[first:first + 3]:      # chunked: the near-tie rule, not ==
+    for result in map(engine.results.get, range(first, first + 3)):   # chunked: near-tie, not ==
         assert result.prefill_chunks == 3 and len(result.tokens) == 3
         assert_like_solo(tiny_model, result.tokens, solo(tiny_model, result.request,
                                                          result.choice), PROMPT, SAMPLED,
@@ -153,7 +153,7 @@ def test_samples_of_a_chunked_prompt_wait_in_reserved_slots_for_its_end(tiny_mod
     while engine.waiting or engine.running():
         engine.step()
         check_pool(engine)
-    assert [r.status for r in engine.results] == ["cancelled", "finished", "cancelled"]
+    assert [r.status for r in engine.results.values()] == ["cancelled", "finished", "cancelled"]
     assert engine.cache.num_free == engine.cache.num_blocks
 
 

@@ -8,6 +8,7 @@ import sys
 import threading
 import time
 import urllib.request
+from collections import deque
 from pathlib import Path
 
 import pytest
@@ -68,7 +69,7 @@ def model(tmp_path_factory):
 @pytest.fixture(scope="module")
 def served(model):
     online = OnlineEngine(Engine(model, slots=4, num_blocks=48, block_size=4,  # 192 tokens
-                                 batch_invariant=True))
+                                 batch_invariant=True, history=True))   # records read back
     server = Background(create_app(online, NAME))
     yield online, server.url, openai.OpenAI(base_url=server.url + "/v1", api_key="none",
                                             max_retries=0)
@@ -189,7 +190,7 @@ def test_a_client_that_disconnects_frees_its_blocks(served):
     assert pieces and online.snapshot.blocks_used > 0
     stream.close()                  # the client goes away mid-answer
     wait_for(lambda: online.snapshot.blocks_used == 0 and online.snapshot.running == 0)
-    record = online.engine.results[-1]
+    record = online.engine.results[max(online.engine.results)]
     assert record.status == "cancelled" and len(record.tokens) < 150
 
 
@@ -218,7 +219,7 @@ def test_a_waiting_client_that_gives_up_is_cancelled(model):
     handler = logging.Handler(logging.ERROR)
     handler.emit = errors.append
     logging.getLogger("uvicorn.error").addHandler(handler)
-    online = OnlineEngine(Engine(model, slots=1, num_blocks=64, block_size=4))
+    online = OnlineEngine(Engine(model, slots=1, num_blocks=64, block_size=4, history=True))
     server = Background(create_app(online, NAME))
     client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
     try:                            # a slow listener keeps the only slot busy for seconds
@@ -262,7 +263,8 @@ def test_bad_requests_get_400_naming_the_field(served, model):
 
 
 def test_full_queue_gets_429_with_retry_after(model):
-    online = OnlineEngine(Engine(model, slots=1, num_blocks=64, block_size=4), max_waiting=1)
+    online = OnlineEngine(Engine(model, slots=1, num_blocks=64, block_size=4, history=True),
+                          max_waiting=1)
     server = Background(create_app(online, NAME))
     client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
     try:
@@ -294,11 +296,11 @@ def test_models_health_and_metrics(served):
     text = urllib.request.urlopen(url + "/metrics").read().decode()
     samples = dict(line.rsplit(" ", 1) for line in text.splitlines() if line[:1] != "#")
     label = f'{{model_name="{NAME}"}}'
-    made = sum(len(r.tokens) for r in online.engine.results)
+    made = sum(len(r.tokens) for r in online.engine.results.values())
     assert int(samples["vllm:generation_tokens_total" + label]) == made
     assert int(samples["vllm:prompt_tokens_total" + label]) == \
-        sum(len(r.request.prompt) for r in online.engine.results)
-    results = online.engine.results
+        sum(len(r.request.prompt) for r in online.engine.results.values())
+    results = list(online.engine.results.values())
     hits = int(samples["vllm:prefix_cache_hits_total" + label])
     assert int(samples["vllm:prefix_cache_queries_total" + label]) == \
         sum(len(r.request.prompt) for r in results if r.prefill_chunks)  # the admitted
@@ -306,7 +308,7 @@ def test_models_health_and_metrics(served):
     assert results[-1].cached_tokens == (len(results[-1].request.prompt) - 1) // 4 * 4
     assert samples["vllm:num_requests_running" + label] == "0"
     assert float(samples["vllm:kv_cache_usage_perc" + label]) == 0.0
-    finished = sum(r.status == "finished" for r in online.engine.results)
+    finished = sum(r.status == "finished" for r in online.engine.results.values())
     assert int(samples["vllm:e2e_request_latency_seconds_count" + label]) >= finished
     for name in ("vllm:time_to_first_token_seconds", "vllm:inter_token_latency_seconds",
                  "vllm:num_preemptions_total", "vllm:num_requests_waiting"):
@@ -462,6 +464,32 @@ HOSTILE = {  # name -> (raw request, status, param or None, code or None)
     "over the size limit": (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
                             b"application/json\r\nContent-Length: 999999999999\r\n\r\n{",
                             413, None, "request_too_large"),
+    # stop strings past the limits: five of them, or one of 250,000 characters (a body under
+    # the size limit that once held the event loop for seconds)
+    "five stop strings": (post("/v1/completions", completion(stop=list("abcde"))), 400, "stop",
+                          None),
+    "a stop string of 250,000 characters": (post("/v1/completions", completion(
+        stop=["x" * 250_000] * 4)), 400, "stop", None),
+    # fields not implemented, or of neither API: refused, never ignored
+    "guided_json": (post("/v1/completions", completion(guided_json={"type": "object"})), 400,
+                    "guided_json", None),
+    "guided_choice in a chat": (post("/v1/chat/completions", json.dumps(
+        {"model": NAME, "messages": [{"role": "user", "content": "hi"}],
+         "guided_choice": ["yes", "no"]}).encode()), 400, "guided_choice", None),
+    "allowed_token_ids": (post("/v1/completions", completion(allowed_token_ids=[1, 2])), 400,
+                          "allowed_token_ids", None),
+    "truncate_prompt_tokens": (post("/v1/completions", completion(truncate_prompt_tokens=4)),
+                               400, "truncate_prompt_tokens", None),
+    "an unknown field": (post("/v1/completions", completion(temprature=0)), 400, "temprature",
+                         None),
+    "best_of 1 with n 2": (post("/v1/completions", completion(best_of=1, n=2)), 400, "best_of",
+                           None),
+    # n samples the pool (48 blocks of 4) can never hold at once: 46 blocks for the prompt's
+    # 180 tokens and the first token, 3 more copies; refused before any answer, streamed too
+    "n 4 beyond the pool": (post("/v1/completions", completion(prompt=[5] * 180, n=4)), 400,
+                            "n", None),
+    "n 4 beyond the pool, streamed": (post("/v1/completions", completion(
+        prompt=[5] * 180, n=4, stream=True)), 400, "n", None),
 }
 
 
@@ -702,3 +730,135 @@ def test_a_model_name_is_escaped_in_the_metrics_labels():
 
     assert ServingMetrics('my "best"\\model\n').labels == \
         'model_name="my \\"best\\"\\\\model\\n"'
+
+
+# --- a server left running --------------------------------------------------------------------
+def footprint(*objects) -> dict:
+    """The length of every list, dict, deque and set the objects hold: what grows if something
+    is kept per request or per step."""
+    return {(type(o).__name__, name): len(value) for o in objects
+            for name, value in vars(o).items() if isinstance(value, (list, dict, deque, set))}
+
+
+def metric_samples(url) -> dict:
+    text = urllib.request.urlopen(url + "/metrics").read().decode()
+    return dict(line.rsplit(" ", 1) for line in text.splitlines() if line[:1] != "#")
+
+
+def test_a_long_run_keeps_no_record_per_request_and_metrics_count_them_all(model):
+    """Without history the engine forgets each request once its end is handed over, and keeps
+    no per-step list: its footprint after 2N requests is its footprint after N, while /metrics
+    has counted every one of them."""
+    online = OnlineEngine(Engine(model, slots=2, num_blocks=32, block_size=4))
+    server = Background(create_app(online, NAME))
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
+    samples = tokens = prompt_tokens = 0
+
+    def requests(count):
+        nonlocal samples, tokens, prompt_tokens
+        for i in range(count):
+            n, stream = 1 + i % 2, i % 3 == 0
+            body = dict(model=NAME, prompt=f"Request {samples} of many", max_tokens=3, n=n,
+                        logprobs=i % 2, temperature=0.5, seed=i)
+            if stream:
+                chunks = list(client.completions.create(
+                    stream=True, stream_options={"include_usage": True}, **body))
+                usage = chunks[-1].usage
+            else:
+                usage = client.completions.create(**body).usage
+            samples, tokens = samples + n, tokens + usage.completion_tokens
+            prompt_tokens += usage.prompt_tokens
+        wait_for(lambda: not online.live and online.snapshot.running == 0)
+        cache = online.engine.cache             # its lists and maps: at most one per block
+        assert max(footprint(cache).values()) <= cache.num_blocks
+        return footprint(online.engine, online)
+    try:
+        after_n = requests(6)
+        assert online.engine.results == {} and online.engine.memory == []
+        assert requests(12) == after_n                    # 18 requests: nothing grew
+        counted = metric_samples(server.url)
+        label = f'model_name="{NAME}"'
+        assert sum(int(counted[f'vllm:request_success_total{{finished_reason="{r}",{label}}}'])
+                   for r in ("stop", "length", "abort")) == samples
+        assert int(counted[f"vllm:generation_tokens_total{{{label}}}"]) == tokens
+        assert int(counted[f"vllm:prompt_tokens_total{{{label}}}"]) == prompt_tokens
+        assert int(counted[f"vllm:e2e_request_latency_seconds_count{{{label}}}"]) == samples
+    finally:
+        server.stop()
+        online.close()
+
+
+def test_history_keeps_the_timeline_and_run_hands_its_records_over():
+    """An experiment asks for the timeline (history=True): a decode entry per decoding step, a
+    pool reading per step. Without it run() still returns every record, and the engine keeps
+    none of them once run() is over."""
+    from minitransformer.synth import random_model
+    model = random_model(qwen2_config())
+    requests = [Request((1, 2, 3), 4, eos_token_id=[]), Request((4, 5), 2, eos_token_id=[])]
+    kept = Engine(model, slots=2, history=True)
+    run = kept.run(requests)
+    assert len(run.memory) == run.steps and len(run.decode_times) == run.steps - 1
+    assert sorted(kept.results) == [0, 1] and [len(r.tokens) for r in run.results] == [4, 2]
+    lean = Engine(model, slots=2)
+    run = lean.run(requests)
+    assert [len(r.tokens) for r in run.results] == [4, 2] and lean.results == {}
+    assert run.memory == run.decode_times == run.prefill_times == ()
+    rid = lean.submit(requests[0])
+    with pytest.raises(ValueError, match="not over"):
+        lean.release(rid)           # a running request's record is never dropped
+
+
+def test_a_request_the_engine_refuses_is_a_400_before_any_stream(model):
+    """The parser accepts what the engine then refuses (its own ValueError): through the real
+    server that is a 400 with the engine's words, streamed or not, never a 500 nor a 200
+    whose stream carries the error; the server serves on."""
+    class Refusing(Engine):
+        def _check(self, request):
+            if 7 in request.prompt:
+                raise ValueError("token 7 is refused by this engine")
+            return super()._check(request)
+    online = OnlineEngine(Refusing(model, slots=2, num_blocks=16, block_size=4))
+    server = Background(create_app(online, NAME))
+    try:
+        for stream in (False, True):
+            got, headers, body = exchange(server.url, post("/v1/completions", completion(
+                prompt=[5, 7, 9], stream=stream)))
+            assert got == 400 and headers["content-type"] == "application/json", body
+            assert body["error"]["message"] == "token 7 is refused by this engine"
+            assert body["error"]["type"] == "invalid_request_error"
+        got, _, body = exchange(server.url, post("/v1/completions", completion(prompt=[5, 9])))
+        assert got == 200 and body["choices"][0]["finish_reason"] in ("stop", "length")
+        assert online.snapshot.running == online.snapshot.waiting == 0
+    finally:
+        server.stop()
+        online.close()
+
+
+def test_health_answers_while_long_stop_strings_are_matched(served, model):
+    """Four stop strings of the longest length taken, each beginning with the very text the
+    answer will be (greedy), so that every token keeps them partly matched, the most work a
+    stop string can ask for: /health keeps answering meanwhile, and the answer is the whole
+    text (no stop string completed; what was held back is sent at the end)."""
+    from minitransformer.serve.openai_api import MAX_STOP_CHARS
+
+    online, url, client = served
+    prompt = "Once upon a time"
+    tokens, text, _ = expected(model, model.tokenizer.encode(prompt), 60)
+    stops = [(text + "\x00" + str(k)).ljust(MAX_STOP_CHARS, "\x01") for k in range(4)]
+    done, latencies = [], []
+
+    def ask():
+        done.append(client.completions.create(model=NAME, prompt=prompt, max_tokens=60,
+                                              temperature=0, stop=stops, stream=True))
+        done.append("".join(c.choices[0].text for c in done.pop() if c.choices))
+    thread = threading.Thread(target=ask)
+    thread.start()
+    while thread.is_alive():
+        start = time.perf_counter()
+        assert urllib.request.urlopen(url + "/health", timeout=30).status == 200
+        latencies.append(time.perf_counter() - start)
+        time.sleep(0.01)
+    thread.join()
+    assert done == [text]
+    assert max(latencies) < 5       # a sanity bound only (the work is counted in
+                                    # test_openai_api's stop tests)

@@ -203,7 +203,7 @@ def battery(model, repetition_penalty: float, max_new_tokens: int = 8,
     def answered_so_far(engine):
         nonlocal reported
         while progress is not None and reported < sum(r.status == "finished"
-                                                      for r in engine.results):
+                                                      for r in engine.results.values()):
             reported += 1
             progress(reported, len(requests))
     run = engine.run(requests, on_step=answered_so_far)

@@ -82,7 +82,7 @@ class TextStream:
 
     def __init__(self, tokenizer, prompt=(), stop=()):
         self.detokenizer = Detokenizer(tokenizer, prompt)
-        self.stop = [s for s in stop if s]
+        self.stop = StopStrings(stop) if not isinstance(stop, StopStrings) else stop.fresh()
         self.pending = ""           # decoded but not sent: it may begin a stop string
         self.stopped = False
 
@@ -96,16 +96,77 @@ class TextStream:
 
     def _release(self, text, final) -> str:
         self.pending += text
-        hits = [i for i in (self.pending.find(s) for s in self.stop) if i >= 0]
-        if hits:
+        start = self.stop.feed(text)    # where in text the first stop string begins, if any
+        if start is not None:
             self.stopped = True
-            out, self.pending = self.pending[:min(hits)], ""
+            out, self.pending = self.pending[:len(self.pending) - len(text) + start], ""
             return out
-        cut = len(self.pending) - (0 if final else self._may_begin_stop())
+        cut = len(self.pending) - (0 if final else self.stop.partial())
         out, self.pending = self.pending[:cut], self.pending[cut:]
         return out
 
-    def _may_begin_stop(self) -> int:
-        """How many characters at the end of pending could be the start of a stop string."""
-        return max((n for s in self.stop for n in range(1, len(s))
-                    if self.pending.endswith(s[:n])), default=0)
+
+class StopStrings:
+    """Stop strings found in a stream of text in time linear in the text (Knuth-Morris-Pratt).
+
+    One automaton per string: its state is how many of the string's first characters the text
+    now ends with. A character moves each state forward one, or back along the string's
+    failure table (the longest proper prefix that is also a suffix of what matched), so feeding
+    c characters costs at most 2c moves per string, whatever the strings' lengths; the table is
+    built once, in time linear in the string. ``partial`` (the largest state) is how much of
+    the text's end may still begin a stop string: what a stream holds back. ``moves`` counts
+    the automata's moves (the work done).
+
+    >>> stop = StopStrings(["abab", "x"])
+    >>> stop.feed("aaba"), stop.partial()      # no stop yet; "aba" may begin "abab"
+    (None, 3)
+    >>> stop.feed("bz")                        # "abab" ends here: it began 3 characters back
+    -3
+    """
+
+    def __init__(self, stops=(), tables=None):
+        self.stops = tuple(stops)
+        self.tables = tables or tuple(failure_table(s) for s in self.stops)
+        self.states = [0] * len(self.stops)
+        self.moves = 0
+
+    def fresh(self) -> "StopStrings":
+        """The same strings, nothing matched yet (the tables shared, not rebuilt)."""
+        return StopStrings(self.stops, self.tables)
+
+    def feed(self, text: str):
+        """Read text -> where (an index into text; negative: in text fed before) the earliest
+        stop string found in it begins, or None."""
+        found = None
+        for k, (stop, table) in enumerate(zip(self.stops, self.tables)):
+            state = self.states[k]
+            for i, char in enumerate(text):
+                while state and stop[state] != char:
+                    state, self.moves = table[state - 1], self.moves + 1
+                state += stop[state] == char
+                self.moves += 1
+                if state == len(stop):
+                    begin = i + 1 - len(stop)
+                    found = begin if found is None else min(found, begin)
+                    break
+            self.states[k] = state
+        return found
+
+    def partial(self) -> int:
+        """Characters at the end of the text read that may be the start of a stop string."""
+        return max(self.states, default=0)
+
+
+def failure_table(s: str) -> list:
+    """table[i]: the length of the longest proper prefix of s[:i + 1] that is also its suffix.
+
+    >>> failure_table("abab"), failure_table("aaab")
+    ([0, 0, 1, 2], [0, 1, 2, 0])
+    """
+    table, k = [0] * len(s), 0
+    for i in range(1, len(s)):
+        while k and s[i] != s[k]:
+            k = table[k - 1]
+        k += s[i] == s[k]
+        table[i] = k
+    return table

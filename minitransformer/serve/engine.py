@@ -59,6 +59,14 @@ at submission if prompt + max_new_tokens (or the prompt and n first tokens) exce
 whole pool. A malformed request is a
 ValueError at submission, and nothing of it is queued. The clock is the engine's measured
 compute time (it jumps ahead when idle).
+Records: ``results`` holds a request's Result (id -> Result) from its submission until its
+owner ``release``s it once over: ``run`` for the requests it was given (they are in its Run),
+the online engine once it has handed a request's end over. Per-step timelines
+(``decode_times``, ``prefill_times``: (batch size or tokens, seconds); ``memory``: the pool's
+PagedStats) are kept only with ``history=True``, which also keeps every record for the engine's
+life: what an experiment asks for. Without it an engine that serves for days holds what its
+running requests need and counters (``steps``, ``preemptions``, ``prefix_queries``,
+``prefix_hits``); a server's long-run view is /metrics (prometheus.py).
 Leaves out: priorities, recompute-preemption, one forward pass for decodes and chunks together.
 
 Example: three requests of 1, 3 and 1 tokens through 2 slots. Continuous reuses the slot
@@ -69,7 +77,7 @@ waits for the next batch:
 >>> model = random_model(qwen2_config())
 >>> requests = [Request((1, 2), n, eos_token_id=[]) for n in (1, 3, 1)]
 >>> for policy in ("continuous", "static"):
-...     run = Engine(model, slots=2, policy=policy).run(requests)
+...     run = Engine(model, slots=2, policy=policy, history=True).run(requests)
 ...     r0, r1, r2 = run.results
 ...     print(policy, run.steps, "steps; decode batch sizes",
 ...           [B for B, _ in run.decode_times], "; 0 returned with 1:",
@@ -80,7 +88,7 @@ static 4 steps; decode batch sizes [2, 2] ; 0 returned with 1: True
 With a budget of 4 tokens a step, a 10-token prompt is prefilled in chunks of 4, 4 and 2, and
 a second request with the same prompt finds its first 8 tokens cached (two blocks of 4):
 
->>> engine = Engine(model, slots=1, block_size=4, max_num_batched_tokens=4)
+>>> engine = Engine(model, slots=1, block_size=4, max_num_batched_tokens=4, history=True)
 >>> run = engine.run([Request(tuple(range(1, 11)), 1, eos_token_id=[])] * 2)
 >>> [n for n, _ in run.prefill_times], [r.cached_tokens for r in run.results]
 ([4, 4, 2, 2], [0, 8])
@@ -174,9 +182,10 @@ class Engine:
                  block_size: int = BLOCK_SIZE, policy: str = "continuous",
                  prefix_caching: bool = True, max_num_batched_tokens: int = None,
                  batch_invariant: bool = False, kv_dtype: str = "f32",
-                 attention: str = "plain"):
+                 attention: str = "plain", history: bool = False):
         """kv_dtype: the pool's format, f32, f16, q8_0 or q4_0 (kvquant.py); attention:
-        "plain" or "tiled" (model.forward)."""
+        "plain" or "tiled" (model.forward); history: keep every record and every step's
+        timings (see "Records" above), for an experiment's timeline."""
         if policy not in POLICIES:
             raise ValueError(f"policy={policy!r}: use 'static' or 'continuous'")
         for name, n in (("slots", slots), ("block_size", block_size), ("num_blocks", num_blocks),
@@ -198,15 +207,30 @@ class Engine:
         self.cache = PagedCache.allocate(model.config, num_blocks, block_size, kv_dtype)
         self.slots = [None] * slots
         self.waiting = deque()      # _Live in arrival order; preempted ones at the front
-        self.results, self.clock, self.steps, self.admitted = [], 0.0, 0, 0
+        self.history = history
+        self.results = {}           # request id -> Result, until released (see "Records")
+        self.next_id, self.clock, self.steps, self.admitted = 0, 0.0, 0, 0
         self.preemptions = 0        # since the engine started, over all requests
         self.prefix_queries = self.prefix_hits = 0   # prompt tokens looked up / found cached
-        self.decode_times, self.prefill_times, self.memory = [], [], []
+        self.decode_times, self.prefill_times, self.memory = [], [], []   # with history only
 
     # --- the public API ----------------------------------------------------------------------
     def submit(self, request: Request) -> int:
         """Queue a request -> its id. A malformed one raises ValueError naming the field."""
         return self._queue(request, *self._check(request))
+
+    def check(self, request: Request) -> None:
+        """The ValueError ``submit`` would raise for this request, if any; nothing is queued
+        and no state is read but the model's and the pool's sizes, so any thread may ask."""
+        self._check(request)
+
+    def pool_need(self, prompt_tokens: int, max_new_tokens: int, n: int = 1) -> int:
+        """Blocks a request may hold at once: its longest sequence, or its prompt with the n
+        samples' first tokens (each sample writes its own copy of the last prompt block).
+        More than the whole pool, and the request is rejected at submission."""
+        bs = self.cache.block_size
+        return max(blocks_for(prompt_tokens + max_new_tokens, bs),
+                   blocks_for(prompt_tokens + 1, bs) + n - 1)
 
     def run(self, requests, on_step=None) -> Run:
         """Serve requests (in arrival order) until every one is over; on_step(engine), if
@@ -218,13 +242,17 @@ class Engine:
                 checked.append((request, *self._check(request)))
             except ValueError as e:
                 raise ValueError(f"requests[{i}]: {e}") from None
+        first = self.next_id
         for item in sorted(checked, key=lambda item: item[0].arrival):
             self._queue(*item)
         while self.waiting or self.running():
             self.step()
             if on_step is not None:
                 on_step(self)
-        return Run(self.policy, tuple(self.results), self.steps, self.clock,
+        results = tuple(self.results[i] for i in range(first, self.next_id))
+        for result in results:
+            self.release(result.id)
+        return Run(self.policy, results, self.steps, self.clock,
                    tuple(self.decode_times), tuple(self.prefill_times), tuple(self.memory),
                    self.preemptions)
 
@@ -259,6 +287,15 @@ class Engine:
             return True
         return False
 
+    def release(self, request_id: int) -> None:
+        """Its owner is done with an ended request's record: the engine forgets it (unless it
+        keeps history). A request still waiting or running is a ValueError."""
+        result = self.results.get(request_id)
+        if result is not None and math.isnan(result.returned):
+            raise ValueError(f"request {request_id} is not over ({result.status})")
+        if not self.history:
+            self.results.pop(request_id, None)
+
     def running(self) -> list:
         """The sequences in slots that are not over (prefilling or decoding)."""
         return [live for live in self.slots if live is not None and not live.finished]
@@ -277,7 +314,8 @@ class Engine:
         synchronize()
         self.clock += time.perf_counter() - start
         self.steps += 1
-        self.memory.append(self.cache.stats())    # after the clock: bookkeeping, not serving
+        if self.history:            # after the clock: bookkeeping, not serving
+            self.memory.append(self.cache.stats())
         for live in made:           # every token of this step exists at the step's end
             if len(live.result.tokens) == 1:
                 live.result.first_token = self.clock
@@ -369,7 +407,8 @@ class Engine:
             else:
                 self._sample(live, row)
                 self._seal(live)
-        self.decode_times.append((len(rows), time.perf_counter() - start))
+        if self.history:
+            self.decode_times.append((len(rows), time.perf_counter() - start))
         return [live for live in rows if not live.finished]
 
     def _prefill(self, budget) -> list:
@@ -398,7 +437,8 @@ class Engine:
             if done + n == len(prompt):             # the last prompt token's logits
                 last = to_numpy(head(self.model, hidden[:, -1:]))[0, -1]      # (V,)
                 made += self._first_tokens(live, last)
-            self.prefill_times.append((n, time.perf_counter() - start))
+            if self.history:
+                self.prefill_times.append((n, time.perf_counter() - start))
             budget = None if budget is None else budget - n
         return made
 
@@ -515,12 +555,11 @@ class Engine:
         """Queue a request's n samples (ids first .. first + n - 1) -> the first id."""
         lives = []
         for i, rng in enumerate(rngs):
-            result = Result(len(self.results), float(request.arrival), request, choice=i)
-            self.results.append(result)
+            result = Result(self.next_id, float(request.arrival), request, choice=i)
+            self.results[result.id], self.next_id = result, self.next_id + 1
             lives.append(_Live(result, list(prompt), rng, eos))
-        bs, n = self.cache.block_size, len(lives)
-        need = max(blocks_for(len(prompt) + request.max_new_tokens, bs),
-                   blocks_for(len(prompt) + 1, bs) + n - 1)   # n samples' first tokens
+        bs, need = self.cache.block_size, self.pool_need(len(prompt), request.max_new_tokens,
+                                                         len(lives))
         for live in lives:
             if need > self.cache.num_blocks:
                 self._close(live, "rejected", returned=True, reason=f"needs up to {need} "

@@ -21,8 +21,10 @@ A client's mistake is a 4xx with OpenAI's error body, ``{"error": {"message", "t
 "code"}}``, whatever it is: a bad field (400), an unknown model (404), an unknown path (404), a
 wrong method (405), a body over ``max_request_bytes`` (413, refused before it is read), a full
 queue (429 with ``Retry-After``), even a request that is not HTTP (400). No request stalls
-the others: the event loop only moves bytes; parsing the JSON, laying out a chat and
-tokenizing, whose time grows with the request, run in worker threads.
+the others: the event loop only moves bytes; parsing the JSON, laying out a chat,
+tokenizing and building the stop strings' tables, whose time grows with the request, run in
+worker threads, and each new token's text is checked for stop strings in time linear in that
+text (detokenize.StopStrings), whatever the strings' length.
 
 With ``n`` > 1 the answer has n choices (streamed chunks say which by their ``index``), and
 with logprobs each piece carries the log-probabilities of the tokens it was made from, each
@@ -44,7 +46,7 @@ from pathlib import Path
 
 from minitransformer.checks import is_integer
 from minitransformer.logprobs import TokenLogprob
-from minitransformer.serve.detokenize import Detokenizer, TextStream
+from minitransformer.serve.detokenize import Detokenizer, StopStrings, TextStream
 from minitransformer.serve.engine import BLOCK_SIZE, SLOTS
 from minitransformer.serve.online import MAX_WAITING, Closed, OnlineEngine, QueueFull
 from minitransformer.serve.openai_api import (APIError, chat_logprobs, choice,
@@ -124,7 +126,10 @@ def create_app(online: OnlineEngine, name: str, max_request_bytes: int = None):
             jobs = await asyncio.to_thread(parse, body, kind, model, name,
                                            cache.num_blocks * cache.block_size,
                                            len(online.engine.slots), longest)
-            tickets, tokens = submit_all(jobs)
+            for job in jobs:
+                check_pool(job.request)
+            stops = await asyncio.to_thread(StopStrings, jobs[0].stop)  # tables: linear in them
+            tickets, tokens = submit_all(jobs, stops)
         except APIError as e:
             return error(e)
         except ClientDisconnect:    # gone before it finished sending: nobody to answer
@@ -208,14 +213,14 @@ def create_app(online: OnlineEngine, name: str, max_request_bytes: int = None):
                        f"most {limit} (--max-request-bytes)", status=413,
                        code="request_too_large")
 
-    def submit_all(jobs):
+    def submit_all(jobs, stops):
         """Hand every prompt's job to the engine, all or none (a full queue cancels those
         already in) -> (their tickets, one async iterator of (choice index prompt x n +
         sample, text, NamedLogprobs, finish_reason or None, tokens so far over all))."""
         started = []
         try:
             for job in jobs:
-                started.append(submit(job))
+                started.append(submit(job, stops))
         except APIError:
             for ticket, tokens in started:
                 online.cancel(ticket)
@@ -249,7 +254,18 @@ def create_app(online: OnlineEngine, name: str, max_request_bytes: int = None):
             for stream in streams:
                 await stream.aclose()
 
-    def submit(job):
+    def check_pool(request):
+        """n samples that could never be held at once in the pool: a 400 naming n, before any
+        answer starts (the prompt and max_tokens alone were checked by parse)."""
+        length = len(request.prompt)
+        need = online.engine.pool_need(length, request.max_new_tokens, request.n)
+        if need > cache.num_blocks:
+            raise APIError(f"n={request.n} samples of a {length}-token prompt need {need} KV "
+                           f"blocks of {cache.block_size} tokens at once (the prompt and each "
+                           f"sample's first token); the pool has {cache.num_blocks}: ask for "
+                           f"fewer samples", "n")
+
+    def submit(job, stops):
         """Hand the job to the engine -> (its ticket, an async iterator of (text,
         finish_reason, tokens so far)). Whoever iterates must cancel the ticket when done."""
         loop, updates = asyncio.get_running_loop(), asyncio.Queue()
@@ -263,14 +279,16 @@ def create_app(online: OnlineEngine, name: str, max_request_bytes: int = None):
             loop.call_soon_threadsafe(updates.put_nowait, update)
         try:
             ticket = online.submit(job.request, listener)
+        except ValueError as e:     # the engine refuses it: a client's mistake, said before
+            raise APIError(str(e)) from None    # any answer (or stream) starts
         except QueueFull as e:
             raise APIError(f"{e}: retry later", status=429, code="queue_full",
                            headers={"Retry-After": str(RETRY_AFTER_S)}) from None
         except Closed as e:
             raise APIError(str(e), status=503) from None
-        return ticket, pieces(job, ticket, updates, online.now())
+        return ticket, pieces(job, stops, ticket, updates, online.now())
 
-    async def pieces(job, ticket, updates, arrival):
+    async def pieces(job, stops, ticket, updates, arrival):
         """Per sample, text as it becomes final -> (sample, text, the NamedLogprobs of the
         tokens whose text it completes, finish_reason or None, tokens so far over all
         samples); a sample's last item carries its finish_reason. With echo, each sample opens
@@ -278,7 +296,7 @@ def create_app(online: OnlineEngine, name: str, max_request_bytes: int = None):
         alone. A sample left before its end (the client went away) is counted as vLLM counts
         it: "abort"."""
         n = job.request.n
-        samples = [Sample(model.tokenizer, job.request.prompt, job.stop) for _ in range(n)]
+        samples = [Sample(model.tokenizer, job.request.prompt, stops) for _ in range(n)]
         counts, open_, echo = [0] * n, set(range(n)), None
         try:
             while open_:

@@ -18,8 +18,9 @@ half-way through a step. Tokens are exactly the engine's, so each request gets t
 ``generate`` gives it alone with the same settings and seed.
 
 Listeners run on the loop thread and must return at once (put into a queue, nothing more).
-Leaves out: priorities, a bound on how long a request may wait, pruning ``engine.results``
-(one record per request is kept for the life of the engine).
+A request's record is released (``Engine.release``) once its end is handed over, so an engine
+that serves for days holds only its running requests' records (see engine.py, "Records").
+Leaves out: priorities, a bound on how long a request may wait.
 """
 import math
 import queue
@@ -92,8 +93,10 @@ class OnlineEngine:
 
     # --- what clients call (any thread) ------------------------------------------------------
     def submit(self, request, listener) -> Ticket:
-        """Queue a request arriving now; listener(Update) gets its tokens. Raises QueueFull
-        when max_waiting requests already wait, Closed after close()."""
+        """Queue a request arriving now; listener(Update) gets its tokens. Raises ValueError
+        for a request the engine would refuse (decided here, before anything is queued or
+        answered), QueueFull when max_waiting requests already wait, Closed after close()."""
+        self.engine.check(request)
         ticket = Ticket(listener, request.n if isinstance(request.n, int) else 1)
         with self.lock:
             if self.closing or self.error:
@@ -199,6 +202,9 @@ class OnlineEngine:
                                           choice, tuple(record.logprobs[sent:sent + len(new)])))
             if not all(ticket.over):
                 still.append(ticket)
+            else:                   # handed over: the engine may forget the records
+                for rid in ticket.ids:
+                    self.engine.release(rid)
         self.live = still
         self.snapshot = self._snapshot()
 

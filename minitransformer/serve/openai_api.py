@@ -7,7 +7,8 @@ and meanings are OpenAI's, with vLLM's extras (``top_k``, ``repetition_penalty``
 
     temperature 0          greedy (argmax); otherwise sampling, seeded by ``seed`` if given
     max_tokens             new tokens at most (completions: 16 by default; chat: what fits)
-    stop                   strings that end the answer; the text stops before them
+    stop                   strings that end the answer; the text stops before them (at most
+                           MAX_STOP of them, OpenAI's limit, each of at most MAX_STOP_CHARS)
     finish_reason          "stop" (eos or a stop string) or "length" (max_tokens reached)
     prompt                 completions: a string, a list of token ids, or a batch (a list of
                            strings or of token-id lists, at most MAX_PROMPTS): choice p x n + j
@@ -32,9 +33,12 @@ Anything wrong is an ``APIError`` carrying OpenAI's error body, naming the field
 bad value, 404 (``model_not_found``) for a model this server does not serve. Types are strict:
 JSON's ``true`` is not the integer 1 and 1 is not ``true``. Fields of the API this server does
 not implement are refused unless they hold their neutral value (the value that means the same as
-leaving the field out), never silently dropped; they are listed in one table, ``NOT_IMPLEMENTED``.
+leaving the field out), never silently dropped; they are listed in one table, ``NOT_IMPLEMENTED``,
+and a field of neither API (nor any this server reads) is refused as unrecognized, as OpenAI
+answers one. ``best_of`` is accepted only equal to ``n`` (it means the same then).
 Text must be Unicode: JSON can spell a lone UTF-16 surrogate (``"\\ud800"``), which is no
-character, and a body holding one is refused. Leaves out: tools, ``best_of``, echo in chat.
+character, and a body holding one is refused. Leaves out: tools, ``best_of`` beyond ``n``, echo in
+chat.
 """
 import json
 import math
@@ -51,6 +55,7 @@ from minitransformer.serve.records import Request
 MAX_STOP = 4                    # OpenAI's limit on stop strings
 MAX_PROMPTS = 64                # prompts of one completions request at most (the default
                                 # waiting queue's size: a batch is queued whole or not at all)
+MAX_STOP_CHARS = 1024           # this server's limit on the length of each (see stop_strings)
 LOWEST_LOGPROB = -9999.0        # what a log-probability of -inf is sent as (JSON has no inf)
 COMPOSE = 3                     # a normalizer may shrink text: NFC makes 3 jamo (9 bytes) 1 of 3
 
@@ -58,14 +63,19 @@ COMPOSE = 3                     # a normalizer may shrink text: NFC makes 3 jamo
 # field -> its neutral values (null always passes: it means "absent"), for both endpoints unless
 # a kind is named. A field leaves this table when it is implemented (and is parsed in `parse`).
 NOT_IMPLEMENTED = {
-    # several choices beyond n, log probabilities beyond logprobs and echo
-    "best_of": (1,), "prompt_logprobs": (),
+    # log probabilities beyond logprobs and echo
+    "prompt_logprobs": (),
     # penalties and biases, structured output, tools
     "presence_penalty": (0.0,), "frequency_penalty": (0.0,), "logit_bias": ({},),
-    "min_p": (0.0,), "min_tokens": (0,), "use_beam_search": (False,), "length_penalty": (1.0,),
+    "min_tokens": (0,), "use_beam_search": (False,), "length_penalty": (1.0,),
     "stop_token_ids": ([],), "include_stop_str_in_output": (False,), "suffix": ("",),
     "response_format": ({"type": "text"},), "tools": ([],), "tool_choice": ("none",),
     "functions": ([],), "function_call": ("none",),
+    # vLLM's extras: guided (structured) decoding, token filters, prompt truncation
+    "guided_json": (), "guided_regex": (), "guided_choice": (), "guided_grammar": (),
+    "guided_decoding_backend": (), "guided_whitespace_pattern": (), "structured_outputs": (),
+    "allowed_token_ids": (), "bad_words": ([],), "truncate_prompt_tokens": (),
+    "logits_processors": (), "min_p": (0.0,),
 }
 
 
@@ -94,6 +104,34 @@ def refuse_not_implemented(body: dict, kind: str) -> None:
             raise APIError(f"{field}={json_text(value)} is not supported by this server "
                            f"(only {allowed})", field)
 # ----------------------------------------------------------------------------------------------
+
+
+class FieldsRead(dict):
+    """A request body that remembers which of its fields were looked at: a field never read
+    was not acted on, and is refused rather than dropped."""
+
+    def __init__(self, body):
+        super().__init__(body)
+        self.read = set()
+
+    def get(self, field, default=None):
+        self.read.add(field)
+        return super().get(field, default)
+
+    def __getitem__(self, field):
+        self.read.add(field)
+        return super().__getitem__(field)
+
+    def __contains__(self, field):
+        self.read.add(field)
+        return super().__contains__(field)
+
+
+def refuse_unread(body: FieldsRead) -> None:
+    unread = [field for field in body if field not in body.read]
+    if unread:
+        raise APIError(f"unrecognized request argument supplied: {unread[0]!r:.100} (not a field "
+                       f"of the OpenAI API this server implements)", unread[0])
 
 
 def json_text(value, limit=80) -> str:
@@ -165,6 +203,7 @@ def parse(body, kind: str, model, name: str, pool_tokens: int, max_n: int = 1,
     if not isinstance(body, dict):
         raise APIError("the request body must be a JSON object")
     check_unicode(body)         # first the fields that cost nothing to check, then the prompt
+    body = FieldsRead(body)
     served_model(body, name)
     refuse_not_implemented(body, kind)
     text(body, "user")
@@ -176,6 +215,11 @@ def parse(body, kind: str, model, name: str, pool_tokens: int, max_n: int = 1,
     seed = number(body, "seed", None, 0, 2**63 - 1, True)
     ignore_eos = flag(body, "ignore_eos")                                 # vLLM's extra
     n = number(body, "n", 1, 1, max_n, True)
+    best_of = number(body, "best_of", n, 1, math.inf, True)
+    if best_of != n:
+        raise APIError(f"best_of={best_of} is not supported with n={n}: this server returns "
+                       f"every sample it makes, so best_of must equal n (or be left out)",
+                       "best_of")
     top, echo = logprob_fields(body, kind)
     stream = flag(body, "stream")
     options = body.get("stream_options")
@@ -210,6 +254,7 @@ def parse(body, kind: str, model, name: str, pool_tokens: int, max_n: int = 1,
         jobs.append(Job(kind, request, frozenset(eos_ids(model, request.eos_token_id)), stop,
                         stream, include_usage, top is not None, echo,
                         echo and body.get(field) == 0))
+    refuse_unread(body)
     return tuple(jobs)
 
 
@@ -340,12 +385,20 @@ def check_text_fits(model, texts, longest_token, param) -> None:
 
 
 def stop_strings(body) -> tuple:
+    """The stop strings: at most MAX_STOP (OpenAI's limit), each non-empty and at most
+    MAX_STOP_CHARS characters. Matching them costs time linear in the generated text whatever
+    their length (detokenize.StopStrings); the length limit bounds what each request builds
+    and holds back (a table per string, the text that may begin one)."""
     stop = body.get("stop")
     stop = [stop] if isinstance(stop, str) else [] if stop is None else stop
     if not isinstance(stop, list) or len(stop) > MAX_STOP or \
             not all(isinstance(s, str) and s for s in stop):
         raise APIError(f"stop must be a string or a list of at most {MAX_STOP} non-empty "
                        f"strings, got {json_text(stop)}", "stop")
+    longest = max(map(len, stop), default=0)
+    if longest > MAX_STOP_CHARS:
+        raise APIError(f"a stop string has {longest:,} characters; this server takes at most "
+                       f"{MAX_STOP_CHARS:,}", "stop")
     return tuple(stop)
 
 
