@@ -102,7 +102,7 @@ def test_admission_counts_each_samples_first_token_copy(tiny_model, spare):
     while engine.waiting or engine.running():
         engine.step()
     assert engine.preemptions == 0
-    assert all(r.status == "finished" for r in engine.results)
+    assert all(r.status == "finished" for r in engine.results.values())
 
 
 def test_a_sample_writing_into_the_shared_block_copies_it_first(tiny_model):

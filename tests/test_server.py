@@ -97,7 +97,8 @@ def answered(online, model, ids, max_tokens, n=None, seed=None, **sampling):
     list (sample i against generate seeded seed + i). A cancelled one (a stop string, a client
     gone) against as many of generate's tokens as it made."""
     made = []
-    for result in [r for r in online.engine.results if r.request.prompt == tuple(ids)][-(n or 1):]:
+    records = [r for r in online.engine.results.values() if r.request.prompt == tuple(ids)]
+    for result in records[-(n or 1):]:
         request = result.request
         mine = None if seed is None else seed + result.choice
         alone = mt.generate(model, ids, max_tokens, seed=mine, **sampling)
