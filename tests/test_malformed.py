@@ -360,12 +360,13 @@ def test_malformed_checkpoint_is_refused_naming_the_culprit(good, tmp_path, name
     shutil.copytree(good, path)
     brk(path)
     tracemalloc.start()
+    tracer = sys.gettrace()                     # coverage's or a debugger's, put back after
     sys.settrace(counting(EVENTS))
     try:
         with pytest.raises(CheckpointError) as caught:
             mt.load(path)
     finally:
-        sys.settrace(None)
+        sys.settrace(tracer)
         peak = tracemalloc.get_traced_memory()[1]
         tracemalloc.stop()
     message = str(caught.value)

@@ -38,11 +38,12 @@ def calls(fn) -> Counter:
     def profile(frame, event, arg):
         if event == "call" and frame.f_code in names:
             entered[names[frame.f_code]] += 1
+    profiler = sys.getprofile()                 # a profiler's or a debugger's, put back after
     sys.setprofile(profile)
     try:
         fn()
     finally:
-        sys.setprofile(None)
+        sys.setprofile(profiler)
     return entered
 
 
