@@ -7,13 +7,12 @@ the values, not with the (possibly cancelled) result. The two differ only in rou
 differences to a running maximum instead of the final one, sums in another order; measured
 up to 1.2e-6 x max |v| (tiles of 1 key: 200 rescalings).
 """
-import tracemalloc
 
 import numpy as np
 import pytest
 
 import minitransformer as mt
-from conftest import assert_like_solo
+from conftest import assert_like_solo, peak
 from minitransformer.backend import to_numpy, xp
 from minitransformer.kvcache import KVCache
 from minitransformer.kvquant import dequantize, quantize
@@ -126,17 +125,6 @@ def test_an_unknown_attention_is_a_clear_error(tiny_model, bad):
         Engine(tiny_model, num_blocks=4, attention=bad)
     with pytest.raises(ValueError, match="block"):
         tiled_attention(*qkv(1, 1, 1, 1, 4, 8), block=0)
-
-
-def peak(fn):
-    tracemalloc.start()
-    try:
-        start = tracemalloc.get_traced_memory()[0]
-        tracemalloc.reset_peak()
-        fn()
-        return tracemalloc.get_traced_memory()[1] - start
-    finally:
-        tracemalloc.stop()
 
 
 @pytest.mark.skipif(xp is not np, reason="tracemalloc sees NumPy's allocations only")

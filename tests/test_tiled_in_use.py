@@ -8,13 +8,13 @@ profiler hook, by code object) and what the pass allocated (tracemalloc's peak: 
 allocations, counted exactly, the same figure on every run; no timing).
 """
 import sys
-import tracemalloc
 from collections import Counter
 
 import numpy as np
 import pytest
 
 import minitransformer as mt
+from conftest import peak
 from minitransformer import model as model_module
 from minitransformer import tiled
 from minitransformer.backend import xp
@@ -88,18 +88,6 @@ T = 512
 def long_model(tmp_path_factory):
     config = qwen2_config(max_position_embeddings=T, num_hidden_layers=1)
     return mt.load(make_checkpoint(tmp_path_factory.mktemp("long") / "m", config, seed=3))
-
-
-def peak(fn) -> int:
-    """Bytes NumPy allocated at the peak of fn(), above what was held before it."""
-    tracemalloc.start()
-    try:
-        start = tracemalloc.get_traced_memory()[0]
-        tracemalloc.reset_peak()
-        fn()
-        return tracemalloc.get_traced_memory()[1] - start
-    finally:
-        tracemalloc.stop()
 
 
 @pytest.mark.skipif(xp is not np, reason="tracemalloc sees NumPy's allocations only")
