@@ -8,6 +8,9 @@ quantized by ``gguf.quants.quantize``.
 import json
 
 import numpy as np
+import pytest
+
+from minitransformer.synth import qwen2_config, random_weights, train_tokenizer
 
 GGUF_LAYER = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
               "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
@@ -119,7 +122,7 @@ def add_tokenizer(writer, tokenizer, pre, TokenType):
 # correct writer would: a key twice, an offset off the alignment, two tensors on the same bytes.
 SCALAR_FORMATS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q",
                   11: "q", 12: "d"}
-STRING, ARRAY = 8, 9
+UINT8, INT32, UINT32, FLOAT32, BOOL, STRING, ARRAY = 0, 5, 4, 6, 7, 8, 9   # value types
 
 
 def gguf_parts(path):
@@ -177,3 +180,21 @@ def gguf_bytes(entries, tensors, alignment=32, version=3, offsets=None, magic=b"
         out += struct.pack(f"<{len(dims)}Q", *dims) + struct.pack("<IQ", type_id, offset)
     out += b"\0" * (-len(out) % alignment)
     return out + data
+
+
+# A small qwen2 for the files that are broken or re-laid-out one thing at a time.
+CONFIG = qwen2_config(vocab_size=320, hidden_size=64, intermediate_size=128,
+                      num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2)
+
+
+@pytest.fixture(scope="module")
+def parts(tmp_path_factory):
+    """(metadata entries, tensors) of a valid file: qwen2 (CONFIG), a tokenizer, F32 and Q8_0
+    weights, no general.alignment (the default 32). A test module imports it to use it."""
+    path = tmp_path_factory.mktemp("gguf") / "valid.gguf"
+    weights = random_weights(CONFIG)
+    types = {name: "Q8_0" if name.endswith("up_proj.weight") else "F32" for name in weights}
+    write_gguf(path, CONFIG, weights, types=types, tokenizer=train_tokenizer(300))
+    entries, tensors = gguf_parts(path)
+    assert all(e[0] != "general.alignment" for e in entries)
+    return entries, tensors

@@ -12,26 +12,9 @@ import pytest
 
 import minitransformer as mt
 from minitransformer.backend import to_numpy
-from minitransformer.synth import qwen2_config, random_weights, train_tokenizer
 
 pytest.importorskip("gguf")
-from gguf_files import STRING, gguf_bytes, gguf_parts, write_gguf  # noqa: E402
-
-CONFIG = qwen2_config(vocab_size=320, hidden_size=64, intermediate_size=128,
-                      num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2)
-UINT32 = 4
-
-
-@pytest.fixture(scope="module")
-def parts(tmp_path_factory):
-    """(metadata entries, tensors) of a valid file without general.alignment (F32 and Q8_0)."""
-    path = tmp_path_factory.mktemp("gguf") / "valid.gguf"
-    weights = random_weights(CONFIG)
-    types = {name: "Q8_0" if name.endswith("up_proj.weight") else "F32" for name in weights}
-    write_gguf(path, CONFIG, weights, types=types, tokenizer=train_tokenizer(300))
-    entries, tensors = gguf_parts(path)
-    assert all(e[0] != "general.alignment" for e in entries)
-    return entries, tensors
+from gguf_files import STRING, UINT32, gguf_bytes, parts  # noqa: E402,F401 (parts: a fixture)
 
 
 def header_bytes(entries, tensors) -> int:

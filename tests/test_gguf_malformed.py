@@ -11,24 +11,10 @@ import numpy as np
 import pytest
 
 import minitransformer as mt
-from minitransformer.synth import qwen2_config, random_weights, train_tokenizer
 
 pytest.importorskip("gguf")
-from gguf_files import ARRAY, STRING, gguf_bytes, gguf_parts, write_gguf  # noqa: E402
-
-CONFIG = qwen2_config(vocab_size=320, hidden_size=64, intermediate_size=128,
-                      num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2)
-UINT8, INT32, UINT32, FLOAT32, BOOL = 0, 5, 4, 6, 7         # GGUF value types
-
-
-@pytest.fixture(scope="module")
-def parts(tmp_path_factory):
-    """(metadata entries, tensors) of a valid file: qwen2, a tokenizer, F32 and Q8_0 weights."""
-    path = tmp_path_factory.mktemp("gguf") / "valid.gguf"
-    weights = random_weights(CONFIG)
-    types = {name: "Q8_0" if name.endswith("up_proj.weight") else "F32" for name in weights}
-    write_gguf(path, CONFIG, weights, types=types, tokenizer=train_tokenizer(300))
-    return gguf_parts(path)
+from gguf_files import (ARRAY, BOOL, FLOAT32, INT32, STRING, UINT8, UINT32,  # noqa: E402
+                        gguf_bytes, parts)  # noqa: F401 (parts: a fixture)
 
 
 def write(tmp_path, entries, tensors, **layout):
