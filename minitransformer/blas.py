@@ -25,7 +25,8 @@ rows the first product of each shape times the ways (for one row, `rows` is the 
 `flat` makes, so three) on its own operands and keeps the fastest for that shape, for the rest
 of the process. A weight of COLD_BYTES or more is timed as a decode step reads it, from memory:
 the caches are flushed before each timing (a decode step reads every weight once, so none of
-them is still cached when its turn comes).
+them is still cached when its turn comes), by reading FLUSH_BYTES of other data: one buffer,
+allocated on the first large weight measured and kept for the process.
 
 The ways sum in different orders, so their last bits differ. Within a process a shape always
 takes the same way, so the same calls give the same bits (a row of a batch-invariant step makes
@@ -52,6 +53,7 @@ if FIXED is not None and FIXED not in ROUTES:
 TRIALS = 3               # timings per way when a shape is measured (the fastest counts)
 COLD_BYTES = 1 << 20     # a weight this large is timed from memory, as a decode step reads it
 FLUSH_BYTES = 1 << 27    # read between timings of a large weight: above the CPU's caches
+flush = None             # FLUSH_BYTES of ones, allocated on the first large weight's timing
 chosen = {}              # (M, n, in, dtypes) -> the way measured fastest for that shape
 
 
@@ -101,23 +103,33 @@ def fastest(x, w) -> str:
     `rows` and `dots` make M alike passes over w: timed as one of them, times M (on a large
     matrix, such as a vocabulary's head, that keeps the measuring short). A weight of
     COLD_BYTES or more is timed from memory: FLUSH_BYTES of other data are read before each
-    timing, so no way is timed on a w the previous one left in the cache."""
+    timing, so no way is timed on a w the previous one left in the cache (one buffer for the
+    process, flush_buffer(), not one per shape measured)."""
     out = np.empty((len(x), len(w)), np.result_type(x, w))
     calls = {"flat": lambda: flat(x, w, out), "rows": lambda: rows(x[:1], w, out),
              "slices": lambda: slices(x, w, out), "dots": lambda: dots(x[:1], w, out)}
     ways = candidates(len(x))
-    flush = np.ones(FLUSH_BYTES // 4, np.float32) if w.nbytes >= COLD_BYTES else None
+    cold = w.nbytes >= COLD_BYTES
     best = dict.fromkeys(ways, float("inf"))
     for _ in range(TRIALS):
         for route in ways:
-            if flush is not None:
-                flush_caches(flush)
+            if cold:
+                flush_caches(flush_buffer())
             start = time.perf_counter()
             calls[route]()
             best[route] = min(best[route], time.perf_counter() - start)
     for route in {"rows", "dots"} & set(ways):
         best[route] *= len(x)
     return min(ways, key=best.get)
+
+
+def flush_buffer():
+    """The data read to flush the caches: FLUSH_BYTES, allocated once, when first needed, and
+    kept for the process (a model's weights take up to a few dozen shapes to measure)."""
+    global flush
+    if flush is None:
+        flush = np.ones(FLUSH_BYTES // 4, np.float32)
+    return flush
 
 
 def flush_caches(buffer):

@@ -139,17 +139,24 @@ def test_rows_and_dots_count_one_pass_over_w_per_row(monkeypatch):
 
 def test_a_large_weight_is_timed_from_memory(monkeypatch):
     """From COLD_BYTES on, the caches are flushed before every timing (a decode step finds no
-    weight cached); a smaller weight is timed as it is."""
+    weight cached); a smaller weight is timed as it is. The data read to flush them is one
+    buffer of FLUSH_BYTES for the process, allocated when first needed, whatever the shapes."""
     flushes = []
-    monkeypatch.setattr(blas, "flush_caches", lambda buffer: flushes.append(buffer.nbytes))
+    monkeypatch.setattr(blas, "flush_caches", flushes.append)
     monkeypatch.setattr(blas, "FLUSH_BYTES", 4096)
+    monkeypatch.setattr(blas, "flush", None)
     x, w = operands(1, n=300)
     monkeypatch.setattr(blas, "COLD_BYTES", w.nbytes + 1)
     blas.fastest(x, w)
-    assert flushes == []
+    assert flushes == [] and blas.flush is None                # nothing allocated
     monkeypatch.setattr(blas, "COLD_BYTES", w.nbytes)
     blas.fastest(x, w)
-    assert flushes == [4096] * (blas.TRIALS * len(blas.ONE_ROW))
+    assert len(flushes) == blas.TRIALS * len(blas.ONE_ROW)
+    x4, w2 = operands(4, n=2 * len(w))
+    blas.fastest(x4, w2)
+    assert len(flushes) == blas.TRIALS * (len(blas.ONE_ROW) + len(blas.ROUTES))
+    assert all(buffer is flushes[0] for buffer in flushes) and flushes[0] is blas.flush
+    assert flushes[0].nbytes == 4096
 
 
 @pytest.mark.parametrize("route", blas.ROUTES)
