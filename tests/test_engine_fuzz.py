@@ -3,12 +3,16 @@ invariant checked after every step (tests/engine_fuzz.py; scripts/fuzz_engine.py
 in batch-invariant mode (tokens ==) and in the default fast mode (conftest's near-tie policy).
 The fast mode runs on the models of close calls (conftest.CLOSE_CALLS, and llama-gqa, whose
 top-two gaps are small too), where a logit error changes tokens: a Gaussian error of 1e-3 on
-the batched decode's logits fails it; the tied qwen2 model, which mostly repeats its last
-token by a wide margin, is fuzzed in batch-invariant mode, where any change fails ==."""
+the batched decode's logits fails it (planted below); the tied qwen2 model, which mostly
+repeats its last token by a wide margin, is fuzzed in batch-invariant mode, where any change
+fails ==."""
+import numpy as np
 import pytest
 
+import conftest
 import minitransformer as mt
 from engine_fuzz import run_case
+from minitransformer.serve import engine as engine_module
 
 CASES = 8
 
@@ -27,6 +31,23 @@ def test_random_workloads_keep_every_invariant(checkpoint_dir, name, batch_invar
     assert any(s["chunked"] for s in seen) and any(not s["chunked"] for s in seen)
     assert any(not s["caching"] for s in seen)
     assert any(s["forked"] for s in seen)
+
+
+def test_a_gaussian_logit_error_of_1e_3_fails_the_fast_fuzz(checkpoint_dir, monkeypatch):
+    """The fast fuzz can see an error that size: seeded N(0, 1e-3) added to every logit of the
+    engine's batched decode (the function it calls for them) makes a token differ where the
+    reference run was no near tie, in the fixed seed's cases on the close-calls model."""
+    model = mt.load(checkpoint_dir("qwen2-close-calls"))
+    noise, decode_logits = np.random.default_rng(0), engine_module.last_logits
+
+    def noisy(*args, **kwargs):
+        logits = decode_logits(*args, **kwargs)                      # (B, V)
+        return logits + noise.normal(0, 1e-3, logits.shape).astype(logits.dtype)
+    monkeypatch.setattr(engine_module, "last_logits", noisy)
+    monkeypatch.setattr(conftest, "CHECKED", [])           # not one of the run's comparisons
+    with pytest.raises(AssertionError, match="not a near tie"):
+        for seed in range(CASES):
+            run_case(model, seed, batch_invariant=False)
 
 
 def test_the_fuzz_script_runs_and_reports(run_script):
