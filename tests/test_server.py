@@ -1,6 +1,7 @@
 """The OpenAI-compatible server, driven by the official ``openai`` client over real HTTP on
 127.0.0.1: every answer's text is the text of ``generate`` alone, streamed or not."""
 import json
+import os
 import signal
 import socket
 import subprocess
@@ -16,6 +17,7 @@ import pytest
 from conftest import assert_like_solo, wait_for
 from engine_fuzz import exact
 import minitransformer as mt
+from minitransformer import blas
 from minitransformer.chat import encode_chat
 from minitransformer.sampling import SamplingSettings
 from minitransformer.serve.engine import Engine
@@ -318,13 +320,17 @@ def test_models_health_and_metrics(served):
 
 def serve_command(model, *options):
     """`python3 -m minitransformer serve` in its own process on a free port of 127.0.0.1, once
-    /health answers -> (process, an openai client of it). The caller kills the process."""
+    /health answers -> (process, an openai client of it). The caller kills the process.
+    Its products of a few rows take the flat way (MT_PRODUCTS): the way is otherwise measured
+    per process (blas.py), and a test comparing its text with this process's generate bit for
+    bit pins blas.FIXED to the same."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     process = subprocess.Popen([sys.executable, "-m", "minitransformer", "serve", "--model",
                                 model.path, "--port", str(port), "--served-model-name", NAME,
-                                *options], cwd=ROOT, stderr=subprocess.PIPE, text=True)
+                                *options], cwd=ROOT, stderr=subprocess.PIPE, text=True,
+                               env=os.environ | {"MT_PRODUCTS": "flat"})
 
     def up():
         try:
@@ -354,9 +360,11 @@ def test_serve_command_drains_answers_in_flight_on_ctrl_c(model):
     assert "serving 'tiny-chat'" in process.stderr.read()
 
 
-def test_serve_command_with_a_quantized_cache_and_tiled_attention(model):
+def test_serve_command_with_a_quantized_cache_and_tiled_attention(model, monkeypatch):
     """--kv-cache-dtype q8_0 --attention tiled: the client's text is generate's with the same
-    cache format and attention (batch-invariant: bit for bit); a bad format is refused."""
+    cache format and attention (batch-invariant, and both processes multiplying the flat way:
+    the same BLAS calls, bit for bit); a bad format is refused."""
+    monkeypatch.setattr(blas, "FIXED", "flat")
     bad = subprocess.run([sys.executable, "-m", "minitransformer", "serve", "--model", model.path,
                           "--kv-cache-dtype", "int8"], cwd=ROOT, capture_output=True, text=True)
     assert bad.returncode == 2 and "--kv-cache-dtype: invalid choice: 'int8'" in bad.stderr
