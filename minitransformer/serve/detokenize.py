@@ -122,10 +122,12 @@ class StopStrings:
     (None, 3)
     >>> stop.feed("bz")                        # "abab" ends here: it began 3 characters back
     -3
+    >>> StopStrings(["", "b"]).feed("ab")        # an empty string is no stop string
+    1
     """
 
     def __init__(self, stops=(), tables=None):
-        self.stops = tuple(stops)
+        self.stops = tuple(s for s in stops if s)   # an empty string stops nothing
         self.tables = tables or tuple(failure_table(s) for s in self.stops)
         self.states = [0] * len(self.stops)
         self.moves = 0
