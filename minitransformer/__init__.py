@@ -14,15 +14,15 @@ Reading order, in the chapter's order (the experiment each part serves in bracke
     serve/               batching: records, paged cache, engine; then the server    [12-14]
     ../quant/            weight quantization: schemes, quantizers, QWeight          [15-21]
     speculative.py       a draft guesses, the target checks (lookup.py: a free draft)  [22]
-    distill.py           soft labels and the distillation loss                         [23]
-    training.py          a draft trained on them: forward beside backward, Adam    [22, 23]
+    drafts/distill.py    soft labels and the distillation loss                         [23]
+    drafts/training.py   a draft trained on them: forward beside backward, Adam    [22, 23]
     ../sim/              cost models, numbers from shapes and formulas [3, 9-11, 13, 22, 24]
 
 A first pass may skip: loader.py, tokenizer.py, chat.py and formats/ (where the bytes come
-from), linear.py, blas.py, fused.py, backend.py and strict.py (how the products run fast,
-or on a GPU), checks.py and errors.py (refusing bad input), real_model.py and synth.py (the
-models the experiments run on), logprobs.py (what the model thought of each token, for the
-API), measure/ (timing and scoring for the experiments), __main__.py (the command line).
+from), linear.py, backend.py and kernels/ (how the products run fast, or on a GPU), checks.py
+and errors.py (refusing bad input), checkpoints/ (the models the experiments run on),
+logprobs.py (what the model thought of each token, for the API), measure/ (timing and scoring
+for the experiments), __main__.py (the command line).
 
 The stable public API:
     load(path)                         -> Model (config, weights, tokenizer)

@@ -33,7 +33,7 @@ elif BACKEND == "cupy":
             "(a CuPy wheel matching your CUDA), or unset MT_BACKEND to run on NumPy"
         ) from e
 elif BACKEND == "strict":
-    from minitransformer import strict as xp
+    from minitransformer.kernels import strict as xp
 else:
     raise ValueError(f"MT_BACKEND={BACKEND!r} is not a backend: use 'numpy' (default), 'cupy' "
                      "or 'strict' (tests)")

@@ -7,7 +7,7 @@ itself goes into BLAS (one call or several, chosen by timing the BLAS running he
 a quantized weight multiplies itself from its codes (quant/matmul.py).
 """
 from minitransformer.backend import xp
-from minitransformer.blas import multiply
+from minitransformer.kernels.blas import multiply
 
 
 def is_quantized(w) -> bool:

@@ -30,7 +30,7 @@ import numpy as np  # host-side bookkeeping only (positions); the math goes thro
 
 from minitransformer.backend import to_device, xp
 from minitransformer.config import ModelConfig
-from minitransformer.fused import Fused, fuse
+from minitransformer.kernels.fused import Fused, fuse
 from minitransformer.kvquant import dequantize
 from minitransformer.linear import linear
 from minitransformer.tiled import CausalTiles, tiled_attention

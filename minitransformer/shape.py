@@ -6,7 +6,7 @@ cache bytes, and the benchmarks and experiments divide by ``decode_read_bytes``,
 Worked on the chapter's Qwen2.5-0.5B (24 layers, D = 896, 14 q heads and 2 kv heads of 64,
 F = 4864, V = 151,936, tied head, q/k/v biases):
 >>> from minitransformer.config import ModelConfig
->>> from minitransformer.synth import qwen25_05b_config
+>>> from minitransformer.checkpoints.synth import qwen25_05b_config
 >>> qwen = ModelConfig.from_dict(qwen25_05b_config())
 >>> tensor_shapes(qwen)["model.layers.0.self_attn.k_proj.weight"]          # (Hkv*d, D)
 (128, 896)

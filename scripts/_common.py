@@ -13,7 +13,7 @@ from pathlib import Path
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import minitransformer as mt  # noqa: E402
-from minitransformer.real_model import checkpoint  # noqa: E402
+from minitransformer.checkpoints.real_model import checkpoint  # noqa: E402
 
 
 # --model NAME: the two models every script can run on without a download from a model hub.
@@ -51,7 +51,7 @@ def model_config(args):
     """-> (label, ModelConfig) for scripts that need only a model's shape, not its weights:
     --chapter-model gives Qwen2.5-0.5B's, else the config.json of --model (or the default)."""
     from minitransformer.config import ModelConfig, load_config
-    from minitransformer.synth import qwen25_05b_config
+    from minitransformer.checkpoints.synth import qwen25_05b_config
     if args.chapter_model:
         return "Qwen2.5-0.5B shape", ModelConfig.from_dict(qwen25_05b_config())
     path = model_path(args.model)
@@ -65,7 +65,7 @@ def is_chapter_model(config) -> bool:
     from dataclasses import replace
 
     from minitransformer.config import ModelConfig
-    from minitransformer.synth import qwen25_05b_config
+    from minitransformer.checkpoints.synth import qwen25_05b_config
     chapter = ModelConfig.from_dict(qwen25_05b_config())
     return replace(config, torch_dtype=chapter.torch_dtype) == chapter
 

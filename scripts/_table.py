@@ -176,7 +176,7 @@ def plain(value):
 
 def is_random(model) -> bool:
     """True for the embedded default model (random weights, made by code)."""
-    from minitransformer.synth import default_model
+    from minitransformer.checkpoints.synth import default_model
     path = getattr(model, "path", model)
     try:
         return Path(path).resolve() == Path(default_model()).resolve()

@@ -5,7 +5,8 @@ load elsewhere hits them alike), with BLAS threads fixed (--threads, default 1);
 and the median of --repeat rounds are printed, ratios are built from the fastest.
 
   routes     one row times one large float32 matrix (--matrix-mb, Qwen2.5-0.5B's width) by
-             every route NumPy offers, the library's own (minitransformer/blas.py measures them
+             every route NumPy offers, the library's own (minitransformer/kernels/blas.py measures
+             them
              and takes the fastest for each weight) and others beside them, in GB/s of the
              matrix, against a dot product over the same bytes. Where no route the library
              takes streams at 90% of the dot product, the table says so, and the decode
@@ -56,7 +57,7 @@ from minitransformer.measure.timing import (blas_kernel, step_with_rollback, tim
 from minitransformer.linear import linear
 from minitransformer.model import forward
 from minitransformer.shape import decode_read_bytes
-from minitransformer.synth import make_checkpoint, qwen25_05b_config, weights_dir
+from minitransformer.checkpoints.synth import make_checkpoint, qwen25_05b_config, weights_dir
 
 FLOOR_TARGET, BATCH_TARGET, CEILING_SLACK, BATCH = 1.25, 4.0, 1.1, 16
 FLOOR_TARGETS = {"smollm2": 1.4}  # 135M weights: the work beside the products weighs more
@@ -74,7 +75,7 @@ def checkpoint(spec):
         return path
     if spec == "smollm2":
         try:
-            from minitransformer.real_model import smollm2
+            from minitransformer.checkpoints.real_model import smollm2
             return smollm2()
         except Exception as e:  # not installed, or offline: the other rows still mean something
             say(f"note: SmolLM2-135M-Instruct unavailable ({e}); its rows are left out")
@@ -94,7 +95,7 @@ def product_routes(nbytes, cols=ROUTE_COLUMNS):
     """One float32 matrix W (N, cols) of about nbytes and one row x -> [(product, the library's
     route or "", function)]: the dot-product probe over W's bytes first, then every way one row
     can multiply W, the library's own (blas.py, on this very W) and others beside them."""
-    from minitransformer import blas
+    from minitransformer.kernels import blas
     rng = np.random.default_rng(0)
     w = rng.standard_normal((max(1, nbytes // (4 * cols)), cols), dtype=np.float32)  # (N, K)
     x, out = rng.standard_normal((1, cols), dtype=np.float32), np.empty((1, len(w)), np.float32)
@@ -119,7 +120,7 @@ def product_routes(nbytes, cols=ROUTE_COLUMNS):
 def routes_table(args, ran_on):
     """The table of one-row product routes -> (Table, the best library route's GB/s, the dot
     product's GB/s). Timed side by side, like everything here."""
-    from minitransformer import blas
+    from minitransformer.kernels import blas
     routes, (x, w) = product_routes(args.matrix_mb << 20)
     chosen = blas.way(x, w)                  # measured here as for any weight (or MT_PRODUCTS)
     repeat = ROUTE_ROUNDS * args.repeat                  # each round is milliseconds: many

@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 from minitransformer.config import load_config
-from minitransformer.synth import weights_dir
+from minitransformer.checkpoints.synth import weights_dir
 
 FILES = ["config.json", "generation_config.json", "tokenizer*", "*.safetensors",
          "model.safetensors.index.json"]

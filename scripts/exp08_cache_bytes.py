@@ -30,7 +30,7 @@ from minitransformer.config import ModelConfig
 from minitransformer.kvcache import KVCache
 from minitransformer.kvquant import KV_DTYPES, block_of, cache_bytes_per_token, vector_bytes
 from minitransformer.model import forward
-from minitransformer.synth import qwen25_05b_config
+from minitransformer.checkpoints.synth import qwen25_05b_config
 from sim.kv_memory import format_bytes
 
 F32, F16, Q8, Q4 = KV_DTYPES

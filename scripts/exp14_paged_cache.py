@@ -28,7 +28,7 @@ from _table import Table
 from minitransformer.serve.engine import Engine, pool_for
 from minitransformer.serve.records import Request
 from minitransformer.serve.paged import blocks_for
-from minitransformer.synth import make_checkpoint, qwen2_config
+from minitransformer.checkpoints.synth import make_checkpoint, qwen2_config
 from sim.workload import skewed_lengths
 
 MB = 1024 ** 2

@@ -23,7 +23,7 @@ import numpy as np
 from _common import (add_model_argument, add_threads_argument, encode_prompt, load_model, mt,
                      numbers, timing_header)
 from _table import Table
-from minitransformer.distill import (distillation_grad, distillation_loss, rank_ratio,
+from minitransformer.drafts.distill import (distillation_grad, distillation_loss, rank_ratio,
                                      soft_labels, top_tokens)
 from minitransformer.speculative import first_layers
 from train_draft import (add_settings_arguments, curve_table, distilled, settings_of,

@@ -15,7 +15,7 @@ from pathlib import Path
 from _common import say
 
 from minitransformer.errors import CheckpointError
-from minitransformer.real_model import import_gguf, sha256, smollm2
+from minitransformer.checkpoints.real_model import import_gguf, sha256, smollm2
 
 
 def main(argv=None):

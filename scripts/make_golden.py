@@ -2,13 +2,15 @@
 
 Optional: needs torch and transformers (pip install -e '.[reference]'); nothing else in the
 repository imports them. Run it again only when the cases below change, or when
-tests/test_golden.py reports that minitransformer.synth now makes different checkpoints.
+tests/test_golden.py reports that minitransformer.checkpoints.synth now makes different
+checkpoints.
 
-For each case it writes a random checkpoint with ``minitransformer.synth.make_checkpoint``
-(deterministic: numpy's seeded generator), loads it with Hugging Face transformers in float32
-with the eager attention (the plain softmax(QK^T/sqrt(d))V), checks that every parameter HF
-holds is bit-for-bit the tensor minitransformer loads (so a weight HF silently initialised
-itself cannot slip into the fixture), and stores HF's logits for a few prompts.
+For each case it writes a random checkpoint with
+``minitransformer.checkpoints.synth.make_checkpoint`` (deterministic: numpy's seeded generator),
+loads it with Hugging Face transformers in float32 with the eager attention (the plain
+softmax(QK^T/sqrt(d))V), checks that every parameter HF holds is bit-for-bit the tensor
+minitransformer loads (so a weight HF silently initialised itself cannot slip into the fixture),
+and stores HF's logits for a few prompts.
 
     tests/fixtures/hf_golden.json   the cases: config dict, seed, storage dtype, prompts,
                                     sha256 of the checkpoint's model.safetensors, versions
@@ -28,7 +30,7 @@ import numpy as np
 
 import minitransformer as mt
 from minitransformer.backend import to_numpy
-from minitransformer.synth import llama_config, make_checkpoint, qwen2_config
+from minitransformer.checkpoints.synth import llama_config, make_checkpoint, qwen2_config
 
 OUT = Path(__file__).resolve().parents[1] / "tests" / "fixtures"
 PROMPT_LENGTHS = (1, 7, 33)

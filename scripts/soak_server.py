@@ -212,7 +212,7 @@ def main(argv=None):
 
 
 def tiny_checkpoint(folder) -> str:
-    from minitransformer.synth import make_checkpoint, qwen2_config, train_tokenizer
+    from minitransformer.checkpoints.synth import make_checkpoint, qwen2_config, train_tokenizer
     config = qwen2_config(vocab_size=320, hidden_size=64, intermediate_size=128,
                           num_hidden_layers=2, max_position_embeddings=512)
     return str(make_checkpoint(os.path.join(folder, "tiny"), config,

@@ -1,7 +1,7 @@
 """Distil a speculative draft: soft labels against hard, the same start and the same budget.
 
 The draft is the target's first --layers layers with the last one's MLP block trained
-(minitransformer/training.py); the rest is the target's own, frozen. The block starts as a
+(minitransformer/drafts/training.py); the rest is the target's own, frozen. The block starts as a
 copy of the target's last MLP block (--start own: the cut's own block, the untrained cut).
 Three students from that one start see the same batches with the same Adam: one learns the
 teacher's soft labels at T = 1, one at T = 2 (distill.py's T^2-scaled KL), one its hard
@@ -25,12 +25,12 @@ import numpy as np
 from _common import (Progress, add_model_argument, add_threads_argument, load_model, model_name,
                      positive_int, run, say, timing_header)
 from _table import Table
-from minitransformer import training as tr
+from minitransformer.drafts import training as tr
 from minitransformer.backend import to_numpy
 from minitransformer.measure.quality import agreement, reference_tokens
 from minitransformer.measure.text import TextUnavailable, britannica_text
 from minitransformer.speculative import first_layers
-from minitransformer.synth import weights_dir
+from minitransformer.checkpoints.synth import weights_dir
 
 VERSION = "draft-distillation-v1"      # bump when the training changes what it produces
 SCORED_BY_EXP21 = 2049                 # experiment 21's tokens: the start of the article

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from minitransformer import load
-from minitransformer.synth import llama_config, make_checkpoint, qwen2_config
+from minitransformer.checkpoints.synth import llama_config, make_checkpoint, qwen2_config
 
 STORIES = Path(__file__).resolve().parents[2] / "shared" / "models" / "stories260K"
 
@@ -43,7 +43,7 @@ CLOSE_CALLS_GAIN = 1 / 16
 def write_checkpoint(path, name, seed) -> Path:
     """Write the checkpoint of a model of SHAPES or CLOSE_CALLS -> its path."""
     from minitransformer.formats.safetensors_io import write_tensors
-    from minitransformer.synth import random_weights
+    from minitransformer.checkpoints.synth import random_weights
     config, dtype = (SHAPES | CLOSE_CALLS)[name]
     path = make_checkpoint(path, config, seed=seed, dtype=dtype)
     if name in CLOSE_CALLS:

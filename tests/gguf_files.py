@@ -10,7 +10,7 @@ import json
 import numpy as np
 import pytest
 
-from minitransformer.synth import qwen2_config, random_weights, train_tokenizer
+from minitransformer.checkpoints.synth import qwen2_config, random_weights, train_tokenizer
 
 GGUF_LAYER = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
               "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",

@@ -13,7 +13,7 @@ import numpy as np
 from minitransformer.backend import to_device, to_numpy
 from minitransformer.config import ModelConfig
 from minitransformer.serve.paged import PagedCache
-from minitransformer.synth import qwen2_config
+from minitransformer.checkpoints.synth import qwen2_config
 
 CONFIG = ModelConfig.from_dict(qwen2_config())    # 2 layers, Hkv 2, d 8: only shapes matter
 

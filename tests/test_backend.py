@@ -33,4 +33,4 @@ def test_missing_cupy_is_a_clear_error():
 
 
 def test_strict_is_the_test_backend():
-    assert run("strict").stdout.strip() == "minitransformer.strict"
+    assert run("strict").stdout.strip() == "minitransformer.kernels.strict"

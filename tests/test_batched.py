@@ -14,7 +14,7 @@ from minitransformer.kvcache import KVCache
 from minitransformer.model import forward
 from minitransformer.serve.paged import PagedCache
 from minitransformer.sampling import SamplingSettings, next_token
-from minitransformer.synth import make_checkpoint, qwen2_config
+from minitransformer.checkpoints.synth import make_checkpoint, qwen2_config
 
 
 def decode_step(model, tokens, cache, batch_invariant=False):

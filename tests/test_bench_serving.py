@@ -13,7 +13,7 @@ TEMPLATE = ("{% for m in messages %}<|endoftext|>{{ m['role'] }}: {{ m['content'
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    from minitransformer.synth import make_checkpoint, qwen2_config, train_tokenizer
+    from minitransformer.checkpoints.synth import make_checkpoint, qwen2_config, train_tokenizer
 
     path = make_checkpoint(tmp_path_factory.mktemp("bench") / "tiny",
                            qwen2_config(vocab_size=320), tokenizer=train_tokenizer(300))

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from minitransformer import blas
+from minitransformer.kernels import blas
 from minitransformer.backend import to_device, to_numpy
 from minitransformer.linear import linear
 
@@ -72,7 +72,7 @@ def test_a_fixed_way_is_taken_for_every_shape(monkeypatch):
 
 
 def test_an_unknown_fixed_way_is_refused_at_import():
-    done = subprocess.run([sys.executable, "-c", "import minitransformer.blas"],
+    done = subprocess.run([sys.executable, "-c", "import minitransformer.kernels.blas"],
                           capture_output=True, text=True, timeout=60,
                           env=dict(os.environ, MT_PRODUCTS="fastest"))
     assert done.returncode != 0

@@ -5,7 +5,7 @@ import pytest
 
 import minitransformer as mt
 from minitransformer.chat import encode_chat, render
-from minitransformer.synth import make_checkpoint, qwen2_config, train_tokenizer
+from minitransformer.checkpoints.synth import make_checkpoint, qwen2_config, train_tokenizer
 
 jinja2 = pytest.importorskip("jinja2")
 

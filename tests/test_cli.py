@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 import minitransformer as mt
-from minitransformer import blas
+from minitransformer.kernels import blas
 from minitransformer.chat import encode_chat
 from minitransformer.sampling import SamplingSettings
 
@@ -70,7 +70,7 @@ def story_chat_model(tmp_path_factory, stories):
 @pytest.fixture(scope="module")
 def tiny_chat_model(tmp_path_factory):
     """A tiny random Qwen2 with a byte-level tokenizer and a chat template (always present)."""
-    from minitransformer.synth import make_checkpoint, qwen2_config, train_tokenizer
+    from minitransformer.checkpoints.synth import make_checkpoint, qwen2_config, train_tokenizer
 
     path = make_checkpoint(tmp_path_factory.mktemp("tiny-chat"), qwen2_config(vocab_size=320),
                            tokenizer=train_tokenizer(300))
@@ -281,9 +281,9 @@ def test_chat_in_a_real_terminal(story_chat_model):
 
 
 def test_model_names_and_the_offline_fallback(monkeypatch, capsys):
-    import minitransformer.real_model as real_model
+    import minitransformer.checkpoints.real_model as real_model
     from minitransformer.__main__ import model_path
-    from minitransformer.synth import default_model
+    from minitransformer.checkpoints.synth import default_model
 
     def offline():
         raise real_model.FetchError("no network")

@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 from scipy.stats import entropy
 
-from minitransformer.distill import (distillation_grad, distillation_loss, rank_ratio,
+from minitransformer.drafts.distill import (distillation_grad, distillation_loss, rank_ratio,
                                      soft_labels, top_tokens)
 
 # The chapter's soft label for "She poured the milk into the" (its top 5; the rest of the mass

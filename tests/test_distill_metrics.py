@@ -5,8 +5,8 @@ import numpy as np
 import pytest
 
 import minitransformer as mt
-from minitransformer import training as tr
-from minitransformer.synth import make_checkpoint, qwen2_config
+from minitransformer.drafts import training as tr
+from minitransformer.checkpoints.synth import make_checkpoint, qwen2_config
 
 # Two positions over a vocabulary of 3, the teacher's p and the student's q written out:
 P = np.array([[0.7, 0.2, 0.1], [0.1, 0.6, 0.3]])
@@ -70,7 +70,7 @@ WORDS = ("lamp keeper climbed steps dusk harbour ship rope tide gull stone wall 
 
 @pytest.fixture(scope="module")
 def target(tmp_path_factory):
-    from minitransformer.synth import train_tokenizer
+    from minitransformer.checkpoints.synth import train_tokenizer
     path = make_checkpoint(tmp_path_factory.mktemp("target") / "model", qwen2_config(
         vocab_size=320, num_hidden_layers=3, max_position_embeddings=512), seed=5,
         tokenizer=train_tokenizer(vocab_size=300))

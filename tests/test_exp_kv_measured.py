@@ -155,7 +155,8 @@ def test_exp07_table(checkpoint_dir, run_script):
 def test_exp02_and_exp04_without_model_use_the_default_model(checkpoint_dir, monkeypatch,
                                                               run_script):
     # --model defaults to the name 'default', which must be resolved, not read as a path
-    monkeypatch.setattr("minitransformer.synth.default_model", lambda: checkpoint_dir("llama-gqa"))
+    monkeypatch.setattr("minitransformer.checkpoints.synth.default_model",
+                        lambda: checkpoint_dir("llama-gqa"))
     out, _ = run_script("exp02_attention_scaling", "--lengths", 16, "--repeat", 1, "--warmup", 0)
     assert "(d = 8)" in out
     out, _ = run_script("exp04_cache_memory", "--prompt-tokens", 4, "--new-tokens", 3,

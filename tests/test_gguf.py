@@ -9,7 +9,8 @@ import pytest
 
 import minitransformer as mt
 from minitransformer.formats import gguf_blocks
-from minitransformer.synth import llama_config, make_checkpoint, qwen2_config, train_tokenizer
+from minitransformer.checkpoints.synth import (llama_config, make_checkpoint, qwen2_config,
+                                               train_tokenizer)
 
 gguf = pytest.importorskip("gguf")
 from gguf_files import MATRIX_TYPES, store, write_gguf  # noqa: E402
@@ -72,7 +73,7 @@ def test_dequantize_errors_name_the_problem():
 
 def model_files(tmp_path, config, seed=0, **kwargs):
     """-> (GGUF path, safetensors checkpoint of exactly the weights the GGUF stores)."""
-    from minitransformer.synth import random_weights
+    from minitransformer.checkpoints.synth import random_weights
 
     weights = random_weights(config, seed)
     expected = write_gguf(tmp_path / "m.gguf", config, weights, **kwargs)
@@ -125,7 +126,7 @@ def test_attention_biases_and_untied_head(tmp_path):
 
 def test_non_finite_weight_names_the_tensor(tmp_path):
     config = qwen2_config(**SHAPE)
-    from minitransformer.synth import random_weights
+    from minitransformer.checkpoints.synth import random_weights
     weights = random_weights(config)
     weights["model.layers.1.mlp.up_proj.weight"][2, 3] = np.inf
     write_gguf(tmp_path / "m.gguf", config, weights,
@@ -137,7 +138,7 @@ def test_non_finite_weight_names_the_tensor(tmp_path):
 
 def test_unsupported_type_names_tensor_and_type(tmp_path):
     config = qwen2_config(**SHAPE)
-    from minitransformer.synth import random_weights
+    from minitransformer.checkpoints.synth import random_weights
     weights = random_weights(config)
     write_gguf(tmp_path / "m.gguf", config, weights,
                types={"model.layers.1.mlp.up_proj.weight": "Q5_0"})
@@ -151,7 +152,7 @@ def test_unsupported_type_names_tensor_and_type(tmp_path):
 ])
 def test_missing_metadata_names_the_key(tmp_path, drop, message):
     config = llama_config(**SHAPE)
-    from minitransformer.synth import random_weights
+    from minitransformer.checkpoints.synth import random_weights
     write_gguf(tmp_path / "m.gguf", config, random_weights(config), drop_keys=(drop,))
     with pytest.raises(mt.CheckpointError, match=message):
         mt.load(tmp_path / "m.gguf")
@@ -165,7 +166,7 @@ def test_bad_files_are_named(tmp_path):
     with pytest.raises(mt.CheckpointError, match="bad.gguf: not a GGUF file"):
         mt.load(bad)
     config = qwen2_config(**SHAPE)
-    from minitransformer.synth import random_weights
+    from minitransformer.checkpoints.synth import random_weights
     weights = random_weights(config)
     weights.pop("model.layers.1.mlp.down_proj.weight")
     write_gguf(tmp_path / "m.gguf", config, weights)
@@ -176,7 +177,7 @@ def test_bad_files_are_named(tmp_path):
 def test_unknown_tensor_is_named(tmp_path):
     from gguf import GGMLQuantizationType
     config = qwen2_config(**SHAPE)
-    from minitransformer.synth import random_weights
+    from minitransformer.checkpoints.synth import random_weights
     write_gguf(tmp_path / "m.gguf", config, random_weights(config),
                extra_tensors={"blk.0.ffn_gate_exps.weight": (np.zeros((4, 64), np.float32),
                                                              GGMLQuantizationType.F32)})
@@ -197,7 +198,7 @@ def bpe():
 @pytest.mark.parametrize("pre", ["gpt2", "smollm"])
 def test_tokenizer_round_trips(tmp_path, bpe, pre):
     config = qwen2_config(**SHAPE | {"vocab_size": 1024})
-    from minitransformer.synth import random_weights
+    from minitransformer.checkpoints.synth import random_weights
     write_gguf(tmp_path / "m.gguf", config, random_weights(config), tokenizer=bpe, pre=pre)
     tok = mt.load(tmp_path / "m.gguf").tokenizer
     special = bpe.token_to_id("<|endoftext|>")
@@ -212,7 +213,7 @@ def test_tokenizer_round_trips(tmp_path, bpe, pre):
 
 def test_smollm_splits_every_digit(tmp_path, bpe):
     config = qwen2_config(**SHAPE | {"vocab_size": 1024})
-    from minitransformer.synth import random_weights
+    from minitransformer.checkpoints.synth import random_weights
     write_gguf(tmp_path / "m.gguf", config, random_weights(config), tokenizer=bpe,
                pre="smollm")
     tok = mt.load(tmp_path / "m.gguf").tokenizer
@@ -222,7 +223,7 @@ def test_smollm_splits_every_digit(tmp_path, bpe):
 
 def test_chat_template_is_kept(tmp_path, bpe):
     config = qwen2_config(**SHAPE | {"vocab_size": 1024})
-    from minitransformer.synth import random_weights
+    from minitransformer.checkpoints.synth import random_weights
     write_gguf(tmp_path / "m.gguf", config, random_weights(config), tokenizer=bpe)
     tok = mt.load(tmp_path / "m.gguf").tokenizer
     ids = tok.chat_prompt([{"role": "user", "content": "Hi"}])
@@ -232,7 +233,7 @@ def test_chat_template_is_kept(tmp_path, bpe):
 
 def test_unsupported_pre_tokenizer_is_named(tmp_path, bpe):
     config = qwen2_config(**SHAPE | {"vocab_size": 1024})
-    from minitransformer.synth import random_weights
+    from minitransformer.checkpoints.synth import random_weights
     write_gguf(tmp_path / "m.gguf", config, random_weights(config), tokenizer=bpe,
                pre="chatglm-bpe")
     with pytest.raises(mt.CheckpointError, match="tokenizer.ggml.pre='chatglm-bpe'"):

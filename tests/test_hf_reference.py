@@ -19,7 +19,7 @@ import minitransformer as mt  # noqa: E402
 from conftest import STORIES, assert_same  # noqa: E402
 from minitransformer.sampling import (SamplingSettings, apply_repetition_penalty,  # noqa: E402
                                       probabilities)
-from minitransformer.synth import make_checkpoint  # noqa: E402
+from minitransformer.checkpoints.synth import make_checkpoint  # noqa: E402
 from transformers.generation.logits_process import (  # noqa: E402
     RepetitionPenaltyLogitsProcessor, TemperatureLogitsWarper, TopKLogitsWarper,
     TopPLogitsWarper)

@@ -8,7 +8,7 @@ from minitransformer.config import ModelConfig
 from minitransformer.kvcache import KVCache
 from minitransformer.kvquant import KV_DTYPES, QuantizedArray, cache_bytes_per_token
 from minitransformer.model import forward
-from minitransformer.synth import qwen25_05b_config
+from minitransformer.checkpoints.synth import qwen25_05b_config
 from sim.kv_memory import kv_bytes_per_token
 
 QWEN = ModelConfig.from_dict(qwen25_05b_config())

@@ -28,7 +28,7 @@ from minitransformer.backend import to_numpy, xp
 from minitransformer.kvcache import KVCache
 from minitransformer.kvquant import dequantize
 from minitransformer.model import forward, head
-from minitransformer.synth import llama_config, make_checkpoint
+from minitransformer.checkpoints.synth import llama_config, make_checkpoint
 
 FORMATS = ("f16", "q8_0", "q4_0")
 IDS = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3]

@@ -61,7 +61,7 @@ def test_our_reader_agrees_with_the_safetensors_library(tmp_path):
 
 @pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
 def test_storage_dtypes_load_to_float32(tmp_path, dtype):
-    from minitransformer.synth import make_checkpoint, qwen2_config, random_weights
+    from minitransformer.checkpoints.synth import make_checkpoint, qwen2_config, random_weights
     path = make_checkpoint(tmp_path / dtype, qwen2_config(), seed=3, dtype=dtype)
     model = mt.load(path)
     w = to_numpy(model.weights["model.layers.0.mlp.up_proj.weight"])
@@ -172,7 +172,7 @@ def test_truncated_and_malformed_safetensors(tmp_path, checkpoint_dir):
 
 
 def test_bad_tokenizer_file_is_named(tmp_path, checkpoint_dir):
-    from minitransformer.synth import make_checkpoint, qwen2_config, train_tokenizer
+    from minitransformer.checkpoints.synth import make_checkpoint, qwen2_config, train_tokenizer
     path = make_checkpoint(tmp_path / "t", qwen2_config(vocab_size=1024),
                            tokenizer=train_tokenizer())
     tokenizer = mt.load(path).tokenizer

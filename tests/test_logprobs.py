@@ -13,7 +13,7 @@ from minitransformer.model import forward
 from minitransformer.sampling import SamplingSettings
 from minitransformer.serve.engine import Engine
 from minitransformer.serve.records import Request
-from minitransformer.synth import weights_dir
+from minitransformer.checkpoints.synth import weights_dir
 
 generate_module = importlib.import_module("minitransformer.generate")  # (not the function)
 TOLERANCE = 1e-4
@@ -157,7 +157,7 @@ def test_the_engine_names_a_bad_logprobs_field(tiny_model, field, value):
 def test_smollm2_logprobs_equal_log_softmax_of_its_logits():
     """The real model: a greedy continuation and a sampled one, through generate and the
     engine, within 1e-4 of one full forward pass."""
-    from minitransformer.real_model import NAME, is_imported
+    from minitransformer.checkpoints.real_model import NAME, is_imported
     path = weights_dir() / NAME
     if not is_imported(path):
         pytest.skip(f"{path} not imported (python3 scripts/import_gguf.py --smollm2)")

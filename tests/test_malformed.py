@@ -343,7 +343,7 @@ case("weights-overflow-f16", "model.safetensors", O0, "non-finite")(
 @pytest.fixture(scope="module")
 def good(tmp_path_factory):
     """A good fp32 checkpoint with a tokenizer (so tokenizer_config.json is read)."""
-    from minitransformer.synth import make_checkpoint, qwen2_config, train_tokenizer
+    from minitransformer.checkpoints.synth import make_checkpoint, qwen2_config, train_tokenizer
     path = tmp_path_factory.mktemp("good") / "ckpt"
     config = qwen2_config(num_key_value_heads=4, tie_word_embeddings=False, vocab_size=1024)
     return make_checkpoint(path, config, seed=1, tokenizer=train_tokenizer())

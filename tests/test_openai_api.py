@@ -7,7 +7,7 @@ import pytest
 
 import minitransformer as mt
 from minitransformer.serve.openai_api import MAX_STOP_CHARS, APIError, parse
-from minitransformer.synth import make_checkpoint, qwen2_config, train_tokenizer
+from minitransformer.checkpoints.synth import make_checkpoint, qwen2_config, train_tokenizer
 
 POOL = 128                      # KV pool tokens of the imagined server
 

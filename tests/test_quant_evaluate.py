@@ -8,7 +8,7 @@ import pytest
 
 import minitransformer as mt
 from minitransformer.backend import to_device, to_numpy
-from minitransformer.synth import make_checkpoint, qwen2_config, train_tokenizer
+from minitransformer.checkpoints.synth import make_checkpoint, qwen2_config, train_tokenizer
 from minitransformer.measure import text as data
 from minitransformer.measure.quality import (BATTERY, agreement, answered, battery, perplexity,
                                              reference_tokens, tokens_of)

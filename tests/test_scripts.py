@@ -11,13 +11,13 @@ from pathlib import Path
 import pytest
 
 import run_all
-from minitransformer import blas
+from minitransformer.kernels import blas
 
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     """A Qwen2 checkpoint with the project's real tokenizer, small enough for seconds."""
-    from minitransformer.synth import make_checkpoint, qwen2_config, train_tokenizer
+    from minitransformer.checkpoints.synth import make_checkpoint, qwen2_config, train_tokenizer
     tokenizer = train_tokenizer()
     config = qwen2_config(vocab_size=tokenizer.get_vocab_size(), max_position_embeddings=512,
                           eos_token_id=0)

@@ -17,13 +17,13 @@ import pytest
 from conftest import assert_like_solo, wait_for
 from engine_fuzz import exact
 import minitransformer as mt
-from minitransformer import blas
+from minitransformer.kernels import blas
 from minitransformer.chat import encode_chat
 from minitransformer.sampling import SamplingSettings
 from minitransformer.serve.engine import Engine
 from minitransformer.serve.online import OnlineEngine
 from minitransformer.serve.records import Request
-from minitransformer.synth import make_checkpoint, qwen2_config, train_tokenizer
+from minitransformer.checkpoints.synth import make_checkpoint, qwen2_config, train_tokenizer
 
 openai = pytest.importorskip("openai")
 pytest.importorskip("fastapi")
@@ -576,8 +576,8 @@ def test_smollm2_default_limit_takes_its_context_in_any_language():
     from types import SimpleNamespace
 
     from minitransformer.config import load_config
-    from minitransformer.real_model import NAME as SMOLLM2, is_imported
-    from minitransformer.synth import weights_dir
+    from minitransformer.checkpoints.real_model import NAME as SMOLLM2, is_imported
+    from minitransformer.checkpoints.synth import weights_dir
     from minitransformer.tokenizer import load_tokenizer
 
     path = weights_dir() / SMOLLM2
@@ -801,7 +801,7 @@ def test_history_keeps_the_timeline_and_run_hands_its_records_over():
     """An experiment asks for the timeline (history=True): a decode entry per decoding step, a
     pool reading per step. Without it run() still returns every record, and the engine keeps
     none of them once run() is over."""
-    from minitransformer.synth import random_model
+    from minitransformer.checkpoints.synth import random_model
     model = random_model(qwen2_config())
     requests = [Request((1, 2, 3), 4, eos_token_id=[]), Request((4, 5), 2, eos_token_id=[])]
     kept = Engine(model, slots=2, history=True)

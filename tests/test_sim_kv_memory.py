@@ -6,7 +6,7 @@ from types import SimpleNamespace
 import pytest
 
 from minitransformer.config import ModelConfig
-from minitransformer.synth import qwen25_05b_config
+from minitransformer.checkpoints.synth import qwen25_05b_config
 from sim.arch import arch, kv_dims, parameter_count, read_config_json
 from sim.kv_memory import (GB, KB, MB, attention_variants, cache_bytes, context_table,
                            crossing_tokens, kv_bytes_per_token, users_tokens_table)

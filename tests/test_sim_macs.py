@@ -2,7 +2,7 @@
 import numpy as np
 import pytest
 
-from minitransformer.synth import qwen25_05b_config
+from minitransformer.checkpoints.synth import qwen25_05b_config
 from sim.macs import compare, generation_macs, step_macs
 
 QWEN25_05B = qwen25_05b_config()  # the chapter's model: 24 layers, 14 q heads, 2 kv heads

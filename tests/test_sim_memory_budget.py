@@ -3,7 +3,7 @@ import dataclasses
 
 import pytest
 
-from minitransformer.synth import qwen25_05b_config
+from minitransformer.checkpoints.synth import qwen25_05b_config
 from sim.arch import parameter_count
 from sim.kv_memory import GB
 from sim.memory_budget import (FP16, INT4, INT8, MODELS, SEVEN_B, THIRTEEN_B, Assumptions,

@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 import minitransformer as mt
-from minitransformer.real_model import NAME, WHEEL_SHA256, is_imported
-from minitransformer.synth import weights_dir
+from minitransformer.checkpoints.real_model import NAME, WHEEL_SHA256, is_imported
+from minitransformer.checkpoints.synth import weights_dir
 
 GOLDEN = json.loads((Path(__file__).parent / "fixtures" / "smollm2_golden.json").read_text())
 PATH = weights_dir() / NAME

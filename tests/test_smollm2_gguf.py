@@ -15,8 +15,8 @@ import pytest
 
 import minitransformer as mt
 from minitransformer.backend import to_numpy
-from minitransformer.real_model import NAME, extract_gguf, is_imported
-from minitransformer.synth import weights_dir
+from minitransformer.checkpoints.real_model import NAME, extract_gguf, is_imported
+from minitransformer.checkpoints.synth import weights_dir
 
 PATH = weights_dir() / NAME
 

@@ -13,7 +13,7 @@ from minitransformer import speculative
 from minitransformer.sampling import SamplingSettings, apply_repetition_penalty, probabilities
 from minitransformer.lookup import PromptLookup, replay
 from minitransformer.speculative import first_layers, leviathan_step, speculative_generate
-from minitransformer.synth import default_model, make_checkpoint, qwen2_config
+from minitransformer.checkpoints.synth import default_model, make_checkpoint, qwen2_config
 from quant.qmodel import quantize_model
 
 

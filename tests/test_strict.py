@@ -8,7 +8,7 @@ import sys
 import numpy as np
 import pytest
 
-from minitransformer import blas, strict
+from minitransformer.kernels import blas, strict
 
 HOST = np.arange(6, dtype=np.float32).reshape(2, 3)
 

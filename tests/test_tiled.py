@@ -152,8 +152,8 @@ def test_greedy_tokens_on_smollm2_equal_plain_up_to_a_near_tie():
     import json
     from pathlib import Path
 
-    from minitransformer.real_model import NAME, is_imported
-    from minitransformer.synth import weights_dir
+    from minitransformer.checkpoints.real_model import NAME, is_imported
+    from minitransformer.checkpoints.synth import weights_dir
     path = weights_dir() / NAME
     if not is_imported(path):
         pytest.skip(f"{path} not imported (python3 scripts/import_gguf.py --smollm2)")

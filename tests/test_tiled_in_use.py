@@ -22,7 +22,7 @@ from minitransformer.kvcache import KVCache
 from minitransformer.model import forward
 from minitransformer.serve.engine import Engine
 from minitransformer.serve.records import Request
-from minitransformer.synth import make_checkpoint, qwen2_config
+from minitransformer.checkpoints.synth import make_checkpoint, qwen2_config
 
 WATCHED = {"plain": model_module.attention.__code__,
            "tiled": tiled.tiled_attention.__code__,

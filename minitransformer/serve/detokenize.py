@@ -11,7 +11,7 @@ The window starts a few tokens before the first new one (the end of the prompt),
 piece keeps its leading space. ``TextStream`` adds OpenAI's ``stop`` strings: text that might be
 the start of a stop string is held back until it is known not to be one.
 
->>> from minitransformer.synth import train_tokenizer
+>>> from minitransformer.checkpoints.synth import train_tokenizer
 >>> from minitransformer.tokenizer import Tokenizer
 >>> tokenizer = Tokenizer(train_tokenizer(300), None, False)
 >>> ids = tokenizer.encode("The cat sat. Voilà: 漢字!")
@@ -70,7 +70,7 @@ class Detokenizer:
 class TextStream:
     """A Detokenizer that also stops at OpenAI ``stop`` strings (cut before the stop).
 
-    >>> from minitransformer.synth import train_tokenizer
+    >>> from minitransformer.checkpoints.synth import train_tokenizer
     >>> from minitransformer.tokenizer import Tokenizer
     >>> tokenizer = Tokenizer(train_tokenizer(300), None, False)
     >>> text = TextStream(tokenizer, stop=["dog"])

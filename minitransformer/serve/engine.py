@@ -73,7 +73,7 @@ Example: three requests of 1, 3 and 1 tokens through 2 slots. Continuous reuses 
 request 0 leaves; static holds request 0's row as padding until request 1 ends, so request 2
 waits for the next batch:
 
->>> from minitransformer.synth import qwen2_config, random_model
+>>> from minitransformer.checkpoints.synth import qwen2_config, random_model
 >>> model = random_model(qwen2_config())
 >>> requests = [Request((1, 2), n, eos_token_id=[]) for n in (1, 3, 1)]
 >>> for policy in ("continuous", "static"):
@@ -162,7 +162,7 @@ def check_fits(config, slots: int, num_blocks: int, block_size: int,
     is more than the backend has: checked before anything is allocated.
 
     >>> from minitransformer.config import ModelConfig
-    >>> from minitransformer.synth import qwen2_config
+    >>> from minitransformer.checkpoints.synth import qwen2_config
     >>> check_fits(ModelConfig.from_dict(qwen2_config()), 8, 10**10, 16)  # doctest: +ELLIPSIS
     Traceback (most recent call last):
     ...

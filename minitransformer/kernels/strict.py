@@ -15,7 +15,7 @@ Python numbers; Python and NumPy scalars mix freely with device arrays; host arr
 may index a device array and be assigned into one (CuPy uploads them); shapes, dtypes and
 ``len`` are host metadata.
 
-    >>> from minitransformer import strict
+    >>> from minitransformer.kernels import strict
     >>> x = strict.asarray(numpy.arange(3.0))          # an upload
     >>> y = (x * 2).sum()                              # a 0-d device array, not a number
     >>> strict.to_host(y)

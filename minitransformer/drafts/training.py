@@ -35,9 +35,9 @@ import numpy as np
 
 from minitransformer.backend import to_device, to_numpy, xp
 from minitransformer.checks import is_integer, is_real
-from minitransformer.distill import (check_temperature, distillation_grad, distillation_loss,
+from minitransformer.drafts.distill import (check_temperature, distillation_grad, distillation_loss,
                                      hard_label_grad, hard_label_loss, log_softmax)
-from minitransformer.fused import Fused
+from minitransformer.kernels.fused import Fused
 from minitransformer.model import Model, attention_block, block, embed, mlp, prepare
 from minitransformer.model import rms_norm as model_rms_norm
 
