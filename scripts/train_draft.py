@@ -239,8 +239,8 @@ def distil(target, s: Settings) -> Distilled:
             progress("held-out KL " + ", ".join(f"{n} {v:.3f}" for n, v in kls.items()),
                      done=step - progress.i)
 
-    params = tr.train(STUDENTS, start, frozen, h, teacher, s.steps, s.batch, s.lr, s.seed,
-                      on_step)
+    params = tr.train(STUDENTS, start, frozen, h, teacher,
+                      tr.Schedule(s.steps, s.batch, s.lr, s.seed), on_step)
     progress = Progress(len(STUDENTS), "held-out figures")
     for name, p in params.items():
         figures_of[name] = figures(p)

@@ -39,25 +39,25 @@ def rng():
 def test_linear_backward(rng):
     x, w, c = rng.normal(size=(2, 3, 4)), rng.normal(size=(5, 4)), rng.normal(size=(2, 3, 5))
     dx, dw = tr.linear_backward(x, w, c)
-    close(dx, numeric_grad(lambda: (tr.linear(x, w) * c).sum(), x))
-    close(dw, numeric_grad(lambda: (tr.linear(x, w) * c).sum(), w))
+    close(dx, numeric_grad(lambda: (tr.linear_forward(x, w) * c).sum(), x))
+    close(dw, numeric_grad(lambda: (tr.linear_forward(x, w) * c).sum(), w))
 
 
 def test_rms_norm_backward_and_forward_is_the_models(rng):
     x, g, c = rng.normal(size=(3, 6)), rng.normal(size=6), rng.normal(size=(3, 6))
     eps = 1e-5
-    y, r = tr.rms_norm(x, g, eps)
+    y, r = tr.rms_norm_forward(x, g, eps)
     model_y = to_numpy(mt.model.rms_norm(to_device(x), to_device(g), eps))
     np.testing.assert_allclose(y, model_y, rtol=1e-14)
     dx, dg = tr.rms_norm_backward(x, g, r, c)
-    close(dx, numeric_grad(lambda: (tr.rms_norm(x, g, eps)[0] * c).sum(), x))
-    close(dg, numeric_grad(lambda: (tr.rms_norm(x, g, eps)[0] * c).sum(), g))
+    close(dx, numeric_grad(lambda: (tr.rms_norm_forward(x, g, eps)[0] * c).sum(), x))
+    close(dg, numeric_grad(lambda: (tr.rms_norm_forward(x, g, eps)[0] * c).sum(), g))
 
 
 def test_silu_backward_and_forward_is_the_models(rng):
     x, c = rng.normal(0, 4, size=(4, 7)), rng.normal(size=(4, 7))
-    np.testing.assert_allclose(tr.silu(x), to_numpy(mt.model.silu(to_device(x))), rtol=1e-14)
-    close(tr.silu_backward(x, c), numeric_grad(lambda: (tr.silu(x) * c).sum(), x))
+    np.testing.assert_allclose(tr.silu_forward(x), to_numpy(mt.model.silu(to_device(x))), rtol=1e-14)
+    close(tr.silu_backward(x, c), numeric_grad(lambda: (tr.silu_forward(x) * c).sum(), x))
     # far out on both sides: no overflow, slopes 0 and 1
     np.testing.assert_allclose(tr.silu_backward(np.array([-200.0, 200.0]), 1.0), [0.0, 1.0])
 
@@ -81,7 +81,7 @@ def test_piece_backward(rng):
 
 def test_head_backward(rng):
     E, f, c = rng.normal(size=(9, 4)), rng.normal(size=(3, 4)), rng.normal(size=(3, 9))
-    close(tr.head_backward(E, c), numeric_grad(lambda: (tr.head(f, E) * c).sum(), f))
+    close(tr.head_backward(E, c), numeric_grad(lambda: (tr.linear_forward(f, E) * c).sum(), f))
 
 
 def test_hard_label_loss_and_grad(rng):
@@ -171,7 +171,7 @@ def test_training_brings_the_student_closer_and_the_draft_is_exact(tiny):
     start = tr.start_params(tiny, 2)                     # the last layer's block, at layer 0
     students = {"soft": tr.Labels("soft", 1.0), "hard": tr.Labels("hard")}
     seen = []
-    trained = tr.train(students, start, frozen, h, teacher, steps=40, batch=16, lr=3e-3,
+    trained = tr.train(students, start, frozen, h, teacher, tr.Schedule(40, batch=16, lr=3e-3),
                        on_step=lambda step, params, losses: seen.append((step, losses)))
     assert [s for s, _ in seen] == list(range(1, 41)) and set(seen[0][1]) == set(students)
     z_held = tr.teacher_logits(frozen, teacher_held)
@@ -205,11 +205,10 @@ def test_bad_settings_are_refused(tiny):
         tr.Labels("soft", 0.0)
     h = np.zeros((4, 32), np.float32)
     with pytest.raises(ValueError, match="batch"):
-        tr.train({}, tr.start_params(tiny, 1), tr.Frozen.of(tiny), h, h, steps=1, batch=8,
-                 lr=1e-3)
+        tr.train({}, tr.start_params(tiny, 1), tr.Frozen.of(tiny), h, h,
+                 tr.Schedule(steps=1, batch=8, lr=1e-3))
     with pytest.raises(ValueError, match="steps"):
-        tr.train({}, tr.start_params(tiny, 1), tr.Frozen.of(tiny), h, h, steps=0, batch=2,
-                 lr=1e-3)
+        tr.Schedule(steps=0, batch=2, lr=1e-3)
 
 
 def test_the_scripts_train_cache_and_use_the_drafts(tmp_path, monkeypatch, run_script):

@@ -33,13 +33,12 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from minitransformer.backend import to_device, to_numpy, xp
+from minitransformer.backend import to_device, to_numpy
 from minitransformer.checks import is_integer, is_real
 from minitransformer.drafts.distill import (check_temperature, distillation_grad, distillation_loss,
                                      hard_label_grad, hard_label_loss, log_softmax)
-from minitransformer.kernels.fused import Fused
-from minitransformer.model import Model, attention_block, block, embed, mlp, prepare
-from minitransformer.model import rms_norm as model_rms_norm
+from minitransformer.kernels.fused import Fused, fuse_mlp
+from minitransformer.model import Model, attention_block, block, embed, mlp, prepare, rms_norm
 
 # The trained parameters: checkpoint names of layer i's MLP block, by their short names here.
 PIECE = {"norm": "post_attention_layernorm.weight", "gate": "mlp.gate_proj.weight",
@@ -47,9 +46,12 @@ PIECE = {"norm": "post_attention_layernorm.weight", "gate": "mlp.gate_proj.weigh
 
 
 # ---- forward and backward, one pair per operation -------------------------------------------
+# Each *_forward is the core's function of that name (linear.linear, model.rms_norm,
+# model.silu) on host arrays of any float dtype, returning what its *_backward needs
+# (tests/test_training.py holds rms_norm_forward and silu_forward to the core's numbers).
 
-def linear(x, w):
-    """x (..., in), w (out, in) as checkpoints store it -> x w^T (..., out)."""
+def linear_forward(x, w):
+    """x (..., in), w (out, in) as checkpoints store it -> x w^T (..., out): linear.linear."""
     return x @ w.T
 
 
@@ -60,9 +62,9 @@ def linear_backward(x, w, dy):
     return dx, dw
 
 
-def rms_norm(x, g, eps):
+def rms_norm_forward(x, g, eps):
     """x (N, D) -> y = g * x * r (N, D), with r = 1 / sqrt(mean(x^2) + eps) (N, 1) kept for
-    the backward pass. The same function as model.rms_norm."""
+    the backward pass: model.rms_norm."""
     r = 1.0 / np.sqrt((x * x).sum(axis=-1, keepdims=True) / x.shape[-1] + eps)
     return g * (x * r), r
 
@@ -84,7 +86,8 @@ def sigmoid(x):
     return 0.5 * (1.0 + np.tanh(0.5 * x))
 
 
-def silu(x):
+def silu_forward(x):
+    """x * sigmoid(x): model.silu."""
     return x * sigmoid(x)
 
 
@@ -97,10 +100,10 @@ def silu_backward(x, dy):
 def piece(params, h, eps):
     """The trained piece, layer k-1's MLP block: h (N, D) -> o (N, D), and what backward needs.
     params: norm (D,), gate and up (F, D), down (D, F)."""
-    n, r = rms_norm(h, params["norm"], eps)                         # (N, D), (N, 1)
-    a, b = linear(n, params["gate"]), linear(n, params["up"])       # (N, F) each
-    m = silu(a) * b                                                  # (N, F)
-    o = h + linear(m, params["down"])                                # (N, D): the residual add
+    n, r = rms_norm_forward(h, params["norm"], eps)                 # (N, D), (N, 1)
+    a, b = linear_forward(n, params["gate"]), linear_forward(n, params["up"])  # (N, F) each
+    m = silu_forward(a) * b                                          # (N, F)
+    o = h + linear_forward(m, params["down"])                        # (N, D): the residual add
     return o, (h, n, r, a, b, m)
 
 
@@ -108,20 +111,17 @@ def piece_backward(params, saved, do):
     """do (N, D) -> dh (N, D), and the parameters' gradients (a dict like params)."""
     h, n, r, a, b, m = saved
     dm, d_down = linear_backward(m, params["down"], do)             # (N, F), (D, F)
-    da, db = silu_backward(a, dm * b), dm * silu(a)                  # (N, F) each
+    da, db = silu_backward(a, dm * b), dm * silu_forward(a)          # (N, F) each
     dn_gate, d_gate = linear_backward(n, params["gate"], da)         # (N, D), (F, D)
     dn_up, d_up = linear_backward(n, params["up"], db)
     dh, d_norm = rms_norm_backward(h, params["norm"], r, dn_gate + dn_up)
     return do + dh, {"norm": d_norm, "gate": d_gate, "up": d_up, "down": d_down}
 
 
-def head(f, embed_matrix):
-    """f (N, D) -> logits f E^T (N, V): the tied head, frozen."""
-    return linear(f, embed_matrix)
-
-
 def head_backward(embed_matrix, ds):
-    """ds (N, V) -> df = ds E (N, D); the head's own gradient is not needed (frozen)."""
+    """The tied head's backward (its forward, model.head, is linear_forward(f, E): f (N, D) ->
+    logits (N, V)): ds (N, V) -> df = ds E (N, D); the head's own gradient is not needed
+    (frozen)."""
     return ds @ embed_matrix
 
 
@@ -171,8 +171,8 @@ def logits(params, frozen: Frozen, h):
     """The draft from the trained piece on: h (N, D) -> logits (N, V), and what backward needs.
     """
     o, saved = piece(params, h, frozen.eps)                          # (N, D)
-    f, r = rms_norm(o, frozen.final_norm, frozen.eps)                # (N, D)
-    return head(f, frozen.embed), (saved, o, r)                       # (N, V)
+    f, r = rms_norm_forward(o, frozen.final_norm, frozen.eps)        # (N, D)
+    return linear_forward(f, frozen.embed), (saved, o, r)             # (N, V): the tied head
 
 
 def loss_and_grads(params, frozen: Frozen, h, z, labels: Labels):
@@ -248,14 +248,9 @@ def draft_model(target: Model, k: int, params: dict) -> Model:
     copied): only the trained block is new."""
     k = check_layers(target, k)
     prefix = f"model.layers.{k - 1}."
-    trained = {short: to_device(np.asarray(w, np.float32)) for short, w in params.items()}
-    gate_up = xp.concatenate([trained["gate"], trained["up"]])      # (2F, D), as fused.py
-    F = len(trained["gate"])
-    weights = dict(target.weights) | {
-        prefix + PIECE["norm"]: trained["norm"], prefix + PIECE["down"]: trained["down"],
-        prefix + PIECE["gate"]: gate_up[:F], prefix + PIECE["up"]: gate_up[F:]}
-    last = replace(target.layers[k - 1], post_norm=trained["norm"], gate_up=gate_up,
-                   down=trained["down"])
+    weights = dict(target.weights) | {prefix + PIECE[short]: to_device(np.asarray(w, np.float32))
+                                      for short, w in params.items()}
+    last = replace(target.layers[k - 1], **fuse_mlp(weights, k - 1))  # gate/up stacked anew
     return replace(target, config=replace(target.config, num_hidden_layers=k), weights=weights,
                    fused=Fused(weights, target.layers[:k - 1] + (last,)))
 
@@ -271,19 +266,35 @@ def draft_inputs(target: Model, k: int, ids):
     for i in range(k - 1):
         h = block(target, i, h, batch)
     eps, layer = target.config.rms_norm_eps, target.layers[k - 1]
-    h = h + attention_block(target, k - 1, model_rms_norm(h, layer.input_norm, eps), batch, None)
+    h = h + attention_block(target, k - 1, rms_norm(h, layer.input_norm, eps), batch, None)
     inputs = host32(h[0])
-    h = h + mlp(target, k - 1, model_rms_norm(h, layer.post_norm, eps))  # the rest of layer k-1
+    h = h + mlp(target, k - 1, rms_norm(h, layer.post_norm, eps))  # the rest of layer k-1
     for i in range(k, target.config.num_hidden_layers):
         h = block(target, i, h, batch)
-    return inputs, host32(model_rms_norm(h, target.weights["model.norm.weight"], eps)[0])
+    return inputs, host32(rms_norm(h, target.weights["model.norm.weight"], eps)[0])
 
 
 # ---- training: students side by side on the same batches -------------------------------------
 
-def train(students: dict, start: dict, frozen: Frozen, inputs, teacher_hidden, steps: int,
-          batch: int, lr: float, seed: int = 0, on_step=None) -> dict:
-    """Train one copy of `start` per student (name -> Labels) for `steps` Adam steps.
+@dataclass(frozen=True)
+class Schedule:
+    """How every student trains: `steps` Adam steps at learning rate `lr`, each on `batch`
+    positions, drawn in an order that `seed` fixes."""
+    steps: int
+    batch: int
+    lr: float
+    seed: int = 0
+
+    def __post_init__(self):
+        for name in ("steps", "batch"):
+            value = getattr(self, name)
+            if not is_integer(value) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+
+
+def train(students: dict, start: dict, frozen: Frozen, inputs, teacher_hidden,
+          schedule: Schedule, on_step=None) -> dict:
+    """Train one copy of `start` per student (name -> Labels) on the same schedule.
 
     inputs, teacher_hidden (N, D) from draft_inputs. Every student sees the same batches in
     the same order (positions drawn without replacement, a fresh shuffle per pass over N) and
@@ -291,21 +302,20 @@ def train(students: dict, start: dict, frozen: Frozen, inputs, teacher_hidden, s
     computed once and serve all students. on_step(step, params, losses) after each step.
     -> name -> trained params.
     """
-    for name, value in (("steps", steps), ("batch", batch)):
-        if not is_integer(value) or value < 1:
-            raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+    batch = schedule.batch
     if len(inputs) != len(teacher_hidden) or len(inputs) < batch:
         raise ValueError(f"need as many teacher positions as inputs, at least one batch of "
                          f"{batch}: got {len(inputs)} inputs, {len(teacher_hidden)} teacher")
-    rng = np.random.default_rng(seed)
+    rng = np.random.default_rng(schedule.seed)
     params = {name: {k: w.copy() for k, w in start.items()} for name in students}
-    optimisers = {name: Adam(lr) for name in students}
+    optimisers = {name: Adam(schedule.lr) for name in students}
     order = np.empty(0, dtype=np.int64)
-    for step in range(1, steps + 1):
+    for step in range(1, schedule.steps + 1):
         if len(order) < batch:                                       # a new pass over the data
             order = np.concatenate([order, rng.permutation(len(inputs))])
         rows, order = order[:batch], order[batch:]
-        h, z = inputs[rows], head(teacher_hidden[rows], frozen.embed)  # (B, D), (B, V)
+        h = inputs[rows]                                             # (B, D)
+        z = linear_forward(teacher_hidden[rows], frozen.embed)       # (B, V) the teacher's
         losses = {}
         for name, labels in students.items():
             losses[name], grads = loss_and_grads(params[name], frozen, h, z, labels)
@@ -319,7 +329,7 @@ def train(students: dict, start: dict, frozen: Frozen, inputs, teacher_hidden, s
 
 def teacher_logits(frozen: Frozen, teacher_hidden, chunk: int = 128) -> np.ndarray:
     """The teacher's final hidden states (N, D) -> its logits (N, V), float32, chunk by chunk."""
-    return np.concatenate([head(teacher_hidden[a:a + chunk], frozen.embed)
+    return np.concatenate([linear_forward(teacher_hidden[a:a + chunk], frozen.embed)
                            for a in range(0, len(teacher_hidden), chunk)])
 
 

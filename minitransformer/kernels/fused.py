@@ -84,7 +84,14 @@ def fuse(config, weights: dict) -> Fused:
             qkv_bias=stack(weights, [n + ".bias" for n in attn]),
             o=weights[p + "self_attn.o_proj.weight"],
             o_bias=weights.get(p + "self_attn.o_proj.bias"),
-            post_norm=weights[p + "post_attention_layernorm.weight"],
-            gate_up=stack(weights, [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]),
-            down=weights[p + "mlp.down_proj.weight"]))
+            **fuse_mlp(weights, i)))
     return Fused(weights, tuple(layers))
+
+
+def fuse_mlp(weights: dict, i: int) -> dict:
+    """Layer i's MLP block as Layer's fields, gate/up stacked (the dict's two now views into
+    the stack); also what a model with one MLP block swapped needs (drafts/training.py)."""
+    p = f"model.layers.{i}."
+    return dict(post_norm=weights[p + "post_attention_layernorm.weight"],
+                gate_up=stack(weights, [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]),
+                down=weights[p + "mlp.down_proj.weight"])
