@@ -61,6 +61,7 @@ class Snapshot:                 # the engine's state after a step, for /metrics 
     preemptions: int            # since start
     prefix_queries: int = 0     # prompt tokens looked up in the prefix cache, since start
     prefix_hits: int = 0        # of which found cached
+    speculative: object = None  # a copy of the engine's speculate.SpecCounters, if it drafts
 
 
 @dataclass(eq=False)

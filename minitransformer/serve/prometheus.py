@@ -16,10 +16,20 @@ A dashboard built for vLLM reads these unchanged:
     vllm:time_per_output_token_seconds      the same gaps under vLLM's older (V0) name
     vllm:e2e_request_latency_seconds        histogram: arrival to the end of the answer
 
+and with speculative decoding on (speculate.py), its counters:
+
+    vllm:spec_decode_num_drafts_total       drafts verified (a sequence's proposal in a step)
+    vllm:spec_decode_num_draft_tokens_total tokens proposed in them
+    vllm:spec_decode_num_accepted_tokens_total  of those, accepted (acceptance rate =
+                                            accepted / draft tokens; tokens per draft =
+                                            1 + accepted / drafts)
+    vllm:spec_decode_num_accepted_tokens_per_pos_total  by position in the draft
+                                            (label position = 0, 1, ...)
+
 A histogram is cumulative buckets (``le`` = less or equal) plus a count and a sum, so a
 quantile is read off with PromQL's ``histogram_quantile``. Times are measured where the server
-hands tokens over, on the online engine's clock. Leaves out: vLLM's speculative decoding
-metrics, multiprocess collection, the ``_created`` samples.
+hands tokens over, on the online engine's clock. Leaves out: multiprocess collection, the
+``_created`` samples.
 
 >>> h = Histogram("vllm:e2e_request_latency_seconds", "End to end.", (0.5, 1.0))
 >>> h.observe(0.3); h.observe(0.7)
@@ -68,6 +78,32 @@ class Histogram:
 
 def header(name, help_text, kind) -> list:
     return [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}"]
+
+
+def speculative_lines(labels: str, counters) -> list:
+    """Speculation's counters (a speculate.SpecCounters) under vLLM's names.
+
+    >>> from minitransformer.serve.speculate import SpecCounters
+    >>> c = SpecCounters(2); c.count(2, 1)
+    >>> print("\\n".join(speculative_lines('model_name="m"', c)[-4:]))
+    # HELP vllm:spec_decode_num_accepted_tokens_per_pos_total Number of accepted tokens per draft position.
+    # TYPE vllm:spec_decode_num_accepted_tokens_per_pos_total counter
+    vllm:spec_decode_num_accepted_tokens_per_pos_total{position="0",model_name="m"} 1
+    vllm:spec_decode_num_accepted_tokens_per_pos_total{position="1",model_name="m"} 0
+    """
+    out = []
+    for name, help_text, value in (
+            ("vllm:spec_decode_num_drafts_total", "Number of spec decoding drafts.",
+             counters.drafts),
+            ("vllm:spec_decode_num_draft_tokens_total", "Number of draft tokens.",
+             counters.draft_tokens),
+            ("vllm:spec_decode_num_accepted_tokens_total", "Number of accepted tokens.",
+             counters.accepted_tokens)):
+        out += header(name, help_text, "counter") + [f"{name}{{{labels}}} {value}"]
+    name = "vllm:spec_decode_num_accepted_tokens_per_pos_total"
+    out += header(name, "Number of accepted tokens per draft position.", "counter")
+    return out + [f'{name}{{position="{i}",{labels}}} {n}'
+                  for i, n in enumerate(counters.per_position)]
 
 
 class ServingMetrics:
@@ -140,4 +176,6 @@ class ServingMetrics:
             out += self.itl.lines(lab, "vllm:time_per_output_token_seconds",   # its V0 name:
                                   "Histogram of time per output token in seconds (V0 name).")
             out += self.e2e.lines(lab)
+            if snapshot.speculative is not None:
+                out += speculative_lines(lab, snapshot.speculative)
         return "\n".join(out) + "\n"

@@ -1,0 +1,348 @@
+"""Speculative decoding in the server: every sequence drafts, one batched pass verifies all.
+
+The library's ``speculative_generate`` (speculative.py) runs one sequence: draft, verify in one
+target pass, keep, trim. An engine step does the same for the whole batch at once:
+
+    propose   each decoding sequence may carry a draft of n_b tokens: prompt lookup over
+              its prompt and output (vLLM's ``ngram`` method, lookup.py), or a draft model
+              with its own cache per sequence (speculative.ModelDraft); ``draft_length``
+              decides n_b (below)
+    verify    ONE forward pass of the target over the paged cache, whatever the drafts:
+              sequence b feeds its last token and its n_b proposals, n_b + 1 rows; a sequence
+              without a draft feeds its last token alone, an ordinary decode row
+    accept    per sequence, the library's rule on its rows of logits (``speculative.verify``:
+              greedy keeps the longest agreeing prefix plus one token of the target's own;
+              sampling, Leviathan's rejection rule, with the sequence's own generator)
+    trim      the positions of rejected proposals leave the cache (``PagedCache.trim``): a
+              block that held only rejected positions goes back to the pool
+
+The verification rows (``verify_view``): each verified position is a row of its own, one token
+long, over its sequence's block table, as if it were a sequence one token further on. All rows
+write their keys and values first, then each reads its sequence's slots up to its own position
+(the causal rule, between a sequence's own rows too). So row r computes what a decode step of
+that sequence at that position computes, in the same shapes: in batch-invariant mode the very
+bits (``==`` with the engine without speculation, greedy), in the default mode the batch's
+flat products over more rows (a token may differ only at a near tie). The weights are read
+once for the whole pass, as for a decode; what grows with the rows is the arithmetic and the
+attention's reads of the cache, which is why speculation pays at small batches and not at
+large ones (experiment 22, ``scripts/bench_spec_serving.py``).
+
+The blocks: room for the n_b + 1 positions is made before the pass (a shared or named block
+about to be written is copied first, as for any write: a named block is never written); after
+it each sequence is trimmed back to the tokens it kept. Speculation never preempts anyone: a
+draft longer than the free blocks allow is cut to what fits.
+
+The draft length (``draft_length``): with ``weight_rows`` unset, every draft is
+``num_speculative_tokens`` long (vLLM's behaviour; ``disable_by_batch_size``, vLLM's too, turns
+drafting off while more sequences than that are decoding). With ``weight_rows`` = W set, the
+length is the chapter's formula's best (sim.speculative): a step over R rows is taken to cost
+W + R (reading the weights is worth W rows of arithmetic), so drafting n tokens per sequence in
+a batch of B costs v(n) = (W + B (n + 1)) / (W + B) plain steps, and yields
+(1 - alpha^(n+1)) / (1 - alpha) tokens for the sequence's acceptance alpha, measured so far
+(accepted + 1) / (judged + 2): n is the length with the best ratio, 0 included (no draft). So
+drafts shorten as the batch grows and as a sequence's proposals are rejected.
+
+Counters (``SpecCounters``, served under vLLM's names in /metrics): drafts (a sequence's
+proposal of at least one token, verified), draft tokens, accepted tokens, and accepted tokens
+by position in the draft.
+Leaves out: tree drafts, a draft model batched over the sequences (each drafts alone, on its
+own cache), EAGLE/Medusa heads.
+"""
+import json
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from minitransformer.backend import to_numpy
+from minitransformer.checks import duplicate_keys, is_integer, is_real
+from minitransformer.lookup import PromptLookup
+from minitransformer.model import forward, head
+from minitransformer.serve.paged import PagedView, SeqBlocks
+from minitransformer.shape import parameter_count
+from minitransformer.speculative import LookupDraft, ModelDraft, verify
+from sim.speculative import speedup
+
+METHODS = ("ngram", "draft_model")
+FIELDS = ("method", "model", "num_speculative_tokens", "prompt_lookup_max",
+          "prompt_lookup_min", "disable_by_batch_size", "weight_rows")
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """``--speculative-config``, under vLLM's field names (weight_rows is this project's)."""
+    num_speculative_tokens: int      # the longest draft
+    method: str = "ngram"            # "ngram" (prompt lookup) or "draft_model"
+    model: str = None                # the draft model's checkpoint (method draft_model)
+    prompt_lookup_max: int = 3       # ngram: the longest n-gram looked up
+    prompt_lookup_min: int = 1       # ngram: the shortest
+    disable_by_batch_size: int = None  # no drafts while more sequences than this decode
+    weight_rows: float = None        # set: draft lengths adapt (see the module's docstring)
+
+
+def parse_speculative_config(value) -> SpeculativeConfig:
+    """A JSON text or a dict -> SpeculativeConfig; a ValueError naming the bad field.
+
+    >>> parse_speculative_config('{"method": "ngram", "num_speculative_tokens": 5, '
+    ...                          '"prompt_lookup_max": 4}').prompt_lookup_max
+    4
+    >>> parse_speculative_config({"num_speculative_tokens": 0})
+    Traceback (most recent call last):
+    ...
+    ValueError: speculative config: num_speculative_tokens must be an integer >= 1, got 0
+    """
+    where = "speculative config"
+    if isinstance(value, str):
+        try:
+            value = json.loads(value, object_pairs_hook=_no_duplicates)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{where}: not JSON ({e})") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{where}: expected a JSON object, got {type(value).__name__}")
+    unknown = sorted(set(value) - set(FIELDS))
+    if unknown:
+        raise ValueError(f"{where}: unknown field(s) {', '.join(map(repr, unknown))} "
+                         f"(known: {', '.join(FIELDS)})")
+    fields = dict(value)
+    if fields.get("model") is not None and "method" not in fields:
+        fields["method"] = "draft_model"        # vLLM infers it from the model
+    method = fields.get("method", "ngram")
+    if method not in METHODS:
+        raise ValueError(f"{where}: method {method!r} is not served here: use "
+                         f"{' or '.join(map(repr, METHODS))}")
+    if "num_speculative_tokens" not in fields:
+        raise ValueError(f"{where}: num_speculative_tokens is required (the longest draft)")
+    for name in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min",
+                 "disable_by_batch_size"):
+        n = fields.get(name)
+        if n is not None and (not is_integer(n) or n < 1):
+            raise ValueError(f"{where}: {name} must be an integer >= 1, got {n!r}")
+    rows = fields.get("weight_rows")
+    if rows is not None and (not is_real(rows) or not 0 < rows < float("inf")):
+        raise ValueError(f"{where}: weight_rows must be a finite number > 0, got {rows!r}")
+    config = SpeculativeConfig(**fields)
+    if method == "ngram":
+        if config.model is not None:
+            raise ValueError(f"{where}: model {config.model!r} is for method 'draft_model', "
+                             f"not 'ngram'")
+        if config.prompt_lookup_min > config.prompt_lookup_max:
+            raise ValueError(f"{where}: prompt_lookup_min ({config.prompt_lookup_min}) is "
+                             f"more than prompt_lookup_max ({config.prompt_lookup_max})")
+    elif not isinstance(config.model, str) or not config.model:
+        raise ValueError(f"{where}: method 'draft_model' needs model, the draft's "
+                         f"checkpoint path")
+    return config
+
+
+def _no_duplicates(pairs) -> dict:
+    twice = duplicate_keys(pairs)
+    if twice:
+        raise ValueError(f"speculative config: field(s) given twice: {', '.join(twice)}")
+    return dict(pairs)
+
+
+# --- proposals -------------------------------------------------------------------------------
+class Proposer:
+    """Where one engine's drafts come from: a prompt lookup for all, or a draft model with a
+    cache per sequence (made at its first draft, dropped with ``forget``)."""
+
+    def __init__(self, config: SpeculativeConfig, target, draft_model=None):
+        self.config, self.target = config, target
+        if config.method == "ngram":
+            self.lookup = LookupDraft(PromptLookup(config.prompt_lookup_max,
+                                                   config.prompt_lookup_min),
+                                      target.config.vocab_size)
+            self.cost = 0.0
+        else:
+            if draft_model is None:
+                raise ValueError("method 'draft_model' needs the draft model loaded")
+            if draft_model.config.vocab_size != target.config.vocab_size:
+                raise ValueError(f"draft and target must share a vocabulary: the draft has "
+                                 f"{draft_model.config.vocab_size} tokens, the target "
+                                 f"{target.config.vocab_size}")
+            self.lookup, self.draft_model = None, draft_model
+            # c of the formula: a decode step reads every weight, so a draft token costs the
+            # draft's parameters over the target's
+            self.cost = parameter_count(draft_model.config) / parameter_count(target.config)
+        self.drafts = {}    # sequence id -> its ModelDraft (draft_model only)
+
+    def propose(self, seq_id, tokens: list, n: int, max_new_tokens: int, prompt_len: int,
+                settings, rng) -> tuple:
+        """Up to n proposals for a sequence (tokens: prompt + output), and their q (None when
+        greedy). A draft model's cache for this sequence is made at its first call."""
+        if n < 1:
+            return [], []
+        if self.lookup is not None:
+            return self.lookup.propose(tokens, n, settings, rng)
+        if seq_id not in self.drafts:
+            self.drafts[seq_id] = ModelDraft(self.draft_model, self.target,
+                                             np.array(tokens[:prompt_len]), max_new_tokens)
+        return self.drafts[seq_id].propose(tokens, n, settings, rng)
+
+    def rollback(self, seq_id, valid: int) -> None:
+        """The sequence keeps its first `valid` tokens: the draft's cache forgets the rest."""
+        if seq_id in self.drafts:
+            self.drafts[seq_id].rollback(valid)
+
+    def forget(self, seq_id) -> None:
+        self.drafts.pop(seq_id, None)
+
+
+def acceptance(accepted: int, judged: int) -> float:
+    """A sequence's alpha so far, (accepted + 1) / (judged + 2): 1/2 before any evidence.
+
+    >>> acceptance(0, 0), acceptance(9, 10)
+    (0.5, 0.8333333333333334)
+    """
+    return (accepted + 1) / (judged + 2)
+
+
+def draft_length(config: SpeculativeConfig, alpha: float, batch: int, cost: float = 0.0) -> int:
+    """Tokens a sequence drafts this step (see the module's docstring for the rule).
+
+    batch: the decoding sequences; cost: c, a draft token's cost in target steps (0: lookup).
+    >>> adaptive = SpeculativeConfig(num_speculative_tokens=5, weight_rows=16)
+    >>> [draft_length(adaptive, 0.8, b) for b in (1, 4, 16, 64)]      # the batch grows
+    [5, 4, 2, 0]
+    >>> [draft_length(adaptive, a, 4) for a in (0.9, 0.6, 0.2)]       # acceptance falls
+    [5, 2, 0]
+    """
+    if config.disable_by_batch_size is not None and batch > config.disable_by_batch_size:
+        return 0
+    top = config.num_speculative_tokens
+    if config.weight_rows is None:
+        return top
+    W = config.weight_rows
+
+    def gain(n):                    # tokens per plain step's time; no draft: exactly 1
+        return 1.0 if n == 0 else speedup(alpha, n, cost, (W + batch * (n + 1)) / (W + batch))
+    return max(range(top + 1), key=gain)
+
+
+# --- verification ----------------------------------------------------------------------------
+def verify_view(cache, seq_ids, counts) -> PagedView:
+    """The verification rows of a step: sequence seq_ids[b] feeds counts[b] tokens, each a
+    row one token long at its own position, over the sequence's blocks (row order: sequence
+    by sequence). Room for them is made first (``make_room``); forward then writes every
+    row's keys and values before any row reads, and each row reads up to its own position."""
+    rows = []
+    for seq_id, count in zip(seq_ids, counts):
+        seq = cache.seqs[seq_id]
+        rows += [SeqBlocks(seq.blocks, seq.length + t) for t in range(count)]
+    return PagedView(cache, rows)
+
+
+def verify_logits(model, cache, seq_ids, fed, batch_invariant=False, attention="plain"):
+    """One forward pass of the target over every sequence's fed tokens (its last token, then
+    its proposals) -> logits (R, V), R = the fed tokens of all, sequence by sequence; each
+    sequence's cache has grown by its fed tokens (trim the rejected ones after)."""
+    ids = np.array([[t] for tokens in fed for t in tokens])                    # (R, 1)
+    hidden = forward(model, ids, verify_view(cache, seq_ids, map(len, fed)),
+                     batch_invariant, attention)                               # (R, 1, D)
+    for seq_id, tokens in zip(seq_ids, fed):
+        cache.seqs[seq_id].length += len(tokens)
+    return to_numpy(head(model, hidden, batch_invariant))[:, 0]                # (R, V)
+
+
+def split_rows(logits, counts) -> list:
+    """(R, V) -> one (count, V) array per sequence, in order."""
+    return np.split(logits, np.cumsum(counts)[:-1])
+
+
+@dataclass
+class SpecCounters:
+    """What speculation did since the engine started (vLLM's spec_decode counters)."""
+    num_speculative_tokens: int
+    drafts: int = 0                 # verified proposals of at least one token
+    draft_tokens: int = 0           # tokens proposed and verified
+    accepted_tokens: int = 0        # of those, accepted
+    per_position: list = field(default=None)   # accepted at draft position 0, 1, ...
+
+    def __post_init__(self):
+        if self.per_position is None:
+            self.per_position = [0] * self.num_speculative_tokens
+
+    def count(self, proposed: int, accepted: int) -> None:
+        """One sequence's verified draft: proposed tokens, of which the first `accepted`."""
+        if proposed == 0:
+            return
+        self.drafts += 1
+        self.draft_tokens += proposed
+        self.accepted_tokens += accepted
+        for position in range(accepted):
+            self.per_position[position] += 1
+
+
+@dataclass(eq=False)
+class Row:
+    """A decoding sequence as a step of speculation sees it."""
+    seq_id: object
+    tokens: list            # prompt + output; the cache holds all but the last
+    prompt_len: int
+    max_new_tokens: int
+    settings: object        # its SamplingSettings
+    rng: object             # its own generator
+    padding: bool = False   # static batching's finished row: computed, thrown away
+
+
+class Speculator:
+    """Speculation for one engine: proposals, the verification pass, the books."""
+
+    def __init__(self, config: SpeculativeConfig, model, draft_model=None):
+        self.config, self.model = config, model
+        self.proposer = Proposer(config, model, draft_model)
+        self.counters = SpecCounters(config.num_speculative_tokens)
+        self.judged = {}    # sequence id -> [accepted, judged] proposals, for its alpha
+
+    def step(self, cache, rows, batch_invariant=False, attention="plain") -> list:
+        """Draft, make room, verify every row in one pass -> per row (kept tokens, the logits
+        (k, V) each was chosen from). The caches hold the verified positions until ``settle``.
+        The pool must have room for one token of each row (the engine preempts for that)."""
+        ids = [row.seq_id for row in rows]
+        cache.make_room(ids, 1)
+        decoding = sum(not row.padding for row in rows)
+        fed, drafts, dists = [], [], []
+        for row in rows:
+            n = 0 if row.padding else self._length(cache, row, decoding)
+            proposal, q = self.proposer.propose(row.seq_id, row.tokens, n, row.max_new_tokens,
+                                                row.prompt_len, row.settings, row.rng)
+            cache.make_room([row.seq_id], 1 + len(proposal))   # fits: _length counted it
+            fed.append([row.tokens[-1]] + proposal)
+            drafts.append(proposal)
+            dists.append(q)
+        logits = verify_logits(self.model, cache, ids, fed, batch_invariant, attention)
+        out = []
+        for row, z, proposal, q in zip(rows, split_rows(logits, list(map(len, fed))), drafts,
+                                       dists):
+            if row.padding:
+                out.append(([], z[:0]))
+                continue
+            kept = verify(z, proposal, q, row.tokens, row.settings, row.rng)
+            accepted = len(kept) - 1
+            self.counters.count(len(proposal), accepted)
+            books = self.judged.setdefault(row.seq_id, [0, 0])
+            books[0] += accepted
+            books[1] += accepted + (accepted < len(proposal))
+            out.append((kept, z[:len(kept)]))
+        return out
+
+    def settle(self, cache, seq_id, valid: int) -> None:
+        """After a step: the sequence keeps its first `valid` tokens in the cache (the rest,
+        rejected or past its end, are trimmed: their blocks go back), the draft's too."""
+        cache.trim(seq_id, cache.seqs[seq_id].length - valid)
+        self.proposer.rollback(seq_id, valid)
+
+    def forget(self, seq_id) -> None:
+        """A sequence is over: its books and draft cache go."""
+        self.judged.pop(seq_id, None)
+        self.proposer.forget(seq_id)
+
+    def _length(self, cache, row, batch: int) -> int:
+        """This step's draft length for a row: the rule's, never past the request's end,
+        never more than the free blocks hold (speculation preempts nobody)."""
+        made = len(row.tokens) - row.prompt_len
+        n = min(draft_length(self.config, acceptance(*self.judged.get(row.seq_id, (0, 0))),
+                             batch, self.proposer.cost),
+                row.max_new_tokens - made - 1)
+        seq, bs = cache.seqs[row.seq_id], cache.block_size
+        room = (len(seq.blocks) + cache.num_free) * bs - seq.length - 1   # after its one token
+        return max(0, min(n, room))

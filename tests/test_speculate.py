@@ -1,0 +1,295 @@
+"""Speculation's parts in the server (serve/speculate.py), each on its own: the config under
+vLLM's names and its errors, the draft-length rule, the verification rows (one pass over the
+paged cache giving each position a decode's bits), the step's books and blocks, the counters."""
+import json
+
+import numpy as np
+import pytest
+
+import minitransformer as mt
+from minitransformer.backend import to_numpy
+from conftest import NEAR_TIE
+from minitransformer.checkpoints.synth import qwen2_config, random_model
+from minitransformer.generate import last_logits
+from minitransformer.lookup import prompt_lookup
+from minitransformer.model import forward
+from minitransformer.sampling import GREEDY
+from minitransformer.serve.paged import PagedCache
+from minitransformer.serve.speculate import (FIELDS, Row, SpecCounters, SpeculativeConfig,
+                                             Speculator, draft_length,
+                                             parse_speculative_config, verify_logits)
+from minitransformer.speculative import first_layers
+
+
+# ---------------------------------------------------------------------------- the config
+def test_vllms_example_config_is_read_field_by_field():
+    text = ('{"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 4, '
+            '"prompt_lookup_min": 2}')
+    assert parse_speculative_config(text) == SpeculativeConfig(
+        num_speculative_tokens=5, method="ngram", prompt_lookup_max=4, prompt_lookup_min=2)
+    # a model alone means a draft model, as vLLM infers it
+    assert parse_speculative_config({"model": "/m", "num_speculative_tokens": 3}).method == \
+        "draft_model"
+    assert parse_speculative_config({"num_speculative_tokens": 2}).method == "ngram"
+
+
+BAD_CONFIGS = [  # (value, what the message must name)
+    ("{", "not JSON"),
+    ("[1]", "JSON object"),
+    ('{"num_speculative_tokens": 2, "num_speculative_tokens": 3}', "given twice"),
+    ({"num_speculative_tokens": 2, "gamma": 3}, "'gamma'"),
+    ({"method": "eagle", "num_speculative_tokens": 2}, "method 'eagle'"),
+    ({"method": "ngram"}, "num_speculative_tokens is required"),
+    ({"num_speculative_tokens": 0}, "num_speculative_tokens must be an integer >= 1"),
+    ({"num_speculative_tokens": True}, "num_speculative_tokens must be an integer"),
+    ({"num_speculative_tokens": 2.0}, "num_speculative_tokens must be an integer"),
+    ({"num_speculative_tokens": "5"}, "num_speculative_tokens must be an integer"),
+    ({"num_speculative_tokens": 2, "prompt_lookup_max": 0}, "prompt_lookup_max must be"),
+    ({"num_speculative_tokens": 2, "prompt_lookup_min": -1}, "prompt_lookup_min must be"),
+    ({"num_speculative_tokens": 2, "prompt_lookup_max": 2, "prompt_lookup_min": 3},
+     "prompt_lookup_min (3) is more than prompt_lookup_max (2)"),
+    ({"num_speculative_tokens": 2, "disable_by_batch_size": 0}, "disable_by_batch_size"),
+    ({"num_speculative_tokens": 2, "weight_rows": float("nan")}, "weight_rows"),
+    ({"num_speculative_tokens": 2, "weight_rows": -1}, "weight_rows"),
+    ({"num_speculative_tokens": 2, "weight_rows": "16"}, "weight_rows"),
+    ({"method": "ngram", "model": "/m", "num_speculative_tokens": 2}, "is for method"),
+    ({"method": "draft_model", "num_speculative_tokens": 2}, "needs model"),
+    ({"method": "draft_model", "model": 3, "num_speculative_tokens": 2}, "needs model"),
+]
+
+
+@pytest.mark.parametrize("value, named", BAD_CONFIGS, ids=[m for _, m in BAD_CONFIGS])
+def test_a_bad_config_is_a_value_error_naming_the_field(value, named):
+    with pytest.raises(ValueError) as e:
+        parse_speculative_config(value)
+    assert named in str(e.value) and str(e.value).startswith("speculative config: ")
+
+
+def test_every_field_has_a_home_in_the_dataclass():
+    assert set(FIELDS) == set(SpeculativeConfig.__dataclass_fields__)
+    assert parse_speculative_config(json.dumps({"num_speculative_tokens": 1})) == \
+        SpeculativeConfig(num_speculative_tokens=1)
+
+
+# ---------------------------------------------------------------------------- the length rule
+def best_by_hand(alpha, batch, top, W, c):
+    """The rule written out: tokens per round over its cost in plain steps, 0..top."""
+    def ratio(n):
+        tokens = sum(alpha ** k for k in range(n + 1))
+        return tokens / (n * c + (W + batch * (n + 1)) / (W + batch))
+    return max(range(top + 1), key=ratio)
+
+
+def test_adaptive_length_is_the_formulas_best_and_shrinks_with_batch_and_rejections():
+    config = SpeculativeConfig(num_speculative_tokens=6, weight_rows=12)
+    for c in (0.0, 0.1):
+        for alpha in (0.2, 0.5, 0.7, 0.9, 0.99):
+            lengths = [draft_length(config, alpha, b, c) for b in (1, 2, 4, 8, 16, 32)]
+            assert lengths == [best_by_hand(alpha, b, 6, 12, c) for b in (1, 2, 4, 8, 16, 32)]
+            assert lengths == sorted(lengths, reverse=True)     # the batch grows: no longer
+        by_alpha = [draft_length(config, a, 4, c) for a in (0.99, 0.9, 0.7, 0.5, 0.2)]
+        assert by_alpha == sorted(by_alpha, reverse=True)       # acceptance falls: no longer
+    assert draft_length(config, 0.99, 1) == 6 and draft_length(config, 0.9, 1000) == 0
+
+
+def test_fixed_length_is_vllms_and_disable_by_batch_size_turns_it_off():
+    fixed = SpeculativeConfig(num_speculative_tokens=4, disable_by_batch_size=3)
+    assert [draft_length(fixed, 0.01, b) for b in (1, 3, 4, 100)] == [4, 4, 0, 0]
+
+
+# ---------------------------------------------------------------------------- verification rows
+@pytest.fixture(scope="module")
+def model():
+    return random_model(qwen2_config())
+
+
+PROMPTS = {"a": [1, 2, 3, 4, 5, 6], "b": [7, 8, 9]}
+
+
+def prefilled(model, num_blocks=32, block_size=4) -> PagedCache:
+    """Both prompts in a pool, all but their last token computed (as the engine holds them)."""
+    cache = PagedCache.allocate(model.config, num_blocks, block_size)
+    for seq_id, prompt in PROMPTS.items():
+        cache.add(seq_id, prompt)
+        forward(model, np.array([prompt[:-1]]), cache.view([seq_id]))
+    return cache
+
+
+@pytest.mark.parametrize("batch_invariant", [True, False])
+def test_one_pass_gives_every_position_a_decode_steps_logits(model, batch_invariant):
+    """Sequence a feeds 3 tokens, b 2, in one pass; the same tokens decoded step by step (the
+    engine's decode: a batch of both, then a alone) give the same logits, bit for bit in
+    batch-invariant mode, within the float32 rounding of other shapes otherwise."""
+    fed = {"a": [6, 11, 12], "b": [9, 13]}
+    cache = prefilled(model)
+    cache.make_room(["a"], 3)
+    cache.make_room(["b"], 2)
+    z = verify_logits(model, cache, ["a", "b"], [fed["a"], fed["b"]], batch_invariant)
+    assert z.shape == (5, model.config.vocab_size)
+    assert (cache.seqs["a"].length, cache.seqs["b"].length) == (8, 4)
+    step = prefilled(model)
+    rows = {"a": [], "b": []}
+    for t, ids in enumerate([["a", "b"], ["a", "b"], ["a"]]):
+        step.make_room(ids, 1)
+        logits = last_logits(model, np.array([[fed[s][t]] for s in ids]), step.view(ids),
+                             batch_invariant)
+        for s, row in zip(ids, logits):
+            rows[s].append(row)
+    reference = np.array(rows["a"] + rows["b"])
+    if batch_invariant:
+        assert (z == reference).all()
+        # the keys and values written are a decode's too: both caches continue alike
+        for c in (cache, step):
+            c.make_room(["a", "b"], 1)
+        assert (last_logits(model, np.array([[3], [4]]), cache.view(["a", "b"]), True) ==
+                last_logits(model, np.array([[3], [4]]), step.view(["a", "b"]), True)).all()
+    else:   # other shapes, other last bits: within the measured rounding window (conftest)
+        scale = np.abs(reference).max()
+        np.testing.assert_allclose(z, reference, atol=NEAR_TIE * scale, rtol=0)
+
+
+# ---------------------------------------------------------------------------- the step's books
+def rows_of(tokens: dict, prompt_len: dict, settings=GREEDY, max_new=40):
+    return [Row(s, tokens[s], prompt_len[s], max_new, settings, np.random.default_rng(0))
+            for s in tokens]
+
+
+@pytest.fixture(scope="module")
+def close_calls(checkpoint_dir):
+    """A model whose greedy tokens are not its last one again: drafts are kept and rejected."""
+    return mt.load(checkpoint_dir("qwen2-close-calls"))
+
+
+def test_a_step_keeps_what_greedy_keeps_and_trims_the_rest_back_to_the_pool(close_calls):
+    """Greedy over several steps with prompt lookup: the tokens are plain greedy's
+    (batch-invariant), each settle leaves the cache holding all but the last token and no
+    block past it (those of rejected positions are back in the pool), the books consistent."""
+    model, new = close_calls, 20
+    passage = np.random.default_rng(0).integers(0, 512, 12).tolist()
+    prompts = {"a": passage * 2, "b": [1, 2, 3, 4, 5, 6]}
+    spec = Speculator(SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_max=2), model)
+    cache = PagedCache.allocate(model.config, 40, 2)
+    for seq_id, prompt in prompts.items():
+        cache.add(seq_id, prompt)
+        forward(model, np.array([prompt[:-1]]), cache.view([seq_id]))
+    tokens = {s: list(p) for s, p in prompts.items()}
+    while any(len(tokens[s]) - len(prompts[s]) < new for s in tokens):
+        live = {s: t for s, t in tokens.items() if len(t) - len(prompts[s]) < new}
+        rows = rows_of(live, {s: len(prompts[s]) for s in live}, max_new=new)
+        out = spec.step(cache, rows, batch_invariant=True)
+        for row, (kept, z) in zip(rows, out):
+            assert len(z) == len(kept) >= 1
+            tokens[row.seq_id] += kept
+            spec.settle(cache, row.seq_id, len(tokens[row.seq_id]) - 1)
+            seq = cache.seqs[row.seq_id]
+            assert seq.length == len(tokens[row.seq_id]) - 1
+            assert len(seq.blocks) == cache.blocks_for(seq.length)   # nothing past it held
+        cache.check()
+    for s, p in prompts.items():
+        assert tokens[s][len(p):] == mt.generate(model, p, new, eos_token_id=[])
+    held = sum(len(seq.blocks) for seq in cache.seqs.values())
+    assert cache.num_free == cache.num_blocks - held
+    c = spec.counters
+    assert c.draft_tokens > c.accepted_tokens > 0     # some kept, some trimmed
+
+
+def test_named_and_shared_blocks_are_never_written_by_verification(model):
+    """Two samples of one prompt share its blocks: a named full one and the partly filled
+    last one. Both verify a draft reaching past it: the named block keeps its bits, the shared
+    one is copied before a write (the view refuses any write into a shared or named block)."""
+    cache = PagedCache.allocate(model.config, 16, 4)
+    prompt = [1, 2, 3, 1, 2, 3]     # "2 3" seen before: the lookup proposes 1 2 3
+    cache.add("a", prompt)
+    forward(model, np.array([prompt[:-1]]), cache.view(["a"]))
+    cache.seal("a", prompt)
+    cache.fork("a", "b")
+    named, = cache.index.name_of
+    before = [to_numpy(k[named]) for k in cache.k + cache.v]
+    spec = Speculator(SpeculativeConfig(num_speculative_tokens=3), model)
+    rows = rows_of({"a": list(prompt), "b": list(prompt)}, {"a": 6, "b": 6})
+    out = spec.step(cache, rows, batch_invariant=True)
+    assert spec.counters.draft_tokens == 6
+    assert all((to_numpy(k[named]) == old).all() for k, old in zip(cache.k + cache.v, before))
+    assert cache.seqs["a"].blocks[1] != cache.seqs["b"].blocks[1]     # copied on write
+    for row, (kept, _) in zip(rows, out):
+        spec.settle(cache, row.seq_id, len(prompt) + len(kept) - 1)
+    cache.check()
+    assert out[0][0] == out[1][0] == mt.generate(model, prompt, len(out[0][0]), eos_token_id=[])
+
+
+def test_speculation_cuts_its_draft_to_the_free_blocks(model):
+    """A pool with no free block: the draft is cut to the slots the sequence's blocks still
+    have, nothing raises, nobody is preempted."""
+    cache = PagedCache.allocate(model.config, 4, 2)
+    prompt = [1, 2, 1, 2, 1]
+    cache.add("a", prompt)
+    forward(model, np.array([prompt[:-1]]), cache.view(["a"]))
+    while cache.num_free:           # fill the pool with another holder's blocks
+        cache.add(len(cache.seqs), [3])
+    spec = Speculator(SpeculativeConfig(num_speculative_tokens=4), model)
+    (kept, _), = spec.step(cache, rows_of({"a": prompt}, {"a": 5}))
+    # the next token's block has one slot more: one proposal fits, no block is taken
+    assert spec.counters.draft_tokens == 1 and cache.num_free == 0
+    assert kept == mt.generate(model, prompt, len(kept), eos_token_id=[])
+
+
+def test_a_draft_model_drafts_with_its_own_cache(close_calls):
+    """The target's first layer as the draft model, a cache of its own per sequence: greedy
+    tokens still the target's, its rejected proposals rolled out of its cache."""
+    model = close_calls
+    config = SpeculativeConfig(num_speculative_tokens=3, method="draft_model", model="-")
+    spec = Speculator(config, model, first_layers(model, 1))
+    cache = prefilled(model)
+    tokens = {s: list(p) for s, p in PROMPTS.items()}
+    for _ in range(5):
+        rows = rows_of(tokens, {s: len(PROMPTS[s]) for s in tokens}, max_new=30)
+        for row, (kept, _) in zip(rows, spec.step(cache, rows, batch_invariant=True)):
+            tokens[row.seq_id] += kept
+            spec.settle(cache, row.seq_id, len(tokens[row.seq_id]) - 1)
+            # the draft's cache holds no rejected proposal: at most the kept tokens
+            assert spec.proposer.drafts[row.seq_id].kv.lengths[0] <= len(tokens[row.seq_id]) - 1
+    for s, p in PROMPTS.items():
+        made = tokens[s][len(p):]
+        assert made == mt.generate(model, p, len(made), eos_token_id=[])
+    c = spec.counters
+    assert c.draft_tokens == 2 * 5 * 3 and 0 < c.accepted_tokens < c.draft_tokens
+    assert 0.5 < spec.proposer.cost < 1         # one of two layers, and the embeddings
+    spec.forget("a")
+    assert "a" not in spec.proposer.drafts and "b" in spec.proposer.drafts
+
+
+def test_ngram_proposals_are_the_lookup_over_prompt_and_output(model):
+    spec = Speculator(SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_max=2), model)
+    for tokens in ([5, 6, 7, 9, 5, 6], [1, 2, 3], [4, 4, 4, 4], [1, 2, 3, 1]):  # 2-, no, 1-gram
+        drafts, dists = spec.proposer.propose(0, tokens, 3, 10, 2, GREEDY, None)
+        assert drafts == prompt_lookup(tokens, 3, 2, 1) and dists == [None] * len(drafts)
+
+
+# ---------------------------------------------------------------------------- the counters
+def test_counters_count_drafts_tokens_and_acceptance_per_position():
+    c = SpecCounters(4)
+    for proposed, accepted in ((4, 4), (3, 1), (0, 0), (2, 0)):
+        c.count(proposed, accepted)
+    assert (c.drafts, c.draft_tokens, c.accepted_tokens) == (3, 9, 5)
+    assert c.per_position == [2, 1, 1, 1]
+
+
+def test_metrics_show_the_counters_under_vllms_names_only_when_speculating():
+    from minitransformer.serve.online import Snapshot
+    from minitransformer.serve.prometheus import ServingMetrics
+    c = SpecCounters(3)
+    c.count(3, 2)
+    c.count(2, 0)
+    metrics = ServingMetrics("m")
+    text = metrics.render(Snapshot(1, 0, 2, 10, 0, speculative=c))
+    for line in ('vllm:spec_decode_num_drafts_total{model_name="m"} 2',
+                 'vllm:spec_decode_num_draft_tokens_total{model_name="m"} 5',
+                 'vllm:spec_decode_num_accepted_tokens_total{model_name="m"} 2',
+                 'vllm:spec_decode_num_accepted_tokens_per_pos_total{position="0",'
+                 'model_name="m"} 1',
+                 'vllm:spec_decode_num_accepted_tokens_per_pos_total{position="1",'
+                 'model_name="m"} 1',
+                 'vllm:spec_decode_num_accepted_tokens_per_pos_total{position="2",'
+                 'model_name="m"} 0'):
+        assert line in text.splitlines()
+    assert "spec_decode" not in metrics.render(Snapshot(1, 0, 2, 10, 0))
