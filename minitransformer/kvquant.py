@@ -34,6 +34,8 @@ tiled attention one block of keys at a time; the plain one all held keys of a la
 """
 from dataclasses import dataclass
 from math import gcd
+from numbers import Integral
+from typing import NamedTuple
 
 from minitransformer.backend import xp
 
@@ -57,12 +59,20 @@ def block_of(d: int) -> int:
     return gcd(QK, d)
 
 
-def vector_bytes(d: int, kv_dtype: str) -> int:
-    """Bytes that one head's key (or value) of one token takes in the cache.
+def vector_bytes(d: int, kv_dtype) -> int:
+    """Bytes that one head's key (or value) of one token takes in the cache. kv_dtype: a
+    format of KV_DTYPES, or a whole number of bytes per element for a format priced but not
+    held here (sim/'s what-ifs: 2 is fp16, 1 an fp8 cache).
 
     >>> [vector_bytes(64, t) for t in KV_DTYPES]       # SmolLM2's head dim: 2 blocks of 32
     [256, 128, 68, 36]
+    >>> vector_bytes(64, 1)
+    64
     """
+    if isinstance(kv_dtype, Integral) and not isinstance(kv_dtype, bool):
+        if kv_dtype <= 0:
+            raise ValueError(f"bytes_per_elem={kv_dtype!r}: expected a positive size")
+        return d * kv_dtype
     check_kv_dtype(kv_dtype)
     if kv_dtype in FLOATS:
         return d * xp.dtype(FLOATS[kv_dtype]).itemsize
@@ -72,14 +82,23 @@ def vector_bytes(d: int, kv_dtype: str) -> int:
     return codes + 2 * (d // block_of(d))             # + one float16 scale per block
 
 
-def cache_bytes_per_token(config, kv_dtype: str) -> int:
-    """2 (k and v) x L x Hkv x (bytes of one head's vector): the chapter's formula, with the
-    cache's dtype. For q8_0 on a head dim of 64 that is 2 x L x Hkv x 64 x 34/32.
+class KVDims(NamedTuple):
+    """The three numbers the KV cache's size depends on (HF names, as a ModelConfig has them)."""
+    num_hidden_layers: int
+    num_key_value_heads: int
+    head_dim: int
 
-    >>> from types import SimpleNamespace
-    >>> smollm2 = SimpleNamespace(num_hidden_layers=30, num_key_value_heads=3, head_dim=64)
+
+def cache_bytes_per_token(config, kv_dtype) -> int:
+    """2 (k and v) x L x Hkv x (bytes of one head's vector): the chapter's formula, with the
+    cache's dtype, and its one home (sim/ and the paged pool call it). For q8_0 on a head dim
+    of 64 that is 2 x L x Hkv x 64 x 34/32. config: anything with the fields of KVDims.
+
+    >>> smollm2 = KVDims(num_hidden_layers=30, num_key_value_heads=3, head_dim=64)
     >>> [cache_bytes_per_token(smollm2, t) for t in KV_DTYPES]
     [46080, 23040, 12240, 6480]
+    >>> cache_bytes_per_token(KVDims(24, 2, 64), 2)     # Qwen2.5-0.5B in fp16: 2 x 24 x 2 x 64 x 2
+    12288
     """
     return (2 * config.num_hidden_layers * config.num_key_value_heads
             * vector_bytes(config.head_dim, kv_dtype))

@@ -1,7 +1,8 @@
 """The model's shape, defined once from its ModelConfig: the tensors it holds, how many
-parameters that is, the KV-cache bytes one token adds, and the weight bytes one decode step
-reads. The loader checks checkpoints against ``tensor_shapes``; sim/ counts parameters and
-cache bytes, and the benchmarks and experiments divide by ``decode_read_bytes``, all from here.
+parameters that is, and the weight bytes one decode step reads. The loader checks checkpoints
+against ``tensor_shapes``; sim/ counts parameters, and the benchmarks and experiments divide by
+``decode_read_bytes``, all from here. The KV-cache bytes one token adds depend on the cache's
+format too: ``kvquant.cache_bytes_per_token``.
 
 Worked on the chapter's Qwen2.5-0.5B (24 layers, D = 896, 14 q heads and 2 kv heads of 64,
 F = 4864, V = 151,936, tied head, q/k/v biases):
@@ -12,8 +13,6 @@ F = 4864, V = 151,936, tied head, q/k/v biases):
 (128, 896)
 >>> parameter_count(qwen)                                   # as its model card counts them
 494032768
->>> kv_bytes_per_token(qwen, 2)                             # fp16: 2 x 24 x 2 x 64 x 2
-12288
 >>> decode_read_bytes(qwen) - 4 * parameter_count(qwen)    # float32; the tied head reads the
 3584
 >>> # embedding matrix in full, and the lookup one row more (896 floats)
@@ -63,13 +62,6 @@ def tensor_shapes(c) -> dict[str, tuple[int, ...]]:
 def parameter_count(c) -> int:
     """Every weight the model holds; a tied head is the embedding, counted once."""
     return sum(prod(shape) for shape in tensor_shapes(c).values())
-
-
-def kv_bytes_per_token(c, bytes_per_elem: int) -> int:
-    """2 (a key and a value) x L x Hkv x d x bytes per element: the chapter's formula."""
-    if bytes_per_elem <= 0:
-        raise ValueError(f"bytes_per_elem={bytes_per_elem!r}: expected a positive size")
-    return 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * bytes_per_elem
 
 
 def decode_read_bytes(c, weights: dict = None) -> int:

@@ -14,22 +14,15 @@ does not implement). Serves experiments 3, 8-11 and 24.
 """
 import json
 from pathlib import Path
-from typing import NamedTuple
 
 from minitransformer import shape
 from minitransformer.config import ModelConfig, hf_fallbacks
+from minitransformer.kvquant import KVDims
 
 SHAPE_FIELDS = ("num_hidden_layers", "num_key_value_heads", "head_dim", "num_attention_heads",
                 "hidden_size", "intermediate_size", "vocab_size")  # checked in this order
 FIELDS = SHAPE_FIELDS + ("model_type", "attention_bias", "tie_word_embeddings",
                          "max_position_embeddings")
-
-
-class KVDims(NamedTuple):
-    """The three numbers the KV cache depends on (HF names, so shape.py reads them)."""
-    num_hidden_layers: int
-    num_key_value_heads: int
-    head_dim: int
 
 
 def read_config_json(path):

@@ -5,6 +5,8 @@ key-value head:
 
     bytes/token = 2 (key and value) * layers * kv_heads * head_dim * bytes_per_element
 
+(the formula is ``kvquant.cache_bytes_per_token``, the cache's own; here it is priced for any
+config and any whole number of bytes per element).
 Serves experiments 8 (the formula, checked against real cache tensors elsewhere), 9 (users x
 tokens: only the total resident tokens matter), 10 (MHA vs GQA vs MQA: the formula divided by
 an integer) and 11 (a 7B-class cache against context length, and where it outgrows the
@@ -16,7 +18,7 @@ measures those), and paging (experiment 14).
 """
 from dataclasses import dataclass
 
-from minitransformer import shape
+from minitransformer.kvquant import cache_bytes_per_token
 from sim.arch import kv_dims, query_heads
 
 KB, MB, GB = 2**10, 2**20, 2**30  # binary, as in the chapter's tables
@@ -24,7 +26,7 @@ KB, MB, GB = 2**10, 2**20, 2**30  # binary, as in the chapter's tables
 
 def kv_bytes_per_token(config, bytes_per_elem=2):
     """config (object, dict or config.json path) -> bytes of K and V cached per token."""
-    return shape.kv_bytes_per_token(kv_dims(config), bytes_per_elem)
+    return cache_bytes_per_token(kv_dims(config), bytes_per_elem)
 
 
 def cache_bytes(config, users, tokens, bytes_per_elem=2):

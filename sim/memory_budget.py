@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 from minitransformer.kvquant import cache_bytes_per_token
 from sim.arch import kv_dims, parameter_count
-from sim.kv_memory import GB, kv_bytes_per_token
+from sim.kv_memory import GB
 
 
 @dataclass(frozen=True)
@@ -104,8 +104,9 @@ def budget(card_gb, model, precision, assumptions=Assumptions()):
     reserve = round(assumptions.reserve_gb * assumptions.gb)
     weights = weight_bytes(model, precision)
     left = card - weights - reserve
-    per_token = kv_bytes_per_token(model, assumptions.kv_bytes_per_elem)
-    int8 = cache_bytes_per_token(model, "q8_0")
+    dims = kv_dims(model)
+    per_token = cache_bytes_per_token(dims, assumptions.kv_bytes_per_elem)
+    int8 = cache_bytes_per_token(dims, "q8_0")
     return Budget(card_gb, model.name, precision.name, weights, left, per_token,
                   max(left, 0) // per_token, int8, max(left, 0) // int8)
 

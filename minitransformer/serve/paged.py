@@ -68,7 +68,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from minitransformer.backend import to_device, to_numpy, xp
-from minitransformer.kvquant import QuantizedArray, kv_dtype_of, vector_bytes, zeros
+from minitransformer.kvquant import (KVDims, QuantizedArray, cache_bytes_per_token, kv_dtype_of,
+                                     zeros)
 from minitransformer.shape import ceil_div
 
 ROOT = b""                  # the parent name of a sequence's first block
@@ -237,9 +238,8 @@ class PagedCache:
 
     @property
     def bytes_per_token(self) -> int:
-        """2 (k and v) x L x Hkv x d x bytes per element: the chapter's formula."""
         _, Hkv, _, d = self.k[0].shape
-        return 2 * len(self.k) * Hkv * vector_bytes(d, self.kv_dtype)
+        return cache_bytes_per_token(KVDims(len(self.k), Hkv, d), self.kv_dtype)
 
     def blocks_for(self, tokens: int) -> int:
         return blocks_for(tokens, self.block_size)
