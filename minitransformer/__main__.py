@@ -19,6 +19,7 @@ import argparse
 import json
 import sys
 import time
+from dataclasses import fields, replace
 from pathlib import Path
 
 import minitransformer as mt
@@ -28,7 +29,8 @@ from minitransformer.model import ATTENTIONS
 from minitransformer.checkpoints.real_model import checkpoint
 from minitransformer.sampling import SamplingSettings
 from minitransformer.serve.detokenize import Detokenizer
-from minitransformer.serve.engine import BLOCK_SIZE, POLICIES, SLOTS, Engine
+from minitransformer.serve.config import POLICIES, EngineConfig
+from minitransformer.serve.engine import Engine
 from minitransformer.serve.online import MAX_WAITING
 from minitransformer.serve.paged import blocks_for
 from minitransformer.serve.records import Request
@@ -185,12 +187,13 @@ def discard_typeahead() -> None:
         pass
 
 
-def chat_engine(model, kv_dtype="f32", attention="plain") -> Engine:
+def chat_engine(model, kv_cache_dtype="f32", attention="plain") -> Engine:
     """One slot, a pool for the model's whole context (and the copy of a block a prompt cached
     in full must write into), prefix caching on: the conversation stays cached between turns."""
     context = model.config.max_position_embeddings
-    return Engine(model, slots=1, num_blocks=blocks_for(context, BLOCK_SIZE) + 1,
-                  kv_dtype=kv_dtype, attention=attention)
+    config = EngineConfig(max_num_seqs=1, kv_cache_dtype=kv_cache_dtype, attention=attention)
+    blocks = blocks_for(context, config.block_size) + 1
+    return Engine(model, replace(config, num_gpu_blocks_override=blocks))
 
 
 def turn(engine, ids, args, settings):
@@ -248,17 +251,19 @@ def chat(args) -> None:
         discard_typeahead()
 
 
-def serve(args) -> None:
-    from minitransformer.serve.http import serve as run_server
+def engine_config(args) -> EngineConfig:
+    """The serve command's engine options -> its EngineConfig: each option is stored under its
+    field's name, so the knobs are spelled once, there."""
+    return EngineConfig(**{f.name: getattr(args, f.name) for f in fields(EngineConfig)})
 
-    run_server(model_path(args.model), host=args.host, port=args.port,
-               name=args.served_model_name, slots=args.slots, num_blocks=args.num_blocks,
-               block_size=args.block_size, policy=args.policy, max_waiting=args.max_waiting,
-               batch_invariant=args.batch_invariant, drain_timeout=args.drain_timeout,
-               prefix_caching=args.enable_prefix_caching,
-               max_num_batched_tokens=args.max_num_batched_tokens,
-               max_request_bytes=args.max_request_bytes,
-               kv_cache_dtype=args.kv_cache_dtype, attention=args.attention)
+
+def serve(args) -> None:
+    from minitransformer.serve.http import ServerLimits, serve as run_server
+
+    config = engine_config(args)        # a bad value: refused before the model is loaded
+    limits = ServerLimits(args.max_waiting, args.max_request_bytes, args.drain_timeout)
+    run_server(model_path(args.model), config, host=args.host, port=args.port, limits=limits,
+               name=args.served_model_name)
 
 
 def parser() -> argparse.ArgumentParser:
@@ -285,14 +290,16 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--port", type=int, default=8000, help="TCP port (default: 8000)")
     s.add_argument("--served-model-name", default=None,
                    help="the model's name in the API (default: the checkpoint's folder name)")
-    s.add_argument("--slots", type=int, default=SLOTS,
-                   help=f"sequences decoded together (default: {SLOTS})")
-    s.add_argument("--num-blocks", type=int, default=None, help="KV blocks in the pool "
-                   "(default: 1,024 tokens per slot)")
-    s.add_argument("--block-size", type=int, default=BLOCK_SIZE,
-                   help=f"tokens per KV block (default: {BLOCK_SIZE})")
-    s.add_argument("--policy", choices=POLICIES, default="continuous",
-                   help="batching policy (default: continuous)")
+    default = EngineConfig()
+    s.add_argument("--max-num-seqs", "--slots", type=int, default=default.max_num_seqs,
+                   metavar="N", help=f"sequences decoded together, the engine's slots "
+                   f"(default: {default.max_num_seqs})")
+    s.add_argument("--num-gpu-blocks-override", "--num-blocks", type=int, default=None,
+                   metavar="N", help="KV blocks in the pool (default: 1,024 tokens per slot)")
+    s.add_argument("--block-size", type=int, default=default.block_size,
+                   help=f"tokens per KV block (default: {default.block_size})")
+    s.add_argument("--policy", choices=POLICIES, default=default.policy,
+                   help=f"batching policy (default: {default.policy})")
     s.add_argument("--max-waiting", type=int, default=MAX_WAITING,
                    help=f"waiting requests beyond which new ones get HTTP 429 "
                    f"(default: {MAX_WAITING})")

@@ -18,6 +18,7 @@ import numpy as np
 from _common import (Progress, add_model_argument, add_threads_argument, load_model, mt,
                      positive_int, positive_ints, timing_header)
 from _table import Table
+from minitransformer.serve.config import EngineConfig
 from minitransformer.serve.engine import Engine
 from minitransformer.serve.records import Request
 from minitransformer.measure.timing import time_together
@@ -65,7 +66,8 @@ def main(argv=None):
 
     def engine_run(slots):
         def serve():
-            runs[slots] = Engine(model, slots=slots, block_size=args.block_size).run(requests)
+            config = EngineConfig(max_num_seqs=slots, block_size=args.block_size)
+            runs[slots] = Engine(model, config).run(requests)
             progress(f"engine, {slots} slots")
         return serve
 

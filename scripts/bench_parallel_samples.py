@@ -26,6 +26,7 @@ from _common import (Progress, add_model_argument, add_threads_argument, load_mo
 from _table import Table
 from minitransformer.measure.timing import time_together
 from minitransformer.sampling import SamplingSettings
+from minitransformer.serve.config import EngineConfig
 from minitransformer.serve.engine import Engine
 from minitransformer.serve.records import Request
 
@@ -67,9 +68,9 @@ def main(argv=None):
 
     def serve(name, requests, share):
         def once():
-            runs[name] = Engine(model, slots=args.n, block_size=args.block_size,
-                                prefix_caching=share, batch_invariant=True,
-                                history=True).run(requests)   # its per-step pool stats
+            config = EngineConfig(max_num_seqs=args.n, block_size=args.block_size,
+                                  enable_prefix_caching=share, batch_invariant=True)
+            runs[name] = Engine(model, config, history=True).run(requests)  # its pool stats
             progress(name)
         return once
 

@@ -17,6 +17,7 @@ request.
 """
 import argparse
 import math
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -25,6 +26,7 @@ from _common import (Progress, add_cache_arguments, add_model_argument, add_thre
                      add_workload_arguments, load_model, mt, say, timing_header,
                      workload_lengths)
 from _table import Table
+from minitransformer.serve.config import EngineConfig
 from minitransformer.serve.engine import Engine, pool_for
 from minitransformer.measure.sanity import NOISE_FLOOR, load_seen
 from minitransformer.serve.records import Request, metrics
@@ -42,11 +44,9 @@ def workload(args, vocab_size):
     return lengths, requests
 
 
-def serve(model, requests, policy, args):
-    engine = Engine(model, slots=args.slots, num_blocks=args.num_blocks,
-                    block_size=args.block_size, policy=policy, kv_dtype=args.kv_cache_dtype,
-                    attention=args.attention, history=True)     # its per-step timings
-    progress, done = Progress(len(requests), policy), [0]
+def serve(model, requests, config):
+    engine = Engine(model, config, history=True)     # its per-step timings
+    progress, done = Progress(len(requests), config.policy), [0]
 
     def report(e):
         finished = sum(r.status == "finished" for r in e.results.values())
@@ -117,8 +117,12 @@ def main(argv=None):
         parser.error(str(e))
     if args.num_blocks is None:
         args.num_blocks = pool_for(requests, args.slots, args.block_size)
+    config = EngineConfig(max_num_seqs=args.slots, block_size=args.block_size,
+                          num_gpu_blocks_override=args.num_blocks,
+                          kv_cache_dtype=args.kv_cache_dtype, attention=args.attention)
     ran_on = timing_header(args)
-    runs = [serve(model, requests, policy, args) for policy in ("static", "continuous")]
+    runs = [serve(model, requests, replace(config, policy=policy))
+            for policy in ("static", "continuous")]
 
     table = Table("Experiment 13 on the real engine: static vs continuous batching",
                   experiment=13, chapter=False, columns=COLUMNS)
@@ -150,7 +154,7 @@ def main(argv=None):
     if step_warnings(cost) and not args.step_costs:   # measure again, pooling the steps
         say("step costs out of order (a larger batch cheaper): both policies once more")
         steps += [s for policy in ("static", "continuous")
-                  for s in serve(model, requests, policy, args).decode_times]
+                  for s in serve(model, requests, replace(config, policy=policy)).decode_times]
         cost = TableCost.from_steps(steps, args.slots)
     warnings = step_warnings(cost)
     prefill = float(np.mean([s for run in runs for _, s in run.prefill_times]))

@@ -25,6 +25,7 @@ import numpy as np
 from _common import (Progress, add_model_argument, add_threads_argument, load_model, mt,
                      positive_ints, say, timing_header)
 from _table import Table
+from minitransformer.serve.config import EngineConfig
 from minitransformer.serve.engine import Engine, pool_for
 from minitransformer.serve.records import Request
 from minitransformer.serve.paged import blocks_for
@@ -43,8 +44,10 @@ def requests_for(lengths, prompt_len, vocab_size, seed, system=()):
 def serve(model, requests, slots, block_size, share=True, progress=None):
     """-> the PagedStats of every step (continuous batching, a pool no request waits on).
     progress: a Progress over the requests, told as they finish."""
-    engine = Engine(model, slots=slots, num_blocks=pool_for(requests, slots, block_size),
-                    block_size=block_size, prefix_caching=share, history=True)
+    config = EngineConfig(max_num_seqs=slots, block_size=block_size,
+                          num_gpu_blocks_override=pool_for(requests, slots, block_size),
+                          enable_prefix_caching=share)
+    engine = Engine(model, config, history=True)
 
     def report(e):
         finished = sum(r.status == "finished" for r in e.results.values())

@@ -25,6 +25,7 @@ import argparse
 import os
 import sys
 import tempfile
+from dataclasses import replace
 
 import numpy as np
 
@@ -38,13 +39,15 @@ from minitransformer.generate import last_logits  # noqa: E402
 from minitransformer.kvcache import KVCache  # noqa: E402
 from minitransformer.measure.timing import blas_kernel  # noqa: E402
 from minitransformer.sampling import SamplingSettings  # noqa: E402
+from minitransformer.serve.config import EngineConfig  # noqa: E402
 from minitransformer.serve.engine import Engine  # noqa: E402
 from minitransformer.serve.records import Request  # noqa: E402
 
-ENGINES = {"fast batched": dict(prefix_caching=False),
-           "cached prefix": dict(prefix_caching=True),
-           "chunked": dict(prefix_caching=False, max_num_batched_tokens=5),
-           "batch-invariant": dict(prefix_caching=False, batch_invariant=True)}
+BASE = EngineConfig(max_num_seqs=4, block_size=4, enable_prefix_caching=False)
+ENGINES = {"fast batched": BASE,
+           "cached prefix": replace(BASE, enable_prefix_caching=True),
+           "chunked": replace(BASE, max_num_batched_tokens=5),
+           "batch-invariant": replace(BASE, batch_invariant=True)}
 SHAPE_NAMES = ("solo cached", *ENGINES)
 
 
@@ -98,8 +101,8 @@ def measure(model, requests) -> dict:
     """-> {shape: (largest |logit difference| from one pass, largest relative to the step's
     largest |logit|)}, plus 'scale': the largest |logit|."""
     reference, figures = {}, {}
-    for name, kwargs in ENGINES.items():
-        engine = Recording(model, slots=4, block_size=4, **kwargs)
+    for name, config in ENGINES.items():
+        engine = Recording(model, config)
         run = engine.run(requests)
         for result in run.results:
             if result.id not in reference:

@@ -30,6 +30,7 @@ import numpy as np
 
 import minitransformer as mt
 from minitransformer.logprobs import log_softmax
+from minitransformer.serve.config import EngineConfig
 from minitransformer.serve.engine import Engine
 from minitransformer.serve.paged import blocks_for
 from minitransformer.sampling import SamplingSettings
@@ -56,7 +57,7 @@ def solo_sample(model, request, choice) -> tuple:
 
 
 def random_case(rng, vocab_size, max_positions):
-    """-> (Engine keyword arguments, requests, {step: request index to cancel})."""
+    """-> (an EngineConfig, requests, {step: request index to cancel})."""
     bs = int(rng.choice([1, 2, 4, 8]))
     stem = rng.integers(0, vocab_size, 3 * bs + 1).tolist()  # a prefix worth sharing
     requests, longest = [], min(40, max_positions - 1)
@@ -80,16 +81,16 @@ def random_case(rng, vocab_size, max_positions):
                                 prompt_logprobs=[None, None, 1][int(rng.integers(3))]))
     biggest = max(blocks_for(len(r.prompt) + r.max_new_tokens, bs) for r in requests)
     slots = int(rng.integers(1, 5))
-    kwargs = dict(slots=slots, block_size=bs,
-                  num_blocks=int(rng.integers(max(1, biggest // 2), 2 * biggest + 2)),
-                  policy=str(rng.choice(["static", "continuous"])),
-                  prefix_caching=bool(rng.random() < 0.75),
-                  max_num_batched_tokens=None if rng.random() < 0.5 else
-                  slots + int(rng.integers(1, 9)))
+    config = EngineConfig(
+        max_num_seqs=slots, block_size=bs,
+        num_gpu_blocks_override=int(rng.integers(max(1, biggest // 2), 2 * biggest + 2)),
+        policy=str(rng.choice(["static", "continuous"])),
+        enable_prefix_caching=bool(rng.random() < 0.75),
+        max_num_batched_tokens=None if rng.random() < 0.5 else slots + int(rng.integers(1, 9)))
     requests = [replace(r, n=min(r.n, slots)) for r in requests]
     cancels = {int(rng.integers(0, 30)): int(rng.integers(0, len(requests)))
                for _ in range(int(rng.integers(0, 3)))}
-    return kwargs, requests, cancels
+    return config, requests, cancels
 
 
 def exact(engine, result) -> bool:
@@ -117,11 +118,11 @@ def check_pool(engine) -> None:
 def run_case(model, seed, batch_invariant=True) -> dict:
     """One random case, checked after every step -> counts for a summary line."""
     rng = np.random.default_rng(seed)
-    kwargs, requests, cancels = random_case(rng, model.config.vocab_size,
+    config, requests, cancels = random_case(rng, model.config.vocab_size,
                                             model.config.max_position_embeddings)
     expected = [solo_sample(model, r, i) for r in requests for i in range(r.n)]   # result order
     asked = [r for r in requests for _ in range(r.n)]
-    engine = Engine(model, batch_invariant=batch_invariant, **kwargs)
+    engine = Engine(model, replace(config, batch_invariant=batch_invariant))
     for request in requests:
         engine.submit(request)
     while engine.waiting or engine.running():
@@ -145,10 +146,10 @@ def run_case(model, seed, batch_invariant=True) -> dict:
         assert result.status in ("finished", "cancelled", "rejected"), where
         assert not math.isnan(result.returned) and result.returned >= result.finished, where
         if result.status == "rejected":
-            bs, P = kwargs["block_size"], len(request.prompt)
+            bs, P = config.block_size, len(request.prompt)
             need = max(blocks_for(P + request.max_new_tokens, bs),
                        blocks_for(P + 1, bs) + request.n - 1)
-            assert need > kwargs["num_blocks"] and result.tokens == [], where
+            assert need > config.num_blocks and result.tokens == [], where
         else:                             # finished: all its tokens; cancelled: those so far
             solo_so_far = tokens if result.status == "finished" else tokens[:len(result.tokens)]
             assert_like_solo(model, result.tokens, solo_so_far, request.prompt,
@@ -180,5 +181,5 @@ def run_case(model, seed, batch_invariant=True) -> dict:
                 cached=sum(r.cached_tokens > 0 for r in engine.results.values()),
                 evicted=engine.cache.index.evicted,
                 forked=sum(r.choice > 0 and r.tokens != [] for r in engine.results.values()),
-                chunked=kwargs["max_num_batched_tokens"] is not None,
-                caching=kwargs["prefix_caching"], static=kwargs["policy"] == "static")
+                chunked=config.max_num_batched_tokens is not None,
+                caching=config.enable_prefix_caching, static=config.policy == "static")

@@ -10,6 +10,7 @@ import pytest
 import minitransformer as mt
 from conftest import assert_like_solo
 from engine_fuzz import solo
+from minitransformer.serve.config import EngineConfig
 from minitransformer.serve.engine import Engine
 from minitransformer.serve.records import Request, Result, metrics
 from minitransformer.sampling import SamplingSettings
@@ -41,7 +42,8 @@ def test_shared_prefix_holds_the_expected_fewer_blocks(tiny_model):
                 Request(tuple(stem + [50]), 3, eos_token_id=[])]
     held = {}
     for share in (True, False):
-        engine = Engine(tiny_model, slots=2, num_blocks=20, block_size=4, prefix_caching=share,
+        engine = Engine(tiny_model, EngineConfig(max_num_seqs=2, num_gpu_blocks_override=20,
+                                                  block_size=4, enable_prefix_caching=share),
                         history=True)
         run = engine.run(requests)
         held[share] = run.memory[0].blocks_held           # both admitted in the first step
@@ -55,7 +57,8 @@ def test_pool_exhaustion_preempts_and_resumes_without_losing_anything(tiny_model
     rng = np.random.default_rng(1)
     requests = [Request(tuple(rng.integers(0, 96, 6).tolist()), 26, eos_token_id=[],
                         sampling=SamplingSettings(do_sample=True), seed=i) for i in range(4)]
-    engine = Engine(tiny_model, slots=4, num_blocks=12, block_size=4)  # 4 x 8 blocks wanted
+    engine = Engine(tiny_model, EngineConfig(max_num_seqs=4, num_gpu_blocks_override=12,
+                                             block_size=4))  # 4 x 8 blocks wanted
     run = engine.run(requests)
     assert run.preemptions > 0
     assert all(r.status == "finished" for r in run.results)
@@ -66,7 +69,8 @@ def test_pool_exhaustion_preempts_and_resumes_without_losing_anything(tiny_model
 def test_a_request_waits_while_the_pool_is_short(tiny_model):
     a = Request((1, 2, 3, 4, 5, 6, 7, 8), 8, eos_token_id=[])  # up to 4 blocks of 4
     b = Request((9, 10, 11, 12, 13, 14, 15, 16), 8, eos_token_id=[])
-    engine = Engine(tiny_model, slots=2, num_blocks=4, block_size=4)
+    engine = Engine(tiny_model, EngineConfig(max_num_seqs=2, num_gpu_blocks_override=4,
+                                             block_size=4))
     run = engine.run([a, b])
     assert run.preemptions == 0
     assert run.results[1].first_token > run.results[0].finished  # b waited for a's blocks
@@ -78,7 +82,8 @@ def test_a_prompt_cached_in_full_is_admitted_again_into_a_pool_its_exact_size(ti
     """8 tokens in blocks of 4 fill 2 blocks and the answer a third: the pool's size. Asked
     again, the prompt is cached in full; the copy of its last block and the answer's block are
     never held together, so it fits, and gives the same token from its cached blocks."""
-    engine = Engine(tiny_model, slots=1, block_size=4, num_blocks=3)
+    engine = Engine(tiny_model, EngineConfig(max_num_seqs=1, block_size=4,
+                                             num_gpu_blocks_override=3))
     prompt = tuple(range(1, 9))
     results = [engine.run([Request(prompt, 1, eos_token_id=[])]).results[-1] for _ in range(3)]
     assert [r.cached_tokens for r in results] == [0, 7, 7]
@@ -89,7 +94,8 @@ def test_a_prompt_cached_in_full_is_admitted_again_into_a_pool_its_exact_size(ti
 def test_a_request_longer_than_the_pool_is_rejected_and_the_rest_served(tiny_model):
     ok = Request((1, 2, 3), 5, eos_token_id=[])
     huge = Request(tuple(range(1, 30)), 20, eos_token_id=[])  # 49 tokens > 8 blocks x 4
-    engine = Engine(tiny_model, slots=2, num_blocks=8, block_size=4)
+    engine = Engine(tiny_model, EngineConfig(max_num_seqs=2, num_gpu_blocks_override=8,
+                                             block_size=4))
     run = engine.run([ok, huge])
     assert run.results[1].status == "rejected" and run.results[1].tokens == []
     assert "13 blocks" in run.results[1].reason and "pool has 8" in run.results[1].reason
@@ -102,7 +108,8 @@ def test_a_request_longer_than_the_pool_is_rejected_and_the_rest_served(tiny_mod
 def test_cancel_waiting_running_and_finished_requests(tiny_model):
     requests = [Request((1, 2, 3), 20, eos_token_id=[]), Request((4, 5), 20, eos_token_id=[]),
                 Request((6,), 1, eos_token_id=[])]
-    engine = Engine(tiny_model, slots=1, num_blocks=16, block_size=4)
+    engine = Engine(tiny_model, EngineConfig(max_num_seqs=1, num_gpu_blocks_override=16,
+                                             block_size=4))
     ids = [engine.submit(r) for r in requests]
     for _ in range(5):
         engine.step()                                       # request 0 runs, 1 and 2 wait
@@ -125,7 +132,8 @@ def test_cancel_waiting_running_and_finished_requests(tiny_model):
 def test_cancelling_the_last_member_ends_a_static_batch(tiny_model):
     requests = [Request((1, 2), 2, eos_token_id=[]), Request((3, 4), 30, eos_token_id=[]),
                 Request((5, 6), 3, eos_token_id=[])]
-    engine = Engine(tiny_model, slots=2, num_blocks=12, block_size=4, policy="static")
+    engine = Engine(tiny_model, EngineConfig(max_num_seqs=2, num_gpu_blocks_override=12,
+                                             block_size=4, policy="static"))
     for r in requests:
         engine.submit(r)
     for _ in range(4):
@@ -145,7 +153,8 @@ def test_cancelling_the_last_static_member_with_nothing_waiting_returns_the_batc
     # once a bug: the finished padding member was never freed nor returned (returned nan, its
     # blocks held, metrics' latency nan) when nothing waited to start a next step
     requests = [Request((1, 2), 2, eos_token_id=[]), Request((3, 4), 30, eos_token_id=[])]
-    engine = Engine(tiny_model, slots=2, num_blocks=12, block_size=4, policy="static")
+    engine = Engine(tiny_model, EngineConfig(max_num_seqs=2, num_gpu_blocks_override=12,
+                                             block_size=4, policy="static"))
     for r in requests:
         engine.submit(r)
     for _ in range(4):
@@ -161,8 +170,10 @@ def test_cancelling_the_last_static_member_with_nothing_waiting_returns_the_batc
 
 def test_static_admits_only_when_every_slot_is_free(tiny_model):
     requests = [Request((i + 1,), n, eos_token_id=[]) for i, n in enumerate([2, 6, 2, 2])]
-    static = Engine(tiny_model, slots=2, policy="static", history=True).run(requests)
-    cont = Engine(tiny_model, slots=2, policy="continuous", history=True).run(requests)
+    static = Engine(tiny_model, EngineConfig(max_num_seqs=2, policy="static"),
+                    history=True).run(requests)
+    cont = Engine(tiny_model, EngineConfig(max_num_seqs=2, policy="continuous"),
+                  history=True).run(requests)
     assert (static.steps, cont.steps) == (8, 6)  # 6 + 2 steps vs slot 0 reused twice
     # static computes a finished member's row as padding until its batch ends
     assert [B for B, _ in static.decode_times] == [2] * 6
@@ -177,7 +188,7 @@ def test_static_admits_only_when_every_slot_is_free(tiny_model):
 
 def test_zero_tokens_and_model_eos_behave_like_generate(tiny_model):
     requests = [Request((3, 4), 0), Request((1, 2, 3), 40)]  # model's eos stops the second
-    run = Engine(tiny_model, slots=2).run(requests)
+    run = Engine(tiny_model, EngineConfig(max_num_seqs=2)).run(requests)
     assert run.results[0].status == "finished" and run.results[0].tokens == []
     assert_solo(tiny_model, run.results)
 
@@ -192,7 +203,7 @@ def test_late_arrivals_wait_for_their_time(tiny_model, monkeypatch):
     monkeypatch.setattr(engine_module, "time", SimpleNamespace(perf_counter=lambda: 0.0))
     requests = [Request((1, 2), 3, arrival=0.0, eos_token_id=[]),
                 Request((3, 4), 3, arrival=100.0, eos_token_id=[])]
-    run = Engine(tiny_model, slots=2).run(requests)
+    run = Engine(tiny_model, EngineConfig(max_num_seqs=2)).run(requests)
     early, late = run.results
     assert early.first_token == early.finished == 0.0
     assert late.first_token == late.finished == 100.0 and late.ttft == 0.0
@@ -201,13 +212,13 @@ def test_late_arrivals_wait_for_their_time(tiny_model, monkeypatch):
 
 def test_bad_settings_and_requests_are_refused(tiny_model):
     with pytest.raises(ValueError, match="policy"):
-        Engine(tiny_model, policy="fifo")
-    with pytest.raises(ValueError, match="slots"):
-        Engine(tiny_model, slots=0)
+        Engine(tiny_model, EngineConfig(policy="fifo"))
+    with pytest.raises(ValueError, match="max_num_seqs"):
+        Engine(tiny_model, EngineConfig(max_num_seqs=0))
     with pytest.raises(ValueError, match="block_size"):
-        Engine(tiny_model, block_size=0)
-    with pytest.raises(ValueError, match="num_blocks"):
-        Engine(tiny_model, num_blocks=2.5)
+        Engine(tiny_model, EngineConfig(block_size=0))
+    with pytest.raises(ValueError, match="num_gpu_blocks_override"):
+        Engine(tiny_model, EngineConfig(num_gpu_blocks_override=2.5))
     engine = Engine(tiny_model)
     with pytest.raises(ValueError, match="seed"):
         engine.submit(Request((1, 2), 3, seed="x"))
@@ -249,7 +260,7 @@ BAD_REQUESTS = [  # each a ValueError naming the field, at submission
 def test_a_malformed_request_is_refused_at_submission_holding_nothing(checkpoint_dir, fields,
                                                                     named):
     model = mt.load(checkpoint_dir("llama-gqa"))
-    engine = Engine(model, slots=2, num_blocks=8, block_size=4)
+    engine = Engine(model, EngineConfig(max_num_seqs=2, num_gpu_blocks_override=8, block_size=4))
     request = Request(**({"prompt": (1, 2), "max_new_tokens": 3} | fields))
     with pytest.raises(ValueError, match=named):
         engine.submit(request)
@@ -259,8 +270,9 @@ def test_a_malformed_request_is_refused_at_submission_holding_nothing(checkpoint
     assert_pool_whole(engine)
 
 
-@pytest.mark.parametrize("sizes", [dict(num_blocks=10**12), dict(slots=10**7),
-                                   dict(slots=10**12, num_blocks=4)], ids=str)
+@pytest.mark.parametrize("sizes", [dict(num_gpu_blocks_override=10**12),
+                                   dict(max_num_seqs=10**7),
+                                   dict(max_num_seqs=10**12, num_gpu_blocks_override=4)], ids=str)
 def test_a_pool_larger_than_memory_is_refused_before_allocating(tiny_model, sizes,
                                                                 monkeypatch):
     """Refused by arithmetic on the sizes: the pool's allocation is never entered, and
@@ -274,7 +286,7 @@ def test_a_pool_larger_than_memory_is_refused_before_allocating(tiny_model, size
     try:
         with pytest.raises(ValueError, match=r"need [\d,]+ bytes .* more than the [\d,]+ "
                                              r"bytes of (physical|free GPU) memory"):
-            Engine(tiny_model, **sizes)
+            Engine(tiny_model, EngineConfig(**sizes))
     finally:
         peak = tracemalloc.get_traced_memory()[1]
         tracemalloc.stop()
@@ -289,7 +301,8 @@ def test_only_requests_are_served(tiny_model):
 def test_run_is_atomic_and_serves_each_request_once(tiny_model):
     # once a bug: a bad request after a good one left the good one queued, served twice later
     good = Request((1, 2, 3), 4, eos_token_id=[])
-    engine = Engine(tiny_model, slots=2, num_blocks=8, block_size=4)
+    engine = Engine(tiny_model, EngineConfig(max_num_seqs=2, num_gpu_blocks_override=8,
+                                             block_size=4))
     with pytest.raises(ValueError, match=r"requests\[1\]: arrival"):
         engine.run([good, Request((4, 5), 2, arrival=math.nan)])
     assert engine.results == {} and not engine.waiting
@@ -317,7 +330,8 @@ def test_metrics_of_known_results():
 def test_a_chat_turn_finds_the_last_turn_cached_prompt_and_answer(tiny_model):
     """Turn 2's prompt is turn 1's prompt + answer + a new message: every full block of it is
     found cached, the answer's blocks too (named as decoding filled them)."""
-    engine = Engine(tiny_model, slots=1, num_blocks=16, block_size=4)
+    engine = Engine(tiny_model, EngineConfig(max_num_seqs=1, num_gpu_blocks_override=16,
+                                             block_size=4))
     first = Request(tuple(range(1, 12)), 9, eos_token_id=[])
     engine.submit(first)
     while engine.running() or engine.waiting:
@@ -338,8 +352,10 @@ def test_a_chat_turn_finds_the_last_turn_cached_prompt_and_answer(tiny_model):
 def test_chunked_prefill_keeps_streams_decoding_and_changes_no_token(tiny_model, budget):
     """Two requests decode; a 20-token prompt arrives: with a budget of b tokens a step it is
     prefilled in chunks of b - 2 while both streams make a token every step."""
-    engine = Engine(tiny_model, slots=3, num_blocks=40, block_size=4, prefix_caching=False,
-                    max_num_batched_tokens=budget, history=True)
+    engine = Engine(tiny_model, EngineConfig(max_num_seqs=3, num_gpu_blocks_override=40,
+                                              block_size=4, enable_prefix_caching=False,
+                                              max_num_batched_tokens=budget),
+                    history=True)
     for _ in range(2):
         engine.submit(Request((1, 2), 30, eos_token_id=[]))
     while not all(r.tokens for r in engine.results.values()):
@@ -364,4 +380,4 @@ def test_chunked_prefill_keeps_streams_decoding_and_changes_no_token(tiny_model,
 @pytest.mark.parametrize("bad", [0, -3, 2.5, "8", True, 2])
 def test_a_bad_token_budget_is_refused_naming_it(tiny_model, bad):
     with pytest.raises(ValueError, match="max_num_batched_tokens"):
-        Engine(tiny_model, slots=2, max_num_batched_tokens=bad)
+        Engine(tiny_model, EngineConfig(max_num_seqs=2, max_num_batched_tokens=bad))

@@ -17,6 +17,7 @@ from minitransformer.kvcache import KVCache
 from minitransformer.logprobs import log_softmax, token_logprob
 from minitransformer.model import forward
 from minitransformer.sampling import SamplingSettings
+from minitransformer.serve.config import EngineConfig
 from minitransformer.serve.engine import Engine
 from minitransformer.serve.records import Request
 
@@ -52,8 +53,9 @@ def whole_prefill(model, tokens) -> KVCache:
 def test_every_chunk_is_computed_at_its_own_positions(tiny_model, budget):
     """Chunks of budget - 1 tokens (one decode beside them), block size 4, so chunks start
     inside blocks: every layer's keys and values equal a whole prefill's."""
-    engine = Engine(tiny_model, slots=2, block_size=4, max_num_batched_tokens=budget,
-                    prefix_caching=False)
+    engine = Engine(tiny_model, EngineConfig(max_num_seqs=2, block_size=4,
+                                              max_num_batched_tokens=budget,
+                                              enable_prefix_caching=False))
     engine.submit(Request((1, 2), 40, eos_token_id=[]))
     engine.step()                                       # it decodes during the chunks
     rid = engine.submit(Request(PROMPT, 3, eos_token_id=[]))
@@ -71,7 +73,7 @@ def test_every_chunk_is_computed_at_its_own_positions(tiny_model, budget):
 
 def test_a_prompt_after_its_cached_prefix_is_computed_at_its_own_positions(tiny_model):
     """The same for the tokens after a cached prefix (the rest of the prompt is one chunk)."""
-    engine = Engine(tiny_model, slots=2, block_size=4)
+    engine = Engine(tiny_model, EngineConfig(max_num_seqs=2, block_size=4))
     engine.run([Request(PROMPT[:9], 1, eos_token_id=[])])
     rid = engine.submit(Request(PROMPT, 3, eos_token_id=[]))
     engine.step()
@@ -91,7 +93,8 @@ def test_admission_counts_each_samples_first_token_copy(tiny_model, spare):
     last block (the 4th writes into it): 6 blocks. With 5 free they wait for the running one
     to end; with 6 they enter at once. Either way nobody is ever preempted."""
     prompt = PROMPT[:10]
-    engine = Engine(tiny_model, slots=5, num_blocks=6 + spare, block_size=4)
+    engine = Engine(tiny_model, EngineConfig(max_num_seqs=5, num_gpu_blocks_override=6 + spare,
+                                             block_size=4))
     engine.submit(Request((1, 2), 3, eos_token_id=[]))         # writes positions 2, 3
     engine.step()                                       # its prompt and first token
     samples = engine.submit(Request(prompt, 3, sampling=SAMPLED, seed=7, n=4, eos_token_id=[],
@@ -110,7 +113,7 @@ def test_a_sample_writing_into_the_shared_block_copies_it_first(tiny_model):
     writes its own first token at position 10: each sample's keys there are its own token's
     (a whole prefill of prompt + that token), the prompt's slots unchanged and shared."""
     prompt = list(PROMPT[:10])
-    engine = Engine(tiny_model, slots=4, block_size=4, batch_invariant=True)
+    engine = Engine(tiny_model, EngineConfig(max_num_seqs=4, block_size=4, batch_invariant=True))
     first = engine.submit(Request(tuple(prompt), 3, sampling=SAMPLED, seed=11, n=4,
                                   eos_token_id=[]))
     engine.step()                                       # prefill, forks, first tokens
@@ -149,8 +152,8 @@ def test_the_engine_scores_the_token_it_drew_not_the_likeliest(tiny_model):
     is the drawn token's under the model (log_softmax of one full forward pass, before the
     temperature), and its top 3 are the three largest, in order."""
     hot = SamplingSettings(do_sample=True, temperature=2.0)
-    run = Engine(tiny_model, slots=1).run([Request(PROMPT, 16, sampling=hot, seed=5,
-                                                   eos_token_id=[], logprobs=3)])
+    run = Engine(tiny_model, EngineConfig(max_num_seqs=1)).run(
+        [Request(PROMPT, 16, sampling=hot, seed=5, eos_token_id=[], logprobs=3)])
     result = run.results[0]
     ref = log_softmax(mt.logits(tiny_model, list(PROMPT) + result.tokens))[len(PROMPT) - 1:-1]
     off_top = 0
@@ -186,7 +189,7 @@ def decode_product_rows(monkeypatch, model, batch_invariant):
             inside.pop()
     monkeypatch.setattr(linear_module, "multiply", multiply)
     monkeypatch.setattr(engine_module, "last_logits", last_logits)
-    Engine(model, slots=3, block_size=4, batch_invariant=batch_invariant).run(
+    Engine(model, EngineConfig(max_num_seqs=3, block_size=4, batch_invariant=batch_invariant)).run(
         [Request(PROMPT[:n], 5, eos_token_id=[]) for n in (3, 7, 12)])
     return decodes, rows
 
@@ -208,8 +211,8 @@ def test_batch_invariant_requests_get_the_bits_they_get_alone(tiny_model):
     logprobs (float64 from its logits) are exactly generate's for it alone."""
     requests = [Request(PROMPT[:n], 8, sampling=SAMPLED, seed=n + i, eos_token_id=[],
                         logprobs=0) for i, n in enumerate((3, 6, 6, 11))]
-    run = Engine(tiny_model, slots=4, block_size=4, batch_invariant=True,
-                 prefix_caching=False).run(requests)
+    run = Engine(tiny_model, EngineConfig(max_num_seqs=4, block_size=4, batch_invariant=True,
+                                          enable_prefix_caching=False)).run(requests)
     for request, result in zip(requests, run.results):
         alone = mt.generate(tiny_model, list(request.prompt), 8, sampling=SAMPLED,
                             seed=request.seed, eos_token_id=[], logprobs=0)

@@ -126,6 +126,7 @@ def test_forward_rejects_bad_ids(checkpoint_dir, ids, message):
 
 
 def test_numpy_scalars_are_accepted_as_lengths_settings_and_slots(checkpoint_dir):
+    from minitransformer.serve.config import EngineConfig
     from minitransformer.serve.engine import Engine
     from minitransformer.serve.records import Request
     model = mt.load(checkpoint_dir("qwen2-gqa-tied-bf16"))
@@ -135,6 +136,8 @@ def test_numpy_scalars_are_accepted_as_lengths_settings_and_slots(checkpoint_dir
     assert mt.generate(model, np.array(ids), np.int32(5),
                        sampling=SamplingSettings(np.bool_(True), np.float32(0.75), np.int64(5)),
                        **kw) == expected
-    engine = Engine(model, slots=np.int64(2), num_blocks=np.int32(8), block_size=np.int16(4))
+    engine = Engine(model, EngineConfig(max_num_seqs=np.int64(2),
+                                         num_gpu_blocks_override=np.int32(8),
+                                         block_size=np.int16(4)))
     run = engine.run([Request(tuple(ids), max_new_tokens=np.int64(5), eos_token_id=[])])
     assert run.results[0].tokens == mt.generate(model, ids, 5, eos_token_id=[])

@@ -11,6 +11,7 @@ from minitransformer.kvquant import (KV_DTYPES, QuantizedArray, dequantize, quan
                                      vector_bytes, zeros)
 from minitransformer.model import forward
 from minitransformer.sampling import SamplingSettings
+from minitransformer.serve.config import EngineConfig
 from minitransformer.serve.engine import Engine
 from minitransformer.serve.paged import PagedCache
 from minitransformer.serve.records import Request
@@ -96,7 +97,8 @@ def test_an_unknown_cache_dtype_is_a_clear_error(tiny_model, bad):
     c = tiny_model.config
     for make in (lambda: KVCache.allocate(c, 1, 4, bad), lambda: PagedCache.allocate(c, 4, 4, bad),
                  lambda: mt.generate(tiny_model, [1, 2], 2, kv_dtype=bad),
-                 lambda: Engine(tiny_model, num_blocks=4, kv_dtype=bad)):
+                 lambda: Engine(tiny_model, EngineConfig(num_gpu_blocks_override=4,
+                                                         kv_cache_dtype=bad))):
         with pytest.raises(ValueError, match="use one of f32, f16, q8_0, q4_0"):
             make()
 
@@ -126,8 +128,9 @@ def test_engine_gives_generates_tokens_for_the_same_cache_format(checkpoint_dir,
     requests = [Request(tuple(rng.integers(0, 96, int(rng.integers(2, 9))).tolist()), 20,
                         eos_token_id=[], sampling=SamplingSettings(do_sample=bool(i % 2)),
                         seed=i) for i in range(5)]
-    engine = Engine(model, slots=4, num_blocks=14, block_size=4, prefix_caching=False,
-                    batch_invariant=True, kv_dtype=kv_dtype, attention=attention)
+    engine = Engine(model, EngineConfig(max_num_seqs=4, num_gpu_blocks_override=14, block_size=4,
+                                         enable_prefix_caching=False, batch_invariant=True,
+                                         kv_cache_dtype=kv_dtype, attention=attention))
     run = engine.run(requests)
     assert run.preemptions > 0
     for result in run.results:

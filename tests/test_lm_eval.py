@@ -21,6 +21,7 @@ from minitransformer.tokenizer import encode_text
 
 pytest.importorskip("fastapi")
 from test_server import NAME, Background, model  # noqa: E402,F401 (the fixture)
+from minitransformer.serve.config import EngineConfig  # noqa: E402
 from minitransformer.serve.engine import Engine  # noqa: E402
 from minitransformer.serve.http import create_app  # noqa: E402
 from minitransformer.serve.online import OnlineEngine  # noqa: E402
@@ -99,7 +100,8 @@ def test_lm_eval_loglikelihoods_equal_the_librarys(model, tmp_path):
     data.write_text("".join(json.dumps({"context": c, "choices": ch, "label": y}) + "\n"
                             for c, ch, y in DOCS))
     (tmp_path / "task.yaml").write_text(TASK.format(data=data))
-    online = OnlineEngine(Engine(model, slots=8, num_blocks=96, block_size=8))
+    config = EngineConfig(max_num_seqs=8, num_gpu_blocks_override=96, block_size=8)
+    online = OnlineEngine(Engine(model, config))
     app = Recorder(create_app(online, NAME))
     server = Background(app)
     env = os.environ | {"HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1",

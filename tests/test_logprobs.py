@@ -11,6 +11,7 @@ import minitransformer.serve.engine as engine_module
 from minitransformer.logprobs import MAX_LOGPROBS, check_top, log_softmax, token_logprob
 from minitransformer.model import forward
 from minitransformer.sampling import SamplingSettings
+from minitransformer.serve.config import EngineConfig
 from minitransformer.serve.engine import Engine
 from minitransformer.serve.records import Request
 from minitransformer.checkpoints.synth import weights_dir
@@ -102,7 +103,8 @@ def test_the_engine_scores_new_and_prompt_tokens_as_the_model(tiny_model, monkey
     settings = SamplingSettings(do_sample=True, temperature=0.8)
     requests = [Request(tuple(PROMPT[:n]), 9, sampling=settings, seed=n, eos_token_id=[],
                         logprobs=2, prompt_logprobs=3) for n in (4, 7, 10)]
-    run = Engine(tiny_model, slots=3, block_size=4, batch_invariant=batch_invariant).run(
+    run = Engine(tiny_model, EngineConfig(max_num_seqs=3, block_size=4,
+                                          batch_invariant=batch_invariant)).run(
         requests)
     assert len(calls) == 3 + 8          # three prefills, eight batched decodes: no extra pass
     for result in run.results:
@@ -119,7 +121,7 @@ def test_prompt_logprobs_compute_the_whole_prompt_even_when_its_blocks_are_cache
     """A prompt whose blocks another request holds is still prefilled whole when its
     prompt's logprobs are asked for (they need every position's logits)."""
     prompt = tuple(PROMPT * 2)
-    engine = Engine(tiny_model, slots=2, block_size=4)
+    engine = Engine(tiny_model, EngineConfig(max_num_seqs=2, block_size=4))
     first = engine.submit(Request(prompt, 30, eos_token_id=[]))
     engine.step()
     second = engine.submit(Request(prompt, 2, eos_token_id=[], prompt_logprobs=0))
@@ -135,7 +137,8 @@ def test_prompt_logprobs_compute_the_whole_prompt_even_when_its_blocks_are_cache
 def test_prompt_logprobs_of_a_prompt_prefilled_in_chunks(tiny_model):
     """Chunks of 3 tokens: each chunk's positions score the next prompt tokens, in order."""
     prompt = tuple(PROMPT + PROMPT[:3])
-    engine = Engine(tiny_model, slots=2, block_size=4, max_num_batched_tokens=3)
+    engine = Engine(tiny_model, EngineConfig(max_num_seqs=2, block_size=4,
+                                             max_num_batched_tokens=3))
     run = engine.run([Request(prompt, 2, eos_token_id=[], prompt_logprobs=2, n=2)])
     ref = log_softmax(mt.logits(tiny_model, list(prompt)))
     for result in run.results:
@@ -148,7 +151,7 @@ def test_prompt_logprobs_of_a_prompt_prefilled_in_chunks(tiny_model):
 @pytest.mark.parametrize("field, value", [("logprobs", -1), ("logprobs", 21),
                                           ("prompt_logprobs", True), ("logprobs", 1.0)])
 def test_the_engine_names_a_bad_logprobs_field(tiny_model, field, value):
-    engine = Engine(tiny_model, slots=2)
+    engine = Engine(tiny_model, EngineConfig(max_num_seqs=2))
     with pytest.raises(ValueError, match=field):
         engine.submit(Request((1, 2), 3, **{field: value}))
     assert not engine.waiting and not engine.results
@@ -164,7 +167,7 @@ def test_smollm2_logprobs_equal_log_softmax_of_its_logits():
     model = mt.load(path)
     prompt = model.tokenizer.encode("The capital of France is")
     assert_model_logprobs(model, prompt, mt.generate(model, prompt, 8, logprobs=5), 5)
-    run = Engine(model, slots=2, block_size=16).run([
+    run = Engine(model, EngineConfig(max_num_seqs=2, block_size=16)).run([
         Request(tuple(prompt), 8, sampling=SamplingSettings(do_sample=True), seed=3, n=2,
                 logprobs=5, prompt_logprobs=1)])
     for result in run.results:

@@ -8,6 +8,7 @@ import pytest
 from conftest import wait_for
 import minitransformer as mt
 from engine_fuzz import solo
+from minitransformer.serve.config import EngineConfig
 from minitransformer.serve.engine import Engine
 from minitransformer.serve.records import Request
 from minitransformer.serve.online import Closed, OnlineEngine, QueueFull
@@ -28,8 +29,9 @@ def test_concurrent_clients_get_their_solo_tokens(model, policy):
                         sampling=SamplingSettings(do_sample=bool(i % 2), temperature=0.8,
                                                   top_p=0.9),
                         seed=i, eos_token_id=[] if i % 3 else None) for i in range(12)]
-    online = OnlineEngine(Engine(model, slots=3, num_blocks=20, block_size=4, policy=policy,
-                                 batch_invariant=True))
+    config = EngineConfig(max_num_seqs=3, num_gpu_blocks_override=20, block_size=4,
+                          policy=policy, batch_invariant=True)
+    online = OnlineEngine(Engine(model, config))
     got = [None] * len(requests)
 
     def client(i):
@@ -47,7 +49,8 @@ def test_concurrent_clients_get_their_solo_tokens(model, policy):
 
 
 def test_a_client_that_leaves_frees_its_blocks_at_once(model):
-    online = OnlineEngine(Engine(model, slots=2, num_blocks=60, block_size=4, history=True))
+    config = EngineConfig(max_num_seqs=2, num_gpu_blocks_override=60, block_size=4)
+    online = OnlineEngine(Engine(model, config, history=True))
     tokens = online.stream(Request((1, 2, 3), 200, eos_token_id=[]))
     first = [next(tokens) for _ in range(3)]
     assert online.snapshot.blocks_used > 0
@@ -60,7 +63,8 @@ def test_a_client_that_leaves_frees_its_blocks_at_once(model):
 
 
 def test_full_queue_is_refused_and_bad_requests_end_rejected(model):
-    online = OnlineEngine(Engine(model, slots=1, num_blocks=8, block_size=4), max_waiting=1)
+    config = EngineConfig(max_num_seqs=1, num_gpu_blocks_override=8, block_size=4)
+    online = OnlineEngine(Engine(model, config), max_waiting=1)
     first = []
     with online.lock:               # hold the loop off: both submissions are still in the inbox
         online.submit(Request((1, 2), 5), first.append)
@@ -77,7 +81,8 @@ def test_full_queue_is_refused_and_bad_requests_end_rejected(model):
 
 
 def test_close_without_drain_cancels_what_is_in_flight(model):
-    online = OnlineEngine(Engine(model, slots=1, num_blocks=80, block_size=4))
+    config = EngineConfig(max_num_seqs=1, num_gpu_blocks_override=80, block_size=4)
+    online = OnlineEngine(Engine(model, config))
     updates = []
     for prompt in ((1, 2), (3, 4)):
         online.submit(Request(prompt, 200, eos_token_id=[]), updates.append)
@@ -89,7 +94,8 @@ def test_close_without_drain_cancels_what_is_in_flight(model):
 
 
 def test_a_failing_step_ends_every_request_loudly(model):
-    online = OnlineEngine(Engine(model, slots=2, num_blocks=40, block_size=4))
+    config = EngineConfig(max_num_seqs=2, num_gpu_blocks_override=40, block_size=4)
+    online = OnlineEngine(Engine(model, config))
 
     def broken():
         raise RuntimeError("a bug in a step")

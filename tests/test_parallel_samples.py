@@ -12,6 +12,7 @@ from conftest import assert_like_solo
 from engine_fuzz import check_pool, solo
 from minitransformer.model import forward
 from minitransformer.sampling import SamplingSettings
+from minitransformer.serve.config import EngineConfig
 from minitransformer.serve.engine import Engine
 from minitransformer.serve.paged import PagedCache
 from minitransformer.serve.records import Request
@@ -46,7 +47,8 @@ def test_a_fork_shares_every_block_until_one_side_writes(tiny_model):
 @pytest.mark.parametrize("batch_invariant", [True, False])
 def test_sample_i_is_the_single_request_seeded_seed_plus_i(tiny_model, batch_invariant):
     request = Request(PROMPT, 12, sampling=SAMPLED, seed=40, n=4, eos_token_id=[])
-    run = Engine(tiny_model, slots=4, block_size=4, batch_invariant=batch_invariant).run(
+    run = Engine(tiny_model, EngineConfig(max_num_seqs=4, block_size=4,
+                                          batch_invariant=batch_invariant)).run(
         [request])
     assert [r.choice for r in run.results] == [0, 1, 2, 3]
     for result in run.results:
@@ -63,7 +65,7 @@ def test_the_prompt_is_prefilled_once_and_shared(tiny_model, monkeypatch):
     for module in (engine_module, generate_module):    # prefills here, decodes in last_logits
         monkeypatch.setattr(module, "forward", lambda model, ids, *a, **k:
                             calls.append(ids.shape) or forward(model, ids, *a, **k))
-    engine = Engine(tiny_model, slots=8, block_size=4, history=True)
+    engine = Engine(tiny_model, EngineConfig(max_num_seqs=8, block_size=4), history=True)
     engine.submit(Request(PROMPT, 5, sampling=SAMPLED, seed=1, n=8, eos_token_id=[]))
     engine.step()
     assert calls == [(1, len(PROMPT))]                  # one prefill of the prompt
@@ -81,7 +83,8 @@ def test_the_prompt_is_prefilled_once_and_shared(tiny_model, monkeypatch):
 
 
 def test_greedy_samples_are_all_the_greedy_answer(tiny_model):
-    run = Engine(tiny_model, slots=3, block_size=4).run([Request(PROMPT, 6, n=3)])
+    run = Engine(tiny_model, EngineConfig(max_num_seqs=3, block_size=4)).run([Request(PROMPT, 6,
+                                                                                      n=3)])
     assert [r.tokens for r in run.results] == [mt.generate(tiny_model, PROMPT, 6)] * 3
 
 
@@ -90,7 +93,8 @@ def test_samples_wait_for_enough_free_slots_and_survive_preemption(tiny_model):
     free slots; samples are preempted and swapped back in; every one is still its solo."""
     requests = [Request(PROMPT, 14, sampling=SAMPLED, seed=s, n=2, eos_token_id=[])
                 for s in (100, 200)]
-    engine = Engine(tiny_model, slots=3, num_blocks=9, block_size=4, batch_invariant=True)
+    engine = Engine(tiny_model, EngineConfig(max_num_seqs=3, num_gpu_blocks_override=9,
+                                             block_size=4, batch_invariant=True))
     for request in requests:
         engine.submit(request)
     engine.step()
@@ -104,7 +108,7 @@ def test_samples_wait_for_enough_free_slots_and_survive_preemption(tiny_model):
 
 
 def test_cancelling_one_sample_leaves_the_others(tiny_model):
-    engine = Engine(tiny_model, slots=2, block_size=4)
+    engine = Engine(tiny_model, EngineConfig(max_num_seqs=2, block_size=4))
     busy = engine.submit(Request(PROMPT, 3, eos_token_id=[]))
     first = engine.submit(Request(PROMPT, 4, sampling=SAMPLED, seed=9, n=2, eos_token_id=[]))
     engine.step()                                       # two samples wait for two slots
@@ -128,7 +132,8 @@ def test_samples_of_a_chunked_prompt_wait_in_reserved_slots_for_its_end(tiny_mod
     """Prefilled in chunks of 4, 4 and 2, the prompt holds 1 slot and reserves 2: a
     later request finds no slot; at the last chunk the samples fork; cancelling the prompt
     while it is prefilled sends its samples back to the queue, the next one in its place."""
-    engine = Engine(tiny_model, slots=3, block_size=4, max_num_batched_tokens=4)
+    engine = Engine(tiny_model, EngineConfig(max_num_seqs=3, block_size=4,
+                                             max_num_batched_tokens=4))
     first = engine.submit(Request(PROMPT, 3, sampling=SAMPLED, seed=3, n=3, eos_token_id=[]))
     other = engine.submit(Request((1, 2), 2, eos_token_id=[]))
     engine.step()
@@ -145,7 +150,8 @@ def test_samples_of_a_chunked_prompt_wait_in_reserved_slots_for_its_end(tiny_mod
         assert_like_solo(tiny_model, result.tokens, solo(tiny_model, result.request,
                                                          result.choice), PROMPT, SAMPLED,
                          3 + result.choice, batch_invariant=False, eos_token_id=[])
-    engine = Engine(tiny_model, slots=3, block_size=4, max_num_batched_tokens=4)
+    engine = Engine(tiny_model, EngineConfig(max_num_seqs=3, block_size=4,
+                                             max_num_batched_tokens=4))
     first = engine.submit(Request(PROMPT, 3, sampling=SAMPLED, seed=3, n=3, eos_token_id=[]))
     engine.step()
     assert engine.cancel(first) and engine.waiting[0].result.id == first + 1
@@ -159,7 +165,7 @@ def test_samples_of_a_chunked_prompt_wait_in_reserved_slots_for_its_end(tiny_mod
 
 @pytest.mark.parametrize("n", [0, -1, 3, True, 2.0, "2", None])
 def test_a_bad_n_is_named(tiny_model, n):
-    engine = Engine(tiny_model, slots=2)
+    engine = Engine(tiny_model, EngineConfig(max_num_seqs=2))
     with pytest.raises(ValueError, match=r"n must be an integer in \[1, 2\]"):
         engine.submit(Request(PROMPT, 3, n=n))
     assert not engine.waiting and not engine.results
@@ -167,7 +173,8 @@ def test_a_bad_n_is_named(tiny_model, n):
 
 def test_samples_that_cannot_fit_the_pool_are_rejected(tiny_model):
     """4 samples of a 10-token prompt need its 3 blocks and 3 more for the copies."""
-    run = Engine(tiny_model, slots=4, num_blocks=5, block_size=4).run(
+    run = Engine(tiny_model, EngineConfig(max_num_seqs=4, num_gpu_blocks_override=5,
+                                          block_size=4)).run(
         [Request(PROMPT, 1, n=4), Request(PROMPT, 1, n=2)])
     assert [r.status for r in run.results] == ["rejected"] * 4 + ["finished"] * 2
     assert "needs up to 6 blocks" in run.results[0].reason

@@ -5,6 +5,7 @@ first and only once the free list is empty, a named or shared block is never wri
 write), and a block's refcount is the number of block tables holding it."""
 import pytest
 
+from minitransformer.serve.config import EngineConfig
 from minitransformer.serve.engine import Engine
 from minitransformer.serve.paged import ROOT, block_names
 from minitransformer.serve.records import Request
@@ -77,7 +78,7 @@ def test_blocks_named_as_decoding_fills_them_are_found_by_the_whole_text():
 def test_the_engine_reuses_a_block_only_after_its_own_prefix(tiny_model):
     """Through the engine: after X Y, a prompt starting with Y finds nothing cached (Y's
     block was computed after X), one starting with X Y finds both blocks."""
-    engine = Engine(tiny_model, slots=1, block_size=4)
+    engine = Engine(tiny_model, EngineConfig(max_num_seqs=1, block_size=4))
     X, Y = (1, 2, 3, 4), (5, 6, 7, 8)
     run = engine.run([Request(X + Y + (9,), 1, eos_token_id=[]),
                       Request(Y + (9,), 1, eos_token_id=[]),

@@ -34,7 +34,7 @@ def fails(run_script, name, argv) -> str:
     ("exp01_kv_cache", ["--model", "{tiny}", "--max-new-tokens", "0"], "--max-new-tokens"),
     ("exp01_kv_cache", ["--model", "{tiny}", "--prompt", ""], "the prompt must be a non-empty"),
     ("exp13_engine", ["--model", "{tiny}", "--num-blocks", "0"],
-     "num_blocks=0"),
+     "num_gpu_blocks_override=0"),
     ("exp14_paged_cache", ["--model", "{tiny}", "--block-sizes", "0,4"], "--block-sizes"),
     ("exp12_batched_decode", ["--model", "{tiny}", "--batch-sizes", "1,x"], "--batch-sizes"),
     ("exp13_batching_sim", ["--loads", "1,nan"], "--loads"),

@@ -20,6 +20,7 @@ import minitransformer as mt
 from minitransformer.kernels import blas
 from minitransformer.chat import encode_chat
 from minitransformer.sampling import SamplingSettings
+from minitransformer.serve.config import EngineConfig
 from minitransformer.serve.engine import Engine
 from minitransformer.serve.online import OnlineEngine
 from minitransformer.serve.records import Request
@@ -70,8 +71,10 @@ def model(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def served(model):
-    online = OnlineEngine(Engine(model, slots=4, num_blocks=48, block_size=4,  # 192 tokens
-                                 batch_invariant=True, history=True))   # records read back
+    online = OnlineEngine(Engine(model, EngineConfig(max_num_seqs=4, num_gpu_blocks_override=48,
+                                                     block_size=4,  # 192 tokens
+                                                     batch_invariant=True),
+                                 history=True))   # records read back
     server = Background(create_app(online, NAME))
     yield online, server.url, openai.OpenAI(base_url=server.url + "/v1", api_key="none",
                                             max_retries=0)
@@ -222,7 +225,8 @@ def test_a_waiting_client_that_gives_up_is_cancelled(model):
     handler = logging.Handler(logging.ERROR)
     handler.emit = errors.append
     logging.getLogger("uvicorn.error").addHandler(handler)
-    online = OnlineEngine(Engine(model, slots=1, num_blocks=64, block_size=4, history=True))
+    online = OnlineEngine(Engine(model, EngineConfig(max_num_seqs=1, num_gpu_blocks_override=64,
+                                                     block_size=4), history=True))
     server = Background(create_app(online, NAME))
     client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
     try:                            # a slow listener keeps the only slot busy for seconds
@@ -266,7 +270,8 @@ def test_bad_requests_get_400_naming_the_field(served, model):
 
 
 def test_full_queue_gets_429_with_retry_after(model):
-    online = OnlineEngine(Engine(model, slots=1, num_blocks=64, block_size=4, history=True),
+    online = OnlineEngine(Engine(model, EngineConfig(max_num_seqs=1, num_gpu_blocks_override=64,
+                                                     block_size=4), history=True),
                           max_waiting=1)
     server = Background(create_app(online, NAME))
     client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
@@ -519,7 +524,8 @@ def test_hostile_requests_get_openai_errors_and_the_server_lives_on(served, case
 
 def test_a_streamed_body_over_the_limit_is_refused_as_it_arrives(model):
     """Chunked (no Content-Length): cut off with 413 once the bytes received pass the limit."""
-    online = OnlineEngine(Engine(model, slots=1, num_blocks=8, block_size=4))
+    online = OnlineEngine(Engine(model, EngineConfig(max_num_seqs=1, num_gpu_blocks_override=8,
+                                                     block_size=4)))
     server = Background(create_app(online, NAME, max_request_bytes=1000))
     try:
         chunk = b"x" * 600
@@ -557,7 +563,9 @@ def test_a_prompt_filling_the_context_fits_the_default_limit(model):
     context is under the default body limit, and is served."""
     positions = model.config.max_position_embeddings
     limit = default_max_request_bytes(model)
-    online = OnlineEngine(Engine(model, slots=1, num_blocks=2 * positions // 4, block_size=4))
+    online = OnlineEngine(Engine(model, EngineConfig(max_num_seqs=1,
+                                                     num_gpu_blocks_override=2 * positions // 4,
+                                                     block_size=4)))
     server = Background(create_app(online, NAME))
     try:
         for language, text in TEXTS.items():
@@ -600,7 +608,8 @@ def test_health_answers_while_a_big_request_is_tokenized(model):
     held = HeldTokenizer(model.tokenizer.backend)
     long = replace(model, config=replace(model.config, max_position_embeddings=2**22),
                    tokenizer=replace(model.tokenizer, backend=held))
-    online = OnlineEngine(Engine(long, slots=1, num_blocks=8, block_size=4))
+    online = OnlineEngine(Engine(long, EngineConfig(max_num_seqs=1, num_gpu_blocks_override=8,
+                                                    block_size=4)))
     server = Background(create_app(online, NAME, max_request_bytes=40 << 20))
     try:
         body = completion(prompt="The robot counted 1234 boats, \u6f22\u5b57! " * 60_000)
@@ -647,7 +656,8 @@ def test_health_answers_while_a_prompt_is_being_tokenized(model):
 
     held = HeldTokenizer(model.tokenizer.backend)
     served = replace(model, tokenizer=replace(model.tokenizer, backend=held))
-    online = OnlineEngine(Engine(served, slots=1, num_blocks=16, block_size=4))
+    online = OnlineEngine(Engine(served, EngineConfig(max_num_seqs=1, num_gpu_blocks_override=16,
+                                                      block_size=4)))
     server = Background(create_app(online, NAME))
     try:
         done = []
@@ -694,7 +704,8 @@ def test_text_too_long_for_any_tokenization_is_refused_before_tokenizing(model):
 
     watched = WatchedTokenizer(model.tokenizer.backend)
     served = replace(model, tokenizer=replace(model.tokenizer, backend=watched))
-    online = OnlineEngine(Engine(served, slots=1, num_blocks=8, block_size=4))
+    online = OnlineEngine(Engine(served, EngineConfig(max_num_seqs=1, num_gpu_blocks_override=8,
+                                                      block_size=4)))
     server = Background(create_app(online, NAME, max_request_bytes=40 << 20))
     try:
         text = "The cat sat on the mat. " * 400_000
@@ -758,7 +769,8 @@ def test_a_long_run_keeps_no_record_per_request_and_metrics_count_them_all(model
     """Without history the engine forgets each request once its end is handed over, and keeps
     no per-step list: its footprint after 2N requests is its footprint after N, while /metrics
     has counted every one of them."""
-    online = OnlineEngine(Engine(model, slots=2, num_blocks=32, block_size=4))
+    online = OnlineEngine(Engine(model, EngineConfig(max_num_seqs=2, num_gpu_blocks_override=32,
+                                                     block_size=4)))
     server = Background(create_app(online, NAME))
     client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
     samples = tokens = prompt_tokens = 0
@@ -804,11 +816,11 @@ def test_history_keeps_the_timeline_and_run_hands_its_records_over():
     from minitransformer.checkpoints.synth import random_model
     model = random_model(qwen2_config())
     requests = [Request((1, 2, 3), 4, eos_token_id=[]), Request((4, 5), 2, eos_token_id=[])]
-    kept = Engine(model, slots=2, history=True)
+    kept = Engine(model, EngineConfig(max_num_seqs=2), history=True)
     run = kept.run(requests)
     assert len(run.memory) == run.steps and len(run.decode_times) == run.steps - 1
     assert sorted(kept.results) == [0, 1] and [len(r.tokens) for r in run.results] == [4, 2]
-    lean = Engine(model, slots=2)
+    lean = Engine(model, EngineConfig(max_num_seqs=2))
     run = lean.run(requests)
     assert [len(r.tokens) for r in run.results] == [4, 2] and lean.results == {}
     assert run.memory == run.decode_times == run.prefill_times == ()
@@ -826,7 +838,8 @@ def test_a_request_the_engine_refuses_is_a_400_before_any_stream(model):
             if 7 in request.prompt:
                 raise ValueError("token 7 is refused by this engine")
             return super()._check(request)
-    online = OnlineEngine(Refusing(model, slots=2, num_blocks=16, block_size=4))
+    config = EngineConfig(max_num_seqs=2, num_gpu_blocks_override=16, block_size=4)
+    online = OnlineEngine(Refusing(model, config))
     server = Background(create_app(online, NAME))
     try:
         for stream in (False, True):

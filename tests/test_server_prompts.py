@@ -14,6 +14,7 @@ pytest.importorskip("fastapi")
 from test_server import NAME, Background, model, served  # noqa: E402,F401 (the fixtures)
 from test_server_logprobs import (TOLERANCE, check_names_index_the_text, names,  # noqa: E402
                                   post, reference, warm)
+from minitransformer.serve.config import EngineConfig  # noqa: E402
 from minitransformer.serve.engine import Engine  # noqa: E402
 from minitransformer.serve.http import create_app  # noqa: E402
 from minitransformer.serve.online import OnlineEngine  # noqa: E402
@@ -23,7 +24,8 @@ TEXT = "Once upon a time, there was a little girl \u2014 Lily, 5\u20ac \u6f22!"
 
 
 def serve_model(model):
-    online = OnlineEngine(Engine(model, slots=4, num_blocks=64, block_size=8))
+    config = EngineConfig(max_num_seqs=4, num_gpu_blocks_override=64, block_size=8)
+    online = OnlineEngine(Engine(model, config))
     server = Background(create_app(online, NAME))
     return online, server, openai.OpenAI(base_url=server.url + "/v1", api_key="none",
                                          max_retries=0)
@@ -292,7 +294,8 @@ def test_a_batch_the_queue_cannot_take_is_refused_whole(model):
     import urllib.request
 
     from conftest import wait_for
-    online = OnlineEngine(Engine(model, slots=1, num_blocks=64, block_size=8), max_waiting=1)
+    config = EngineConfig(max_num_seqs=1, num_gpu_blocks_override=64, block_size=8)
+    online = OnlineEngine(Engine(model, config), max_waiting=1)
     server = Background(create_app(online, NAME))
     try:
         status, reply = post(server.url, "/v1/completions", {

@@ -193,13 +193,14 @@ def test_the_simulated_static_policy_forms_the_engines_batches(tiny_model):
     """One static policy: the simulation and the real engine start a batch, when the previous
     one ends, with whatever is waiting (up to the slots), never waiting for a batch to fill.
     Arrivals are 100 s apart in groups, far beyond any step, so the partition is exact."""
+    from minitransformer.serve.config import EngineConfig
     from minitransformer.serve.engine import Engine
     from minitransformer.serve.records import Request
     times, lengths = [0, 0, 0, 100, 200, 200, 300], [2, 3, 1, 2, 4, 1, 2]
     arrivals = [Arrival(i, float(t), n) for i, (t, n) in enumerate(zip(times, lengths))]
     requests = [Request((i + 1, 2), n, arrival=float(t), eos_token_id=[])
                 for i, (t, n) in enumerate(zip(times, lengths))]
-    engine = Engine(tiny_model, slots=2, policy="static").run(requests)
+    engine = Engine(tiny_model, EngineConfig(max_num_seqs=2, policy="static")).run(requests)
     sim = simulate_static(arrivals, 2, AffineCost(a=0.001, b=0.0))
 
     def batches(results):   # requests returned together, in order: the batches as formed

@@ -17,6 +17,7 @@ from minitransformer.backend import to_numpy, xp
 from minitransformer.kvcache import KVCache
 from minitransformer.kvquant import dequantize, quantize
 from minitransformer.model import attention, causal_mask, forward
+from minitransformer.serve.config import EngineConfig
 from minitransformer.serve.engine import Engine
 from minitransformer.serve.records import Request
 from minitransformer.tiled import CausalTiles, largest_score_block, tiled_attention
@@ -108,8 +109,9 @@ def test_forward_with_tiled_attention_equals_plain(tiny_model):
 def test_the_engine_and_generate_take_it(tiny_model):
     prompt = [5, 6, 7, 8, 9]
     alone = mt.generate(tiny_model, prompt, 6, eos_token_id=[], attention="tiled")
-    engine = Engine(tiny_model, slots=2, num_blocks=8, block_size=4, attention="tiled",
-                    batch_invariant=True)
+    engine = Engine(tiny_model, EngineConfig(max_num_seqs=2, num_gpu_blocks_override=8,
+                                              block_size=4, attention="tiled",
+                                              batch_invariant=True))
     run = engine.run([Request(tuple(prompt), 6, eos_token_id=[])])
     assert run.results[0].tokens == alone   # batch-invariant, prompt whole: generate's products
     assert_like_solo(tiny_model, alone, mt.generate(tiny_model, prompt, 6, eos_token_id=[],
@@ -122,7 +124,7 @@ def test_an_unknown_attention_is_a_clear_error(tiny_model, bad):
     with pytest.raises(ValueError, match="use one of plain, tiled"):
         forward(tiny_model, np.array([[1, 2]]), attention=bad)
     with pytest.raises(ValueError, match="use one of plain, tiled"):
-        Engine(tiny_model, num_blocks=4, attention=bad)
+        Engine(tiny_model, EngineConfig(num_gpu_blocks_override=4, attention=bad))
     with pytest.raises(ValueError, match="block"):
         tiled_attention(*qkv(1, 1, 1, 1, 4, 8), block=0)
 

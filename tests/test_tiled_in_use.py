@@ -20,6 +20,7 @@ from minitransformer import tiled
 from minitransformer.backend import xp
 from minitransformer.kvcache import KVCache
 from minitransformer.model import forward
+from minitransformer.serve.config import EngineConfig
 from minitransformer.serve.engine import Engine
 from minitransformer.serve.records import Request
 from minitransformer.checkpoints.synth import make_checkpoint, qwen2_config
@@ -74,7 +75,8 @@ def test_generate_and_the_engine_pass_it_down(tiny_model):
         run = calls(lambda: mt.generate(tiny_model, prompt, n, eos_token_id=[], cache=cache,
                                         attention="tiled"))
         assert run["plain"] == 0 and run["tiled"] == n * L      # n passes: prefill + n-1 steps
-    engine = Engine(tiny_model, slots=2, num_blocks=8, block_size=4, attention="tiled")
+    engine = Engine(tiny_model, EngineConfig(max_num_seqs=2, num_gpu_blocks_override=8,
+                                             block_size=4, attention="tiled"))
     run = calls(lambda: engine.run([Request(tuple(prompt), n, eos_token_id=[])]))
     assert run["plain"] == 0 and run["tiled"] >= n * L
 

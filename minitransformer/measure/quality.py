@@ -28,6 +28,7 @@ from minitransformer.generate import generate
 from minitransformer.kvcache import KVCache
 from minitransformer.model import forward, head
 from minitransformer.sampling import SamplingSettings
+from minitransformer.serve.config import EngineConfig
 from minitransformer.serve.engine import Engine, pool_for
 from minitransformer.serve.records import Request
 
@@ -196,8 +197,9 @@ def battery(model, repetition_penalty: float, max_new_tokens: int = 8,
         if chat else encode(model, prompt))), max_new_tokens, sampling=sampling)
         for prompt, _ in questions]
     slots, block_size = len(requests), 16
-    engine = Engine(model, slots=slots, block_size=block_size, batch_invariant=batch_invariant,
-                    num_blocks=pool_for(requests, slots, block_size))
+    engine = Engine(model, EngineConfig(
+        max_num_seqs=slots, block_size=block_size, batch_invariant=batch_invariant,
+        num_gpu_blocks_override=pool_for(requests, slots, block_size)))
     reported = 0
 
     def answered_so_far(engine):

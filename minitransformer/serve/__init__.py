@@ -1,5 +1,6 @@
 """Serving: the machinery between a model and many users, read after the core.
 
+    config       EngineConfig: the engine's knobs in one frozen dataclass, vLLM's names
     records      Request, Result, Run and their metrics: the vocabulary of a serving run
     paged        the paged KV cache: blocks, block tables, slots, the prefix cache
     engine       continuous (and static) batching over the paged cache, step by step

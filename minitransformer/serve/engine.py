@@ -19,8 +19,8 @@ The two policies differ in two decisions only (``_admits`` and ``_retire``, side
                                                            away, blocks held); the batch is
                                                            returned when its last ends
 
-Prefix caching (``prefix_caching=True``, the default; see paged.py): the full blocks of every
-sequence are named as they fill, and kept after their request ends, so a later prompt that
+Prefix caching (``enable_prefix_caching=True``, the default; see paged.py): the full blocks of
+every sequence are named as they fill, and kept after their request ends, so a later prompt that
 starts with the same tokens (the next turn of a chat, a shared system prompt) is prefilled
 from the first token not cached. Chunked prefill (``max_num_batched_tokens``, vLLM's name; None
 is off): a step computes at most that many tokens, the decodes first (one each), then chunks
@@ -77,7 +77,8 @@ waits for the next batch:
 >>> model = random_model(qwen2_config())
 >>> requests = [Request((1, 2), n, eos_token_id=[]) for n in (1, 3, 1)]
 >>> for policy in ("continuous", "static"):
-...     run = Engine(model, slots=2, policy=policy, history=True).run(requests)
+...     config = EngineConfig(max_num_seqs=2, policy=policy)
+...     run = Engine(model, config, history=True).run(requests)
 ...     r0, r1, r2 = run.results
 ...     print(policy, run.steps, "steps; decode batch sizes",
 ...           [B for B, _ in run.decode_times], "; 0 returned with 1:",
@@ -88,7 +89,8 @@ static 4 steps; decode batch sizes [2, 2] ; 0 returned with 1: True
 With a budget of 4 tokens a step, a 10-token prompt is prefilled in chunks of 4, 4 and 2, and
 a second request with the same prompt finds its first 8 tokens cached (two blocks of 4):
 
->>> engine = Engine(model, slots=1, block_size=4, max_num_batched_tokens=4, history=True)
+>>> config = EngineConfig(max_num_seqs=1, block_size=4, max_num_batched_tokens=4)
+>>> engine = Engine(model, config, history=True)
 >>> run = engine.run([Request(tuple(range(1, 11)), 1, eos_token_id=[])] * 2)
 >>> [n for n, _ in run.prefill_times], [r.cached_tokens for r in run.results]
 ([4, 4, 2, 2], [0, 8])
@@ -107,15 +109,12 @@ from minitransformer.checks import is_integer, is_real
 from minitransformer.generate import check_prompt, eos_ids, last_logits, seeded_rng
 from minitransformer.kvquant import cache_bytes_per_token
 from minitransformer.logprobs import check_top, token_logprob
-from minitransformer.model import ATTENTIONS, forward, head
+from minitransformer.model import forward, head
+from minitransformer.serve.config import EngineConfig
 from minitransformer.serve.paged import PagedCache, blocks_for
 from minitransformer.sampling import check_sampling, next_token
 from minitransformer.serve.records import Request, Result, Run, metrics  # noqa: F401 (the API)
 
-POLICIES = ("static", "continuous")
-SLOTS = 8                   # the chapter's experiment 13
-BLOCK_SIZE = 16             # tokens per block: vLLM's default
-TOKENS_PER_SLOT = 1024      # the default pool: room for this many tokens in every slot
 
 
 @dataclass(eq=False)                # compared by identity: it is a place, not a value
@@ -178,33 +177,22 @@ def check_fits(config, slots: int, num_blocks: int, block_size: int,
 
 
 class Engine:
-    def __init__(self, model, slots: int = SLOTS, num_blocks: int = None,
-                 block_size: int = BLOCK_SIZE, policy: str = "continuous",
-                 prefix_caching: bool = True, max_num_batched_tokens: int = None,
-                 batch_invariant: bool = False, kv_dtype: str = "f32",
-                 attention: str = "plain", history: bool = False):
-        """kv_dtype: the pool's format, f32, f16, q8_0 or q4_0 (kvquant.py); attention:
-        "plain" or "tiled" (model.forward); history: keep every record and every step's
-        timings (see "Records" above), for an experiment's timeline."""
-        if policy not in POLICIES:
-            raise ValueError(f"policy={policy!r}: use 'static' or 'continuous'")
-        for name, n in (("slots", slots), ("block_size", block_size), ("num_blocks", num_blocks),
-                        ("max_num_batched_tokens", max_num_batched_tokens)):
-            if n is not None and (not is_integer(n) or n < 1):
-                raise ValueError(f"{name}={n!r}: expected an integer >= 1")
-        if max_num_batched_tokens is not None and max_num_batched_tokens <= slots:
-            raise ValueError(f"max_num_batched_tokens={max_num_batched_tokens} leaves no room "
-                             f"for a prompt beside {slots} decodes: give more than slots")
-        if num_blocks is None:
-            num_blocks = slots * blocks_for(TOKENS_PER_SLOT, block_size)
-        if attention not in ATTENTIONS:
-            raise ValueError(f"attention={attention!r}: use one of {', '.join(ATTENTIONS)}")
-        check_fits(model.config, slots, num_blocks, block_size, kv_dtype)
-        self.model, self.policy = model, policy
-        self.prefix_caching, self.budget = prefix_caching, max_num_batched_tokens
-        self.batch_invariant = batch_invariant  # see "Exactness" above
-        self.attention = attention
-        self.cache = PagedCache.allocate(model.config, num_blocks, block_size, kv_dtype)
+    def __init__(self, model, config: EngineConfig = None, history: bool = False):
+        """config: the engine's knobs (serve/config.py; None: the defaults); history: keep
+        every record and every step's timings (see "Records" above), for an experiment's
+        timeline."""
+        config = EngineConfig() if config is None else config
+        if not isinstance(config, EngineConfig):
+            raise TypeError(f"config: expected an EngineConfig, got {type(config).__name__}")
+        slots, num_blocks, block_size = config.max_num_seqs, config.num_blocks, config.block_size
+        check_fits(model.config, slots, num_blocks, block_size, config.kv_cache_dtype)
+        self.model, self.config, self.policy = model, config, config.policy
+        self.prefix_caching = config.enable_prefix_caching
+        self.budget = config.max_num_batched_tokens
+        self.batch_invariant = config.batch_invariant  # see "Exactness" above
+        self.attention = config.attention
+        self.cache = PagedCache.allocate(model.config, num_blocks, block_size,
+                                         config.kv_cache_dtype)
         self.slots = [None] * slots
         self.waiting = deque()      # _Live in arrival order; preempted ones at the front
         self.history = history

@@ -38,16 +38,17 @@ Leaves out: authentication (any API key is accepted), tools.
 import asyncio
 import contextlib
 import json
+import math
 import sys
 import time
 import uuid
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
-from minitransformer.checks import is_integer
+from minitransformer.checks import is_integer, is_real
 from minitransformer.logprobs import TokenLogprob
+from minitransformer.serve.config import EngineConfig
 from minitransformer.serve.detokenize import Detokenizer, StopStrings, TextStream
-from minitransformer.serve.engine import BLOCK_SIZE, SLOTS
 from minitransformer.serve.online import MAX_WAITING, Closed, OnlineEngine, QueueFull
 from minitransformer.serve.openai_api import (APIError, chat_logprobs, choice,
                                               completion_logprobs, cut_to, detokenize_body,
@@ -502,13 +503,25 @@ def http_protocol():
     return Protocol
 
 
-def serve(model_path, host="127.0.0.1", port=8000, name=None, slots=SLOTS, num_blocks=None,
-          block_size=BLOCK_SIZE, policy="continuous", max_waiting=MAX_WAITING,
-          batch_invariant=False, drain_timeout=30.0, prefix_caching=True,
-          max_num_batched_tokens=None, max_request_bytes=None, kv_cache_dtype="f32",
-          attention="plain") -> None:
-    """Load a model and serve it until interrupted (Ctrl-C drains, then cancels).
-    kv_cache_dtype: the pool's format (f32, f16, q8_0, q4_0); attention: plain or tiled."""
+@dataclass(frozen=True)
+class ServerLimits:
+    """What the server takes from its clients, beside the engine's own sizes (EngineConfig)."""
+    max_waiting: int = MAX_WAITING      # waiting requests beyond which a new one gets 429
+    max_request_bytes: int = None       # bodies above it get 413; None: the default (above)
+    drain_timeout: float = 30.0         # seconds answers in flight may finish on shutdown
+
+    def __post_init__(self):
+        if not is_integer(self.max_waiting) or self.max_waiting < 0:
+            raise ValueError(f"max_waiting={self.max_waiting!r}: expected an integer >= 0")
+        if not is_real(self.drain_timeout) or not 0 <= self.drain_timeout < math.inf:
+            raise ValueError(f"drain_timeout={self.drain_timeout!r}: expected seconds >= 0")
+
+
+def serve(model_path, config: EngineConfig = None, host: str = "127.0.0.1", port: int = 8000,
+          limits: ServerLimits = None, name: str = None) -> None:
+    """Load a model and serve it until interrupted (Ctrl-C drains, then cancels). config: the
+    engine's (None: EngineConfig's defaults); name: the model's name in the API (None: the
+    checkpoint's folder name)."""
     try:
         import uvicorn
     except ImportError:
@@ -516,22 +529,21 @@ def serve(model_path, host="127.0.0.1", port=8000, name=None, slots=SLOTS, num_b
     import minitransformer as mt
     from minitransformer.serve.engine import Engine
 
+    config, limits = config or EngineConfig(), limits or ServerLimits()
     model = mt.load(model_path)
     name = name or Path(model.path).name
-    engine = Engine(model, slots=slots, num_blocks=num_blocks, block_size=block_size,
-                    policy=policy, batch_invariant=batch_invariant,
-                    prefix_caching=prefix_caching, max_num_batched_tokens=max_num_batched_tokens,
-                    kv_dtype=kv_cache_dtype, attention=attention)
-    online = OnlineEngine(engine, max_waiting=max_waiting)
-    chunks = "whole prompts" if max_num_batched_tokens is None else \
-        f"chunked prefill, {max_num_batched_tokens} tokens a step"
-    limit = max_request_bytes or default_max_request_bytes(model)
-    print(f"serving {name!r} ({policy} batching, {slots} slots, {engine.cache.num_blocks} "
-          f"blocks of {block_size}, prefix caching {'on' if prefix_caching else 'off'}, "
-          f"{chunks}, {kv_cache_dtype} cache, {attention} attention, bodies up to {limit:,} "
-          f"bytes) on http://{host}:{port}/v1", file=sys.stderr)
+    engine = Engine(model, config)
+    online = OnlineEngine(engine, max_waiting=limits.max_waiting)
+    budget = config.max_num_batched_tokens
+    chunks = "whole prompts" if budget is None else f"chunked prefill, {budget} tokens a step"
+    limit = limits.max_request_bytes or default_max_request_bytes(model)
+    print(f"serving {name!r} ({config.policy} batching, {config.max_num_seqs} slots, "
+          f"{engine.cache.num_blocks} blocks of {config.block_size}, prefix caching "
+          f"{'on' if config.enable_prefix_caching else 'off'}, {chunks}, "
+          f"{config.kv_cache_dtype} cache, {config.attention} attention, bodies up to "
+          f"{limit:,} bytes) on http://{host}:{port}/v1", file=sys.stderr)
     try:
         uvicorn.run(create_app(online, name, limit), host=host, port=port, http=http_protocol(),
-                    log_level="warning", timeout_graceful_shutdown=drain_timeout)
+                    log_level="warning", timeout_graceful_shutdown=limits.drain_timeout)
     finally:
         online.close(drain=False, timeout=10)

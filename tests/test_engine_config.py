@@ -1,0 +1,110 @@
+"""EngineConfig: every knob checked where it is made, and the one config built from the command
+line carried whole into the engine and the server."""
+import dataclasses
+
+import numpy as np
+import pytest
+
+from minitransformer import __main__ as cli
+from minitransformer.serve import http
+from minitransformer.serve.config import EngineConfig
+from minitransformer.serve.engine import Engine
+
+
+@pytest.mark.parametrize("field, bad", [
+    ("max_num_seqs", 0), ("max_num_seqs", 2.0), ("max_num_seqs", True), ("max_num_seqs", "8"),
+    ("block_size", 0), ("block_size", None), ("num_gpu_blocks_override", -1),
+    ("num_gpu_blocks_override", 2.5), ("max_num_batched_tokens", 0),
+    ("max_num_batched_tokens", 8),          # no more than the 8 decodes: no room for a prompt
+    ("policy", "fifo"), ("policy", None), ("kv_cache_dtype", "int8"), ("kv_cache_dtype", None),
+    ("attention", "flash"), ("attention", ["plain"]), ("enable_prefix_caching", 1),
+    ("enable_prefix_caching", None), ("batch_invariant", "yes")], ids=str)
+def test_a_bad_value_is_refused_naming_its_field(field, bad):
+    with pytest.raises(ValueError, match=rf"^{field}="):
+        EngineConfig(**{field: bad})
+
+
+def test_numpy_numbers_and_flags_are_accepted_and_the_config_is_frozen():
+    config = EngineConfig(max_num_seqs=np.int64(2), block_size=np.int16(4),
+                          num_gpu_blocks_override=np.int32(8), batch_invariant=np.bool_(True))
+    assert config.num_blocks == 8
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        config.block_size = 8
+
+
+def test_the_default_pool_holds_1024_tokens_a_slot():
+    assert EngineConfig(max_num_seqs=3, block_size=16).num_blocks == 3 * 64
+    assert EngineConfig(max_num_seqs=3, block_size=1000).num_blocks == 3 * 2   # rounded up
+    assert EngineConfig(max_num_seqs=3, num_gpu_blocks_override=5).num_blocks == 5
+
+
+def test_the_engine_takes_only_a_config(tiny_model):
+    config = EngineConfig(max_num_seqs=3, block_size=4, num_gpu_blocks_override=10,
+                          policy="static", enable_prefix_caching=False,
+                          max_num_batched_tokens=7, kv_cache_dtype="q8_0")
+    engine = Engine(tiny_model, config)
+    assert engine.config is config and len(engine.slots) == 3
+    assert (engine.cache.num_blocks, engine.cache.block_size) == (10, 4)
+    assert (engine.policy, engine.prefix_caching, engine.budget) == ("static", False, 7)
+    with pytest.raises(TypeError, match="EngineConfig"):
+        Engine(tiny_model, {"max_num_seqs": 3})
+
+
+def serve_args(*options):
+    return cli.parser().parse_args(["serve", *options])
+
+
+def test_the_serve_options_default_to_the_configs_defaults():
+    assert cli.engine_config(serve_args()) == EngineConfig()
+
+
+def test_each_serve_option_sets_its_field():
+    options = ["--max-num-seqs", "3", "--block-size", "4", "--num-gpu-blocks-override", "50",
+               "--policy", "static", "--no-enable-prefix-caching", "--max-num-batched-tokens",
+               "9", "--kv-cache-dtype", "q4_0", "--attention", "tiled", "--batch-invariant"]
+    expected = EngineConfig(max_num_seqs=3, block_size=4, num_gpu_blocks_override=50,
+                            policy="static", enable_prefix_caching=False,
+                            max_num_batched_tokens=9, kv_cache_dtype="q4_0", attention="tiled",
+                            batch_invariant=True)
+    assert cli.engine_config(serve_args(*options)) == expected
+    # every field differs from its default above: none is left to the default by mistake
+    assert all(getattr(expected, f.name) != f.default for f in dataclasses.fields(EngineConfig))
+    assert cli.engine_config(serve_args("--slots", "3", "--num-blocks", "50")) == \
+        EngineConfig(max_num_seqs=3, num_gpu_blocks_override=50)      # the older names
+
+
+def test_a_bad_serve_option_is_refused_before_the_model_is_looked_for(tmp_path, capsys):
+    with pytest.raises(SystemExit) as done:
+        cli.main(["serve", "--model", str(tmp_path / "nowhere"), "--max-num-seqs", "0"])
+    assert done.value.code == 2
+    assert capsys.readouterr().err == "error: max_num_seqs=0: expected an integer >= 1\n"
+
+
+def test_serve_carries_the_config_and_the_limits_through(tiny_model, monkeypatch):
+    """http.serve hands the very config to the engine and each limit to its user: the queue's
+    bound to the online engine, the body limit to the app, the drain time to uvicorn."""
+    import uvicorn
+
+    import minitransformer as mt
+    seen = {}
+    monkeypatch.setattr(mt, "load", lambda path: tiny_model)
+    monkeypatch.setattr(http, "create_app", lambda online, name, limit: seen.update(
+        online=online, name=name, limit=limit) or "app")
+    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: seen.update(app=app, **kw))
+    config = EngineConfig(max_num_seqs=2, block_size=4, num_gpu_blocks_override=12,
+                          kv_cache_dtype="f16")
+    limits = http.ServerLimits(max_waiting=3, max_request_bytes=5000, drain_timeout=1.5)
+    http.serve("anywhere", config, port=8123, limits=limits, name="tiny")
+    engine = seen["online"].engine
+    assert engine.config is config and engine.cache.kv_dtype == "f16"
+    assert seen["online"].max_waiting == 3 and seen["limit"] == 5000 and seen["name"] == "tiny"
+    assert seen["app"] == "app" and seen["port"] == 8123 and seen["host"] == "127.0.0.1"
+    assert seen["timeout_graceful_shutdown"] == 1.5
+
+
+@pytest.mark.parametrize("field, bad", [("max_waiting", -1), ("max_waiting", 1.5),
+                                        ("drain_timeout", -1.0), ("drain_timeout", float("nan")),
+                                        ("drain_timeout", "30")], ids=str)
+def test_a_bad_server_limit_is_refused_naming_it(field, bad):
+    with pytest.raises(ValueError, match=rf"^{field}="):
+        http.ServerLimits(**{field: bad})
