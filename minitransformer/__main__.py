@@ -32,7 +32,7 @@ from minitransformer.serve.detokenize import Detokenizer
 from minitransformer.serve.config import POLICIES, EngineConfig
 from minitransformer.serve.engine import Engine
 from minitransformer.serve.online import MAX_WAITING
-from minitransformer.serve.paged import blocks_for
+from minitransformer.serve.blocks import blocks_for
 from minitransformer.serve.records import Request
 
 

@@ -37,7 +37,8 @@ from minitransformer.generate import last_logits
 from minitransformer.kvcache import KVCache
 from minitransformer.measure.timing import step_with_rollback, time_together
 from minitransformer.model import forward
-from minitransformer.serve.paged import PagedCache, blocks_for, gather
+from minitransformer.serve.blocks import blocks_for
+from minitransformer.serve.paged import PagedCache, gather
 from minitransformer.measure.sanity import (conclude, cost_falls, merged, per_unit_rises,
                                              recheck, unsteady)
 

@@ -28,7 +28,7 @@ from _table import Table
 from minitransformer.serve.config import EngineConfig
 from minitransformer.serve.engine import Engine, pool_for
 from minitransformer.serve.records import Request
-from minitransformer.serve.paged import blocks_for
+from minitransformer.serve.blocks import blocks_for
 from minitransformer.checkpoints.synth import make_checkpoint, qwen2_config
 from sim.workload import skewed_lengths
 

@@ -113,7 +113,7 @@ def assert_same(actual, expected, rtol=None, atol=None):
 
 
 # ---------------------------------------------------------------- batched tokens vs alone
-# The exactness policy of batching (serve/engine.py, "Exactness"). batch_invariant=True: a batched
+# The exactness policy of batching (docs/serving.md, "Exactness"). batch_invariant=True: a batched
 # request gets exactly the tokens generate gives it alone (==). The default fast batching multiplies
 # the batch as one flat matrix, a cached prefix was computed inside another sequence's pass, a
 # chunked prefill computes the prompt in pieces, and a cached decode is not a recompute: each moves

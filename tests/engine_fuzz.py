@@ -32,7 +32,7 @@ import minitransformer as mt
 from minitransformer.logprobs import log_softmax
 from minitransformer.serve.config import EngineConfig
 from minitransformer.serve.engine import Engine
-from minitransformer.serve.paged import blocks_for
+from minitransformer.serve.blocks import blocks_for
 from minitransformer.sampling import SamplingSettings
 from minitransformer.serve.records import Request, metrics
 

@@ -25,7 +25,7 @@ from hypothesis import HealthCheck, settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from minitransformer.backend import to_numpy
-from minitransformer.serve.paged import PoolExhausted, blocks_for
+from minitransformer.serve.blocks import PoolExhausted, blocks_for
 from stamps import Stamps, block_stamps, expected, holders, pool, read, write
 
 TOKENS = st.lists(st.integers(0, 2), max_size=6)       # few ids: prompts share prefixes

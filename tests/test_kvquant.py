@@ -157,6 +157,7 @@ def test_copy_on_write_and_swap_move_codes_and_scales_bit_for_bit(tiny_model, kv
         assert to_numpy(held.scales[a1]).any()              # real blocks, not zeros
     before = [(to_numpy(h.codes[a1]), to_numpy(h.scales[a1])) for h in cache.k + cache.v]
     swapped = cache.swap_out("a")
+    cache.settle()                                          # the pool copies it out
     assert isinstance(swapped.k[0], QuantizedArray) and isinstance(swapped.k[0].codes, np.ndarray)
     cache.swap_in("a", swapped)
     a1 = cache.seqs["a"].blocks[1]

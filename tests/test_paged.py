@@ -6,7 +6,8 @@ import pytest
 from minitransformer.backend import to_numpy
 from minitransformer.kvcache import KVCache
 from minitransformer.model import forward
-from minitransformer.serve.paged import PagedCache, PoolExhausted, blocks_for
+from minitransformer.serve.blocks import PoolExhausted, blocks_for
+from minitransformer.serve.paged import PagedCache
 
 
 def prefill(model, cache, seq_id, prompt, seal=True):

@@ -138,7 +138,7 @@ def test_samples_of_a_chunked_prompt_wait_in_reserved_slots_for_its_end(tiny_mod
     other = engine.submit(Request((1, 2), 2, eos_token_id=[]))
     engine.step()
     assert [live.result.id for live in engine.running()] == [first]
-    assert engine._reserved() == 2 and engine.results[other].status == "waiting"
+    assert engine.scheduler.reserved() == 2 and engine.results[other].status == "waiting"
     while not engine.results[first].tokens:
         engine.step()
         check_pool(engine)
@@ -155,7 +155,7 @@ def test_samples_of_a_chunked_prompt_wait_in_reserved_slots_for_its_end(tiny_mod
     first = engine.submit(Request(PROMPT, 3, sampling=SAMPLED, seed=3, n=3, eos_token_id=[]))
     engine.step()
     assert engine.cancel(first) and engine.waiting[0].result.id == first + 1
-    assert engine.cancel(first + 2) and engine.waiting[0].siblings == []
+    assert engine.cancel(first + 2) and engine.waiting[0].samples == []
     while engine.waiting or engine.running():
         engine.step()
         check_pool(engine)

@@ -7,7 +7,7 @@ import pytest
 
 from minitransformer.serve.config import EngineConfig
 from minitransformer.serve.engine import Engine
-from minitransformer.serve.paged import ROOT, block_names
+from minitransformer.serve.blocks import ROOT, block_names
 from minitransformer.serve.records import Request
 from stamps import Stamps, block_stamps, expected, holders, pool, read, write
 

@@ -2,8 +2,11 @@
 
     config       EngineConfig: the engine's knobs in one frozen dataclass, vLLM's names
     records      Request, Result, Run and their metrics: the vocabulary of a serving run
-    paged        the paged KV cache: blocks, block tables, slots, the prefix cache
-    engine       continuous (and static) batching over the paged cache, step by step
+    blocks       the block manager's books, host integers: block tables, refcounts, the
+                 prefix cache (decide nothing, compute nothing: account)
+    scheduler    each step's plan on the books alone: admit, preempt, decode, prefill chunks
+    paged        the paged KV cache's arrays, the moves the books decide, the forward's view
+    engine       a step = plan -> run (forward passes, sampling) -> commit; n-sample fan-out
     online       the engine on its own thread, fed by a queue: requests arrive while it runs
     detokenize   tokens -> text as they stream, spaces and multi-byte characters whole
     openai_api   OpenAI's request and response bodies, checked field by field

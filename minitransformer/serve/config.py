@@ -19,7 +19,7 @@ import numpy as np
 from minitransformer.checks import is_integer
 from minitransformer.kvquant import KV_DTYPES
 from minitransformer.model import ATTENTIONS
-from minitransformer.serve.paged import blocks_for
+from minitransformer.serve.blocks import blocks_for
 
 POLICIES = ("static", "continuous")
 TOKENS_PER_SLOT = 1024      # the default pool: room for this many tokens in every slot

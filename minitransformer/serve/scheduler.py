@@ -1,0 +1,340 @@
+"""The scheduler: who runs in a step, decided on the books alone, as a Plan (experiment 13).
+
+It holds the waiting queue and the slots, and the block manager's books; it never sees the
+model or an array. Each ``schedule`` decides, in this order:
+  1. preempt  if the pool cannot take every decoding sequence's next token, the latest
+              admitted is swapped out (a move for the pool) and queued first;
+  2. decode   every sequence past its prompt gets room for one token;
+  3. prefill  prompts under way get a chunk first, then, while a slot is free, the next
+              waiting request is admitted (its prompt given blocks, holding any cached
+              prefix) and gets one; at most ``budget`` tokens in all (None: no limit).
+The plan counts its tokens in the books at once (vLLM counts them when scheduled): the full
+blocks a chunk fills are named at once, so a prompt admitted later in the same step finds
+them. After the engine has run the plan, ``commit`` takes its new tokens: first-token times,
+and a sequence that made its last token retires (``retire``, beside ``admits``: the two
+decisions where the policies differ; the table is in engine.py).
+
+A request of n samples (fanned out by the engine into n sequences) waits as its first
+sequence, the others riding along as its ``samples``: they enter together, in n slots, and
+take the prompt's blocks (``fork``) when its last chunk is planned.
+
+Example, with no model: a budget of 6 tokens a step; a 10-token prompt goes in chunks of 6
+and 4, and a 3-token one enters beside the second, in the 2 tokens left:
+
+>>> from minitransformer.serve.records import Request
+>>> scheduler = Scheduler(BlockManager(num_blocks=8, block_size=4), slots=2, budget=6)
+>>> for i, n in enumerate((10, 3)):
+...     request = Request(tuple(range(1, n + 1)), max_new_tokens=2)
+...     scheduler.waiting.append(Sequence(Result(i, 0.0, request), list(request.prompt)))
+>>> def chunks(plan):
+...     return [(work.rows[0].result.id, work.starts[0], work.n) for work in plan.prefill]
+>>> chunks(scheduler.schedule(now=0.0))         # (sequence, first position, tokens)
+[(0, 0, 6)]
+>>> plan = scheduler.schedule(now=0.1)           # (the engine runs each plan in between)
+>>> chunks(plan), [seq.result.id for seq in plan.prefill[0].firsts]   # 0's last chunk
+([(0, 6, 4), (1, 0, 2)], [0])
+"""
+from collections import deque
+from dataclasses import dataclass, field
+
+from minitransformer.serve.blocks import BlockManager, Swapped
+from minitransformer.serve.records import Result
+
+@dataclass(eq=False)                # compared by identity: it is a place, not a value
+class Sequence:                     # one sample of a request the engine is serving
+    result: Result
+    tokens: list                    # prompt + new tokens: what the repetition penalty sees
+    rng: object = None              # its numpy Generator (the engine samples with it)
+    eos: set = field(default_factory=set)
+    order: int = 0                  # admission counter: the latest admitted is preempted first
+    swapped: Swapped = None         # its books and host copy while preempted
+    samples: list = field(default_factory=list)  # the other samples of its prompt, waiting
+
+    @property
+    def done(self) -> bool:
+        """Its last token is made: an eos id, or max_new_tokens of them."""
+        made = self.result.tokens
+        return made[-1] in self.eos or len(made) == self.result.request.max_new_tokens
+
+    @property
+    def prefilling(self) -> bool:
+        """Running, its prompt not all computed yet (no token made)."""
+        return self.result.status == "running" and not self.result.tokens
+
+    @property
+    def finished(self) -> bool:
+        """Static batching's mark: over, but still in its slot until its batch ends."""
+        return self.result.status == "finished"
+
+
+@dataclass
+class Work:
+    """One forward pass of a plan: rows of n new tokens each, from their starts."""
+    rows: list                      # Sequences
+    starts: list                    # where each row's new tokens go
+    n: int
+    moves: list                     # the pool's copies and swaps to do first, in order
+    firsts: list = ()               # a prompt's last chunk: the samples its logits start
+
+
+@dataclass
+class Plan:
+    decode: Work                    # one token per row: decoding sequences, then padding rows
+    prefill: list                   # Works of one row each: prompt chunks, in order
+    admitted: list                  # entered a slot (swapped back in, or their prompt placed)
+    preempted: list                 # swapped out, queued first
+    moves: list                     # moves decided after the last forward pass
+
+
+def close(result, status: str, now: float, returned: bool = True, reason: str = "") -> None:
+    """Over: its last token (or its cancel) is now; returned now unless held back."""
+    result.status, result.reason, result.finished = status, reason, now
+    if returned:
+        result.returned = now
+
+
+class Scheduler:
+    def __init__(self, blocks: BlockManager, slots: int, policy: str = "continuous",
+                 budget: int = None, prefix_caching: bool = True):
+        """policy "continuous" or "static", budget (tokens a step, None: no limit) and
+        prefix_caching as an EngineConfig checked them (serve/config.py)."""
+        self.blocks, self.policy, self.budget = blocks, policy, budget
+        self.prefix_caching = prefix_caching
+        self.slots = [None] * slots
+        self.waiting = deque()      # Sequences in arrival order; preempted ones at the front
+        self.now, self.admitted = 0.0, 0
+        self.preemptions = 0        # since the start, over all requests
+        self.prefix_queries = self.prefix_hits = 0   # prompt tokens looked up / found cached
+
+    def running(self) -> list:
+        """The sequences in slots that are not over (prefilling or decoding)."""
+        return [seq for seq in self.slots if seq is not None and not seq.finished]
+
+    def schedule(self, now: float) -> Plan:
+        """The step's plan: who is preempted, who decodes, which chunks prefill, who enters."""
+        self.now = now
+        rows = [seq for seq in self.running() if not seq.prefilling] + self._padding()
+        preempted = self._preempt(rows)
+        starts = self.blocks.append([row.result.id for row in rows], 1)
+        for row in rows:
+            if not row.finished:
+                self._seal(row)
+        decode = Work(rows, starts, 1, self.blocks.take_moves())
+        admitted = []
+        prefill = self._prefill(None if self.budget is None else self.budget - len(rows),
+                                admitted)
+        return Plan(decode, prefill, admitted, preempted, self.blocks.take_moves())
+
+    def commit(self, made, now: float) -> None:
+        """The step's tokens exist: first-token times; those that made their last retire."""
+        self.now = now
+        for seq in made:
+            if len(seq.result.tokens) == 1:
+                seq.result.first_token = now
+            if seq.done:
+                self.retire(seq)
+
+    # --- the two policies, side by side ------------------------------------------------------
+    def admits(self) -> bool:
+        """May free slots take waiting requests this step?"""
+        if self.policy == "continuous":
+            return True             # any free slot, at the very next step
+        # static: a new batch only once the last one is over; it forms until its first token
+        # (with chunked prefill, members may take several steps to prefill)
+        return all(seq is None or seq.prefilling for seq in self.slots)
+
+    def retire(self, seq) -> None:
+        """A sequence made its last token: it leaves its slot (static: at its batch's end)."""
+        if self.policy == "continuous":
+            self._end(seq, "finished")              # its blocks go back to the pool
+        else:                       # static: marked finished, its row stays in the batch,
+            close(seq.result, "finished", self.now, returned=False)  # computed, thrown away
+            self._end_batch_if_over()
+
+    def _padding(self) -> list:
+        """Static: finished members whose rows still run (holding their blocks)."""
+        return [seq for seq in self.slots if seq is not None and seq.finished
+                and seq.result.id in self.blocks.seqs]
+
+    def _end(self, seq, status: str) -> None:
+        """A running sequence is over: its blocks back to the pool, its slot free, returned."""
+        self.blocks.free_seq(seq.result.id)
+        self._leave_slot(seq)
+        close(seq.result, status, self.now)
+
+    def _leave_slot(self, seq) -> None:
+        """Free a slot (a sequence finished, was cancelled or preempted)."""
+        self.slots[self.slots.index(seq)] = None
+        self._end_batch_if_over()
+
+    def _end_batch_if_over(self) -> None:
+        """Static: once no member of the batch is running, the batch is over, now: its
+        padding rows are freed and every finished member is returned."""
+        if self.policy != "static" or self.running():
+            return
+        for i, member in enumerate(self.slots):
+            if member is not None:
+                if member.result.id in self.blocks.seqs:
+                    self.blocks.free_seq(member.result.id)
+                member.result.returned = self.now
+                self.slots[i] = None
+
+    # --- cancelling --------------------------------------------------------------------------
+    def cancel(self, request_id: int, now: float) -> bool:
+        """Stop a sequence now: True if it was waiting or running, False if already over. A
+        sample not yet forked just leaves its group; a cancelled prompt's other samples go
+        back to the head of the queue, the next one taking its place."""
+        self.now = now
+        for holder in list(self.waiting) + self.running():
+            for member in holder.samples:
+                if member.result.id == request_id:          # a sample awaiting its fork
+                    holder.samples.remove(member)
+                    close(member.result, "cancelled", now)
+                    return True
+        for seq in list(self.waiting) + self.running():
+            if seq.result.id != request_id:
+                continue
+            heirs, seq.samples = seq.samples, []
+            if heirs:                               # the next sample waits in its place
+                heirs[0].samples = heirs[1:]
+            if seq in self.waiting:
+                i = self.waiting.index(seq)
+                if heirs:
+                    self.waiting[i] = heirs[0]
+                else:
+                    del self.waiting[i]
+                close(seq.result, "cancelled", now)
+            else:
+                self._end(seq, "cancelled")
+                if heirs:                           # (admitted: ahead of everyone waiting)
+                    self.waiting.appendleft(heirs[0])
+            return True
+        return False
+
+    # --- the parts of a plan -----------------------------------------------------------------
+    def _preempt(self, rows) -> list:
+        """Make room for every row's next token (rows shrinks to those that stay) -> the
+        preempted. Padding rows go first (nobody waits for their tokens: they keep their
+        slot, finished, without blocks); then the latest admitted running sequence (vLLM's
+        choice: the earliest keep their progress) is swapped out to host memory and queued
+        first, to be swapped back in bit for bit when the pool has room."""
+        preempted = []
+        while self._growth(rows) > self.blocks.num_free:
+            padding = [row for row in rows if row.finished]
+            if padding:
+                victim = padding[-1]                # still returned with its batch
+                self.blocks.free_seq(victim.result.id)
+            else:
+                victim = max(self.running(), key=lambda seq: seq.order)
+                victim.swapped = self.blocks.swap_out(victim.result.id)
+                self._leave_slot(victim)
+                victim.result.status = "waiting"
+                victim.result.preemptions += 1
+                self.preemptions += 1
+                self.waiting.appendleft(victim)
+                preempted.append(victim)
+            if victim in rows:
+                rows.remove(victim)
+        return preempted
+
+    def _prefill(self, budget, admitted) -> list:
+        """Chunks of prompts, at most budget tokens of them (None: no limit): those under way
+        first, oldest first, then newcomers (appended to admitted) -> one Work per chunk."""
+        chunks, planned, admits = [], set(), self.admits()  # (static: decided before anyone)
+        while budget is None or budget > 0:
+            under_way = [seq for seq in self.running() if seq.prefilling and seq not in planned]
+            seq = min(under_way, key=lambda seq: seq.order) if under_way else \
+                self._admit() if admits else None
+            if seq is None:
+                break
+            if seq not in under_way:
+                admitted.append(seq)
+            if not seq.prefilling:                  # a preempted sequence swapped back in
+                continue
+            rid, prompt = seq.result.id, seq.tokens
+            done = self.blocks.seqs[rid].length     # prompt tokens cached or computed
+            n = len(prompt) - done if budget is None else min(len(prompt) - done, budget)
+            starts = self.blocks.append([rid], n)
+            self._seal(seq)
+            seq.result.prefill_chunks += 1
+            firsts = self._fork(seq) if done + n == len(prompt) else []
+            planned.update([seq, *firsts])
+            chunks.append(Work([seq], starts, n, self.blocks.take_moves(), firsts))
+            budget = None if budget is None else budget - n
+        return chunks
+
+    def _fork(self, seq) -> list:
+        """A prompt's last chunk is planned: its other samples take their reserved slots
+        holding its blocks (``fork``) -> the group whose first tokens its logits pick."""
+        for member in seq.samples:
+            self.blocks.fork(seq.result.id, member.result.id)
+            self.slots[self.slots.index(None)] = member
+            member.order, self.admitted = self.admitted, self.admitted + 1
+            mine, leader = member.result, seq.result
+            mine.status, mine.cached_tokens = "running", leader.cached_tokens
+            mine.prefill_chunks, mine.prompt_logprobs = leader.prefill_chunks, \
+                leader.prompt_logprobs
+        group, seq.samples = [seq] + seq.samples, []
+        return group
+
+    def reserved(self) -> int:
+        """Slots promised to the samples of prompts still being prefilled."""
+        return sum(len(seq.samples) for seq in self.running())
+
+    def _admit(self):
+        """The head of the queue into a free slot, if it may enter -> it, or None. Nobody
+        overtakes the head of the queue, first come first served. The n samples of a prompt
+        enter together: its prefill takes a slot, and n - 1 more are reserved."""
+        if not self.waiting:
+            return None
+        seq = self.waiting[0]
+        if self.slots.count(None) - self.reserved() < 1 + len(seq.samples) \
+                or seq.result.arrival > self.now or not self._fits(seq):
+            return None
+        self.waiting.popleft()
+        self.slots[self.slots.index(None)] = seq
+        seq.order, self.admitted = self.admitted, self.admitted + 1
+        seq.result.status = "running"
+        rid, prompt = seq.result.id, seq.tokens
+        if seq.swapped:             # a preempted sequence resumes where it was
+            self.blocks.swap_in(rid, seq.swapped)
+            seq.swapped = None
+        else:
+            reuse = self._reuses(seq)
+            held = self.blocks.add(rid, prompt, len(prompt) + seq.result.request.max_new_tokens,
+                                   reuse)
+            seq.result.cached_tokens = held
+            if seq.result.request.prompt_logprobs is not None:
+                seq.result.prompt_logprobs = [None]     # nothing predicts the first token
+            if self.prefix_caching and reuse:
+                self.prefix_queries, self.prefix_hits = (self.prefix_queries + len(prompt),
+                                                         self.prefix_hits + held)
+        return seq
+
+    def _fits(self, seq) -> bool:
+        """Memory admission: can the pool take this sequence with room for its next token
+        (else the next step could preempt it at once), and every running sequence's next?"""
+        if seq.swapped:
+            enter = self.blocks.swap_in_cost(seq.swapped, then=1)
+        elif self._reuses(seq):
+            enter = self.blocks.add_cost(seq.tokens, then=1)
+        else:
+            enter = self.blocks.blocks_for(len(seq.tokens) + 1)
+        enter += len(seq.samples)       # each sample's first token: a new block or a copy
+        return enter + self._growth(self.running()) <= self.blocks.num_free
+
+    def _growth(self, rows) -> int:
+        """Free blocks the next token of every row takes (new blocks, copies of shared ones)."""
+        return self.blocks.room_needed([row.result.id for row in rows], 1)
+
+    @staticmethod
+    def _reuses(seq) -> bool:
+        """May its prompt start from cached blocks? Not when the logprobs of every prompt
+        token are asked for: they need every position's logits."""
+        return seq.result.request.prompt_logprobs is None
+
+    def _seal(self, seq) -> None:
+        """Prefix caching: offer the sequence's newly full blocks to later prompts."""
+        if self.prefix_caching:
+            self.blocks.seal(seq.result.id, seq.tokens)
+
