@@ -1,0 +1,173 @@
+"""The scheduler's plans, made and read with no model and no array: the block manager's books
+(host integers) and a stand-in for the run that appends a token per sampled sequence."""
+import ast
+from pathlib import Path
+
+import pytest
+
+from minitransformer.serve.blocks import BlockManager, Copy, SwapIn, SwapOut
+from minitransformer.serve.records import Request, Result
+from minitransformer.serve.scheduler import Scheduler, Sequence
+
+SERVE = Path(__file__).resolve().parents[1] / "minitransformer" / "serve"
+
+
+def scheduler(num_blocks=32, block_size=4, slots=2, policy="continuous", budget=None):
+    return Scheduler(BlockManager(num_blocks, block_size), slots, policy, budget)
+
+
+def queue(scheduler, first_id, prompt_len, max_new, n=1, first_token=1, arrival=0.0):
+    """A request of n samples (ids first_id ..), fanned out as the engine does -> its
+    sequences, the first one queued with the others riding along."""
+    request = Request(tuple(range(first_token, first_token + prompt_len)), max_new, n=n)
+    seqs = [Sequence(Result(first_id + i, arrival, request, choice=i), list(request.prompt),
+                     eos={-1}) for i in range(n)]
+    seqs[0].samples = seqs[1:]
+    scheduler.waiting.append(seqs[0])
+    return seqs
+
+
+def run(books, plan, token=7) -> list:
+    """What the engine's run does to the books and gives back: every forward pass's rows
+    written, a padding row's token forgotten; every decoding row and every prompt's samples
+    sample a token (here always `token`) -> those that did."""
+    made = []
+    for work in [plan.decode] + plan.prefill:
+        books.written([row.result.id for row in work.rows], work.starts, work.n)
+        made += list(work.firsts)
+    for row in plan.decode.rows:
+        if row.finished:
+            books.trim(row.result.id, 1)
+        else:
+            made.append(row)
+    for seq in made:
+        seq.tokens.append(token)
+        seq.result.tokens.append(token)
+    return made
+
+
+def step(s, now=0.0):
+    plan = s.schedule(now)
+    s.commit(run(s.blocks, plan), now)
+    s.blocks.check()
+    books = s.blocks                # readied, unwritten: only blocks past a sequence's length
+    assert all(any(b in seq.blocks[books.blocks_for(seq.length):] for seq in books.seqs.values())
+               for b in books.filling), "a planned write was not made"
+    return plan
+
+
+def ids(seqs):
+    return [seq.result.id for seq in seqs]
+
+
+def test_the_budget_splits_a_prompt_and_admits_the_next_in_the_room_left():
+    s = scheduler(budget=6)
+    a, = queue(s, 0, 10, 3)
+    b, = queue(s, 1, 3, 3, first_token=50)
+    plan = step(s)
+    assert [(ids(w.rows), w.starts, w.n) for w in plan.prefill] == [([0], [0], 6)]
+    assert ids(plan.admitted) == [0] and not plan.decode.rows
+    plan = step(s)                  # a's last 4 tokens, then b enters with the 2 left
+    assert [(ids(w.rows), w.starts, w.n) for w in plan.prefill] == [([0], [6], 4),
+                                                                     ([1], [0], 2)]
+    assert ids(plan.prefill[0].firsts) == [0] and not plan.prefill[1].firsts
+    assert ids(plan.admitted) == [1] and a.result.tokens == [7]
+    plan = step(s)                  # a decodes (1 token), b's last prompt token
+    assert ids(plan.decode.rows) == [0] and plan.decode.starts == [10]
+    assert [(ids(w.rows), w.starts, w.n) for w in plan.prefill] == [([1], [2], 1)]
+    step(s)
+    assert a.result.status == "finished" and len(b.result.tokens) == 2
+
+
+@pytest.mark.parametrize("policy, admitted_at", [("continuous", 1), ("static", 3)])
+def test_a_free_slot_takes_the_next_request_at_once_only_under_continuous(policy, admitted_at):
+    """Two requests enter at 0 into 3 slots; a third arrives at 1: continuous admits it into
+    the free slot then, static once the batch is over (its short member held as padding)."""
+    s = scheduler(slots=3, policy=policy)
+    short, = queue(s, 0, 2, 1)
+    long, = queue(s, 1, 2, 3, first_token=20)
+    third, = queue(s, 2, 2, 1, first_token=40, arrival=1.0)
+    admitted, padding = {}, []
+    for i in range(6):
+        plan = s.schedule(float(i))
+        admitted.update((seq.result.id, i) for seq in plan.admitted)
+        padding += [ids([row]) for row in plan.decode.rows if row.finished]
+        s.commit(run(s.blocks, plan), float(i))
+    assert admitted == {0: 0, 1: 0, 2: admitted_at}
+    assert (padding == [[0], [0]]) == (policy == "static")   # short's row, held as padding
+    assert short.result.returned == (0.0 if policy == "continuous" else 2.0)
+    assert third.result.status == long.result.status == "finished"
+
+
+def test_the_latest_admitted_is_preempted_to_host_and_comes_back_first():
+    s = scheduler(num_blocks=4, block_size=2, slots=2)
+    early, = queue(s, 0, 3, 6)      # prompts of 2 blocks each, the whole pool
+    late, = queue(s, 1, 3, 6, first_token=30)
+    step(s)                         # both prefilled: 3 tokens held each
+    step(s, 1.0)                    # the 4th fills their second blocks
+    plan = s.schedule(2.0)          # each wants a third block for its 5th: none free
+    assert ids(plan.preempted) == [1] and ids(plan.decode.rows) == [0]
+    assert [type(m) for m in plan.decode.moves] == [SwapOut]
+    assert plan.decode.moves[0].into is late.swapped and late.swapped.length == 4
+    assert late.result.status == "waiting" and s.waiting[0] is late and s.preemptions == 1
+    s.commit(run(s.blocks, plan), 2.0)
+    while late.swapped is not None:
+        plan = step(s, 3.0)
+    assert [type(m) for m in plan.moves] == [SwapIn]  # back in once early's blocks are free
+    assert early.result.status == "finished"
+
+
+def test_samples_enter_together_in_reserved_slots_and_fork_at_the_last_chunk():
+    s = scheduler(slots=3, budget=4)
+    busy, = queue(s, 9, 2, 2, first_token=90)
+    group = queue(s, 0, 10, 2, n=3)
+    other, = queue(s, 3, 2, 2, first_token=60)
+    step(s)
+    plan = step(s)                  # busy decodes: two slots free, three needed
+    assert not plan.admitted and s.waiting[0] is group[0]
+    plan = step(s)                  # busy is over
+    assert busy.result.status == "finished"
+    assert ids(plan.admitted) == [0] and s.reserved() == 2 and s.waiting[0] is other
+    step(s)
+    plan = step(s)                  # chunks of 4, 4, 2: the samples fork at the last
+    assert ids(plan.prefill[0].firsts) == [0, 1, 2] and s.reserved() == 0
+    assert s.blocks.seqs[1].blocks == s.blocks.seqs[0].blocks
+    assert [seq.result.tokens for seq in group] == [[7]] * 3
+    plan = step(s)                  # the samples' first decode copies the shared last block
+    assert ids(plan.decode.rows) == [0, 1, 2] and not plan.prefill
+    assert sum(isinstance(m, Copy) for m in plan.decode.moves) == 2
+
+
+def test_a_prompt_admitted_later_in_a_plan_finds_the_blocks_an_earlier_chunk_names():
+    s = scheduler(slots=2)
+    queue(s, 0, 9, 2)
+    twin, = queue(s, 1, 9, 2)       # the same prompt
+    plan = step(s)
+    assert [(w.starts, w.n) for w in plan.prefill] == [([0], 9), ([8], 1)]
+    assert twin.result.cached_tokens == 8 and s.prefix_hits == 8
+
+
+def test_cancelling_a_prompt_hands_its_place_to_its_next_sample():
+    s = scheduler(slots=2)
+    queue(s, 0, 2, 3)
+    group = queue(s, 1, 3, 3, n=2, first_token=10)
+    step(s)
+    assert s.cancel(group[0].result.id, 1.0) and s.waiting[0] is group[1]
+    assert group[0].result.status == "cancelled" and group[1].samples == []
+    assert not s.cancel(group[0].result.id, 1.0)
+
+
+def imports(module) -> set:
+    tree = ast.parse((SERVE / f"{module}.py").read_text())
+    return {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)} | \
+        {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import)
+         for alias in node.names}
+
+
+def test_the_books_and_the_scheduler_never_import_the_model_or_the_device():
+    """Decide (scheduler), account (blocks), compute (paged, engine): who imports whom."""
+    assert imports("blocks") <= {"hashlib", "collections", "dataclasses", "numpy",
+                                 "minitransformer.shape"}
+    assert imports("scheduler") <= {"collections", "dataclasses", "minitransformer.serve.blocks",
+                                    "minitransformer.serve.records"}
+    assert "minitransformer.serve.scheduler" not in imports("paged")
