@@ -57,7 +57,7 @@ from minitransformer.backend import to_numpy
 from minitransformer.checks import duplicate_keys, is_integer, is_real
 from minitransformer.lookup import PromptLookup
 from minitransformer.model import forward, head
-from minitransformer.serve.paged import PagedView, SeqBlocks
+from minitransformer.serve.paged import PagedView
 from minitransformer.shape import parameter_count
 from minitransformer.speculative import LookupDraft, ModelDraft, verify
 from sim.speculative import speedup
@@ -224,11 +224,12 @@ def verify_view(cache, seq_ids, counts) -> PagedView:
     row one token long at its own position, over the sequence's blocks (row order: sequence
     by sequence). Room for them is made first (``make_room``); forward then writes every
     row's keys and values before any row reads, and each row reads up to its own position."""
-    rows = []
+    ids, starts = [], []
     for seq_id, count in zip(seq_ids, counts):
-        seq = cache.seqs[seq_id]
-        rows += [SeqBlocks(seq.blocks, seq.length + t) for t in range(count)]
-    return PagedView(cache, rows)
+        length = cache.seqs[seq_id].length
+        ids += [seq_id] * count
+        starts += range(length, length + count)
+    return cache.view(ids, starts)          # (the caller counts the fed tokens: see below)
 
 
 def verify_logits(model, cache, seq_ids, fed, batch_invariant=False, attention="plain"):
