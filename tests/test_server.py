@@ -884,3 +884,15 @@ def test_health_answers_while_long_stop_strings_are_matched(served, model):
     assert done == [text]
     assert max(latencies) < 5       # a sanity bound only (the work is counted in
                                     # test_openai_api's stop tests)
+
+
+def test_the_server_module_imports_without_the_serve_extra():
+    """The library imports without fastapi (doctests collect every module); the server says
+    what to install when it is asked for."""
+    code = ("import sys; sys.modules['fastapi'] = None\n"
+            "from minitransformer.serve import http\n"
+            "try:\n    http.create_app(None, 'x')\n"
+            "except ImportError as e:\n    print(e)\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == "the server needs the serve extra: pip install -e '.[serve]'\n"

@@ -35,6 +35,8 @@ choices numbered prompt x n + sample.
 Needs the ``serve`` extra (fastapi, uvicorn, jinja2); the library imports without it.
 Leaves out: authentication (any API key is accepted), tools.
 """
+from __future__ import annotations      # Request below: the serve extra's, when installed
+
 import asyncio
 import contextlib
 import json
@@ -57,6 +59,14 @@ from minitransformer.serve.openai_api import (APIError, chat_logprobs, choice,
                                               usage)
 from minitransformer.serve.prometheus import ServingMetrics
 
+try:                            # the serve extra; the library imports without it
+    from fastapi import FastAPI, Request
+    from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+    from starlette.exceptions import HTTPException
+    from starlette.requests import ClientDisconnect
+except ImportError:             # create_app says what to install
+    FastAPI = None
+
 RETRY_AFTER_S = 1               # what a 429 asks the client to wait
 JSON_ESCAPE = 6                 # bytes a JSON string may spend on one byte of text: "\u0001"
 SLACK_BYTES = 1 << 20           # room for a request's other fields
@@ -73,339 +83,386 @@ def default_max_request_bytes(model) -> int:
     return positions * longest * JSON_ESCAPE + SLACK_BYTES
 
 
-def create_app(online: OnlineEngine, name: str, max_request_bytes: int = None):
-    """The FastAPI application serving one model through one online engine. Bodies over
-    max_request_bytes are refused with 413 (None: ``default_max_request_bytes``)."""
-    from fastapi import FastAPI, Request
-    from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
-    from starlette.exceptions import HTTPException
-    from starlette.requests import ClientDisconnect
+@dataclass(frozen=True)
+class App:
+    """What every handler shares (``http.app.state.serving``): one model, served by one online
+    engine, under one name."""
+    online: OnlineEngine
+    name: str                   # the model's name in the API
+    limit: int                  # bytes a request body may have: 413 above
+    longest: int                # bytes of the vocabulary's longest token (None: no tokenizer)
+    metrics: ServingMetrics
+    created: int                # when the server started, Unix seconds (/v1/models)
 
+    @property
+    def model(self):
+        return self.online.engine.model
+
+    @property
+    def cache(self):
+        return self.online.engine.cache
+
+
+def create_app(online: OnlineEngine, name: str, max_request_bytes: int = None):
+    """The FastAPI application serving one model through one online engine: the routes and
+    their handlers below. Bodies over max_request_bytes are refused with 413 (None:
+    ``default_max_request_bytes``)."""
+    if FastAPI is None:
+        raise ImportError("the server needs the serve extra: pip install -e '.[serve]'")
     if max_request_bytes is not None and (not is_integer(max_request_bytes) or
                                           max_request_bytes < 1):
         raise ValueError(f"max_request_bytes={max_request_bytes!r}: expected an integer >= 1")
-    model, cache = online.engine.model, online.engine.cache
-    limit = max_request_bytes or default_max_request_bytes(model)
+    model = online.engine.model
     longest = None if model.tokenizer is None else longest_token_bytes(model.tokenizer)
-    metrics = ServingMetrics(name)
     app = FastAPI(title="minitransformer", docs_url=None, redoc_url=None, openapi_url=None)
-    created = int(time.time())
-
-    def error(e: APIError):
-        return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
-
-    @app.exception_handler(HTTPException)
-    async def framework_error(http: Request, e: HTTPException):
-        """The framework's own 4xx (unknown path, wrong method) in OpenAI's body."""
-        what = {404: f"no route {http.url.path!r:.200}: this server answers /v1/completions, "
-                     "/v1/chat/completions, /v1/models, /tokenize, /detokenize, /tokenizer_info, "
-                     "/health and /metrics",
-                405: f"{http.method} is not allowed on {http.url.path}"}
-        codes = {404: "not_found", 405: "method_not_allowed"}
-        return error(APIError(what.get(e.status_code, str(e.detail)), status=e.status_code,
-                              code=codes.get(e.status_code), headers=e.headers))
-
-    @app.get("/health")
-    async def health():
-        return PlainTextResponse("", status_code=503 if online.error else 200)
-
-    @app.get("/v1/models")
-    async def models():
-        return {"object": "list", "data": [{
-            "id": name, "object": "model", "created": created, "owned_by": "minitransformer",
-            "max_model_len": model.config.max_position_embeddings}]}
-
-    @app.get("/metrics")
-    async def prometheus():
-        return PlainTextResponse(metrics.render(online.snapshot),
-                                 media_type="text/plain; version=0.0.4")
-
-    async def answer(http: Request, kind: str):
-        try:
-            raw = await read_body(http)
-            body = await asyncio.to_thread(decode_json, raw)
-            jobs = await asyncio.to_thread(parse, body, kind, model, name,
-                                           cache.num_blocks * cache.block_size,
-                                           len(online.engine.slots), longest)
-            for job in jobs:
-                check_pool(job.request)
-            stops = await asyncio.to_thread(StopStrings, jobs[0].stop)  # tables: linear in them
-            tickets, tokens = submit_all(jobs, stops)
-        except APIError as e:
-            return error(e)
-        except ClientDisconnect:    # gone before it finished sending: nobody to answer
-            return PlainTextResponse("", status_code=400)
-        rid = f"{'cmpl' if kind == 'completion' else 'chatcmpl'}-{uuid.uuid4().hex}"
-        head, job = (rid, int(time.time()), name), jobs[0]  # job: the settings all share
-        prompt_tokens = sum(len(j.request.prompt) for j in jobs)
-        if job.stream:
-            return StreamingResponse(events(job, len(jobs), prompt_tokens, head, tickets,
-                                            tokens), media_type="text/event-stream")
-        count = len(jobs) * job.request.n
-        texts, named, reasons, total = [""] * count, [[] for _ in range(count)], {}, 0
-        try:
-            async for i, piece, lps, reason, total in watch(http, tickets, tokens):
-                texts[i] += piece
-                named[i] += lps
-                reasons[i] = reason
-        except APIError as e:
-            return error(e)
-        choices = [choice(kind, texts[i], reasons.get(i), index=i,
-                          logprobs=logprobs_object(job, named[i])[0]) for i in range(count)]
-        return response(job, *head, choices, usage(prompt_tokens, total))
-
-    def logprobs_object(job, named, offset=0) -> tuple:
-        """-> (the choice's logprobs object or None, the text offset after it)."""
-        if not job.logprobs:
-            return None, offset
-        if job.kind == "chat":
-            return chat_logprobs(named), offset
-        return completion_logprobs(named, offset)
-
-    @app.post("/v1/completions")
-    async def completions(http: Request):
-        return await answer(http, "completion")
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions(http: Request):
-        return await answer(http, "chat")
-
-    async def tokenizer_endpoint(http: Request, handle):
-        """/tokenize and /detokenize (vLLM's): the body checked, the work off the loop."""
-        try:
-            body = await asyncio.to_thread(decode_json, await read_body(http))
-            return await asyncio.to_thread(handle, body, model, name, longest)
-        except APIError as e:
-            return error(e)
-        except ClientDisconnect:
-            return PlainTextResponse("", status_code=400)
-
-    @app.get("/tokenizer_info")
-    async def tokenizer_information():
-        try:
-            return tokenizer_info(model)
-        except APIError as e:
-            return error(e)
-
-    @app.post("/tokenize")
-    async def tokenize(http: Request):
-        return await tokenizer_endpoint(http, tokenize_body)
-
-    @app.post("/detokenize")
-    async def detokenize(http: Request):
-        return await tokenizer_endpoint(http, detokenize_body)
-
-    async def read_body(http) -> bytes:
-        """The body, refused with 413 as soon as it is known to exceed the limit: at once
-        from its Content-Length, else when the bytes received pass it."""
-        declared = http.headers.get("content-length", "0")
-        if declared.isdigit() and int(declared) > limit:
-            raise_too_large(int(declared))
-        chunks, size = [], 0
-        async for chunk in http.stream():
-            chunks.append(chunk)
-            size += len(chunk)
-            if size > limit:
-                raise_too_large(size, "at least ")
-        return b"".join(chunks)
-
-    def raise_too_large(size, at_least=""):
-        raise APIError(f"the request body has {at_least}{size} bytes; this server takes at "
-                       f"most {limit} (--max-request-bytes)", status=413,
-                       code="request_too_large")
-
-    def submit_all(jobs, stops):
-        """Hand every prompt's job to the engine, all or none (a full queue cancels those
-        already in) -> (their tickets, one async iterator of (choice index prompt x n +
-        sample, text, NamedLogprobs, finish_reason or None, tokens so far over all))."""
-        started = []
-        try:
-            for job in jobs:
-                started.append(submit(job, stops))
-        except APIError:
-            for ticket, tokens in started:
-                online.cancel(ticket)
-            raise
-        for job in jobs:            # counted once the whole batch is in
-            metrics.accepted(len(job.request.prompt))
-        n = jobs[0].request.n
-        return [t for t, _ in started], merged([tokens for _, tokens in started], n)
-
-    async def merged(streams, n):
-        """The items of each prompt's stream, as they come, numbered prompt x n + sample."""
-        totals = [0] * len(streams)
-        reads = {asyncio.ensure_future(anext(s)): p for p, s in enumerate(streams)}
-        try:
-            while reads:
-                done, _ = await asyncio.wait(reads, return_when=asyncio.FIRST_COMPLETED)
-                for read in done:
-                    p = reads.pop(read)
-                    try:
-                        i, piece, named, reason, totals[p] = read.result()
-                    except StopAsyncIteration:
-                        continue
-                    reads[asyncio.ensure_future(anext(streams[p]))] = p
-                    yield p * n + i, piece, named, reason, sum(totals)
-        finally:                    # a read still pending is ended before its stream closes
-            for read in reads:
-                read.cancel()
-                with contextlib.suppress(asyncio.CancelledError, StopAsyncIteration,
-                                         APIError):
-                    await read
-            for stream in streams:
-                await stream.aclose()
-
-    def check_pool(request):
-        """n samples that could never be held at once in the pool: a 400 naming n, before any
-        answer starts (the prompt and max_tokens alone were checked by parse)."""
-        length = len(request.prompt)
-        need = online.engine.pool_need(length, request.max_new_tokens, request.n)
-        if need > cache.num_blocks:
-            raise APIError(f"n={request.n} samples of a {length}-token prompt need {need} KV "
-                           f"blocks of {cache.block_size} tokens at once (the prompt and each "
-                           f"sample's first token); the pool has {cache.num_blocks}: ask for "
-                           f"fewer samples", "n")
-
-    def submit(job, stops):
-        """Hand the job to the engine -> (its ticket, an async iterator of (text,
-        finish_reason, tokens so far)). Whoever iterates must cancel the ticket when done."""
-        loop, updates = asyncio.get_running_loop(), asyncio.Queue()
-        previous = {}               # per sample: when its last tokens were handed over
-
-        def listener(update):       # runs on the engine's loop thread: observe, pass on
-            if update.tokens:
-                metrics.tokens(update.record.arrival, previous.get(update.choice), update.time,
-                               len(update.tokens))
-                previous[update.choice] = update.time
-            loop.call_soon_threadsafe(updates.put_nowait, update)
-        try:
-            ticket = online.submit(job.request, listener)
-        except ValueError as e:     # the engine refuses it: a client's mistake, said before
-            raise APIError(str(e)) from None    # any answer (or stream) starts
-        except QueueFull as e:
-            raise APIError(f"{e}: retry later", status=429, code="queue_full",
-                           headers={"Retry-After": str(RETRY_AFTER_S)}) from None
-        except Closed as e:
-            raise APIError(str(e), status=503) from None
-        return ticket, pieces(job, stops, ticket, updates, online.now())
-
-    async def pieces(job, stops, ticket, updates, arrival):
-        """Per sample, text as it becomes final -> (sample, text, the NamedLogprobs of the
-        tokens whose text it completes, finish_reason or None, tokens so far over all
-        samples); a sample's last item carries its finish_reason. With echo, each sample opens
-        with the prompt (and its tokens' logprobs); echo with max_tokens 0 is the prompt
-        alone. A sample left before its end (the client went away) is counted as vLLM counts
-        it: "abort"."""
-        n = job.request.n
-        samples = [Sample(model.tokenizer, job.request.prompt, stops) for _ in range(n)]
-        counts, open_, echo = [0] * n, set(range(n)), None
-        try:
-            while open_:
-                update = await updates.get()
-                if update.status in ("rejected", "error"):
-                    open_.clear()   # never served: not a finished request
-                    raise APIError(update.reason,
-                                   status=500 if update.status == "error" else 400)
-                i, sample = update.choice, samples[update.choice]
-                arrival = update.record.arrival
-                if i not in open_:  # tokens made before its stop string's cancel took effect
-                    continue
-                if job.echo and counts[i] == 0 and update.tokens:
-                    if echo is None:    # the prompt's names: as long as the prompt, off the loop
-                        echo = await asyncio.to_thread(
-                            echo_named, model.tokenizer, job.request.prompt,
-                            update.record.prompt_logprobs if job.logprobs else None)
-                    scored = echo if job.logprobs else []
-                    if job.prompt_only:     # its one token is not part of the answer
-                        online.cancel(ticket, i)
-                        metrics.ended(arrival, online.now(), "length")
-                        open_.discard(i)
-                        yield i, "".join(s.text for s in echo), scored, "length", sum(counts)
-                        continue
-                    yield i, "".join(s.text for s in echo), scored, None, sum(counts)
-                piece, used = "", 0
-                scores = update.logprobs if job.logprobs else (None,) * len(update.tokens)
-                for token, scored in zip(update.tokens, scores):
-                    used, piece = used + 1, piece + sample.add(token, scored)
-                    if sample.text.stopped:
-                        online.cancel(ticket, i)    # a stop string: no more tokens needed
-                        break
-                counts[i] += used
-                if sample.text.stopped or update.done:
-                    piece += sample.finish()
-                    eos = update.record.tokens and update.record.tokens[-1] in job.eos
-                    reason = "stop" if sample.text.stopped or eos else \
-                        "length" if update.status == "finished" else "abort"
-                    metrics.ended(arrival, online.now(), reason)
-                    open_.discard(i)
-                    yield i, piece, sample.release(final=True), reason, sum(counts)
-                else:
-                    scored = sample.release(final=False)
-                    if piece or scored:
-                        yield i, piece, scored, None, sum(counts)
-        finally:
-            for _ in open_:
-                metrics.ended(arrival, online.now(), "abort")
-
-    async def watch(http, tickets, tokens):
-        """A non-streamed answer: wait for the next piece or the client leaving, whichever
-        comes first (a client that left cancels its request, as a stream's does)."""
-        gone = asyncio.ensure_future(disconnected(http))
-        try:
-            while True:
-                piece = asyncio.ensure_future(anext(tokens))
-                await asyncio.wait({piece, gone}, return_when=asyncio.FIRST_COMPLETED)
-                if not piece.done():     # the client left: end the pending read first, so
-                    piece.cancel()       # the generator runs its own cleanup before aclose
-                    with contextlib.suppress(asyncio.CancelledError, StopAsyncIteration):
-                        await piece
-                    return
-                try:
-                    yield piece.result()
-                except StopAsyncIteration:
-                    return
-        finally:                    # done, failed or left: a no-op if the request is over
-            gone.cancel()
-            for ticket in tickets:
-                online.cancel(ticket)
-            await tokens.aclose()
-
-    async def disconnected(http):
-        while not await http.is_disconnected():
-            await asyncio.sleep(0.1)
-
-    async def events(job, prompts, prompt_tokens, head, tickets, tokens):
-        """Server-Sent Events: one chunk per piece, the finish_reason, usage, [DONE]; job:
-        the settings the request's prompts share."""
-        def sse(reply):
-            return f"data: {json.dumps(reply)}\n\n"
-
-        def chunk(*args, **kwargs):
-            return sse(response(job, *head, [choice(job.kind, *args, **kwargs)], chunk=True))
-        count = prompts * job.request.n
-        offsets = [0] * count       # completions: text_offset of each choice's next token
-        total = 0
-        try:
-            if job.kind == "chat":  # a chat stream opens with the role
-                for i in range(count):
-                    yield chunk("", None, True, True, index=i)
-            async for i, piece, scored, reason, total in tokens:
-                if piece or scored:
-                    logprobs, offsets[i] = logprobs_object(job, scored, offsets[i])
-                    yield chunk(piece, None, True, index=i, logprobs=logprobs)
-                if reason:
-                    yield chunk("", reason, True, index=i)
-            if job.include_usage:
-                yield sse(response(job, *head, [], usage(prompt_tokens, total), chunk=True))
-        except APIError as e:
-            yield sse(e.body())
-        finally:                    # also when the client disconnects mid-stream (the task
-            for ticket in tickets:  # iterating this is cancelled): blocks freed at once
-                online.cancel(ticket)
-            await tokens.aclose()   # and the request counted now, not when collected
-        yield "data: [DONE]\n\n"
-
+    app.state.serving = App(online, name, max_request_bytes or default_max_request_bytes(model),
+                            longest, ServingMetrics(name), int(time.time()))
+    app.add_exception_handler(HTTPException, framework_error)
+    for method, path, handler in ROUTES:
+        app.add_api_route(path, handler, methods=[method])
     return app
+
+
+# --- the handlers, one per endpoint ----------------------------------------------------------
+def serving(http: Request) -> App:
+    return http.app.state.serving
+
+
+def error(e: APIError):
+    return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+
+
+async def framework_error(http: Request, e: HTTPException):
+    """The framework's own 4xx (unknown path, wrong method) in OpenAI's body."""
+    what = {404: f"no route {http.url.path!r:.200}: this server answers /v1/completions, "
+                 "/v1/chat/completions, /v1/models, /tokenize, /detokenize, /tokenizer_info, "
+                 "/health and /metrics",
+            405: f"{http.method} is not allowed on {http.url.path}"}
+    codes = {404: "not_found", 405: "method_not_allowed"}
+    return error(APIError(what.get(e.status_code, str(e.detail)), status=e.status_code,
+                          code=codes.get(e.status_code), headers=e.headers))
+
+
+async def health(http: Request):
+    return PlainTextResponse("", status_code=503 if serving(http).online.error else 200)
+
+
+async def models(http: Request):
+    app = serving(http)
+    return {"object": "list", "data": [{
+        "id": app.name, "object": "model", "created": app.created, "owned_by": "minitransformer",
+        "max_model_len": app.model.config.max_position_embeddings}]}
+
+
+async def prometheus(http: Request):
+    app = serving(http)
+    return PlainTextResponse(app.metrics.render(app.online.snapshot),
+                             media_type="text/plain; version=0.0.4")
+
+
+async def completions(http: Request):
+    return await answer(http, "completion")
+
+
+async def chat_completions(http: Request):
+    return await answer(http, "chat")
+
+
+async def tokenize(http: Request):
+    return await tokenizer_endpoint(http, tokenize_body)
+
+
+async def detokenize(http: Request):
+    return await tokenizer_endpoint(http, detokenize_body)
+
+
+async def tokenizer_information(http: Request):
+    try:
+        return tokenizer_info(serving(http).model)
+    except APIError as e:
+        return error(e)
+
+
+ROUTES = [("GET", "/health", health), ("GET", "/v1/models", models),
+          ("GET", "/metrics", prometheus), ("POST", "/v1/completions", completions),
+          ("POST", "/v1/chat/completions", chat_completions), ("POST", "/tokenize", tokenize),
+          ("POST", "/detokenize", detokenize), ("GET", "/tokenizer_info", tokenizer_information)]
+
+
+# --- what the handlers share -----------------------------------------------------------------
+async def answer(http: Request, kind: str):
+    """/v1/completions and /v1/chat/completions: the body checked and submitted, the answer
+    streamed as Server-Sent Events or returned whole."""
+    app = serving(http)
+    try:
+        raw = await read_body(http, app.limit)
+        body = await asyncio.to_thread(decode_json, raw)
+        jobs = await asyncio.to_thread(parse, body, kind, app.model, app.name,
+                                       app.cache.num_blocks * app.cache.block_size,
+                                       app.online.engine.config.max_num_seqs, app.longest)
+        for job in jobs:
+            check_pool(app, job.request)
+        stops = await asyncio.to_thread(StopStrings, jobs[0].stop)  # tables: linear in them
+        tickets, tokens = submit_all(app, jobs, stops)
+    except APIError as e:
+        return error(e)
+    except ClientDisconnect:    # gone before it finished sending: nobody to answer
+        return PlainTextResponse("", status_code=400)
+    rid = f"{'cmpl' if kind == 'completion' else 'chatcmpl'}-{uuid.uuid4().hex}"
+    head, job = (rid, int(time.time()), app.name), jobs[0]  # job: the settings all share
+    prompt_tokens = sum(len(j.request.prompt) for j in jobs)
+    if job.stream:
+        return StreamingResponse(events(app, job, len(jobs), prompt_tokens, head, tickets,
+                                        tokens), media_type="text/event-stream")
+    count = len(jobs) * job.request.n
+    texts, named, reasons, total = [""] * count, [[] for _ in range(count)], {}, 0
+    try:
+        async for i, piece, lps, reason, total in watch(app, http, tickets, tokens):
+            texts[i] += piece
+            named[i] += lps
+            reasons[i] = reason
+    except APIError as e:
+        return error(e)
+    choices = [choice(kind, texts[i], reasons.get(i), index=i,
+                      logprobs=logprobs_object(job, named[i])[0]) for i in range(count)]
+    return response(job, *head, choices, usage(prompt_tokens, total))
+
+
+def logprobs_object(job, named, offset=0) -> tuple:
+    """-> (the choice's logprobs object or None, the text offset after it)."""
+    if not job.logprobs:
+        return None, offset
+    if job.kind == "chat":
+        return chat_logprobs(named), offset
+    return completion_logprobs(named, offset)
+
+
+async def tokenizer_endpoint(http: Request, handle):
+    """/tokenize and /detokenize (vLLM's): the body checked, the work off the loop."""
+    app = serving(http)
+    try:
+        body = await asyncio.to_thread(decode_json, await read_body(http, app.limit))
+        return await asyncio.to_thread(handle, body, app.model, app.name, app.longest)
+    except APIError as e:
+        return error(e)
+    except ClientDisconnect:
+        return PlainTextResponse("", status_code=400)
+
+
+async def read_body(http: Request, limit: int) -> bytes:
+    """The body, refused with 413 as soon as it is known to exceed the limit: at once from its
+    Content-Length, else when the bytes received pass it."""
+    declared = http.headers.get("content-length", "0")
+    if declared.isdigit() and int(declared) > limit:
+        raise_too_large(limit, int(declared))
+    chunks, size = [], 0
+    async for chunk in http.stream():
+        chunks.append(chunk)
+        size += len(chunk)
+        if size > limit:
+            raise_too_large(limit, size, "at least ")
+    return b"".join(chunks)
+
+
+def raise_too_large(limit, size, at_least=""):
+    raise APIError(f"the request body has {at_least}{size} bytes; this server takes at most "
+                   f"{limit} (--max-request-bytes)", status=413, code="request_too_large")
+
+
+def check_pool(app: App, request) -> None:
+    """n samples that could never be held at once in the pool: a 400 naming n, before any
+    answer starts (the prompt and max_tokens alone were checked by parse)."""
+    length, cache = len(request.prompt), app.cache
+    need = app.online.engine.pool_need(length, request.max_new_tokens, request.n)
+    if need > cache.num_blocks:
+        raise APIError(f"n={request.n} samples of a {length}-token prompt need {need} KV "
+                       f"blocks of {cache.block_size} tokens at once (the prompt and each "
+                       f"sample's first token); the pool has {cache.num_blocks}: ask for "
+                       f"fewer samples", "n")
+
+
+def submit_all(app: App, jobs, stops):
+    """Hand every prompt's job to the engine, all or none (a full queue cancels those already
+    in) -> (their tickets, one async iterator of (choice index prompt x n + sample, text,
+    NamedLogprobs, finish_reason or None, tokens so far over all))."""
+    started = []
+    try:
+        for job in jobs:
+            started.append(submit(app, job, stops))
+    except APIError:
+        for ticket, tokens in started:
+            app.online.cancel(ticket)
+        raise
+    for job in jobs:            # counted once the whole batch is in
+        app.metrics.accepted(len(job.request.prompt))
+    n = jobs[0].request.n
+    return [t for t, _ in started], merged([tokens for _, tokens in started], n)
+
+
+async def merged(streams, n):
+    """The items of each prompt's stream, as they come, numbered prompt x n + sample."""
+    totals = [0] * len(streams)
+    reads = {asyncio.ensure_future(anext(s)): p for p, s in enumerate(streams)}
+    try:
+        while reads:
+            done, _ = await asyncio.wait(reads, return_when=asyncio.FIRST_COMPLETED)
+            for read in done:
+                p = reads.pop(read)
+                try:
+                    i, piece, named, reason, totals[p] = read.result()
+                except StopAsyncIteration:
+                    continue
+                reads[asyncio.ensure_future(anext(streams[p]))] = p
+                yield p * n + i, piece, named, reason, sum(totals)
+    finally:                    # a read still pending is ended before its stream closes
+        for read in reads:
+            read.cancel()
+            with contextlib.suppress(asyncio.CancelledError, StopAsyncIteration, APIError):
+                await read
+        for stream in streams:
+            await stream.aclose()
+
+
+def submit(app: App, job, stops):
+    """Hand the job to the engine -> (its ticket, an async iterator of (text, finish_reason,
+    tokens so far)). Whoever iterates must cancel the ticket when done."""
+    loop, updates = asyncio.get_running_loop(), asyncio.Queue()
+    previous = {}               # per sample: when its last tokens were handed over
+
+    def listener(update):       # runs on the engine's loop thread: observe, pass on
+        if update.tokens:
+            app.metrics.tokens(update.record.arrival, previous.get(update.choice),
+                               update.time, len(update.tokens))
+            previous[update.choice] = update.time
+        loop.call_soon_threadsafe(updates.put_nowait, update)
+    try:
+        ticket = app.online.submit(job.request, listener)
+    except ValueError as e:     # the engine refuses it: a client's mistake, said before
+        raise APIError(str(e)) from None    # any answer (or stream) starts
+    except QueueFull as e:
+        raise APIError(f"{e}: retry later", status=429, code="queue_full",
+                       headers={"Retry-After": str(RETRY_AFTER_S)}) from None
+    except Closed as e:
+        raise APIError(str(e), status=503) from None
+    return ticket, pieces(app, job, stops, ticket, updates, app.online.now())
+
+
+async def pieces(app: App, job, stops, ticket, updates, arrival):
+    """Per sample, text as it becomes final -> (sample, text, the NamedLogprobs of the tokens
+    whose text it completes, finish_reason or None, tokens so far over all samples); a
+    sample's last item carries its finish_reason. With echo, each sample opens with the prompt
+    (and its tokens' logprobs); echo with max_tokens 0 is the prompt alone. A sample left
+    before its end (the client went away) is counted as vLLM counts it: "abort"."""
+    n, online, metrics = job.request.n, app.online, app.metrics
+    samples = [Sample(app.model.tokenizer, job.request.prompt, stops) for _ in range(n)]
+    counts, open_, echo = [0] * n, set(range(n)), None
+    try:
+        while open_:
+            update = await updates.get()
+            if update.status in ("rejected", "error"):
+                open_.clear()   # never served: not a finished request
+                raise APIError(update.reason, status=500 if update.status == "error" else 400)
+            i, sample = update.choice, samples[update.choice]
+            arrival = update.record.arrival
+            if i not in open_:  # tokens made before its stop string's cancel took effect
+                continue
+            if job.echo and counts[i] == 0 and update.tokens:
+                if echo is None:    # the prompt's names: as long as the prompt, off the loop
+                    echo = await asyncio.to_thread(
+                        echo_named, app.model.tokenizer, job.request.prompt,
+                        update.record.prompt_logprobs if job.logprobs else None)
+                scored = echo if job.logprobs else []
+                if job.prompt_only:     # its one token is not part of the answer
+                    online.cancel(ticket, i)
+                    metrics.ended(arrival, online.now(), "length")
+                    open_.discard(i)
+                    yield i, "".join(s.text for s in echo), scored, "length", sum(counts)
+                    continue
+                yield i, "".join(s.text for s in echo), scored, None, sum(counts)
+            piece, used = "", 0
+            scores = update.logprobs if job.logprobs else (None,) * len(update.tokens)
+            for token, scored in zip(update.tokens, scores):
+                used, piece = used + 1, piece + sample.add(token, scored)
+                if sample.text.stopped:
+                    online.cancel(ticket, i)    # a stop string: no more tokens needed
+                    break
+            counts[i] += used
+            if sample.text.stopped or update.done:
+                piece += sample.finish()
+                eos = update.record.tokens and update.record.tokens[-1] in job.eos
+                reason = "stop" if sample.text.stopped or eos else \
+                    "length" if update.status == "finished" else "abort"
+                metrics.ended(arrival, online.now(), reason)
+                open_.discard(i)
+                yield i, piece, sample.release(final=True), reason, sum(counts)
+            else:
+                scored = sample.release(final=False)
+                if piece or scored:
+                    yield i, piece, scored, None, sum(counts)
+    finally:
+        for _ in open_:
+            metrics.ended(arrival, online.now(), "abort")
+
+
+async def watch(app: App, http: Request, tickets, tokens):
+    """A non-streamed answer: wait for the next piece or the client leaving, whichever comes
+    first (a client that left cancels its request, as a stream's does)."""
+    gone = asyncio.ensure_future(disconnected(http))
+    try:
+        while True:
+            piece = asyncio.ensure_future(anext(tokens))
+            await asyncio.wait({piece, gone}, return_when=asyncio.FIRST_COMPLETED)
+            if not piece.done():     # the client left: end the pending read first, so
+                piece.cancel()       # the generator runs its own cleanup before aclose
+                with contextlib.suppress(asyncio.CancelledError, StopAsyncIteration):
+                    await piece
+                return
+            try:
+                yield piece.result()
+            except StopAsyncIteration:
+                return
+    finally:                    # done, failed or left: a no-op if the request is over
+        gone.cancel()
+        for ticket in tickets:
+            app.online.cancel(ticket)
+        await tokens.aclose()
+
+
+async def disconnected(http: Request):
+    while not await http.is_disconnected():
+        await asyncio.sleep(0.1)
+
+
+async def events(app: App, job, prompts, prompt_tokens, head, tickets, tokens):
+    """Server-Sent Events: one chunk per piece, the finish_reason, usage, [DONE]; job: the
+    settings the request's prompts share."""
+    def sse(reply):
+        return f"data: {json.dumps(reply)}\n\n"
+
+    def chunk(*args, **kwargs):
+        return sse(response(job, *head, [choice(job.kind, *args, **kwargs)], chunk=True))
+    count = prompts * job.request.n
+    offsets = [0] * count       # completions: text_offset of each choice's next token
+    total = 0
+    try:
+        if job.kind == "chat":  # a chat stream opens with the role
+            for i in range(count):
+                yield chunk("", None, True, True, index=i)
+        async for i, piece, scored, reason, total in tokens:
+            if piece or scored:
+                logprobs, offsets[i] = logprobs_object(job, scored, offsets[i])
+                yield chunk(piece, None, True, index=i, logprobs=logprobs)
+            if reason:
+                yield chunk("", reason, True, index=i)
+        if job.include_usage:
+            yield sse(response(job, *head, [], usage(prompt_tokens, total), chunk=True))
+    except APIError as e:
+        yield sse(e.body())
+    finally:                    # also when the client disconnects mid-stream (the task
+        for ticket in tickets:  # iterating this is cancelled): blocks freed at once
+            app.online.cancel(ticket)
+        await tokens.aclose()   # and the request counted now, not when collected
+    yield "data: [DONE]\n\n"
 
 
 class Sample:
