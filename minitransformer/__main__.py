@@ -257,6 +257,21 @@ def engine_config(args) -> EngineConfig:
     return EngineConfig(**{f.name: getattr(args, f.name) for f in fields(EngineConfig)})
 
 
+def engine_flags(config: EngineConfig) -> list:
+    """The serve options that give this config (those of fields not at their default), as a
+    script starting a server passes them: engine_config's inverse."""
+    flags = []
+    for f in fields(EngineConfig):
+        value, option = getattr(config, f.name), "--" + f.name.replace("_", "-")
+        if value == f.default:
+            continue
+        if isinstance(value, bool):     # --batch-invariant; --[no-]enable-prefix-caching
+            flags.append(option if value else "--no-" + option[2:])
+        else:
+            flags += [option, str(value)]
+    return flags
+
+
 def serve(args) -> None:
     from minitransformer.serve.http import ServerLimits, serve as run_server
 

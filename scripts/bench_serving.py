@@ -48,6 +48,8 @@ import numpy as np
 from _common import (Progress, add_model_argument, add_workload_arguments, load_model, model_name,
                      numbers, positive_int, progress, say, workload_lengths)
 from _table import Table
+from minitransformer.__main__ import engine_flags
+from minitransformer.serve.config import EngineConfig
 from sim.workload import make_workload
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -87,17 +89,21 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(args, label, flags, model_path):
-    """A server process with these extra command-line flags -> (process, port), once /health
-    answers (or fails loudly)."""
+def engine(args, **changes) -> EngineConfig:
+    """The servers' engine: --slots and --block-size, with what a workload compares changed."""
+    return EngineConfig(max_num_seqs=args.slots, block_size=args.block_size, **changes)
+
+
+def start_server(args, label, config, model_path):
+    """A server process with this engine config -> (process, port), once /health answers (or
+    fails loudly)."""
     port = free_port()
     say(f"starting the {label} server on 127.0.0.1:{port}")
     env = os.environ | {"OPENBLAS_NUM_THREADS": str(args.threads),
                         "OMP_NUM_THREADS": str(args.threads)}
     command = [sys.executable, "-m", "minitransformer", "serve", "--model", model_path,
-               "--port", str(port), "--served-model-name", NAME, "--slots", str(args.slots),
-               "--block-size", str(args.block_size), "--max-waiting", str(args.requests + 1),
-               *flags]
+               "--port", str(port), "--served-model-name", NAME,
+               "--max-waiting", str(args.requests + 1), *engine_flags(config)]
     server = subprocess.Popen(command, cwd=ROOT, env=env, stderr=subprocess.DEVNULL)
     for _ in range(1200):           # at most 120 s to load the model and bind
         if server.poll() is not None:
@@ -118,8 +124,8 @@ class Servers:
     def __init__(self, args, model_path, settings):
         self.running = {}
         try:
-            for label, flags in settings.items():
-                self.running[label] = start_server(args, label, flags, model_path)
+            for label, config in settings.items():
+                self.running[label] = start_server(args, label, config, model_path)
         except BaseException:
             self.__exit__()
             raise
@@ -249,7 +255,7 @@ def poisson(args, model) -> None:
     prompts = [rng.integers(0, model.config.vocab_size, args.prompt_len).tolist()
                for _ in lengths]
     results = {}
-    settings = {policy: ["--policy", policy] for policy in ("static", "continuous")}
+    settings = {policy: engine(args, policy=policy) for policy in ("static", "continuous")}
     with Servers(args, model.path, settings) as ports:
         for policy, port in ports.items():
             one_request(port, {"prompt": prompts[0], "max_tokens": 2, "ignore_eos": True},
@@ -294,8 +300,8 @@ def poisson(args, model) -> None:
 def chat(args, model) -> None:
     """Multi-turn chats with prefix caching off and on, the same conversations, greedy."""
     document = " ".join(DOCUMENT.split()[:args.document_words])
-    settings = {"caching off": ["--no-enable-prefix-caching"],
-                "caching on": ["--enable-prefix-caching"]}
+    settings = {"caching off": engine(args, enable_prefix_caching=False),
+                "caching on": engine(args, enable_prefix_caching=True)}
     turns = {label: [] for label in settings}         # label -> [[record per turn] per chat]
     progress_line = Progress(args.conversations * len(settings), "chat")
     with Servers(args, model.path, settings) as ports:
@@ -353,8 +359,8 @@ def chat(args, model) -> None:
 
 def long_prompt(args, model) -> None:
     """Streams decoding when a long prompt arrives: whole-prompt prefill against chunked."""
-    settings = {"whole prefill": [],
-                "chunked prefill": ["--max-num-batched-tokens", str(args.max_num_batched_tokens)]}
+    settings = {"whole prefill": engine(args),
+                "chunked prefill": engine(args, max_num_batched_tokens=args.max_num_batched_tokens)}
     rounds = {label: [] for label in settings}
     rng, ids = np.random.default_rng(args.seed), text_ids(model)
     progress_line = Progress(args.rounds * len(settings), "long prompt")

@@ -43,7 +43,7 @@ import numpy as np
 
 from _common import add_model_argument, load_model, model_name, positive_int, say
 from _table import Table
-from bench_serving import NAME, setting_lines, start_server
+from bench_serving import NAME, engine, setting_lines, start_server
 
 WORDS = ("once upon a time there was a little girl who lived in a village near the forest "
          "she liked to play with her dog and her red ball every day after school the sun was "
@@ -223,10 +223,9 @@ def soak_and_report(args, model_path):
     model = load_model(model_path)
     prefixes = [" ".join(np.random.default_rng([args.seed, 10**9, k]).choice(WORDS, size=24))
                 for k in range(args.prefixes)]
-    flags = ["--kv-cache-dtype", args.kv_cache_dtype]
-    if args.max_num_batched_tokens:
-        flags += ["--max-num-batched-tokens", str(args.max_num_batched_tokens)]
-    server, port = start_server(args, "soak", flags, model.path)
+    config = engine(args, kv_cache_dtype=args.kv_cache_dtype,
+                    max_num_batched_tokens=args.max_num_batched_tokens)
+    server, port = start_server(args, "soak", config, model.path)
     try:
         start = time.perf_counter()
         points, statuses, samples, early = soak(port, server.pid, args, prefixes,

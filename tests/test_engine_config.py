@@ -108,3 +108,13 @@ def test_serve_carries_the_config_and_the_limits_through(tiny_model, monkeypatch
 def test_a_bad_server_limit_is_refused_naming_it(field, bad):
     with pytest.raises(ValueError, match=rf"^{field}="):
         http.ServerLimits(**{field: bad})
+
+
+@pytest.mark.parametrize("config", [
+    EngineConfig(),
+    EngineConfig(max_num_seqs=3, block_size=4, num_gpu_blocks_override=50, policy="static",
+                 enable_prefix_caching=False, max_num_batched_tokens=9, kv_cache_dtype="q4_0",
+                 attention="tiled", batch_invariant=True)], ids=["defaults", "every field"])
+def test_the_flags_of_a_config_give_it_back(config):
+    """What a script passes to the server it starts is the config it means."""
+    assert cli.engine_config(serve_args(*cli.engine_flags(config))) == config
