@@ -188,6 +188,58 @@ def workload_lengths(args):
                           args.lengths_seed)
 
 
+def add_draft_arguments(parser):
+    """The distilled drafts' settings (minitransformer/drafts/students.py) and --retrain."""
+    from minitransformer.drafts.students import Settings
+    s = Settings()
+    parser.add_argument("--layers", type=positive_int, default=s.layers,
+                        help="the draft's layers, the last one's MLP trained "
+                             "(default: %(default)s)")
+    parser.add_argument("--steps", type=positive_int, default=s.steps,
+                        help="Adam steps per student (default: %(default)s)")
+    parser.add_argument("--batch", type=positive_int, default=s.batch,
+                        help="positions per step (default: %(default)s)")
+    parser.add_argument("--lr", type=float, default=s.lr,
+                        help="Adam's learning rate (default: %(default)s)")
+    parser.add_argument("--train-tokens", type=positive_int, default=s.train_tokens,
+                        help="positions of training text (default: %(default)s)")
+    parser.add_argument("--held-tokens", type=positive_int, default=s.held_tokens,
+                        help="held-out positions (default: %(default)s)")
+    parser.add_argument("--text", default="", metavar="FILE",
+                        help="train on the start of this text and hold out its end (default: "
+                             "the Britannica article, after experiment 21's tokens)")
+    parser.add_argument("--start", choices=("last", "own"), default=s.start,
+                        help="the trained block starts as a copy of the target's last MLP "
+                             "block, or as the cut's own (then the start is the untrained cut) "
+                             "(default: %(default)s)")
+    parser.add_argument("--retrain", action="store_true", help="ignore the cached drafts")
+
+
+def draft_settings(args):
+    """The students.Settings add_draft_arguments asked for."""
+    from minitransformer.drafts.students import Settings
+    if not 0 < args.lr < float("inf"):
+        raise ValueError(f"--lr must be a finite number > 0, got {args.lr}")
+    text = str(Path(args.text).resolve()) if args.text else ""
+    return Settings(layers=args.layers, steps=args.steps, batch=args.batch, lr=args.lr,
+                    train_tokens=args.train_tokens, held_tokens=args.held_tokens, text=text,
+                    start=args.start)
+
+
+def distilled_drafts(target, settings, retrain=False):
+    """The three students (students.distilled) for target, saying where they came from, the
+    training's progress on stderr."""
+    from minitransformer.drafts.students import distilled, students_file
+    file = students_file(target, settings)
+    cached = file.is_file() and not retrain
+    if cached:
+        say(f"trained drafts from {file}")
+    d = distilled(target, settings, retrain, Progress)
+    if not cached:
+        say(f"trained drafts cached in {file}")
+    return d
+
+
 def load_model(path):
     """--model PATH or NAME -> Model, saying on stderr what was loaded."""
     path = model_path(path)

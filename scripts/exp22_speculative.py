@@ -3,8 +3,9 @@
 The drafts: prompt lookup (proposals copied from earlier in the text, minitransformer/lookup.py:
 no draft model, c = 0), quantized copies of the target (--schemes; their matmuls run on the
 codes, quant/matmul.py), the target's own first half of layers (an early-exit draft), and
-drafts distilled from the target (train_draft.py: its first few layers, the last one's MLP
-trained on the target's soft or hard labels), beside the untrained cut of the same depth.
+drafts distilled from the target (minitransformer/drafts/students.py: its first few layers,
+the last one's MLP trained on the target's soft or hard labels), beside the untrained cut of
+the same depth.
 The task has repetition, where copying pays: the model is asked to rewrite a given passage.
 
 1. v(n): one target pass over n + 1 new positions (n proposals and the last token), in
@@ -23,14 +24,16 @@ import argparse
 
 import numpy as np
 
-from _common import (Progress, add_model_argument, add_schemes_argument, add_threads_argument,
-                     load_model, model_name, mt, positive_int, run, say, timing_header)
+from _common import (Progress, add_draft_arguments, add_model_argument, add_schemes_argument,
+                     add_threads_argument, distilled_drafts, draft_settings, load_model,
+                     model_name, mt, positive_int, run, say, timing_header)
 from _table import Table
 from minitransformer.kvcache import KVCache
 from minitransformer.lookup import PASSAGE, PromptLookup, rewrite_prompt
 from minitransformer.measure.quality import agreement, reference_tokens
 from minitransformer.measure.sanity import (NOISE_FLOOR, conclude, merged, recheck,
                                              speedup_bound, unsteady)
+from minitransformer.drafts.students import SHORT, drafts_of
 from minitransformer.measure.timing import (step_with_rollback, time_together,
                                             verification_timings)
 from minitransformer.model import forward
@@ -38,7 +41,6 @@ from minitransformer.shape import decode_read_bytes
 from minitransformer.speculative import first_layers, speculative_generate
 from quant.qmodel import SCHEMES, quantize_model
 from sim.speculative import best_gamma, best_lookup_gamma, expected_tokens, speedup
-from train_draft import SHORT, add_settings_arguments, distilled, drafts_of, settings_of
 
 
 def disagree(t_plain, t_spec):
@@ -74,7 +76,7 @@ def draft_cost(target, draft, ids, repeat) -> float:
 
 
 def distilled_choice(text):
-    """argparse type: --distilled, names from train_draft.SHORT, or 'none'."""
+    """argparse type: --distilled, names from students.SHORT, or 'none'."""
     names = [] if text == "none" else [n for n in text.split(",") if n]
     unknown = [n for n in names if n not in SHORT]
     if unknown:
@@ -97,10 +99,10 @@ def main(argv=None):
     parser.add_argument("--no-layers-draft", action="store_true",
                         help="leave out the first-half-of-layers draft")
     parser.add_argument("--distilled", type=distilled_choice, default=list(SHORT),
-                        help="distilled drafts (train_draft.py; trained once, then cached): "
+                        help="distilled drafts (drafts/students.py; trained once, then cached): "
                              f"comma-separated from {', '.join(SHORT)}, or none "
                              "(default: all)")
-    add_settings_arguments(parser)
+    add_draft_arguments(parser)
     args = parser.parse_args(argv)
     header = timing_header(args)
 
@@ -127,9 +129,10 @@ def main(argv=None):
     if not args.no_layers_draft and target.config.num_hidden_layers > 1:
         L = target.config.num_hidden_layers
         drafts.append((f"first {L // 2} of {L} layers", lambda: first_layers(target, L // 2)))
-    settings = settings_of(args)
+    settings = draft_settings(args)
     if args.distilled and target.config.num_hidden_layers > settings.layers:
-        drafts += drafts_of(target, distilled(target, settings, args.retrain), args.distilled)
+        drafts += drafts_of(target, distilled_drafts(target, settings, args.retrain),
+                            args.distilled)
     progress = Progress(len(drafts), "drafts")
     for label, make in drafts:
         draft = make()

@@ -1,5 +1,5 @@
 """Distillation's figures are what they say: closeness's KL, top-1 agreement and alpha against a
-direct computation on hand-made distributions; train_draft's held-out figures computed on token
+direct computation on hand-made distributions; the students' held-out figures computed on token
 positions disjoint from those it trained on; and the verdict line as the figures decide it."""
 import numpy as np
 import pytest
@@ -63,7 +63,7 @@ def test_closeness_of_a_student_with_itself_and_with_another(small):
     assert figures["alpha"] < 0.95 and figures["kl"] > 0.05
 
 
-# ---- train_draft: held out means never trained on ----------------------------------------------
+# ---- the students: held out means never trained on ---------------------------------------------
 WORDS = ("lamp keeper climbed steps dusk harbour ship rope tide gull stone wall bell night "
          "morning salt wind boat sail cliff").split()
 
@@ -83,7 +83,7 @@ def test_held_out_figures_are_computed_on_positions_never_trained_on(target, tmp
     top-1, alpha; the greedy prompts), is traced back to its token position in the text: the
     two sets are disjoint, inside train_range and held_range, which are disjoint too. A text of
     words drawn at random, so that no two positions share their inputs by repetition."""
-    import train_draft
+    from minitransformer.drafts import students as st
     rng = np.random.default_rng(0)
     text = tmp_path / "text.txt"
     text.write_text(" ".join(rng.choice(WORDS, 400)) + ".")
@@ -115,14 +115,14 @@ def test_held_out_figures_are_computed_on_positions_never_trained_on(target, tmp
         prompts.append(range(at, at + len(prefix)))
         return real_reference(model, prefix, n)
     real_draft_inputs, real_train, real_closeness = tr.draft_inputs, tr.train, tr.closeness
-    real_reference = train_draft.reference_tokens
+    real_reference = st.reference_tokens
     monkeypatch.setattr(tr, "draft_inputs", draft_inputs)
     monkeypatch.setattr(tr, "train", train)
     monkeypatch.setattr(tr, "closeness", closeness)
-    monkeypatch.setattr(train_draft, "reference_tokens", reference_tokens)
-    settings = train_draft.Settings(layers=2, steps=4, batch=8, train_tokens=128,
-                                    held_tokens=64, eval_every=2, text=str(text))
-    d = train_draft.distil(target, settings)
+    monkeypatch.setattr(st, "reference_tokens", reference_tokens)
+    settings = st.Settings(layers=2, steps=4, batch=8, train_tokens=128, held_tokens=64,
+                           eval_every=2, text=str(text))
+    d = st.distil(target, settings)
     train_range, held_range = range(*d.train_range), range(*d.held_range)
     assert len(tokens) >= held_range.stop and not set(train_range) & set(held_range)
     assert trained_on and trained_on <= set(train_range)
@@ -142,15 +142,15 @@ def find(tokens, ids) -> int:
     (8000, dict()), (5000, dict(text="a.txt")), (320, dict(text="a.txt", train_tokens=128,
                                                              held_tokens=64))])
 def test_the_training_and_held_out_ranges_are_disjoint(n_tokens, settings):
-    import train_draft
-    s = train_draft.Settings(**settings)
-    train, held = train_draft.text_ranges(n_tokens, s)
+    from minitransformer.drafts import students as st
+    s = st.Settings(**settings)
+    train, held = st.text_ranges(n_tokens, s)
     assert train[1] - train[0] == s.train_tokens and held[1] == n_tokens
-    assert held[1] - held[0] == s.held_tokens + s.prompts * train_draft.PROMPT
+    assert held[1] - held[0] == s.held_tokens + s.prompts * st.PROMPT
     assert train[1] <= held[0]
-    assert train[0] == (0 if s.text else train_draft.SCORED_BY_EXP21)
+    assert train[0] == (0 if s.text else st.SCORED_BY_EXP21)
     with pytest.raises(ValueError, match="too few"):
-        train_draft.text_ranges(held[1] - held[0] + s.train_tokens + train[0] - 1, s)
+        st.text_ranges(held[1] - held[0] + s.train_tokens + train[0] - 1, s)
 
 
 # ---- the verdict, as the figures decide it ---------------------------------------------------
@@ -161,8 +161,8 @@ def figures(soft1, soft2, hard):
 
 
 def test_the_verdict_when_soft_labels_win_everywhere():
-    import train_draft
-    lines = train_draft.verdict(figures((0.3, 0.8, 0.6, 0.5), (0.2, 0.85, 0.7, 0.6),
+    from exp23_soft_labels import verdict
+    lines = verdict(figures((0.3, 0.8, 0.6, 0.5), (0.2, 0.85, 0.7, 0.6),
                                         (0.4, 0.7, 0.5, 0.4)))
     assert lines == [
         "soft (soft, T = 2) against hard: held-out KL 0.2000 against 0.4000 (soft better); "
@@ -174,8 +174,8 @@ def test_the_verdict_when_soft_labels_win_everywhere():
 def test_the_verdict_when_hard_labels_win_somewhere():
     """The soft student with the lower KL (T = 1 here) against hard, which wins on top-1
     and greedy; a tie is neither side's win."""
-    import train_draft
-    lines = train_draft.verdict(figures((0.2, 0.8, 0.5, 0.4), (0.3, 0.9, 0.9, 0.9),
+    from exp23_soft_labels import verdict
+    lines = verdict(figures((0.2, 0.8, 0.5, 0.4), (0.3, 0.9, 0.9, 0.9),
                                         (0.4, 0.8, 0.6, 0.5)))
     assert lines[0] == (
         "soft (soft, T = 1) against hard: held-out KL 0.2000 against 0.4000 (soft better); "

@@ -1,11 +1,12 @@
 """The layout's promises, read from the import statements: the core never reaches up into the
-periphery (serve/, measure/), and no two modules import each other, however indirectly."""
+periphery (serve/, measure/, and drafts/, which trains a draft and scores it with measure/),
+and no two modules import each other, however indirectly."""
 import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("minitransformer", "quant", "sim")
-PERIPHERY = ("minitransformer.serve", "minitransformer.measure")
+PERIPHERY = ("minitransformer.serve", "minitransformer.measure", "minitransformer.drafts")
 ENTRY_POINTS = ("minitransformer.__main__",)  # the command line serves: it may import serve/
 
 

@@ -224,20 +224,21 @@ def test_the_scripts_train_cache_and_use_the_drafts(tmp_path, monkeypatch, run_s
     settings = ["--model", model, "--layers", 2, "--steps", 4, "--batch", 8,
                 "--train-tokens", 128, "--held-tokens", 64, "--text", text]
 
-    out, err = run_script("train_draft.py", *settings)
+    _, err = run_script("train_draft.py", *settings)
     assert "trained drafts cached" in err
+    assert len(list((tmp_path / "weights" / "drafts").glob("*.npz"))) == 2  # teacher, students
+    out, err = run_script("exp23_soft_labels.py", *settings)
+    assert "trained drafts from" in err and "trained drafts cached" not in err
     for row in ("untrained cut", "start: the last layer's MLP block", "soft, T = 1",
                 "soft, T = 2", "hard", "KL soft, T = 2", "soft (soft, T = "):
         assert row in out
-    assert len(list((tmp_path / "weights" / "drafts").glob("*.npz"))) == 2  # teacher, students
-    import train_draft                  # the verdict printed is the one the figures decide
-    students, = (tmp_path / "weights" / "drafts").glob("*-students-*.npz")
-    figures = train_draft.load(students, train_draft.Settings()).figures
-    verdict = train_draft.verdict(figures)
-    assert len(verdict) == 2 and all(line in out.splitlines() for line in verdict)
-    out, err = run_script("exp23_soft_labels.py", *settings)
-    assert "trained drafts from" in err and "trained drafts cached" not in err
     assert "Held-out KL to the teacher against training steps" in out
+    import exp23_soft_labels            # the verdict printed is the one the figures decide
+    from minitransformer.drafts import students as st
+    students, = (tmp_path / "weights" / "drafts").glob("*-students-*.npz")
+    figures = st.load(students, st.Settings()).figures
+    verdict = exp23_soft_labels.verdict(figures)
+    assert len(verdict) == 2 and all(line in out.splitlines() for line in verdict)
     out, _ = run_script("exp22_speculative.py", *settings, "--schemes", "int8-row",
                         "--no-layers-draft", "--new-tokens", 12, "--repeats", 1,
                         "--max-gamma", 3, "--distilled", "cut,soft2,hard")
