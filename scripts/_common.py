@@ -127,15 +127,21 @@ def add_cache_arguments(parser):
                              "(default: plain)")
 
 
-def positive_int(text):
-    """argparse type: an integer >= 1 (a count, a length, a size), refused when parsed."""
-    try:
-        n = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}") from None
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {n}")
-    return n
+def at_least(low: int):
+    """argparse type: an integer >= low, refused when parsed (a count, a length, a size)."""
+    def integer(text):
+        try:
+            n = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer >= {low}, got {text!r}") \
+                from None
+        if n < low:
+            raise argparse.ArgumentTypeError(f"expected an integer >= {low}, got {n}")
+        return n
+    return integer
+
+
+positive_int = at_least(1)
 
 
 def positive_ints(text):
@@ -288,6 +294,51 @@ class Progress:
         say(f"[{self.i}/{self.n}] {self.label}{': ' if self.label and message else ''}"
             f"{message} ({elapsed:.0f} s{eta})"
             + (f"; {self.more} more: measuring again, the machine was busy" if grew else ""))
+
+
+def add_timing_arguments(parser, warmup=None, repeat=5, runs="runs"):
+    """--warmup (untimed runs first; only where warmup is given) and --repeat (timed runs,
+    the fastest and the median reported), their bounds checked when parsed. runs: what one is
+    ('calls', 'steps', 'generations each way')."""
+    if warmup is not None:
+        parser.add_argument("--warmup", type=at_least(0), default=warmup,
+                            help=f"untimed {runs} first (default: %(default)s)")
+    parser.add_argument("--repeat", type=positive_int, default=repeat,
+                        help=f"timed {runs}, the fastest and median reported "
+                             "(default: %(default)s)")
+
+
+def add_lengths_argument(parser, default, what):
+    """--lengths: one or more integers >= 1 (prompt, cache or context lengths)."""
+    parser.add_argument("--lengths", type=positive_int, nargs="+", default=default,
+                        help=f"{what} (default: %(default)s)")
+
+
+def add_prompt_arguments(parser, new_tokens, new_help):
+    """--prompt-tokens (random ids, seed 0) and --new-tokens, for the generation experiments."""
+    parser.add_argument("--prompt-tokens", type=int, default=40,
+                        help="prompt length P, token ids drawn with seed 0 (default: 40)")
+    parser.add_argument("--new-tokens", type=int, default=new_tokens, help=new_help)
+
+
+def add_engine_arguments(parser, slots=8):
+    """--slots (where slots is given), --block-size and --seed: the engine's shape and the
+    seed of the work it is given."""
+    if slots is not None:
+        parser.add_argument("--slots", type=positive_int, default=slots,
+                            help="sequences the engine runs at once (default: %(default)s)")
+    parser.add_argument("--block-size", type=positive_int, default=16,
+                        help="tokens per block of the paged cache (default: %(default)s)")
+    parser.add_argument("--seed", type=at_least(0), default=0,
+                        help="seed of the random prompts (default: %(default)s)")
+
+
+def add_server_arguments(parser, timeout):
+    """--threads (BLAS threads of the server a script starts) and --timeout per request."""
+    parser.add_argument("--threads", type=positive_int, default=1,
+                        help="BLAS threads of the server (default: %(default)s)")
+    parser.add_argument("--timeout", type=float, default=timeout,
+                        help="seconds per request (default: %(default)s)")
 
 
 def add_threads_argument(parser):

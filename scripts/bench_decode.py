@@ -48,7 +48,7 @@ from pathlib import Path
 
 import numpy as np
 
-from _common import add_threads_argument, load_model, say, timing_header
+from _common import add_threads_argument, add_timing_arguments, load_model, say, timing_header
 from _table import Table
 from minitransformer.backend import xp
 from minitransformer.kvcache import KVCache
@@ -224,7 +224,7 @@ def main(argv=None):
     parser.add_argument("--model", action="append", metavar="PATH|qwen|smollm2",
                         help="a checkpoint to benchmark (repeatable; default: qwen and smollm2)")
     parser.add_argument("--context", type=int, default=32, help="tokens cached per row")
-    parser.add_argument("--repeat", type=int, default=5, help="timed rounds (default: 5)")
+    add_timing_arguments(parser, repeat=5, runs="rounds")
     parser.add_argument("--buffer-mb", type=int, default=1024,
                         help="MiB streamed to measure read bandwidth; keep it far above the "
                              "caches (default: %(default)s)")
@@ -240,8 +240,8 @@ def main(argv=None):
                              "kernel (e.g. docs/benchmarks/decode-SkylakeX.md)")
     add_threads_argument(parser)
     args = parser.parse_args(argv)
-    if min(args.context, args.repeat, args.buffer_mb, args.matrix_mb) < 1:
-        parser.error("--context, --repeat, --buffer-mb and --matrix-mb must be >= 1")
+    if min(args.context, args.buffer_mb, args.matrix_mb) < 1:
+        parser.error("--context, --buffer-mb and --matrix-mb must be >= 1")
     ran_on = (timing_header(args), where_it_ran())
     tables = []  # every table shown, for --markdown
     models = []  # (label, path, model)

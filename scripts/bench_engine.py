@@ -15,8 +15,8 @@ import argparse
 
 import numpy as np
 
-from _common import (Progress, add_model_argument, add_threads_argument, load_model, mt,
-                     positive_int, positive_ints, timing_header)
+from _common import (Progress, add_engine_arguments, add_model_argument, add_threads_argument,
+                     add_timing_arguments, load_model, mt, positive_ints, timing_header)
 from _table import Table
 from minitransformer.serve.config import EngineConfig
 from minitransformer.serve.engine import Engine
@@ -32,10 +32,8 @@ def main(argv=None):
     parser.add_argument("--new-tokens", default="8-64", help="range of output lengths")
     parser.add_argument("--slots", type=positive_ints, default="4,8,16",
                         help="engine slot counts to run")
-    parser.add_argument("--block-size", type=positive_int, default=16)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--repeat", type=positive_int, default=2,
-                        help="timed runs of each way, side by side (default: 2)")
+    add_engine_arguments(parser, slots=None)
+    add_timing_arguments(parser, repeat=2, runs="runs of each way, side by side,")
     add_threads_argument(parser)
     args = parser.parse_args(argv)
     try:

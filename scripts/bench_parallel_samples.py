@@ -21,8 +21,8 @@ import argparse
 
 import numpy as np
 
-from _common import (Progress, add_model_argument, add_threads_argument, load_model,
-                     positive_int, timing_header)
+from _common import (Progress, add_engine_arguments, add_model_argument, add_threads_argument,
+                     add_timing_arguments, load_model, positive_int, timing_header)
 from _table import Table
 from minitransformer.measure.timing import time_together
 from minitransformer.sampling import SamplingSettings
@@ -39,14 +39,10 @@ def main(argv=None):
                         help="prompt tokens (default: 200)")
     parser.add_argument("--new-tokens", type=positive_int, default=32,
                         help="tokens per sample (default: 32)")
-    parser.add_argument("--block-size", type=positive_int, default=16)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--repeat", type=positive_int, default=3,
-                        help="timed runs of each way, side by side (default: 3)")
+    add_engine_arguments(parser, slots=None)
+    add_timing_arguments(parser, repeat=3, runs="runs of each way, side by side,")
     add_threads_argument(parser)
     args = parser.parse_args(argv)
-    if args.seed < 0:
-        parser.error(f"--seed must be >= 0, got {args.seed}")
 
     model = load_model(args.model)
     if args.prompt_len + args.new_tokens > model.config.max_position_embeddings:

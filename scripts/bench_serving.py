@@ -45,8 +45,9 @@ import urllib.request
 
 import numpy as np
 
-from _common import (Progress, add_model_argument, add_workload_arguments, load_model, model_name,
-                     numbers, positive_int, progress, say, workload_lengths)
+from _common import (Progress, add_engine_arguments, add_model_argument, add_server_arguments,
+                     add_workload_arguments, load_model, model_name, numbers, positive_int,
+                     progress, say, workload_lengths)
 from _table import Table
 from minitransformer.__main__ import engine_flags
 from minitransformer.serve.config import EngineConfig
@@ -474,12 +475,8 @@ def main(argv=None):
     add_model_argument(parser)
     parser.add_argument("--workloads", type=workloads, default=list(WORKLOADS),
                         help=f"comma-separated, of {', '.join(WORKLOADS)} (default: all)")
-    parser.add_argument("--slots", type=positive_int, default=8)
-    parser.add_argument("--block-size", type=positive_int, default=16)
-    parser.add_argument("--threads", type=positive_int, default=1,
-                        help="BLAS threads of the servers")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--timeout", type=float, default=600, help="seconds per request")
+    add_engine_arguments(parser)
+    add_server_arguments(parser, timeout=600)
     group = parser.add_argument_group("poisson: static vs continuous batching")
     group.add_argument("--rates", type=rates, default=[1.0, 4.0, math.inf],
                        help="Poisson arrival rates, requests/s (inf: all at once)")

@@ -16,7 +16,8 @@ the numbers, so its tokens may differ: the table says so, and only f32 must be i
 import argparse
 
 from _common import (Progress, add_cache_arguments, add_model_argument, add_threads_argument,
-                     encode_prompt, load_model, mt, positive_int, timing_header)
+                     add_timing_arguments, encode_prompt, load_model, mt, positive_int,
+                     timing_header)
 from _table import Table, is_random
 from minitransformer.measure.timing import time_together
 from minitransformer.measure.sanity import conclude, recheck, slower, unsteady
@@ -60,8 +61,7 @@ def main(argv=None):
     parser.add_argument("--prompt", default=PROMPT,
                         help="prompt text (default: a 40-odd token passage on Qwen's tokenizer)")
     parser.add_argument("--max-new-tokens", type=positive_int, default=48)
-    parser.add_argument("--repeat", type=int, default=2,
-                        help="timed generations each way, side by side (default: 2)")
+    add_timing_arguments(parser, repeat=2, runs="generations each way, side by side,")
     add_cache_arguments(parser)
     add_threads_argument(parser)
     args = parser.parse_args(argv)

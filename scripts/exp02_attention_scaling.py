@@ -22,8 +22,8 @@ import argparse
 
 import numpy as np
 
-from _common import (Progress, add_model_argument, add_threads_argument, model_path,
-                     timing_header)
+from _common import (Progress, add_lengths_argument, add_model_argument, add_threads_argument,
+                     add_timing_arguments, model_path, timing_header)
 from _table import Table
 from minitransformer.backend import to_device, to_numpy
 from minitransformer.config import load_config
@@ -80,13 +80,10 @@ def measure(n, d, warmup, repeat, seed=0):
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_model_argument(parser)
-    parser.add_argument("--lengths", type=int, nargs="+", default=[256, 512, 1024, 2048, 4096],
-                        help="context lengths n (default: %(default)s)")
+    add_lengths_argument(parser, [256, 512, 1024, 2048, 4096], "context lengths n")
     parser.add_argument("--head-dim", type=int, default=None,
                         help="d (default: the model's head_dim)")
-    parser.add_argument("--warmup", type=int, default=1, help="untimed calls (default: 1)")
-    parser.add_argument("--repeat", type=int, default=5,
-                        help="timed calls, their min and median reported (default: 5)")
+    add_timing_arguments(parser, warmup=1, repeat=5, runs="calls")
     add_threads_argument(parser)
     args = parser.parse_args(argv)
     d = args.head_dim or load_config(model_path(args.model)).head_dim

@@ -31,8 +31,8 @@ from functools import partial
 
 import numpy as np
 
-from _common import (Progress, add_model_argument, add_threads_argument, load_model, model_name,
-                     model_path, mt, say)
+from _common import (Progress, add_model_argument, add_prompt_arguments, add_threads_argument,
+                     load_model, model_name, model_path, mt, say)
 from _table import Table
 from minitransformer.backend import to_numpy
 from minitransformer.config import load_config
@@ -83,11 +83,8 @@ def long_prefill(model, tokens: int) -> dict:
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_model_argument(parser)
-    parser.add_argument("--prompt-tokens", type=int, default=40,
-                        help="prompt length P, token ids drawn with seed 0 (default: 40)")
-    parser.add_argument("--new-tokens", type=int, default=256,
-                        help="tokens generated each way (default: the chapter's 256; recompute "
-                             "costs O(N^2) passes, so fewer is much faster)")
+    add_prompt_arguments(parser, 256, "tokens generated each way (default: the chapter's 256; "
+                                      "recompute costs O(N^2) passes, so fewer is much faster)")
     parser.add_argument("--prefill-model", default="smollm2", metavar="PATH|NAME",
                         help="the model of the long prefill (default: smollm2)")
     parser.add_argument("--prefill-tokens", type=int, default=2048,

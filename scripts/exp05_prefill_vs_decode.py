@@ -21,7 +21,8 @@ import statistics
 
 import numpy as np
 
-from _common import Progress, add_model_argument, add_threads_argument, load_model, timing_header
+from _common import (Progress, add_model_argument, add_prompt_arguments, add_threads_argument,
+                     add_timing_arguments, load_model, timing_header)
 from _table import Table
 from minitransformer.generate import last_logits
 from minitransformer.kvcache import KVCache
@@ -76,19 +77,14 @@ def measure(model, prompt, new_tokens, warmup, repeat):
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_model_argument(parser)
-    parser.add_argument("--prompt-tokens", type=int, default=40,
-                        help="prompt length P, token ids drawn with seed 0 (default: 40)")
-    parser.add_argument("--new-tokens", type=int, default=48,
-                        help="tokens generated: 1 by the prefill, the rest by decode steps "
-                             "(default: 48)")
-    parser.add_argument("--warmup", type=int, default=1, help="discarded runs (default: 1)")
-    parser.add_argument("--repeat", type=int, default=3,
-                        help="measured runs, fastest and median reported (default: 3)")
+    add_prompt_arguments(parser, 48, "tokens generated: 1 by the prefill, the rest by decode "
+                                     "steps (default: 48)")
+    add_timing_arguments(parser, warmup=1, repeat=3, runs="generations")
     add_threads_argument(parser)
     args = parser.parse_args(argv)
     P, N = args.prompt_tokens, args.new_tokens
-    if P < 1 or N < 2 or args.warmup < 0 or args.repeat < 1:
-        parser.error("need --prompt-tokens >= 1, --new-tokens >= 2, --warmup >= 0, --repeat >= 1")
+    if P < 1 or N < 2:
+        parser.error("need --prompt-tokens >= 1, --new-tokens >= 2")
 
     model = load_model(args.model)
     c = model.config

@@ -14,8 +14,8 @@ import argparse
 
 import numpy as np
 
-from _common import (Progress, add_model_argument, add_threads_argument, load_model, say,
-                     timing_header)
+from _common import (Progress, add_lengths_argument, add_model_argument, add_threads_argument,
+                     add_timing_arguments, load_model, say, timing_header)
 from _table import Table
 from minitransformer.generate import last_logits
 from minitransformer.kvcache import KVCache
@@ -34,15 +34,10 @@ def prefill_time(model, ids, warmup, repeat):
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_model_argument(parser)
-    parser.add_argument("--lengths", type=int, nargs="+", default=[8, 16, 32, 64, 128, 256, 512],
-                        help="prompt lengths P (default: %(default)s)")
-    parser.add_argument("--warmup", type=int, default=1, help="untimed passes (default: 1)")
-    parser.add_argument("--repeat", type=int, default=3,
-                        help="timed passes, the fastest and median reported (default: 3)")
+    add_lengths_argument(parser, [8, 16, 32, 64, 128, 256, 512], "prompt lengths P")
+    add_timing_arguments(parser, warmup=1, repeat=3, runs="passes")
     add_threads_argument(parser)
     args = parser.parse_args(argv)
-    if min(args.lengths) < 1 or args.warmup < 0 or args.repeat < 1:
-        parser.error("need --lengths >= 1, --warmup >= 0, --repeat >= 1")
 
     model = load_model(args.model)
     limit = model.config.max_position_embeddings

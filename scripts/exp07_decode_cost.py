@@ -18,8 +18,8 @@ import argparse
 
 import numpy as np
 
-from _common import (Progress, add_model_argument, add_threads_argument, load_model, say,
-                     timing_header)
+from _common import (Progress, add_lengths_argument, add_model_argument, add_threads_argument,
+                     add_timing_arguments, load_model, say, timing_header)
 from _table import Table
 from minitransformer.kvcache import KVCache
 from minitransformer.measure.timing import median_time, step_with_rollback
@@ -49,16 +49,10 @@ def step_times(model, lengths, warmup, repeat, seed=0):
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_model_argument(parser)
-    parser.add_argument("--lengths", type=int, nargs="+",
-                        default=[16, 32, 64, 128, 256, 512, 1024],
-                        help="cache lengths C (default: %(default)s)")
-    parser.add_argument("--warmup", type=int, default=3, help="untimed steps (default: 3)")
-    parser.add_argument("--repeat", type=int, default=9,
-                        help="timed steps, the fastest and median reported (default: 9)")
+    add_lengths_argument(parser, [16, 32, 64, 128, 256, 512, 1024], "cache lengths C")
+    add_timing_arguments(parser, warmup=3, repeat=9, runs="steps")
     add_threads_argument(parser)
     args = parser.parse_args(argv)
-    if min(args.lengths) < 1 or args.warmup < 0 or args.repeat < 1:
-        parser.error("need --lengths >= 1, --warmup >= 0, --repeat >= 1")
 
     model = load_model(args.model)
     c = model.config

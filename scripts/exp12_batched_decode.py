@@ -29,8 +29,9 @@ import time
 
 import numpy as np
 
-from _common import (Progress, add_model_argument, add_threads_argument, load_model,
-                     positive_ints, progress, say, timing_header)
+from _common import (Progress, add_engine_arguments, add_model_argument, add_threads_argument,
+                     add_timing_arguments, load_model, positive_int, positive_ints, progress, say,
+                     timing_header)
 from _table import Table
 from minitransformer.backend import to_device
 from minitransformer.generate import last_logits
@@ -80,21 +81,18 @@ def main(argv=None):
     add_model_argument(parser)
     parser.add_argument("--batch-sizes", type=positive_ints, default="1,2,4,8,16,24,32",
                         help="comma-separated (default: %(default)s)")
-    parser.add_argument("--context", type=int, default=64, help="tokens cached per sequence")
-    parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--repeat", type=int, default=7,
-                        help="timed steps per batch size, more while noisy (default: 7)")
+    parser.add_argument("--context", type=positive_int, default=64,
+                        help="tokens cached per sequence")
+    add_engine_arguments(parser, slots=None)
+    add_timing_arguments(parser, repeat=7, runs="steps per batch size")
     parser.add_argument("--knee-gain", type=float, default=0.25,
                         help="a doubling that buys less than this is past the knee "
                              "(default: %(default)s)")
     parser.add_argument("--save-step-costs", metavar="FILE",
                         help="write the paged step latencies as JSON {batch size: seconds}")
-    parser.add_argument("--seed", type=int, default=0)
     add_threads_argument(parser)
     args = parser.parse_args(argv)
     sizes = sorted(set(args.batch_sizes))
-    if args.context < 1 or args.repeat < 1 or args.block_size < 1:
-        parser.error("--context, --repeat and --block-size must be >= 1")
 
     model = load_model(args.model)
     ran_on = timing_header(args)

@@ -22,9 +22,9 @@ from pathlib import Path
 
 import numpy as np
 
-from _common import (Progress, add_cache_arguments, add_model_argument, add_threads_argument,
-                     add_workload_arguments, load_model, mt, say, timing_header,
-                     workload_lengths)
+from _common import (Progress, add_cache_arguments, add_engine_arguments, add_model_argument,
+                     add_threads_argument, add_workload_arguments, load_model, mt, positive_int,
+                     say, timing_header, workload_lengths)
 from _table import Table
 from minitransformer.serve.config import EngineConfig
 from minitransformer.serve.engine import Engine, pool_for
@@ -89,16 +89,14 @@ def ratios(static, cont):
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_model_argument(parser)
-    parser.add_argument("--slots", type=int, default=8)
-    parser.add_argument("--block-size", type=int, default=16)
+    add_engine_arguments(parser)
     parser.add_argument("--num-blocks", type=int, default=None,
                         help="paged pool size (default: every slot can hold its longest "
                              "request, so nobody is preempted)")
-    parser.add_argument("--prompt-len", type=int, default=16, help="tokens per prompt")
+    parser.add_argument("--prompt-len", type=positive_int, default=16, help="tokens per prompt")
     add_workload_arguments(parser)
     parser.add_argument("--rate", type=float, default=math.inf,
                         help="Poisson arrivals, requests/s (default: inf, all at t = 0)")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the random prompts")
     parser.add_argument("--step-costs", metavar="FILE",
                         help="simulate at experiment 12's step costs (JSON) instead of the "
                              "ones this run measured")
@@ -107,8 +105,6 @@ def main(argv=None):
     add_cache_arguments(parser)
     add_threads_argument(parser)
     args = parser.parse_args(argv)
-    if min(args.slots, args.block_size, args.prompt_len) < 1:
-        parser.error("--slots, --block-size and --prompt-len must be >= 1")
 
     model = load_model(args.model)
     try:

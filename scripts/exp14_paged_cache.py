@@ -22,8 +22,8 @@ import tempfile
 
 import numpy as np
 
-from _common import (Progress, add_model_argument, add_threads_argument, load_model, mt,
-                     positive_ints, say, timing_header)
+from _common import (Progress, add_engine_arguments, add_model_argument, add_threads_argument,
+                     at_least, load_model, mt, positive_int, positive_ints, say, timing_header)
 from _table import Table
 from minitransformer.serve.config import EngineConfig
 from minitransformer.serve.engine import Engine, pool_for
@@ -70,17 +70,13 @@ def totals(memory, context):
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_model_argument(parser)
-    parser.add_argument("--slots", type=int, default=8)
-    parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--prompt-len", type=int, default=16)
-    parser.add_argument("--system-len", type=int, default=64,
+    add_engine_arguments(parser)
+    parser.add_argument("--prompt-len", type=positive_int, default=16)
+    parser.add_argument("--system-len", type=at_least(0), default=64,
                         help="tokens of the shared system prompt in the sharing table")
     parser.add_argument("--block-sizes", type=positive_ints, default="1,2,4,8,16,32,64,128,256")
-    parser.add_argument("--seed", type=int, default=0)
     add_threads_argument(parser)
     args = parser.parse_args(argv)
-    if min(args.slots, args.block_size, args.prompt_len) < 1 or args.system_len < 0:
-        parser.error("--slots, --block-size, --prompt-len must be >= 1, --system-len >= 0")
 
     model = load_model(args.model)
     say(timing_header(args))

@@ -34,7 +34,7 @@ import sys
 
 import numpy as np
 
-from _common import add_threads_argument, load_model, say, timing_header
+from _common import add_threads_argument, add_timing_arguments, load_model, say, timing_header
 from _table import Table
 from bench_decode import (checkpoint, decode_cache, product_weights, products_only, read_steps,
                           write_markdown)
@@ -178,7 +178,7 @@ def main(argv=None):
                         help="a checkpoint to profile (repeatable; default: qwen and smollm2)")
     parser.add_argument("--context", type=int, default=128,
                         help="tokens the longest row holds (default: %(default)s)")
-    parser.add_argument("--repeat", type=int, default=5, help="timed rounds (default: 5)")
+    add_timing_arguments(parser, repeat=5, runs="rounds")
     parser.add_argument("--buffer-mb", type=int, default=1024,
                         help="MiB streamed to measure read bandwidth (default: %(default)s)")
     parser.add_argument("--second", metavar="KERNEL",
@@ -188,8 +188,8 @@ def main(argv=None):
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     add_threads_argument(parser)
     args = parser.parse_args(argv)
-    if args.context < 2 or args.repeat < 1 or args.buffer_mb < 1:
-        parser.error("--context must be >= 2, --repeat and --buffer-mb >= 1")
+    if args.context < 2 or args.buffer_mb < 1:
+        parser.error("--context must be >= 2, --buffer-mb >= 1")
     if args.child:
         print(json.dumps(profile(args)))
         return 0

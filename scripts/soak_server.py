@@ -41,7 +41,8 @@ import urllib.request
 
 import numpy as np
 
-from _common import add_model_argument, load_model, model_name, positive_int, say
+from _common import (add_engine_arguments, add_model_argument, add_server_arguments, load_model,
+                     positive_int, say)
 from _table import Table
 from bench_serving import NAME, engine, setting_lines, start_server
 
@@ -193,15 +194,11 @@ def main(argv=None):
                         help="requests before the slope is fitted (allocator and caches warm)")
     parser.add_argument("--prefixes", type=positive_int, default=4,
                         help="shared prompt openings")
-    parser.add_argument("--slots", type=positive_int, default=8)
-    parser.add_argument("--block-size", type=positive_int, default=16)
+    add_engine_arguments(parser)
     parser.add_argument("--max-num-batched-tokens", type=positive_int, default=None,
                         help="the server's chunked prefill budget (default: off)")
     parser.add_argument("--kv-cache-dtype", default="f32", help="the server's KV cache format")
-    parser.add_argument("--threads", type=positive_int, default=1,
-                        help="BLAS threads of the server")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--timeout", type=float, default=120, help="seconds per request")
+    add_server_arguments(parser, timeout=120)
     parser.add_argument("--max-seconds", type=float, default=3600,
                         help="the whole soak at most (it stops early and says so)")
     args = parser.parse_args(argv)
