@@ -20,7 +20,7 @@ from _common import (Progress, add_cache_arguments, add_model_argument, add_thre
                      timing_header)
 from _table import Table, is_random
 from minitransformer.measure.timing import time_together
-from minitransformer.measure.sanity import conclude, recheck, slower, unsteady
+from minitransformer.measure.sanity import conclude, recheck, slower, unsteady_line
 
 PROMPT = ("The key and value vectors of position seven are computed from the input at position "
           "seven and the positions before it. When position eight arrives, nothing about "
@@ -45,14 +45,8 @@ def both_ways(model, ids, n, repeat, kv_dtype="f32", attention="plain"):
                                 after=[lambda: progress("no cache (recompute)"),
                                        lambda: progress("KV cache")]),
         lambda t: slower(t[1], t[0], "the cached generation", "the recompute")
-        or unsteady_pair(t))
+        or unsteady_line(["no cache", "KV cache"], t, scale=1, unit="s", fmt=".3f"))
     return tokens, timings, warning
-
-
-def unsteady_pair(timings):
-    """A message if either way's repeats disagree beyond the stated spread (in s, as printed)."""
-    found = unsteady(["no cache", "KV cache"], timings, scale=1, unit="s", fmt=".3f")
-    return "; ".join(found.values()) or None
 
 
 def main(argv=None):

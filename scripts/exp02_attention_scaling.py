@@ -30,7 +30,7 @@ from minitransformer.config import load_config
 from minitransformer.measure.timing import peak_bytes, time_together
 from minitransformer.model import attention, causal_mask
 from minitransformer.tiled import CausalTiles, largest_score_block, tiled_attention
-from minitransformer.measure.sanity import recheck, slower, unsteady
+from minitransformer.measure.sanity import recheck, slower, unsteady_line
 
 FP32 = 4  # bytes per score: the model's math is float32
 
@@ -65,8 +65,7 @@ def measure(n, d, warmup, repeat, seed=0):
     (t_re, t_ca), warning = recheck(
         lambda _: time_together([recompute, cached], warmup, repeat),
         lambda t: slower(t[1], t[0], "the cached step", "the recompute")
-        or "; ".join(unsteady(["recompute", "cached"], t, scale=1e3, unit="ms",
-                              fmt=".3f").values()))
+        or unsteady_line(["recompute", "cached"], t, scale=1e3, unit="ms", fmt=".3f"))
     peak_re, peak_ca, peak_ti = peak_bytes(recompute), peak_bytes(cached), peak_bytes(tiled)
     diff = float(np.abs(to_numpy(peak_re.result) - to_numpy(peak_ca.result)).max())
     diff_tiled = float(np.abs(to_numpy(peak_re.result) - to_numpy(peak_ti.result)).max())

@@ -20,7 +20,8 @@ from _table import Table
 from minitransformer.generate import last_logits
 from minitransformer.kvcache import KVCache
 from minitransformer.measure.timing import median_time
-from minitransformer.measure.sanity import conclude, cost_falls, recheck, spikes, unsteady
+from minitransformer.measure.sanity import (conclude, cost_falls, merged, recheck_rows, rests_on,
+                                            spikes, unsteady)
 
 
 def prefill_time(model, ids, warmup, repeat):
@@ -29,6 +30,12 @@ def prefill_time(model, ids, warmup, repeat):
         cache = KVCache.allocate(model.config, batch=1, max_len=len(ids))
         return last_logits(model, ids[None], cache)                     # (1, P) -> (1, V)
     return median_time(prefill, warmup, repeat)
+
+
+def flagged(lengths, timings) -> dict:
+    """A longer pass cheaper than a shorter one; a per-token outlier; repeats that disagree."""
+    return merged(cost_falls(lengths, timings, "a pass over P ="),
+                  spikes(lengths, lengths, timings) | unsteady(lengths, timings, "P="))
 
 
 def main(argv=None):
@@ -49,26 +56,10 @@ def main(argv=None):
     ids = np.random.default_rng(0).integers(0, model.config.vocab_size, max(lengths))
     ran_on = timing_header(args)
 
-    def measure(previous):
-        """-> [Timing per P]; on a re-measurement only the rows a check flagged are redone."""
-        redo = range(len(lengths)) if previous is None else \
-            sorted({j for i in flagged(previous) for j in (i - 1, i) if j >= 0})
-        progress = Progress(len(redo), "prefill" if previous is None else "re-measuring")
-        timings = list(previous or [None] * len(lengths))
-        for i in redo:
-            timings[i] = prefill_time(model, ids[:lengths[i]], args.warmup, args.repeat)
-            progress(f"P={lengths[i]}: {timings[i].best * 1e3:.1f} ms "
-                     f"(median {timings[i].median * 1e3:.1f})")
-        return timings
-
-    def flagged(timings):  # a longer pass cheaper than a shorter one; a per-token outlier
-        found = cost_falls(lengths, timings, "a pass over P =")
-        for i, message in (spikes(lengths, lengths, timings)
-                           | unsteady(lengths, timings, "P=")).items():
-            found[i] = found.get(i, message)
-        return found
-
-    timings, warnings = recheck(measure, flagged)
+    labels = [f"P={P}" for P in lengths]
+    timings, warnings = recheck_rows(
+        labels, lambda i: prefill_time(model, ids[:lengths[i]], args.warmup, args.repeat),
+        lambda timings: flagged(lengths, timings), Progress, "prefill")
 
     table = Table("Experiment 6: prefill cost vs prompt length (float32)", experiment=6,
                   columns=[("P", ",d"), ("time ms", ".1f"), ("med ms", ".1f"),
@@ -79,7 +70,7 @@ def main(argv=None):
         table.row(P, t.best * 1e3, t.median * 1e3, t.best * 1e3 / P, P / t.best,
                   warning=warnings.get(i))
     (P0, t0), (P1, t1) = (lengths[0], timings[0].best), (lengths[-1], timings[-1].best)
-    ends = {f"P={lengths[i]}": (timings[i], warnings.get(i)) for i in (0, len(lengths) - 1)}
+    ends = rests_on(labels, timings, warnings, (0, len(lengths) - 1))
     table.note(conclude("the pass's growth", f"P {P0} -> {P1}: the pass costs {t1 / t0:.1f}x, "
                         f"a token {t1 / P1 / (t0 / P0):.2f}x", ends))
     table.plot("P", ["ms per token"], "prefill: cost per prompt token against prompt length",

@@ -24,7 +24,8 @@ from _table import Table
 from minitransformer.kvcache import KVCache
 from minitransformer.measure.timing import median_time, step_with_rollback
 from minitransformer.model import forward
-from minitransformer.measure.sanity import conclude, cost_falls, merged, recheck, unsteady
+from minitransformer.measure.sanity import (conclude, cost_falls, merged, recheck, rests_on,
+                                            unsteady)
 from minitransformer.shape import decode_read_bytes
 from sim.kv_memory import format_bytes, kv_bytes_per_token
 
@@ -81,7 +82,7 @@ def main(argv=None):
     for i, (C, t) in enumerate(zip(lengths, timings)):
         table.row(C, t.best * 1e3, t.median * 1e3, t.best / base, C * per_token,
                   C * per_token / weights, warning=warnings.get(i))
-    ends = {f"C={lengths[i]:,}": (timings[i], warnings.get(i)) for i in (0, len(lengths) - 1)}
+    ends = rests_on([f"C={C:,}" for C in lengths], timings, warnings, (0, len(lengths) - 1))
     table.note(conclude("the step's growth", f"C {lengths[0]:,} -> {lengths[-1]:,} "
                         f"({lengths[-1] / lengths[0]:.0f}x the history): the step costs "
                         f"{timings[-1].best / base:.2f}x", ends),

@@ -34,14 +34,13 @@ from _common import (Progress, add_engine_arguments, add_model_argument, add_thr
                      timing_header)
 from _table import Table
 from minitransformer.backend import to_device
-from minitransformer.generate import last_logits
 from minitransformer.kvcache import KVCache
-from minitransformer.measure.timing import step_with_rollback, time_together
+from minitransformer.measure.sanity import (conclude, cost_falls, merged, per_unit_rises,
+                                             recheck_rows, rests_on, unsteady)
+from minitransformer.measure.timing import batched_steps, time_together
 from minitransformer.model import forward
 from minitransformer.serve.blocks import blocks_for
 from minitransformer.serve.paged import PagedCache, gather
-from minitransformer.measure.sanity import (conclude, cost_falls, merged, per_unit_rises,
-                                             recheck, unsteady)
 
 
 def fill(model, B, context, block_size, seed):
@@ -76,74 +75,39 @@ def knee(sizes, tps, gain):
     return None
 
 
-def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    add_model_argument(parser)
-    parser.add_argument("--batch-sizes", type=positive_ints, default="1,2,4,8,16,24,32",
-                        help="comma-separated (default: %(default)s)")
-    parser.add_argument("--context", type=positive_int, default=64,
-                        help="tokens cached per sequence")
-    add_engine_arguments(parser, slots=None)
-    add_timing_arguments(parser, repeat=7, runs="steps per batch size")
-    parser.add_argument("--knee-gain", type=float, default=0.25,
-                        help="a doubling that buys less than this is past the knee "
-                             "(default: %(default)s)")
-    parser.add_argument("--save-step-costs", metavar="FILE",
-                        help="write the paged step latencies as JSON {batch size: seconds}")
-    add_threads_argument(parser)
-    args = parser.parse_args(argv)
-    sizes = sorted(set(args.batch_sizes))
+def check(sizes, timings) -> dict:
+    """A larger batch: not cheaper, not fewer tokens/s; repeats that agree (the paged step)."""
+    steps = [paged for paged, _, _ in timings]
+    return merged(cost_falls(sizes, steps, "batch"), per_unit_rises(sizes, sizes, steps),
+                  unsteady(sizes, steps, "B="))
 
-    model = load_model(args.model)
-    ran_on = timing_header(args)
+
+def measure(model, sizes, args):
+    """-> ([(paged, paged batch-invariant, contiguous) Timings per B], warnings by row, the
+    largest batch's logits both ways). A re-measurement redoes the flagged rows and the row
+    before each."""
     cache, kv = fill(model, sizes[-1], args.context, args.block_size, args.seed)
     ids = np.random.default_rng(args.seed + 1).integers(0, model.config.vocab_size, sizes[-1])
 
     def steps_for(B):
-        """-> ([paged step, contiguous step], [their rollbacks]) for a batch of B."""
-        rows = list(range(B))
-
-        def step_paged(batch_invariant=False):  # as the engine does it: room, then the step
-            cache.make_room(rows, 1)
-            return last_logits(model, ids[:B, None], cache.view(rows), batch_invariant)
-
-        def rollback_paged():
-            for b in rows:
-                cache.trim(b, 1)
-
         rows_kv = KVCache([k[:B] for k in kv.k], [v[:B] for v in kv.v], kv.lengths[:B])
-        step_contiguous, rollback_contiguous = step_with_rollback(model, rows_kv, ids[:B, None])
-        return ([step_paged, lambda: step_paged(True), step_contiguous],
-                [rollback_paged, rollback_paged, rollback_contiguous])
+        return batched_steps(model, cache, ids[:B], rows_kv)
 
-    def measure(previous):
-        """-> [(paged, paged batch-invariant, contiguous) Timings per B]; a re-measurement
-        redoes the flagged rows and the row before each."""
-        redo = range(len(sizes)) if previous is None else \
-            sorted({j for i in check(previous) for j in (i - 1, i) if j >= 0})
-        timings = list(previous or [None] * len(sizes))
-        progress = Progress(len(redo), "batched step" if previous is None else "re-measuring")
-        for i in redo:
-            steps, rollbacks = steps_for(sizes[i])
-            timings[i] = time_together(steps, warmup=1, repeat=args.repeat, after=rollbacks)
-            p, e, c = (t.best * 1e3 for t in timings[i])
-            progress(f"B={sizes[i]}: {p:.1f} ms paged ({e:.1f} ms batch-invariant), "
-                     f"{c:.1f} ms contiguous")
-        return timings
-
-    def check(timings):  # a larger batch: not cheaper, not fewer tokens/s; repeats that agree
-        steps = [paged for paged, _, _ in timings]
-        return merged(cost_falls(sizes, steps, "batch"), per_unit_rises(sizes, sizes, steps),
-                      unsteady(sizes, steps, "B="))
-
-    timings, warnings = recheck(measure, check)
+    def measure_row(i):
+        steps, rollbacks = steps_for(sizes[i])
+        return tuple(time_together(steps, warmup=1, repeat=args.repeat, after=rollbacks))
+    timings, warnings = recheck_rows([f"B={B}" for B in sizes], measure_row,
+                                     lambda t: check(sizes, t), Progress, "batched step")
     (step_paged, step_exact, _), (rollback, _, _) = steps_for(sizes[-1])
     fast_logits = step_paged()           # B = the largest, once more each way, for the bits
     rollback()
     exact_logits = step_exact()
     rollback()
+    return timings, warnings, (fast_logits, exact_logits)
+
+
+def batched_table(sizes, timings, warnings, args, ran_on) -> Table:
     paged = [p.best for p, _, _ in timings]
-    exact = [e.best for _, e, _ in timings]
     tps = [B / t for B, t in zip(sizes, paged)]
     table = Table(f"Experiment 12: batched decode, each sequence holding a {args.context}-token "
                   "cache and decoding one token", experiment=12, columns=[
@@ -164,34 +128,40 @@ def main(argv=None):
     parts = [f"{a} -> {b}: throughput x{at[b][1] / at[a][1]:.2f} "
              f"({at[b][1] / at[a][1] - 1:+.0%}), latency x{at[b][0] / at[a][0]:.2f}"
              for a, b in pairs]
+    labels, steps = [f"B={B}" for B in sizes], [p for p, _, _ in timings]
 
-    def rests_on(used):     # the rows a conclusion rests on, and what a check says of them
-        return {f"B={B}": (timings[i][0], warnings.get(i)) for i, B in enumerate(sizes)
-                if B in used}
+    def resting(used):  # the rows a conclusion rests on, and what a check says of them
+        return rests_on(labels, steps, warnings, [i for i, B in enumerate(sizes) if B in used])
     k = knee(sizes, tps, args.knee_gain)
     table.note(conclude("here", "here: " + "; ".join(parts),
-                        rests_on({B for pair in pairs for B in pair}))
+                        resting({B for pair in pairs for B in pair}))
                if parts else "here: (needs batch sizes 1, 16, 32)",
                conclude("knee", f"knee: B = {k} (doubling to {2 * k} buys "
                         f"{at[2 * k][1] / at[k][1] - 1:+.0%} tokens/s, under {args.knee_gain:.0%})"
                         if k else f"knee: not reached (every measured doubling buys "
                         f"{args.knee_gain:.0%} or more)",
-                        rests_on({B for B in sizes if B <= (2 * k if k else sizes[-1])})))
+                        resting({B for B in sizes if B <= (2 * k if k else sizes[-1])})))
     table.plot("B", ["tokens/s vs B=1"], "batched decode: throughput against batch size, "
                "relative to B = 1 (the knee)", xlabel="batch size B (sequences)",
                ylabel="tokens/s relative to B = 1 (x)", chapter=[(16, 6.0, "x6.0")])
     table.plot("B", ["latency vs B=1"], "batched decode: step latency against batch size, "
                "relative to B = 1", xlabel="batch size B (sequences)",
                ylabel="step latency relative to B = 1 (x)", chapter=[(16, 2.67, "x2.67")])
-    table.show()
+    return table
 
+
+def ways_table(sizes, timings, logits) -> Table:
+    paged = [p.best for p, _, _ in timings]
+    exact = [e.best for _, e, _ in timings]
     ways = Table("Two ways to batch (paged): one flat matrix per projection (the default) vs row "
                  "by row (batch_invariant=True)", experiment=12, chapter=False, columns=[
                      ("B", "d"), ("flat ms", ".1f"), ("flat tokens/s", ".1f"),
                      ("flat vs B=1", ".2f"), ("row by row ms", ".1f"),
                      ("row by row tokens/s", ".1f"), ("row by row vs B=1", ".2f")])
     for B, t, e in zip(sizes, paged, exact):
-        ways.row(B, t * 1e3, B / t, B / t / tps[0], e * 1e3, B / e, B * exact[0] / e)
+        ways.row(B, t * 1e3, B / t, B / t / (sizes[0] / paged[0]), e * 1e3, B / e,
+                 B * exact[0] / e)
+    fast_logits, exact_logits = logits
     differ = int((fast_logits != exact_logits).sum())
     changed = int((fast_logits.argmax(-1) != exact_logits.argmax(-1)).sum())
     ways.note(f"at B = {sizes[-1]}: {differ:,} of {fast_logits.size:,} logits differ between "
@@ -199,10 +169,35 @@ def main(argv=None):
               f"greedy token changed in {changed} of {sizes[-1]} rows")
     ways.plot("B", ["flat tokens/s", "row by row tokens/s"], "flat against row-by-row batching: "
               "throughput", xlabel="batch size B (sequences)", ylabel="throughput (tokens/s)")
-    ways.show()
+    return ways
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_model_argument(parser)
+    parser.add_argument("--batch-sizes", type=positive_ints, default="1,2,4,8,16,24,32",
+                        help="comma-separated (default: %(default)s)")
+    parser.add_argument("--context", type=positive_int, default=64,
+                        help="tokens cached per sequence")
+    add_engine_arguments(parser, slots=None)
+    add_timing_arguments(parser, repeat=7, runs="steps per batch size")
+    parser.add_argument("--knee-gain", type=float, default=0.25,
+                        help="a doubling that buys less than this is past the knee "
+                             "(default: %(default)s)")
+    parser.add_argument("--save-step-costs", metavar="FILE",
+                        help="write the paged step latencies as JSON {batch size: seconds}")
+    add_threads_argument(parser)
+    args = parser.parse_args(argv)
+    sizes = sorted(set(args.batch_sizes))
+
+    model = load_model(args.model)
+    ran_on = timing_header(args)
+    timings, warnings, logits = measure(model, sizes, args)
+    batched_table(sizes, timings, warnings, args, ran_on).show()
+    ways_table(sizes, timings, logits).show()
     if args.save_step_costs:
         with open(args.save_step_costs, "w") as f:
-            json.dump({str(B): t for B, t in zip(sizes, paged)}, f, indent=1)
+            json.dump({str(B): p.best for B, (p, _, _) in zip(sizes, timings)}, f, indent=1)
         say(f"step costs written to {args.save_step_costs}")
 
 

@@ -31,8 +31,8 @@ from _table import Table
 from minitransformer.kvcache import KVCache
 from minitransformer.lookup import PASSAGE, PromptLookup, rewrite_prompt
 from minitransformer.measure.quality import agreement, reference_tokens
-from minitransformer.measure.sanity import (NOISE_FLOOR, conclude, merged, recheck,
-                                             speedup_bound, unsteady)
+from minitransformer.measure.sanity import (NOISE_FLOOR, conclude, merged, recheck, rests_on,
+                                             speedup_bound, unsteady, unsteady_line)
 from minitransformer.drafts.students import SHORT, drafts_of
 from minitransformer.measure.timing import (step_with_rollback, time_together,
                                             verification_timings)
@@ -46,13 +46,13 @@ from sim.speculative import best_gamma, best_lookup_gamma, expected_tokens, spee
 def disagree(t_plain, t_spec):
     """A message if either side's repeats disagree beyond the stated spread, quoting the two
     speedups the table prints (from the fastest runs and from the medians)."""
-    doubts = unsteady(["plain", "speculative"], [t_plain, t_spec], scale=1, unit="s",
-                      fmt=".2f")
+    doubts = unsteady_line(["plain", "speculative"], [t_plain, t_spec], scale=1, unit="s",
+                           fmt=".2f")
     if not doubts:
         return None
     return (f"speedup {t_plain.best / t_spec.best:.2f}x from the fastest runs, "
-            f"{t_plain.median / t_spec.median:.2f}x from the medians: "
-            + "; ".join(doubts.values()) + "; too noisy to conclude")
+            f"{t_plain.median / t_spec.median:.2f}x from the medians: {doubts}; too noisy to "
+            "conclude")
 
 
 def v_falls(passes) -> dict:
@@ -62,6 +62,11 @@ def v_falls(passes) -> dict:
     return {n: f"v({n}) = {v[n]:.2f} below v({n - 1}) = {v[n - 1]:.2f}: a pass over more "
                "positions cannot be cheaper" for n in range(1, len(v))
             if v[n] < v[n - 1] * (1 - NOISE_FLOOR)}
+
+
+def v_of(passes) -> dict:
+    """{n: v(n)}, n = 1..len(passes) - 1: a pass over n + 1 positions over one decode step."""
+    return {n: passes[n].best / passes[0].best for n in range(1, len(passes))}
 
 
 def draft_cost(target, draft, ids, repeat) -> float:
@@ -85,7 +90,7 @@ def distilled_choice(text):
     return names
 
 
-def main(argv=None):
+def parser_of() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_model_argument(parser, default="smollm2")
     add_schemes_argument(parser, default=["int8-row", "int4-g128", "nf4"])
@@ -103,75 +108,72 @@ def main(argv=None):
                              f"comma-separated from {', '.join(SHORT)}, or none "
                              "(default: all)")
     add_draft_arguments(parser)
-    args = parser.parse_args(argv)
-    header = timing_header(args)
+    return parser
 
-    target = load_model(args.model)
-    ids = rewrite_prompt(target)
-    n, G = args.new_tokens, args.max_gamma
-    say(f"[1/4] plain greedy: {n} tokens after a {len(ids)}-token prompt ...")
-    plain = reference_tokens(target, ids, n)
-    say(f"[2/4] v(n): verification passes over 2..{G + 1} positions ...")
-    passes, v_warnings = recheck(
-        lambda _: verification_timings(target, ids + plain, G, args.repeats),
-        lambda t: merged(v_falls(t), unsteady(range(G + 1), t, "pass over n = ")))
-    v = {n: passes[n].best / passes[0].best for n in range(1, G + 1)}
-    target_bytes = decode_read_bytes(target.config, target.weights)
 
-    say("[3/4] drafts: alpha, c, predicted speedup per gamma ...")
-    lookup = PromptLookup()
-    rows = []   # (label, draft, alpha, c (time), c (bytes), gamma, predicted tokens/pass, pred.)
-    g, rounds, predicted = best_lookup_gamma(ids + plain, len(ids), v, lookup)
-    kept, judged = sum(k for _, k in rounds), sum(k + (k < p) for p, k in rounds)
-    rows.append(("prompt lookup", lookup, kept / judged if judged else float("nan"), 0.0, 0.0,
-                 g, (kept + len(rounds)) / len(rounds), predicted))
+def drafts_to_try(target, args) -> list:
+    """[(label, a function making the draft Model)]: the quantized copies, the first half of
+    the layers, the distilled drafts."""
     drafts = [(SCHEMES[s].label, lambda s=s: quantize_model(target, s)) for s in args.schemes]
-    if not args.no_layers_draft and target.config.num_hidden_layers > 1:
-        L = target.config.num_hidden_layers
+    L = target.config.num_hidden_layers
+    if not args.no_layers_draft and L > 1:
         drafts.append((f"first {L // 2} of {L} layers", lambda: first_layers(target, L // 2)))
     settings = draft_settings(args)
-    if args.distilled and target.config.num_hidden_layers > settings.layers:
+    if args.distilled and L > settings.layers:
         drafts += drafts_of(target, distilled_drafts(target, settings, args.retrain),
                             args.distilled)
+    return drafts
+
+
+def predicted(target, ids, plain, v, args) -> list:
+    """Per draft: (label, draft, alpha, c (time), c (bytes), gamma, predicted tokens/pass,
+    predicted speedup), prompt lookup first."""
+    lookup = PromptLookup()
+    g, rounds, speedup_at_g = best_lookup_gamma(ids + plain, len(ids), v, lookup)
+    kept, judged = sum(k for _, k in rounds), sum(k + (k < p) for p, k in rounds)
+    rows = [("prompt lookup", lookup, kept / judged if judged else float("nan"), 0.0, 0.0,
+             g, (kept + len(rounds)) / len(rounds), speedup_at_g)]
+    target_bytes = decode_read_bytes(target.config, target.weights)
+    drafts = drafts_to_try(target, args)
     progress = Progress(len(drafts), "drafts")
     for label, make in drafts:
         draft = make()
-        alpha = agreement(draft, ids, plain) / n
+        alpha = agreement(draft, ids, plain) / len(plain)
         c = draft_cost(target, draft, ids + plain[:1], args.repeats)
         c_bytes = decode_read_bytes(draft.config, draft.weights) / target_bytes
         g = best_gamma(alpha, c, v)
         rows.append((label, draft, alpha, c, c_bytes, g, expected_tokens(alpha, g),
                      speedup(alpha, g, c, v[g])))
         progress(f"{label}: alpha {alpha:.3f}, c {c:.2f}, best gamma {g}")
+    return rows
 
-    say(f"[4/4] measured: each draft at its gamma against plain greedy, {args.repeats} rounds")
-    measured, same_everywhere = [], True
-    progress = Progress(len(rows), "speculative runs")
-    for label, draft, _, c, _, g, _, _ in rows:
-        results = {}
 
-        def spec():
-            results["spec"] = speculative_generate(target, draft, ids, n, gamma=g,
-                                                   eos_token_id=[])
+def race(target, ids, plain, row, repeats) -> tuple:
+    """One draft at its gamma against plain greedy, side by side -> (result, speedup from the
+    fastest runs, from the medians, tokens identical, warning)."""
+    label, draft, _, c, _, g, _, _ = row
+    n, results = len(plain), {}
 
-        def race(previous):
-            return time_together([lambda: mt.generate(target, ids, n, eos_token_id=[]), spec],
-                                 warmup=0, repeat=args.repeats)
+    def spec():
+        results["spec"] = speculative_generate(target, draft, ids, n, gamma=g, eos_token_id=[])
 
-        def ceiling(timings):  # a speedup above what the kept tokens allow: a disturbed plain run
-            t_plain, t_spec = timings       # or repeats that disagree: a busy machine
-            return speedup_bound(t_plain.best / t_spec.best, results["spec"].tokens_per_pass,
-                                 g, c) or disagree(t_plain, t_spec)
-        (t_plain, t_spec), warning = recheck(race, ceiling)
-        r = results["spec"]
-        same = r.tokens == plain
-        same_everywhere &= same
-        measured.append((r, t_plain.best / t_spec.best, t_plain.median / t_spec.median, same,
-                         warning))
-        progress(f"{label}, gamma {g}: {t_plain.best / t_spec.best:.2f}x, "
-                 f"tokens {'identical' if same else 'DIFFERENT'}")
+    def ceiling(timings):  # a speedup above what the kept tokens allow: a disturbed plain run
+        t_plain, t_spec = timings       # or repeats that disagree: a busy machine
+        return speedup_bound(t_plain.best / t_spec.best, results["spec"].tokens_per_pass,
+                             g, c) or disagree(t_plain, t_spec)
+    (t_plain, t_spec), warning = recheck(
+        lambda previous: time_together([lambda: mt.generate(target, ids, n, eos_token_id=[]),
+                                        spec], warmup=0, repeat=repeats), ceiling)
+    r = results["spec"]
+    return r, t_plain.best / t_spec.best, t_plain.median / t_spec.median, r.tokens == plain, \
+        warning
 
+
+def table_of(target, ids, plain, verification, rows, measured, header) -> Table:
+    """verification: (passes, warnings) of v(n), as main measured them."""
     x = lambda value: f"{value:.2f}x"  # noqa: E731
+    (passes, v_warnings), v = verification, v_of(verification[0])
+    G, n = len(passes) - 1, len(plain)
     table = Table(f"Experiment 22 (measured): speculative decoding, {model_name(target)}",
                   experiment=22, columns=[
                       ("draft", ""), ("alpha", ".3f"), ("c time", ".2f"), ("c bytes", ".3f"),
@@ -188,8 +190,8 @@ def main(argv=None):
                  *(f"  WARNING: {m}" for m in v_warnings.values()),
                  "c: a draft step over a target step, as time here and as weight bytes read",
                  conclude("gamma", "gamma: the draft length with the best predicted speedup on "
-                          "these costs", {f"v({n})": (passes[n], v_warnings.get(n))
-                                          for n in range(G + 1)}))
+                          "these costs", rests_on([f"v({k})" for k in range(G + 1)], passes,
+                                                  v_warnings, range(G + 1))))
     for (label, _, alpha, c, c_bytes, g, tpp, pred), (r, best, median, same, warning) in zip(
             rows, measured):
         table.row(label, alpha, c, c_bytes, g, tpp, r.tokens_per_pass, pred, best, median,
@@ -202,12 +204,36 @@ def main(argv=None):
                "measured speedup above tokens/pass / (gamma c + 1) is measured again, then "
                "flagged",
                "tokens identical to plain greedy in every run: "
-               f"{'yes' if same_everywhere else 'NO'}")
+               f"{'yes' if all(m[3] for m in measured) else 'NO'}")
     table.plot("draft", ["speedup pred.", "speedup meas."], "speculative decoding: predicted "
                "and measured speedup per draft", kind="bar",
                xlabel="draft", ylabel="speedup over plain greedy (x)")
-    table.show()
-    return 0 if same_everywhere else 1
+    return table
+
+
+def main(argv=None):
+    args = parser_of().parse_args(argv)
+    header = timing_header(args)
+    target = load_model(args.model)
+    ids = rewrite_prompt(target)
+    n, G = args.new_tokens, args.max_gamma
+    say(f"[1/4] plain greedy: {n} tokens after a {len(ids)}-token prompt ...")
+    plain = reference_tokens(target, ids, n)
+    say(f"[2/4] v(n): verification passes over 2..{G + 1} positions ...")
+    passes, v_warnings = recheck(
+        lambda _: verification_timings(target, ids + plain, G, args.repeats),
+        lambda t: merged(v_falls(t), unsteady(range(G + 1), t, "pass over n = ")))
+    say("[3/4] drafts: alpha, c, predicted speedup per gamma ...")
+    rows = predicted(target, ids, plain, v_of(passes), args)
+    say(f"[4/4] measured: each draft at its gamma against plain greedy, {args.repeats} rounds")
+    measured, progress = [], Progress(len(rows), "speculative runs")
+    for row in rows:
+        measured.append(race(target, ids, plain, row, args.repeats))
+        _, best, _, same, _ = measured[-1]
+        progress(f"{row[0]}, gamma {row[5]}: {best:.2f}x, "
+                 f"tokens {'identical' if same else 'DIFFERENT'}")
+    table_of(target, ids, plain, (passes, v_warnings), rows, measured, header).show()
+    return 0 if all(m[3] for m in measured) else 1
 
 
 if __name__ == "__main__":

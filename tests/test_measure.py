@@ -5,7 +5,7 @@ import tracemalloc
 import numpy as np
 import pytest
 
-from conftest import clock_of_durations, fake_clock
+from conftest import NEAR_TIE, clock_of_durations, fake_clock
 from minitransformer.measure import timing as measure
 from minitransformer.backend import BACKEND
 from minitransformer.measure.timing import median_time, peak_bytes, time_together, timed
@@ -130,3 +130,37 @@ def test_the_cpu_is_read_from_this_machine():
             lines = [x for x in f if x.startswith("model name")]
         if lines:
             assert c["model"] == " ".join(lines[0].split(":", 1)[1].split())
+
+
+def test_batched_steps_are_one_decode_step_each_way_and_roll_back(tiny_model):
+    """The paged step is the step a batch of B rows makes (its logits those of a batch of one
+    per row, bit for bit in the batch-invariant way; the flat way's and the contiguous
+    copy's within the project's rounding window NEAR_TIE of the largest |logit|), and each
+    rollback leaves the caches as they were, so the steps can repeat."""
+    from minitransformer.generate import last_logits
+    from minitransformer.kvcache import KVCache
+    from minitransformer.model import forward
+    from minitransformer.serve.paged import PagedCache
+    c, B, T = tiny_model.config, 3, 6
+    prompts = np.random.default_rng(0).integers(0, c.vocab_size, (B, T))
+    cache = PagedCache.allocate(c, num_blocks=B * 4, block_size=4)
+    kv = KVCache.allocate(c, B, T + 1)
+    for b in range(B):
+        cache.add(b, prompts[b].tolist())
+        forward(tiny_model, prompts[b:b + 1], cache.view([b]))
+    forward(tiny_model, prompts, kv)
+    tokens = np.array([5, 7, 11])
+    steps, rollbacks = measure.batched_steps(tiny_model, cache, tokens, kv)
+    alone = []
+    for b in range(B):
+        one = KVCache.allocate(c, 1, T + 1)
+        forward(tiny_model, prompts[b:b + 1], one)
+        alone.append(last_logits(tiny_model, tokens[b:b + 1, None], one)[0])
+    for _ in range(2):                         # the second time round sees the same caches
+        flat, exact, contiguous = [(step(), undo())[0] for step, undo in zip(steps, rollbacks)]
+        assert [cache.seqs[b].length for b in range(B)] == [T] * B
+        assert kv.lengths.tolist() == [T] * B
+        np.testing.assert_array_equal(exact, np.array(alone))
+        window = NEAR_TIE * np.abs(exact).max()
+        np.testing.assert_allclose(flat, exact, rtol=0, atol=window)
+        np.testing.assert_allclose(contiguous[:, -1], exact, rtol=0, atol=window)

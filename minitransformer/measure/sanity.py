@@ -205,3 +205,58 @@ def recheck(measure, check, retries=1):
             break
         figures = measure(figures)
     return figures, check(figures)
+
+
+def recheck_rows(labels, measure_row, check, progress=None, what: str = "rows",
+                 retries: int = 1):
+    """``recheck`` for a table of rows measured one by one, where a check judges each row
+    against the one before it (a larger batch cannot be cheaper): the first pass measures
+    every row; while the check fires, only the rows it flags and the row before each are
+    measured again. -> (rows, {row: message} still firing).
+
+    labels: the rows as a table names them ('B=4'); measure_row(i) -> row i's figures (a
+    Timing, or a tuple whose first the check reads); check(rows) -> {row: message};
+    progress(count, what) -> tick(message): a line per row measured (scripts/_common.Progress).
+
+    >>> from minitransformer.measure.timing import Timing
+    >>> runs = iter([0.010, 0.030, 0.012, 0.020, 0.040])     # row 2 disturbed: cheaper than 1
+    >>> rows, warnings = recheck_rows(["B=1", "B=2", "B=4"], lambda i: Timing((next(runs),)),
+    ...                               lambda t: cost_falls([1, 2, 4], t, "batch"))
+    >>> [t.best for t in rows], warnings                     # rows 1 and 2 measured again
+    ([0.01, 0.02, 0.04], {})
+    """
+    progress = progress or (lambda count, what: lambda message="": None)
+
+    def measure(previous):
+        redo = range(len(labels)) if previous is None else \
+            sorted({j for i in check(previous) for j in (i - 1, i) if j >= 0})
+        rows = list(previous or [None] * len(labels))
+        tick = progress(len(redo), what if previous is None else "re-measuring")
+        for i in redo:
+            rows[i] = measure_row(i)
+            t = rows[i][0] if isinstance(rows[i], tuple) else rows[i]
+            tick(f"{labels[i]}: {t.best * 1e3:.1f} ms (median {t.median * 1e3:.1f})")
+        return rows
+    return recheck(measure, check, retries)
+
+
+def rests_on(labels, timings, warnings, rows) -> dict:
+    """{label: (Timing, warning or None)} for the given rows (indices): what ``conclude``
+    takes, the rows a conclusion rests on and what a check still says of them.
+
+    >>> from minitransformer.measure.timing import Timing
+    >>> rests_on(["B=1", "B=2"], [Timing((0.01,)), Timing((0.02,))], {1: "flagged"}, [1])
+    {'B=2': (Timing(samples=(0.02,), rounds=1, load=None), 'flagged')}
+    """
+    return {labels[i]: (timings[i], warnings.get(i)) for i in rows}
+
+
+def unsteady_line(labels, timings, **formatting):
+    """``unsteady`` of a few timings side by side as one message, or None when they agree.
+
+    >>> from minitransformer.measure.timing import Timing
+    >>> unsteady_line(["plain", "cached"], [Timing((1.0, 1.0)), Timing((1.0, 2.0, 3.0))],
+    ...               scale=1, unit="s", fmt=".2f")
+    'cached: median 2.00 s, 2.00x the fastest 1.00 s: repeats disagree beyond 25%'
+    """
+    return "; ".join(unsteady(labels, timings, **formatting).values()) or None

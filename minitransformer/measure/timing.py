@@ -41,6 +41,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from minitransformer.backend import BACKEND, synchronize, to_numpy, xp
+from minitransformer.generate import last_logits
 from minitransformer.kvcache import KVCache
 from minitransformer.model import forward, head
 
@@ -148,6 +149,35 @@ def step_with_rollback(model, cache, tokens, batch_invariant=False) -> tuple:
         hidden = forward(model, tokens, cache, batch_invariant)             # (B, n, D)
         return to_numpy(head(model, hidden, batch_invariant))               # (B, n, V)
     return step, lambda: cache.trim(tokens.shape[1])
+
+
+def batched_steps(model, cache, tokens, contiguous=None) -> tuple:
+    """One decode step of rows 0..B-1 of a paged cache (B = len(tokens)) to time over and over
+    -> ([step, step batch-invariant, (step on contiguous)], [their rollbacks]) for
+    time_together's fns and ``after``.
+
+    The paged step is the engine's: room for one more token in each row's blocks, then the
+    forward pass and head over cache.view(rows) (generate.last_logits), host logits (B, V)
+    back; its rollback trims the token off every row, so each call sees the same cache.
+    contiguous: a KVCache holding the same rows' keys and values (PagedCache.to_contiguous),
+    whose step (step_with_rollback) is timed beside them: what the block table costs.
+    """
+    rows, tokens = list(range(len(tokens))), np.asarray(tokens).reshape(-1, 1)   # (B, 1)
+
+    def paged(batch_invariant):
+        def step():
+            cache.make_room(rows, 1)
+            return last_logits(model, tokens, cache.view(rows), batch_invariant)
+        return step
+
+    def rollback():
+        for b in rows:
+            cache.trim(b, 1)
+    steps, rollbacks = [paged(False), paged(True)], [rollback, rollback]
+    if contiguous is not None:
+        step, undo = step_with_rollback(model, contiguous, tokens)
+        steps, rollbacks = steps + [step], rollbacks + [undo]
+    return steps, rollbacks
 
 
 def timed(fn, clock=time.perf_counter):
