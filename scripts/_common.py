@@ -12,7 +12,7 @@ from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import minitransformer as mt  # noqa: E402
+from minitransformer.loader import load  # noqa: E402
 from minitransformer.checkpoints.real_model import checkpoint  # noqa: E402
 
 
@@ -56,7 +56,7 @@ def model_config(args):
         return "Qwen2.5-0.5B shape", ModelConfig.from_dict(qwen25_05b_config())
     path = model_path(args.model)
     if str(path).endswith(".gguf"):
-        return model_name(path), mt.load(path).config
+        return model_name(path), load(path).config
     return model_name(path), load_config(path)
 
 
@@ -250,7 +250,7 @@ def load_model(path):
     """--model PATH or NAME -> Model, saying on stderr what was loaded."""
     path = model_path(path)
     start = time.perf_counter()
-    model = mt.load(path)
+    model = load(path)
     c = model.config
     say(f"loaded {path}: {c.model_type}, {c.num_hidden_layers} layers x {c.hidden_size}, "
         f"{c.num_attention_heads} q heads / {c.num_key_value_heads} kv heads "
@@ -339,6 +339,17 @@ def add_server_arguments(parser, timeout):
                         help="BLAS threads of the server (default: %(default)s)")
     parser.add_argument("--timeout", type=float, default=timeout,
                         help="seconds per request (default: %(default)s)")
+
+
+def finished_progress(progress, every=8):
+    """An Engine.run on_step(engine) that tells progress (a Progress over the requests) as
+    they finish: every `every` requests, and the last."""
+    def report(engine):
+        finished = sum(r.status == "finished" for r in engine.results.values())
+        if finished >= progress.i + every or finished == progress.n > progress.i:
+            progress(f"{finished} requests finished, {engine.steps} steps",
+                     done=finished - progress.i)
+    return report
 
 
 def add_threads_argument(parser):

@@ -48,7 +48,8 @@ from pathlib import Path
 
 import numpy as np
 
-from _common import add_threads_argument, add_timing_arguments, load_model, say, timing_header
+from _common import (add_threads_argument, add_timing_arguments, load_model, positive_int, say,
+                     timing_header)
 from _table import Table
 from minitransformer.backend import xp
 from minitransformer.kvcache import KVCache
@@ -57,6 +58,7 @@ from minitransformer.measure.timing import (blas_kernel, step_with_rollback, tim
 from minitransformer.linear import linear
 from minitransformer.model import forward
 from minitransformer.shape import decode_read_bytes
+from minitransformer.checkpoints import real_model
 from minitransformer.checkpoints.synth import make_checkpoint, qwen25_05b_config, weights_dir
 
 FLOOR_TARGET, BATCH_TARGET, CEILING_SLACK, BATCH = 1.25, 4.0, 1.1, 16
@@ -66,7 +68,9 @@ ROUTE_ROUNDS = 4                    # the routes are timed in 4 x --repeat round
 
 
 def checkpoint(spec):
-    """--model value -> a checkpoint path, or None (with a note) when it is unavailable."""
+    """--model value -> a checkpoint path (real_model.checkpoint's, or 'qwen': a random
+    Qwen2.5-0.5B-shaped one), or None (with a note) when SmolLM2 cannot be fetched: its rows
+    are left out, the others still mean something."""
     if spec == "qwen":
         path = weights_dir() / "qwen25-05b-random"
         if not (path / "model.safetensors").is_file():
@@ -75,12 +79,11 @@ def checkpoint(spec):
         return path
     if spec == "smollm2":
         try:
-            from minitransformer.checkpoints.real_model import smollm2
-            return smollm2()
-        except Exception as e:  # not installed, or offline: the other rows still mean something
+            return real_model.smollm2()
+        except real_model.FetchError as e:
             say(f"note: SmolLM2-135M-Instruct unavailable ({e}); its rows are left out")
             return None
-    return spec
+    return real_model.checkpoint(spec, say)
 
 
 def read_steps(nbytes=1 << 30):
@@ -219,16 +222,16 @@ def transformers_step(path, prompt, token, threads):
     return step, lambda: cache.crop(-1)
 
 
-def main(argv=None):
+def parser_of() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", action="append", metavar="PATH|qwen|smollm2",
                         help="a checkpoint to benchmark (repeatable; default: qwen and smollm2)")
-    parser.add_argument("--context", type=int, default=32, help="tokens cached per row")
+    parser.add_argument("--context", type=positive_int, default=32, help="tokens cached per row")
     add_timing_arguments(parser, repeat=5, runs="rounds")
-    parser.add_argument("--buffer-mb", type=int, default=1024,
+    parser.add_argument("--buffer-mb", type=positive_int, default=1024,
                         help="MiB streamed to measure read bandwidth; keep it far above the "
                              "caches (default: %(default)s)")
-    parser.add_argument("--matrix-mb", type=int, default=139,
+    parser.add_argument("--matrix-mb", type=positive_int, default=139,
                         help="MiB of the float32 matrix the one-row product routes are timed "
                              "over; keep it far above the caches (default: %(default)s)")
     parser.add_argument("--no-quant", action="store_true",
@@ -239,11 +242,13 @@ def main(argv=None):
                         help="also write the tables as Markdown to FILE, headed by the BLAS "
                              "kernel (e.g. docs/benchmarks/decode-SkylakeX.md)")
     add_threads_argument(parser)
+    return parser
+
+
+def main(argv=None):
+    parser = parser_of()
     args = parser.parse_args(argv)
-    if min(args.context, args.buffer_mb, args.matrix_mb) < 1:
-        parser.error("--context, --buffer-mb and --matrix-mb must be >= 1")
     ran_on = (timing_header(args), where_it_ran())
-    tables = []  # every table shown, for --markdown
     models = []  # (label, path, model)
     for spec in args.model or ["qwen", "smollm2"]:
         path = checkpoint(spec)
@@ -254,12 +259,25 @@ def main(argv=None):
 
     say("[1/3] one-row product routes over one large matrix, side by side ...")
     routes, best_route, dot_route = routes_table(args, ran_on)
-    tables.append(routes.show())
-
+    tables = [routes.show()]  # every table shown, for --markdown
     say("[2/3] read bandwidth and decode at batch 1, side by side ...")
+    floor, bandwidth = floor_table(models, args, ran_on, best_route, dot_route)
+    tables.append(floor.show())
+    say(f"[3/3] batch 1 against batch {BATCH}, flat and row by row, side by side ...")
+    tables.append(batching_table(models, args, ran_on, bandwidth).show())
+    if not args.no_quant:
+        quantized_tables(models, args, ran_on, tables)
+    if args.markdown:
+        write_markdown(args.markdown, tables, argv)
+
+
+def floor_timings(models, args):
+    """The two read probes, then per model its products alone and its decode step (and
+    transformers' beside them), side by side -> (timings, {spec: (index of our step, of
+    transformers' or None)}, {spec: largest |logit difference| against transformers})."""
     buffer = args.buffer_mb << 20
     fns, after = list(read_steps(buffer)), [None, None]
-    where, differences = {}, {}  # spec -> (index of our step, of transformers' or None)
+    where, differences = {}, {}
     for spec, path, model in models:
         step, rollback, prompt, token = decode_steps(model, 1, args.context)
         fns += [products_only(model), step]
@@ -272,10 +290,14 @@ def main(argv=None):
             differences[spec] = float(np.abs(ours - theirs).max())
             fns.append(ref[0]), after.append(ref[1])
             where[spec] = (len(fns) - 2, len(fns) - 1)
-    timings = time_together(fns, warmup=1, repeat=args.repeat, after=after)
-    dot, matvec = (buffer / t.best for t in timings[:2])
-    bandwidth = max(dot, matvec)
+    return time_together(fns, warmup=1, repeat=args.repeat, after=after), where, differences
 
+
+def floor_table(models, args, ran_on, best_route, dot_route) -> tuple:
+    """Decode at batch 1 against the memory-bandwidth floor -> (Table, the read bandwidth)."""
+    timings, where, differences = floor_timings(models, args)
+    dot, matvec = ((args.buffer_mb << 20) / t.best for t in timings[:2])
+    bandwidth = max(dot, matvec)
     table = Table("Decode benchmark: float32, batch 1, against the memory-bandwidth floor",
                   columns=[("model", ""), ("GB read/step", ".3f"), ("floor ms", ".1f"),
                            ("products ms", ".1f"), ("/ floor", ".2f"),
@@ -310,9 +332,11 @@ def main(argv=None):
                "times one vector): BLAS's own distance from the floor on these shapes",
                *(f"{spec}: largest |logit difference| against transformers {d:.1e}"
                  for spec, d in differences.items()))
-    tables.append(table.show())
+    return table, bandwidth
 
-    say(f"[3/3] batch 1 against batch {BATCH}, flat and row by row, side by side ...")
+
+def batching_table(models, args, ran_on, bandwidth) -> Table:
+    """One decode step of 1 and BATCH rows, flat and row by row, against the ceiling."""
     batching = Table(f"Batching: one decode step of 1 and {BATCH} rows",
                      columns=[("model", ""), ("B=1 ms", ".1f"), (f"B={BATCH} flat ms", ".1f"),
                               ("flat gain", ".2f"), ("ceiling ms", ".1f"),
@@ -345,11 +369,7 @@ def main(argv=None):
                     "product, whichever is slower", *ran_on)
     batching.note(f"target: flat gain >= {BATCH_TARGET}, or >= the ceiling gain / "
                   f"{CEILING_SLACK} (within 10% of the ceiling) where that is lower")
-    tables.append(batching.show())
-    if not args.no_quant:
-        quantized_tables(models, args, ran_on, tables)
-    if args.markdown:
-        write_markdown(args.markdown, tables, argv)
+    return batching
 
 
 def write_markdown(path, tables, argv, title=None, script="bench_decode.py"):
@@ -369,7 +389,7 @@ def write_markdown(path, tables, argv, title=None, script="bench_decode.py"):
 
 
 
-# ------------------------------------------- quantized steps and speculative decoding (perfquant)
+# ----------------------------------------------------- quantized steps and speculative decoding
 QUANT_SCHEMES = {"int8-row": 1.1, "int4-g128": 1.5, "nf4": 2.0}   # scheme -> target vs fp32
 QUANT_BATCHES = (1, 4)
 

@@ -16,8 +16,9 @@ import argparse
 import numpy as np
 
 from _common import (Progress, add_engine_arguments, add_model_argument, add_threads_argument,
-                     add_timing_arguments, load_model, mt, positive_ints, timing_header)
+                     add_timing_arguments, load_model, positive_ints, timing_header)
 from _table import Table
+import minitransformer as mt
 from minitransformer.serve.config import EngineConfig
 from minitransformer.serve.engine import Engine
 from minitransformer.serve.records import Request

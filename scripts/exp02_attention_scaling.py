@@ -55,7 +55,7 @@ def step_both_ways(q, k, v):
     return recompute, cached, tiled
 
 
-def measure(n, d, warmup, repeat, seed=0):
+def attention_row(n, d, warmup, repeat, seed=0):
     """-> dict of one table row for context length n."""
     rng = np.random.default_rng(seed)
     q, k, v = (rng.standard_normal((n, d), dtype=np.float32) for _ in range(3))
@@ -92,7 +92,7 @@ def main(argv=None):
     ran_on, rows = timing_header(args), []
     progress = Progress(len(args.lengths), "attention step")
     for n in args.lengths:
-        rows.append(measure(n, d, args.warmup, args.repeat))
+        rows.append(attention_row(n, d, args.warmup, args.repeat))
         r = rows[-1]
         progress(f"n={n}: recompute {r['recompute'].best * 1e3:.2f} ms, "
                  f"cached {r['cached'].best * 1e3:.3f} ms")

@@ -32,8 +32,9 @@ from functools import partial
 import numpy as np
 
 from _common import (Progress, add_model_argument, add_prompt_arguments, add_threads_argument,
-                     load_model, model_name, model_path, mt, say)
+                     load_model, model_name, model_path, say)
 from _table import Table
+import minitransformer as mt
 from minitransformer.backend import to_numpy
 from minitransformer.config import load_config
 from minitransformer.kvcache import KVCache
@@ -43,7 +44,7 @@ from quant.qmodel import resident_bytes
 from sim.kv_memory import format_bytes, kv_bytes_per_token
 
 
-def measure(model, prompt, new_tokens):
+def peaks_both_ways(model, prompt, new_tokens):
     """-> {'recompute' | 'cache': (tokens, peak bytes)}, plus the counter's name."""
     P = len(prompt)
 
@@ -106,7 +107,7 @@ def main(argv=None):
     mt.generate(model, prompt[:4], 2)  # warm-up: first-call allocations out of the numbers
     threads = limit_threads(args.threads or None)
     say(f"generating {N} tokens after a {P}-token prompt, recompute then cache ...")
-    runs, counter = measure(model, prompt, N)
+    runs, counter = peaks_both_ways(model, prompt, N)
     (slow, peak_slow), (fast, peak_fast) = runs["recompute"], runs["cache"]
     cache_held = (P + N) * kv_bytes_per_token(c, 4)
     same = sum(a == b for a, b in zip(slow, fast))

@@ -46,7 +46,7 @@ def one_run(model, prompt, new_tokens):
     return prefill, steps, tokens
 
 
-def measure(model, prompt, new_tokens, warmup, repeat):
+def prefill_and_decode(model, prompt, new_tokens, warmup, repeat):
     """-> (Timing of the prefill, Timing of the runs' mean decode step, tokens of the last run).
 
     --repeat runs after --warmup, and --repeat more while a median sits far above its best."""
@@ -92,7 +92,7 @@ def main(argv=None):
         parser.error(f"P + N = {P + N} exceeds the model's {c.max_position_embeddings} positions")
     prompt = np.random.default_rng(0).integers(0, c.vocab_size, P).tolist()
     ran_on = timing_header(args)
-    prefill, decode, _ = measure(model, prompt, N, args.warmup, args.repeat)
+    prefill, decode, _ = prefill_and_decode(model, prompt, N, args.warmup, args.repeat)
 
     table = Table("Experiment 5: prefill vs decode, one generation with the KV cache (float32)",
                   experiment=5, columns=[("phase", ""), ("tokens", "d"), ("time s", ".4f"),

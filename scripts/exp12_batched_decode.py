@@ -82,7 +82,7 @@ def check(sizes, timings) -> dict:
                   unsteady(sizes, steps, "B="))
 
 
-def measure(model, sizes, args):
+def batched_timings(model, sizes, args):
     """-> ([(paged, paged batch-invariant, contiguous) Timings per B], warnings by row, the
     largest batch's logits both ways). A re-measurement redoes the flagged rows and the row
     before each."""
@@ -192,7 +192,7 @@ def main(argv=None):
 
     model = load_model(args.model)
     ran_on = timing_header(args)
-    timings, warnings, logits = measure(model, sizes, args)
+    timings, warnings, logits = batched_timings(model, sizes, args)
     batched_table(sizes, timings, warnings, args, ran_on).show()
     ways_table(sizes, timings, logits).show()
     if args.save_step_costs:

@@ -23,9 +23,10 @@ from pathlib import Path
 import numpy as np
 
 from _common import (Progress, add_cache_arguments, add_engine_arguments, add_model_argument,
-                     add_threads_argument, add_workload_arguments, load_model, mt, positive_int,
-                     say, timing_header, workload_lengths)
+                     add_threads_argument, add_workload_arguments, finished_progress, load_model,
+                     positive_int, say, timing_header, workload_lengths)
 from _table import Table
+import minitransformer as mt
 from minitransformer.serve.config import EngineConfig
 from minitransformer.serve.engine import Engine, pool_for
 from minitransformer.measure.sanity import NOISE_FLOOR, load_seen
@@ -46,14 +47,8 @@ def workload(args, vocab_size):
 
 def serve(model, requests, config):
     engine = Engine(model, config, history=True)     # its per-step timings
-    progress, done = Progress(len(requests), config.policy), [0]
-
-    def report(e):
-        finished = sum(r.status == "finished" for r in e.results.values())
-        if finished >= done[0] + 8 or finished == len(requests) > done[0]:
-            progress(f"{finished} requests finished, {e.steps} steps", done=finished - done[0])
-            done[0] = finished
-    return engine.run(requests, on_step=report)
+    return engine.run(requests, on_step=finished_progress(Progress(len(requests),
+                                                                    config.policy)))
 
 
 def step_warnings(cost):
@@ -84,6 +79,82 @@ def ratios(static, cont):
     return (f"continuous vs static: throughput {cont.throughput / static.throughput:.2f}x, "
             f"mean latency {static.latency_mean / cont.latency_mean:.1f}x better, "
             f"p99 {static.latency_p99 / cont.latency_p99:.1f}x better")
+
+
+def engine_table(runs, lengths, args, ran_on) -> Table:
+    table = Table("Experiment 13 on the real engine: static vs continuous batching",
+                  experiment=13, chapter=False, columns=COLUMNS)
+    table.header(f"workload: {len(lengths)} requests, output tokens median "
+                 f"{np.median(lengths):g}, max {max(lengths)}, total {sum(lengths):,}; prompts of "
+                 f"{args.prompt_len} tokens; "
+                 + ("all at t = 0" if math.isinf(args.rate) else f"Poisson {args.rate:g} req/s"),
+                 f"{args.slots} slots; paged cache of {args.num_blocks} blocks x "
+                 f"{args.block_size} tokens; greedy; times are this machine's compute time "
+                 "(each step measured as the engine runs: one sample per step)", ran_on)
+    for run in runs:
+        policy_row(table, run)
+    table.note(ratios(*[metrics(r.results) for r in runs]))
+    prompt_tokens = sum(len(r.request.prompt) for r in runs[1].results)
+    table.note(f"prefix caching (on, the engine's default) found "
+               f"{sum(r.cached_tokens for r in runs[1].results)} of {prompt_tokens:,} prompt "
+               f"tokens cached (continuous): random prompts share no block, so the table is "
+               f"the same without it; chunked prefill (off) would split no prompt here with a "
+               f"budget of {args.slots + args.prompt_len} tokens a step or more (bench_serving.py "
+               f"measures both features on the workloads where they matter)")
+    return table
+
+
+def step_costs(model, requests, runs, config, args):
+    """The step-cost table the simulation uses: --step-costs, or the runs' own decode steps
+    (both policies once more, pooled, when a larger batch came out cheaper) -> (TableCost,
+    what step_warnings still says)."""
+    steps = [s for run in runs for s in run.decode_times]
+    cost = TableCost.from_json(args.step_costs) if args.step_costs else \
+        TableCost.from_steps(steps, args.slots)
+    if step_warnings(cost) and not args.step_costs:   # measure again, pooling the steps
+        say("step costs out of order (a larger batch cheaper): both policies once more")
+        steps += [s for policy in ("static", "continuous")
+                  for s in serve(model, requests, replace(config, policy=policy)).decode_times]
+        cost = TableCost.from_steps(steps, args.slots)
+    return cost, step_warnings(cost)
+
+
+def simulation_table(runs, lengths, cost, warnings, args) -> Table:
+    prefill = float(np.mean([s for run in runs for _, s in run.prefill_times]))
+    arrivals = make_workload(lengths, args.rate, seed=0)
+    sims = [simulate_static(arrivals, args.slots, cost, prefill),
+            simulate_continuous(arrivals, args.slots, cost, prefill)]
+    source = (f"from the step-cost file {Path(args.step_costs).name}" if args.step_costs else
+              "measured in this run (median per batch size)")
+    points = ", ".join(f"B={b} {s * 1e3:.1f}" for b, s in zip(cost.batch_sizes, cost.seconds))
+    sim = Table("Simulation (sim/batching.py) of the same workload", experiment=13,
+                columns=COLUMNS)
+    sim.header(f"step costs {source}: {points} ms; prefill {prefill * 1e3:.1f} ms per "
+               "admitted request", STATIC_RULE)
+    for run in sims:
+        policy_row(sim, run, engine=False)
+    for B, message in warnings.items():
+        sim.note(f"WARNING: step costs out of order after measuring again: {message}")
+    sim.note(ratios(*[metrics(r.results) for r in sims]) if not warnings else
+             "continuous vs static (simulated): not concluded, the machine was too noisy "
+             f"(step costs out of order at B = {', '.join(map(str, warnings))}); {load_seen()}")
+    return sim
+
+
+def exactness_table(model, runs, args) -> Table:
+    """Every request of the continuous run generated alone, its tokens compared."""
+    same, results = 0, runs[1].results
+    for i, result in enumerate(results, 1):
+        r = result.request
+        same += result.tokens == mt.generate(model, list(r.prompt), r.max_new_tokens,
+                                             eos_token_id=[], kv_dtype=args.kv_cache_dtype,
+                                             attention=args.attention)
+        if i % 8 == 0 or i == len(results):
+            say(f"[{i}/{len(results)}] checked against generate: {same} identical")
+    static_same = all(a.tokens == b.tokens for a, b in zip(*(run.results for run in runs)))
+    return Table("Exactness", chapter=False).note(
+        f"tokens identical to generating each request alone: {same} of {len(results)} "
+        f"(continuous); static gave the same tokens: {static_same}")
 
 
 def main(argv=None):
@@ -119,73 +190,11 @@ def main(argv=None):
     ran_on = timing_header(args)
     runs = [serve(model, requests, replace(config, policy=policy))
             for policy in ("static", "continuous")]
-
-    table = Table("Experiment 13 on the real engine: static vs continuous batching",
-                  experiment=13, chapter=False, columns=COLUMNS)
-    table.header(f"workload: {len(lengths)} requests, output tokens median "
-                 f"{np.median(lengths):g}, max {max(lengths)}, total {sum(lengths):,}; prompts of "
-                 f"{args.prompt_len} tokens; "
-                 + ("all at t = 0" if math.isinf(args.rate) else f"Poisson {args.rate:g} req/s"),
-                 f"{args.slots} slots; paged cache of {args.num_blocks} blocks x "
-                 f"{args.block_size} tokens; greedy; times are this machine's compute time "
-                 "(each step measured as the engine runs: one sample per step)", ran_on)
-    for run in runs:
-        policy_row(table, run)
-    table.note(ratios(*[metrics(r.results) for r in runs]))
-    prompt_tokens = sum(len(r.request.prompt) for r in runs[1].results)
-    table.note(f"prefix caching (on, the engine's default) found "
-               f"{sum(r.cached_tokens for r in runs[1].results)} of {prompt_tokens:,} prompt "
-               f"tokens cached (continuous): random prompts share no block, so the table is "
-               f"the same without it; chunked prefill (off) would split no prompt here with a "
-               f"budget of {args.slots + args.prompt_len} tokens a step or more (bench_serving.py "
-               f"measures both features on the workloads where they matter)")
-    table.show()
-
-    steps = [s for run in runs for s in run.decode_times]
-    try:
-        cost = TableCost.from_json(args.step_costs) if args.step_costs else \
-            TableCost.from_steps(steps, args.slots)
-    except ValueError as e:
-        parser.error(str(e))
-    if step_warnings(cost) and not args.step_costs:   # measure again, pooling the steps
-        say("step costs out of order (a larger batch cheaper): both policies once more")
-        steps += [s for policy in ("static", "continuous")
-                  for s in serve(model, requests, replace(config, policy=policy)).decode_times]
-        cost = TableCost.from_steps(steps, args.slots)
-    warnings = step_warnings(cost)
-    prefill = float(np.mean([s for run in runs for _, s in run.prefill_times]))
-    arrivals = make_workload(lengths, args.rate, seed=0)
-    sims = [simulate_static(arrivals, args.slots, cost, prefill),
-            simulate_continuous(arrivals, args.slots, cost, prefill)]
-    source = (f"from the step-cost file {Path(args.step_costs).name}" if args.step_costs else
-              "measured in this run (median per batch size)")
-    points = ", ".join(f"B={b} {s * 1e3:.1f}" for b, s in zip(cost.batch_sizes, cost.seconds))
-    sim = Table("Simulation (sim/batching.py) of the same workload", experiment=13,
-                columns=COLUMNS)
-    sim.header(f"step costs {source}: {points} ms; prefill {prefill * 1e3:.1f} ms per "
-               "admitted request", STATIC_RULE)
-    for run in sims:
-        policy_row(sim, run, engine=False)
-    for B, message in warnings.items():
-        sim.note(f"WARNING: step costs out of order after measuring again: {message}")
-    sim.note(ratios(*[metrics(r.results) for r in sims]) if not warnings else
-             "continuous vs static (simulated): not concluded, the machine was too noisy "
-             f"(step costs out of order at B = {', '.join(map(str, warnings))}); {load_seen()}")
-    sim.show()
-
+    engine_table(runs, lengths, args, ran_on).show()
+    cost, warnings = step_costs(model, requests, runs, config, args)
+    simulation_table(runs, lengths, cost, warnings, args).show()
     if args.check:
-        same = 0
-        for i, result in enumerate(runs[1].results, 1):
-            r = result.request
-            same += result.tokens == mt.generate(model, list(r.prompt), r.max_new_tokens,
-                                                 eos_token_id=[], kv_dtype=args.kv_cache_dtype,
-                                                 attention=args.attention)
-            if i % 8 == 0 or i == len(requests):
-                say(f"[{i}/{len(requests)}] checked against generate: {same} identical")
-        static_same = all(a.tokens == b.tokens for a, b in zip(*(run.results for run in runs)))
-        Table("Exactness", chapter=False).note(
-            f"tokens identical to generating each request alone: {same} of {len(requests)} "
-            f"(continuous); static gave the same tokens: {static_same}").show()
+        exactness_table(model, runs, args).show()
     say("done")
 
 

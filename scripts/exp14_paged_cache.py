@@ -23,8 +23,10 @@ import tempfile
 import numpy as np
 
 from _common import (Progress, add_engine_arguments, add_model_argument, add_threads_argument,
-                     at_least, load_model, mt, positive_int, positive_ints, say, timing_header)
+                     at_least, finished_progress, load_model, positive_int, positive_ints, say,
+                     timing_header)
 from _table import Table
+import minitransformer as mt
 from minitransformer.serve.config import EngineConfig
 from minitransformer.serve.engine import Engine, pool_for
 from minitransformer.serve.records import Request
@@ -48,13 +50,7 @@ def serve(model, requests, slots, block_size, share=True, progress=None):
                           num_gpu_blocks_override=pool_for(requests, slots, block_size),
                           enable_prefix_caching=share)
     engine = Engine(model, config, history=True)
-
-    def report(e):
-        finished = sum(r.status == "finished" for r in e.results.values())
-        if progress and finished >= progress.i + 8 or finished == len(requests) > progress.i:
-            progress(f"{finished} requests finished, {e.steps} steps",
-                     done=finished - progress.i)
-    return engine.run(requests, on_step=report if progress else None).memory
+    return engine.run(requests, on_step=progress and finished_progress(progress)).memory
 
 
 def totals(memory, context):
@@ -67,41 +63,26 @@ def totals(memory, context):
     return held, filled, own, whole, logical, max(m.blocks_held for m in memory)
 
 
-def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    add_model_argument(parser)
-    add_engine_arguments(parser)
-    parser.add_argument("--prompt-len", type=positive_int, default=16)
-    parser.add_argument("--system-len", type=at_least(0), default=64,
-                        help="tokens of the shared system prompt in the sharing table")
-    parser.add_argument("--block-sizes", type=positive_ints, default="1,2,4,8,16,32,64,128,256")
-    add_threads_argument(parser)
-    args = parser.parse_args(argv)
-
-    model = load_model(args.model)
-    say(timing_header(args))
-    c = model.config
-    V, context = c.vocab_size, c.max_position_embeddings
-    lengths = skewed_lengths()
-    requests = requests_for(lengths, args.prompt_len, V, args.seed)
-    say(f"serving {len(requests)} requests on the real model (block size {args.block_size})")
-    real = serve(model, requests, args.slots, args.block_size,
-                 progress=Progress(len(requests), "real model"))
-    bpt = real[0].bytes_per_token
+def stand_in_of(config):
+    """A one-layer model with the real one's vocabulary and context: the same block books."""
     with tempfile.TemporaryDirectory() as tmp:
-        config = qwen2_config(vocab_size=V, hidden_size=16, intermediate_size=16,
-                              num_hidden_layers=1, num_attention_heads=2,
-                              num_key_value_heads=1, max_position_embeddings=context)
-        stand_in = mt.load(make_checkpoint(tmp, config, seed=0))
-    sizes = args.block_sizes
-    sweep, progress = {}, Progress(len(sizes), "stand-in replay")
-    for bs in sizes:
+        small = qwen2_config(vocab_size=config.vocab_size, hidden_size=16, intermediate_size=16,
+                             num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                             max_position_embeddings=config.max_position_embeddings)
+        return mt.load(make_checkpoint(tmp, small, seed=0))
+
+
+def replay(stand_in, requests, args):
+    """The stand-in's PagedStats per block size of the sweep, and at --block-size."""
+    sweep, progress = {}, Progress(len(args.block_sizes), "stand-in replay")
+    for bs in args.block_sizes:
         sweep[bs] = serve(stand_in, requests, args.slots, bs)
         progress(f"block size {bs}: {len(sweep[bs])} steps")
-    check = serve(stand_in, requests, args.slots, args.block_size)
-    same = [(m.blocks_held, m.slots_filled, m.tokens_reserved) for m in check] == \
-        [(m.blocks_held, m.slots_filled, m.tokens_reserved) for m in real]
+    return sweep, serve(stand_in, requests, args.slots, args.block_size)
 
+
+def paged_table(real, lengths, same, context, args) -> Table:
+    bpt = real[0].bytes_per_token
     held, filled, own, whole, logical, peak = totals(real, context)
     table = Table("Experiment 14: the paged KV cache on experiment 13's workload", experiment=14,
                   columns=[("approach", ""), ("held MB", ".2f"), ("used MB", ".2f"),
@@ -126,8 +107,10 @@ def main(argv=None):
                "run: " + ("yes" if same else "NO"))
     table.plot("approach", ["held MB", "used MB"], "KV memory held: paged against reserving",
                kind="bar", logy=True, xlabel="approach", ylabel="KV memory (MB)")
-    table.show()
+    return table
 
+
+def block_size_table(sweep, sizes, bpt, context) -> Table:
     table = Table("Block-size trade-off, same workload", experiment=14, chapter=False,
                   columns=[("block", "d"), ("held MB", ".2f"), ("waste %", ".1f"),
                            ("peak blocks", "d"), ("table entries", ".1f")])
@@ -140,9 +123,10 @@ def main(argv=None):
     table.plot("block", ["table entries"], "block-table entries per sequence against block size",
                logx=True, logy=True, xlabel="block size (tokens)",
                ylabel="block-table entries (per sequence)")
-    table.show()
+    return table
 
-    bs = args.block_size
+
+def one_sequence_table(bs) -> Table:
     table = Table(f"One sequence of L tokens in {bs}-token blocks: waste = unfilled slots of its "
                   "last block / slots held", experiment=14, chapter=False,
                   columns=[("L", "d"), ("mean waste %", ".1f"), ("worst %", ".1f")])
@@ -151,26 +135,58 @@ def main(argv=None):
         held_slots = blocks_for(window, bs) * bs
         waste = (held_slots - window) / held_slots
         table.row(L, 100 * waste.mean(), 100 * waste.max())
-    table.show()
+    return table
 
+
+def sharing_table(stand_in, lengths, bpt, context, args) -> Table:
+    bs, V = args.block_size, stand_in.config.vocab_size
+    system = tuple(np.random.default_rng(args.seed + 1).integers(0, V, args.system_len))
+    shared = requests_for(lengths, args.prompt_len, V, args.seed, system)
+    on = serve(stand_in, shared, args.slots, bs, share=True)
+    off = serve(stand_in, shared, args.slots, bs, share=False)
+    saved = np.mean([a.blocks_held - b.blocks_held for a, b in zip(off, on)])
+    full = args.system_len // bs  # the system prompt's full blocks, held once when shared
+    expected = np.mean([max(m.sequences - 1, 0) * full for m in on])
+    table = Table(f"Prefix sharing: the same requests behind a common {args.system_len}-token "
+                  f"system prompt ({full} full blocks of {bs})", experiment=14,
+                  chapter=False, columns=[("", ""), ("held MB", ".2f"),
+                                          ("peak blocks", "d"), ("shared blocks", ".1f")])
+    for name, memory in (("not shared", off), ("shared", on)):
+        h, *_, pk = totals(memory, context)
+        table.row(name, h * bpt / MB, pk, np.mean([m.blocks_shared for m in memory]))
+    table.note(f"blocks saved per step: {saved:.2f} measured, {expected:.2f} expected "
+               f"((sequences - 1) x {full} per step)")
+    return table
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_model_argument(parser)
+    add_engine_arguments(parser)
+    parser.add_argument("--prompt-len", type=positive_int, default=16)
+    parser.add_argument("--system-len", type=at_least(0), default=64,
+                        help="tokens of the shared system prompt in the sharing table")
+    parser.add_argument("--block-sizes", type=positive_ints, default="1,2,4,8,16,32,64,128,256")
+    add_threads_argument(parser)
+    args = parser.parse_args(argv)
+
+    model = load_model(args.model)
+    say(timing_header(args))
+    context, lengths = model.config.max_position_embeddings, skewed_lengths()
+    requests = requests_for(lengths, args.prompt_len, model.config.vocab_size, args.seed)
+    say(f"serving {len(requests)} requests on the real model (block size {args.block_size})")
+    real = serve(model, requests, args.slots, args.block_size,
+                 progress=Progress(len(requests), "real model"))
+    stand_in = stand_in_of(model.config)
+    sweep, check = replay(stand_in, requests, args)
+    same = [(m.blocks_held, m.slots_filled, m.tokens_reserved) for m in check] == \
+        [(m.blocks_held, m.slots_filled, m.tokens_reserved) for m in real]
+    bpt = real[0].bytes_per_token
+    paged_table(real, lengths, same, context, args).show()
+    block_size_table(sweep, args.block_sizes, bpt, context).show()
+    one_sequence_table(args.block_size).show()
     if args.system_len:
-        system = tuple(np.random.default_rng(args.seed + 1).integers(0, V, args.system_len))
-        shared = requests_for(lengths, args.prompt_len, V, args.seed, system)
-        on = serve(stand_in, shared, args.slots, bs, share=True)
-        off = serve(stand_in, shared, args.slots, bs, share=False)
-        saved = np.mean([a.blocks_held - b.blocks_held for a, b in zip(off, on)])
-        full = args.system_len // bs  # the system prompt's full blocks, held once when shared
-        expected = np.mean([max(m.sequences - 1, 0) * full for m in on])
-        table = Table(f"Prefix sharing: the same requests behind a common {args.system_len}-token "
-                      f"system prompt ({full} full blocks of {bs})", experiment=14,
-                      chapter=False, columns=[("", ""), ("held MB", ".2f"),
-                                              ("peak blocks", "d"), ("shared blocks", ".1f")])
-        for name, memory in (("not shared", off), ("shared", on)):
-            h, *_, pk = totals(memory, context)
-            table.row(name, h * bpt / MB, pk, np.mean([m.blocks_shared for m in memory]))
-        table.note(f"blocks saved per step: {saved:.2f} measured, {expected:.2f} expected "
-                   f"((sequences - 1) x {full} per step)")
-        table.show()
+        sharing_table(stand_in, lengths, bpt, context, args).show()
 
 
 if __name__ == "__main__":

@@ -26,8 +26,9 @@ import numpy as np
 
 from _common import (Progress, add_draft_arguments, add_model_argument, add_schemes_argument,
                      add_threads_argument, distilled_drafts, draft_settings, load_model,
-                     model_name, mt, positive_int, run, say, timing_header)
+                     model_name, positive_int, run, say, timing_header)
 from _table import Table
+import minitransformer as mt
 from minitransformer.kvcache import KVCache
 from minitransformer.lookup import PASSAGE, PromptLookup, rewrite_prompt
 from minitransformer.measure.quality import agreement, reference_tokens

@@ -22,9 +22,10 @@ import argparse
 import numpy as np
 
 from _common import (add_draft_arguments, add_model_argument, add_threads_argument,
-                     distilled_drafts, draft_settings, encode_prompt, load_model, model_name, mt,
+                     distilled_drafts, draft_settings, encode_prompt, load_model, model_name,
                      numbers, timing_header)
 from _table import Table
+import minitransformer as mt
 from minitransformer.drafts.distill import (distillation_grad, distillation_loss, rank_ratio,
                                      soft_labels, top_tokens)
 from minitransformer.drafts.students import SCORED_BY_EXP21, STUDENTS, Distilled, source

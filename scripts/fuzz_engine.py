@@ -23,7 +23,8 @@ import tempfile
 import time
 from collections import Counter
 
-from _common import add_model_argument, load_model, mt, progress
+from _common import add_model_argument, load_model, progress
+import minitransformer as mt
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                                 "tests"))

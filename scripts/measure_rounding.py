@@ -29,12 +29,13 @@ from dataclasses import replace
 
 import numpy as np
 
-from _common import mt, progress
+from _common import progress
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                                 "tests"))
 from conftest import CLOSE_CALLS, SHAPES, STORIES, write_checkpoint  # noqa: E402
 
+import minitransformer as mt  # noqa: E402
 from minitransformer.generate import last_logits  # noqa: E402
 from minitransformer.kvcache import KVCache  # noqa: E402
 from minitransformer.measure.timing import blas_kernel  # noqa: E402
@@ -97,7 +98,7 @@ def differences(logits, reference) -> tuple:
     return float(difference.max()), float((difference / np.abs(reference).max(axis=-1)).max())
 
 
-def measure(model, requests) -> dict:
+def rounding_of(model, requests) -> dict:
     """-> {shape: (largest |logit difference| from one pass, largest relative to the step's
     largest |logit|)}, plus 'scale': the largest |logit|."""
     reference, figures = {}, {}
@@ -139,7 +140,7 @@ def main(argv=None):
         for i, name in enumerate(names, 1):
             model = mt.load(STORIES if name == "stories260K" else
                             write_checkpoint(os.path.join(tmp, name), name, seed=1))
-            runs = [measure(model, workload(model.config.vocab_size, args.requests,
+            runs = [rounding_of(model, workload(model.config.vocab_size, args.requests,
                                             args.tokens, seed))
                     for seed in range(args.workloads)]
             rows.append((name, {k: max(r[k] for r in runs) for k in runs[0]}))

@@ -47,7 +47,7 @@ def test_exp02_both_ways_give_the_attention_of_the_newest_position():
 
 @numpy_only
 def test_exp02_peak_holds_the_score_matrix_one_way_only():
-    r = exp02.measure(256, 64, warmup=0, repeat=1)
+    r = exp02.attention_row(256, 64, warmup=0, repeat=1)
     assert (r["scores_recompute"], r["scores_cached"]) == (256 * 256 * 4, 256 * 4)
     assert r["peak_recompute"] >= r["scores_recompute"]   # the n x n matrix was really made
     assert r["peak_cached"] < r["scores_recompute"] // 10  # and the cached step never made it
@@ -69,7 +69,7 @@ def test_exp02_table(checkpoint_dir, run_script):
 @numpy_only
 def test_exp04_same_tokens_and_recompute_holds_more(tiny_model):
     prompt = [1, 2, 3, 4]
-    runs, counter = exp04.measure(tiny_model, prompt, 60)
+    runs, counter = exp04.peaks_both_ways(tiny_model, prompt, 60)
     (slow, peak_slow), (fast, peak_fast) = runs["recompute"], runs["cache"]
     assert slow == fast == mt.generate(tiny_model, prompt, 60, eos_token_id=[])
     assert len(fast) == 60

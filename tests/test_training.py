@@ -56,7 +56,8 @@ def test_rms_norm_backward_and_forward_is_the_models(rng):
 
 def test_silu_backward_and_forward_is_the_models(rng):
     x, c = rng.normal(0, 4, size=(4, 7)), rng.normal(size=(4, 7))
-    np.testing.assert_allclose(tr.silu_forward(x), to_numpy(mt.model.silu(to_device(x))), rtol=1e-14)
+    np.testing.assert_allclose(tr.silu_forward(x), to_numpy(mt.model.silu(to_device(x))),
+                               rtol=1e-14)
     close(tr.silu_backward(x, c), numeric_grad(lambda: (tr.silu_forward(x) * c).sum(), x))
     # far out on both sides: no overflow, slopes 0 and 1
     np.testing.assert_allclose(tr.silu_backward(np.array([-200.0, 200.0]), 1.0), [0.0, 1.0])
