@@ -75,6 +75,11 @@ def main(argv=None):
     except ValueError as e:
         parser.error(str(e))
 
+    first_table(runs, lengths, cost, args).show()
+    sweep_table(lengths, cost, prefill, args).show()
+
+
+def first_table(runs, lengths, cost, args) -> Table:
     when = "all requests at t = 0" if math.isinf(args.rate) else f"Poisson, {args.rate:g} req/s"
     table = policy_table(f"Experiment 13: static vs continuous batching (simulated), {when}", runs)
     table.header(f"workload: {len(lengths)} requests, output tokens median "
@@ -87,8 +92,10 @@ def main(argv=None):
     table.note(f"continuous vs static: throughput {cont.throughput / static.throughput:.2f}x, "
                f"mean latency {static.latency_mean / cont.latency_mean:.2f}x better, "
                f"p99 {static.latency_p99 / cont.latency_p99:.2f}x better")
-    table.show()
+    return table
 
+
+def sweep_table(lengths, cost, prefill, args) -> Table:
     capacity = capacity_rate(lengths, args.slots, cost)
     loads = args.loads
     start = time.perf_counter()
@@ -125,7 +132,7 @@ def main(argv=None):
                ylabel="mean end-to-end latency (s)", logx=True, logy=True)
     table.plot("load", ["tokens/s static", "tokens/s continuous"], "throughput against load",
                xlabel="load (offered / capacity)", ylabel="throughput (tokens/s)", logx=True)
-    table.show()
+    return table
 
 
 if __name__ == "__main__":

@@ -97,6 +97,10 @@ def main(argv=None):
         rows.append(evaluate(label, make(), ids, args, prefix, reference, penalty))
         done(label)
 
+    quality_table(model, rows, penalty, source, args).show()
+
+
+def quality_table(model, rows, penalty, source, args) -> Table:
     n_q = min(args.questions, len(BATTERY))
     table = Table(f"Experiment 21: quantized model quality, {model_name(model)}", experiment=21,
                   columns=[("scheme", ""), ("perplexity", ",.2f"),
@@ -122,7 +126,7 @@ def main(argv=None):
                         ("INT4 per-tensor", 365416000, "365,416,000"),
                         ("INT4 per-row", 46.18, "46.18"), ("INT4 group-128", 31.08, "31.08"),
                         ("NF4 (block 64)", 24.55, "24.55")])
-    table.show()
+    return table
 
 
 def score(correct, n):
