@@ -71,6 +71,14 @@ def main(argv=None):
         return once
 
     timings = time_together([serve(*way) for way in ways], warmup=1, repeat=args.repeat)
+    samples_table(ways, runs, timings, args, ran_on).show()
+    reference = [r.tokens for r in runs[ways[1][0]].results]
+    return 0 if all(r.tokens == ref for name, _, _ in ways
+                    for r, ref in zip(runs[name].results, reference)) else 1
+
+
+def samples_table(ways, runs, timings, args, ran_on) -> Table:
+    """Blocks held and time per way; tokens compared with the separate cached requests'."""
     table = Table(f"Benchmark: {args.n} parallel samples of one prompt vs {args.n} separate "
                   f"requests of it", columns=[
                       ("", ""), ("blocks after prefill", "d"), ("peak blocks", "d"),
@@ -95,9 +103,7 @@ def main(argv=None):
     table.note(f"after prefill: {shared_first / first:.1f}x the blocks for separate requests "
                f"with prefix caching, {copied_first / first:.1f}x without; at the peak "
                f"{shared_peak / peak:.1f}x and {copied_peak / peak:.1f}x")
-    table.show()
-    return 0 if all(r.tokens == ref for name, _, _ in ways
-                    for r, ref in zip(runs[name].results, reference)) else 1
+    return table
 
 
 if __name__ == "__main__":
