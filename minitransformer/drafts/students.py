@@ -27,6 +27,7 @@ from minitransformer.checkpoints.synth import weights_dir
 from minitransformer.drafts import training as tr
 from minitransformer.measure.quality import agreement, reference_tokens
 from minitransformer.measure.text import TextUnavailable, britannica_text
+from minitransformer.measure.timing import quiet
 from minitransformer.speculative import first_layers
 
 VERSION = "draft-distillation-v1"      # bump when the training changes what it produces
@@ -64,12 +65,6 @@ class Distilled:
     losses: dict               # student -> its training loss over the last eval_every steps
     train_range: tuple         # token positions of the article trained on, and held out
     held_range: tuple
-
-
-def quiet(n, label=""):
-    """The default progress: progress(n, label) -> tick(message="", done=1), saying nothing.
-    A script passes its own (scripts/_common.Progress) to show the work on stderr."""
-    return lambda message="", done=1: None
 
 
 def students_file(target, settings: Settings) -> Path:

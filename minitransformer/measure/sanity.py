@@ -25,7 +25,7 @@ the noise.
 Leaves out: statistical tests (a handful of samples per row cannot carry them), and invariants
 of things that are not timed (tokens, bytes), which the tests assert exactly.
 """
-from minitransformer.measure.timing import MAX_SPREAD, load_average, max_load
+from minitransformer.measure.timing import MAX_SPREAD, load_average, max_load, quiet
 
 NOISE_FLOOR = 0.10  # two runs of the same code on a quiet machine differ by up to ~10%
 
@@ -207,7 +207,7 @@ def recheck(measure, check, retries=1):
     return figures, check(figures)
 
 
-def recheck_rows(labels, measure_row, check, progress=None, what: str = "rows",
+def recheck_rows(labels, measure_row, check, progress=quiet, what: str = "rows",
                  retries: int = 1):
     """``recheck`` for a table of rows measured one by one, where a check judges each row
     against the one before it (a larger batch cannot be cheaper): the first pass measures
@@ -225,8 +225,6 @@ def recheck_rows(labels, measure_row, check, progress=None, what: str = "rows",
     >>> [t.best for t in rows], warnings                     # rows 1 and 2 measured again
     ([0.01, 0.02, 0.04], {})
     """
-    progress = progress or (lambda count, what: lambda message="": None)
-
     def measure(previous):
         redo = range(len(labels)) if previous is None else \
             sorted({j for i in check(previous) for j in (i - 1, i) if j >= 0})

@@ -151,6 +151,13 @@ def step_with_rollback(model, cache, tokens, batch_invariant=False) -> tuple:
     return step, lambda: cache.trim(tokens.shape[1])
 
 
+def quiet(count, what=""):
+    """The default progress of a long measurement: progress(count, what) -> tick(message="",
+    done=1), saying nothing. A script passes its own (scripts/_common.Progress), a line on
+    stderr per unit of work."""
+    return lambda message="", done=1: None
+
+
 def batched_steps(model, cache, tokens, contiguous=None) -> tuple:
     """One decode step of rows 0..B-1 of a paged cache (B = len(tokens)) to time over and over
     -> ([step, step batch-invariant, (step on contiguous)], [their rollbacks]) for
