@@ -33,19 +33,16 @@ from _common import (Progress, add_engine_arguments, add_model_argument, add_thr
                      add_timing_arguments, load_model, positive_int, positive_ints, progress, say,
                      timing_header)
 from _table import Table
-from minitransformer.backend import to_device
-from minitransformer.kvcache import KVCache
 from minitransformer.measure.sanity import (conclude, cost_falls, merged, per_unit_rises,
                                              recheck_rows, rests_on, unsteady)
 from minitransformer.measure.timing import batched_steps, time_together
 from minitransformer.model import forward
 from minitransformer.serve.blocks import blocks_for
-from minitransformer.serve.paged import PagedCache, gather
+from minitransformer.serve.paged import PagedCache
 
 
 def fill(model, B, context, block_size, seed):
-    """B sequences of `context` random tokens, each prefilled alone -> (paged cache, the same
-    keys/values copied into a contiguous KVCache)."""
+    """B sequences of `context` random tokens, each prefilled alone -> the paged cache."""
     rng = np.random.default_rng(seed)
     blocks = blocks_for(context + 1, block_size)
     cache = PagedCache.allocate(model.config, B * blocks, block_size)
@@ -57,13 +54,7 @@ def fill(model, B, context, block_size, seed):
         if (b + 1) % 8 == 0 or b + 1 == B:
             progress(b + 1, B, f"prefilled {context}-token caches "
                                f"({time.perf_counter() - start:.1f} s)")
-    kv = KVCache.allocate(model.config, B, context + 1)
-    for layer in range(model.config.num_hidden_layers):
-        table = to_device(np.array([cache.seqs[b].blocks for b in range(B)]))
-        kv.k[layer][:, :, :context] = gather(cache.k[layer], table, context)
-        kv.v[layer][:, :, :context] = gather(cache.v[layer], table, context)
-    kv.lengths[:] = context
-    return cache, kv
+    return cache
 
 
 def knee(sizes, tps, gain):
@@ -86,12 +77,12 @@ def batched_timings(model, sizes, args):
     """-> ([(paged, paged batch-invariant, contiguous) Timings per B], warnings by row, the
     largest batch's logits both ways). A re-measurement redoes the flagged rows and the row
     before each."""
-    cache, kv = fill(model, sizes[-1], args.context, args.block_size, args.seed)
+    cache = fill(model, sizes[-1], args.context, args.block_size, args.seed)
     ids = np.random.default_rng(args.seed + 1).integers(0, model.config.vocab_size, sizes[-1])
 
     def steps_for(B):
-        rows_kv = KVCache([k[:B] for k in kv.k], [v[:B] for v in kv.v], kv.lengths[:B])
-        return batched_steps(model, cache, ids[:B], rows_kv)
+        contiguous = cache.to_contiguous(range(B), args.context + 1)   # the same keys, values
+        return batched_steps(model, cache, ids[:B], contiguous)
 
     def measure_row(i):
         steps, rollbacks = steps_for(sizes[i])
