@@ -53,7 +53,8 @@ MODULES = {
     "tiled": ("minitransformer/tiled.py", ["tests/test_tiled.py", "tests/test_tiled_in_use.py"],
               "not smollm2"),
     "gguf_file": ("minitransformer/formats/gguf_file.py",
-                  ["tests/test_gguf.py", "tests/test_gguf_malformed.py"], ""),
+                  ["tests/test_gguf.py", "tests/test_gguf_malformed.py",
+                   "tests/test_gguf_alignment.py", "tests/test_gguf_fields.py"], ""),
     "training": ("minitransformer/drafts/training.py", ["tests/test_training.py"], ""),
     "paged": ("minitransformer/serve/paged.py", ["tests/test_paged.py"], ""),
     "engine": ("minitransformer/serve/engine.py", ["tests/test_engine.py"], ""),
@@ -85,10 +86,6 @@ EQUIVALENT = {
     "minitransformer.sampling.x_next_token__mutmut_11":
         "the float32 cast is a no-op on the model's logits, float32 everywhere (loader.py)",
     # kvquant.py
-    "minitransformer.kvquant.x__leading__mutmut_11":
-        "wording only: the message still says 'leading axes', what the test checks",
-    "minitransformer.kvquant.x__leading__mutmut_12":
-        "wording only: the message still says 'leading axes', what the test checks",
     "minitransformer.kvquant.x_quantize__mutmut_15":
         "the float32 cast is a no-op on what the caches write: the model's float32 k and v",
     "minitransformer.kvquant.x_quantize__mutmut_17":
@@ -106,6 +103,24 @@ EQUIVALENT = {
         "reshape(..., -2): numpy takes any negative size as the one to infer",
     "minitransformer.kvquant.x_dequantize__mutmut_2":
         "a float32 store copied to float32 instead of returned as is: the same numbers",
+    # formats/gguf_file.py
+    "minitransformer.formats.gguf_file.xǁReaderǁstring__mutmut_15":
+        'decode("UTF-8"): Python reads codec names in either case',
+    "minitransformer.formats.gguf_file.xǁReaderǁvalue__mutmut_53":
+        "the name of an array's numbers is never shown: the count check just before makes "
+        "sure the bytes are there, so this take cannot fail",
+    "minitransformer.formats.gguf_file.xǁGGUFFileǁopen__mutmut_16":
+        "np.memmap without dtype=np.uint8: uint8 is memmap's default",
+    "minitransformer.formats.gguf_file.xǁGGUFFileǁparse__mutmut_5":
+        'cast("b"): every read of the bytes goes through the buffer protocol with its own '
+        "format (bytes(), struct.unpack, np.frombuffer with a dtype), never by item",
+    "minitransformer.formats.gguf_file.xǁGGUFFileǁparse__mutmut_36":
+        'int.from_bytes without "big": big is its default (Python 3.11 on)',
+    "minitransformer.formats.gguf_file.xǁGGUFFileǁparse__mutmut_208":
+        "a tensor of no bytes taken as the previous one: sorted by start, it starts at or "
+        "after the previous end (or the check before raised), and so does every later one",
+    "minitransformer.formats.gguf_file.xǁGGUFFileǁparse__mutmut_209":
+        "end >= begin always holds: the same as mutant 208",
     # logprobs.py
     "minitransformer.logprobs.x_token_logprob__mutmut_15":
         "0 <= k: k 0 takes argpartition(..., -1)[:0], as empty as arange(V)[:0]",
