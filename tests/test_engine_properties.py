@@ -49,6 +49,21 @@ def whole_prefill(model, tokens) -> KVCache:
 
 
 # --- chunked prefill -----------------------------------------------------------------------
+@pytest.mark.parametrize("budget", [3, 5, 14])
+def test_a_step_prefills_at_most_its_budget(tiny_model, budget):
+    """A 14-token prompt alone under a budget of b tokens a step: its first token comes at
+    step ceil(14 / b), each step having computed b prompt tokens (the last one the rest)."""
+    engine = Engine(tiny_model, EngineConfig(max_num_seqs=2, block_size=4,
+                                              max_num_batched_tokens=budget,
+                                              enable_prefix_caching=False))
+    rid = engine.submit(Request(PROMPT, 3, eos_token_id=[]))
+    steps = 0
+    while not engine.results[rid].tokens:
+        engine.step()
+        steps += 1
+    assert steps == engine.results[rid].prefill_chunks == -(-len(PROMPT) // budget)
+
+
 @pytest.mark.parametrize("budget", [3, 4, 6])
 def test_every_chunk_is_computed_at_its_own_positions(tiny_model, budget):
     """Chunks of budget - 1 tokens (one decode beside them), block size 4, so chunks start
