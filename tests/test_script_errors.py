@@ -47,6 +47,14 @@ def fails(run_script, name, argv) -> str:
     ("bench_parallel_samples", ["--model", "{tiny}", "--prompt-len", "100000"],
      "exceed the model's"),
     ("exp17_weight_outliers", ["--model", "{tiny}", "--matrix", "nope"], "not a tensor"),
+    ("exp06_prefill_cost", ["--model", "{tiny}", "--repeat", "0"],
+     "argument --repeat: expected an integer >= 1, got 0"),
+    ("exp07_decode_cost", ["--model", "{tiny}", "--warmup", "-1"],
+     "argument --warmup: expected an integer >= 0, got -1"),
+    ("exp02_attention_scaling", ["--model", "{tiny}", "--lengths", "8", "0"],
+     "argument --lengths: expected an integer >= 1, got 0"),
+    ("exp13_engine", ["--model", "{tiny}", "--seed", "-3"],
+     "argument --seed: expected an integer >= 0, got -3"),
 ])
 def test_bad_invocation_is_one_error_line_and_status_2(tiny, tmp_path, run_script, name, argv,
                                                        words):
