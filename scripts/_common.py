@@ -314,6 +314,17 @@ def add_lengths_argument(parser, default, what):
                         help=f"{what} (default: %(default)s)")
 
 
+def lengths_within(lengths, most, why):
+    """The --lengths up to `most`, in order, a line on stderr naming those skipped and why; a
+    ValueError when none is left."""
+    kept = [n for n in lengths if n <= most]
+    if not kept:
+        raise ValueError(f"every --lengths is beyond {most}: {why}")
+    if len(kept) < len(lengths):
+        say(f"skipping --lengths beyond {most}: {why}")
+    return kept
+
+
 def add_prompt_arguments(parser, new_tokens, new_help):
     """--prompt-tokens (random ids, seed 0) and --new-tokens, for the generation experiments."""
     parser.add_argument("--prompt-tokens", type=int, default=40,

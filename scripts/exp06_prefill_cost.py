@@ -15,7 +15,7 @@ import argparse
 import numpy as np
 
 from _common import (Progress, add_lengths_argument, add_model_argument, add_threads_argument,
-                     add_timing_arguments, load_model, say, timing_header)
+                     add_timing_arguments, lengths_within, load_model, timing_header)
 from _table import Table
 from minitransformer.generate import last_logits
 from minitransformer.kvcache import KVCache
@@ -48,11 +48,7 @@ def main(argv=None):
 
     model = load_model(args.model)
     limit = model.config.max_position_embeddings
-    lengths = [P for P in args.lengths if P <= limit]
-    if not lengths:
-        parser.error(f"every --lengths is beyond the model's {limit} positions")
-    if len(lengths) < len(args.lengths):
-        say(f"skipping P > {limit}: beyond the model's positions")
+    lengths = lengths_within(args.lengths, limit, f"the model's {limit} positions")
     ids = np.random.default_rng(0).integers(0, model.config.vocab_size, max(lengths))
     ran_on = timing_header(args)
 

@@ -19,7 +19,7 @@ import argparse
 import numpy as np
 
 from _common import (Progress, add_lengths_argument, add_model_argument, add_threads_argument,
-                     add_timing_arguments, load_model, say, timing_header)
+                     add_timing_arguments, lengths_within, load_model, timing_header)
 from _table import Table
 from minitransformer.kvcache import KVCache
 from minitransformer.measure.timing import median_time, step_with_rollback
@@ -57,13 +57,9 @@ def main(argv=None):
 
     model = load_model(args.model)
     c = model.config
-    lengths = sorted({C for C in args.lengths if C < c.max_position_embeddings})
-    if not lengths:
-        parser.error(f"every --lengths is at or beyond the model's {c.max_position_embeddings} "
-                     "positions")
-    if len(lengths) < len(set(args.lengths)):
-        say(f"skipping C >= {c.max_position_embeddings}: the step's position would be beyond "
-            "the model's positions")
+    lengths = lengths_within(sorted(set(args.lengths)), c.max_position_embeddings - 1,
+                             f"the step's position C would be beyond the model's "
+                             f"{c.max_position_embeddings} positions")
     ran_on = timing_header(args)
     timings, warnings = recheck(
         lambda _: step_times(model, lengths, args.warmup, args.repeat),
