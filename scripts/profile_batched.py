@@ -34,7 +34,8 @@ import sys
 
 import numpy as np
 
-from _common import add_threads_argument, add_timing_arguments, load_model, say, timing_header
+from _common import (add_threads_argument, add_timing_arguments, at_least, load_model,
+                     positive_int, say, timing_header)
 from _table import Table
 from bench_decode import (checkpoint, decode_cache, product_weights, products_only, read_steps,
                           write_markdown)
@@ -176,10 +177,10 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", action="append", metavar="PATH|qwen|smollm2",
                         help="a checkpoint to profile (repeatable; default: qwen and smollm2)")
-    parser.add_argument("--context", type=int, default=128,
+    parser.add_argument("--context", type=at_least(2), default=128,
                         help="tokens the longest row holds (default: %(default)s)")
     add_timing_arguments(parser, repeat=5, runs="rounds")
-    parser.add_argument("--buffer-mb", type=int, default=1024,
+    parser.add_argument("--buffer-mb", type=positive_int, default=1024,
                         help="MiB streamed to measure read bandwidth (default: %(default)s)")
     parser.add_argument("--second", metavar="KERNEL",
                         help="the OpenBLAS kernel forced beside the native one (default: see "
@@ -188,8 +189,6 @@ def main(argv=None):
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     add_threads_argument(parser)
     args = parser.parse_args(argv)
-    if args.context < 2 or args.buffer_mb < 1:
-        parser.error("--context must be >= 2, --buffer-mb >= 1")
     if args.child:
         print(json.dumps(profile(args)))
         return 0
