@@ -123,6 +123,47 @@ def curve_table(d: Distilled) -> Table:
     return table
 
 
+def labels_table(teacher, ids, z, args) -> Table:
+    """The teacher's top tokens after the prompt at T = 1 and T = 2; z its logits (T, V)."""
+    p1, p2 = soft_labels(z[-1], 1.0), soft_labels(z[-1], 2.0)        # (V,) each
+    top1, _ = top_tokens(p1, args.top)
+    top2, _ = top_tokens(p2, args.top)
+
+    table = Table(f"Experiment 23: soft labels, next token after {args.prompt!r}",
+                  experiment=23, columns=[("rank", "d"), ("T = 1", ""), ("p", ".4f"),
+                                          ("T = 2", ""), ("p at T = 2", ".4f"),
+                                          ("the word it starts (greedy)", "")])
+    table.random_weights(teacher)
+    for rank, (a, b) in enumerate(zip(top1, top2), 1):
+        table.row(rank, repr(continuation(teacher.tokenizer, ids, a)), float(p1[a]),
+                  repr(continuation(teacher.tokenizer, ids, b)), float(p2[b]),
+                  repr(word(teacher, ids, a)))
+    r1, r2 = rank_ratio(p1), rank_ratio(p2)
+    table.note(f"top / third: {r1:.2f} at T = 1, {r2:.2f} at T = 2 "
+               f"(square root of {r1:.2f} = {np.sqrt(r1):.2f}); same order: "
+               f"{'yes' if top1.tolist() == top2.tolist() else 'no'}",
+               f"hard label: {continuation(teacher.tokenizer, ids, top1[0])!r}; the soft label "
+               f"spreads {1 - p1[top1[0]]:.4f} of the mass over the other tokens at T = 1, "
+               f"{1 - p2[top2[0]]:.4f} at T = 2")
+    return table
+
+
+def loss_table(teacher, ids, z, temperatures) -> Table:
+    """The distillation loss of the teacher's first half of layers, with its gradient's size."""
+    student = first_layers(teacher, max(1, teacher.config.num_hidden_layers // 2))
+    s = mt.logits(student, ids)                                       # (T, V) student logits
+    table = Table(f"Distillation loss over the prompt's {len(ids)} positions, student = the "
+                  f"teacher's first {student.config.num_hidden_layers} of "
+                  f"{teacher.config.num_hidden_layers} layers", experiment=23, chapter=False,
+                  columns=[("T", "g"), ("KL(p_T || q_T)", ".5f"), ("T^2 KL (loss)", ".5f"),
+                           ("|grad|", ".5f"), ("|grad| without T^2", ".6f")])
+    for T in temperatures:
+        loss = distillation_loss(s, z, T)
+        grad = float(np.linalg.norm(distillation_grad(s, z, T)))
+        table.row(T, loss / T**2, loss, grad, grad / T**2)
+    return table
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_model_argument(parser, default="smollm2")
@@ -145,40 +186,8 @@ def main(argv=None):
     if not 3 <= args.top <= teacher.config.vocab_size:
         parser.error(f"--top must be in [3, {teacher.config.vocab_size}]")
     z = mt.logits(teacher, ids)                                       # (T, V) teacher logits
-    p1, p2 = soft_labels(z[-1], 1.0), soft_labels(z[-1], 2.0)        # (V,) each
-    top1, _ = top_tokens(p1, args.top)
-    top2, _ = top_tokens(p2, args.top)
-
-    table = Table(f"Experiment 23: soft labels, next token after {args.prompt!r}",
-                  experiment=23, columns=[("rank", "d"), ("T = 1", ""), ("p", ".4f"),
-                                          ("T = 2", ""), ("p at T = 2", ".4f"),
-                                          ("the word it starts (greedy)", "")])
-    table.random_weights(teacher)
-    for rank, (a, b) in enumerate(zip(top1, top2), 1):
-        table.row(rank, repr(continuation(teacher.tokenizer, ids, a)), float(p1[a]),
-                  repr(continuation(teacher.tokenizer, ids, b)), float(p2[b]),
-                  repr(word(teacher, ids, a)))
-    r1, r2 = rank_ratio(p1), rank_ratio(p2)
-    table.note(f"top / third: {r1:.2f} at T = 1, {r2:.2f} at T = 2 "
-               f"(square root of {r1:.2f} = {np.sqrt(r1):.2f}); same order: "
-               f"{'yes' if top1.tolist() == top2.tolist() else 'no'}",
-               f"hard label: {continuation(teacher.tokenizer, ids, top1[0])!r}; the soft label "
-               f"spreads {1 - p1[top1[0]]:.4f} of the mass over the other tokens at T = 1, "
-               f"{1 - p2[top2[0]]:.4f} at T = 2")
-    table.show()
-
-    student = first_layers(teacher, max(1, teacher.config.num_hidden_layers // 2))
-    s = mt.logits(student, ids)                                       # (T, V) student logits
-    table = Table(f"Distillation loss over the prompt's {len(ids)} positions, student = the "
-                  f"teacher's first {student.config.num_hidden_layers} of "
-                  f"{teacher.config.num_hidden_layers} layers", experiment=23, chapter=False,
-                  columns=[("T", "g"), ("KL(p_T || q_T)", ".5f"), ("T^2 KL (loss)", ".5f"),
-                           ("|grad|", ".5f"), ("|grad| without T^2", ".6f")])
-    for T in temperatures:
-        loss = distillation_loss(s, z, T)
-        grad = float(np.linalg.norm(distillation_grad(s, z, T)))
-        table.row(T, loss / T**2, loss, grad, grad / T**2)
-    table.show()
+    labels_table(teacher, ids, z, args).show()
+    loss_table(teacher, ids, z, temperatures).show()
 
     settings = draft_settings(args)
     if args.no_training or teacher.config.num_hidden_layers <= settings.layers:
