@@ -25,7 +25,7 @@ from pathlib import Path
 import minitransformer as mt
 from minitransformer.chat import encode_chat
 from minitransformer.kvquant import KV_DTYPES
-from minitransformer.model import ATTENTIONS
+from minitransformer.tiled import ATTENTIONS
 from minitransformer.checkpoints.real_model import checkpoint
 from minitransformer.sampling import SamplingSettings
 from minitransformer.serve.detokenize import Detokenizer

@@ -16,6 +16,7 @@ from minitransformer.kvquant import check_kv_dtype
 from minitransformer.logprobs import check_top, token_logprob
 from minitransformer.model import forward, head
 from minitransformer.sampling import GREEDY, SamplingSettings, check_sampling, next_token
+from minitransformer.tiled import attention_named
 
 
 def check_prompt(model, ids, max_new_tokens) -> np.ndarray:
@@ -54,16 +55,21 @@ def seeded_rng(seed) -> np.random.Generator:
     return np.random.default_rng(seed)
 
 
-def last_logits(model, ids, cache=None, batch_invariant=False, attention="plain") -> np.ndarray:
+def last_logits(model, ids, cache=None, attention=None) -> np.ndarray:
     """Token ids (B, T) -> host logits (B, V) of each row's last position: a forward pass
     (with the cache, if given; attention as in model.forward), then the head on the last
-    hidden state.
+    hidden state."""
+    hidden = forward(model, ids, cache, attention)                         # (B, T, D)
+    return to_numpy(head(model, hidden[:, -1:]))[:, -1]
 
-    batch_invariant (see model.prepare) is given once and holds for both: each row's logits
-    are then the very bits it gets alone.
-    """
-    hidden = forward(model, ids, cache, batch_invariant, attention)        # (B, T, D)
-    return to_numpy(head(model, hidden[:, -1:], batch_invariant))[:, -1]
+
+def last_logits_alone(model, ids, cache=None) -> np.ndarray:
+    """last_logits of ids (B, T) row by row, row b on cache.row(b) -> (B, V): the very call a
+    batch of one makes, so each row's logits are the very bits it gets alone (batch-invariant),
+    at B reads of every weight. In a flat batch they are not: BLAS picks its kernel, and the
+    order of its sums, by the number of rows, and softmax sums over the longest row's slots."""
+    return np.concatenate([last_logits(model, ids[b:b + 1], None if cache is None else
+                                       cache.row(b)) for b in range(len(ids))])
 
 
 def stream(model, ids, max_new_tokens: int, cache: bool = True,
@@ -78,7 +84,7 @@ def stream(model, ids, max_new_tokens: int, cache: bool = True,
     [0, MAX_LOGPROBS] yields a ``TokenLogprob`` per token instead (its id, its log-probability
     under the model before any sampling setting, and the k most likely tokens there), taken
     from the logits that chose it. kv_dtype: the cache's format, f32, f16, q8_0 or q4_0
-    (kvquant.py). attention: "plain" or "tiled" (model.forward).
+    (kvquant.py). attention: "plain" or "tiled" (tiled.ATTENTIONS).
     """
     settings = check_sampling(sampling)
     ids = check_prompt(model, ids, max_new_tokens)
@@ -92,9 +98,10 @@ def stream(model, ids, max_new_tokens: int, cache: bool = True,
     if max_new_tokens == 0:
         return
     tokens = ids.tolist()
-    kv = KVCache.allocate(model.config, 1, len(tokens) + max_new_tokens, kv_dtype) \
+    kv = KVCache.allocate(model.config, 1, len(tokens) + max_new_tokens, kv_dtype, attention) \
         if cache else None
-    logits = last_logits(model, ids[None], kv, attention=attention)[0]   # prefill: (V,)
+    recompute = None if cache else attention_named(attention)  # a cache attends its own way
+    logits = last_logits(model, ids[None], kv, recompute)[0]            # prefill: (V,)
     for step in range(max_new_tokens):
         token = next_token(logits, tokens, settings, rng)
         yield token if logprobs is None else token_logprob(logits, token, logprobs)
@@ -102,9 +109,9 @@ def stream(model, ids, max_new_tokens: int, cache: bool = True,
         if token in eos or step == max_new_tokens - 1:
             return
         if cache:
-            logits = last_logits(model, np.array([[token]]), kv, attention=attention)[0]
+            logits = last_logits(model, np.array([[token]]), kv)[0]
         else:                                                         # recompute everything
-            logits = last_logits(model, np.array([tokens]), attention=attention)[0]
+            logits = last_logits(model, np.array([tokens]), attention=recompute)[0]
 
 
 def generate(model, ids, max_new_tokens: int, cache: bool = True,

@@ -16,6 +16,24 @@ Each row b of the batch has its own length: row b's next token goes to slot ``le
 is also its position. Rows may differ (batched decode of sequences of different lengths); the
 attention mask hides every slot at or beyond a row's length. ``trim`` rolls back tokens
 (rejected speculative drafts): the slots are simply reused.
+
+What model.forward asks of a cache (this one, serve/'s paged view, any other):
+
+    positions(T)          host positions (B, T) of the T new tokens of every row
+    slots(positions)      where they go, worked out once per forward pass
+    mask(positions)       what attend reads as the mask for those queries (None: all seen)
+    update(i, k, v, s)    layer i's new keys/values written; -> everything held, as held
+    attend(q, k, v, m)    attention over what update handed back -> (B, T, H*d)
+    advance(T)            every layer has stored its T tokens
+
+and a caller wanting each row's bits as alone (batch-invariant) asks for ``row(b)``, a batch of
+one sharing the arrays, and makes the very call a batch of one makes (generate.last_logits_alone).
+
+So the model never learns how a cache lays out its tokens, what format it holds or how that is
+read: the cache is allocated with a way to attend (tiled.ATTENTIONS: ``attention="plain"``
+reads floats, a quantized cache's blocks dequantized at once; ``"tiled"`` reads a block of keys
+at a time) and hands it what it holds. A view of several sequences flattened into one row
+gives its own positions and mask, and model.py does not change.
 """
 from dataclasses import dataclass
 
@@ -24,6 +42,7 @@ import numpy as np
 from minitransformer.backend import to_device, xp
 from minitransformer.checks import is_integer
 from minitransformer.kvquant import kv_dtype_of, zeros
+from minitransformer.tiled import attention_named
 
 
 @dataclass
@@ -31,18 +50,26 @@ class KVCache:
     k: list                # L arrays (B, Hkv, S_max, d) (or QuantizedArrays of that shape)
     v: list                # L arrays (B, Hkv, S_max, d)
     lengths: np.ndarray    # (B,) tokens held by each row, on the host
+    attention: str = "plain"  # how it is attended over (tiled.ATTENTIONS)
 
     @classmethod
-    def allocate(cls, config, batch: int, max_len: int, kv_dtype: str = "f32") -> "KVCache":
-        """kv_dtype: f32, f16, q8_0 or q4_0 (kvquant.KV_DTYPES)."""
+    def allocate(cls, config, batch: int, max_len: int, kv_dtype: str = "f32",
+                 attention: str = "plain") -> "KVCache":
+        """kv_dtype: f32, f16, q8_0 or q4_0 (kvquant.KV_DTYPES); attention: plain or tiled."""
         for name, n in (("batch", batch), ("max_len", max_len)):
             if not is_integer(n) or n < 1:
                 raise ValueError(f"a cache needs an integer {name} >= 1, got {n!r}")
+        attention_named(attention)
         shape = (batch, config.num_key_value_heads, max_len, config.head_dim)
         L = config.num_hidden_layers
         return cls(k=[zeros(shape, kv_dtype) for _ in range(L)],
                    v=[zeros(shape, kv_dtype) for _ in range(L)],
-                   lengths=np.zeros(batch, dtype=np.int64))
+                   lengths=np.zeros(batch, dtype=np.int64), attention=attention)
+
+    def row(self, b: int) -> "KVCache":
+        """Row b alone, a batch of one: the same arrays (what it writes lands here)."""
+        return KVCache([a[b:b + 1] for a in self.k], [a[b:b + 1] for a in self.v],
+                       self.lengths[b:b + 1], self.attention)
 
     @property
     def max_len(self) -> int:
@@ -73,6 +100,14 @@ class KVCache:
         """
         B = positions.shape[0]
         return xp.arange(B)[:, None], to_device(positions), int(positions.max()) + 1
+
+    def mask(self, positions: np.ndarray):
+        """The mask this cache's attention reads for queries at positions (B, T)."""
+        return causal(positions, self.attention)
+
+    def attend(self, q, k, v, visible):
+        """q (B, T, H, d) over k, v (B, Hkv, S, d) as update returned them -> (B, T, H*d)."""
+        return attention_named(self.attention).attend(q, k, v, visible)
 
     def update(self, layer: int, k, v, slots=None):
         """Write the new keys/values of one layer; return everything held for attention.
@@ -108,3 +143,19 @@ class KVCache:
             raise ValueError(f"cannot trim {n.tolist()} tokens from rows of "
                              f"{self.lengths.tolist()}")
         self.lengths -= n
+
+
+def causal(positions: np.ndarray, attention: str = "plain"):
+    """The causal mask of queries at positions (B, T) over the slots 0..S-1 of rows that hold
+    one token per slot, S the longest row: each query sees its own row's slots up to its
+    position, so slots past a row's length (the other rows', rolled-back drafts) are hidden.
+    None where every query sees every slot: one new token per row, all rows S long (every
+    decode step of a single sequence).
+    >>> causal(np.array([[4], [4]])) is None, causal(np.array([[4], [2]])).shape
+    (True, (2, 1, 5))
+    """
+    lengths = positions[:, -1] + 1                                   # (B,) slots each row sees
+    S = int(lengths.max())
+    if positions.shape[1] == 1 and (lengths == S).all():
+        return None
+    return attention_named(attention).mask(to_device(positions), S)

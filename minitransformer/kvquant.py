@@ -21,7 +21,8 @@ The cache stores codes and scales, never float32 values: a ``QuantizedArray`` is
 arrays, indexed on its leading axes like the float array it stands for, so the caches write
 into it and slice it exactly as they do a float32 array (writing float32 values quantizes
 them). Attention reads floats: ``dequantize`` turns a slice of it back into float32 (the
-tiled attention one block of keys at a time; the plain one all held keys of a layer at once).
+tiled attention one block of keys at a time; the plain one all held keys of a layer at once,
+through ``on_floats``).
 
 >>> x = xp.asarray([[0.5, -1.0, 0.25, 0.0]], dtype=xp.float32)   # one vector, d = 4
 >>> held = zeros((1, 4), "q8_0")
@@ -206,3 +207,11 @@ def dequantize(held):
     else:                                        # low halves hold 0..g/2-1, high g/2..g-1
         steps = xp.concatenate([codes & 15, codes >> 4], axis=-1).astype(xp.float32) - 8
     return (steps * held.scales[..., None].astype(xp.float32)).reshape(*lead, d)
+
+
+def on_floats(attend):
+    """attend(q, k, v, visible) fed float32 keys and values, whatever the cache holds: its
+    blocks (or float16) dequantized at once, as plain attention reads them."""
+    def attend_floats(q, k, v, visible=None):
+        return attend(q, dequantize(k), dequantize(v), visible)
+    return attend_floats

@@ -18,17 +18,13 @@ def is_quantized(w) -> bool:
     return not isinstance(w, xp.ndarray)
 
 
-def linear(x, w, bias=None, per_row=False):
+def linear(x, w, bias=None):
     """x (B, T, in) @ w (out, in).T + b -> (B, T, out). A quantized weight multiplies itself.
 
-    per_row=True multiplies each row's (T, in) on its own, by the same call a batch of one
-    makes: B reads of every weight, but each row gets the very bits it gets alone. The flat
-    product does not: BLAS chooses its kernel, and so the order of its sums, by the number of
-    rows (with OpenBLAS a row's bits change between 1, 2, 16 and 32 rows), so no flat shape
-    is batch-invariant.
+    BLAS chooses its kernel, and so the order of its sums, by the number of rows (with
+    OpenBLAS a row's bits change between 1, 2, 16 and 32 rows): a row of a batch gets the bits
+    it gets alone only from the very call a batch of one makes.
     """
-    if per_row and len(x) > 1:  # each row exactly as alone: the very call a batch of one makes
-        return xp.concatenate([linear(x[b:b + 1], w, bias) for b in range(len(x))])
     flat = x.reshape(-1, x.shape[-1])                                # (B*T, in)
     y = w.matmul(flat) if is_quantized(w) else multiply(flat, w)     # flat @ w.T: (B*T, out)
     y = y.reshape(*x.shape[:-1], y.shape[-1])                        # (B, T, out)

@@ -5,18 +5,10 @@
 One forward function serves every way of running the model: with no cache it recomputes the
 whole sequence (the slow path of experiment 1); with a cache it appends the new tokens' keys and
 values and attends over everything held (prefill is a call with the whole prompt, decode a call
-with one token per sequence). The cache can be the contiguous KVCache or the paged one: the
-forward pass only asks it where the new tokens go and for the keys/values to attend over.
-Attention is ``attention`` below, the one to read first; ``forward(..., attention="tiled")``
-computes the same thing without the (T, S) score matrix (tiled.py). A quantized cache
-(kvquant.py) hands back codes and scales, dequantized where attention reads them.
-
-A forward pass first prepares what all its layers share (``prepare``: the positions, their RoPE
-angles, the cache's slots, which groups of rows need a causal mask), then runs the layers one
-after the other (``block``; experiment 18 calls them itself to look at the residual stream
-between them). Each layer makes two big multiplies instead of five (q/k/v and gate/up are
-stacked: fused.py). A batch multiplies as one flat matrix (linear.py); ``batch_invariant=True``
-gives each row the bits it gets alone (see ``prepare``).
+with one token per sequence). The cache says where the new tokens go, makes the mask and
+attends over what it holds, its own way (kvcache.py). A pass first prepares what all its layers
+share (``prepare``), then runs them one after the other (``block``; experiment 18 calls them
+itself). Each layer makes two big multiplies instead of five (fused.py).
 
 Shape alphabet: B batch, T new tokens, S cached + new positions, D hidden, H query heads,
 Hkv key/value heads, G = H / Hkv queries per kv head, d head dim, F MLP width, V vocab.
@@ -31,9 +23,7 @@ import numpy as np  # host-side bookkeeping only (positions); the math goes thro
 from minitransformer.backend import to_device, xp
 from minitransformer.config import ModelConfig
 from minitransformer.kernels.fused import Fused, fuse
-from minitransformer.kvquant import dequantize
 from minitransformer.linear import linear
-from minitransformer.tiled import CausalTiles, tiled_attention
 
 
 @dataclass(frozen=True)
@@ -46,11 +36,8 @@ class Model:
     fused: Fused = field(default=None, repr=False, compare=False)  # made here (fused.py)
 
     def __post_init__(self):
-        # The fused matrices are made here, once per weights dict, so that every Model
-        # (loaded, quantized, edited with dataclasses.replace) multiplies the weights its dict
-        # holds; one made from another with the very same dict (a draft of its first layers)
-        # shares them. The dict's q/k/v and gate/up become views into the fused matrices:
-        # nothing is held twice.
+        # once per weights dict: every Model (loaded, quantized, replaced) multiplies what its
+        # dict holds, and the dict's q/k/v and gate/up become views into the fused matrices
         if self.fused is None or self.fused.weights is not self.weights:
             object.__setattr__(self, "fused", fuse(self.config, self.weights))
             object.__setattr__(self, "weights", self.fused.weights)
@@ -143,37 +130,32 @@ def attention(q, k, v, visible=None):
     return out.reshape(B, Hkv, G, T, d).transpose(0, 3, 1, 2, 4).reshape(B, T, H * d)
 
 
-# forward(..., attention=...): the plain function above, or the same one computed tile by tile
-# without ever holding the (T, S) scores (tiled.py)
-ATTENTIONS = {"plain": attention, "tiled": tiled_attention}
+@dataclass(frozen=True)
+class Attention:
+    """A way to attend: the function, and the mask it reads (made once per forward pass from
+    the queries' positions (B, T) on the device and the S slots they attend over)."""
+    attend: object           # (q, k, v, visible) -> (B, T, H*d), as attention above
+    mask: object             # (positions, S) -> visible (B, T, S), as causal_mask, or a stand-in
+
+
+PLAIN = Attention(attention, causal_mask)  # the other way: tiled.py
 
 
 @dataclass(frozen=True)
 class Batch:
     """What one forward pass works out once, before its first layer, for all of them."""
-    positions: object       # (B, T) on the device: each token's position (= its cache slot)
+    positions: object       # (B, T) on the device: each token's position
     cos: object             # (B, T, 1, d) RoPE, see rope_angles
     sin: object
-    groups: tuple           # ((rows, S, visible), ...): rows that attend together, over slots
-    #                         0..S-1, with causal_mask(their positions, S) or None (see prepare)
-    slots: object           # the cache's own write/read indices (None without a cache)
-    per_row: bool           # batch-invariant mode: see linear and prepare
-    attend: object = attention  # attention or tiled_attention (see ATTENTIONS)
+    visible: object         # the mask attend reads; None: every query sees every slot
+    slots: object           # the cache's own write indices (None without a cache)
+    attend: object          # (q, k, v, visible) -> (B, T, H*d): the cache's, or attention's
 
 
-def prepare(model: Model, ids, cache=None, batch_invariant=False, attention="plain") -> Batch:
-    """Check ids (B, T), find their positions, and prepare what every layer will need.
-
-    Rows of a batch may hold different lengths (sequences decoding side by side). By default
-    all rows attend together over the longest row's slots, the short rows' extra slots hidden
-    by the mask: exact in real arithmetic, not in floats (softmax's pairwise sum groups its
-    terms by count, BLAS picks its kernel by size), so a row's last bits depend on its
-    neighbours. batch_invariant=True makes each group of equal-length rows attend on its own
-    and multiplies row by row (see linear): a batched request then gets the very bits it gets
-    alone, at the price of reading every weight once per row. attention: a name in ATTENTIONS.
-    """
-    if attention not in ATTENTIONS:
-        raise ValueError(f"attention={attention!r}: use one of {', '.join(ATTENTIONS)}")
+def prepare(model: Model, ids, cache=None, attention: Attention = None) -> Batch:
+    """Check ids (B, T), find their positions, and prepare what every layer will need: the
+    RoPE angles, and the mask, the slots and the attention of the cache (kvcache.py), or
+    without one the causal mask of ``attention`` (PLAIN unless told)."""
     c = model.config
     ids = np.asarray(ids)  # host token ids, checked here: on CuPy a bad id would wrap around
     if ids.ndim != 2 or ids.size == 0 or not np.issubdtype(ids.dtype, np.integer):
@@ -182,57 +164,38 @@ def prepare(model: Model, ids, cache=None, batch_invariant=False, attention="pla
     B, T = ids.shape
     if ids.min() < 0 or ids.max() >= c.vocab_size:
         raise ValueError(f"token ids must be in [0, {c.vocab_size}), got {ids.min()}..{ids.max()}")
-    if cache is None:
-        positions = np.broadcast_to(np.arange(T), (B, T))            # (B, T)
-    else:
-        positions = cache.positions(T)                               # (B, T), checked on host
+    if attention is not None and (cache is not None or not isinstance(attention, Attention)):
+        raise ValueError(f"attention={attention!r}: a pass without a cache takes a model.Attention"
+                         " (tiled.ATTENTIONS); a cache attends its own way, chosen at allocation")
+    positions = np.broadcast_to(np.arange(T), (B, T)) if cache is None else cache.positions(T)
     if positions.max() >= c.max_position_embeddings:
         raise ValueError(f"position {positions.max()} is beyond the model's "
                          f"{c.max_position_embeddings} positions")
-    lengths = positions[:, -1] + 1                                   # (B,) slots each row sees
-    if batch_invariant and (lengths != lengths[0]).any():
-        by_length = [(np.flatnonzero(lengths == S), int(S)) for S in np.unique(lengths)]
-    else:                                                            # one group: every row
-        by_length = [(slice(None), int(lengths.max()))]
-    on_device = to_device(positions)
-    groups = []
-    for rows, S in by_length:
-        # no mask when each query sees every slot: one new token per row, all rows S long
-        # (every decode step of a single sequence)
-        sees_all = T == 1 and bool((lengths[rows] == S).all())
-        rows = rows if isinstance(rows, slice) else to_device(rows)
-        mask = causal_mask if attention == "plain" else CausalTiles  # tiled: no (T, S) array
-        groups.append((rows, S, None if sees_all else mask(on_device[rows], S)))
+    on_device = to_device(positions)                                 # (B, T)
     cos, sin = rope_angles(on_device, c.head_dim, c.rope_theta)
-    slots = None if cache is None else cache.slots(positions)
-    return Batch(on_device, cos, sin, tuple(groups), slots, batch_invariant,
-                 ATTENTIONS[attention])
+    if cache is None:  # the T tokens are the whole sequence; alone, a token sees all (itself)
+        way = PLAIN if attention is None else attention
+        return Batch(on_device, cos, sin, None if T == 1 else way.mask(on_device, T), None,
+                     way.attend)
+    return Batch(on_device, cos, sin, cache.mask(positions), cache.slots(positions),
+                 cache.attend)
 
 
 def attention_block(model, i, x, batch: Batch, cache):
     """Layer i's self-attention on normed input x (B, T, D) -> (B, T, D)."""
-    c, layer, per_row = model.config, model.layers[i], batch.per_row
+    c, layer = model.config, model.layers[i]
     B, T, _ = x.shape
     H, Hkv, d = c.num_attention_heads, c.num_key_value_heads, c.head_dim
-    qkv = linear(x, layer.qkv, layer.qkv_bias, per_row)             # (B, T, (H + 2Hkv) * d)
+    qkv = linear(x, layer.qkv, layer.qkv_bias)                      # (B, T, (H + 2Hkv) * d)
     qkv = qkv.reshape(B, T, H + 2 * Hkv, d)                          # q heads, k heads, v heads
     qk = rope(qkv[:, :, :H + Hkv], batch.cos, batch.sin)            # q and k turn alike
     q, k, v = qk[:, :, :H], qk[:, :, H:], qkv[:, :, H + Hkv:]       # (B, T, H|Hkv|Hkv, d)
     if cache is None:  # recompute: this call's tokens are the whole sequence
         k, v = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)     # (B, Hkv, T, d)
     else:              # store the new keys/values, attend over everything held
-        k, v = cache.update(i, k, v, batch.slots)                    # (B, Hkv, S, d)
-    attend = batch.attend
-    if attend is attention:  # floats (a quantized cache: all held keys dequantized at once)
-        k, v = dequantize(k), dequantize(v)
-    if len(batch.groups) == 1:                                       # every row together
-        _, S, visible = batch.groups[0]
-        out = attend(q, k[:, :, :S], v[:, :, :S], visible)           # (B, T, H*d)
-    else:
-        out = xp.empty((B, T, H * d), dtype=q.dtype)
-        for rows, S, visible in batch.groups:
-            out[rows] = attend(q[rows], k[rows, :, :S], v[rows, :, :S], visible)
-    return linear(out, layer.o, layer.o_bias, per_row)               # (B, T, D)
+        k, v = cache.update(i, k, v, batch.slots)                    # (B, Hkv, S, d), as held
+    out = batch.attend(q, k, v, batch.visible)                       # (B, T, H*d)
+    return linear(out, layer.o, layer.o_bias)                        # (B, T, D)
 
 
 def silu(x):
@@ -247,19 +210,19 @@ def silu(x):
     return x * (0.5 * (1.0 + xp.tanh(0.5 * x)))
 
 
-def mlp(model, i, x, per_row=False):
+def mlp(model, i, x):
     """SwiGLU: down(silu(gate(x)) * up(x)), (B, T, D) -> (B, T, D)."""
     layer, F = model.layers[i], model.config.intermediate_size
-    gate_up = linear(x, layer.gate_up, per_row=per_row)              # (B, T, 2F)
+    gate_up = linear(x, layer.gate_up)                               # (B, T, 2F)
     gate, up = gate_up[..., :F], gate_up[..., F:]                    # (B, T, F) each
-    return linear(silu(gate) * up, layer.down, per_row=per_row)      # (B, T, D)
+    return linear(silu(gate) * up, layer.down)                       # (B, T, D)
 
 
 def block(model: Model, i: int, h, batch: Batch, cache=None):
     """Decoder layer i: the residual stream h (B, T, D) -> h (B, T, D) after the layer."""
     eps, layer = model.config.rms_norm_eps, model.layers[i]
     h = h + attention_block(model, i, rms_norm(h, layer.input_norm, eps), batch, cache)
-    return h + mlp(model, i, rms_norm(h, layer.post_norm, eps), batch.per_row)
+    return h + mlp(model, i, rms_norm(h, layer.post_norm, eps))
 
 
 def embed(model: Model, ids):
@@ -267,17 +230,16 @@ def embed(model: Model, ids):
     return model.weights["model.embed_tokens.weight"][to_device(np.asarray(ids))]
 
 
-def forward(model: Model, ids, cache=None, batch_invariant=False, attention="plain"):
+def forward(model: Model, ids, cache=None, attention: Attention = None):
     """Token ids (B, T) -> final hidden states (B, T, D), after the last RMSNorm.
 
-    Without a cache the T tokens are the whole sequence (positions 0..T-1). With one they are
-    appended to what it holds: positions continue from each row's length, and the cache has
-    grown by T when this returns. batch_invariant: see prepare (the default batches for
-    speed; True gives each row exactly the bits it gets alone). attention: "plain" (the
-    function above) or "tiled" (tiled.py: the same numbers within float32 rounding, the
-    scores held one tile at a time).
+    Without a cache the T tokens are the whole sequence (positions 0..T-1), attended over by
+    ``attention`` (PLAIN, or tiled.TILED: the same numbers, the scores a tile at a time). With
+    one they are appended to what it holds: positions continue from each row's length, and it
+    has grown by T when this returns. A row's last bits depend on its batch (BLAS picks its
+    kernel by the number of rows): alone, it makes the very call a batch of one makes.
     """
-    batch = prepare(model, ids, cache, batch_invariant, attention)
+    batch = prepare(model, ids, cache, attention)
     h = embed(model, ids)                                            # (B, T, D)
     for i in range(model.config.num_hidden_layers):
         h = block(model, i, h, batch, cache)
@@ -286,13 +248,7 @@ def forward(model: Model, ids, cache=None, batch_invariant=False, attention="pla
     return rms_norm(h, model.weights["model.norm.weight"], model.config.rms_norm_eps)
 
 
-def head(model: Model, hidden, per_row=False):
-    """Hidden states (B, T, D) -> logits (B, T, V). A tied model reuses the embedding matrix.
-
-    per_row: as in linear. The functions that run a forward pass and its head
-    (generate.last_logits, measure.timing.step_with_rollback) give it forward's
-    batch_invariant: their callers give the flag once, for both.
-    """
+def head(model: Model, hidden):
+    """Hidden states (B, T, D) -> logits (B, T, V). A tied model reuses the embedding matrix."""
     tied = model.config.tie_word_embeddings
-    return linear(hidden, model.weights["model.embed_tokens.weight" if tied else "lm_head.weight"],
-                  per_row=per_row)
+    return linear(hidden, model.weights["model.embed_tokens.weight" if tied else "lm_head.weight"])

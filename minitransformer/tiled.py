@@ -2,11 +2,14 @@
 never written (the idea of FlashAttention, Dao et al., arXiv:2205.14135, in plain NumPy).
 
 ``model.attention`` is the one to read first; this is the same function computed another way.
-It takes the same arguments and returns the same numbers within float32 rounding, and
-``model.forward(..., attention="tiled")`` uses it in every layer, for prefill and decode.
+It takes the same arguments and returns the same numbers within float32 rounding. ``TILED`` is
+it with its mask, as a way to attend (model.Attention); ``ATTENTIONS`` names the two ways, as
+a cache is allocated with one (``KVCache.allocate(..., attention="tiled")``) and generate takes
+one, for prefill and decode alike.
 """
 from minitransformer.backend import to_numpy, xp
-from minitransformer.kvquant import dequantize
+from minitransformer.kvquant import dequantize, on_floats
+from minitransformer.model import Attention, attention, causal_mask
 
 BLOCK = 64  # queries and keys per tile: a tile of scores is 64 x 64 floats (16 KB) per head
 
@@ -110,3 +113,16 @@ def largest_score_block(T: int, S: int, heads: int = 1, block: int = BLOCK) -> i
     (16384, 256)
     """
     return heads * min(block, T) * min(block, S) * 4
+
+
+TILED = Attention(tiled_attention, CausalTiles)  # dequantizes a block of keys at a time itself
+# the ways to attend, by name: the plain one reads floats (a quantized cache's blocks all
+# dequantized at once, kvquant.on_floats), the tiled one reads what the cache holds
+ATTENTIONS = {"plain": Attention(on_floats(attention), causal_mask), "tiled": TILED}
+
+
+def attention_named(name) -> Attention:
+    """The way to attend called name (ATTENTIONS), or a clear error."""
+    if name not in ATTENTIONS:
+        raise ValueError(f"attention={name!r}: use one of {', '.join(ATTENTIONS)}")
+    return ATTENTIONS[name]

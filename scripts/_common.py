@@ -118,7 +118,7 @@ def add_schemes_argument(parser, default=None):
 def add_cache_arguments(parser):
     """--kv-cache-dtype (the KV cache's format) and --attention (plain or tiled)."""
     from minitransformer.kvquant import KV_DTYPES
-    from minitransformer.model import ATTENTIONS
+    from minitransformer.tiled import ATTENTIONS
     parser.add_argument("--kv-cache-dtype", choices=KV_DTYPES, default="f32",
                         help="the KV cache's format: f32, f16, or llama.cpp's q8_0 / q4_0 "
                              "blocks (default: f32)")

@@ -73,9 +73,9 @@ def long_prefill(model, tokens: int) -> dict:
     ids = np.random.default_rng(1).integers(0, model.config.vocab_size, (1, tokens))
     peaks, hidden = {}, {}
     for attention in ("plain", "tiled"):
-        cache = KVCache.allocate(model.config, 1, tokens)
+        cache = KVCache.allocate(model.config, 1, tokens, attention=attention)
         say(f"prefill of {tokens} tokens, {attention} attention ...")
-        peak = peak_bytes(lambda: forward(model, ids, cache, attention=attention))
+        peak = peak_bytes(lambda: forward(model, ids, cache))
         peaks[attention], hidden[attention] = peak.peak_bytes, to_numpy(peak.result)
         say(f"{attention}: peak {peak.peak_bytes:,} B")
     return peaks, float(np.abs(hidden["plain"] - hidden["tiled"]).max())

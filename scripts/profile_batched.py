@@ -66,15 +66,15 @@ def row_lengths(batch: int, context: int) -> np.ndarray:
 def attention_only(model, cache, token):
     """-> a function making every layer's attention of the step on this cache, nothing else:
     a random query per row and head over the keys and values the cache holds (the step's
-    own shapes, groups and masks, from model.prepare)."""
+    own shapes and mask, from model.prepare)."""
     c = model.config
     batch = prepare(model, token, cache)
-    (rows, S, visible), = batch.groups                   # the flat mode: every row together
+    S = batch.slots[-1]                                  # the longest row, after the step
     rng = np.random.default_rng(0)
     q = xp.asarray(rng.standard_normal((len(token), 1, c.num_attention_heads, c.head_dim),
                                        dtype=np.float32))                       # (B, 1, H, d)
     held = [(cache.k[i][:, :, :S], cache.v[i][:, :, :S]) for i in range(c.num_hidden_layers)]
-    return lambda: [batch.attend(q, k, v, visible) for k, v in held]
+    return lambda: [batch.attend(q, k, v, batch.visible) for k, v in held]
 
 
 def attention_work(config, lengths) -> tuple:

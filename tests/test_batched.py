@@ -9,7 +9,7 @@ import pytest
 import minitransformer as mt
 import conftest
 from conftest import assert_like_solo
-from minitransformer.generate import last_logits
+from minitransformer.generate import last_logits, last_logits_alone
 from minitransformer.kvcache import KVCache
 from minitransformer.model import forward
 from minitransformer.serve.paged import PagedCache
@@ -18,8 +18,10 @@ from minitransformer.checkpoints.synth import make_checkpoint, qwen2_config
 
 
 def decode_step(model, tokens, cache, batch_invariant=False):
-    """One new token per row, (B,) -> logits (B, V): forward with T = 1, then the head."""
-    return last_logits(model, np.asarray(tokens).reshape(-1, 1), cache, batch_invariant)
+    """One new token per row, (B,) -> logits (B, V): forward with T = 1, then the head
+    (batch-invariant: row by row, each as a batch of one)."""
+    step = last_logits_alone if batch_invariant else last_logits
+    return step(model, np.asarray(tokens).reshape(-1, 1), cache)
 
 
 def solo_decode_logits(model, prompt, token):
@@ -60,12 +62,13 @@ def test_decode_step_is_the_solo_step(tiny_model, block_size, batch_invariant):
 
 
 def test_decode_step_on_the_contiguous_cache(tiny_model):
-    """Same-length rows prefilled together into a KVCache, then decoded together (batch-invariant
-    mode: bit for bit)."""
+    """Same-length rows prefilled into a KVCache row by row (each row a batch of one), then
+    decoded batch-invariant: bit for bit."""
     rng = np.random.default_rng(3)
     prompts = rng.integers(0, tiny_model.config.vocab_size, (4, 9))
     kv = KVCache.allocate(tiny_model.config, 4, 12)
-    forward(tiny_model, prompts, kv, batch_invariant=True)
+    for row in range(4):
+        forward(tiny_model, prompts[row:row + 1], kv.row(row))
     batched = decode_step(tiny_model, [5, 6, 7, 8], kv, batch_invariant=True)
     assert kv.lengths.tolist() == [10] * 4
     for row in range(4):
@@ -97,8 +100,8 @@ def test_many_batched_steps_give_generate_s_tokens(tiny_model, batch_invariant):
 def test_long_rows_past_the_blas_size_switch(tmp_path):
     """Attention shaped like the default model's (8 q heads, 2 kv heads, d = 64), rows long
     enough (> 300 slots) that OpenBLAS picks another kernel for q @ k.T than for short rows:
-    padding the short rows would change their bits; batch-invariant mode's per-length groups
-    keep them."""
+    padding the short rows would change their bits; batch-invariant mode's rows alone keep
+    them."""
     config = qwen2_config(hidden_size=64, intermediate_size=96, num_attention_heads=8,
                           num_key_value_heads=2, head_dim=64, max_position_embeddings=1024)
     model = mt.load(make_checkpoint(tmp_path / "wide-heads", config, seed=5))
@@ -114,9 +117,9 @@ def test_long_rows_past_the_blas_size_switch(tmp_path):
 
 def test_a_single_row_gets_the_same_bits_in_both_modes(tiny_model):
     """Batch 1 makes the very same calls either way (one (T, D) matrix per product): the solo
-    reference is one."""
+    reference is one, and last_logits_alone hands it back as it is."""
     ids = np.random.default_rng(4).integers(0, tiny_model.config.vocab_size, (1, 7))
-    fast, exact = (last_logits(tiny_model, ids, batch_invariant=mode) for mode in (False, True))
+    fast, exact = last_logits(tiny_model, ids), last_logits_alone(tiny_model, ids)
     assert np.array_equal(fast, exact)
 
 

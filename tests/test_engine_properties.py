@@ -188,22 +188,25 @@ def decode_product_rows(monkeypatch, model, batch_invariant):
     """Run 3 requests of 3 lengths through 3 slots -> (batch sizes of the decode steps, rows
     of every product made during them)."""
     decodes, rows, inside = [], [], []
-    real_multiply, real_last = linear_module.multiply, generate_module.last_logits
+    real_multiply = linear_module.multiply
 
     def multiply(x, w, out=None):
         if inside:
             rows.append(x.shape[0])
         return real_multiply(x, w, out)
 
-    def last_logits(model, ids, *args, **kwargs):
-        decodes.append(len(ids))
-        inside.append(1)
-        try:
-            return real_last(model, ids, *args, **kwargs)
-        finally:
-            inside.pop()
+    def watched(real):            # a decode step, flat (last_logits) or row by row (_alone)
+        def step(model, ids, *args, **kwargs):
+            decodes.append(len(ids))
+            inside.append(1)
+            try:
+                return real(model, ids, *args, **kwargs)
+            finally:
+                inside.pop()
+        return step
     monkeypatch.setattr(linear_module, "multiply", multiply)
-    monkeypatch.setattr(engine_module, "last_logits", last_logits)
+    for name in ("last_logits", "last_logits_alone"):
+        monkeypatch.setattr(engine_module, name, watched(getattr(generate_module, name)))
     Engine(model, EngineConfig(max_num_seqs=3, block_size=4, batch_invariant=batch_invariant)).run(
         [Request(PROMPT[:n], 5, eos_token_id=[]) for n in (3, 7, 12)])
     return decodes, rows

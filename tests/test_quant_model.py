@@ -163,13 +163,14 @@ def test_bad_outlier_thresholds_are_named(model, threshold):
 
 
 def test_a_quantized_model_batched_row_by_row_gets_each_rows_solo_bits(model):
-    """batch_invariant=True multiplies a quantized weight one row at a time, as alone."""
-    from minitransformer.model import forward
+    """Row by row (the engine's batch-invariant decode) a quantized weight multiplies each
+    row as alone: last_logits_alone gives each row the logits of a batch of one."""
+    from minitransformer.generate import last_logits, last_logits_alone
     q = quantize_model(model, "int4-g128")
     ids = np.array([PROMPT, PROMPT[::-1]])
-    both = to_numpy(forward(q, ids, batch_invariant=True))
+    both = last_logits_alone(q, ids)
     for b in range(2):
-        np.testing.assert_array_equal(both[b], to_numpy(forward(q, ids[b:b + 1]))[0])
+        np.testing.assert_array_equal(both[b], last_logits(q, ids[b:b + 1])[0])
 
 
 def test_dequantize_model_holds_the_specified_float_matrices(model):

@@ -10,7 +10,7 @@ import minitransformer as mt
 from minitransformer.backend import to_numpy
 from conftest import NEAR_TIE
 from minitransformer.checkpoints.synth import qwen2_config, random_model
-from minitransformer.generate import last_logits
+from minitransformer.generate import last_logits, last_logits_alone
 from minitransformer.lookup import prompt_lookup
 from minitransformer.model import forward
 from minitransformer.sampling import GREEDY
@@ -131,8 +131,8 @@ def test_one_pass_gives_every_position_a_decode_steps_logits(model, batch_invari
     rows = {"a": [], "b": []}
     for t, ids in enumerate([["a", "b"], ["a", "b"], ["a"]]):
         step.make_room(ids, 1)
-        logits = last_logits(model, np.array([[fed[s][t]] for s in ids]), step.view(ids),
-                             batch_invariant)
+        decode = last_logits_alone if batch_invariant else last_logits   # the engine's
+        logits = decode(model, np.array([[fed[s][t]] for s in ids]), step.view(ids))
         for s, row in zip(ids, logits):
             rows[s].append(row)
     reference = np.array(rows["a"] + rows["b"])
@@ -141,8 +141,8 @@ def test_one_pass_gives_every_position_a_decode_steps_logits(model, batch_invari
         # the keys and values written are a decode's too: both caches continue alike
         for c in (cache, step):
             c.make_room(["a", "b"], 1)
-        assert (last_logits(model, np.array([[3], [4]]), cache.view(["a", "b"]), True) ==
-                last_logits(model, np.array([[3], [4]]), step.view(["a", "b"]), True)).all()
+        assert (last_logits_alone(model, np.array([[3], [4]]), cache.view(["a", "b"])) ==
+                last_logits_alone(model, np.array([[3], [4]]), step.view(["a", "b"]))).all()
     else:   # other shapes, other last bits: within the measured rounding window (conftest)
         scale = np.abs(reference).max()
         np.testing.assert_allclose(z, reference, atol=NEAR_TIE * scale, rtol=0)

@@ -20,7 +20,7 @@ from minitransformer.model import attention, causal_mask, forward
 from minitransformer.serve.config import EngineConfig
 from minitransformer.serve.engine import Engine
 from minitransformer.serve.records import Request
-from minitransformer.tiled import CausalTiles, largest_score_block, tiled_attention
+from minitransformer.tiled import TILED, CausalTiles, largest_score_block, tiled_attention
 
 TOLERANCE = 1e-5
 
@@ -96,14 +96,14 @@ def test_forward_with_tiled_attention_equals_plain(tiny_model):
     rng = np.random.default_rng(0)
     ids = rng.integers(0, tiny_model.config.vocab_size, (2, 11))
     plain = forward(tiny_model, ids)                    # hidden states: within 1e-5 of ~1
-    assert_close(forward(tiny_model, ids, attention="tiled"), plain, xp.ones(1))
-    caches = {a: KVCache.allocate(tiny_model.config, 2, 16) for a in ("plain", "tiled")}
+    assert_close(forward(tiny_model, ids, attention=TILED), plain, xp.ones(1))
+    caches = {a: KVCache.allocate(tiny_model.config, 2, 16, attention=a)
+              for a in ("plain", "tiled")}
     for a, cache in caches.items():
         cache.lengths[:] = [0, 3]
     for step in (ids[:, :8], ids[:, 8:9], ids[:, 9:10]):
         plain = forward(tiny_model, step, caches["plain"])
-        assert_close(forward(tiny_model, step, caches["tiled"], attention="tiled"), plain,
-                     xp.ones(1))
+        assert_close(forward(tiny_model, step, caches["tiled"]), plain, xp.ones(1))
 
 
 def test_the_engine_and_generate_take_it(tiny_model):
@@ -122,9 +122,17 @@ def test_the_engine_and_generate_take_it(tiny_model):
 @pytest.mark.parametrize("bad", ["flash", "", None, "Tiled"])
 def test_an_unknown_attention_is_a_clear_error(tiny_model, bad):
     with pytest.raises(ValueError, match="use one of plain, tiled"):
-        forward(tiny_model, np.array([[1, 2]]), attention=bad)
+        KVCache.allocate(tiny_model.config, 1, 4, attention=bad)
+    with pytest.raises(ValueError, match="use one of plain, tiled"):
+        mt.generate(tiny_model, [1, 2], 1, cache=False, attention=bad)
     with pytest.raises(ValueError, match="use one of plain, tiled"):
         Engine(tiny_model, EngineConfig(num_gpu_blocks_override=4, attention=bad))
+    if bad is not None:                                 # None: forward's default, plain
+        with pytest.raises(ValueError, match="a model.Attention"):
+            forward(tiny_model, np.array([[1, 2]]), attention=bad)
+    with pytest.raises(ValueError, match="a cache attends its own way"):
+        forward(tiny_model, np.array([[1, 2]]), KVCache.allocate(tiny_model.config, 1, 4),
+                attention=TILED)
     with pytest.raises(ValueError, match="block"):
         tiled_attention(*qkv(1, 1, 1, 1, 4, 8), block=0)
 

@@ -53,16 +53,16 @@ def test_forward_runs_the_tiled_function_in_every_layer(tiny_model):
     cache of rows of different lengths; each pass enters tiled_attention once per layer."""
     L = tiny_model.config.num_hidden_layers
     ids = np.random.default_rng(0).integers(0, tiny_model.config.vocab_size, (2, 9))
-    tiled_run = calls(lambda: forward(tiny_model, ids, attention="tiled"))
+    tiled_run = calls(lambda: forward(tiny_model, ids, attention=tiled.TILED))
     assert tiled_run["tiled"] == L and tiled_run["plain"] == 0
     assert tiled_run["tile of mask"] > 0 and tiled_run["whole mask"] == 0
     plain_run = calls(lambda: forward(tiny_model, ids))          # the observation can tell
     assert plain_run["plain"] == L and plain_run["tiled"] == 0 and plain_run["whole mask"] == 1
 
-    cache = KVCache.allocate(tiny_model.config, 2, 16)
+    cache = KVCache.allocate(tiny_model.config, 2, 16, attention="tiled")
     cache.lengths[:] = [0, 3]
-    forward(tiny_model, ids[:, :5], cache, attention="tiled")
-    step = calls(lambda: forward(tiny_model, ids[:, 5:6], cache, attention="tiled"))
+    forward(tiny_model, ids[:, :5], cache)
+    step = calls(lambda: forward(tiny_model, ids[:, 5:6], cache))
     assert step["tiled"] == L and step["plain"] == 0
 
 
@@ -103,4 +103,4 @@ def test_a_tiled_forward_never_holds_the_score_matrix(long_model):
     scores = c.num_attention_heads * T * T * 4                     # one layer's, float32
     ids = (np.arange(T) % c.vocab_size)[None]                      # (1, T)
     assert peak(lambda: forward(long_model, ids)) > 2 * scores     # plain: scores + weights
-    assert peak(lambda: forward(long_model, ids, attention="tiled")) < scores / 4
+    assert peak(lambda: forward(long_model, ids, attention=tiled.TILED)) < scores / 4

@@ -41,7 +41,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from minitransformer.backend import BACKEND, synchronize, to_numpy, xp
-from minitransformer.generate import last_logits
+from minitransformer.generate import last_logits, last_logits_alone
 from minitransformer.kvcache import KVCache
 from minitransformer.model import forward, head
 
@@ -142,12 +142,16 @@ def step_with_rollback(model, cache, tokens, batch_invariant=False) -> tuple:
     the n new positions (B, n, V): n = 1 is a decode step, n > 1 a verification pass (which
     reads every position it checks). rollback() trims the n positions back off, so each call
     sees the very same cache: pass it as time_together's ``after``, which is not timed.
+    batch_invariant: each row by the very call a batch of one makes (on cache.row(b)), so
+    each gets exactly the bits it gets alone.
     """
     tokens = np.asarray(tokens)                                              # (B, n)
+    rows = [(tokens[b:b + 1], cache.row(b)) for b in range(len(tokens))] \
+        if batch_invariant else [(tokens, cache)]
 
     def step():
-        hidden = forward(model, tokens, cache, batch_invariant)             # (B, n, D)
-        return to_numpy(head(model, hidden, batch_invariant))               # (B, n, V)
+        out = [to_numpy(head(model, forward(model, ids, held))) for ids, held in rows]
+        return out[0] if len(out) == 1 else np.concatenate(out)                 # (B, n, V)
     return step, lambda: cache.trim(tokens.shape[1])
 
 
@@ -171,10 +175,12 @@ def batched_steps(model, cache, tokens, contiguous=None) -> tuple:
     """
     rows, tokens = list(range(len(tokens))), np.asarray(tokens).reshape(-1, 1)   # (B, 1)
 
-    def paged(batch_invariant):
+    def paged(batch_invariant):     # batch-invariant: row by row, each as a batch of one
+        decode = last_logits_alone if batch_invariant else last_logits
+
         def step():
             cache.make_room(rows, 1)
-            return last_logits(model, tokens, cache.view(rows), batch_invariant)
+            return decode(model, tokens, cache.view(rows))
         return step
 
     def rollback():

@@ -18,7 +18,7 @@ import numpy as np
 
 from minitransformer.checks import is_integer
 from minitransformer.kvquant import KV_DTYPES
-from minitransformer.model import ATTENTIONS
+from minitransformer.tiled import ATTENTIONS
 from minitransformer.serve.blocks import blocks_for
 
 POLICIES = ("static", "continuous")
@@ -34,7 +34,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True      # keep full blocks for later prompts (paged.py)
     max_num_batched_tokens: int = None      # chunked prefill: tokens a step; None: off
     kv_cache_dtype: str = "f32"  # the pool's format: f32, f16, q8_0 or q4_0 (kvquant.py)
-    attention: str = "plain"    # ours: "plain" or "tiled" (model.forward)
+    attention: str = "plain"    # ours: "plain" or "tiled" (tiled.ATTENTIONS)
     batch_invariant: bool = False   # ours: per-row-exact decode (engine.py, "Exactness")
 
     def __post_init__(self):

@@ -41,7 +41,8 @@ import numpy as np
 
 from minitransformer.backend import memory_bytes, synchronize, to_numpy
 from minitransformer.checks import is_integer, is_real
-from minitransformer.generate import check_prompt, eos_ids, last_logits, seeded_rng
+from minitransformer.generate import (check_prompt, eos_ids, last_logits, last_logits_alone,
+                                      seeded_rng)
 from minitransformer.kvquant import cache_bytes_per_token
 from minitransformer.logprobs import check_top, token_logprob
 from minitransformer.model import forward, head
@@ -100,7 +101,7 @@ class Engine:
         self.batch_invariant = config.batch_invariant  # docs/serving.md, "Exactness"
         self.attention = config.attention
         self.cache = PagedCache.allocate(model.config, num_blocks, block_size,
-                                         config.kv_cache_dtype)
+                                         config.kv_cache_dtype, config.attention)
         self.scheduler = Scheduler(self.cache, slots, config.policy,
                                    config.max_num_batched_tokens, config.enable_prefix_caching)
         self.history = history
@@ -203,8 +204,11 @@ class Engine:
             return []
         start, ids = time.perf_counter(), [row.result.id for row in rows]
         newest = np.array([[row.tokens[-1]] for row in rows])              # (B, 1)
-        logits = last_logits(self.model, newest, self.cache.view(ids, work.starts),  # (B, V)
-                             self.batch_invariant, self.attention)
+        view = self.cache.view(ids, work.starts)
+        if self.batch_invariant:  # each row by the very call a batch of one makes
+            logits = last_logits_alone(self.model, newest, view)
+        else:
+            logits = last_logits(self.model, newest, view)                  # (B, V)
         for seq, row in zip(rows, logits):
             if seq.finished:
                 self.cache.trim(seq.result.id, 1)   # a padding row never grows
@@ -221,7 +225,7 @@ class Engine:
         (seq,), (done,), n = work.rows, work.starts, work.n
         start = time.perf_counter()
         hidden = forward(self.model, np.array([seq.tokens[done:done + n]]),      # (1, n, D)
-                         self.cache.view([seq.result.id], work.starts), attention=self.attention)
+                         self.cache.view([seq.result.id], work.starts))
         if seq.result.request.prompt_logprobs is not None:
             self._score_prompt(seq, hidden, done)
         if work.firsts:                              # the last prompt token's logits

@@ -4,9 +4,9 @@ pass's view of it (experiment 14).
     pool    per layer, one array (N, Hkv, bs, d) of keys and one of values: a block is a
             small (Hkv, bs, d) cache, float or a QuantizedArray of codes and scales (kvquant)
     books   blocks.BlockManager: free list, block tables, refcounts, the prefix index
-    view    ``view(seq_ids)`` is what ``model.forward`` talks to: ``positions``, ``update``
-            (write the new keys/values into their slots, return all held, gathered through
-            the block tables) and ``advance``
+    view    ``view(seq_ids)`` is what ``model.forward`` talks to (kvcache.py's protocol):
+            ``positions``, ``update`` (write the new keys/values into their slots, return all
+            held, gathered through the block tables), ``mask``, ``attend``, ``advance``
 
 The books decide, the pool does: a copy on write or a swap the books queue (``moves``) is
 carried out by ``do`` before the pool is read or written, in the order decided. Shapes: N
@@ -35,29 +35,33 @@ True
 import numpy as np
 
 from minitransformer.backend import to_device, to_numpy, xp
-from minitransformer.kvcache import KVCache
+from minitransformer.kvcache import KVCache, causal
 from minitransformer.kvquant import (KVDims, QuantizedArray, cache_bytes_per_token, kv_dtype_of,
                                      zeros)
 from minitransformer.serve.blocks import BlockManager, Copy, SwapIn, SwapOut
+from minitransformer.tiled import attention_named
 
 
 class PagedCache(BlockManager):
     """The books (BlockManager) and the pool arrays they describe."""
 
-    def __init__(self, k: list, v: list, block_size: int):
+    def __init__(self, k: list, v: list, block_size: int, attention: str = "plain"):
         super().__init__(k[0].shape[0], block_size)
         self._k, self._v = k, v
+        attention_named(attention)              # checked: how its views attend (tiled.py)
+        self.attention = attention
 
     @classmethod
-    def allocate(cls, config, num_blocks: int, block_size: int, kv_dtype: str = "f32"):
-        """kv_dtype: f32, f16, q8_0 or q4_0 (kvquant.KV_DTYPES)."""
+    def allocate(cls, config, num_blocks: int, block_size: int, kv_dtype: str = "f32",
+                 attention: str = "plain"):
+        """kv_dtype: f32, f16, q8_0 or q4_0 (kvquant.KV_DTYPES); attention: plain or tiled."""
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"a paged cache needs num_blocks >= 1 and block_size >= 1, "
                              f"got {num_blocks}, {block_size}")
         shape = (num_blocks, config.num_key_value_heads, block_size, config.head_dim)
         L = config.num_hidden_layers
         return cls([zeros(shape, kv_dtype) for _ in range(L)],
-                   [zeros(shape, kv_dtype) for _ in range(L)], block_size)
+                   [zeros(shape, kv_dtype) for _ in range(L)], block_size, attention)
 
     @property
     def k(self) -> list:
@@ -125,7 +129,7 @@ class PagedCache(BlockManager):
         _, Hkv, _, d = self._k[0].shape
         kv = KVCache([zeros((len(seq_ids), Hkv, max_len, d), self.kv_dtype) for _ in self._k],
                      [zeros((len(seq_ids), Hkv, max_len, d), self.kv_dtype) for _ in self._v],
-                     lengths)
+                     lengths, self.attention)
         for b, (s, n) in enumerate(zip(seq_ids, lengths.tolist())):  # each row its own length
             table = to_device(block_table([self.seqs[s]], self.blocks_for(n)))      # (1, nb)
             for contiguous, pool in zip(kv.k + kv.v, self.k + self.v):
@@ -140,6 +144,11 @@ class PagedView:
                  counted: bool):
         self.cache, self.ids, self.seqs, self.starts, self.counted = (cache, ids, seqs, starts,
                                                                       counted)
+
+    def row(self, b: int) -> "PagedView":
+        """Row b alone, a batch of one."""
+        return PagedView(self.cache, self.ids[b:b + 1], self.seqs[b:b + 1], self.starts[b:b + 1],
+                         self.counted)
 
     def positions(self, T: int) -> np.ndarray:
         """Positions (B, T) of T new tokens per row: where they go, and their RoPE angle."""
@@ -163,6 +172,13 @@ class PagedView:
         if not all(map(cache.may_write, blocks.ravel())):  # shared or named: never changed
             raise RuntimeError("write into a shared or named block: make_room copies it first")
         return to_device(blocks), to_device(positions % bs), to_device(table), S
+
+    def mask(self, positions: np.ndarray):
+        """Rows laid out as the contiguous cache's once gathered: its causal mask."""
+        return causal(positions, self.cache.attention)
+
+    def attend(self, q, k, v, visible):
+        return attention_named(self.cache.attention).attend(q, k, v, visible)
 
     def update(self, layer: int, k, v, slots=None):
         """Write k, v (B, T, Hkv, d) into their slots -> k, v (B, Hkv, S, d), S longest row."""

@@ -9,7 +9,8 @@ target pass, keep, trim. An engine step does the same for the whole batch at onc
               decides n_b (below)
     verify    ONE forward pass of the target over the paged cache, whatever the drafts:
               sequence b feeds its last token and its n_b proposals, n_b + 1 rows; a sequence
-              without a draft feeds its last token alone, an ordinary decode row
+              without a draft feeds its last token alone, an ordinary decode row (batch-
+              invariant: row by row, as the engine's decode)
     accept    per sequence, the library's rule on its rows of logits (``speculative.verify``:
               greedy keeps the longest agreeing prefix plus one token of the target's own;
               sampling, Leviathan's rejection rule, with the sequence's own generator)
@@ -53,10 +54,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from minitransformer.backend import to_numpy
 from minitransformer.checks import duplicate_keys, is_integer, is_real
+from minitransformer.generate import last_logits, last_logits_alone
 from minitransformer.lookup import PromptLookup
-from minitransformer.model import forward, head
 from minitransformer.serve.paged import PagedView
 from minitransformer.shape import parameter_count
 from minitransformer.speculative import LookupDraft, ModelDraft, verify
@@ -232,16 +232,17 @@ def verify_view(cache, seq_ids, counts) -> PagedView:
     return cache.view(ids, starts)          # (the caller counts the fed tokens: see below)
 
 
-def verify_logits(model, cache, seq_ids, fed, batch_invariant=False, attention="plain"):
+def verify_logits(model, cache, seq_ids, fed, batch_invariant=False):
     """One forward pass of the target over every sequence's fed tokens (its last token, then
     its proposals) -> logits (R, V), R = the fed tokens of all, sequence by sequence; each
-    sequence's cache has grown by its fed tokens (trim the rejected ones after)."""
+    sequence's cache has grown by its fed tokens (trim the rejected ones after).
+    batch_invariant: row by row, each the very call a batch of one makes, in order."""
     ids = np.array([[t] for tokens in fed for t in tokens])                    # (R, 1)
-    hidden = forward(model, ids, verify_view(cache, seq_ids, map(len, fed)),
-                     batch_invariant, attention)                               # (R, 1, D)
+    step = last_logits_alone if batch_invariant else last_logits
+    logits = step(model, ids, verify_view(cache, seq_ids, map(len, fed)))      # (R, V)
     for seq_id, tokens in zip(seq_ids, fed):
         cache.seqs[seq_id].length += len(tokens)
-    return to_numpy(head(model, hidden, batch_invariant))[:, 0]                # (R, V)
+    return logits
 
 
 def split_rows(logits, counts) -> list:
@@ -294,7 +295,7 @@ class Speculator:
         self.counters = SpecCounters(config.num_speculative_tokens)
         self.judged = {}    # sequence id -> [accepted, judged] proposals, for its alpha
 
-    def step(self, cache, rows, batch_invariant=False, attention="plain") -> list:
+    def step(self, cache, rows, batch_invariant=False) -> list:
         """Draft, make room, verify every row in one pass -> per row (kept tokens, the logits
         (k, V) each was chosen from). The caches hold the verified positions until ``settle``.
         The pool must have room for one token of each row (the engine preempts for that)."""
@@ -310,7 +311,7 @@ class Speculator:
             fed.append([row.tokens[-1]] + proposal)
             drafts.append(proposal)
             dists.append(q)
-        logits = verify_logits(self.model, cache, ids, fed, batch_invariant, attention)
+        logits = verify_logits(self.model, cache, ids, fed, batch_invariant)
         out = []
         for row, z, proposal, q in zip(rows, split_rows(logits, list(map(len, fed))), drafts,
                                        dists):
