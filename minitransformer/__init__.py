@@ -2,27 +2,35 @@
 quantization". A decoder-only transformer (Qwen2, Llama) in plain arrays, and the machinery a
 serving engine uses to make it cheap.
 
-Reading order, in the chapter's order (the experiment each part serves in brackets):
+Reading order, in the chapter's order and the import order (README.md, with the experiment
+each part serves; ../quant/ and ../sim/ sit beside this package):
 
-    config.py, shape.py  the model's shape: config.json, and every size derived from it once
-    model.py             the forward pass, prefill and decode alike, top to bottom       [2]
-    kvcache.py           the KV cache: append, attend over, trim                      [1-8]
-    kvquant.py           the cache's formats: f32, f16, q8_0 / q4_0 codes and scales [8, 10]
-    tiled.py             the same attention, its scores one tile at a time             [2, 4]
-    sampling.py          the next token: greedy, or temperature, top-k, top-p, penalty
-    generate.py          generation without and with the cache                    [1, 4-7]
-    serve/               batching: records, paged cache, engine; then the server    [12-14]
-    ../quant/            weight quantization: schemes, quantizers, QWeight          [15-21]
-    speculative.py       a draft guesses, the target checks (lookup.py: a free draft)  [22]
-    drafts/distill.py    soft labels and the distillation loss                         [23]
-    drafts/training.py   a draft trained on them: forward beside backward, Adam    [22, 23]
-    ../sim/              cost models, numbers from shapes and formulas [3, 9-11, 13, 22, 24]
+    config.py, shape.py           the model's shape: config.json, every size derived from it
+    model.py                      the forward pass, prefill and decode alike, top to bottom
+    kvquant.py, tiled.py,         the KV cache: its formats (f32, f16, q8_0 / q4_0 codes and
+      kvcache.py                  scales), attention over it a tile at a time, the cache
+    sampling.py, generate.py      the next token; generation without and with the cache
+    ../sim/kv_memory.py, macs.py  what the cache costs and saves, from shapes and formulas
+    serve/records.py, blocks.py,  batching: records, the block manager's books, the engine's
+      config.py, scheduler.py,    knobs, the plan of a step, the pool and the forward pass's
+      paged.py, engine.py         view of it, the engine (then the server)
+    ../quant/int8.py, qweight.py, scales.py, absmax.py, nf4.py, schemes.py, qmodel.py
+                                  weight quantization: the quantizers, QWeight, the schemes
+    ../quant/analysis.py, activations.py, techniques.py
+                                  outliers in weights and activations, and what handles them
+    measure/quality.py            what quantization costs in quality
+    lookup.py, speculative.py,    a draft guesses, the target checks (lookup.py: a free
+      ../sim/speculative.py       draft), and the speedup's formula
+    drafts/distill.py,            soft labels and the distillation loss; a draft trained on
+      drafts/training.py          them: forward beside backward, Adam
+    ../sim/memory_budget.py       the memory budget of a card
 
 A first pass may skip: loader.py, tokenizer.py, chat.py and formats/ (where the bytes come
-from), linear.py, backend.py and kernels/ (how the products run fast, or on a GPU), checks.py
-and errors.py (refusing bad input), checkpoints/ (the models the experiments run on),
-logprobs.py (what the model thought of each token, for the API), measure/ (timing and scoring
-for the experiments), __main__.py (the command line).
+from), linear.py, backend.py, kernels/, ../quant/matmul.py and ../quant/packing.py (how the
+products run fast, or on a GPU), checks.py and errors.py (refusing bad input), checkpoints/ (the
+models the experiments run on), ../sim/arch.py (any config read as the cost models want it),
+serve/online.py, openai_api.py, detokenize.py, prometheus.py, http.py and logprobs.py (the
+server), measure/timing.py and sanity.py (the measuring kit), __main__.py (the command line).
 
 The stable public API:
     load(path)                         -> Model (config, weights, tokenizer)

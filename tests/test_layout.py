@@ -2,6 +2,7 @@
 periphery (serve/, measure/, and drafts/, which trains a draft and scores it with measure/),
 and no two modules import each other, however indirectly."""
 import ast
+import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -80,3 +81,82 @@ def test_no_import_circle():
 def test_the_circle_finder_finds_one():
     assert cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert cycle({"a": {"b"}, "b": set()}) is None
+
+
+# --- the reading order is the import order -----------------------------------------------------
+README = ROOT / "README.md"
+
+
+def resolve(name: str, folder: str, known: set) -> list:
+    """A file or folder as the reading guide names it -> the modules it stands for. A bare name
+    is in the folder named before it, else in minitransformer/ ("unless named"); a path is in
+    minitransformer/ or at the top (quant/, sim/); a folder stands for every module in it."""
+    path = name.removeprefix("../").removesuffix(".py").strip("/").replace("/", ".")
+    tried = ([f"{folder}.{path}"] if folder and "/" not in name else []) + [path]
+    for module in (f"{top}{m}" for m in tried for top in ("minitransformer.", "")):
+        inside = sorted(m for m in known if m.startswith(module + "."))
+        if module in known or (name.endswith("/") and inside):
+            return [module] if module in known and not name.endswith("/") else inside
+    raise AssertionError(f"the reading guide names {name!r}, which is no module of the project")
+
+
+def named(text: str, known: set, pattern=r"`([^`]+)`") -> list:
+    """The modules a passage names, in its order (scripts/ is no package: left out)."""
+    modules, folder = [], ""
+    for name in re.findall(pattern, text):
+        if name.startswith("scripts/"):
+            continue
+        modules += resolve(name, folder, known)
+        if "/" in name.strip("/"):                 # the folder of the bare names after it
+            folder = name.removeprefix("../").rsplit("/", 1)[0].replace("/", ".")
+    return modules
+
+
+def readme_order(text: str, known: set) -> tuple:
+    """README's reading order -> (the modules of its table, step by step, in order; the modules
+    a first pass may skip)."""
+    section = text.split("## Reading order", 1)[1].split("\n## ", 1)[0]
+    rows = re.findall(r"^\| *\d+ *\| *([^|]+)\|", section, re.M)
+    skip = section.split("A first pass may skip:", 1)[1].split("The same order is in", 1)[0]
+    return [m for row in rows for m in named(row, known)], set(named(skip, known))
+
+
+def forward_references(order: list, edges: dict, skipped: set) -> dict:
+    """Module -> the project's modules it imports that the order has not come to yet (later in
+    it, or nowhere in it and not to be skipped)."""
+    found = {}
+    for i, name in enumerate(order):
+        ahead = sorted(t for t in edges[name] if t not in order[:i] and t not in skipped)
+        if ahead:
+            found[name] = ahead
+    return found
+
+
+def test_the_readme_reads_in_import_order():
+    edges = graph()
+    order, skipped = readme_order(README.read_text(), set(edges))
+    assert order[:3] == ["minitransformer.config", "minitransformer.shape",
+                         "minitransformer.model"] and "minitransformer.linear" in skipped
+    assert len(order) == len(set(order)) and not set(order) & skipped
+    assert forward_references(order, edges, skipped) == {}
+
+
+def test_the_package_docstring_gives_the_readme_s_order():
+    """Its list names the files in a column (indented 4, continued at 6), then says what they
+    are after two spaces; its skip paragraph names them as plain words."""
+    import minitransformer
+    known = set(graph())
+    steps, skip = minitransformer.__doc__.split("Reading order", 1)[1].split(
+        "A first pass may skip:", 1)
+    column = " ".join(re.findall(r"^ {4,6}(\S+(?: \S+)*)", steps.split("\n\n", 1)[1], re.M))
+    files = r"((?:\.\./)?[\w/]+(?:\.py|/))"
+    order, skipped = readme_order(README.read_text(), known)
+    assert named(column, known, files) == order
+    assert set(named(skip.split("\n\n", 1)[0], known, files)) == skipped
+
+
+def test_a_forward_reference_is_found():
+    edges = {"a": set(), "b": {"a", "skip"}, "c": {"d"}, "d": {"b"}, "skip": set()}
+    assert forward_references(["a", "b", "d", "c"], edges, {"skip"}) == {}
+    assert forward_references(["a", "b", "c", "d"], edges, {"skip"}) == {"c": ["d"]}
+    assert forward_references(["a", "b"], edges, set()) == {"b": ["skip"]}  # named nowhere
