@@ -44,8 +44,8 @@ class Model:
 
     @property
     def layers(self) -> tuple:
-        """Layer per layer: the weights as the forward pass multiplies them (fused.py). A draft
-        of the first layers shares its target's and has as many as its config says."""
+        """Layer per layer: the weights as the forward pass multiplies them (fused.py); a draft
+        of the first layers has as many as its config says."""
         return self.fused.layers[:self.config.num_hidden_layers]
 
 
@@ -57,11 +57,8 @@ def rms_norm(x, weight, eps):
 
 def rope_angles(positions, d, theta):
     """Positions (B, T) on the device -> cos, sin (B, T, 1, d) of RoPE's rotation angles, the
-    first half of sin negated (see rope).
-
-    Pair i of a head turns by position * theta^(-2i/d). The angles depend on the positions
-    only, so a forward pass computes them once and every layer's q and k reuse them.
-    """
+    first half of sin negated (see rope). Pair i of a head turns by position * theta^(-2i/d):
+    the angles depend on the positions only, so every layer's q and k reuse them."""
     inv_freq = 1.0 / (theta ** (xp.arange(0, d, 2, dtype=xp.float32) / d))  # (d/2,)
     angles = positions[..., None].astype(xp.float32) * inv_freq               # (B, T, d/2)
     angles = xp.concatenate([angles, angles], axis=-1)[:, :, None, :]          # (B, T, 1, d)
@@ -110,13 +107,12 @@ def attention(q, k, v, visible=None):
     Query head h reads kv head h // G: the queries are grouped, the keys are never repeated,
     so the cache holds Hkv heads and no more.
 
-    The group reshape, on H = 4 query heads over Hkv = 2 kv heads (G = 2), one token:
+    The group reshape, on H = 4 query heads over Hkv = 2 kv heads (G = 2), one token: kv head
+    0 serves query heads 0 and 1, kv head 1 serves 2 and 3, as HF's repeat_kv does.
     >>> heads = xp.arange(4).reshape(1, 1, 4, 1)        # (B, T, H, d): query head h holds h
     >>> from minitransformer.backend import to_numpy
     >>> to_numpy(heads.reshape(1, 1, 2, 2, 1).transpose(0, 2, 3, 1, 4)[0, :, :, 0, 0]).tolist()
     [[0, 1], [2, 3]]
-
-    kv head 0 serves query heads 0 and 1, kv head 1 serves 2 and 3, as HF's repeat_kv does.
     """
     B, T, H, d = q.shape
     Hkv, S = k.shape[1], k.shape[2]
@@ -132,10 +128,9 @@ def attention(q, k, v, visible=None):
 
 @dataclass(frozen=True)
 class Attention:
-    """A way to attend: the function, and the mask it reads (made once per forward pass from
-    the queries' positions (B, T) on the device and the S slots they attend over)."""
+    """A way to attend: the function, and the mask it reads, made once per forward pass."""
     attend: object           # (q, k, v, visible) -> (B, T, H*d), as attention above
-    mask: object             # (positions, S) -> visible (B, T, S), as causal_mask, or a stand-in
+    mask: object             # (positions (B, T), S) -> visible, as causal_mask, or a stand-in
 
 
 PLAIN = Attention(attention, causal_mask)  # the other way: tiled.py
