@@ -16,7 +16,7 @@ import argparse
 import numpy as np
 
 from _common import (Progress, add_engine_arguments, add_model_argument, add_threads_argument,
-                     add_timing_arguments, load_model, positive_ints, timing_header)
+                     add_timing_arguments, load_model, positive_int, positive_ints, timing_header)
 from _table import Table
 import minitransformer as mt
 from minitransformer.serve.config import EngineConfig
@@ -25,26 +25,30 @@ from minitransformer.serve.records import Request
 from minitransformer.measure.timing import time_together
 
 
+def span(text):
+    """argparse type: 'LO-HI', two integers 1 <= LO <= HI -> (LO, HI)."""
+    try:
+        lo, hi = (int(x) for x in text.split("-"))
+    except ValueError:
+        lo = hi = 0
+    if not 1 <= lo <= hi:
+        raise argparse.ArgumentTypeError(f"expected LO-HI with 1 <= LO <= HI, got {text!r}")
+    return lo, hi
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_model_argument(parser)
-    parser.add_argument("--requests", type=int, default=24)
-    parser.add_argument("--prompt-len", default="8-48", help="range of prompt lengths")
-    parser.add_argument("--new-tokens", default="8-64", help="range of output lengths")
+    parser.add_argument("--requests", type=positive_int, default=24)
+    parser.add_argument("--prompt-len", type=span, default="8-48", help="range of prompt lengths")
+    parser.add_argument("--new-tokens", type=span, default="8-64", help="range of output lengths")
     parser.add_argument("--slots", type=positive_ints, default="4,8,16",
                         help="engine slot counts to run")
     add_engine_arguments(parser, slots=None)
     add_timing_arguments(parser, repeat=2, runs="runs of each way, side by side,")
     add_threads_argument(parser)
     args = parser.parse_args(argv)
-    try:
-        p_lo, p_hi = (int(x) for x in args.prompt_len.split("-"))
-        n_lo, n_hi = (int(x) for x in args.new_tokens.split("-"))
-    except ValueError:
-        parser.error("--prompt-len and --new-tokens take LO-HI")
-    if min(p_lo, n_lo, args.requests) < 1 or p_lo > p_hi or n_lo > n_hi:
-        parser.error("lengths and --requests must be >= 1, ranges LO <= HI")
-    slot_counts = args.slots
+    (p_lo, p_hi), (n_lo, n_hi), slot_counts = args.prompt_len, args.new_tokens, args.slots
 
     model = load_model(args.model)
     rng = np.random.default_rng(args.seed)

@@ -32,7 +32,7 @@ from functools import partial
 import numpy as np
 
 from _common import (Progress, add_model_argument, add_prompt_arguments, add_threads_argument,
-                     load_model, model_name, model_path, say)
+                     at_least, load_model, model_name, model_path, say)
 from _table import Table
 import minitransformer as mt
 from minitransformer.backend import to_numpy
@@ -81,6 +81,44 @@ def long_prefill(model, tokens: int) -> dict:
     return peaks, float(np.abs(hidden["plain"] - hidden["tiled"]).max())
 
 
+def memory_table(model, P, N, runs, counter, threads, prefill) -> Table:
+    """Peaks beyond the weights, with and without the cache; prefill: (model, tokens, peaks,
+    largest difference) of the long prefill, plain against tiled, or None."""
+    c = model.config
+    (slow, peak_slow), (fast, peak_fast) = runs["recompute"], runs["cache"]
+    cache_held = (P + N) * kv_bytes_per_token(c, 4)
+    same = sum(a == b for a, b in zip(slow, fast))
+    table = Table(f"Experiment 4: memory with and without the KV cache ({P}-token prompt, {N} "
+                  "new tokens, greedy, float32)", experiment=4,
+                  columns=[("method", ""), ("peak beyond weights", format_bytes),
+                           ("bytes", ",d")])
+    weights = format_bytes(sum(resident_bytes(model).values()))
+    table.header(f"measured: {counter}, during generation, above the resident weights "
+                 f"({weights}, loaded before counting started); "
+                 f"memory does not depend on timing ({threads})")
+    table.row("no cache (full recompute)", peak_slow, peak_slow)
+    table.row("KV cache (prefill + decode)", peak_fast, peak_fast)
+    if prefill:
+        long_model, n, prefill_peaks, prefill_diff = prefill
+        lc = long_model.config
+        for attention in ("plain", "tiled"):
+            table.row(f"{n:,}-token prefill, {attention} attention", prefill_peaks[attention],
+                      prefill_peaks[attention])
+    table.note(f"no cache / cache: {peak_slow / peak_fast:.1f}x the memory",
+               f"of the cached run's peak, the cache itself: {cache_held:,} B ({P + N} slots x "
+               f"{kv_bytes_per_token(c, 4):,} B/token in float32, preallocated; exact, "
+               "experiment 8)",
+               f"tokens identical: {same} of {N}")
+    if prefill:
+        scores = lc.num_attention_heads * n * n * 4
+        table.note(f"long prefill on {model_name(long_model)} ({lc.num_attention_heads} heads): "
+                   f"plain / tiled {prefill_peaks['plain'] / prefill_peaks['tiled']:.1f}x the "
+                   f"memory; the plain one's scores alone are {lc.num_attention_heads} x {n:,} x "
+                   f"{n:,} x 4 = {scores:,} B per layer; hidden states plain vs tiled: max "
+                   f"|difference| {prefill_diff:.1e}")
+    return table
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_model_argument(parser)
@@ -88,7 +126,7 @@ def main(argv=None):
                                       "recompute costs O(N^2) passes, so fewer is much faster)")
     parser.add_argument("--prefill-model", default="smollm2", metavar="PATH|NAME",
                         help="the model of the long prefill (default: smollm2)")
-    parser.add_argument("--prefill-tokens", type=int, default=2048,
+    parser.add_argument("--prefill-tokens", type=at_least(0), default=2048,
                         help="tokens of the long prefill, plain against tiled attention "
                              "(default: 2048; 0 leaves it out)")
     add_threads_argument(parser)
@@ -100,54 +138,22 @@ def main(argv=None):
         parser.error(f"need P >= 1, N >= 1 and P + N <= {c.max_position_embeddings} "
                      f"(the model's positions), got P={P}, N={N}")
 
-    if args.prefill_tokens < 0:
-        parser.error("--prefill-tokens must be >= 0")
     model = load_model(path)
     prompt = np.random.default_rng(0).integers(0, c.vocab_size, P).tolist()
     mt.generate(model, prompt[:4], 2)  # warm-up: first-call allocations out of the numbers
     threads = limit_threads(args.threads or None)
     say(f"generating {N} tokens after a {P}-token prompt, recompute then cache ...")
     runs, counter = peaks_both_ways(model, prompt, N)
-    (slow, peak_slow), (fast, peak_fast) = runs["recompute"], runs["cache"]
-    cache_held = (P + N) * kv_bytes_per_token(c, 4)
-    same = sum(a == b for a, b in zip(slow, fast))
+    prefill = None
     if args.prefill_tokens:
         long_model = load_model(model_path(args.prefill_model))
         n = args.prefill_tokens
         if n > long_model.config.max_position_embeddings:
             parser.error(f"--prefill-tokens {n} exceeds the prefill model's "
                          f"{long_model.config.max_position_embeddings} positions")
-        prefill_peaks, prefill_diff = long_prefill(long_model, n)
-
-    table = Table(f"Experiment 4: memory with and without the KV cache ({P}-token prompt, {N} "
-                  "new tokens, greedy, float32)", experiment=4,
-                  columns=[("method", ""), ("peak beyond weights", format_bytes),
-                           ("bytes", ",d")])
-    weights = format_bytes(sum(resident_bytes(model).values()))
-    table.header(f"measured: {counter}, during generation, above the resident weights "
-                 f"({weights}, loaded before counting started); "
-                 f"memory does not depend on timing ({threads})")
-    table.row("no cache (full recompute)", peak_slow, peak_slow)
-    table.row("KV cache (prefill + decode)", peak_fast, peak_fast)
-    if args.prefill_tokens:
-        lc = long_model.config
-        for attention in ("plain", "tiled"):
-            table.row(f"{n:,}-token prefill, {attention} attention", prefill_peaks[attention],
-                      prefill_peaks[attention])
-    table.note(f"no cache / cache: {peak_slow / peak_fast:.1f}x the memory",
-               f"of the cached run's peak, the cache itself: {cache_held:,} B ({P + N} slots x "
-               f"{kv_bytes_per_token(c, 4):,} B/token in float32, preallocated; exact, "
-               "experiment 8)",
-               f"tokens identical: {same} of {N}")
-    if args.prefill_tokens:
-        scores = lc.num_attention_heads * n * n * 4
-        table.note(f"long prefill on {model_name(long_model)} ({lc.num_attention_heads} heads): "
-                   f"plain / tiled {prefill_peaks['plain'] / prefill_peaks['tiled']:.1f}x the "
-                   f"memory; the plain one's scores alone are {lc.num_attention_heads} x {n:,} x "
-                   f"{n:,} x 4 = {scores:,} B per layer; hidden states plain vs tiled: max "
-                   f"|difference| {prefill_diff:.1e}")
-    table.show()
-    return 0 if same == N else 1
+        prefill = (long_model, n, *long_prefill(long_model, n))
+    memory_table(model, P, N, runs, counter, threads, prefill).show()
+    return 0 if runs["recompute"][0] == runs["cache"][0] else 1
 
 
 if __name__ == "__main__":

@@ -55,6 +55,8 @@ def fails(run_script, name, argv) -> str:
      "argument --lengths: expected an integer >= 1, got 0"),
     ("exp13_engine", ["--model", "{tiny}", "--seed", "-3"],
      "argument --seed: expected an integer >= 0, got -3"),
+    ("bench_engine", ["--model", "{tiny}", "--prompt-len", "8-4"],
+     "argument --prompt-len: expected LO-HI with 1 <= LO <= HI, got '8-4'"),
 ])
 def test_bad_invocation_is_one_error_line_and_status_2(tiny, tmp_path, run_script, name, argv,
                                                        words):
