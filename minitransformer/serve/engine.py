@@ -4,9 +4,9 @@ Each ``step`` is plan -> run -> commit, each part in its own module:
   plan    scheduler.py decides on the block manager's books alone (blocks.py): who is
           preempted, who decodes, which prompt chunks prefill within the token budget, who
           is admitted;
-  run     here: the pool does the plan's copies and swaps (paged.py), one batched forward
-          pass for the decodes and one per prompt chunk, the head, sampling, logprobs,
-          timings;
+  run     here: the pool does the plan's copies and swaps (paged.py), the forward passes
+          (one batched decode and one per prompt chunk; with chunked prefill, all of them
+          in ONE pass over a ragged batch of tokens), the head, sampling, logprobs, timings;
   commit  the scheduler stamps first tokens and retires those that made their last.
 A request of n > 1 samples is fanned out here, before the scheduler, into n sequences (ids
 id .. id + n - 1, seeds seed + i) that share its one prefill. The policies differ twice:
@@ -47,9 +47,9 @@ from minitransformer.kvquant import cache_bytes_per_token
 from minitransformer.logprobs import check_top, token_logprob
 from minitransformer.model import forward, head
 from minitransformer.sampling import check_sampling, next_token
-from minitransformer.serve.blocks import blocks_for
+from minitransformer.serve.blocks import Copy, blocks_for
 from minitransformer.serve.config import EngineConfig
-from minitransformer.serve.paged import PagedCache
+from minitransformer.serve.paged import PagedCache, RaggedView
 from minitransformer.serve.records import Request, Result, Run
 from minitransformer.serve.scheduler import Scheduler, Sequence, close
 
@@ -183,9 +183,13 @@ class Engine:
         plan = self.scheduler.schedule(self.clock)
         if not self.running() and self.waiting:  # an empty pool refused the first request
             raise RuntimeError("nothing running and the first request cannot be admitted")
-        made = self._decode(plan.decode)
-        for chunk in plan.prefill:
-            made += self._prefill(chunk)
+        passes = [plan.decode] * bool(plan.decode.rows) + plan.prefill
+        if self._together(passes):
+            made = self._mixed(plan, passes)
+        else:
+            made = self._decode(plan.decode)
+            for chunk in plan.prefill:
+                made += self._prefill(chunk)
         self.cache.do(plan.moves)
         synchronize()
         self.clock += time.perf_counter() - start
@@ -217,6 +221,52 @@ class Engine:
         if self.history:
             self.decode_times.append((len(rows), time.perf_counter() - start))
         return [seq for seq in rows if not seq.finished]
+
+    def _together(self, passes) -> bool:
+        """Run the step's passes as one? With chunked prefill, in the default mode (batch-
+        invariant keeps each row's own calls); not when a later pass needs a copy of a block
+        an earlier one writes (a prompt cached in full behind the chunk filling its last
+        block): the copies come first."""
+        return self.scheduler.budget is not None and not self.batch_invariant and \
+            len(passes) > 1 and \
+            not any(isinstance(move, Copy) for work in passes[1:] for move in work.moves)
+
+    def _mixed(self, plan, passes) -> list:
+        """The decodes and the prompt chunks of a step in ONE forward pass, a ragged batch of
+        tokens (paged.RaggedView): every weight read once -> the sequences that sampled."""
+        for work in passes:
+            self.cache.do(work.moves)
+        start = time.perf_counter()
+        parts = [(seq, first, work) for work in passes for seq, first in zip(work.rows,
+                                                                             work.starts)]
+        ids = np.array([[t for seq, first, work in parts                         # (1, R)
+                         for t in seq.tokens[first:first + work.n]]])
+        view = RaggedView(self.cache, [seq.result.id for seq, _, _ in parts],
+                          [first for _, first, _ in parts], [work.n for _, _, work in parts])
+        hidden = forward(self.model, ids, view)                                   # (1, R, D)
+        picked = [i for i, (_, _, work) in enumerate(parts) if work is plan.decode or work.firsts]
+        logits = to_numpy(head(self.model, hidden[:, view.edges[1:][picked] - 1]))[0]  # (m, V)
+        made = []
+        for i, (seq, first, work) in enumerate(parts):
+            if work is not plan.decode and seq.result.request.prompt_logprobs is not None:
+                self._score_prompt(seq, hidden[:, view.edges[i]:view.edges[i + 1]], first)
+        for i, z in zip(picked, logits):
+            seq, _, work = parts[i]
+            if work is not plan.decode:                  # a prompt's last chunk
+                for member in work.firsts:
+                    self._sample(member, z)
+                made += work.firsts
+            elif seq.finished:
+                self.cache.trim(seq.result.id, 1)      # a padding row never grows
+            else:
+                self._sample(seq, z)
+                made.append(seq)
+        if self.history:            # one pass for both: each list gets its whole time
+            seconds = time.perf_counter() - start
+            self.decode_times += [(len(work.rows), seconds) for work in passes[:1]
+                                  if work is plan.decode]
+            self.prefill_times += [(work.n, seconds) for work in passes if work is not plan.decode]
+        return made
 
     def _prefill(self, work) -> list:
         """A chunk of one prompt, in one forward pass -> its samples, with their first tokens

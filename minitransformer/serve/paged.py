@@ -199,6 +199,53 @@ class PagedView:
         self.starts = self.starts + T
 
 
+class RaggedView:
+    """Several sequences' new tokens flattened into one row of R tokens, as vLLM and
+    Sarathi-Serve batch a step: segment i is counts[i] tokens of sequence ids[i] from position
+    starts[i] (a decode: one token; a prompt chunk: many). Every product of the pass takes the
+    R tokens at once, so each weight is read once for the decodes and the chunks together;
+    attention is per segment, over its own sequence's blocks, causal within it (a PagedView
+    per segment). For a plan that has counted the tokens (``append``); ids are distinct."""
+
+    def __init__(self, cache: PagedCache, ids, starts, counts):
+        self.parts = [cache.view([s], [start]) for s, start in zip(ids, starts)]
+        self.cache, self.counts = cache, list(counts)
+        self.edges = np.cumsum([0] + self.counts)         # segment i: tokens edges[i]:edges[i+1]
+
+    def positions(self, T: int) -> np.ndarray:
+        """(1, R): each token its own position."""
+        if T != self.edges[-1]:
+            raise ValueError(f"a ragged view of {self.edges[-1]} tokens was given {T}")
+        return np.concatenate([part.positions(n) for part, n in zip(self.parts, self.counts)],
+                              axis=1)
+
+    def _segments(self, positions) -> list:
+        return [positions[:, a:b] for a, b in zip(self.edges[:-1], self.edges[1:])]
+
+    def slots(self, positions: np.ndarray) -> list:
+        return [part.slots(p) for part, p in zip(self.parts, self._segments(positions))]
+
+    def mask(self, positions: np.ndarray) -> list:
+        return [part.mask(p) for part, p in zip(self.parts, self._segments(positions))]
+
+    def update(self, layer: int, k, v, slots):
+        """k, v (1, R, Hkv, d) into each segment's slots -> per segment, its sequence's keys
+        and values (1, Hkv, S_i, d) (each written before it is read)."""
+        held = [part.update(layer, k[:, a:b], v[:, a:b], s) for part, a, b, s in
+                zip(self.parts, self.edges[:-1], self.edges[1:], slots)]
+        return [k for k, _ in held], [v for _, v in held]
+
+    def attend(self, q, k, v, visible):
+        """q (1, R, H, d), per segment its keys, values and mask -> (1, R, H*d)."""
+        return xp.concatenate([part.attend(q[:, a:b], k_i, v_i, m_i) for part, a, b, k_i, v_i, m_i
+                               in zip(self.parts, self.edges[:-1], self.edges[1:], k, v,
+                                      visible)], axis=1)
+
+    def advance(self, T: int) -> None:
+        for part, n in zip(self.parts, self.counts):
+            part.advance(n)
+
+
 def block_table(seqs, nb: int) -> np.ndarray:
     """The rows' block tables as one (B, nb) host array. Short rows are padded with their own
     first block: slots past a row's length, which the attention mask hides."""

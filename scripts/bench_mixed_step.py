@@ -1,0 +1,117 @@
+"""Benchmark: a serving step's decodes and prompt chunk in one forward pass, or in two.
+
+With chunked prefill a step decodes the running sequences and computes a chunk of a waiting
+prompt. Two passes read every weight twice; one pass over the flattened tokens (the engine's
+ragged view, paged.RaggedView, as vLLM and Sarathi-Serve batch a step) reads it once. Timed side
+by side, on the engine's own pool: the decodes alone, the chunk alone, the two one after the
+other, and the one mixed pass (its head over the decodes' rows), each rolled back after.
+"""
+import argparse
+
+import numpy as np
+
+from _common import (add_model_argument, add_threads_argument, load_model, positive_int,
+                     timing_header)
+from _table import Table
+from minitransformer.generate import last_logits
+from minitransformer.measure.timing import time_together
+from minitransformer.model import forward, head
+from minitransformer.serve.paged import PagedCache, RaggedView
+
+
+def pool(model, decodes, context, prompt_len, chunk_start, block_size, seed):
+    """A pool holding `decodes` sequences of `context` tokens and a prompt's first
+    `chunk_start` tokens -> (cache, the decodes' ids, the prompt's id, its tokens)."""
+    rng = np.random.default_rng(seed)
+    V, bs = model.config.vocab_size, block_size
+    blocks = decodes * (context // bs + 2) + prompt_len // bs + 2
+    cache = PagedCache.allocate(model.config, blocks, block_size)
+    for s in range(decodes):
+        tokens = rng.integers(0, V, context).tolist()
+        cache.add(s, tokens)
+        forward(model, np.array([tokens]), cache.view([s]))
+    prompt = rng.integers(0, V, prompt_len).tolist()
+    cache.add("prompt", prompt)
+    if chunk_start:
+        forward(model, np.array([prompt[:chunk_start]]), cache.view(["prompt"]))
+    return cache, list(range(decodes)), "prompt", prompt
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_model_argument(parser, default="smollm2")
+    parser.add_argument("--decodes", type=positive_int, default=4, help="sequences decoding")
+    parser.add_argument("--context", type=positive_int, default=64,
+                        help="tokens each decoding sequence holds (default: 64)")
+    parser.add_argument("--prompt-len", type=positive_int, default=600)
+    parser.add_argument("--chunk", type=positive_int, default=64,
+                        help="prompt tokens a step: the budget less the decodes (default: 64)")
+    parser.add_argument("--chunk-start", type=int, default=0,
+                        help="the chunk's first position in the prompt (default: 0)")
+    parser.add_argument("--block-size", type=positive_int, default=16)
+    parser.add_argument("--repeat", type=positive_int, default=5)
+    parser.add_argument("--seed", type=int, default=0)
+    add_threads_argument(parser)
+    args = parser.parse_args(argv)
+    if not 0 <= args.chunk_start <= args.prompt_len - args.chunk:
+        parser.error(f"--chunk-start must be in [0, {args.prompt_len - args.chunk}]")
+
+    model = load_model(args.model)
+    ran_on = timing_header(args)
+    cache, ids, p, prompt = pool(model, args.decodes, args.context, args.prompt_len,
+                                 args.chunk_start, args.block_size, args.seed)
+    newest = np.array([[7]] * len(ids))                                      # (B, 1)
+    first, n = args.chunk_start, args.chunk
+    chunk = np.array([prompt[first:first + n]])                              # (1, n)
+
+    def decodes():
+        return last_logits(model, newest, cache.view(ids, cache.append(ids, 1)))
+
+    def alone():
+        return forward(model, chunk, cache.view([p], cache.append([p], n)))
+
+    def two_passes():
+        decodes()
+        alone()
+
+    def one_pass():
+        starts = cache.append(ids, 1) + cache.append([p], n)
+        view = RaggedView(cache, ids + [p], starts, [1] * len(ids) + [n])
+        tokens = np.concatenate([newest[:, 0], chunk[0]])[None]              # (1, B + n)
+        hidden = forward(model, tokens, view)                                 # (1, B + n, D)
+        return head(model, hidden[:, :len(ids)])                             # the decodes'
+
+    def undo_decodes():
+        for s in ids:
+            cache.trim(s, 1)
+
+    def undo_chunk():
+        cache.trim(p, n)
+
+    def undo_both():
+        undo_decodes()
+        undo_chunk()
+
+    timings = time_together([decodes, alone, two_passes, one_pass], warmup=1,
+                            repeat=args.repeat,
+                            after=[undo_decodes, undo_chunk, undo_both, undo_both])
+    table = Table("Benchmark: a step's decodes and prompt chunk, one forward pass or two",
+                  columns=[("step", ""), ("min ms", ".1f"), ("median ms", ".1f")])
+    table.header(f"{args.decodes} sequences decoding at {args.context} tokens while a "
+                 f"{args.prompt_len}-token prompt arrives: a chunk of {n} tokens from position "
+                 f"{first} (a budget of slots + {n}); blocks of {args.block_size}; the fastest "
+                 f"and the median of {args.repeat}+ rounds, side by side", ran_on)
+    names = [f"{args.decodes} decodes alone", f"the {n}-token chunk alone",
+             "both, two passes", "both, one pass (ragged)"]
+    for name, t in zip(names, timings):
+        table.row(name, 1e3 * t.best, 1e3 * t.median)
+    d, c, _, mixed = timings
+    table.note(f"one pass / (decodes alone + chunk alone): {mixed.best / (d.best + c.best):.2f} "
+               f"(fastest), {mixed.median / (d.median + c.median):.2f} (median); target <= 0.9")
+    table.show()
+    return 0
+
+
+if __name__ == "__main__":
+    from _common import run
+    run(main)

@@ -1,0 +1,110 @@
+"""One forward pass per serving step: with chunked prefill, the step's decodes and its prompt
+chunks go through the layers as one ragged batch of tokens (paged.RaggedView), every weight
+multiplied once; tokens obey the near-tie rule, as a chunked prefill's do (conftest's policy),
+and batch-invariant mode keeps each row's own calls."""
+import numpy as np
+import pytest
+
+import minitransformer.linear as linear_module
+import minitransformer.serve.engine as engine_module
+import minitransformer as mt
+from minitransformer.logprobs import log_softmax
+from minitransformer.model import forward
+from minitransformer.serve.config import EngineConfig
+from minitransformer.serve.engine import Engine
+from minitransformer.serve.records import Request
+from test_engine import assert_pool_whole, assert_solo
+from test_logprobs import TOLERANCE, assert_model_logprobs
+
+
+def streams_and_a_prompt(model, budget=7, batch_invariant=False):
+    """Two streams decode; then a 20-token prompt arrives (and a second behind it) ->
+    the engine, stepped until the streams have made a token each."""
+    engine = Engine(model, EngineConfig(max_num_seqs=4, num_gpu_blocks_override=40,
+                                        block_size=4, max_num_batched_tokens=budget,
+                                        batch_invariant=batch_invariant), history=True)
+    for n in (2, 3):
+        engine.submit(Request(tuple(range(1, n + 1)), 12, eos_token_id=[]))
+    while not all(r.tokens for r in engine.results.values()):
+        engine.step()
+    for start in (5, 40):
+        engine.submit(Request(tuple(range(start, start + 20)), 4, arrival=engine.clock,
+                              eos_token_id=[]))
+    return engine
+
+
+def counted(monkeypatch):
+    """-> (forward calls' ids shapes, products made) of the steps taken while counting."""
+    passes, products, real_multiply = [], [], linear_module.multiply
+    monkeypatch.setattr(engine_module, "forward", lambda model, ids, *a, **k:
+                        passes.append(np.shape(ids)) or forward(model, ids, *a, **k))
+    monkeypatch.setattr(linear_module, "multiply", lambda x, w, out=None:
+                        products.append(x.shape[0]) or real_multiply(x, w, out))
+    return passes, products
+
+
+def test_a_step_of_decodes_and_a_chunk_reads_every_weight_once(tiny_model, monkeypatch):
+    engine = streams_and_a_prompt(tiny_model)
+    passes, products = counted(monkeypatch)
+    engine.step()                   # two decodes and a chunk of 5 tokens (the budget's 7)
+    layers = tiny_model.config.num_hidden_layers
+    assert passes == [(1, 7)]
+    assert len(products) == 4 * layers + 1            # qkv, o, gate_up, down; the head once
+    assert products[:-1] == [7] * 4 * layers and products[-1] == 2   # head: the decodes'
+    while engine.running() or engine.waiting:
+        engine.step()
+    assert all(shape[0] == 1 for shape in passes)     # every step one pass (or a lone decode)
+    assert_solo(tiny_model, engine.results.values())  # the near-tie rule
+    assert_pool_whole(engine)
+
+
+def test_batch_invariant_mode_keeps_each_rows_own_calls(tiny_model, monkeypatch):
+    engine = streams_and_a_prompt(tiny_model, batch_invariant=True)
+    _, products = counted(monkeypatch)
+    engine.step()
+    layers = tiny_model.config.num_hidden_layers      # each decode alone, then the chunk
+    assert products == [1] * (4 * layers + 1) * 2 + [5] * 4 * layers   # (no head: not last)
+    while engine.running() or engine.waiting:
+        engine.step()
+    assert_solo(tiny_model, engine.results.values(), batch_invariant=True)
+
+
+@pytest.mark.parametrize("budget", [5, 9, 30])
+def test_mixed_steps_keep_every_token_and_logprob_within_the_rule(tiny_model, budget):
+    """Prompt logprobs and token logprobs from a mixed pass's rows, and prompts that end
+    inside it (their first tokens from the chunk's last row)."""
+    engine = streams_and_a_prompt(tiny_model, budget)
+    prompt = tuple(range(60, 75))
+    first = engine.submit(Request(prompt, 3, eos_token_id=[], logprobs=1, prompt_logprobs=1,
+                                  arrival=engine.clock))
+    while engine.running() or engine.waiting:
+        engine.step()
+    result = engine.results[first]
+    scored, ref = result.prompt_logprobs, log_softmax(mt.logits(tiny_model, list(prompt)))
+    assert scored[0] is None and [s.token for s in scored[1:]] == list(prompt[1:])
+    assert max(abs(s.logprob - ref[t, s.token]) for t, s in enumerate(scored[1:])) < TOLERANCE
+    assert_model_logprobs(tiny_model, prompt, result.logprobs, 1)
+    assert_solo(tiny_model, engine.results.values())
+    assert_pool_whole(engine)
+
+
+def test_a_prompt_cached_in_full_behind_the_chunk_that_fills_it_copies_after_that_pass(
+        tiny_model, monkeypatch):
+    """A stream decodes while two equal 8-token prompts arrive: the second finds both of the
+    first's blocks named in the same plan and copies the last before writing its last token;
+    the copy must read what the first's pass wrote, so that step runs its passes apart."""
+    engine = Engine(tiny_model, EngineConfig(max_num_seqs=3, num_gpu_blocks_override=20,
+                                             block_size=4, max_num_batched_tokens=12),
+                    history=True)
+    engine.submit(Request((1, 2, 3), 6, eos_token_id=[]))
+    engine.step()
+    prompt = tuple(range(30, 38))
+    for _ in range(2):
+        engine.submit(Request(prompt, 3, arrival=engine.clock, eos_token_id=[]))
+    passes, _ = counted(monkeypatch)
+    engine.step()
+    assert engine.results[2].cached_tokens == 7 and passes == [(1, 8), (1, 1)]
+    while engine.running() or engine.waiting:
+        engine.step()
+    assert engine.results[1].tokens == engine.results[2].tokens
+    assert_solo(tiny_model, engine.results.values())
