@@ -137,6 +137,24 @@ def test_an_unknown_attention_is_a_clear_error(tiny_model, bad):
         tiled_attention(*qkv(1, 1, 1, 1, 4, 8), block=0)
 
 
+def test_one_tile_is_the_softmax_formula_in_float32_bit_for_bit():
+    """Queries and keys within one tile: nothing is rescaled (the running sums start at 0 and
+    take the tile's sums exactly), so the result is softmax's formula with the row maximum
+    subtracted, computed in float32 by the same products: the same bits. (A running maximum
+    or sum kept wider than float32 would make the tile's exps and products wider: other bits.)"""
+    B, T, H, Hkv, S, d = 1, 5, 4, 2, 40, 16
+    G = H // Hkv
+    q, k, v = qkv(B, T, H, Hkv, S, d)
+    qg = q.reshape(B, T, Hkv, G, d).transpose(0, 2, 3, 1, 4).reshape(B, Hkv, G * T, d)
+    s = (qg @ k.transpose(0, 1, 3, 2)) * (1.0 / d ** 0.5)                 # (B, Hkv, G*T, S)
+    p = xp.exp(s - s.max(axis=-1, keepdims=True))
+    want = (p @ v) / p.sum(axis=-1, keepdims=True)                          # (B, Hkv, G*T, d)
+    want = want.reshape(B, Hkv, G, T, d).transpose(0, 3, 1, 2, 4).reshape(B, T, H * d)
+    got = tiled_attention(q, k, v)
+    assert got.dtype == np.float32
+    np.testing.assert_array_equal(to_numpy(got), to_numpy(want))
+
+
 @pytest.mark.skipif(xp is not np, reason="tracemalloc sees NumPy's allocations only")
 def test_never_holds_the_score_matrix():
     """A 1,024-token causal prefill of one head: the plain attention's scores are 4 MiB (and

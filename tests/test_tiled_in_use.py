@@ -66,6 +66,27 @@ def test_forward_runs_the_tiled_function_in_every_layer(tiny_model):
     assert step["tiled"] == L and step["plain"] == 0
 
 
+def test_a_causal_prefill_computes_only_the_tiles_it_can_see(monkeypatch):
+    """256 queries over 256 keys in tiles of 64: of the 4 x 4 (query, key) tiles, the 6 above
+    the diagonal are every query's future and are skipped; each of the 10 others is computed,
+    making its tile of the mask. One decode query at the last position sees all 4 key tiles."""
+    made = []
+    make = tiled.CausalTiles.__getitem__
+    monkeypatch.setattr(tiled.CausalTiles, "__getitem__",
+                        lambda self, index: made.append(index[1:]) or make(self, index))
+    rng = np.random.default_rng(0)
+    n, d = 256, 8
+    k, v = (xp.asarray(rng.standard_normal((1, 1, n, d), dtype=np.float32)) for _ in "kv")
+    for T in (n, 1):
+        made.clear()
+        q = xp.asarray(rng.standard_normal((1, T, 1, d), dtype=np.float32))
+        positions = xp.arange(n - T, n)[None]                               # (1, T)
+        tiled.tiled_attention(q, k, v, tiled.CausalTiles(positions, n))
+        tiles = sorted((queries.start // 64, keys.start // 64) for queries, keys in made)
+        assert tiles == ([(i, j) for i in range(4) for j in range(i + 1)] if T == n else
+                         [(0, j) for j in range(4)])
+
+
 def test_generate_and_the_engine_pass_it_down(tiny_model):
     """Every forward pass generate and the engine make runs the tiled function, none the
     plain one: prefill and each decode step, with and without the cache."""
