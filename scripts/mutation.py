@@ -129,6 +129,26 @@ EQUIVALENT = {
         "after the previous end (or the check before raised), and so does every later one",
     "minitransformer.formats.gguf_file.xǁGGUFFileǁparse__mutmut_209":
         "end >= begin always holds: the same as mutant 208",
+    # tiled.py
+    "minitransformer.tiled.x_tiled_attention__mutmut_84":
+        "the running sum l kept in float64: the same formula rounded less; over one tile the "
+        "same bits (a float32 quotient rounded from float64 is the float32 quotient), over "
+        "several the last bits only, which the float32 tolerance forgives",
+    "minitransformer.tiled.x_tiled_attention__mutmut_86":
+        "l in float64 (zeros' default dtype): as mutant 84",
+    "minitransformer.tiled.x_tiled_attention__mutmut_91":
+        "the running output acc kept in float64: as mutant 84",
+    "minitransformer.tiled.x_tiled_attention__mutmut_93":
+        "acc in float64 (zeros' default dtype): as mutant 84",
+    "minitransformer.tiled.x_tiled_attention__mutmut_110":
+        "queries 0..i+t asked instead of i..i+t: positions rise along a row, so for the causal "
+        "tiles the largest is the same; for an explicit mask more rows only skip fewer tiles, "
+        "and a tile computed though all hidden adds exp(-inf) = 0",
+    "minitransformer.tiled.x_tiled_attention__mutmut_112":
+        "slice(i + t) is queries 0..i+t: as mutant 110",
+    "minitransformer.tiled.x_tiled_attention__mutmut_116":
+        "keys j.. to the end asked instead of j..j+block: the causal tiles read only the "
+        "start; for an explicit mask more keys only skip fewer tiles (as mutant 110)",
     # logprobs.py
     "minitransformer.logprobs.x_token_logprob__mutmut_15":
         "0 <= k: k 0 takes argpartition(..., -1)[:0], as empty as arange(V)[:0]",

@@ -137,11 +137,40 @@ def test_an_unknown_attention_is_a_clear_error(tiny_model, bad):
         tiled_attention(*qkv(1, 1, 1, 1, 4, 8), block=0)
 
 
+@pytest.mark.parametrize("block", [64, 16])
+def test_a_hidden_tile_between_visible_ones_is_skipped_not_the_rest(block):
+    """Keys 64..127 hidden from every query, those before and after visible: the hidden tiles
+    are skipped and the keys after them still count (the causal tiles never hide a span
+    before visible keys; an explicit mask may)."""
+    shape = (2, 6, 4, 2, 192, 8)
+    q, k, v = qkv(*shape, seed=3)
+    visible = np.ones((2, 6, 192), bool)
+    visible[:, :, 64:128] = False
+    visible = xp.asarray(visible)
+    assert_close(tiled_attention(q, k, v, visible, block), attention(q, k, v, visible), v)
+
+
+def test_each_query_row_keeps_its_own_maximum():
+    """Two queries whose scores lie 200 apart (about +100 and -100): each row's softmax is
+    shifted by its own maximum. Shifted by the larger one, the other row's exps would all
+    underflow to 0 (exp(-200) < float32's smallest), leaving 0 / 0."""
+    rng = np.random.default_rng(4)
+    d = 16
+    k = xp.asarray((1 + 0.1 * rng.standard_normal((1, 1, 8, d))).astype(np.float32))
+    v = xp.asarray(rng.standard_normal((1, 1, 8, d)).astype(np.float32))
+    q = xp.asarray(np.array([25.0, -25.0], np.float32)[None, :, None, None] *
+                   np.ones((1, 2, 1, d), np.float32))                  # scores ~ +-25 * 16 / 4
+    plain = attention(q, k, v, None)
+    assert np.isfinite(to_numpy(plain)).all()
+    for block in (64, 3):
+        assert_close(tiled_attention(q, k, v, None, block), plain, v)
+
+
 def test_one_tile_is_the_softmax_formula_in_float32_bit_for_bit():
     """Queries and keys within one tile: nothing is rescaled (the running sums start at 0 and
     take the tile's sums exactly), so the result is softmax's formula with the row maximum
     subtracted, computed in float32 by the same products: the same bits. (A running maximum
-    or sum kept wider than float32 would make the tile's exps and products wider: other bits.)"""
+    kept wider than float32 would make the tile's exps and products wider: other bits.)"""
     B, T, H, Hkv, S, d = 1, 5, 4, 2, 40, 16
     G = H // Hkv
     q, k, v = qkv(B, T, H, Hkv, S, d)
