@@ -896,3 +896,41 @@ def test_the_server_module_imports_without_the_serve_extra():
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     assert done.stdout == "the server needs the serve extra: pip install -e '.[serve]'\n"
+
+
+def test_a_stream_left_before_its_first_chunk_is_cancelled_and_counted(model):
+    """A client gone while the answer is starting, before the stream's first chunk (the stream
+    never started, so its own cleanup never ran): its request is cancelled and counted as an
+    abort all the same. Played at the ASGI level: the response's start is never sent, and
+    the client says it left."""
+    import asyncio
+
+    online = OnlineEngine(Engine(model, EngineConfig(max_num_seqs=1, block_size=4)))
+    app = create_app(online, NAME)
+    body = json.dumps({"model": NAME, "prompt": [5, 6], "max_tokens": 100, "stream": True,
+                       "ignore_eos": True}).encode()
+    scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"},
+             "http_version": "1.1", "method": "POST", "scheme": "http",
+             "path": "/v1/completions", "raw_path": b"/v1/completions", "query_string": b"",
+             "root_path": "", "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 80),
+             "headers": [(b"content-type", b"application/json"),
+                         (b"content-length", str(len(body)).encode())]}
+
+    async def client():
+        messages = [{"type": "http.request", "body": body, "more_body": False}]
+
+        async def receive():
+            return messages.pop(0) if messages else {"type": "http.disconnect"}
+
+        async def send(message):
+            if message["type"] == "http.response.start":
+                await asyncio.Event().wait()        # held: no chunk ever goes out
+        await app(scope, receive, send)
+    try:
+        asyncio.run(asyncio.wait_for(client(), 60))
+        metrics = app.state.serving.metrics
+        wait_for(lambda: 'finished_reason="abort",model_name="tiny-chat"} 1' in
+                 metrics.render(online.snapshot))
+        assert online.snapshot.running == online.snapshot.waiting == 0
+    finally:
+        online.close()

@@ -62,6 +62,7 @@ from minitransformer.serve.prometheus import ServingMetrics
 try:                            # the serve extra; the library imports without it
     from fastapi import FastAPI, Request
     from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+    from starlette.background import BackgroundTask
     from starlette.exceptions import HTTPException
     from starlette.requests import ClientDisconnect
 except ImportError:             # create_app says what to install
@@ -213,7 +214,8 @@ async def answer(http: Request, kind: str):
     prompt_tokens = sum(len(j.request.prompt) for j in jobs)
     if job.stream:
         return StreamingResponse(events(app, job, len(jobs), prompt_tokens, head, tickets,
-                                        tokens), media_type="text/event-stream")
+                                        tokens), media_type="text/event-stream",
+                                 background=BackgroundTask(drain, app, tickets, tokens))
     count = len(jobs) * job.request.n
     texts, named, reasons, total = [""] * count, [[] for _ in range(count)], {}, 0
     try:
@@ -402,6 +404,17 @@ async def pieces(app: App, job, stops, ticket, updates, arrival):
     finally:
         for _ in open_:
             metrics.ended(arrival, online.now(), "abort")
+
+
+async def drain(app: App, tickets, tokens):
+    """After a stream, however it ended. A client that left before its first chunk left the
+    stream unstarted, and its cleanup with it: here its request is cancelled and its samples
+    read to their end, so they are counted ("abort") as those of a stream left midway are.
+    (Otherwise a no-op: the stream cancelled and closed them.)"""
+    for ticket in tickets:
+        app.online.cancel(ticket)
+    async for _ in tokens:
+        pass
 
 
 async def watch(app: App, http: Request, tickets, tokens):
