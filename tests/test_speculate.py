@@ -122,8 +122,8 @@ def test_one_pass_gives_every_position_a_decode_steps_logits(model, batch_invari
     batch-invariant mode, within the float32 rounding of other shapes otherwise."""
     fed = {"a": [6, 11, 12], "b": [9, 13]}
     cache = prefilled(model)
-    cache.make_room(["a"], 3)
-    cache.make_room(["b"], 2)
+    cache.append(["a"], 3)          # counted in the books first, as a plan counts them
+    cache.append(["b"], 2)
     z = verify_logits(model, cache, ["a", "b"], [fed["a"], fed["b"]], batch_invariant)
     assert z.shape == (5, model.config.vocab_size)
     assert (cache.seqs["a"].length, cache.seqs["b"].length) == (8, 4)
@@ -154,6 +154,13 @@ def rows_of(tokens: dict, prompt_len: dict, settings=GREEDY, max_new=40):
             for s in tokens]
 
 
+def step(spec, cache, rows, batch_invariant=True):
+    """A step as the engine takes it: the plan holds each row's slot for its last token
+    (scheduler: blocks.append), then the speculator drafts and verifies."""
+    cache.append([row.seq_id for row in rows], 1)
+    return spec.step(cache, rows, batch_invariant)
+
+
 @pytest.fixture(scope="module")
 def close_calls(checkpoint_dir):
     """A model whose greedy tokens are not its last one again: drafts are kept and rejected."""
@@ -176,7 +183,7 @@ def test_a_step_keeps_what_greedy_keeps_and_trims_the_rest_back_to_the_pool(clos
     while any(len(tokens[s]) - len(prompts[s]) < new for s in tokens):
         live = {s: t for s, t in tokens.items() if len(t) - len(prompts[s]) < new}
         rows = rows_of(live, {s: len(prompts[s]) for s in live}, max_new=new)
-        out = spec.step(cache, rows, batch_invariant=True)
+        out = step(spec, cache, rows)
         for row, (kept, z) in zip(rows, out):
             assert len(z) == len(kept) >= 1
             tokens[row.seq_id] += kept
@@ -207,7 +214,7 @@ def test_named_and_shared_blocks_are_never_written_by_verification(model):
     before = [to_numpy(k[named]) for k in cache.k + cache.v]
     spec = Speculator(SpeculativeConfig(num_speculative_tokens=3), model)
     rows = rows_of({"a": list(prompt), "b": list(prompt)}, {"a": 6, "b": 6})
-    out = spec.step(cache, rows, batch_invariant=True)
+    out = step(spec, cache, rows)
     assert spec.counters.draft_tokens == 6
     assert all((to_numpy(k[named]) == old).all() for k, old in zip(cache.k + cache.v, before))
     assert cache.seqs["a"].blocks[1] != cache.seqs["b"].blocks[1]     # copied on write
@@ -227,7 +234,7 @@ def test_speculation_cuts_its_draft_to_the_free_blocks(model):
     while cache.num_free:           # fill the pool with another holder's blocks
         cache.add(len(cache.seqs), [3])
     spec = Speculator(SpeculativeConfig(num_speculative_tokens=4), model)
-    (kept, _), = spec.step(cache, rows_of({"a": prompt}, {"a": 5}))
+    (kept, _), = step(spec, cache, rows_of({"a": prompt}, {"a": 5}), batch_invariant=False)
     # the next token's block has one slot more: one proposal fits, no block is taken
     assert spec.counters.draft_tokens == 1 and cache.num_free == 0
     assert kept == mt.generate(model, prompt, len(kept), eos_token_id=[])
@@ -243,7 +250,7 @@ def test_a_draft_model_drafts_with_its_own_cache(close_calls):
     tokens = {s: list(p) for s, p in PROMPTS.items()}
     for _ in range(5):
         rows = rows_of(tokens, {s: len(PROMPTS[s]) for s in tokens}, max_new=30)
-        for row, (kept, _) in zip(rows, spec.step(cache, rows, batch_invariant=True)):
+        for row, (kept, _) in zip(rows, step(spec, cache, rows)):
             tokens[row.seq_id] += kept
             spec.settle(cache, row.seq_id, len(tokens[row.seq_id]) - 1)
             # the draft's cache holds no rejected proposal: at most the kept tokens

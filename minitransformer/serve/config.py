@@ -20,6 +20,7 @@ from minitransformer.checks import is_integer
 from minitransformer.kvquant import KV_DTYPES
 from minitransformer.tiled import ATTENTIONS
 from minitransformer.serve.blocks import blocks_for
+from minitransformer.serve.speculate import SpeculativeConfig
 
 POLICIES = ("static", "continuous")
 TOKENS_PER_SLOT = 1024      # the default pool: room for this many tokens in every slot
@@ -36,6 +37,7 @@ class EngineConfig:
     kv_cache_dtype: str = "f32"  # the pool's format: f32, f16, q8_0 or q4_0 (kvquant.py)
     attention: str = "plain"    # ours: "plain" or "tiled" (tiled.ATTENTIONS)
     batch_invariant: bool = False   # ours: per-row-exact decode (engine.py, "Exactness")
+    speculative_config: SpeculativeConfig = None    # drafts verified in the batch (speculate.py)
 
     def __post_init__(self):
         if self.policy not in POLICIES:
@@ -56,6 +58,10 @@ class EngineConfig:
                              f"{', '.join(KV_DTYPES)}")
         if not isinstance(self.attention, str) or self.attention not in ATTENTIONS:
             raise ValueError(f"attention={self.attention!r}: use one of {', '.join(ATTENTIONS)}")
+        spec = self.speculative_config
+        if spec is not None and not isinstance(spec, SpeculativeConfig):
+            raise ValueError(f"speculative_config={spec!r}: expected a SpeculativeConfig "
+                             f"(speculate.parse_speculative_config reads vLLM's JSON)")
         for name in ("enable_prefix_caching", "batch_invariant"):
             if not isinstance(getattr(self, name), (bool, np.bool_)):
                 raise ValueError(f"{name}={getattr(self, name)!r}: expected True or False")

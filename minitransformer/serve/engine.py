@@ -18,8 +18,15 @@ id .. id + n - 1, seeds seed + i) that share its one prefill. The policies diffe
                                                            (computed, thrown away) until
                                                            its batch ends
 
-Prefix caching, chunked prefill, parallel samples, logprobs, memory admission, the records
-kept and the exactness policy: docs/serving.md, "The engine".
+Speculative decoding (``speculative_config``: vLLM's ``--speculative-config``, speculate.py):
+the decode pass becomes a verification. Each decoding sequence may carry a draft (prompt lookup
+over its prompt and output, or a draft model's proposals), and the ONE forward pass of the
+step's decodes verifies every sequence's draft, a sequence without one feeding its last token
+as in a plain decode; each keeps its accepted proposals and one token of the target's own (the
+library's rule, its own generator), and its cache is trimmed back to what it kept.
+
+Prefix caching, chunked prefill, parallel samples, logprobs, memory admission, speculation, the
+records kept and the exactness policy: docs/serving.md, "The engine".
 
 Example: three requests of 1, 3 and 1 tokens through 2 slots. Continuous reuses the slot
 request 0 leaves; static holds request 0's row as padding until request 1 ends:
@@ -43,6 +50,7 @@ from minitransformer.backend import memory_bytes, synchronize, to_numpy
 from minitransformer.checks import is_integer, is_real
 from minitransformer.generate import (check_prompt, eos_ids, last_logits, last_logits_alone,
                                       seeded_rng)
+from minitransformer.loader import load
 from minitransformer.kvquant import cache_bytes_per_token
 from minitransformer.logprobs import check_top, token_logprob
 from minitransformer.model import forward, head
@@ -52,6 +60,7 @@ from minitransformer.serve.config import EngineConfig
 from minitransformer.serve.paged import PagedCache, RaggedView
 from minitransformer.serve.records import Request, Result, Run
 from minitransformer.serve.scheduler import Scheduler, Sequence, close
+from minitransformer.serve.speculate import Row, Speculator
 
 
 def pool_for(requests, slots: int, block_size: int) -> int:
@@ -87,10 +96,12 @@ def check_fits(config, slots: int, num_blocks: int, block_size: int,
 
 
 class Engine:
-    def __init__(self, model, config: EngineConfig = None, history: bool = False):
+    def __init__(self, model, config: EngineConfig = None, history: bool = False,
+                 draft_model=None):
         """config: the engine's knobs (serve/config.py; None: the defaults); history: keep
         every record and every step's timings (docs/serving.md, "Records"), for an
-        experiment's timeline."""
+        experiment's timeline; draft_model: the draft of a speculative_config whose method
+        is draft_model (None: loaded from the config's path)."""
         config = EngineConfig() if config is None else config
         if not isinstance(config, EngineConfig):
             raise TypeError(f"config: expected an EngineConfig, got {type(config).__name__}")
@@ -108,6 +119,10 @@ class Engine:
         self.results = {}           # request id -> Result, until released
         self.next_id, self.clock, self.steps = 0, 0.0, 0
         self.decode_times, self.prefill_times, self.memory = [], [], []   # with history only
+        spec = config.speculative_config
+        self.speculator = None if spec is None else Speculator(
+            spec, model, draft_model if draft_model is not None or
+            spec.method != "draft_model" else load(spec.model))
 
     # --- the public API ----------------------------------------------------------------------
     def submit(self, request: Request) -> int:
@@ -197,6 +212,9 @@ class Engine:
         if self.history:            # after the clock: bookkeeping, not serving
             self.memory.append(self.cache.stats())
         self.scheduler.commit(made, self.clock)  # every token of this step exists now
+        if self.speculator is not None:          # the books of sequences still served
+            self.speculator.retain([seq.result.id for seq in self.running()] +
+                                   [seq.result.id for seq in self.waiting])
 
     # --- running a plan ----------------------------------------------------------------------
     def _decode(self, work) -> list:
@@ -206,6 +224,8 @@ class Engine:
         rows = work.rows
         if not rows:
             return []
+        if self.speculator is not None:
+            return self._speculate(rows)
         start, ids = time.perf_counter(), [row.result.id for row in rows]
         newest = np.array([[row.tokens[-1]] for row in rows])              # (B, 1)
         view = self.cache.view(ids, work.starts)
@@ -224,11 +244,12 @@ class Engine:
 
     def _together(self, passes) -> bool:
         """Run the step's passes as one? With chunked prefill, in the default mode (batch-
-        invariant keeps each row's own calls); not when a later pass needs a copy of a block
-        an earlier one writes (a prompt cached in full behind the chunk filling its last
-        block): the copies come first."""
+        invariant keeps each row's own calls), not speculating (its verification is the
+        decodes' own pass); not when a later pass needs a copy of a block an earlier one
+        writes (a prompt cached in full behind the chunk filling its last block): the copies
+        come first."""
         return self.scheduler.budget is not None and not self.batch_invariant and \
-            len(passes) > 1 and \
+            self.speculator is None and len(passes) > 1 and \
             not any(isinstance(move, Copy) for work in passes[1:] for move in work.moves)
 
     def _mixed(self, plan, passes) -> list:
@@ -267,6 +288,27 @@ class Engine:
                                   if work is plan.decode]
             self.prefill_times += [(work.n, seconds) for work in passes if work is not plan.decode]
         return made
+    def _speculate(self, rows) -> list:
+        """The decode pass as a verification (speculate.py): every row's draft verified in
+        ONE forward pass over the paged cache; each row's kept tokens appended up to its end,
+        its cache trimmed back to them and their full blocks named -> the rows that made
+        tokens (a padding row's position is computed and thrown away)."""
+        start, spec = time.perf_counter(), self.speculator
+        out = spec.step(self.cache, [
+            Row(seq.result.id, seq.tokens, len(seq.tokens) - len(seq.result.tokens),
+                seq.result.request.max_new_tokens, seq.result.request.sampling, seq.rng,
+                padding=seq.finished) for seq in rows], self.batch_invariant)
+        for seq, (kept, logits) in zip(rows, out):
+            for token, z in zip(kept, logits):
+                self._append(seq, token, z)
+                if seq.done:        # an eos among the kept tokens: the rest are not made
+                    break
+            spec.settle(self.cache, seq.result.id, len(seq.tokens) - 1)
+            if self.prefix_caching and not seq.finished:
+                self.cache.seal(seq.result.id, seq.tokens)
+        if self.history:
+            self.decode_times.append((len(rows), time.perf_counter() - start))
+        return [seq for seq in rows if not seq.finished]
 
     def _prefill(self, work) -> list:
         """A chunk of one prompt, in one forward pass -> its samples, with their first tokens
@@ -341,8 +383,12 @@ class Engine:
     def _sample(self, seq, logits) -> None:
         """Pick the next token; its logprob (when asked) from the same logits, before the
         request's sampling settings touch them."""
+        self._append(seq, next_token(logits, seq.tokens, seq.result.request.sampling, seq.rng),
+                     logits)
+
+    def _append(self, seq, token: int, logits) -> None:
+        """A token made from these logits: into the sequence, and its logprob when asked."""
         request = seq.result.request
-        token = next_token(logits, seq.tokens, request.sampling, seq.rng)
         seq.tokens.append(token)
         seq.result.tokens.append(token)
         if request.logprobs is not None:

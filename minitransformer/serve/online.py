@@ -214,7 +214,8 @@ class OnlineEngine:
         return Snapshot(len(self.engine.running()), len(self.engine.waiting),
                         cache.num_blocks - cache.num_free, cache.num_blocks,
                         self.engine.preemptions, self.engine.prefix_queries,
-                        self.engine.prefix_hits)
+                        self.engine.prefix_hits, None if self.engine.speculator is None
+                        else self.engine.speculator.counters.copy())
 
     def _send(self, ticket, update) -> None:
         try:

@@ -28,10 +28,13 @@ once for the whole pass, as for a decode; what grows with the rows is the arithm
 attention's reads of the cache, which is why speculation pays at small batches and not at
 large ones (experiment 22, ``scripts/bench_spec_serving.py``).
 
-The blocks: room for the n_b + 1 positions is made before the pass (a shared or named block
-about to be written is copied first, as for any write: a named block is never written); after
-it each sequence is trimmed back to the tokens it kept. Speculation never preempts anyone: a
-draft longer than the free blocks allow is cut to what fits.
+The blocks: the scheduler's plan holds each row's slot for its last token, as for a decode
+(a shared or named block about to be written is copied first: a named block is never
+written); the proposals get their slots here, in fresh blocks from the free list, and after
+the pass each sequence is trimmed back to the tokens it kept, a block that held only rejected
+positions going back. Speculation never preempts anyone: a draft longer than the free blocks
+allow is cut to what fits. (The proposals' rows are not counted against
+max_num_batched_tokens, which the plan spent before they were drafted.)
 
 The draft length (``draft_length``): with ``weight_rows`` unset, every draft is
 ``num_speculative_tokens`` long (vLLM's behaviour; ``disable_by_batch_size``, vLLM's too, turns
@@ -50,7 +53,7 @@ Leaves out: tree drafts, a draft model batched over the sequences (each drafts a
 own cache), EAGLE/Medusa heads.
 """
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -220,29 +223,27 @@ def draft_length(config: SpeculativeConfig, alpha: float, batch: int, cost: floa
 
 # --- verification ----------------------------------------------------------------------------
 def verify_view(cache, seq_ids, counts) -> PagedView:
-    """The verification rows of a step: sequence seq_ids[b] feeds counts[b] tokens, each a
-    row one token long at its own position, over the sequence's blocks (row order: sequence
-    by sequence). Room for them is made first (``make_room``); forward then writes every
-    row's keys and values before any row reads, and each row reads up to its own position."""
+    """The verification rows of a step: sequence seq_ids[b] feeds its last counts[b] tokens,
+    each a row one token long at its own position, over the sequence's blocks (row order:
+    sequence by sequence). They are counted in the books already (``append``); forward
+    writes every row's keys and values before any row reads, and each row reads up to its
+    own position."""
     ids, starts = [], []
     for seq_id, count in zip(seq_ids, counts):
         length = cache.seqs[seq_id].length
         ids += [seq_id] * count
-        starts += range(length, length + count)
-    return cache.view(ids, starts)          # (the caller counts the fed tokens: see below)
+        starts += range(length - count, length)
+    return cache.view(ids, starts)
 
 
 def verify_logits(model, cache, seq_ids, fed, batch_invariant=False):
     """One forward pass of the target over every sequence's fed tokens (its last token, then
-    its proposals) -> logits (R, V), R = the fed tokens of all, sequence by sequence; each
-    sequence's cache has grown by its fed tokens (trim the rejected ones after).
-    batch_invariant: row by row, each the very call a batch of one makes, in order."""
+    its proposals), counted in the books already (``append``) -> logits (R, V), R = the fed
+    tokens of all, sequence by sequence (trim the rejected ones after). batch_invariant: row
+    by row, each the very call a batch of one makes, in order."""
     ids = np.array([[t] for tokens in fed for t in tokens])                    # (R, 1)
     step = last_logits_alone if batch_invariant else last_logits
-    logits = step(model, ids, verify_view(cache, seq_ids, map(len, fed)))      # (R, V)
-    for seq_id, tokens in zip(seq_ids, fed):
-        cache.seqs[seq_id].length += len(tokens)
-    return logits
+    return step(model, ids, verify_view(cache, seq_ids, map(len, fed)))        # (R, V)
 
 
 def split_rows(logits, counts) -> list:
@@ -262,6 +263,10 @@ class SpecCounters:
     def __post_init__(self):
         if self.per_position is None:
             self.per_position = [0] * self.num_speculative_tokens
+
+    def copy(self) -> "SpecCounters":
+        """A snapshot for another thread (the server's /metrics)."""
+        return replace(self, per_position=list(self.per_position))
 
     def count(self, proposed: int, accepted: int) -> None:
         """One sequence's verified draft: proposed tokens, of which the first `accepted`."""
@@ -294,27 +299,29 @@ class Speculator:
         self.proposer = Proposer(config, model, draft_model)
         self.counters = SpecCounters(config.num_speculative_tokens)
         self.judged = {}    # sequence id -> [accepted, judged] proposals, for its alpha
+        self.fed = []       # the last step's tokens fed per row (its last token + drafts)
 
     def step(self, cache, rows, batch_invariant=False) -> list:
         """Draft, make room, verify every row in one pass -> per row (kept tokens, the logits
-        (k, V) each was chosen from). The caches hold the verified positions until ``settle``.
-        The pool must have room for one token of each row (the engine preempts for that)."""
+        (k, V) each was chosen from). Each row's last token is counted in the books already,
+        its slot held (the scheduler's plan: ``append``); its proposals get room here, from
+        the free list only (a block the plan will still copy from or revive is never taken).
+        The caches hold the verified positions until ``settle``."""
         ids = [row.seq_id for row in rows]
-        cache.make_room(ids, 1)
         decoding = sum(not row.padding for row in rows)
         fed, drafts, dists = [], [], []
         for row in rows:
             n = 0 if row.padding else self._length(cache, row, decoding)
             proposal, q = self.proposer.propose(row.seq_id, row.tokens, n, row.max_new_tokens,
                                                 row.prompt_len, row.settings, row.rng)
-            cache.make_room([row.seq_id], 1 + len(proposal))   # fits: _length counted it
+            cache.append([row.seq_id], len(proposal))   # fits: _length counted it
             fed.append([row.tokens[-1]] + proposal)
             drafts.append(proposal)
             dists.append(q)
+        self.fed = list(map(len, fed))
         logits = verify_logits(self.model, cache, ids, fed, batch_invariant)
         out = []
-        for row, z, proposal, q in zip(rows, split_rows(logits, list(map(len, fed))), drafts,
-                                       dists):
+        for row, z, proposal, q in zip(rows, split_rows(logits, self.fed), drafts, dists):
             if row.padding:
                 out.append(([], z[:0]))
                 continue
@@ -338,6 +345,11 @@ class Speculator:
         self.judged.pop(seq_id, None)
         self.proposer.forget(seq_id)
 
+    def retain(self, seq_ids) -> None:
+        """Forget every sequence but these (the engine's running and waiting ones)."""
+        for seq_id in (set(self.judged) | set(self.proposer.drafts)) - set(seq_ids):
+            self.forget(seq_id)
+
     def _length(self, cache, row, batch: int) -> int:
         """This step's draft length for a row: the rule's, never past the request's end,
         never more than the free blocks hold (speculation preempts nobody)."""
@@ -346,5 +358,5 @@ class Speculator:
                              batch, self.proposer.cost),
                 row.max_new_tokens - made - 1)
         seq, bs = cache.seqs[row.seq_id], cache.block_size
-        room = (len(seq.blocks) + cache.num_free) * bs - seq.length - 1   # after its one token
+        room = (len(seq.blocks) + len(cache.free)) * bs - seq.length    # after its one token
         return max(0, min(n, room))

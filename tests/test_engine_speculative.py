@@ -1,0 +1,260 @@
+"""Speculation inside the engine: every decoding sequence's draft verified in one batched pass,
+exact (batch-invariant greedy == the engine without speculation == generate; default mode by
+the near-tie rule; sampled draws from the target's distribution, chi-square), the paged cache's
+books right after every step, and what the server sees (streamed tokens, counters)."""
+import numpy as np
+import pytest
+
+import minitransformer as mt
+from conftest import assert_like_solo
+from minitransformer import speculative
+from minitransformer.checkpoints.synth import make_checkpoint, qwen2_config
+from minitransformer.sampling import SamplingSettings
+from minitransformer.serve import speculate
+from minitransformer.serve.config import EngineConfig
+from minitransformer.serve.engine import Engine
+from minitransformer.serve.records import Request
+from minitransformer.serve.speculate import SpeculativeConfig
+from minitransformer.speculative import first_layers
+from test_speculative import SAMPLING_CASES, accept_always, exact_joint, goodness_of_fit
+
+NGRAM = SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_max=3)
+
+
+@pytest.fixture(scope="module")
+def close_calls(checkpoint_dir):
+    """Greedy tokens that are not the last one again: drafts are kept and rejected."""
+    return mt.load(checkpoint_dir("qwen2-close-calls"))
+
+
+def workload(seed=0, n=7, new=24):
+    """Prompts that repeat a passage (the lookup finds it), prompts that do not, a shared
+    start (the prefix cache), one stopping at an eos id, one asking for logprobs."""
+    rng = np.random.default_rng(seed)
+    passage = rng.integers(0, 512, 10).tolist()
+    prompts = [passage * 2, passage + passage[:4], rng.integers(0, 512, 5).tolist(),
+               passage * 2 + [7], [3], passage[:6] * 3, rng.integers(0, 512, 30).tolist()]
+    return [Request(tuple(p), new, eos_token_id=[], logprobs=2 if i in (0, 3) else None)
+            for i, p in enumerate(prompts[:n])]
+
+
+def checked_run(engine, requests):
+    """Serve requests, the pool's books checked after every step, and no decoding sequence
+    holding a block past its length (a rejected position's block is given back at once)."""
+    def check(e):
+        e.cache.check()
+        for live in e.running():
+            seq = e.cache.seqs[live.result.id]
+            if not live.prefilling:     # (a prompt holds its blocks from admission)
+                assert len(seq.blocks) == e.cache.blocks_for(seq.length), live.result.id
+    return engine.run(requests, on_step=check)
+
+
+SETTINGS = {  # name -> EngineConfig fields: the ways a step may be shaped
+    "continuous": {"max_num_seqs": 3},
+    "static": {"max_num_seqs": 3, "policy": "static"},
+    "preempting": {"max_num_seqs": 4, "num_gpu_blocks_override": 14, "block_size": 4},
+    "chunked": {"max_num_seqs": 3, "max_num_batched_tokens": 8},
+    "no prefix cache": {"max_num_seqs": 7, "enable_prefix_caching": False, "block_size": 2},
+}
+
+
+def engine(model, speculative=None, draft_model=None, history=False, **fields):
+    return Engine(model, EngineConfig(speculative_config=speculative, **fields), history,
+                  draft_model)
+
+
+@pytest.mark.parametrize("setting", sorted(SETTINGS))
+def test_batch_invariant_greedy_is_the_engine_without_speculation(close_calls, setting):
+    model, kw = close_calls, SETTINGS[setting]
+    requests = workload()
+    plain = checked_run(engine(model, batch_invariant=True, **kw), requests)
+    served = engine(model, NGRAM, batch_invariant=True, **kw)
+    run = checked_run(served, requests)
+    for r, p, request in zip(run.results, plain.results, requests):
+        assert r.status == p.status == "finished"
+        assert r.tokens == p.tokens == mt.generate(model, list(request.prompt),
+                                                   request.max_new_tokens, eos_token_id=[])
+        assert r.logprobs == p.logprobs
+    c = served.speculator.counters
+    assert c.draft_tokens > c.accepted_tokens > 0     # drafts kept and drafts rejected
+    assert served.cache.num_free == served.cache.num_blocks   # every block back (or kept)
+    assert not served.speculator.judged               # no books of finished sequences
+    if setting == "preempting":
+        assert run.preemptions > 0
+
+
+def test_an_eos_among_the_kept_tokens_ends_the_request_there(close_calls):
+    """The target as its own draft: every proposal is kept, 5 tokens a step after the
+    prefill's first, so token 9 is an accepted proposal; as the eos id, the request ends on
+    it and the proposal after it is not made."""
+    requests = workload()
+    stop = mt.generate(close_calls, list(requests[0].prompt), 24, eos_token_id=[])[9]
+    requests = [Request(r.prompt, r.max_new_tokens, eos_token_id=stop) for r in requests]
+    want = [mt.generate(close_calls, list(r.prompt), r.max_new_tokens, eos_token_id=stop)
+            for r in requests]
+    itself = SpeculativeConfig(num_speculative_tokens=4, method="draft_model", model="-")
+    served = engine(close_calls, itself, close_calls, max_num_seqs=3, batch_invariant=True)
+    run = checked_run(served, requests)
+    assert [r.tokens for r in run.results] == want and len(want[0]) == 10
+    c = served.speculator.counters
+    assert c.accepted_tokens == c.draft_tokens > 0
+
+
+def test_the_next_turn_finds_the_speculated_answer_cached(close_calls):
+    """The blocks a speculating sequence fills with kept tokens are named as in plain decoding
+    (after the trim: never a rejected one), so a chat's next turn finds its answer cached."""
+    first = workload()[0]
+    cached = {}
+    for name, config in (("plain", None), ("speculating", NGRAM)):
+        served = engine(close_calls, config, max_num_seqs=2, block_size=4,
+                        batch_invariant=True)
+        answer = served.run([first]).results[0].tokens
+        turn = Request(first.prompt + tuple(answer) + (5, 6), 4, eos_token_id=[])
+        cached[name] = served.run([turn]).results[0].cached_tokens
+        served.cache.check()
+    assert cached["speculating"] == cached["plain"] >= len(first.prompt) + 20
+
+
+def test_a_draft_model_in_the_engine(close_calls):
+    config = SpeculativeConfig(num_speculative_tokens=3, method="draft_model", model="-")
+    requests = workload(n=4)
+    served = engine(close_calls, config, first_layers(close_calls, 1), max_num_seqs=2,
+                    batch_invariant=True)
+    run = checked_run(served, requests)
+    for r, request in zip(run.results, requests):
+        assert r.tokens == mt.generate(close_calls, list(request.prompt),
+                                       request.max_new_tokens, eos_token_id=[])
+    assert served.speculator.counters.accepted_tokens > 0 and not served.speculator.proposer.drafts
+
+
+def test_default_mode_greedy_follows_the_near_tie_rule(close_calls):
+    requests = workload(seed=1)
+    served = engine(close_calls, NGRAM, max_num_seqs=4)
+    run = checked_run(served, requests)
+    for r, request in zip(run.results, requests):
+        prompt = list(request.prompt)
+        assert_like_solo(close_calls, r.tokens,
+                         mt.generate(close_calls, prompt, request.max_new_tokens,
+                                     eos_token_id=[]), prompt, eos_token_id=[])
+    assert served.speculator.counters.accepted_tokens > 0
+
+
+def test_one_verification_pass_per_step_for_the_whole_batch(close_calls, monkeypatch):
+    """The step verifies every sequence's draft in a single forward call (never one sequence
+    after another): counted by wrapping the pass."""
+    calls = []
+    real = speculate.last_logits
+
+    def counted(model, ids, *args, **kw):
+        calls.append(ids.shape)
+        return real(model, ids, *args, **kw)
+    monkeypatch.setattr(speculate, "last_logits", counted)
+    served = engine(close_calls, NGRAM, history=True, max_num_seqs=4)
+    served.run(workload(n=4))
+    batches = [B for B, _ in served.decode_times]
+    assert len(calls) == len(batches) and max(batches) == 4
+    assert all(T == 1 for _, T in calls) and max(R for R, _ in calls) > 4   # rows: drafts
+
+
+# ---------------------------------------------------------------------------- sampling
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    """A tiny target and a different draft over 6 tokens, as test_speculative's."""
+    config = qwen2_config(vocab_size=6, hidden_size=32, intermediate_size=64,
+                          num_hidden_layers=1, tie_word_embeddings=False)
+    root = tmp_path_factory.mktemp("pair")
+    return (mt.load(make_checkpoint(root / "target", config, seed=1)),
+            mt.load(make_checkpoint(root / "draft", config, seed=2)))
+
+
+N_RUNS = 1500   # seeded requests: a wrong rule misses by miles (test_speculative's count)
+
+
+def served_samples(target, prompt, k, settings, config, draft=None):
+    """N_RUNS seeded requests through one speculating engine, 16 at a time -> their tokens."""
+    served = engine(target, config, draft, max_num_seqs=16)
+    run = served.run([Request(tuple(prompt), k, sampling=settings, seed=s, eos_token_id=[])
+                      for s in range(N_RUNS)])
+    return [tuple(r.tokens) for r in run.results], served.speculator.counters
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_sampled_requests_draw_from_the_targets_distribution(pair, method):
+    k, _, settings = SAMPLING_CASES["all knobs"]
+    target, draft = pair
+    prompt = [1, 2, 3, 1, 2, 1]     # repeats: the lookup has something to propose
+    config = SpeculativeConfig(num_speculative_tokens=3, method=method,
+                               model=None if method == "ngram" else "-")
+    samples, counters = served_samples(target, prompt, k, settings, config,
+                                       draft if method == "draft_model" else None)
+    assert counters.draft_tokens > counters.accepted_tokens > 0
+    # fixed seeds: the p-value is one deterministic number, not a coin flip per run
+    assert goodness_of_fit(samples, exact_joint(target, prompt, k, settings)) > 1e-3
+
+
+def test_a_wrong_acceptance_rule_fails_the_served_test(pair, monkeypatch):
+    """Always accepting the draft's token: the served samples fail the same test. (k = 3:
+    the first token comes from the prefill, never drafted; the others are.)"""
+    _, _, settings = SAMPLING_CASES["bonus path"]
+    target, draft, k = *pair, 3
+    config = SpeculativeConfig(num_speculative_tokens=1, method="draft_model", model="-")
+    joint = exact_joint(target, [1, 2, 3], k, settings)
+    right, _ = served_samples(target, [1, 2, 3], k, settings, config, draft)
+    assert goodness_of_fit(right, joint) > 1e-3
+    monkeypatch.setattr(speculative, "leviathan_step", accept_always)
+    wrong, _ = served_samples(target, [1, 2, 3], k, settings, config, draft)
+    assert goodness_of_fit(wrong, joint) < 1e-6
+
+
+def test_a_seeded_sample_is_the_same_alone_batched_and_again(close_calls):
+    """Batch-invariant mode: a sampled request's draws come from its own generator, its
+    drafts from its own tokens, its logits are its own bits: the same tokens alone, beside
+    others, and on a second run."""
+    settings = SamplingSettings(do_sample=True, temperature=0.8, top_p=0.9)
+    requests = [Request(r.prompt, 20, sampling=settings, seed=i, eos_token_id=[])
+                for i, r in enumerate(workload())]
+
+    def serve(batch, slots):
+        served = engine(close_calls, NGRAM, max_num_seqs=slots, batch_invariant=True)
+        return [r.tokens for r in served.run(batch).results]
+    together = serve(requests, 4)
+    assert together == serve(requests, 4)
+    assert [serve([r], 1)[0] for r in requests[:3]] == together[:3]
+
+
+# ---------------------------------------------------------------------------- served
+def test_a_stream_gets_the_tokens_of_each_verification_together_and_metrics_count_them(
+        close_calls):
+    """Through the online engine: a step that kept several tokens hands them over in one
+    update, as they are verified; the updates add up to the request's tokens; the snapshot
+    carries the counters /metrics shows under vLLM's names."""
+    import queue
+    from minitransformer.serve.online import OnlineEngine
+    from minitransformer.serve.prometheus import ServingMetrics
+    request = workload()[0]
+    online = OnlineEngine(engine(close_calls, NGRAM, max_num_seqs=2, batch_invariant=True))
+    try:
+        updates = queue.Queue()
+        online.submit(request, updates.put)
+        got = [updates.get(timeout=60)]
+        while not got[-1].done:
+            got.append(updates.get(timeout=60))
+    finally:
+        online.close()
+    tokens = [t for u in got for t in u.tokens]
+    assert tokens == mt.generate(close_calls, list(request.prompt), request.max_new_tokens,
+                                 eos_token_id=[])
+    assert max(len(u.tokens) for u in got) > 1 and len(got) < len(tokens)
+    counters = online.snapshot.speculative
+    assert counters is not online.engine.speculator.counters      # a copy, for /metrics
+    assert counters.accepted_tokens == online.engine.speculator.counters.accepted_tokens > 0
+    text = ServingMetrics("m").render(online.snapshot)
+    assert f'vllm:spec_decode_num_accepted_tokens_total{{model_name="m"}} ' \
+           f'{counters.accepted_tokens}' in text
+
+
+def test_the_engine_config_takes_a_parsed_speculative_config_only():
+    with pytest.raises(ValueError, match="speculative_config=.*expected a SpeculativeConfig"):
+        EngineConfig(speculative_config={"num_speculative_tokens": 2})
+    assert EngineConfig(speculative_config=NGRAM).speculative_config is NGRAM
