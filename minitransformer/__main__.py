@@ -34,6 +34,7 @@ from minitransformer.serve.engine import Engine
 from minitransformer.serve.online import MAX_WAITING
 from minitransformer.serve.blocks import blocks_for
 from minitransformer.serve.records import Request
+from minitransformer.serve.speculate import parse_speculative_config
 
 
 def model_path(spec) -> str:
@@ -66,6 +67,23 @@ def add_cache(parser) -> None:
     group.add_argument("--attention", choices=tuple(ATTENTIONS), default="plain",
                        help="tiled: the same attention, the score matrix held a tile at a time "
                        "(default: plain)")
+
+
+def add_speculation(parser) -> None:
+    parser.add_argument("--speculative-config", type=speculative_config, default=None,
+                        metavar="JSON", help="speculative decoding, vLLM's JSON: "
+                        "'{\"method\": \"ngram\", \"num_speculative_tokens\": 5, "
+                        "\"prompt_lookup_max\": 4}' (prompt lookup) or '{\"model\": PATH, "
+                        "\"num_speculative_tokens\": 3}' (a draft model sharing the "
+                        "tokenizer) (default: off)")
+
+
+def speculative_config(text):
+    """--speculative-config's JSON -> a SpeculativeConfig; argparse reports a bad field."""
+    try:
+        return parse_speculative_config(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def add_sampling(parser, max_new_tokens, builtin) -> None:
@@ -187,11 +205,13 @@ def discard_typeahead() -> None:
         pass
 
 
-def chat_engine(model, kv_cache_dtype="f32", attention="plain") -> Engine:
+def chat_engine(model, kv_cache_dtype="f32", attention="plain", speculative=None) -> Engine:
     """One slot, a pool for the model's whole context (and the copy of a block a prompt cached
-    in full must write into), prefix caching on: the conversation stays cached between turns."""
+    in full must write into), prefix caching on: the conversation stays cached between turns.
+    speculative: a SpeculativeConfig, or None."""
     context = model.config.max_position_embeddings
-    config = EngineConfig(max_num_seqs=1, kv_cache_dtype=kv_cache_dtype, attention=attention)
+    config = EngineConfig(max_num_seqs=1, kv_cache_dtype=kv_cache_dtype, attention=attention,
+                          speculative_config=speculative)
     blocks = blocks_for(context, config.block_size) + 1
     return Engine(model, replace(config, num_gpu_blocks_override=blocks))
 
@@ -219,7 +239,8 @@ def chat(args) -> None:
     print(f"chatting with {Path(model.path).name}: empty line or Ctrl-D to quit, /reset to "
           f"start over\n{describe(settings, source)}", file=sys.stderr)
     system = [{"role": "system", "content": args.system}] if args.system else []
-    messages, engine = list(system), chat_engine(model, args.kv_cache_dtype, args.attention)
+    messages, engine = list(system), chat_engine(model, args.kv_cache_dtype, args.attention,
+                                                 args.speculative_config)
     while True:
         sys.stdout.write("you> ")  # not input()'s prompt: without readline it goes to stderr
         sys.stdout.flush()
@@ -248,6 +269,10 @@ def chat(args) -> None:
         record = engine.results.popitem()[1]    # the turn's, the only one: taken, forgotten
         print(f"[prefix cache: {record.cached_tokens} of {len(ids)} prompt tokens "
               f"reused]", file=sys.stderr)
+        if engine.speculator is not None:   # counted since the chat began
+            c = engine.speculator.counters
+            print(f"[speculation: {c.accepted_tokens} of {c.draft_tokens} drafted tokens "
+                  f"accepted]", file=sys.stderr)
         discard_typeahead()
 
 
@@ -297,6 +322,7 @@ def parser() -> argparse.ArgumentParser:
                    help="a system message to start with (default: none)")
     add_sampling(c, 256, CHAT_SAMPLING)
     add_cache(c)
+    add_speculation(c)
     c.set_defaults(run=chat)
     s = commands.add_parser("serve", help="an OpenAI-compatible server (needs the serve extra)")
     add_model(s)
@@ -336,6 +362,7 @@ def parser() -> argparse.ArgumentParser:
                    "token's bytes x 6, a JSON escape per byte, + 1 MiB; 5,029,888 for "
                    "SmolLM2-135M)")
     add_cache(s)
+    add_speculation(s)
     s.set_defaults(run=serve)
     return p
 

@@ -26,8 +26,9 @@ import numpy as np
 
 from _common import (Progress, add_draft_arguments, add_model_argument, add_schemes_argument,
                      add_threads_argument, distilled_drafts, draft_settings, load_model,
-                     model_name, positive_int, run, say, timing_header)
+                     model_name, positive_int, positive_ints, run, say, timing_header)
 from _table import Table
+from bench_spec_serving import crossover, prime, prompts, side_by_side
 import minitransformer as mt
 from minitransformer.kvcache import KVCache
 from minitransformer.lookup import PASSAGE, PromptLookup, rewrite_prompt
@@ -38,10 +39,12 @@ from minitransformer.drafts.students import SHORT, drafts_of
 from minitransformer.measure.timing import (step_with_rollback, time_together,
                                             verification_timings)
 from minitransformer.model import forward
+from minitransformer.serve.speculate import SpeculativeConfig
 from minitransformer.shape import decode_read_bytes
 from minitransformer.speculative import first_layers, speculative_generate
 from quant.qmodel import SCHEMES, quantize_model
-from sim.speculative import best_gamma, best_lookup_gamma, expected_tokens, speedup
+from sim.speculative import (batched_speedup, best_gamma, best_lookup_gamma, expected_tokens,
+                             fit_weight_rows, speedup)
 
 
 def disagree(t_plain, t_spec):
@@ -108,6 +111,10 @@ def parser_of() -> argparse.ArgumentParser:
                         help="distilled drafts (drafts/students.py; trained once, then cached): "
                              f"comma-separated from {', '.join(SHORT)}, or none "
                              "(default: all)")
+    parser.add_argument("--serving-batches", type=positive_ints, default=None, metavar="B,..",
+                        help="also serve the rewrite task with prompt lookup in the engine at "
+                             "these batch sizes, beside the formula's prediction (default: "
+                             "the prediction only)")
     add_draft_arguments(parser)
     return parser
 
@@ -234,7 +241,54 @@ def main(argv=None):
         progress(f"{row[0]}, gamma {row[5]}: {best:.2f}x, "
                  f"tokens {'identical' if same else 'DIFFERENT'}")
     table_of(target, ids, plain, (passes, v_warnings), rows, measured, header).show()
-    return 0 if all(m[3] for m in measured) else 1
+    served = serving(target, ids, plain, v_of(passes), args)
+    return 0 if all(m[3] for m in measured) and served else 1
+
+
+def serving(target, ids, plain, v, args) -> bool:
+    """The lookup in the serving engine: the formula's speedup per batch size (a pass over R
+    rows costing W + R, W fitted to v(n): sim.speculative.batch_verify_cost) and, with
+    --serving-batches, the engine's measured one beside it (bench_spec_serving) -> whether
+    every stream got the same tokens both ways."""
+    lookup = PromptLookup()
+    g, rounds, _ = best_lookup_gamma(ids + plain, len(ids), v, lookup)
+    tpp = sum(k + 1 for _, k in rounds) / len(rounds)
+    W = fit_weight_rows(v)
+    proposed = sum(p for p, _ in rounds) / len(rounds)
+    batches = args.serving_batches or [1, 2, 4, 8, 16, 32, 64]
+    predicted = {B: batched_speedup(tpp, proposed, B, W) for B in batches}
+    table = Table("Experiment 22 (served): prompt lookup in the engine against batch size",
+                  experiment=22, columns=[("streams", "d"), ("speedup pred.", ""),
+                                          ("speedup meas.", ""), ("same", "")])
+    measured, exact = {}, True
+    if args.serving_batches:
+        prime(target)
+        config = SpeculativeConfig(num_speculative_tokens=g, prompt_lookup_max=lookup.max_ngram,
+                                   prompt_lookup_min=lookup.min_ngram)
+        ids = prompts(target, "rewrite", max(batches))
+        progress = Progress(len(batches), "batch sizes")
+        for B in batches:
+            measured[B] = side_by_side(target, ids[:B], args.new_tokens, config, args.repeats)
+            progress(f"{B} streams: {measured[B].speedup:.2f}x, same tokens "
+                     f"{measured[B].same}/{B}")
+            exact &= measured[B].same == B
+    for B in batches:
+        r = measured.get(B)
+        table.row(B, f"{predicted[B]:.2f}x", "" if r is None else
+                  f"{r.speedup:.2f}x" if r.same == B else "tokens differ",
+                  "" if r is None else f"{r.same}/{B}")
+    guess = next((B for B in batches if predicted[B] < 1), None)
+    table.header(f"gamma {g}, {tpp:.2f} tokens and {proposed:.2f} proposals a pass (its rounds "
+                 f"replayed); a pass over R rows costs W + R, W = {W:.2f} fitted to v(n)",
+                 "measured: the engine's decode time, plain over speculating "
+                 "(bench_spec_serving.py), same tokens or no figure")
+    table.note("crossover (speedup below 1): predicted "
+               + (f"{guess} streams" if guess else f"none up to {batches[-1]}")
+               + ("; measured " + (f"{crossover(measured)} streams" if crossover(measured)
+                                   else f"none up to {batches[-1]}") if measured else
+                  "; --serving-batches 1,2,4,8,16 measures it"))
+    table.show()
+    return exact
 
 
 if __name__ == "__main__":

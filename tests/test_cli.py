@@ -132,6 +132,30 @@ def test_chat_answers_each_turn_with_the_template(story_chat_model):
     assert "repetition_penalty 1.1 (built-in)" in done.stderr
 
 
+def test_chat_speculating_answers_each_turn_as_without(story_chat_model):
+    """Prompt lookup in the chat engine: two turns, the second copying from the first (the
+    story repeats itself), the same text as without speculation."""
+    model, turns = story_chat_model, "Once upon a time\nThe little dog\n\n"
+    plain = cli("chat", "--model", model.path, "--max-new-tokens", "24", stdin=turns)
+    spec = cli("chat", "--model", model.path, "--max-new-tokens", "24", "--speculative-config",
+               '{"method": "ngram", "num_speculative_tokens": 4}', stdin=turns)
+    assert plain.returncode == spec.returncode == 0, spec.stderr
+    assert spec.stdout == plain.stdout and spec.stdout.count("model> ") == 2
+    accepted, drafted = map(int, re.findall(r"speculation: (\d+) of (\d+) drafted",
+                                            spec.stderr)[-1])
+    assert 0 < accepted <= drafted and "speculation" not in plain.stderr
+
+
+@pytest.mark.parametrize("command", ["chat", "serve"])
+def test_a_bad_speculative_config_is_one_error_line_naming_the_field(command, tmp_path):
+    done = cli(command, "--model", str(tmp_path / "nowhere"), "--speculative-config",
+               '{"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_maximum": 4}')
+    assert done.returncode == 2 and done.stdout == ""
+    errors = [line for line in done.stderr.splitlines() if "error:" in line]
+    assert len(errors) == 1 and "'prompt_lookup_maximum'" in errors[0]
+    assert "checkpoint" not in done.stderr     # refused before the model is looked for
+
+
 @pytest.mark.parametrize("command", ["generate", "chat", "serve"])
 def test_each_command_has_help(command):
     done = cli(command, "--help")

@@ -8,7 +8,6 @@ import pytest
 import minitransformer as mt
 from conftest import assert_like_solo
 from minitransformer import speculative
-from minitransformer.checkpoints.synth import make_checkpoint, qwen2_config
 from minitransformer.sampling import SamplingSettings
 from minitransformer.serve import speculate
 from minitransformer.serve.config import EngineConfig
@@ -16,7 +15,8 @@ from minitransformer.serve.engine import Engine
 from minitransformer.serve.records import Request
 from minitransformer.serve.speculate import SpeculativeConfig
 from minitransformer.speculative import first_layers
-from test_speculative import SAMPLING_CASES, accept_always, exact_joint, goodness_of_fit
+from test_speculative import (SAMPLING_CASES, accept_always, exact_joint, goodness_of_fit,  # noqa: F401
+                              pair)   # the target and draft pair, a fixture
 
 NGRAM = SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_max=3)
 
@@ -158,16 +158,6 @@ def test_one_verification_pass_per_step_for_the_whole_batch(close_calls, monkeyp
 
 
 # ---------------------------------------------------------------------------- sampling
-@pytest.fixture(scope="module")
-def pair(tmp_path_factory):
-    """A tiny target and a different draft over 6 tokens, as test_speculative's."""
-    config = qwen2_config(vocab_size=6, hidden_size=32, intermediate_size=64,
-                          num_hidden_layers=1, tie_word_embeddings=False)
-    root = tmp_path_factory.mktemp("pair")
-    return (mt.load(make_checkpoint(root / "target", config, seed=1)),
-            mt.load(make_checkpoint(root / "draft", config, seed=2)))
-
-
 N_RUNS = 1500   # seeded requests: a wrong rule misses by miles (test_speculative's count)
 
 
@@ -258,3 +248,36 @@ def test_the_engine_config_takes_a_parsed_speculative_config_only():
     with pytest.raises(ValueError, match="speculative_config=.*expected a SpeculativeConfig"):
         EngineConfig(speculative_config={"num_speculative_tokens": 2})
     assert EngineConfig(speculative_config=NGRAM).speculative_config is NGRAM
+
+
+# ---------------------------------------------------------------------------- the benchmark
+def test_the_benchmark_runs_both_workloads_side_by_side(run_script):
+    out, _ = run_script("bench_spec_serving", "--model", "default", "--batches", "1,2",
+                        "--new-tokens", "6", "--repeat", "1")
+    rows = [line.split() for line in out.splitlines() if line.startswith(("rewrite", "free"))]
+    assert [(r[0], r[1], r[-1]) for r in rows if r[1].isdigit()] == [
+        ("rewrite", "1", "1/1"), ("rewrite", "2", "2/2"), ("free", "1", "1/1"),
+        ("free", "2", "2/2")]
+    assert "rewrite: " in out and " at 1 stream(s)" in out
+
+
+def test_no_speedup_is_claimed_where_the_tokens_differ():
+    from bench_spec_serving import Sides, crossover, summary
+    slower = Sides(plain=[1.0], spec=[2.0], same=1)           # 0.5x, same tokens
+    differs = Sides(plain=[1.0], spec=[2.0], same=1)          # 0.5x, one stream of 2 differs
+    faster = Sides(plain=[2.0], spec=[1.0], same=1)
+    assert crossover({1: faster, 2: differs, 4: Sides([1.0], [2.0], same=4)}) == 4
+    assert crossover({1: slower}) == 1 and crossover({1: faster}) is None
+    assert "tokens differ" in summary("rewrite", {2: differs})
+    assert summary("rewrite", {1: faster, 2: faster}) == \
+        "rewrite: 2.00x at 1 stream(s); not below 1 up to 2 streams"
+
+
+def test_exp22_prints_the_served_crossover_beside_the_formulas(run_script):
+    out, _ = run_script("exp22_speculative", "--model", "default", "--new-tokens", 8,
+                        "--repeats", 1, "--max-gamma", 2, "--schemes", "int8-row",
+                        "--no-layers-draft", "--distilled", "none", "--serving-batches", "1,2")
+    served = out[out.index("Experiment 22 (served)"):]
+    assert "crossover (speedup below 1): predicted" in served and "; measured" in served
+    assert [line.split()[0] for line in served.splitlines()
+            if line.split()[-1:] in (["1/1"], ["2/2"])] == ["1", "2"]

@@ -389,6 +389,35 @@ def test_serve_command_with_a_quantized_cache_and_tiled_attention(model, monkeyp
     assert "q8_0 cache, tiled attention" in process.stderr.read()
 
 
+def test_serve_command_speculating_streams_generates_text_and_counts_drafts(model, monkeypatch):
+    """--speculative-config (prompt lookup) with --batch-invariant: a prompt the answer copies
+    from, streamed: the text is generate's, events carry the several tokens a step verified
+    (fewer events than tokens), and /metrics shows vLLM's spec_decode counters."""
+    monkeypatch.setattr(blas, "FIXED", "flat")
+    process, client = serve_command(model, "--batch-invariant", "--speculative-config",
+                                    '{"method": "ngram", "num_speculative_tokens": 4}')
+    try:
+        prompt = "the cat sat on the mat. " * 4
+        ids = model.tokenizer.encode(prompt)
+        tokens, text, _ = expected(model, ids, 32, eos_token_id=[])
+        events = [c.choices[0].text for c in client.completions.create(
+            model=NAME, prompt=prompt, max_tokens=32, temperature=0, stream=True,
+            extra_body={"ignore_eos": True})]
+        port = client.base_url.port
+        metrics = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics").read().decode()
+    finally:
+        process.kill()
+        process.wait()
+    assert "".join(events) == text and len([e for e in events if e]) < len(tokens)
+    samples = dict(line.rsplit(" ", 1) for line in metrics.splitlines() if line[:1] != "#")
+    label = f'{{model_name="{NAME}"}}'
+    drafted = int(samples["vllm:spec_decode_num_draft_tokens_total" + label])
+    accepted = int(samples["vllm:spec_decode_num_accepted_tokens_total" + label])
+    assert 0 < accepted <= drafted and int(samples["vllm:spec_decode_num_drafts_total" + label])
+    assert int(samples[f'vllm:spec_decode_num_accepted_tokens_per_pos_total{{position="0",'
+                       f'model_name="{NAME}"}}']) > 0
+
+
 # --- hostile requests ---------------------------------------------------------------------------
 def exchange(url, raw: bytes, timeout=30):
     """Send raw bytes to the server -> (status, headers, body as JSON or text)."""

@@ -300,3 +300,14 @@ def test_metrics_show_the_counters_under_vllms_names_only_when_speculating():
                  'model_name="m"} 0'):
         assert line in text.splitlines()
     assert "spec_decode" not in metrics.render(Snapshot(1, 0, 2, 10, 0))
+
+
+def test_the_batch_cost_model_fits_back_its_own_weight_rows_and_falls_with_the_batch():
+    from sim.speculative import batch_verify_cost, batched_speedup, fit_weight_rows
+    for W in (0.5, 3.0, 40.0):
+        v = {n: batch_verify_cost(n, 1, W) for n in range(1, 8)}
+        assert fit_weight_rows(v) == pytest.approx(W, rel=1e-12)
+        speedups = [batched_speedup(3.5, 5, B, W) for B in (1, 2, 4, 8, 16, 32, 1024)]
+        assert speedups == sorted(speedups, reverse=True) and speedups[-1] < 1
+    assert fit_weight_rows({1: 1.0, 2: 1.0}) == float("inf")      # verifying for free
+    assert batch_verify_cost(3, 5, 1e12) == pytest.approx(1.0)     # weights dominate: free

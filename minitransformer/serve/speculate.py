@@ -63,7 +63,7 @@ from minitransformer.lookup import PromptLookup
 from minitransformer.serve.paged import PagedView
 from minitransformer.shape import parameter_count
 from minitransformer.speculative import LookupDraft, ModelDraft, verify
-from sim.speculative import speedup
+from sim.speculative import batch_verify_cost, speedup
 
 METHODS = ("ngram", "draft_model")
 FIELDS = ("method", "model", "num_speculative_tokens", "prompt_lookup_max",
@@ -217,7 +217,7 @@ def draft_length(config: SpeculativeConfig, alpha: float, batch: int, cost: floa
     W = config.weight_rows
 
     def gain(n):                    # tokens per plain step's time; no draft: exactly 1
-        return 1.0 if n == 0 else speedup(alpha, n, cost, (W + batch * (n + 1)) / (W + batch))
+        return 1.0 if n == 0 else speedup(alpha, n, cost, batch_verify_cost(n, batch, W))
     return max(range(top + 1), key=gain)
 
 

@@ -1,0 +1,209 @@
+"""Benchmark: the serving engine with and without speculative decoding, against batch size.
+
+B concurrent streams (--batches: 1, 2, 4, 8, 16) are B greedy requests entering the engine
+together, each making --new-tokens tokens (end of sequence off: both sides do the same work).
+Two workloads: rewrite (each prompt holds a passage the answer repeats: the task where prompt
+lookup pays) and free generation (short requests for a story: little to copy). Every setting
+runs twice side by side, plain and speculating (--speculative-config, vLLM's JSON; prompt
+lookup by default), --repeat rounds alternating, the fastest and the median printed.
+
+A speedup is printed only where both sides made the same tokens for every request (greedy
+speculation is exact; in the engine's default mode a token may still differ at a near tie, and
+then the row says so instead of a figure). What to expect: one verification pass reads the
+weights once for all the rows it verifies, so at batch 1 the accepted drafts come almost free;
+as the batch grows the pass's arithmetic and attention grow with B x (drafts + 1) rows while
+the weight read does not, and the speedup falls, below 1 at some batch: the crossover, printed
+per workload (experiment 22 prints it beside its formula's prediction).
+"""
+import argparse
+import time
+from dataclasses import dataclass, field
+from statistics import median
+
+import numpy as np
+
+from _common import (Progress, add_model_argument, add_threads_argument, load_model, model_name,
+                     positive_int, positive_ints, say, timing_header)
+from _table import Table
+from minitransformer.lookup import PASSAGE, TASK
+from minitransformer.kernels.blas import FEW_ROWS
+from minitransformer.measure.timing import load_average
+from minitransformer.model import forward
+from minitransformer.serve.config import EngineConfig
+from minitransformer.serve.engine import Engine
+from minitransformer.serve.records import Request
+from minitransformer.serve.speculate import parse_speculative_config
+
+WORKLOADS = ("rewrite", "free")
+DEFAULT_CONFIG = '{"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 4}'
+TOPICS = ("a lighthouse keeper", "a lost kitten", "a river in winter", "an old clock",
+          "a baker at dawn", "a train at night", "a garden after rain", "a kite",
+          "a library", "a fox in the snow", "a fishing boat", "a mountain path",
+          "a market day", "a broken bicycle", "a letter from far away", "the first snow")
+
+
+def passages(n: int) -> list:
+    """n passages to rewrite: the project's one, its sentences rotated (distinct prompts)."""
+    sentences = [s.strip() + "." for s in PASSAGE.split(".") if s.strip()]
+    return [" ".join(sentences[i % len(sentences):] + sentences[:i % len(sentences)])
+            for i in range(n)]
+
+
+def prompts(model, workload: str, n: int) -> list:
+    """n prompts of a workload as token ids (through the chat template when there is one)."""
+    texts = ([TASK + p for p in passages(n)] if workload == "rewrite" else
+             [f"Write a short story about {TOPICS[i % len(TOPICS)]}." for i in range(n)])
+    tok = model.tokenizer
+    if tok is None:
+        raise ValueError(f"{model.path}: no tokenizer.json, cannot encode the workloads")
+    return [tok.chat_prompt([{"role": "user", "content": t}]) if tok.chat_template
+            else tok.encode(t) for t in texts]
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_model_argument(parser, default="smollm2")
+    parser.add_argument("--batches", type=positive_ints, default="1,2,4,8,16",
+                        help="concurrent streams (default: %(default)s)")
+    parser.add_argument("--workloads", default=",".join(WORKLOADS),
+                        help=f"comma-separated from {', '.join(WORKLOADS)} (default: both)")
+    parser.add_argument("--new-tokens", type=positive_int, default=64,
+                        help="tokens per stream (default: %(default)s)")
+    parser.add_argument("--speculative-config", default=DEFAULT_CONFIG, metavar="JSON",
+                        help=f"vLLM's speculative config (default: {DEFAULT_CONFIG})")
+    parser.add_argument("--repeat", type=positive_int, default=3,
+                        help="timed rounds of each side, alternating (default: %(default)s)")
+    add_threads_argument(parser)
+    args = parser.parse_args(argv)
+    workloads = args.workloads.split(",")
+    if not set(workloads) <= set(WORKLOADS) or not workloads:
+        parser.error(f"--workloads: choose from {', '.join(WORKLOADS)}, got {args.workloads!r}")
+    try:
+        spec = parse_speculative_config(args.speculative_config)
+    except ValueError as e:
+        parser.error(f"--speculative-config: {e}")
+    if spec.method != "ngram":
+        parser.error("--speculative-config: this benchmark runs the ngram method")
+    header = timing_header(args)
+    model = load_model(args.model)
+    n, batches = args.new_tokens, args.batches
+    prime(model)
+    progress = Progress(len(workloads) * len(batches), "settings")
+    results = {}
+    for workload in workloads:
+        ids = prompts(model, workload, max(batches))
+        for B in batches:
+            results[workload, B] = side_by_side(model, ids[:B], n, spec, args.repeat)
+            r = results[workload, B]
+            progress(f"{workload}, {B} streams: decode plain {min(r.plain):.2f} s, "
+                     f"speculating {min(r.spec):.2f} s, same tokens {r.same}/{B}")
+    show(model, results, workloads, n, args)
+    return 0 if all(r.same == B for (_, B), r in results.items()) else 1
+
+
+def prime(model) -> None:
+    """One pass over every row count the products measure (blas.FEW_ROWS): the way each
+    shape multiplies is timed on its first use, and a verification pass meets row counts a
+    plain decode never does; timed here, before either side is."""
+    for rows in range(1, FEW_ROWS + 1):
+        forward(model, np.zeros((rows, 1), dtype=np.int64))
+
+
+@dataclass
+class Sides:
+    plain: list = field(default_factory=list)   # decode seconds per round
+    spec: list = field(default_factory=list)
+    plain_wall: list = field(default_factory=list)  # whole runs, prefill included
+    spec_wall: list = field(default_factory=list)
+    same: int = 0               # streams with the same tokens both ways (every round)
+    counters: object = None     # the speculating engine's SpecCounters (last round)
+    steps: tuple = (0, 0)       # engine steps, plain and speculating
+    load: float = 0.0           # the highest 1-minute load average seen
+
+    @property
+    def speedup(self) -> float:
+        """Decode time plain over speculating, fastest rounds."""
+        return min(self.plain) / min(self.spec)
+
+
+def side_by_side(model, ids, n: int, spec, repeat: int) -> Sides:
+    """B = len(ids) streams, plain and speculating, `repeat` rounds alternating who goes
+    first -> their decode seconds (the engine's decode steps, timed by it) and wall seconds."""
+    requests = [Request(tuple(p), n, eos_token_id=[]) for p in ids]
+    out, same = Sides(), None
+    for r in range(repeat):
+        runs = {}
+        for side in (("plain", "spec") if r % 2 == 0 else ("spec", "plain")):
+            config = EngineConfig(max_num_seqs=len(ids),
+                                  speculative_config=spec if side == "spec" else None)
+            engine = Engine(model, config, history=True)
+            start = time.perf_counter()
+            run = engine.run(requests)
+            getattr(out, f"{side}_wall").append(time.perf_counter() - start)
+            getattr(out, side).append(sum(t for _, t in engine.decode_times))
+            runs[side] = (run, engine)
+        now = sum(a.tokens == b.tokens for a, b in zip(runs["plain"][0].results,
+                                                       runs["spec"][0].results))
+        same = now if same is None else min(same, now)
+        out.counters = runs["spec"][1].speculator.counters
+        out.steps = (runs["plain"][0].steps, runs["spec"][0].steps)
+        out.load = max(out.load, load_average() or 0.0)
+    out.same = same
+    return out
+
+
+def crossover(rows: dict):
+    """{batch: Sides} -> the smallest batch whose speedup is below 1, None if none is; a
+    batch whose two sides made different tokens has no speedup and counts for nothing."""
+    return next((B for B, r in sorted(rows.items()) if r.same == B and r.speedup < 1), None)
+
+
+def summary(workload: str, rows: dict) -> str:
+    """A workload's line: its speedup at the smallest batch and where it falls below 1."""
+    first = min(rows)
+    at_first = (f"{rows[first].speedup:.2f}x at {first} stream(s)" if rows[first].same == first
+                else f"no speedup at {first} stream(s): tokens differ")
+    B = crossover(rows)
+    return (f"{workload}: {at_first}; " + (f"below 1 from {B} streams" if B is not None else
+                                            f"not below 1 up to {max(rows)} streams"))
+
+
+def show(model, results, workloads, n, args) -> None:
+    x = lambda v: f"{v:.2f}x"   # noqa: E731
+    load = max(r.load for r in results.values())
+    table = Table(f"Benchmark: speculative decoding in the engine, {model_name(model)}",
+                  columns=[("workload", ""), ("streams", "d"), ("plain tok/s", ".1f"),
+                           ("spec tok/s", ".1f"), ("speedup", ""), ("median", ""),
+                           ("end to end", ""), ("steps", ""), ("accepted", ".2f"),
+                           ("tokens/draft", ".2f"), ("same", "")])
+    table.header(f"{n} new tokens per stream, greedy, end of sequence off; speculation: "
+                 f"{args.speculative_config}", timing_header(args),
+                 f"decode: the engine's decode steps (the first token of each stream comes "
+                 f"from its prefill, the same both ways); the fastest and the median of "
+                 f"{args.repeat} rounds, the two sides alternating",
+                 f"the highest 1-minute load average seen: {load:.1f}" +
+                 (" -- MEASURED UNDER LOAD: rerun on a quiet machine" if load > 1.5 else ""))
+    for (workload, B), r in results.items():
+        c = r.counters
+        exact = r.same == B
+        tokens = B * (n - 1)            # decode tokens per run (a stream's first: prefill)
+        table.row(workload, B, tokens / min(r.plain), tokens / min(r.spec),
+                  x(r.speedup) if exact else "tokens differ",
+                  x(median(r.plain) / median(r.spec)) if exact else "",
+                  x(min(r.plain_wall) / min(r.spec_wall)) if exact else "",
+                  f"{r.steps[0]}/{r.steps[1]}",
+                  c.accepted_tokens / c.draft_tokens if c.draft_tokens else 0.0,
+                  1 + c.accepted_tokens / c.drafts if c.drafts else 1.0, f"{r.same}/{B}")
+    table.note("speedup: decode time plain over speculating (fastest rounds; median beside; "
+               "end to end: whole runs, prefill included); printed only where every stream "
+               "got the same tokens both ways in every round",
+               "steps: engine steps plain / speculating; accepted: accepted / drafted tokens; "
+               "tokens/draft: tokens a verified draft yields (1 + accepted / drafts)",
+               *(summary(w, {B: r for (v, B), r in results.items() if v == w})
+                 for w in workloads))
+    table.show()
+
+
+if __name__ == "__main__":
+    from _common import run
+    run(main)
