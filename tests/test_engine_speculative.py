@@ -103,17 +103,23 @@ def test_an_eos_among_the_kept_tokens_ends_the_request_there(close_calls):
 
 def test_the_next_turn_finds_the_speculated_answer_cached(close_calls):
     """The blocks a speculating sequence fills with kept tokens are named as in plain decoding
-    (after the trim: never a rejected one), so a chat's next turn finds its answer cached."""
-    first = workload()[0]
+    (after the trim: never a rejected one), those of its last step too, so a chat's next turn
+    finds every full block of the conversation so far cached. (The target as its own draft:
+    11 tokens are the prefill's and two steps of 5, the last one ending the request.)"""
+    first = Request(workload()[0].prompt, 11, eos_token_id=[])
+    itself = SpeculativeConfig(num_speculative_tokens=4, method="draft_model", model="-")
     cached = {}
-    for name, config in (("plain", None), ("speculating", NGRAM)):
-        served = engine(close_calls, config, max_num_seqs=2, block_size=4,
+    for name, config in (("plain", None), ("speculating", itself)):
+        served = engine(close_calls, config, close_calls, max_num_seqs=2, block_size=2,
                         batch_invariant=True)
-        answer = served.run([first]).results[0].tokens
+        run = served.run([first])
+        answer = run.results[0].tokens
         turn = Request(first.prompt + tuple(answer) + (5, 6), 4, eos_token_id=[])
         cached[name] = served.run([turn]).results[0].cached_tokens
         served.cache.check()
-    assert cached["speculating"] == cached["plain"] >= len(first.prompt) + 20
+    assert run.steps == 3                           # prefill, then two verifications
+    held = len(first.prompt) + len(answer) - 1     # the cache lags the last token
+    assert cached["speculating"] == cached["plain"] == held // 2 * 2
 
 
 def test_a_draft_model_in_the_engine(close_calls):
