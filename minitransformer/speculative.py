@@ -34,7 +34,9 @@ distributions they came from) and rollback (forget the rejected ones).
 Between rounds each cache lags one token behind the sequence: the round's last token (the
 target's own, which no model has seen) goes into the next round's first pass. So after the
 trim a cache holds only kept tokens, and a rollback is a trim, never a recomputation.
-Leaves out: batches (one sequence), tree-shaped drafts, a draft length that adapts to alpha.
+Leaves out: batches (one sequence; the serving engine verifies a batch's drafts in one pass,
+with this module's rule: serve/speculate.py), tree-shaped drafts, a draft length that adapts
+to alpha.
 """
 from dataclasses import dataclass, replace
 

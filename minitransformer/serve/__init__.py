@@ -7,6 +7,7 @@
     scheduler    each step's plan on the books alone: admit, preempt, decode, prefill chunks
     paged        the paged KV cache's arrays, the moves the books decide, the forward's view
     engine       a step = plan -> run (forward passes, sampling) -> commit; n-sample fan-out
+    speculate    speculative decoding: drafts per sequence, verified in the decodes' one pass
     online       the engine on its own thread, fed by a queue: requests arrive while it runs
     detokenize   tokens -> text as they stream, spaces and multi-byte characters whole
     openai_api   OpenAI's request and response bodies, checked field by field
