@@ -9,6 +9,7 @@ from minitransformer import __main__ as cli
 from minitransformer.serve import http
 from minitransformer.serve.config import EngineConfig
 from minitransformer.serve.engine import Engine
+from minitransformer.serve.speculate import SpeculativeConfig
 
 
 @pytest.mark.parametrize("field, bad", [
@@ -61,11 +62,13 @@ def test_the_serve_options_default_to_the_configs_defaults():
 def test_each_serve_option_sets_its_field():
     options = ["--max-num-seqs", "3", "--block-size", "4", "--num-gpu-blocks-override", "50",
                "--policy", "static", "--no-enable-prefix-caching", "--max-num-batched-tokens",
-               "9", "--kv-cache-dtype", "q4_0", "--attention", "tiled", "--batch-invariant"]
+               "9", "--kv-cache-dtype", "q4_0", "--attention", "tiled", "--batch-invariant",
+               "--speculative-config", '{"num_speculative_tokens": 2}']
     expected = EngineConfig(max_num_seqs=3, block_size=4, num_gpu_blocks_override=50,
                             policy="static", enable_prefix_caching=False,
                             max_num_batched_tokens=9, kv_cache_dtype="q4_0", attention="tiled",
-                            batch_invariant=True)
+                            batch_invariant=True,
+                            speculative_config=SpeculativeConfig(num_speculative_tokens=2))
     assert cli.engine_config(serve_args(*options)) == expected
     # every field differs from its default above: none is left to the default by mistake
     assert all(getattr(expected, f.name) != f.default for f in dataclasses.fields(EngineConfig))

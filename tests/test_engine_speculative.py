@@ -86,17 +86,18 @@ def test_batch_invariant_greedy_is_the_engine_without_speculation(close_calls, s
 
 def test_an_eos_among_the_kept_tokens_ends_the_request_there(close_calls):
     """The target as its own draft: every proposal is kept, 5 tokens a step after the
-    prefill's first, so token 9 is an accepted proposal; as the eos id, the request ends on
-    it and the proposal after it is not made."""
+    prefill's first (token 0), so tokens 1-4, 6-9, ... are accepted proposals; the first of
+    them not seen before, as the eos id, ends the request on it, the rest of its step unmade."""
     requests = workload()
-    stop = mt.generate(close_calls, list(requests[0].prompt), 24, eos_token_id=[])[9]
-    requests = [Request(r.prompt, r.max_new_tokens, eos_token_id=stop) for r in requests]
-    want = [mt.generate(close_calls, list(r.prompt), r.max_new_tokens, eos_token_id=stop)
+    plain = mt.generate(close_calls, list(requests[0].prompt), 24, eos_token_id=[])
+    at = next(i for i in range(1, 24) if i % 5 and plain[i] not in plain[:i])
+    requests = [Request(r.prompt, r.max_new_tokens, eos_token_id=plain[at]) for r in requests]
+    want = [mt.generate(close_calls, list(r.prompt), r.max_new_tokens, eos_token_id=plain[at])
             for r in requests]
     itself = SpeculativeConfig(num_speculative_tokens=4, method="draft_model", model="-")
     served = engine(close_calls, itself, close_calls, max_num_seqs=3, batch_invariant=True)
     run = checked_run(served, requests)
-    assert [r.tokens for r in run.results] == want and len(want[0]) == 10
+    assert [r.tokens for r in run.results] == want and len(want[0]) == at + 1
     c = served.speculator.counters
     assert c.accepted_tokens == c.draft_tokens > 0
 
