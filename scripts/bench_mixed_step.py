@@ -76,7 +76,7 @@ def main(argv=None):
 
     def one_pass():
         starts = cache.append(ids, 1) + cache.append([p], n)
-        view = RaggedView(cache, ids + [p], starts, [1] * len(ids) + [n])
+        view = RaggedView(cache, [(ids, starts[:-1], 1), ([p], starts[-1:], n)])
         tokens = np.concatenate([newest[:, 0], chunk[0]])[None]              # (1, B + n)
         hidden = forward(model, tokens, view)                                 # (1, B + n, D)
         return head(model, hidden[:, :len(ids)])                             # the decodes'

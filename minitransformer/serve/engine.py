@@ -262,15 +262,16 @@ class Engine:
                                                                              work.starts)]
         ids = np.array([[t for seq, first, work in parts                         # (1, R)
                          for t in seq.tokens[first:first + work.n]]])
-        view = RaggedView(self.cache, [seq.result.id for seq, _, _ in parts],
-                          [first for _, first, _ in parts], [work.n for _, _, work in parts])
+        view = RaggedView(self.cache, [([seq.result.id for seq in work.rows], work.starts,
+                                        work.n) for work in passes])
         hidden = forward(self.model, ids, view)                                   # (1, R, D)
+        ends = np.cumsum([work.n for _, _, work in parts])                  # each row's end
         picked = [i for i, (_, _, work) in enumerate(parts) if work is plan.decode or work.firsts]
-        logits = to_numpy(head(self.model, hidden[:, view.edges[1:][picked] - 1]))[0]  # (m, V)
+        logits = to_numpy(head(self.model, hidden[:, ends[picked] - 1]))[0]       # (m, V)
         made = []
         for i, (seq, first, work) in enumerate(parts):
             if work is not plan.decode and seq.result.request.prompt_logprobs is not None:
-                self._score_prompt(seq, hidden[:, view.edges[i]:view.edges[i + 1]], first)
+                self._score_prompt(seq, hidden[:, ends[i] - work.n:ends[i]], first)
         for i, z in zip(picked, logits):
             seq, _, work = parts[i]
             if work is not plan.decode:                  # a prompt's last chunk

@@ -200,50 +200,53 @@ class PagedView:
 
 
 class RaggedView:
-    """Several sequences' new tokens flattened into one row of R tokens, as vLLM and
-    Sarathi-Serve batch a step: segment i is counts[i] tokens of sequence ids[i] from position
-    starts[i] (a decode: one token; a prompt chunk: many). Every product of the pass takes the
-    R tokens at once, so each weight is read once for the decodes and the chunks together;
-    attention is per segment, over its own sequence's blocks, causal within it (a PagedView
-    per segment). For a plan that has counted the tokens (``append``); ids are distinct."""
+    """Several groups of new tokens flattened into one row of R tokens, as vLLM and
+    Sarathi-Serve batch a step: group i is len(ids) rows of T tokens each, row b sequence
+    ids[b] from position starts[b] (the decodes: B rows of one token; a prompt chunk: one row
+    of many), laid out row after row. Every product of the pass takes the R tokens at once, so
+    each weight is read once for the decodes and the chunks together; attention is per group,
+    each a PagedView over its rows' own blocks, causal within a row. For a plan that has
+    counted the tokens (``append``); no sequence twice."""
 
-    def __init__(self, cache: PagedCache, ids, starts, counts):
-        self.parts = [cache.view([s], [start]) for s, start in zip(ids, starts)]
-        self.cache, self.counts = cache, list(counts)
-        self.edges = np.cumsum([0] + self.counts)         # segment i: tokens edges[i]:edges[i+1]
+    def __init__(self, cache: PagedCache, groups):
+        self.cache = cache
+        self.parts = [(cache.view(ids, starts), len(ids), T) for ids, starts, T in groups]
+        self.edges = np.cumsum([0] + [B * T for _, B, T in self.parts])   # group i's tokens
+
+    def _groups(self, flat) -> list:
+        """(1, R, ...) -> per group, its (B_i, T_i, ...) rows (views)."""
+        return [flat[0, a:b].reshape(B, T, *flat.shape[2:]) for (_, B, T), a, b in
+                zip(self.parts, self.edges[:-1], self.edges[1:])]
 
     def positions(self, T: int) -> np.ndarray:
         """(1, R): each token its own position."""
         if T != self.edges[-1]:
             raise ValueError(f"a ragged view of {self.edges[-1]} tokens was given {T}")
-        return np.concatenate([part.positions(n) for part, n in zip(self.parts, self.counts)],
+        return np.concatenate([view.positions(T).reshape(1, -1) for view, _, T in self.parts],
                               axis=1)
 
-    def _segments(self, positions) -> list:
-        return [positions[:, a:b] for a, b in zip(self.edges[:-1], self.edges[1:])]
-
     def slots(self, positions: np.ndarray) -> list:
-        return [part.slots(p) for part, p in zip(self.parts, self._segments(positions))]
+        return [view.slots(p) for (view, _, _), p in zip(self.parts, self._groups(positions))]
 
     def mask(self, positions: np.ndarray) -> list:
-        return [part.mask(p) for part, p in zip(self.parts, self._segments(positions))]
+        return [view.mask(p) for (view, _, _), p in zip(self.parts, self._groups(positions))]
 
     def update(self, layer: int, k, v, slots):
-        """k, v (1, R, Hkv, d) into each segment's slots -> per segment, its sequence's keys
-        and values (1, Hkv, S_i, d) (each written before it is read)."""
-        held = [part.update(layer, k[:, a:b], v[:, a:b], s) for part, a, b, s in
-                zip(self.parts, self.edges[:-1], self.edges[1:], slots)]
+        """k, v (1, R, Hkv, d) into each group's slots -> per group, its rows' keys and
+        values (B_i, Hkv, S_i, d) (each written before it is read)."""
+        held = [view.update(layer, k_i, v_i, s) for (view, _, _), k_i, v_i, s in
+                zip(self.parts, self._groups(k), self._groups(v), slots)]
         return [k for k, _ in held], [v for _, v in held]
 
     def attend(self, q, k, v, visible):
-        """q (1, R, H, d), per segment its keys, values and mask -> (1, R, H*d)."""
-        return xp.concatenate([part.attend(q[:, a:b], k_i, v_i, m_i) for part, a, b, k_i, v_i, m_i
-                               in zip(self.parts, self.edges[:-1], self.edges[1:], k, v,
-                                      visible)], axis=1)
+        """q (1, R, H, d), per group its keys, values and mask -> (1, R, H*d)."""
+        out = [view.attend(q_i, k_i, v_i, m_i) for (view, _, _), q_i, k_i, v_i, m_i in
+               zip(self.parts, self._groups(q), k, v, visible)]               # (B_i, T_i, H*d)
+        return xp.concatenate([o.reshape(1, -1, o.shape[-1]) for o in out], axis=1)
 
     def advance(self, T: int) -> None:
-        for part, n in zip(self.parts, self.counts):
-            part.advance(n)
+        for view, _, T_i in self.parts:
+            view.advance(T_i)
 
 
 def block_table(seqs, nb: int) -> np.ndarray:
