@@ -5,8 +5,8 @@ import pytest
 import minitransformer as mt
 from minitransformer.backend import to_device, to_numpy
 from minitransformer.drafts import training as tr
-from minitransformer.drafts.distill import (distillation_loss, hard_label_grad, hard_label_loss,
-                                     log_softmax)
+from minitransformer.drafts.distill import distillation_loss, hard_label_grad, hard_label_loss
+from minitransformer.logprobs import log_softmax
 from minitransformer.model import forward
 from minitransformer.speculative import first_layers, speculative_generate
 from minitransformer.checkpoints.synth import make_checkpoint, qwen2_config

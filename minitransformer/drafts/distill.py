@@ -31,6 +31,7 @@ Training with either loss is in training.py. Leaves out: the student model itsel
 import numpy as np
 
 from minitransformer.checks import is_integer, is_real
+from minitransformer.logprobs import log_softmax
 
 
 def check_logits(logits, name: str = "logits") -> np.ndarray:
@@ -49,12 +50,6 @@ def check_temperature(temperature) -> float:
     if not is_real(temperature) or not 0 < temperature < float("inf"):
         raise ValueError(f"temperature must be a finite number > 0, got {temperature!r}")
     return float(temperature)
-
-
-def log_softmax(z):
-    """(..., V) -> (..., V). Subtracting the max keeps exp from overflowing."""
-    z = z - z.max(axis=-1, keepdims=True)
-    return z - np.log(np.exp(z).sum(axis=-1, keepdims=True))
 
 
 def soft_labels(logits, temperature: float = 1.0) -> np.ndarray:

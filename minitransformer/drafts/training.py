@@ -36,8 +36,9 @@ import numpy as np
 from minitransformer.backend import to_device, to_numpy
 from minitransformer.checks import is_integer, is_real
 from minitransformer.drafts.distill import (check_temperature, distillation_grad, distillation_loss,
-                                     hard_label_grad, hard_label_loss, log_softmax)
+                                     hard_label_grad, hard_label_loss)
 from minitransformer.kernels.fused import Fused, fuse_mlp
+from minitransformer.logprobs import log_softmax
 from minitransformer.model import Model, attention_block, block, embed, mlp, prepare, rms_norm
 
 # The trained parameters: checkpoint names of layer i's MLP block, by their short names here.

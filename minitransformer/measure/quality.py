@@ -26,6 +26,7 @@ import numpy as np
 from minitransformer.backend import to_numpy
 from minitransformer.generate import generate
 from minitransformer.kvcache import KVCache
+from minitransformer.logprobs import log_softmax
 from minitransformer.model import forward, head
 from minitransformer.sampling import SamplingSettings
 from minitransformer.serve.config import EngineConfig
@@ -76,15 +77,13 @@ class Perplexity:
 
 def token_nll(logits, targets) -> np.ndarray:
     """Logits (n, V) and the tokens that came (n,) -> each one's negative log-likelihood (n,),
-    in float64, through a log-sum-exp shifted by each row's largest logit.
+    in float64: minus the log-softmax (logprobs.py) at each target.
 
     >>> token_nll(np.zeros((1, 4)), [2]).round(4).tolist()      # uniform over 4: log 4
     [1.3863]
     """
-    logits = np.asarray(logits, dtype=np.float64)
-    top = logits.max(axis=1)
-    log_z = top + np.log(np.exp(logits - top[:, None]).sum(axis=1))
-    return log_z - logits[np.arange(len(logits)), targets]
+    logp = log_softmax(logits)                                               # (n, V)
+    return -logp[np.arange(len(logp)), targets]
 
 
 def perplexity(model, ids, window: int, progress=None, chunk: int = 256) -> Perplexity:
