@@ -14,8 +14,15 @@ this module holds its formats under its names:
 
 A block is 32 numbers of one head's key (or value) vector of one token, so each token of each
 head gets its own scales, and a head dim d gets d / 32 of them (a head dim that 32 does not
-divide, as in the small test models, uses blocks of gcd(32, d)). Inside a q4_0 block, byte j
-holds element j in its low half and element j + 16 in its high half, as llama.cpp packs it.
+divide, as in the small test models, uses blocks of gcd(32, d)). These are llama.cpp's own
+blocks, and ``dequantize_blocks`` is their decoding for the GGUF reader too (formats/
+gguf_blocks.py splits a file's 34- and 18-byte blocks into codes and scales and calls it).
+
+Two nibble orders, side by side: inside a q4_0 block, byte j holds element j in its low half
+and element j + 16 in its high half, as llama.cpp packs it (``split_nibbles``); the 4-bit
+weights of quant/packing.py put elements 2i and 2i + 1 in byte i. Either works as long as
+packing and unpacking agree; reading one as the other puts the right numbers in the wrong
+places, silently.
 
 The cache stores codes and scales, never float32 values: a ``QuantizedArray`` is the pair of
 arrays, indexed on its leading axes like the float array it stands for, so the caches write
@@ -202,11 +209,34 @@ def dequantize(held):
     *lead, d = held.shape
     nb = held.scales.shape[-1]
     codes = held.codes.reshape(*lead, nb, -1)                                # (..., nb, g|g/2)
-    if held.kv_dtype == "q8_0":
+    return dequantize_blocks(held.kv_dtype, codes, held.scales).reshape(*lead, d)
+
+
+def dequantize_blocks(kv_dtype: str, codes, scales):
+    """llama.cpp's q8_0 / q4_0 decoding: codes (..., nb, g) int8, or (..., nb, g/2) bytes of
+    two 4-bit codes, and float16 scales (..., nb) -> float32 (..., nb, g). q8_0: s x code;
+    q4_0: s x (code - 8). Array methods only, so the cache's device arrays and the GGUF
+    reader's host ones go through the same lines.
+    """
+    if kv_dtype == "q8_0":
         steps = codes.astype(xp.float32)
-    else:                                        # low halves hold 0..g/2-1, high g/2..g-1
-        steps = xp.concatenate([codes & 15, codes >> 4], axis=-1).astype(xp.float32) - 8
-    return (steps * held.scales[..., None].astype(xp.float32)).reshape(*lead, d)
+    else:
+        steps = split_nibbles(codes).astype(xp.float32) - 8
+    return steps * scales[..., None].astype(xp.float32)
+
+
+def split_nibbles(packed):
+    """(..., g/2) bytes -> (..., g) 4-bit codes 0..15 in llama.cpp's order: byte j holds code j
+    in its low half and code j + g/2 in its high half (the order ``quantize`` packs).
+
+    >>> from minitransformer.backend import to_numpy
+    >>> to_numpy(split_nibbles(xp.asarray([0x21, 0x43], dtype=xp.uint8))).tolist()
+    [1, 3, 2, 4]
+    """
+    codes = packed[..., None, :].repeat(2, axis=-2)                          # (..., 2, g/2)
+    codes[..., 0, :] &= 15                             # the low halves: codes 0 .. g/2 - 1
+    codes[..., 1, :] >>= 4                             # the high halves: codes g/2 .. g - 1
+    return codes.reshape(*packed.shape[:-1], -1)
 
 
 def on_floats(attend):

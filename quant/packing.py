@@ -2,8 +2,8 @@
 
 Serves experiments 15 and 21 (memory is measured on the packed arrays) and every 4-bit
 quantizer. Code 2i goes in the low nibble of byte i and code 2i+1 in the high nibble; an odd
-count leaves the last high nibble zero. (llama.cpp and bitsandbytes each choose their own
-nibble order; any fixed order works, as long as pack and unpack agree.)
+count leaves the last high nibble zero. (llama.cpp's q4_0 blocks use another order, and
+bitsandbytes its own: minitransformer/kvquant.py names llama.cpp's and this one side by side.)
 
 Unpacking turns each byte straight into its two *values* through a 256-entry table built from
 the 16 levels, so the forward pass pays one gather per weight matrix, not bit twiddling per

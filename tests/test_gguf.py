@@ -62,6 +62,27 @@ def test_q4_nibble_order_is_llama_cpp_not_ours():
     assert w[0] == 7.0 and w[16] == 1.0 and w[1] == -8.0
 
 
+@pytest.mark.parametrize("kv_dtype", ["q8_0", "q4_0"])
+def test_the_kv_caches_blocks_are_llama_cpps(kv_dtype):
+    """The KV cache's q8_0 / q4_0 codes and scales, laid out as a GGUF block ([fp16 scale]
+    [codes]), decode under the gguf package's own dequantize to the floats attention reads:
+    the cache's nibble order and scale are llama.cpp's."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    from minitransformer.backend import to_device, to_numpy
+    from minitransformer.kvquant import dequantize as read, quantize
+
+    rng = np.random.default_rng(2)
+    x = rng.standard_normal((3, 64)).astype(np.float32)        # 3 vectors of 2 blocks each
+    held = quantize(to_device(x), kv_dtype)
+    codes = to_numpy(held.codes).reshape(6, -1).view(np.uint8)  # (blocks, 32 or 16 bytes)
+    scales = to_numpy(held.scales).reshape(6, 1).astype("<f2").view(np.uint8)  # (blocks, 2)
+    raw = np.concatenate([scales, codes], axis=1).reshape(3, -1)
+    reference = dequantize(raw, GGMLQuantizationType[kv_dtype.upper()]).reshape(3, 64)
+    assert np.array_equal(bits(to_numpy(read(held))), bits(reference))
+
+
 def test_dequantize_errors_name_the_problem():
     with pytest.raises(ValueError, match="Q5_0 is not supported"):
         gguf_blocks.dequantize(np.zeros(22, np.uint8), "Q5_0", (1, 32))

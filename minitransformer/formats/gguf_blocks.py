@@ -13,11 +13,13 @@ Q8_0 and Q4_0 are symmetric absmax with a group of 32 (quant/absmax.py uses 128)
 whose weights are all positive does not waste half its grid, for 2 more bytes: 4 + 32/32 = 5
 bits per weight, against 4.5 for Q4_0 and 8.5 for Q8_0.
 
-The trap in the 4-bit formats: the nibble order is not ours. Byte j of a block holds code j
-in its low nibble and code j + 16 in its high nibble (quant/packing.py puts codes 2i and 2i+1
-in one byte). Reading the nibbles in the wrong order gives weights of the right distribution
-in the wrong columns, a silently wrong model, which is why every decoder here is tested bit
-for bit against the gguf package's own ``gguf.quants.dequantize``.
+Q8_0 and Q4_0 are the KV cache's q8_0 and q4_0 (kvquant.py): this module splits each
+block into its scale and its codes and decodes them with ``kvquant.dequantize_blocks``; Q4_1
+reads its codes with ``kvquant.split_nibbles``. The trap in the 4-bit formats is the nibble
+order, which is llama.cpp's, not quant/packing.py's (kvquant.py names the two side by side):
+the wrong one gives weights of the right distribution in the wrong columns, a silently wrong
+model, which is why every decoder here is tested bit for bit against the gguf package's own
+``gguf.quants.dequantize``.
 
 F32, F16 and BF16 are not blocks: one value per element, widened to float32 exactly.
 Leaves out: the k-quants (Q2_K..Q6_K, super-blocks of 256 with 6-bit sub-scales), the
@@ -26,39 +28,31 @@ i-quants, Q5_0/Q5_1 and Q8_1; asking for one is an error that names it.
 import numpy as np
 
 from minitransformer.formats.safetensors_io import to_float32
+from minitransformer.kvquant import dequantize_blocks, split_nibbles
 
 BLOCK = 32  # weights per block, for every format here
 
 
 def _fp16(raw):
-    """(N, 2) uint8, little-endian -> (N, 1) float32: the per-block scale or minimum."""
-    return np.ascontiguousarray(raw).view("<f2").astype(np.float32)
-
-
-def _nibbles(packed):
-    """(N, 16) uint8 -> (N, 32) codes 0..15: the low nibbles are codes 0..15 of the block,
-    the high nibbles codes 16..31 (llama.cpp's layout, not two neighbours per byte)."""
-    return np.concatenate([packed & 0x0F, packed >> 4], axis=1)
+    """(N, 2) uint8, little-endian -> (N,) float16: the per-block scale or minimum."""
+    return np.ascontiguousarray(raw).view("<f2")[:, 0]
 
 
 def q8_0(blocks):
-    """(N, 34) -> (N, 32): scale * code, code a signed byte."""
-    scale = _fp16(blocks[:, :2])                                      # (N, 1)
+    """(N, 34) -> (N, 32): [fp16 scale][32 int8 codes], scale * code."""
     codes = np.ascontiguousarray(blocks[:, 2:]).view(np.int8)         # (N, 32)
-    return scale * codes.astype(np.float32)
+    return dequantize_blocks("q8_0", codes, _fp16(blocks[:, :2]))
 
 
 def q4_0(blocks):
-    """(N, 18) -> (N, 32): scale * (code - 8); codes 0..15 stand for -8..7."""
-    scale = _fp16(blocks[:, :2])                                      # (N, 1)
-    codes = _nibbles(blocks[:, 2:]).astype(np.int8) - 8               # (N, 32)
-    return scale * codes.astype(np.float32)
+    """(N, 18) -> (N, 32): [fp16 scale][16 bytes of 4-bit codes], scale * (code - 8)."""
+    return dequantize_blocks("q4_0", blocks[:, 2:], _fp16(blocks[:, :2]))
 
 
 def q4_1(blocks):
     """(N, 20) -> (N, 32): scale * code + minimum, the affine 4-bit format."""
-    scale, minimum = _fp16(blocks[:, :2]), _fp16(blocks[:, 2:4])     # (N, 1) each
-    codes = _nibbles(blocks[:, 4:]).astype(np.float32)                # (N, 32)
+    scale, minimum = (_fp16(blocks[:, i:i + 2]).astype(np.float32)[:, None] for i in (0, 2))
+    codes = split_nibbles(blocks[:, 4:]).astype(np.float32)          # (N, 32)
     return scale * codes + minimum
 
 
