@@ -16,7 +16,6 @@ keys and values between turns: each turn prefills only what is new since the las
 line says how many prompt tokens were found cached).
 """
 import argparse
-import json
 import sys
 import time
 from dataclasses import fields, replace
@@ -111,21 +110,13 @@ def add_sampling(parser, max_new_tokens, builtin) -> None:
 
 
 def checkpoint_sampling(model) -> dict:
-    """The sampling settings the checkpoint's generation_config.json gives (only those)."""
-    file = Path(model.path or ".") / "generation_config.json"
-    if not model.path or not file.is_file():
-        return {}
-    try:
-        config = json.loads(file.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as e:
-        raise ValueError(f"{file}: not readable JSON ({e})") from None
-    if not isinstance(config, dict):
-        raise ValueError(f"{file}: expected a JSON object")
-    found = {k: config[k] for k in SAMPLING if config.get(k) is not None}
+    """The sampling settings the checkpoint's generation_config.json gives (only those, as the
+    loader read them onto the model), checked."""
+    found = {k: v for k, v in model.sampling_defaults.items() if k in SAMPLING}
     try:
         SamplingSettings(**found)
     except (TypeError, ValueError) as e:
-        raise ValueError(f"{file}: {e}") from None
+        raise ValueError(f"{Path(model.path) / 'generation_config.json'}: {e}") from None
     return found
 
 

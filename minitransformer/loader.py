@@ -1,4 +1,5 @@
-"""Load a Hugging Face checkpoint directory into a Model: config, weights, tokenizer, eos ids.
+"""Load a Hugging Face checkpoint directory into a Model: config, weights, tokenizer, and
+from generation_config.json the eos ids and the sampling defaults.
 
 What is checked, and named in the error when wrong:
 - config.json exists, is JSON, describes a supported architecture (see config.py);
@@ -12,6 +13,7 @@ A tied checkpoint that still carries ``lm_head.weight`` keeps only the embedding
 same matrix by definition), and stored RoPE ``inv_freq`` buffers from old exports are ignored:
 RoPE is recomputed from ``rope_theta``.
 """
+from dataclasses import fields
 from pathlib import Path, PurePosixPath
 
 import numpy as np
@@ -23,6 +25,7 @@ from minitransformer.errors import CheckpointError
 from minitransformer.formats.gguf import load_gguf
 from minitransformer.formats.safetensors_io import read_tensors, to_float32
 from minitransformer.model import Model
+from minitransformer.sampling import SamplingSettings
 from minitransformer.shape import tensor_shapes
 from minitransformer.tokenizer import load_tokenizer
 
@@ -107,21 +110,33 @@ def load_weights(path: Path, config: ModelConfig) -> dict:
     return weights
 
 
-def eos_ids(path: Path, vocab_size: int) -> tuple[int, ...]:
-    """End-of-sequence ids: generation_config.json first, config.json as the fallback; each
-    must be a token the model can produce (below vocab_size), or generation never stops."""
-    for name in ("generation_config.json", "config.json"):
-        file = path / name
-        if file.is_file():
-            eos = read_json_object(file).get("eos_token_id")
-            if eos is not None:
-                ids = token_ids_field(file, "eos_token_id", eos)
-                outside = [i for i in ids if i >= vocab_size]
-                if outside:
-                    raise CheckpointError(f"{file}: field 'eos_token_id' holds {outside[0]}, "
-                                          f"outside the vocabulary [0, {vocab_size})")
-                return ids
-    return ()
+def generation_config(path: Path, vocab_size: int) -> tuple[tuple[int, ...], dict]:
+    """generation_config.json, read once here -> (eos ids, the sampling defaults it gives).
+
+    The eos ids are its eos_token_id, else config.json's. The sampling defaults are the
+    SamplingSettings fields it sets (null ones left out), as written: whoever samples with them
+    checks them (__main__.py, naming the file when one is bad)."""
+    file = path / "generation_config.json"
+    given = read_json_object(file) if file.is_file() else {}
+    sampling = {f.name: given[f.name] for f in fields(SamplingSettings)
+                if given.get(f.name) is not None}
+    if given.get("eos_token_id") is None:
+        file = path / "config.json"
+        given = read_json_object(file) if file.is_file() else {}
+    return check_eos_ids(file, given.get("eos_token_id"), vocab_size), sampling
+
+
+def check_eos_ids(file: Path, eos, vocab_size: int) -> tuple[int, ...]:
+    """The eos_token_id field of file (None: none) -> its ids; each must be a token the model
+    can produce (below vocab_size), or generation never stops."""
+    if eos is None:
+        return ()
+    ids = token_ids_field(file, "eos_token_id", eos)
+    outside = [i for i in ids if i >= vocab_size]
+    if outside:
+        raise CheckpointError(f"{file}: field 'eos_token_id' holds {outside[0]}, "
+                              f"outside the vocabulary [0, {vocab_size})")
+    return ids
 
 
 def load(path) -> Model:
@@ -136,6 +151,7 @@ def load(path) -> Model:
     if not path.is_dir():
         raise CheckpointError(f"{path}: checkpoint directory not found")
     config = load_config(path)
+    eos, sampling = generation_config(path, config.vocab_size)
     return Model(config=config, weights=load_weights(path, config),
-                 tokenizer=load_tokenizer(path), eos_token_ids=eos_ids(path, config.vocab_size),
+                 tokenizer=load_tokenizer(path), eos_token_ids=eos, sampling_defaults=sampling,
                  path=str(path))

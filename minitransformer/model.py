@@ -32,6 +32,7 @@ class Model:
     weights: dict            # HF tensor name -> float32 array (or a quantized weight)
     tokenizer: object = None  # minitransformer.tokenizer.Tokenizer, or None
     eos_token_ids: tuple = ()
+    sampling_defaults: dict = field(default_factory=dict)  # generation_config.json's (loader)
     path: str = ""
     fused: Fused = field(default=None, repr=False, compare=False)  # made here (fused.py)
 

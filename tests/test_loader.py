@@ -188,6 +188,31 @@ def test_eos_ids_from_generation_config(tmp_path, checkpoint_dir):
     assert mt.load(path).eos_token_ids == (5, 9)
 
 
+def test_sampling_defaults_from_generation_config(tmp_path, checkpoint_dir):
+    """The loader reads generation_config.json's sampling settings onto the model (null ones
+    and fields that are not sampling settings left out); the quality battery's penalty is its."""
+    from minitransformer.measure.quality import default_repetition_penalty
+
+    path = copy(checkpoint_dir, tmp_path)
+    assert mt.load(path).sampling_defaults == {}
+    assert default_repetition_penalty(mt.load(path)) == 1.1                  # the fallback
+    (path / "generation_config.json").write_text(json.dumps(
+        {"eos_token_id": 5, "temperature": 0.6, "top_p": None, "repetition_penalty": 1.2,
+         "max_length": 64}))
+    model = mt.load(path)
+    assert model.sampling_defaults == {"temperature": 0.6, "repetition_penalty": 1.2}
+    assert model.eos_token_ids == (5,) and default_repetition_penalty(model) == 1.2
+
+
+def test_eos_ids_fall_back_to_config_json(tmp_path, checkpoint_dir):
+    path = copy(checkpoint_dir, tmp_path)
+    edit_config(path, eos_token_id=7)
+    (path / "generation_config.json").write_text(json.dumps({"eos_token_id": None,
+                                                            "temperature": 0.5}))
+    model = mt.load(path)
+    assert model.eos_token_ids == (7,) and model.sampling_defaults == {"temperature": 0.5}
+
+
 def test_null_fields_take_the_hugging_face_defaults(tmp_path, checkpoint_dir):
     """num_key_value_heads: null means MHA; head_dim: null means hidden / heads."""
     path = copy(checkpoint_dir, tmp_path, "qwen2-mha-untied")  # 4 q heads, 4 kv heads, 32 / 4

@@ -16,10 +16,8 @@ from about half to nine in ten, so one question more or less says nothing (the c
 An instruct model can be asked through its chat template (``chat=True``).
 Leaves out: sampling-based evaluation, benchmark suites.
 """
-import json
 import re
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 
@@ -132,16 +130,12 @@ def next_token_scores(model, ids, kv_dtype: str = "f32", chunk: int = 256):
 
 
 def default_repetition_penalty(model, fallback: float = 1.1) -> float:
-    """The checkpoint's own repetition penalty (its generation_config.json), else `fallback`.
+    """The checkpoint's own repetition penalty (its generation_config.json, as the loader read
+    it onto the model), else `fallback`.
 
     The battery's "penalty on" setting: a chat model ships the penalty it was tuned with.
     """
-    file = Path(model.path or ".") / "generation_config.json"
-    if model.path and file.is_file():
-        penalty = json.loads(file.read_text()).get("repetition_penalty")
-        if penalty is not None:
-            return float(penalty)
-    return fallback
+    return float(model.sampling_defaults.get("repetition_penalty", fallback))
 
 
 @dataclass(frozen=True)
