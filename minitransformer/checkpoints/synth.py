@@ -142,22 +142,36 @@ def weights_dir() -> Path:
     return Path(os.environ.get("MT_WEIGHTS_DIR", Path(__file__).resolve().parents[2] / "weights"))
 
 
+def write_whole(path: Path, write, stamp: str, version: str) -> Path:
+    """write(folder) fills a sibling ``path.partial`` folder, which gets a file `stamp` holding
+    `version` and then replaces path: a checkpoint cut off halfway is never found under path,
+    and ``is_written`` tells a finished one of this version. -> path."""
+    partial = path.with_name(path.name + ".partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    write(partial)
+    (partial / stamp).write_text(version)
+    shutil.rmtree(path, ignore_errors=True)
+    partial.rename(path)
+    return path
+
+
+def is_written(path, stamp: str, version: str) -> bool:
+    """Did ``write_whole`` finish path, with this version?"""
+    file = Path(path) / stamp
+    return file.is_file() and file.read_text() == version
+
+
 def default_model() -> Path:
     """Path of the embedded default model, generating it on first use (about a second)."""
     path = weights_dir() / "default"
-    stamp = path / "GENERATED"
-    if stamp.is_file() and stamp.read_text() == GENERATOR_VERSION:
+    if is_written(path, "GENERATED", GENERATOR_VERSION):
         return path
     from minitransformer.shape import ceil_div
 
     tokenizer = train_tokenizer()
     vocab = ceil_div(tokenizer.get_vocab_size(), 64) * 64  # a multiple of 64, as Qwen pads it
     eos = tokenizer.token_to_id(SPECIAL)
-    tmp = path.with_name("default.partial")
-    shutil.rmtree(tmp, ignore_errors=True)
-    make_checkpoint(tmp, default_config(vocab) | {"bos_token_id": eos, "eos_token_id": eos},
-                    seed=0, tokenizer=tokenizer)
-    (tmp / "GENERATED").write_text(GENERATOR_VERSION)
-    shutil.rmtree(path, ignore_errors=True)
-    tmp.rename(path)
-    return path
+    config = default_config(vocab) | {"bos_token_id": eos, "eos_token_id": eos}
+    return write_whole(path, lambda partial: make_checkpoint(partial, config, seed=0,
+                                                             tokenizer=tokenizer),
+                       "GENERATED", GENERATOR_VERSION)
