@@ -45,18 +45,26 @@ def duplicate_keys(pairs) -> list:
     return sorted(key for key, n in counts.items() if n > 1)
 
 
+def no_duplicates(refuse):
+    """An ``object_pairs_hook`` for ``json.loads``: each object as a dict, or the exception
+    refuse(the keys it lists twice) raised, where ``json`` would silently keep the last."""
+    def hook(pairs):
+        twice = duplicate_keys(pairs)
+        if twice:
+            raise refuse(twice)
+        return dict(pairs)
+    return hook
+
+
 def read_json_object(file: Path, what: str = "a JSON object") -> dict:
     """A JSON file that must hold one object -> dict, or a CheckpointError naming the file.
 
     Duplicate keys are refused: ``json`` would silently keep the last one."""
-    def no_duplicates(pairs):
-        twice = duplicate_keys(pairs)
-        if twice:
-            raise CheckpointError(f"{file}: duplicate key(s) {', '.join(map(repr, twice))}")
-        return dict(pairs)
+    unique = no_duplicates(lambda twice: CheckpointError(
+        f"{file}: duplicate key(s) {', '.join(map(repr, twice))}"))
     try:
         text = Path(file).read_bytes().decode("utf-8")
-        value = json.loads(text, object_pairs_hook=no_duplicates)
+        value = json.loads(text, object_pairs_hook=unique)
     except UnicodeDecodeError as e:
         raise CheckpointError(f"{file}: not UTF-8 text ({e.reason} at byte {e.start})") from None
     except (json.JSONDecodeError, RecursionError) as e:

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from minitransformer.checks import duplicate_keys, is_integer
+from minitransformer.checks import is_integer, no_duplicates
 from minitransformer.errors import CheckpointError
 
 # safetensors dtype name -> numpy dtype of the stored bytes (BF16 is read as raw uint16)
@@ -69,13 +69,10 @@ def read_header(file: Path) -> tuple[dict, int]:
         raise CheckpointError(f"{file}: empty safetensors header (its length is {n} bytes of "
                               "nothing): not a safetensors file, or a broken one")
 
-    def no_duplicates(pairs):   # json keeps the last of two equal keys: a tensor would vanish
-        twice = duplicate_keys(pairs)
-        if twice:
-            raise CheckpointError(f"{file}: the header lists {twice[0]!r:.100} twice")
-        return dict(pairs)
+    unique = no_duplicates(lambda twice: CheckpointError(   # else a tensor would vanish
+        f"{file}: the header lists {twice[0]!r:.100} twice"))
     try:
-        header = json.loads(blob.decode("utf-8"), object_pairs_hook=no_duplicates)
+        header = json.loads(blob.decode("utf-8"), object_pairs_hook=unique)
     except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
         raise CheckpointError(f"{file}: malformed safetensors header ({e})") from None
     if not isinstance(header, dict):

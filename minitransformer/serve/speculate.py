@@ -57,7 +57,7 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from minitransformer.checks import duplicate_keys, is_integer, is_real
+from minitransformer.checks import is_integer, is_real, no_duplicates
 from minitransformer.generate import last_logits, last_logits_alone
 from minitransformer.lookup import PromptLookup
 from minitransformer.serve.paged import PagedView
@@ -96,7 +96,8 @@ def parse_speculative_config(value) -> SpeculativeConfig:
     where = "speculative config"
     if isinstance(value, str):
         try:
-            value = json.loads(value, object_pairs_hook=_no_duplicates)
+            value = json.loads(value, object_pairs_hook=no_duplicates(lambda twice: ValueError(
+                f"{where}: field(s) given twice: {', '.join(twice)}")))
         except json.JSONDecodeError as e:
             raise ValueError(f"{where}: not JSON ({e})") from None
     if not isinstance(value, dict):
@@ -134,13 +135,6 @@ def parse_speculative_config(value) -> SpeculativeConfig:
         raise ValueError(f"{where}: method 'draft_model' needs model, the draft's "
                          f"checkpoint path")
     return config
-
-
-def _no_duplicates(pairs) -> dict:
-    twice = duplicate_keys(pairs)
-    if twice:
-        raise ValueError(f"speculative config: field(s) given twice: {', '.join(twice)}")
-    return dict(pairs)
 
 
 # --- proposals -------------------------------------------------------------------------------
