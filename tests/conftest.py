@@ -6,7 +6,6 @@ by the script's name."""
 import copy
 import importlib
 import time
-import tracemalloc
 from dataclasses import replace
 from pathlib import Path
 
@@ -273,18 +272,3 @@ def wait_for(condition, timeout=20.0):
     while not condition():
         assert time.monotonic() < deadline, "timed out"
         time.sleep(0.002)
-
-
-def peak(fn) -> int:
-    """Bytes NumPy allocated at the peak of fn(), above what was held before it (tracemalloc;
-    a tracing already running, as under ``python -X tracemalloc``, is left running)."""
-    running = tracemalloc.is_tracing()
-    tracemalloc.start()
-    try:
-        start = tracemalloc.get_traced_memory()[0]
-        tracemalloc.reset_peak()
-        fn()
-        return tracemalloc.get_traced_memory()[1] - start
-    finally:
-        if not running:
-            tracemalloc.stop()

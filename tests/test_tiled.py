@@ -12,10 +12,11 @@ import numpy as np
 import pytest
 
 import minitransformer as mt
-from conftest import assert_like_solo, peak
+from conftest import assert_like_solo
 from minitransformer.backend import to_numpy, xp
 from minitransformer.kvcache import KVCache
 from minitransformer.kvquant import dequantize, quantize
+from minitransformer.measure.timing import peak_bytes
 from minitransformer.model import attention, causal_mask, forward
 from minitransformer.serve.config import EngineConfig
 from minitransformer.serve.engine import Engine
@@ -193,8 +194,8 @@ def test_never_holds_the_score_matrix():
     q, k, v = qkv(1, n, 1, 1, n, d)
     positions = xp.arange(n)[None]
     scores = n * n * 4
-    plain = peak(lambda: attention(q, k, v, causal_mask(positions, n)))
-    tiled = peak(lambda: tiled_attention(q, k, v, CausalTiles(positions, n)))
+    plain = peak_bytes(lambda: attention(q, k, v, causal_mask(positions, n))).peak_bytes
+    tiled = peak_bytes(lambda: tiled_attention(q, k, v, CausalTiles(positions, n))).peak_bytes
     assert plain > scores
     assert tiled < scores / 8
     assert largest_score_block(n, n) == 64 * 64 * 4

@@ -14,11 +14,11 @@ import numpy as np
 import pytest
 
 import minitransformer as mt
-from conftest import peak
 from minitransformer import model as model_module
 from minitransformer import tiled
 from minitransformer.backend import xp
 from minitransformer.kvcache import KVCache
+from minitransformer.measure.timing import peak_bytes
 from minitransformer.model import forward
 from minitransformer.serve.config import EngineConfig
 from minitransformer.serve.engine import Engine
@@ -123,5 +123,7 @@ def test_a_tiled_forward_never_holds_the_score_matrix(long_model):
     c = long_model.config
     scores = c.num_attention_heads * T * T * 4                     # one layer's, float32
     ids = (np.arange(T) % c.vocab_size)[None]                      # (1, T)
-    assert peak(lambda: forward(long_model, ids)) > 2 * scores     # plain: scores + weights
-    assert peak(lambda: forward(long_model, ids, attention=tiled.TILED)) < scores / 4
+    plain = peak_bytes(lambda: forward(long_model, ids)).peak_bytes
+    tiled_peak = peak_bytes(lambda: forward(long_model, ids, attention=tiled.TILED)).peak_bytes
+    assert plain > 2 * scores                                      # plain: scores + weights
+    assert tiled_peak < scores / 4
