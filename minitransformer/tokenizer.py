@@ -51,6 +51,14 @@ def encode_text(backend, text: str, add_special_tokens: bool = True) -> list[int
     return backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
 
+def encode_prompt(model, text: str, what: str = "the prompt") -> list[int]:
+    """A model's text -> its token ids, or a ValueError naming the checkpoint when it has no
+    tokenizer (what: the text's name in that message)."""
+    if model.tokenizer is None:
+        raise ValueError(f"{model.path}: no tokenizer.json, cannot encode {what}")
+    return model.tokenizer.encode(text)
+
+
 def load_tokenizer(path) -> Tokenizer | None:
     """Checkpoint directory -> Tokenizer, or None when it has no tokenizer.json."""
     from tokenizers import Tokenizer as HFTokenizer  # imported here: a model runs without it

@@ -77,13 +77,6 @@ def model_name(model) -> str:
     return Path(str(getattr(model, "path", model))).name
 
 
-def encode_prompt(model, text):
-    """Prompt text -> token ids, or exit with a message when the checkpoint has no tokenizer."""
-    if model.tokenizer is None:
-        raise ValueError(f"{model.path}: no tokenizer.json, cannot encode the prompt")
-    return model.tokenizer.encode(text)
-
-
 def choose_layer(requested, num_layers, followed=False):
     """--layer, or two thirds of the way up when not given, checked against the model.
 

@@ -16,11 +16,12 @@ the numbers, so its tokens may differ: the table says so, and only f32 must be i
 import argparse
 
 from _common import (Progress, add_cache_arguments, add_model_argument, add_threads_argument,
-                     add_timing_arguments, encode_prompt, load_model, positive_int, timing_header)
+                     add_timing_arguments, load_model, positive_int, timing_header)
 from _table import Table, is_random
 import minitransformer as mt
 from minitransformer.measure.timing import time_together
 from minitransformer.measure.sanity import conclude, recheck, slower, unsteady_line
+from minitransformer.tokenizer import encode_prompt
 
 PROMPT = ("The key and value vectors of position seven are computed from the input at position "
           "seven and the positions before it. When position eight arrives, nothing about "

@@ -8,8 +8,9 @@ times layer l+1's q_proj; the number is the output error ||Y - Y_hat|| / ||Y||.
 """
 import argparse
 
-from _common import add_model_argument, choose_layer, encode_prompt, load_model, model_name, say
+from _common import add_model_argument, choose_layer, load_model, model_name, say
 from _table import Table
+from minitransformer.tokenizer import encode_prompt
 from quant.activations import PROMPT, capture_residuals
 from quant.techniques import matmul_operands, measure
 

@@ -21,8 +21,9 @@ from _common import (Progress, add_model_argument, add_schemes_argument, load_mo
 from _table import Table
 from minitransformer.measure.text import evaluation_text
 from minitransformer.measure.quality import (BATTERY, agreement, battery,
-                                             default_repetition_penalty, encode, perplexity,
+                                             default_repetition_penalty, perplexity,
                                              reference_tokens, tokens_of, wilson_interval)
+from minitransformer.tokenizer import encode_prompt
 from quant.qmodel import SCHEMES, quantize_model, resident_bytes
 
 PREFIX = "The history of the English theatre begins"
@@ -83,7 +84,7 @@ def main(argv=None):
     except ValueError as e:
         raise ValueError(f"{source}: {e}; use --tokens or a longer --text")
     penalty = args.repetition_penalty or default_repetition_penalty(model)
-    prefix = encode(model, args.prefix)
+    prefix = encode_prompt(model, args.prefix, "the prefix")
     say(f"full-precision greedy reference: {args.positions} tokens after {len(prefix)}")
     reference = reference_tokens(model, prefix, args.positions)
 

@@ -22,14 +22,15 @@ import argparse
 import numpy as np
 
 from _common import (add_draft_arguments, add_model_argument, add_threads_argument,
-                     distilled_drafts, draft_settings, encode_prompt, load_model, model_name,
-                     numbers, timing_header)
+                     distilled_drafts, draft_settings, load_model, model_name, numbers,
+                     timing_header)
 from _table import Table
 import minitransformer as mt
 from minitransformer.drafts.distill import (distillation_grad, distillation_loss, rank_ratio,
                                      soft_labels, top_tokens)
 from minitransformer.drafts.students import SCORED_BY_EXP21, STUDENTS, Distilled, source
 from minitransformer.speculative import first_layers
+from minitransformer.tokenizer import encode_prompt
 
 
 def continuation(tokenizer, ids, new) -> str:

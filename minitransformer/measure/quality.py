@@ -30,6 +30,7 @@ from minitransformer.sampling import SamplingSettings
 from minitransformer.serve.config import EngineConfig
 from minitransformer.serve.engine import Engine, pool_for
 from minitransformer.serve.records import Request
+from minitransformer.tokenizer import encode_prompt
 
 # Written for this project: completion-style prompts (base models complete, they do not chat).
 BATTERY = [
@@ -52,15 +53,9 @@ BATTERY = [
 ]
 
 
-def encode(model, text: str) -> list[int]:
-    if model.tokenizer is None:
-        raise ValueError(f"{model.path}: no tokenizer.json, cannot tokenize a text")
-    return model.tokenizer.encode(text)
-
-
 def tokens_of(model, text: str, n: int) -> np.ndarray:
     """The first n token ids of a text, or a ValueError saying how many it has."""
-    ids = np.asarray(encode(model, text), dtype=np.int64)
+    ids = np.asarray(encode_prompt(model, text, "a text"), dtype=np.int64)
     if len(ids) < n:
         raise ValueError(f"the text gives {len(ids)} tokens; {n} are needed")
     return ids[:n]
@@ -187,7 +182,7 @@ def battery(model, repetition_penalty: float, max_new_tokens: int = 8,
     sampling = SamplingSettings(repetition_penalty=repetition_penalty)
     requests = [Request(tuple((model.tokenizer.chat_prompt(
         [{"role": "user", "content": CHAT_INSTRUCTION.format(prompt=prompt)}])
-        if chat else encode(model, prompt))), max_new_tokens, sampling=sampling)
+        if chat else encode_prompt(model, prompt))), max_new_tokens, sampling=sampling)
         for prompt, _ in questions]
     slots, block_size = len(requests), 16
     engine = Engine(model, EngineConfig(
