@@ -104,3 +104,20 @@ def test_a_failing_step_ends_every_request_loudly(model):
         list(online.stream(Request((1, 2), 5)))
     with pytest.raises(Closed, match="a bug in a step"):
         online.submit(Request((1, 2), 5), lambda update: None)
+
+
+def test_a_batch_is_queued_whole_or_refused_whole(model):
+    """submit_all counts the whole batch against the queue's limit at once: with one request
+    waiting and a limit of 2, a batch of 2 is refused and none of it queued; a batch of 1 is
+    taken. (Submitting the prompts one by one would let the engine's progress decide.)"""
+    config = EngineConfig(max_num_seqs=1, num_gpu_blocks_override=8, block_size=4)
+    online = OnlineEngine(Engine(model, config), max_waiting=2)
+    with online.lock:               # hold the loop off: what is submitted stays in the inbox
+        online.submit(Request((1, 2), 3), lambda update: None)
+        with pytest.raises(QueueFull, match="1 requests are waiting and 2 more arrive"):
+            online.submit_all([(Request((3, 4), 3), lambda u: None),
+                               (Request((5, 6), 3), lambda u: None)])
+        assert len(online.inbox) == 1
+        assert len(online.submit_all([(Request((3, 4), 3), lambda u: None)])) == 1
+        assert len(online.inbox) == 2
+    online.close()

@@ -284,21 +284,27 @@ def check_pool(app: App, request) -> None:
 
 
 def submit_all(app: App, jobs, stops):
-    """Hand every prompt's job to the engine, all or none (a full queue cancels those already
-    in) -> (their tickets, one async iterator of (choice index prompt x n + sample, text,
-    NamedLogprobs, finish_reason or None, tokens so far over all))."""
-    started = []
+    """Hand every prompt's job to the engine, all or none (the queue takes the whole batch or
+    refuses it) -> (their tickets, one async iterator of (choice index prompt x n + sample,
+    text, NamedLogprobs, finish_reason or None, tokens so far over all)). Whoever iterates
+    must cancel the tickets when done."""
+    feeds = [feed(app) for _ in jobs]           # (listener, updates) per prompt
     try:
-        for job in jobs:
-            started.append(submit(app, job, stops))
-    except APIError:
-        for ticket, tokens in started:
-            app.online.cancel(ticket)
-        raise
+        tickets = app.online.submit_all([(job.request, listener)
+                                         for job, (listener, _) in zip(jobs, feeds)])
+    except ValueError as e:     # the engine refuses it: a client's mistake, said before
+        raise APIError(str(e)) from None    # any answer (or stream) starts
+    except QueueFull as e:
+        raise APIError(f"{e}: retry later", status=429, code="queue_full",
+                       headers={"Retry-After": str(RETRY_AFTER_S)}) from None
+    except Closed as e:
+        raise APIError(str(e), status=503) from None
     for job in jobs:            # counted once the whole batch is in
         app.metrics.accepted(len(job.request.prompt))
-    n = jobs[0].request.n
-    return [t for t, _ in started], merged([tokens for _, tokens in started], n)
+    arrival = app.online.now()
+    streams = [pieces(app, job, stops, ticket, updates, arrival)
+               for job, ticket, (_, updates) in zip(jobs, tickets, feeds)]
+    return tickets, merged(streams, jobs[0].request.n)
 
 
 async def merged(streams, n):
@@ -325,9 +331,9 @@ async def merged(streams, n):
             await stream.aclose()
 
 
-def submit(app: App, job, stops):
-    """Hand the job to the engine -> (its ticket, an async iterator of (text, finish_reason,
-    tokens so far)). Whoever iterates must cancel the ticket when done."""
+def feed(app: App):
+    """-> (a listener for the engine's updates of one prompt, the queue it fills on this
+    event loop), observing the tokens' timings for /metrics on the way."""
     loop, updates = asyncio.get_running_loop(), asyncio.Queue()
     previous = {}               # per sample: when its last tokens were handed over
 
@@ -337,16 +343,7 @@ def submit(app: App, job, stops):
                                update.time, len(update.tokens))
             previous[update.choice] = update.time
         loop.call_soon_threadsafe(updates.put_nowait, update)
-    try:
-        ticket = app.online.submit(job.request, listener)
-    except ValueError as e:     # the engine refuses it: a client's mistake, said before
-        raise APIError(str(e)) from None    # any answer (or stream) starts
-    except QueueFull as e:
-        raise APIError(f"{e}: retry later", status=429, code="queue_full",
-                       headers={"Retry-After": str(RETRY_AFTER_S)}) from None
-    except Closed as e:
-        raise APIError(str(e), status=503) from None
-    return ticket, pieces(app, job, stops, ticket, updates, app.online.now())
+    return listener, updates
 
 
 async def pieces(app: App, job, stops, ticket, updates, arrival):

@@ -97,18 +97,28 @@ class OnlineEngine:
         """Queue a request arriving now; listener(Update) gets its tokens. Raises ValueError
         for a request the engine would refuse (decided here, before anything is queued or
         answered), QueueFull when max_waiting requests already wait, Closed after close()."""
-        self.engine.check(request)
-        ticket = Ticket(listener, request.n if isinstance(request.n, int) else 1)
+        return self.submit_all([(request, listener)])[0]
+
+    def submit_all(self, requests) -> list:
+        """Queue (request, listener) pairs arriving now, all or none: -> their Tickets. The
+        queue's limit counts the whole batch at once (a batch of k needs k free places), so
+        whether it is taken never depends on how far the engine got meanwhile."""
+        for request, _ in requests:
+            self.engine.check(request)
+        tickets = [Ticket(listener, request.n if isinstance(request.n, int) else 1)
+                   for request, listener in requests]
         with self.lock:
             if self.closing or self.error:
                 raise Closed("the engine is shutting down" if self.closing else str(self.error))
             waiting = self.snapshot.waiting + sum(cmd == "submit" for cmd, *_ in self.inbox)
-            if waiting >= self.max_waiting:
-                raise QueueFull(f"{waiting} requests are waiting (the limit is "
-                                f"{self.max_waiting})")
-            self.inbox.append(("submit", ticket, replace(request, arrival=self.now())))
+            if waiting + len(requests) > self.max_waiting:
+                raise QueueFull(f"{waiting} requests are waiting and {len(requests)} more "
+                                f"arrive (the limit is {self.max_waiting})")
+            arrival = self.now()
+            for ticket, (request, _) in zip(tickets, requests):
+                self.inbox.append(("submit", ticket, replace(request, arrival=arrival)))
             self.lock.notify()
-        return ticket
+        return tickets
 
     def cancel(self, ticket, choice: int = None) -> None:
         """Stop a request (or only its sample ``choice``) now: its blocks go back to the pool
