@@ -288,9 +288,8 @@ def test_a_tokenizer_body_that_is_not_an_object_is_400(served, path, body):
 
 
 def test_a_batch_the_queue_cannot_take_is_refused_whole(model):
-    """A batch is queued whole or not at all: 3 prompts into 1 slot and a queue of 1 (at
-    least 2 would wait) get a 429, and those already handed over are cancelled (blocks free,
-    nothing counted at /metrics)."""
+    """A batch is queued whole or not at all: 3 prompts into a queue of 1 get a 429, none of
+    them handed over (blocks free, nothing counted at /metrics)."""
     import urllib.request
 
     from conftest import wait_for
