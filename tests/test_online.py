@@ -80,6 +80,29 @@ def test_full_queue_is_refused_and_bad_requests_end_rejected(model):
         online.submit(Request((1, 2), 5), lambda update: None)
 
 
+def test_a_request_the_loop_has_taken_still_counts_as_waiting(model):
+    """Between taking submissions from the inbox and the snapshot that shows them, the loop
+    holds requests nobody could see: they count against max_waiting all the same (once, a
+    full batch's extra requests were let in there)."""
+    config = EngineConfig(max_num_seqs=1, num_gpu_blocks_override=8, block_size=4)
+    online = OnlineEngine(Engine(model, config), max_waiting=1)
+    taken, go, apply = threading.Event(), threading.Event(), online._apply
+
+    def held(*command):             # the loop stops with the first submission in its hands
+        taken.set()
+        go.wait(30)
+        return apply(*command)
+    online._apply = held
+    try:
+        online.submit(Request((1, 2), 5), lambda update: None)
+        assert taken.wait(30) and not online.inbox and online.snapshot.waiting == 0
+        with pytest.raises(QueueFull, match="1 requests are waiting"):
+            online.submit(Request((3, 4), 5), lambda update: None)
+    finally:
+        go.set()
+        online.close()
+
+
 def test_close_without_drain_cancels_what_is_in_flight(model):
     config = EngineConfig(max_num_seqs=1, num_gpu_blocks_override=80, block_size=4)
     online = OnlineEngine(Engine(model, config))

@@ -85,6 +85,7 @@ class OnlineEngine:
         self.inbox, self.closing, self.abandon, self.error = [], False, False, None
         self.live = []              # tickets whose request is in the engine and not over
         self.snapshot = self._snapshot()
+        self.taken = 0              # submissions the loop took from the inbox, not yet in it
         self.thread = threading.Thread(target=self._loop, name="engine-loop", daemon=True)
         self.thread.start()
 
@@ -110,7 +111,8 @@ class OnlineEngine:
         with self.lock:
             if self.closing or self.error:
                 raise Closed("the engine is shutting down" if self.closing else str(self.error))
-            waiting = self.snapshot.waiting + sum(cmd == "submit" for cmd, *_ in self.inbox)
+            waiting = self.snapshot.waiting + self.taken + \
+                sum(cmd == "submit" for cmd, *_ in self.inbox)
             if waiting + len(requests) > self.max_waiting:
                 raise QueueFull(f"{waiting} requests are waiting and {len(requests)} more "
                                 f"arrive (the limit is {self.max_waiting})")
@@ -159,13 +161,15 @@ class OnlineEngine:
                 while not (self.inbox or self._busy() or self.closing):
                     self.lock.wait()
                 commands, self.inbox = self.inbox, []
+                self.taken = sum(cmd == "submit" for cmd, *_ in commands)
             try:
                 for command, ticket, argument in commands:
                     self._apply(command, ticket, argument)
                 for ticket in self.live if self.abandon else ():
                     for rid in ticket.ids:          # close(drain=False): everyone, now
                         self.engine.cancel(rid)
-                self.snapshot = self._snapshot()     # the queue as clients now see it
+                with self.lock:                      # the queue as clients now see it
+                    self.snapshot, self.taken = self._snapshot(), 0
                 if self._busy():
                     self.engine.clock = self.now()   # the engine's clock is the wall clock
                     self.engine.step()
