@@ -129,6 +129,12 @@ EQUIVALENT = {
         "after the previous end (or the check before raised), and so does every later one",
     "minitransformer.formats.gguf_file.xǁGGUFFileǁparse__mutmut_209":
         "end >= begin always holds: the same as mutant 208",
+    # speculative.py
+    "minitransformer.speculative.x_leviathan_step__mutmut_2":
+        "u * q[x] <= p[x]: differs from < only where they are equal, u on [0, 1) in steps of "
+        "2^-53: a chance of about 2^-53 a proposal",
+    "minitransformer.speculative.xǁLookupDraftǁpropose__mutmut_6":
+        "point masses in greedy mode too: greedy verify never reads the distributions",
     # tiled.py
     "minitransformer.tiled.x_tiled_attention__mutmut_84":
         "the running sum l kept in float64: the same formula rounded less; over one tile the "
@@ -149,6 +155,9 @@ EQUIVALENT = {
     "minitransformer.tiled.x_tiled_attention__mutmut_116":
         "keys j.. to the end asked instead of j..j+block: the causal tiles read only the "
         "start; for an explicit mask more keys only skip fewer tiles (as mutant 110)",
+    "minitransformer.tiled.x_tiled_attention__mutmut_200":
+        "a row that has seen no visible key has every score -inf: exp(-inf - 1) is "
+        "exp(-inf - 0) = 0",
     # logprobs.py
     "minitransformer.logprobs.x_token_logprob__mutmut_15":
         "0 <= k: k 0 takes argpartition(..., -1)[:0], as empty as arange(V)[:0]",

@@ -149,6 +149,27 @@ def test_prompt_logprobs_of_a_prompt_prefilled_in_chunks(tiny_model):
         assert max(abs(s.logprob - ref[t, s.token]) for t, s in enumerate(scored)) < TOLERANCE
 
 
+def test_prompt_logprobs_of_chunks_that_share_a_pass_with_a_decode(tiny_model):
+    """A request decodes while a prompt goes in chunks of 3 beside it (a budget of 4): each
+    step's decode and chunk run as one pass, and each chunk's positions still score the next
+    prompt tokens, in order."""
+    prompt = tuple(PROMPT + PROMPT[:3])
+    engine = Engine(tiny_model, EngineConfig(max_num_seqs=2, block_size=4,
+                                             max_num_batched_tokens=4))
+    engine.submit(Request((1, 2), 30, eos_token_id=[]))
+    engine.step()
+    rid = engine.submit(Request(prompt, 2, eos_token_id=[], prompt_logprobs=2,
+                                arrival=engine.clock))
+    while engine.waiting or engine.running():
+        engine.step()
+    result = engine.results[rid]
+    ref = log_softmax(mt.logits(tiny_model, list(prompt)))
+    assert result.prefill_chunks == -(-len(prompt) // 3) and result.prompt_logprobs[0] is None
+    scored = result.prompt_logprobs[1:]
+    assert [s.token for s in scored] == list(prompt[1:])
+    assert max(abs(s.logprob - ref[t, s.token]) for t, s in enumerate(scored)) < TOLERANCE
+
+
 @pytest.mark.parametrize("field, value", [("logprobs", -1), ("logprobs", 21),
                                           ("prompt_logprobs", True), ("logprobs", 1.0)])
 def test_the_engine_names_a_bad_logprobs_field(tiny_model, field, value):

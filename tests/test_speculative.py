@@ -274,3 +274,32 @@ def test_exp22_script_on_the_default_model(run_script):
                     "--distilled", "none")
     assert "prompt lookup" in out and "INT8 per-row" in out and "first" not in out
     assert "tokens identical to plain greedy in every run: yes" in out
+
+
+def test_a_draft_of_the_first_n_layers_has_n_and_all_of_them_is_the_target(tiny_model):
+    """first_layers(model, n): a model of n layers sharing the target's weights; n = L is the
+    target itself, whose every sampled proposal the rule accepts (p / q = 1)."""
+    L = tiny_model.config.num_hidden_layers
+    ids = [1, 2, 3, 4]
+    one = first_layers(tiny_model, 1)
+    assert one.config.num_hidden_layers == 1 and one.weights is tiny_model.weights
+    assert not np.array_equal(mt.logits(one, ids), mt.logits(tiny_model, ids))
+    whole = first_layers(tiny_model, L)
+    np.testing.assert_array_equal(mt.logits(whole, ids), mt.logits(tiny_model, ids))
+    r = speculative_generate(tiny_model, whole, ids, 20, gamma=4, seed=0, eos_token_id=[],
+                             sampling=SamplingSettings(do_sample=True, temperature=1.0))
+    assert r.proposed > 0 and r.accepted == r.proposed and r.rejected == 0
+
+
+def test_the_rule_accepts_a_draw_from_p_itself():
+    """q == p: min(1, p[x] / q[x]) = 1, every proposal is kept, as itself."""
+    rng = np.random.default_rng(0)
+    p = rng.dirichlet(np.ones(6)).astype(np.float32)
+    for _ in range(200):
+        x = int(rng.choice(6, p=p / p.sum()))
+        assert leviathan_step(p, p, x, rng) == (True, x)
+
+
+def test_a_lookup_proposal_is_a_point_mass():
+    q = speculative.point_mass(3, 5)
+    assert q.dtype == np.float32 and q.tolist() == [0, 0, 0, 1, 0]
