@@ -151,17 +151,17 @@ def test_one_verification_pass_per_step_for_the_whole_batch(close_calls, monkeyp
     """The step verifies every sequence's draft in a single forward call (never one sequence
     after another): counted by wrapping the pass."""
     calls = []
-    real = speculate.last_logits
+    real = speculate.forward
 
     def counted(model, ids, *args, **kw):
         calls.append(ids.shape)
         return real(model, ids, *args, **kw)
-    monkeypatch.setattr(speculate, "last_logits", counted)
+    monkeypatch.setattr(speculate, "forward", counted)
     served = engine(close_calls, NGRAM, history=True, max_num_seqs=4)
     served.run(workload(n=4))
     batches = [B for B, _ in served.decode_times]
     assert len(calls) == len(batches) and max(batches) == 4
-    assert all(T == 1 for _, T in calls) and max(R for R, _ in calls) > 4   # rows: drafts
+    assert all(B == 1 for B, _ in calls) and max(R for _, R in calls) > 4   # (1, R): drafts
 
 
 # ---------------------------------------------------------------------------- sampling

@@ -17,16 +17,16 @@ target pass, keep, trim. An engine step does the same for the whole batch at onc
     trim      the positions of rejected proposals leave the cache (``PagedCache.trim``): a
               block that held only rejected positions goes back to the pool
 
-The verification rows (``verify_view``): each verified position is a row of its own, one token
-long, over its sequence's block table, as if it were a sequence one token further on. All rows
-write their keys and values first, then each reads its sequence's slots up to its own position
-(the causal rule, between a sequence's own rows too). So row r computes what a decode step of
-that sequence at that position computes, in the same shapes: in batch-invariant mode the very
-bits (``==`` with the engine without speculation, greedy), in the default mode the batch's
-flat products over more rows (a token may differ only at a near tie). The weights are read
-once for the whole pass, as for a decode; what grows with the rows is the arithmetic and the
-attention's reads of the cache, which is why speculation pays at small batches and not at
-large ones (experiment 22, ``scripts/bench_spec_serving.py``).
+The verification pass (``verify_logits``): by default a ragged batch (paged.RaggedView), each
+sequence a segment of its fed tokens, causal within it, all R tokens through every product at
+once: the weights are read once for the whole pass, as for a decode; what grows with the rows
+is the arithmetic and the attention's reads of the cache, which is why speculation pays at
+small batches and not at large ones (experiment 22, ``scripts/bench_spec_serving.py``). Its
+products are shaped otherwise than a decode's, so a greedy token may differ from plain
+decoding's only at a near tie. In batch-invariant mode each verified position is a row of its
+own, one token long, over its sequence's block table at its own position (``verify_view``),
+computed row by row in order by the very call a one-token decode of that sequence makes: the
+very bits, so greedy tokens are the engine's without speculation (==).
 
 The blocks: the scheduler's plan holds each row's slot for its last token, as for a decode
 (a shared or named block about to be written is copied first: a named block is never
@@ -57,10 +57,12 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
+from minitransformer.backend import to_numpy
 from minitransformer.checks import is_integer, is_real, no_duplicates
-from minitransformer.generate import last_logits, last_logits_alone
+from minitransformer.generate import last_logits_alone
 from minitransformer.lookup import PromptLookup
-from minitransformer.serve.paged import PagedView
+from minitransformer.model import forward, head
+from minitransformer.serve.paged import PagedView, RaggedView
 from minitransformer.shape import parameter_count
 from minitransformer.speculative import LookupDraft, ModelDraft, verify
 from sim.speculative import batch_verify_cost, speedup
@@ -233,11 +235,19 @@ def verify_view(cache, seq_ids, counts) -> PagedView:
 def verify_logits(model, cache, seq_ids, fed, batch_invariant=False):
     """One forward pass of the target over every sequence's fed tokens (its last token, then
     its proposals), counted in the books already (``append``) -> logits (R, V), R = the fed
-    tokens of all, sequence by sequence (trim the rejected ones after). batch_invariant: row
-    by row, each the very call a batch of one makes, in order."""
-    ids = np.array([[t] for tokens in fed for t in tokens])                    # (R, 1)
-    step = last_logits_alone if batch_invariant else last_logits
-    return step(model, ids, verify_view(cache, seq_ids, map(len, fed)))        # (R, V)
+    tokens of all, sequence by sequence (trim the rejected ones after). Default: a ragged batch
+    (paged.RaggedView), each sequence a segment of its fed tokens, causal within it, the R
+    tokens through every product at once. batch_invariant: row by row (``verify_view``), each
+    the very call a batch of one makes, in order."""
+    if batch_invariant:
+        ids = np.array([[t] for tokens in fed for t in tokens])                # (R, 1)
+        return last_logits_alone(model, ids, verify_view(cache, seq_ids, map(len, fed)))
+    counts = [len(tokens) for tokens in fed]
+    starts = [cache.seqs[s].length - n for s, n in zip(seq_ids, counts)]
+    ids = np.array([[t for tokens in fed for t in tokens]])                    # (1, R)
+    view = RaggedView(cache, [([s], [start], n) for s, start, n in zip(seq_ids, starts, counts)])
+    hidden = forward(model, ids, view)                                         # (1, R, D)
+    return to_numpy(head(model, hidden))[0]                                    # (R, V)
 
 
 def split_rows(logits, counts) -> list:
