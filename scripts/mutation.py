@@ -135,6 +135,21 @@ EQUIVALENT = {
         "2^-53: a chance of about 2^-53 a proposal",
     "minitransformer.speculative.xǁLookupDraftǁpropose__mutmut_6":
         "point masses in greedy mode too: greedy verify never reads the distributions",
+    "minitransformer.speculative.xǁModelDraftǁpropose__mutmut_21":
+        "hidden[:, -2:] then row -1 is the same last position as hidden[:, -1:]",
+    "minitransformer.speculative.xǁModelDraftǁpropose__mutmut_29":
+        "no generator for a greedy step: greedy next_token never draws",
+    "minitransformer.speculative.x_verify__mutmut_7":
+        "no generator for a greedy step: greedy next_token never draws",
+    "minitransformer.speculative.x_verify__mutmut_50":
+        "the words of an unreachable error: the loop returns at its last row",
+    "minitransformer.speculative.x_verify__mutmut_51":
+        "the words of an unreachable error: the loop returns at its last row",
+    "minitransformer.speculative.x_verify__mutmut_52":
+        "the words of an unreachable error: the loop returns at its last row",
+    "minitransformer.speculative.x_rollback__mutmut_9":
+        "a kept token trimmed when nothing was rejected: the next round's pass feeds it "
+        "again (the same tokens, one more position in that pass)",
     # tiled.py
     "minitransformer.tiled.x_tiled_attention__mutmut_84":
         "the running sum l kept in float64: the same formula rounded less; over one tile the "

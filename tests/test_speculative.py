@@ -303,3 +303,48 @@ def test_the_rule_accepts_a_draw_from_p_itself():
 def test_a_lookup_proposal_is_a_point_mass():
     q = speculative.point_mass(3, 5)
     assert q.dtype == np.float32 and q.tolist() == [0, 0, 0, 1, 0]
+
+
+def test_greedy_with_a_penalty_draft_and_target_apply_it_alike(tiny_model):
+    """Greedy with a repetition penalty, the draft the whole target: the tokens are plain
+    greedy's, and every proposal is accepted (both sides penalise the same tokens)."""
+    whole = first_layers(tiny_model, tiny_model.config.num_hidden_layers)
+    penalty = SamplingSettings(repetition_penalty=1.3)
+    ids = [1, 2, 3, 1, 2]
+    plain = mt.generate(tiny_model, ids, 20, sampling=penalty, eos_token_id=[])
+    r = speculative_generate(tiny_model, whole, ids, 20, gamma=4, sampling=penalty,
+                             eos_token_id=[])
+    assert r.tokens == plain and r.accepted == r.proposed > 0
+
+
+class LastDraw:
+    """A generator whose every uniform draw is just below 1."""
+    def random(self):
+        return 1 - 2**-24
+
+
+def test_a_rejection_where_p_equals_q_draws_from_p():
+    """p == q up to rounding (p a hair below q at x): a rejection leaves no residual, and the
+    token comes from p itself: never one p gives no probability."""
+    q = np.array([0.5, 0.5, 0.0], np.float32)
+    p = np.array([0.5 - 2**-20, 0.5, 0.0], np.float32)
+    assert leviathan_step(p, q, 0, LastDraw()) == (False, 1)
+
+
+def test_a_seed_gives_the_same_draws_and_rounds_feed_only_new_tokens(tiny_model, monkeypatch):
+    """Sampling with a seed: the same tokens twice. And the target's cache is used: after the
+    first pass (the prompt), a round's pass feeds at most the last two tokens + gamma drafts."""
+    fed = []
+    forward = speculative.forward
+    monkeypatch.setattr(speculative, "forward",
+                        lambda model, ids, kv: fed.append((model, ids.shape[1])) or
+                        forward(model, ids, kv))
+    settings = SamplingSettings(do_sample=True, temperature=1.0)
+    draft = first_layers(tiny_model, 1)
+    runs = [speculative_generate(tiny_model, draft, [1, 2, 3, 4], 20, gamma=3, seed=5,
+                                 sampling=settings, eos_token_id=[]).tokens for _ in range(2)]
+    assert runs[0] == runs[1]
+    target = [n for model, n in fed if model is tiny_model]         # both runs' passes
+    half = len(target) // 2
+    assert target[:half] == target[half:]
+    assert target[0] == 4 + 3 and max(target[1:half]) <= 2 + 3
