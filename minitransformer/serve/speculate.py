@@ -236,18 +236,25 @@ def verify_logits(model, cache, seq_ids, fed, batch_invariant=False):
     """One forward pass of the target over every sequence's fed tokens (its last token, then
     its proposals), counted in the books already (``append``) -> logits (R, V), R = the fed
     tokens of all, sequence by sequence (trim the rejected ones after). Default: a ragged batch
-    (paged.RaggedView), each sequence a segment of its fed tokens, causal within it, the R
-    tokens through every product at once. batch_invariant: row by row (``verify_view``), each
+    (paged.RaggedView), the sequences feeding as many tokens one group, causal within each
+    row, the R tokens through every product at once. batch_invariant: row by row (``verify_view``), each
     the very call a batch of one makes, in order."""
     if batch_invariant:
         ids = np.array([[t] for tokens in fed for t in tokens])                # (R, 1)
         return last_logits_alone(model, ids, verify_view(cache, seq_ids, map(len, fed)))
-    counts = [len(tokens) for tokens in fed]
-    starts = [cache.seqs[s].length - n for s, n in zip(seq_ids, counts)]
-    ids = np.array([[t for tokens in fed for t in tokens]])                    # (1, R)
-    view = RaggedView(cache, [([s], [start], n) for s, start, n in zip(seq_ids, starts, counts)])
-    hidden = forward(model, ids, view)                                         # (1, R, D)
-    return to_numpy(head(model, hidden))[0]                                    # (R, V)
+    # sequences feeding as many tokens attend as one group (no draft at all: a plain decode)
+    by_count = {}
+    for b, tokens in enumerate(fed):
+        by_count.setdefault(len(tokens), []).append(b)
+    order = [b for rows in by_count.values() for b in rows]          # the pass's row order
+    ids = np.array([[t for b in order for t in fed[b]]])                       # (1, R)
+    view = RaggedView(cache, [([seq_ids[b] for b in rows],
+                               [cache.seqs[seq_ids[b]].length - n for b in rows], n)
+                              for n, rows in by_count.items()])
+    logits = to_numpy(head(model, forward(model, ids, view)))[0]               # (R, V)
+    ends = np.cumsum([0] + [len(fed[b]) for b in order])
+    mine = {b: logits[ends[i]:ends[i + 1]] for i, b in enumerate(order)}
+    return np.concatenate([mine[b] for b in range(len(fed))])                  # (R, V)
 
 
 def split_rows(logits, counts) -> list:
