@@ -1,9 +1,14 @@
 """The library reads in small pieces: no function over 80 lines, none with more than 8
 parameters (the anchors' longest: nano-vllm's model runner 257 lines in all, llama2.c's
 ``forward`` 132; what a function needs beyond 8 values travels in a config or state
-dataclass, as ``EngineConfig`` or ``SamplingSettings``)."""
+dataclass, as ``EngineConfig`` or ``SamplingSettings``). The one exception is the stable public
+API the package exports (``minitransformer.__all__``): its signatures are documented and kept,
+so its width is not counted (its length is)."""
 import ast
+import inspect
 from pathlib import Path
+
+import minitransformer
 
 ROOT = Path(__file__).resolve().parents[1]
 LIBRARY = ("minitransformer", "quant", "sim")
@@ -27,7 +32,18 @@ def measure(tree) -> list:
     return found
 
 
-def offenders(root=ROOT) -> list:
+def public_api() -> set:
+    """(file relative to the root, name) of each function the package exports."""
+    found = set()
+    for name in minitransformer.__all__:
+        obj = getattr(minitransformer, name)
+        if inspect.isfunction(obj):
+            file = Path(inspect.getsourcefile(obj)).resolve()
+            found.add((file.relative_to(ROOT), obj.__name__))
+    return found
+
+
+def offenders(root=ROOT, exempt=frozenset()) -> list:
     """'file:line name: N lines' or '...: N parameters' for each function of the library past
     a limit."""
     out = []
@@ -38,13 +54,13 @@ def offenders(root=ROOT) -> list:
                 where = f"{file.relative_to(root)}:{line} {name}"
                 if lines > MAX_LINES:
                     out.append(f"{where}: {lines} lines (at most {MAX_LINES})")
-                if parameters > MAX_PARAMETERS:
+                if parameters > MAX_PARAMETERS and (file.relative_to(root), name) not in exempt:
                     out.append(f"{where}: {parameters} parameters (at most {MAX_PARAMETERS})")
     return out
 
 
 def test_no_library_function_is_too_long_or_too_wide():
-    found = offenders()
+    found = offenders(exempt=public_api())
     assert not found, "split these, or pass a dataclass:\n" + "\n".join(found)
 
 
@@ -71,3 +87,10 @@ def test_the_measure_counts_lines_and_parameters_as_it_says(tmp_path):
         f"sim/m.py:{MAX_LINES + 3} longer: {MAX_LINES + 1} lines (at most {MAX_LINES})",
         f"sim/m.py:{2 * MAX_LINES + 7} wider: {MAX_PARAMETERS + 1} parameters "
         f"(at most {MAX_PARAMETERS})"]
+
+
+def test_only_the_exported_functions_are_exempt_from_the_width():
+    assert public_api() == {(Path("minitransformer/generate.py"), "generate"),
+                            (Path("minitransformer/generate.py"), "stream"),
+                            (Path("minitransformer/generate.py"), "logits"),
+                            (Path("minitransformer/loader.py"), "load")}
