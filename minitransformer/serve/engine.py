@@ -289,6 +289,7 @@ class Engine:
                                   if work is plan.decode]
             self.prefill_times += [(work.n, seconds) for work in passes if work is not plan.decode]
         return made
+
     def _speculate(self, rows) -> list:
         """The decode pass as a verification (speculate.py): every row's draft verified in
         ONE forward pass over the paged cache; each row's kept tokens appended up to its end,
