@@ -240,7 +240,7 @@ PLANTED = [
       "tests/test_server_logprobs.py"]),
     ("n samples", "admission forgets each sample's first-token block",
      "minitransformer/serve/scheduler.py",
-     "enter += len(seq.samples)", "enter += 0",
+     "enter += len(self._sharers(seq))", "enter += 0",
      ["tests/test_engine_properties.py", "tests/test_scheduler.py",
       "tests/test_parallel_samples.py"]),
     ("logprobs", "the top alternatives least likely first",

@@ -62,6 +62,25 @@ def test_a_client_that_leaves_frees_its_blocks_at_once(model):
     online.close()
 
 
+def test_cancelling_a_ticket_of_n_samples_cancels_each_and_frees_its_blocks(model):
+    """The ticket is the request's parent: it gathers its samples' tokens by choice, and a
+    client that leaves cancels every one of them."""
+    config = EngineConfig(max_num_seqs=3, num_gpu_blocks_override=60, block_size=4)
+    online = OnlineEngine(Engine(model, config, history=True))
+    updates = []
+    ticket = online.submit(Request((1, 2, 3), 200, sampling=SamplingSettings(
+        do_sample=True, temperature=1.0), seed=4, n=3, eos_token_id=[]), updates.append)
+    wait_for(lambda: {u.choice for u in updates} == {0, 1, 2})
+    online.cancel(ticket)
+    wait_for(lambda: online.snapshot.blocks_used == 0 and online.snapshot.running == 0)
+    records = [online.engine.results[rid] for rid in ticket.ids]
+    assert [r.status for r in records] == ["cancelled"] * 3
+    assert all(len(r.tokens) < 200 for r in records)
+    for choice, record in enumerate(records):
+        assert [t for u in updates if u.choice == choice for t in u.tokens] == record.tokens
+    online.close()
+
+
 def test_full_queue_is_refused_and_bad_requests_end_rejected(model):
     config = EngineConfig(max_num_seqs=1, num_gpu_blocks_override=8, block_size=4)
     online = OnlineEngine(Engine(model, config), max_waiting=1)

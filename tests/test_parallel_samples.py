@@ -98,7 +98,7 @@ def test_samples_wait_for_enough_free_slots_and_survive_preemption(tiny_model):
     for request in requests:
         engine.submit(request)
     engine.step()
-    assert len(engine.running()) == 2 and len(engine.waiting) == 1
+    assert len(engine.running()) == 2 and [seq.result.id for seq in engine.waiting] == [2, 3]
     while engine.waiting or engine.running():
         engine.step()
         check_pool(engine)
@@ -128,17 +128,19 @@ def test_cancelling_one_sample_leaves_the_others(tiny_model):
     assert engine.cache.num_free == engine.cache.num_blocks
 
 
-def test_samples_of_a_chunked_prompt_wait_in_reserved_slots_for_its_end(tiny_model):
-    """Prefilled in chunks of 4, 4 and 2, the prompt holds 1 slot and reserves 2: a
-    later request finds no slot; at the last chunk the samples fork; cancelling the prompt
-    while it is prefilled sends its samples back to the queue, the next one in its place."""
+def test_samples_of_a_chunked_prompt_wait_at_the_head_of_the_queue_for_its_end(tiny_model):
+    """Prefilled in chunks of 4, 4 and 2, the prompt holds 1 slot; its 2 sharers wait at the
+    head of the queue, so a later request finds the 2 free slots not for it; at the last
+    chunk the samples fork; cancelling the prompt while it is prefilled makes the next
+    sample the one that computes it, the last sharing its prompt instead."""
     engine = Engine(tiny_model, EngineConfig(max_num_seqs=3, block_size=4,
                                              max_num_batched_tokens=4))
     first = engine.submit(Request(PROMPT, 3, sampling=SAMPLED, seed=3, n=3, eos_token_id=[]))
     other = engine.submit(Request((1, 2), 2, eos_token_id=[]))
     engine.step()
     assert [live.result.id for live in engine.running()] == [first]
-    assert engine.scheduler.reserved() == 2 and engine.results[other].status == "waiting"
+    assert engine.slots.count(None) == 2 and engine.results[other].status == "waiting"
+    assert [seq.result.id for seq in engine.waiting] == [first + 1, first + 2, other]
     while not engine.results[first].tokens:
         engine.step()
         check_pool(engine)
@@ -155,12 +157,42 @@ def test_samples_of_a_chunked_prompt_wait_in_reserved_slots_for_its_end(tiny_mod
     first = engine.submit(Request(PROMPT, 3, sampling=SAMPLED, seed=3, n=3, eos_token_id=[]))
     engine.step()
     assert engine.cancel(first) and engine.waiting[0].result.id == first + 1
-    assert engine.cancel(first + 2) and engine.waiting[0].samples == []
+    assert engine.waiting[0].shares_prompt_with is None
+    assert engine.waiting[1].shares_prompt_with is engine.waiting[0]
+    assert engine.cancel(first + 2) and len(engine.waiting) == 1
     while engine.waiting or engine.running():
         engine.step()
         check_pool(engine)
     assert [r.status for r in engine.results.values()] == ["cancelled", "finished", "cancelled"]
     assert engine.cache.num_free == engine.cache.num_blocks
+
+
+@pytest.mark.parametrize("chunked", [False, True])
+def test_cancelling_every_sample_at_any_step_frees_every_block(tiny_model, chunked):
+    """What a request's holder does when its client leaves: cancel each of its samples. At
+    every step of the request's life (queued, its prompt in chunks with the sharers queued,
+    forked, decoding) the samples end cancelled, nothing of them stays queued or holds a
+    block, and the request served beside them is its solo."""
+    config = EngineConfig(max_num_seqs=4, block_size=4, num_gpu_blocks_override=12,
+                          max_num_batched_tokens=5 if chunked else None, batch_invariant=True)
+    busy = Request((1, 2, 3), 6, sampling=SAMPLED, seed=5, eos_token_id=[])
+    for cancel_at in range(6):
+        engine = Engine(tiny_model, config)
+        engine.submit(busy)
+        first = engine.submit(Request(PROMPT, 8, sampling=SAMPLED, seed=3, n=3,
+                                      eos_token_id=[]))
+        for _ in range(cancel_at):
+            engine.step()
+        for rid in range(first, first + 3):
+            engine.cancel(rid)
+        assert all(seq.result.id < first for seq in engine.waiting)
+        assert [engine.results[i].status for i in range(first, first + 3)] == \
+            ["cancelled"] * 3
+        while engine.waiting or engine.running():
+            engine.step()
+            check_pool(engine)
+        assert engine.cache.num_free == engine.cache.num_blocks, cancel_at
+        assert engine.results[0].tokens == solo(tiny_model, busy)
 
 
 @pytest.mark.parametrize("n", [0, -1, 3, True, 2.0, "2", None])

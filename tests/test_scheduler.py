@@ -18,12 +18,13 @@ def scheduler(num_blocks=32, block_size=4, slots=2, policy="continuous", budget=
 
 def queue(scheduler, first_id, prompt_len, max_new, n=1, first_token=1, arrival=0.0):
     """A request of n samples (ids first_id ..), fanned out as the engine does -> its
-    sequences, the first one queued with the others riding along."""
+    sequences, queued one behind the other, the others sharing the first's prompt."""
     request = Request(tuple(range(first_token, first_token + prompt_len)), max_new, n=n)
     seqs = [Sequence(Result(first_id + i, arrival, request, choice=i), list(request.prompt),
                      eos={-1}) for i in range(n)]
-    seqs[0].samples = seqs[1:]
-    scheduler.waiting.append(seqs[0])
+    for seq in seqs[1:]:
+        seq.shares_prompt_with = seqs[0]
+    scheduler.waiting.extend(seqs)
     return seqs
 
 
@@ -117,7 +118,9 @@ def test_the_latest_admitted_is_preempted_to_host_and_comes_back_first():
     assert early.result.status == "finished"
 
 
-def test_samples_enter_together_in_reserved_slots_and_fork_at_the_last_chunk():
+def test_samples_enter_when_slots_for_all_are_free_and_fork_at_the_last_chunk():
+    """The first sample is admitted only with slots for its sharers; they wait at the head of
+    the queue, so nobody behind them takes those slots, and enter by fork at the last chunk."""
     s = scheduler(slots=3, budget=4)
     busy, = queue(s, 9, 2, 2, first_token=90)
     group = queue(s, 0, 10, 2, n=3)
@@ -127,10 +130,12 @@ def test_samples_enter_together_in_reserved_slots_and_fork_at_the_last_chunk():
     assert not plan.admitted and s.waiting[0] is group[0]
     plan = step(s)                  # busy is over
     assert busy.result.status == "finished"
-    assert ids(plan.admitted) == [0] and s.reserved() == 2 and s.waiting[0] is other
-    step(s)
+    assert ids(plan.admitted) == [0] and ids(s.waiting) == [1, 2, 3] and s.queued() == 1
+    plan = step(s)                  # two slots free: the sharers wait, and other behind them
+    assert ids(s.running()) == [0] and not plan.admitted
     plan = step(s)                  # chunks of 4, 4, 2: the samples fork at the last
-    assert ids(plan.prefill[0].firsts) == [0, 1, 2] and s.reserved() == 0
+    assert ids(plan.prefill[0].firsts) == [0, 1, 2] and ids(s.waiting) == [3]
+    assert all(seq.shares_prompt_with is None for seq in group)
     assert s.blocks.seqs[1].blocks == s.blocks.seqs[0].blocks
     assert [seq.result.tokens for seq in group] == [[7]] * 3
     plan = step(s)                  # the samples' first decode copies the shared last block
@@ -153,7 +158,7 @@ def test_cancelling_a_prompt_hands_its_place_to_its_next_sample():
     group = queue(s, 1, 3, 3, n=2, first_token=10)
     step(s)
     assert s.cancel(group[0].result.id, 1.0) and s.waiting[0] is group[1]
-    assert group[0].result.status == "cancelled" and group[1].samples == []
+    assert group[0].result.status == "cancelled" and group[1].shares_prompt_with is None
     assert not s.cancel(group[0].result.id, 1.0)
 
 

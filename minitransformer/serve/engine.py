@@ -9,7 +9,8 @@ Each ``step`` is plan -> run -> commit, each part in its own module:
           in ONE pass over a ragged batch of tokens), the head, sampling, logprobs, timings;
   commit  the scheduler stamps first tokens and retires those that made their last.
 A request of n > 1 samples is fanned out here, before the scheduler, into n sequences (ids
-id .. id + n - 1, seeds seed + i) that share its one prefill. The policies differ twice:
+id .. id + n - 1, seeds seed + i) that share its one prefill; its holder (``run``'s results,
+the online Ticket) gathers the n choices by id and cancels each. The policies differ twice:
 
     policy      a free slot takes a waiting request ...   a finished sequence ...
     continuous  at the very next step (Orca's              leaves at once: blocks freed,
@@ -362,8 +363,8 @@ class Engine:
         return prompt, rngs, eos_ids(self.model, request.eos_token_id)
 
     def _queue(self, request, prompt, rngs, eos) -> int:
-        """Fan a request out into its n sequences (ids first .. first + n - 1), queued as one
-        that the others ride along with -> the first id."""
+        """Fan a request out into its n sequences (ids first .. first + n - 1), queued one
+        behind the other, the others sharing the first's prompt -> the first id."""
         seqs = []
         for i, rng in enumerate(rngs):
             result = Result(self.next_id, float(request.arrival), request, choice=i)
@@ -378,8 +379,9 @@ class Engine:
             elif request.max_new_tokens == 0:
                 close(seq.result, "finished", self.clock)
         if seqs[0].result.status == "waiting":
-            seqs[0].samples = seqs[1:]
-            self.waiting.append(seqs[0])
+            for seq in seqs[1:]:
+                seq.shares_prompt_with = seqs[0]
+            self.waiting.extend(seqs)
         return seqs[0].result.id
 
     def _sample(self, seq, logits) -> None:

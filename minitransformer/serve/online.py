@@ -225,7 +225,7 @@ class OnlineEngine:
 
     def _snapshot(self) -> Snapshot:
         cache = self.engine.cache
-        return Snapshot(len(self.engine.running()), len(self.engine.waiting),
+        return Snapshot(len(self.engine.running()), self.engine.scheduler.queued(),
                         cache.num_blocks - cache.num_free, cache.num_blocks,
                         self.engine.preemptions, self.engine.prefix_queries,
                         self.engine.prefix_hits, None if self.engine.speculator is None

@@ -14,9 +14,11 @@ them. After the engine has run the plan, ``commit`` takes its new tokens: first-
 and a sequence that made its last token retires (``retire``, beside ``admits``: the two
 decisions where the policies differ; the table is in engine.py).
 
-A request of n samples (fanned out by the engine into n sequences) waits as its first
-sequence, the others riding along as its ``samples``: they enter together, in n slots, and
-take the prompt's blocks (``fork``) when its last chunk is planned.
+The n samples of a request come fanned out by the engine, n sequences queued one behind the
+other, each its own; the first computes the prompt, and each other ``shares_prompt_with`` it:
+it is admitted by taking the prompt's blocks (``fork``) in the plan of its last chunk, whose
+logits pick every sample's first token. What it needs (a slot, a block for its first token) is
+counted when its sibling is admitted, and kept: nobody overtakes the head of the queue.
 
 Example, with no model: a budget of 6 tokens a step; a 10-token prompt goes in chunks of 6
 and 4, and a 3-token one enters beside the second, in the 2 tokens left:
@@ -48,7 +50,7 @@ class Sequence:                     # one sample of a request the engine is serv
     eos: set = field(default_factory=set)
     order: int = 0                  # admission counter: the latest admitted is preempted first
     swapped: Swapped = None         # its books and host copy while preempted
-    samples: list = field(default_factory=list)  # the other samples of its prompt, waiting
+    shares_prompt_with: "Sequence" = None   # the sibling whose prompt's blocks it will fork
 
     @property
     def done(self) -> bool:
@@ -74,7 +76,7 @@ class Work:
     starts: list                    # where each row's new tokens go
     n: int
     moves: list                     # the pool's copies and swaps to do first, in order
-    firsts: list = ()               # a prompt's last chunk: the samples its logits start
+    firsts: list = ()               # a prompt's last chunk: the sequences its logits start
 
 
 @dataclass
@@ -181,35 +183,27 @@ class Scheduler:
 
     # --- cancelling --------------------------------------------------------------------------
     def cancel(self, request_id: int, now: float) -> bool:
-        """Stop a sequence now: True if it was waiting or running, False if already over. A
-        sample not yet forked just leaves its group; a cancelled prompt's other samples go
-        back to the head of the queue, the next one taking its place."""
+        """Stop a sequence now: True if it was waiting or running, False if already over.
+        Those waiting to share its prompt share the first of them's: it computes it."""
         self.now = now
-        for holder in list(self.waiting) + self.running():
-            for member in holder.samples:
-                if member.result.id == request_id:          # a sample awaiting its fork
-                    holder.samples.remove(member)
-                    close(member.result, "cancelled", now)
-                    return True
         for seq in list(self.waiting) + self.running():
             if seq.result.id != request_id:
                 continue
-            heirs, seq.samples = seq.samples, []
-            if heirs:                               # the next sample waits in its place
-                heirs[0].samples = heirs[1:]
+            sharers = self._sharers(seq)
+            for child in sharers:
+                child.shares_prompt_with = None if child is sharers[0] else sharers[0]
             if seq in self.waiting:
-                i = self.waiting.index(seq)
-                if heirs:
-                    self.waiting[i] = heirs[0]
-                else:
-                    del self.waiting[i]
+                self.waiting.remove(seq)
                 close(seq.result, "cancelled", now)
             else:
                 self._end(seq, "cancelled")
-                if heirs:                           # (admitted: ahead of everyone waiting)
-                    self.waiting.appendleft(heirs[0])
             return True
         return False
+
+    def queued(self) -> int:
+        """Requests waiting (the server's queue limit): a sequence sharing a prompt is part
+        of its sibling's."""
+        return sum(seq.shares_prompt_with is None for seq in self.waiting)
 
     # --- the parts of a plan -----------------------------------------------------------------
     def _preempt(self, rows) -> list:
@@ -263,33 +257,37 @@ class Scheduler:
             budget = None if budget is None else budget - n
         return chunks
 
-    def _fork(self, seq) -> list:
-        """A prompt's last chunk is planned: its other samples take their reserved slots
-        holding its blocks (``fork``) -> the group whose first tokens its logits pick."""
-        for member in seq.samples:
-            self.blocks.fork(seq.result.id, member.result.id)
-            self.slots[self.slots.index(None)] = member
-            member.order, self.admitted = self.admitted, self.admitted + 1
-            mine, leader = member.result, seq.result
-            mine.status, mine.cached_tokens = "running", leader.cached_tokens
-            mine.prefill_chunks, mine.prompt_logprobs = leader.prefill_chunks, \
-                leader.prompt_logprobs
-        group, seq.samples = [seq] + seq.samples, []
-        return group
+    def _sharers(self, seq) -> list:
+        """The waiting sequences that will fork seq's prompt, in queue order."""
+        return [other for other in self.waiting if other.shares_prompt_with is seq]
 
-    def reserved(self) -> int:
-        """Slots promised to the samples of prompts still being prefilled."""
-        return sum(len(seq.samples) for seq in self.running())
+    def _fork(self, seq) -> list:
+        """A prompt's last chunk is planned: those sharing it leave the queue for free slots
+        holding its blocks (``fork``) -> all whose first tokens its logits pick. The slots
+        are there: counted when seq was admitted, and nobody overtook them at the queue's head."""
+        sharers = self._sharers(seq)
+        for child in sharers:
+            self.waiting.remove(child)
+            self.blocks.fork(seq.result.id, child.result.id)
+            self.slots[self.slots.index(None)] = child
+            child.order, self.admitted = self.admitted, self.admitted + 1
+            child.shares_prompt_with = None
+            mine, theirs = child.result, seq.result
+            mine.status, mine.cached_tokens = "running", theirs.cached_tokens
+            mine.prefill_chunks, mine.prompt_logprobs = theirs.prefill_chunks, \
+                theirs.prompt_logprobs
+        return [seq] + sharers
 
     def _admit(self):
         """The head of the queue into a free slot, if it may enter -> it, or None. Nobody
-        overtakes the head of the queue, first come first served. The n samples of a prompt
-        enter together: its prefill takes a slot, and n - 1 more are reserved."""
+        overtakes the head of the queue, first come first served. A sequence sharing a prompt
+        enters only by fork (``_fork``); the one computing it, only when there are slots for
+        it and for those sharing it."""
         if not self.waiting:
             return None
         seq = self.waiting[0]
-        if self.slots.count(None) - self.reserved() < 1 + len(seq.samples) \
-                or seq.result.arrival > self.now or not self._fits(seq):
+        if seq.shares_prompt_with is not None or seq.result.arrival > self.now or \
+                self.slots.count(None) < 1 + len(self._sharers(seq)) or not self._fits(seq):
             return None
         self.waiting.popleft()
         self.slots[self.slots.index(None)] = seq
@@ -320,7 +318,7 @@ class Scheduler:
             enter = self.blocks.add_cost(seq.tokens, then=1)
         else:
             enter = self.blocks.blocks_for(len(seq.tokens) + 1)
-        enter += len(seq.samples)       # each sample's first token: a new block or a copy
+        enter += len(self._sharers(seq))    # each sharer's first token: a block or a copy
         return enter + self._growth(self.running()) <= self.blocks.num_free
 
     def _growth(self, rows) -> int:
