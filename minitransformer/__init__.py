@@ -11,9 +11,10 @@ each part serves; ../quant/ and ../sim/ sit beside this package):
       kvcache.py                  scales), attention over it a tile at a time, the cache
     sampling.py, generate.py      the next token; generation without and with the cache
     ../sim/kv_memory.py, macs.py  what the cache costs and saves, from shapes and formulas
-    serve/records.py, blocks.py,  batching: records, the block manager's books, the engine's
-      config.py, scheduler.py,    knobs, the plan of a step, the pool and the forward pass's
-      paged.py, engine.py         view of it, the engine (then the server)
+    serve/records.py, intake.py,  batching: records, a request checked, the block manager's
+      blocks.py, config.py,       books, the engine's knobs, the plan of a step, the pool and
+      scheduler.py, paged.py,     the forward pass's view of it, the engine (then the server)
+      engine.py
     ../quant/int8.py, qweight.py, scales.py, absmax.py, nf4.py, schemes.py, qmodel.py
                                   weight quantization: the quantizers, QWeight, the schemes
     ../quant/analysis.py, activations.py, techniques.py

@@ -2,6 +2,7 @@
 
     config       EngineConfig: the engine's knobs in one frozen dataclass, vLLM's names
     records      Request, Result, Run and their metrics: the vocabulary of a serving run
+    intake       a request's fields checked against the model before the engine takes it
     blocks       the block manager's books, host integers: block tables, refcounts, the
                  prefix cache (decide nothing, compute nothing: account)
     scheduler    each step's plan on the books alone: admit, preempt, decode, prefill chunks

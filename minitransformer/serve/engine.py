@@ -48,16 +48,15 @@ import time
 import numpy as np
 
 from minitransformer.backend import memory_bytes, synchronize, to_numpy
-from minitransformer.checks import is_integer, is_real
-from minitransformer.generate import (check_prompt, eos_ids, last_logits, last_logits_alone,
-                                      seeded_rng)
+from minitransformer.generate import last_logits, last_logits_alone
 from minitransformer.loader import load
 from minitransformer.kvquant import cache_bytes_per_token
-from minitransformer.logprobs import check_top, token_logprob
+from minitransformer.logprobs import token_logprob
 from minitransformer.model import forward, head
-from minitransformer.sampling import check_sampling, next_token
+from minitransformer.sampling import next_token
 from minitransformer.serve.blocks import Copy, blocks_for
 from minitransformer.serve.config import EngineConfig
+from minitransformer.serve.intake import check_request
 from minitransformer.serve.paged import PagedCache, RaggedView
 from minitransformer.serve.records import Request, Result, Run
 from minitransformer.serve.scheduler import Scheduler, Sequence, close
@@ -341,26 +340,8 @@ class Engine:
 
     # --- small helpers -----------------------------------------------------------------------
     def _check(self, request) -> tuple:
-        """A request's fields, checked against the model before anything is held -> (prompt
-        ids, a generator per sample (seed + i for sample i), its eos ids)."""
-        if not isinstance(request, Request):
-            raise ValueError(f"expected a minitransformer.serve.records.Request, got "
-                             f"{type(request).__name__}")
-        check_sampling(request.sampling)
-        t = request.arrival
-        if not is_real(t) or not 0 <= t < math.inf:
-            raise ValueError(f"arrival must be a finite number of seconds >= 0, got {t!r}")
-        prompt = check_prompt(self.model, request.prompt, request.max_new_tokens).tolist()
-        n, slots = request.n, len(self.slots)
-        if not is_integer(n) or not 1 <= n <= slots:
-            raise ValueError(f"n must be an integer in [1, {slots}] (the engine's slots), "
-                             f"got {n!r}")
-        for name in ("logprobs", "prompt_logprobs"):
-            if getattr(request, name) is not None:
-                check_top(getattr(request, name), name)
-        seeded_rng(request.seed)    # checked once: then seed + i is an integer too
-        rngs = [seeded_rng(None if request.seed is None else request.seed + i) for i in range(n)]
-        return prompt, rngs, eos_ids(self.model, request.eos_token_id)
+        """-> (prompt ids, a generator per sample, its eos ids), or a ValueError (intake.py)."""
+        return check_request(self.model, request, len(self.slots))
 
     def _queue(self, request, prompt, rngs, eos) -> int:
         """Fan a request out into its n sequences (ids first .. first + n - 1), queued one
