@@ -60,9 +60,31 @@ def main(argv=None):
     ran_on = timing_header(args)
     cache, ids, p, prompt = pool(model, args.decodes, args.context, args.prompt_len,
                                  args.chunk_start, args.block_size, args.seed)
-    newest = np.array([[7]] * len(ids))                                      # (B, 1)
     first, n = args.chunk_start, args.chunk
-    chunk = np.array([prompt[first:first + n]])                              # (1, n)
+    steps, undo = ways(model, cache, ids, p, np.array([prompt[first:first + n]]))
+    timings = time_together(steps, warmup=1, repeat=args.repeat, after=undo)
+    table = Table("Benchmark: a step's decodes and prompt chunk, one forward pass or two",
+                  columns=[("step", ""), ("min ms", ".1f"), ("median ms", ".1f")])
+    table.header(f"{args.decodes} sequences decoding at {args.context} tokens while a "
+                 f"{args.prompt_len}-token prompt arrives: a chunk of {n} tokens from position "
+                 f"{first} (a budget of slots + {n}); blocks of {args.block_size}; the fastest "
+                 f"and the median of {args.repeat}+ rounds, side by side", ran_on)
+    names = [f"{args.decodes} decodes alone", f"the {n}-token chunk alone",
+             "both, two passes", "both, one pass (ragged)"]
+    for name, t in zip(names, timings):
+        table.row(name, 1e3 * t.best, 1e3 * t.median)
+    d, c, _, mixed = timings
+    table.note(f"one pass / (decodes alone + chunk alone): {mixed.best / (d.best + c.best):.2f} "
+               f"(fastest), {mixed.median / (d.median + c.median):.2f} (median); target <= 0.9")
+    table.show()
+    return 0
+
+
+def ways(model, cache, ids, p, chunk) -> tuple:
+    """The four ways timed (the decodes alone, the chunk (1, n) alone, both in two passes,
+    both in one ragged pass) and, for each, what puts the cache back as it was."""
+    newest = np.array([[7]] * len(ids))                                      # (B, 1)
+    n = chunk.shape[1]
 
     def decodes():
         return last_logits(model, newest, cache.view(ids, cache.append(ids, 1)))
@@ -92,24 +114,8 @@ def main(argv=None):
         undo_decodes()
         undo_chunk()
 
-    timings = time_together([decodes, alone, two_passes, one_pass], warmup=1,
-                            repeat=args.repeat,
-                            after=[undo_decodes, undo_chunk, undo_both, undo_both])
-    table = Table("Benchmark: a step's decodes and prompt chunk, one forward pass or two",
-                  columns=[("step", ""), ("min ms", ".1f"), ("median ms", ".1f")])
-    table.header(f"{args.decodes} sequences decoding at {args.context} tokens while a "
-                 f"{args.prompt_len}-token prompt arrives: a chunk of {n} tokens from position "
-                 f"{first} (a budget of slots + {n}); blocks of {args.block_size}; the fastest "
-                 f"and the median of {args.repeat}+ rounds, side by side", ran_on)
-    names = [f"{args.decodes} decodes alone", f"the {n}-token chunk alone",
-             "both, two passes", "both, one pass (ragged)"]
-    for name, t in zip(names, timings):
-        table.row(name, 1e3 * t.best, 1e3 * t.median)
-    d, c, _, mixed = timings
-    table.note(f"one pass / (decodes alone + chunk alone): {mixed.best / (d.best + c.best):.2f} "
-               f"(fastest), {mixed.median / (d.median + c.median):.2f} (median); target <= 0.9")
-    table.show()
-    return 0
+    return [decodes, alone, two_passes, one_pass], [undo_decodes, undo_chunk, undo_both,
+                                                    undo_both]
 
 
 if __name__ == "__main__":

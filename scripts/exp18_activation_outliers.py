@@ -40,13 +40,23 @@ def main(argv=None):
     # token, and its residual grows huge in a few dimensions); an outlier *feature* is big at
     # every token. Taking maxima without position 0 separates the second from the first.
     maxima, rest = per_dim_max(h), per_dim_max(h[:, 1:])               # (L, D) each
-    D = maxima.shape[1]
+    table = layer_table(model, h, maxima, rest, args.top)
+    top_notes(table, h, maxima, rest, layer, args.top)
+    histogram_notes(table, maxima[layer], rest[layer], layer)
+    table.plot("layer", ["max |h|", "max |h| w/o pos 0", "median dim"], "largest and median "
+               "dimension of the residual stream, layer by layer", logy=True,
+               xlabel="layer", ylabel="|h| (residual stream value)")
+    table.show()
 
-    table = Table(f"Experiment 18: outlier features ({len(ids)}-token prompt, {D} dimensions, "
+
+def layer_table(model, h, maxima, rest, top: int) -> Table:
+    """One row per layer: its largest |h| (where), without position 0, the median dimension."""
+    (L, T, D) = h.shape
+    table = Table(f"Experiment 18: outlier features ({T}-token prompt, {D} dimensions, "
                   f"{L} layers), {model_name(model)}", experiment=18, columns=[
                       ("layer", "d"), ("max |h|", ".1f"), ("dim", "d"), ("pos", "d"),
                       ("max |h| w/o pos 0", ".1f"), ("dim w/o pos 0", "d"),
-                      ("median dim", ".2f"), (f"top {args.top} dims w/o pos 0", "")])
+                      ("median dim", ".2f"), (f"top {top} dims w/o pos 0", "")])
     table.header("max |h| of each dimension over the tokens, residual stream after each layer; "
                  "'pos' is the token where the largest sits; 'w/o pos 0': the same without "
                  "the first token")
@@ -55,7 +65,13 @@ def main(argv=None):
         table.row(i, float(maxima[i].max()), int(maxima[i].argmax()),
                   int(np.abs(h[i]).max(axis=1).argmax()), float(rest[i].max()),
                   int(rest[i].argmax()), float(np.median(rest[i])),
-                  ", ".join(str(d) for d in top_dims(rest[i], args.top)))
+                  ", ".join(str(d) for d in top_dims(rest[i], top)))
+    return table
+
+
+def top_notes(table, h, maxima, rest, layer: int, top: int) -> None:
+    """The largest value (a first token's spike or not), and the top dimensions at one layer
+    with the layers through which each stays on top."""
     spike = np.unravel_index(maxima.argmax(), maxima.shape)
     at_first = np.abs(h[spike[0], 0, spike[1]]) == maxima[spike]
     where = np.unravel_index(rest.argmax(), rest.shape)
@@ -65,25 +81,25 @@ def main(argv=None):
                f"without position 0: dim {where[1]} reaches {rest.max():.1f} (layer "
                f"{where[0]}), while the median dimension never passes "
                f"{np.median(rest, axis=1).max():.1f}",
-               f"top {args.top} dimensions at layer {layer} without position 0, and where each "
-               f"stays in the top {args.top}:")
-    for d in top_dims(rest[layer], args.top):
-        layers = persistence(rest, d, args.top)
+               f"top {top} dimensions at layer {layer} without position 0, and where each "
+               f"stays in the top {top}:")
+    for d in top_dims(rest[layer], top):
+        layers = persistence(rest, d, top)
         first, last = longest_run(layers)
         run = (f"only at layer {first}" if len(layers) == 1 else
-               f"layers {first}-{last} without a break; {len(layers)} of {L} layers in all")
+               f"layers {first}-{last} without a break; {len(layers)} of {len(h)} layers in all")
         table.note(f"  dim {d:>5}   max |h| {rest[layer, d]:>9.1f}   {run}")
-    table.note("", f"max |h| of the {D} dimensions at layer {layer} (log2 bins), with and "
-               "without position 0 (one # per dimension, at most 40):")
-    with_first, without = log2_histogram(maxima[layer]), log2_histogram(rest[layer])
+
+
+def histogram_notes(table, maxima, rest, layer: int) -> None:
+    """The histogram of one layer's per-dimension maxima, with and without position 0."""
+    table.note("", f"max |h| of the {len(maxima)} dimensions at layer {layer} (log2 bins), with "
+               "and without position 0 (one # per dimension, at most 40):")
+    with_first, without = log2_histogram(maxima), log2_histogram(rest)
     for i, b in enumerate(with_first):  # the same bins: 0, 1, 2, 4, ... up to the larger max
         n = without[i].count if i < len(without) else 0
         table.note(f"{b.low:>6.0f} - {b.high:>6.0f} | {b.count:>4} "
                    f"{'#' * min(b.count, 40):<40}| {n:>4} {'#' * min(n, 40)}")
-    table.plot("layer", ["max |h|", "max |h| w/o pos 0", "median dim"], "largest and median "
-               "dimension of the residual stream, layer by layer", logy=True,
-               xlabel="layer", ylabel="|h| (residual stream value)")
-    table.show()
 
 
 if __name__ == "__main__":

@@ -67,7 +67,13 @@ def main(argv=None):
         raise ValueError(f"the text: {e}; use a smaller --tokens")
     formats = ["f32"] + [t for t in args.kv_dtypes if t != "f32"]
     weights = [("fp32", None)] + [(SCHEMES[s].label, s) for s in args.schemes]
+    quality_table(model, score(model, ids, weights, formats), n, source).show()
+    return 0
 
+
+def score(model, ids, weights, formats) -> list:
+    """Each weight scheme through each cache format -> rows (weights, cache, perplexity, its
+    ratio to the f32 cache's with its interval, greedy picks agreeing with the f32 cache's)."""
     rows, done = [], Progress(len(weights) * len(formats), "passes")
     for label, scheme in weights:
         if scheme is not None:
@@ -82,7 +88,10 @@ def main(argv=None):
             agree = int((picks == base[1]).sum())
             rows.append((label, kv_dtype, math.exp(nll.mean()), ratio, agree))
             done(f"{label} weights, {kv_dtype} cache: perplexity {math.exp(nll.mean()):.3f}")
+    return rows
 
+
+def quality_table(model, rows, n: int, source: str) -> Table:
     table = Table(f"Experiment 21, the KV cache: quality by cache format, {model_name(model)}",
                   experiment=21, chapter=False,
                   columns=[("weights", ""), ("cache", ""), ("perplexity", ".3f"),
@@ -102,8 +111,7 @@ def main(argv=None):
                   f"{agree}/{n} [{a_low:.3f}, {a_high:.3f}]", per_token, per_token / f32_bytes)
     table.note("q8_0 / q4_0: 32 int8 or 4-bit codes and one float16 scale per 32 numbers of a "
                "head's key or value vector (minitransformer/kvquant.py)", LLAMA_CPP)
-    table.show()
-    return 0
+    return table
 
 
 if __name__ == "__main__":

@@ -148,15 +148,35 @@ def main(argv=None):
     args = parser.parse_args(argv)
     shown_argv = sys.argv[1:] if argv is None else list(argv)
     job = [entry for entry in MAIN_JOB if not args.only or re.search(args.only, entry[0])]
-    work = Path(tempfile.mkdtemp(prefix="run_all_"))
-    step_costs = work / "step_costs.json"
     env = dict(os.environ)
     if args.report:
         env[RECORD_ENV] = str(Path(args.report).resolve() / "tables")
         for old in Path(env[RECORD_ENV]).glob("*.json"):
             old.unlink()
-    failed, timings, start, cpu_start = [], [], time.perf_counter(), cpu_seconds()
-    loads = [load_average()]
+    start, cpu_start, loads = time.perf_counter(), cpu_seconds(), [load_average()]
+    timings = run_job(job, args, env, loads)
+    failed = [script for (script, _, _), (_, status, _, _) in zip(job, timings) if status != "ok"]
+    total, cpu_total = time.perf_counter() - start, cpu_seconds() - cpu_start
+    judged = verdict(total, cpu_total, loads, args.threads)
+    summary = summary_table(timings, failed, args.threads, total, cpu_total, judged)
+    os.environ.update({k: v for k, v in env.items() if k == RECORD_ENV})
+    summary.show()
+    if args.summary:
+        Path(args.summary).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.summary).write_text(markdown(summary, shown_argv, total, cpu_total, judged))
+        say(f"summary: {args.summary}")
+    if args.report:
+        from _report import write_report
+        page = write_report(Path(args.report), title="minitransformer: the chapter's tables")
+        say(f"report: {page}")
+    return 1 if failed else 0
+
+
+def run_job(job, args, env, loads) -> list:
+    """Each script of the job in its own process, in order; the load average after each
+    appended to loads -> (what ran, "ok" or "FAILED (code)", wall s, CPU s) per script."""
+    step_costs = Path(tempfile.mkdtemp(prefix="run_all_")) / "step_costs.json"
+    timings = []
     for i, (script, takes, extra) in enumerate(job, 1):
         if script == "exp13_batching_sim.py" and not step_costs.is_file():
             extra = []  # experiment 12 did not run: the simulation's default cost model
@@ -171,31 +191,22 @@ def main(argv=None):
         loads.append(load_average())
         timings.append((shown, "ok" if code == 0 else f"FAILED ({code})", wall, cpu))
         say(f"=== {script}: {timings[-1][1]} in {wall:.1f} s (CPU {cpu:.1f} s) ===")
-        if code != 0:
-            failed.append(script)
-    total, cpu_total = time.perf_counter() - start, cpu_seconds() - cpu_start
-    summary = Table(f"The main job: {len(job) - len(failed)} of {len(job)} scripts ran",
+    return timings
+
+
+def summary_table(timings, failed, threads: int, total: float, cpu_total: float,
+                  judged: str) -> Table:
+    summary = Table(f"The main job: {len(timings) - len(failed)} of {len(timings)} scripts ran",
                     columns=[("script", ""), ("status", ""), ("wall s", ".1f"),
                              ("CPU s", ".1f")], chapter=False)
-    summary.header(f"BLAS threads {args.threads}; the CPU time is what a script takes on a "
+    summary.header(f"BLAS threads {threads}; the CPU time is what a script takes on a "
                    "quiet machine (wall time on a shared one includes waiting for a core)")
     for row in timings:
         summary.row(*row)
-    judged = verdict(total, cpu_total, loads, args.threads)
     summary.note(f"total: {total:.0f} s wall ({total / 60:.1f} min), {cpu_total:.0f} s CPU"
                  + (f"; failed: {', '.join(failed)}" if failed else ""),
                  f"machine: {os.cpu_count()} CPU cores; {judged}")
-    os.environ.update({k: v for k, v in env.items() if k == RECORD_ENV})
-    summary.show()
-    if args.summary:
-        Path(args.summary).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.summary).write_text(markdown(summary, shown_argv, total, cpu_total, judged))
-        say(f"summary: {args.summary}")
-    if args.report:
-        from _report import write_report
-        page = write_report(Path(args.report), title="minitransformer: the chapter's tables")
-        say(f"report: {page}")
-    return 1 if failed else 0
+    return summary
 
 
 if __name__ == "__main__":
