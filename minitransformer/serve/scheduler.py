@@ -122,9 +122,8 @@ class Scheduler:
             if not row.finished:
                 self._seal(row)
         decode = Work(rows, starts, 1, self.blocks.take_moves())
-        admitted = []
-        prefill = self._prefill(None if self.budget is None else self.budget - len(rows),
-                                admitted)
+        prefill, admitted = self._prefill(None if self.budget is None else
+                                          self.budget - len(rows))
         return Plan(decode, prefill, admitted, preempted, self.blocks.take_moves())
 
     def commit(self, made, now: float) -> None:
@@ -231,10 +230,11 @@ class Scheduler:
                 rows.remove(victim)
         return preempted
 
-    def _prefill(self, budget, admitted) -> list:
+    def _prefill(self, budget) -> tuple:
         """Chunks of prompts, at most budget tokens of them (None: no limit): those under way
-        first, oldest first, then newcomers (appended to admitted) -> one Work per chunk."""
-        chunks, planned, admits = [], set(), self.admits()  # (static: decided before anyone)
+        first, oldest first, then newcomers -> (one Work per chunk, the newcomers)."""
+        chunks, admitted, planned = [], [], set()
+        admits = self.admits()                      # (static: decided before anyone enters)
         while budget is None or budget > 0:
             under_way = [seq for seq in self.running() if seq.prefilling and seq not in planned]
             seq = min(under_way, key=lambda seq: seq.order) if under_way else \
@@ -255,7 +255,7 @@ class Scheduler:
             planned.update([seq, *firsts])
             chunks.append(Work([seq], starts, n, self.blocks.take_moves(), firsts))
             budget = None if budget is None else budget - n
-        return chunks
+        return chunks, admitted
 
     def _sharers(self, seq) -> list:
         """The waiting sequences that will fork seq's prompt, in queue order."""
@@ -268,15 +268,19 @@ class Scheduler:
         sharers = self._sharers(seq)
         for child in sharers:
             self.waiting.remove(child)
+            self._enter(child)
             self.blocks.fork(seq.result.id, child.result.id)
-            self.slots[self.slots.index(None)] = child
-            child.order, self.admitted = self.admitted, self.admitted + 1
             child.shares_prompt_with = None
             mine, theirs = child.result, seq.result
-            mine.status, mine.cached_tokens = "running", theirs.cached_tokens
-            mine.prefill_chunks, mine.prompt_logprobs = theirs.prefill_chunks, \
-                theirs.prompt_logprobs
+            mine.cached_tokens, mine.prefill_chunks = theirs.cached_tokens, theirs.prefill_chunks
+            mine.prompt_logprobs = theirs.prompt_logprobs
         return [seq] + sharers
+
+    def _enter(self, seq) -> None:
+        """Into a free slot, running, the latest admitted."""
+        self.slots[self.slots.index(None)] = seq
+        seq.order, self.admitted = self.admitted, self.admitted + 1
+        seq.result.status = "running"
 
     def _admit(self):
         """The head of the queue into a free slot, if it may enter -> it, or None. Nobody
@@ -289,25 +293,25 @@ class Scheduler:
         if seq.shares_prompt_with is not None or seq.result.arrival > self.now or \
                 self.slots.count(None) < 1 + len(self._sharers(seq)) or not self._fits(seq):
             return None
-        self.waiting.popleft()
-        self.slots[self.slots.index(None)] = seq
-        seq.order, self.admitted = self.admitted, self.admitted + 1
-        seq.result.status = "running"
-        rid, prompt = seq.result.id, seq.tokens
+        self._enter(self.waiting.popleft())
         if seq.swapped:             # a preempted sequence resumes where it was
-            self.blocks.swap_in(rid, seq.swapped)
+            self.blocks.swap_in(seq.result.id, seq.swapped)
             seq.swapped = None
         else:
-            reuse = self._reuses(seq)
-            held = self.blocks.add(rid, prompt, len(prompt) + seq.result.request.max_new_tokens,
-                                   reuse)
-            seq.result.cached_tokens = held
-            if seq.result.request.prompt_logprobs is not None:
-                seq.result.prompt_logprobs = [None]     # nothing predicts the first token
-            if self.prefix_caching and reuse:
-                self.prefix_queries, self.prefix_hits = (self.prefix_queries + len(prompt),
-                                                         self.prefix_hits + held)
+            self._place(seq)
         return seq
+
+    def _place(self, seq) -> None:
+        """A new prompt's blocks, holding the cached prefix it starts with (if it may)."""
+        reuse, prompt, result = self._reuses(seq), seq.tokens, seq.result
+        held = self.blocks.add(result.id, prompt, len(prompt) + result.request.max_new_tokens,
+                               reuse)
+        result.cached_tokens = held
+        if result.request.prompt_logprobs is not None:
+            result.prompt_logprobs = [None]     # nothing predicts the first token
+        if self.prefix_caching and reuse:
+            self.prefix_queries, self.prefix_hits = (self.prefix_queries + len(prompt),
+                                                     self.prefix_hits + held)
 
     def _fits(self, seq) -> bool:
         """Memory admission: can the pool take this sequence with room for its next token
