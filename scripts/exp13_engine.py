@@ -28,7 +28,8 @@ from _common import (Progress, add_cache_arguments, add_engine_arguments, add_mo
 from _table import Table
 import minitransformer as mt
 from minitransformer.serve.config import EngineConfig
-from minitransformer.serve.engine import Engine, pool_for
+from minitransformer.serve.engine import Engine
+from minitransformer.serve.paged import pool_for
 from minitransformer.measure.sanity import NOISE_FLOOR, load_seen
 from minitransformer.serve.records import Request, metrics
 from sim.batching import STATIC_RULE, TableCost, simulate_continuous, simulate_static

@@ -28,7 +28,8 @@ from _common import (Progress, add_engine_arguments, add_model_argument, add_thr
 from _table import Table
 import minitransformer as mt
 from minitransformer.serve.config import EngineConfig
-from minitransformer.serve.engine import Engine, pool_for
+from minitransformer.serve.engine import Engine
+from minitransformer.serve.paged import pool_for
 from minitransformer.serve.records import Request
 from minitransformer.serve.blocks import blocks_for
 from minitransformer.checkpoints.synth import make_checkpoint, qwen2_config

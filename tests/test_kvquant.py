@@ -170,7 +170,7 @@ def test_copy_on_write_and_swap_move_codes_and_scales_bit_for_bit(tiny_model, kv
 @pytest.mark.parametrize("kv_dtype", KV_DTYPES)
 def test_the_engine_prices_its_pool_in_the_pools_format(tiny_model, kv_dtype):
     from minitransformer.kvquant import cache_bytes_per_token
-    from minitransformer.serve.engine import check_fits
+    from minitransformer.serve.paged import check_fits
     need = 10**10 * 16 * cache_bytes_per_token(tiny_model.config, kv_dtype) + 8 * 8
     with pytest.raises(ValueError, match=f"slots need {need:,} bytes"):
         check_fits(tiny_model.config, 8, 10**10, 16, kv_dtype)

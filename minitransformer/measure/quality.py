@@ -28,7 +28,8 @@ from minitransformer.logprobs import log_softmax
 from minitransformer.model import forward, head
 from minitransformer.sampling import SamplingSettings
 from minitransformer.serve.config import EngineConfig
-from minitransformer.serve.engine import Engine, pool_for
+from minitransformer.serve.engine import Engine
+from minitransformer.serve.paged import pool_for
 from minitransformer.serve.records import Request
 from minitransformer.tokenizer import encode_prompt
 

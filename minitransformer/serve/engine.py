@@ -47,52 +47,19 @@ import time
 
 import numpy as np
 
-from minitransformer.backend import memory_bytes, synchronize, to_numpy
+from minitransformer.backend import synchronize, to_numpy
 from minitransformer.generate import last_logits, last_logits_alone
 from minitransformer.loader import load
-from minitransformer.kvquant import cache_bytes_per_token
 from minitransformer.logprobs import token_logprob
 from minitransformer.model import forward, head
 from minitransformer.sampling import next_token
 from minitransformer.serve.blocks import Copy, blocks_for
 from minitransformer.serve.config import EngineConfig
 from minitransformer.serve.intake import check_request
-from minitransformer.serve.paged import PagedCache, RaggedView
+from minitransformer.serve.paged import PagedCache, RaggedView, check_fits
 from minitransformer.serve.records import Request, Result, Run
 from minitransformer.serve.scheduler import Scheduler, Sequence, close
 from minitransformer.serve.speculate import Row, Speculator
-
-
-def pool_for(requests, slots: int, block_size: int) -> int:
-    """Blocks for a pool in which every slot can hold the longest request: nobody waits for
-    memory and nobody is preempted (what a contiguous cache would reserve, rounded to blocks).
-
-    >>> pool_for([Request((1, 2, 3), 5), Request((4,), 13)], slots=2, block_size=4)  # 2 x 14/4
-    8
-    """
-    longest = max(len(r.prompt) + r.max_new_tokens for r in requests)
-    return slots * blocks_for(longest, block_size)
-
-
-def check_fits(config, slots: int, num_blocks: int, block_size: int,
-               kv_dtype: str = "f32") -> None:
-    """A ValueError saying how many bytes the KV pool and the slot table would take, when that
-    is more than the backend has: checked before anything is allocated.
-
-    >>> from minitransformer.config import ModelConfig
-    >>> from minitransformer.checkpoints.synth import qwen2_config
-    >>> check_fits(ModelConfig.from_dict(qwen2_config()), 8, 10**10, 16)  # doctest: +ELLIPSIS
-    Traceback (most recent call last):
-    ...
-    ValueError: a KV pool of 10000000000 blocks x 16 tokens and 8 slots need 40,960,000,000,064...
-    """
-    per_token = cache_bytes_per_token(config, kv_dtype)   # K and V in the pool's format
-    need = num_blocks * block_size * per_token + 8 * slots  # a slot a pointer
-    have, where = memory_bytes()
-    if need > have:
-        raise ValueError(f"a KV pool of {num_blocks} blocks x {block_size} tokens and {slots} "
-                         f"slots need {need:,} bytes ({need / 2**30:,.1f} GiB), more than the "
-                         f"{have:,} bytes of {where}: ask for fewer blocks or slots")
 
 
 class Engine:
