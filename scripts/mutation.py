@@ -58,10 +58,12 @@ MODULES = {
     "gguf_file": ("minitransformer/formats/gguf_file.py",
                   ["tests/test_gguf.py", "tests/test_gguf_malformed.py",
                    "tests/test_gguf_alignment.py", "tests/test_gguf_fields.py"], ""),
-    "training": ("minitransformer/drafts/training.py", ["tests/test_training.py"], ""),
+    "training": ("minitransformer/drafts/training.py",
+                 ["tests/test_training.py", "tests/test_distill_metrics.py",
+                  "tests/test_training_edges.py"], ""),
     "blocks": ("minitransformer/serve/blocks.py",
-               ["tests/test_blocks.py", "tests/test_block_state.py", "tests/test_prefix_cache.py"],
-               ""),
+               ["tests/test_blocks.py", "tests/test_block_state.py", "tests/test_prefix_cache.py",
+                "tests/test_paged.py"], ""),
     "scheduler": ("minitransformer/serve/scheduler.py", ["tests/test_scheduler.py"], ""),
     "paged": ("minitransformer/serve/paged.py", ["tests/test_paged.py"], ""),
     "engine": ("minitransformer/serve/engine.py",
@@ -173,6 +175,54 @@ EQUIVALENT = {
     "minitransformer.tiled.x_tiled_attention__mutmut_200":
         "a row that has seen no visible key has every score -inf: exp(-inf - 1) is "
         "exp(-inf - 0) = 0",
+    # drafts/training.py (its functions take (N, D) and (N, V) arrays: axis 1 is the last)
+    "minitransformer.drafts.training.x_linear_backward__mutmut_8":
+        "reshape(-2, ...): numpy takes any negative size as the one to infer",
+    "minitransformer.drafts.training.x_linear_backward__mutmut_16":
+        "reshape(-2, ...): numpy takes any negative size as the one to infer",
+    "minitransformer.drafts.training.x_rms_norm_forward__mutmut_12":
+        "axis=+1 of x (N, D) is its last axis",
+    "minitransformer.drafts.training.x_rms_norm_forward__mutmut_15":
+        "x.shape[+1] of x (N, D) is D",
+    "minitransformer.drafts.training.x_rms_norm_backward__mutmut_16":
+        "axis=+1 of x (N, D) is its last axis",
+    "minitransformer.drafts.training.x_rms_norm_backward__mutmut_19":
+        "x.shape[+1] of x (N, D) is D",
+    "minitransformer.drafts.training.x_rms_norm_backward__mutmut_30":
+        "reshape(-2, ...): numpy takes any negative size as the one to infer",
+    "minitransformer.drafts.training.x_rms_norm_backward__mutmut_31":
+        "x.shape[+1] of x (N, D) is D",
+    "minitransformer.drafts.training.xǁAdamǁ__post_init____mutmut_10":
+        'float("INF"): Python reads "inf" in either case',
+    "minitransformer.drafts.training.xǁAdamǁstep__mutmut_41":
+        "the step subtracted in float64 and the difference rounded to float32 (in place: the "
+        "parameter stays float32), instead of the step rounded first: the two roundings "
+        "differ by at most one float32 step of the parameter, and no result is defined to "
+        "that bit (the tests hold Adam to its formulas at a relative 1e-12 in float64)",
+    "minitransformer.drafts.training.x_host32__mutmut_2":
+        "no dtype: what host32 is given is float32 already (the loader converts every weight "
+        "to float32 once, and the model computes in float32)",
+    "minitransformer.drafts.training.x_host32__mutmut_4":
+        "no dtype: as mutant 2",
+    "minitransformer.drafts.training.x_train__mutmut_24":
+        "a new pass appended when exactly one batch is left, not once it is used: that batch "
+        "is taken from the old pass first either way, and the passes come in the same order "
+        "from the same generator, so every step draws the same rows",
+    "minitransformer.drafts.training.x_teacher_logits__mutmut_1":
+        "the default chunk 129 rows, not 128: a bound on memory; each row's logits are its "
+        "own product (test_distill_metrics runs chunks of 1, 7 and 128)",
+    "minitransformer.drafts.training.x_closeness__mutmut_1":
+        "the default chunk 129 rows, not 128: as teacher_logits' mutant 1; the sums over "
+        "the chunks differ in float64's last bits only",
+    "minitransformer.drafts.training.x_closeness__mutmut_23":
+        "the student's logits not cast to float64 first: logprobs.log_softmax casts them "
+        "itself (test_training_edges' float64 test fails when it does not)",
+    "minitransformer.drafts.training.x_closeness__mutmut_25":
+        "the teacher's logits not cast to float64 first: as mutant 23",
+    "minitransformer.drafts.training.x_closeness__mutmut_38":
+        "argmax(axis=+1) of s (n, V) is along its last axis",
+    "minitransformer.drafts.training.x_closeness__mutmut_42":
+        "argmax(axis=+1) of z (n, V) is along its last axis",
     # logprobs.py
     "minitransformer.logprobs.x_token_logprob__mutmut_15":
         "0 <= k: k 0 takes argpartition(..., -1)[:0], as empty as arange(V)[:0]",
@@ -321,8 +371,11 @@ def prepare(name, scratch: Path, mode: str) -> Path:
     """The scratch copy for one module -> the path of mutmut's records of it.
 
     mode "fresh": a new copy of the tree; "resume": keep an earlier run's copy and records and
-    go on where it stopped; "recheck": keep them, but bring in the current tests and judge the
-    survivors again (mutmut collects again which tests reach which function)."""
+    go on where it stopped; "recheck": keep the records, but bring in the current tree (library
+    and tests alike, as the current tests may need the current library) and judge the survivors
+    again. mutmut keeps each function's record only while the function's code is unchanged (it
+    stores a hash of each), so a function changed since the run has its mutants run again and
+    a function removed has its mutants dropped."""
     path = MODULES[name][0]
     meta = scratch / "mutants" / (path + ".meta")
     if mode != "fresh" and not meta.is_file():
@@ -339,16 +392,34 @@ def prepare(name, scratch: Path, mode: str) -> Path:
         # before Python starts, or the import system remembers it as missing
         (scratch / "mutants").mkdir()
     else:
-        copy(ROOT / "tests", scratch / "tests")
-        copy(ROOT / "setup.cfg", scratch / "setup.cfg")
+        refresh(scratch, path)
         records = json.loads(meta.read_text())
         codes = records["exit_code_by_key"]
         again = {0, 5, 33}                           # survived, or reached by no test yet
         records["exit_code_by_key"] = {m: None if c in again else c for m, c in codes.items()}
         meta.write_text(json.dumps(records, indent=4))
-        (scratch / "mutants" / "mutmut-stats.json").unlink(missing_ok=True)
     configure(name, scratch)
     return meta
+
+
+def refresh(scratch: Path, path: str) -> None:
+    """The current tree brought into an earlier run's scratch copy, keeping mutmut's records.
+
+    mutmut copies the tree into scratch/mutants/ only where a file is missing there, and makes
+    the mutants of a module again only when its source is newer than its mutants: so everything
+    in mutants/ but the records (.meta, .spans) goes, and the module is copied with a new time.
+    The stale copies would otherwise be what the tests import (a test of a name the tree gained
+    since the run failing on import, and every mutant with it)."""
+    for item in COPIED:
+        copy(ROOT / item, scratch / item)
+    shutil.copy(ROOT / path, scratch / path)            # a new modification time
+    for item in (scratch / "mutants").iterdir():
+        if item.is_dir():
+            for file in [f for f in item.rglob("*") if f.is_file()]:
+                if file.suffix not in (".meta", ".spans"):
+                    file.unlink()
+        else:
+            item.unlink()
 
 
 def copy(source: Path, target: Path) -> None:
@@ -421,8 +492,9 @@ def main(argv=None):
                              "--out) instead of starting afresh")
     parser.add_argument("--recheck", dest="mode", action="store_const", const="recheck",
                         help="judge an earlier run's survivors (and the mutants no test "
-                             "reached) again against the current tests (the killed stay "
-                             "killed: the module must be unchanged)")
+                             "reached) again against the current tree (the killed stay "
+                             "killed where their function is unchanged; a changed function's "
+                             "mutants run again)")
     parser.add_argument("--table", dest="mode", action="store_const", const="table",
                         help="run nothing: the table of the runs recorded in --out")
     parser.add_argument("--planted", action="store_true",
