@@ -65,7 +65,9 @@ MODULES = {
                ["tests/test_blocks.py", "tests/test_block_state.py", "tests/test_prefix_cache.py",
                 "tests/test_paged.py"], ""),
     "scheduler": ("minitransformer/serve/scheduler.py", ["tests/test_scheduler.py"], ""),
-    "paged": ("minitransformer/serve/paged.py", ["tests/test_paged.py"], ""),
+    "paged": ("minitransformer/serve/paged.py",     # the ragged view: the mixed step's and
+              ["tests/test_paged.py", "tests/test_mixed_step.py",  # the verification pass's
+               "tests/test_batched.py", "tests/test_speculate.py"], ""),
     "engine": ("minitransformer/serve/engine.py",
                ["tests/test_engine.py", "tests/test_engine_properties.py"], ""),
 }
@@ -360,6 +362,41 @@ PLANTED = [
      "cut = len(self.pending) - (0 if final else self.stop.partial())",
      "cut = len(self.pending)",
      ["tests/test_openai_api.py", "tests/test_server.py"]),
+    ("prefix cache", "a named block (the index's) is written in place, not copied",
+     "minitransformer/serve/blocks.py",
+     "return self.refcount[block] == 1 and block not in self.index.name_of",
+     "return self.refcount[block] == 1",
+     ["tests/test_prefix_cache.py", "tests/test_blocks.py", "tests/test_block_state.py"]),
+    ("n samples", "a block two samples share is written in place (no copy on write)",
+     "minitransformer/serve/blocks.py",
+     "return self.refcount[block] == 1 and block not in self.index.name_of",
+     "return block not in self.index.name_of",
+     ["tests/test_parallel_samples.py", "tests/test_blocks.py", "tests/test_block_state.py"]),
+    ("logprobs", "the chosen token's logprob is the most likely token's",
+     "minitransformer/logprobs.py",
+     "return TokenLogprob(int(token), float(logp[token]),",
+     "return TokenLogprob(int(token), float(logp.max()),",
+     ["tests/test_logprobs.py", "tests/test_logprobs_top_and_positions.py"]),
+    ("distillation", "the held-out positions are the training text's first ones",
+     "minitransformer/drafts/students.py",
+     "held_ids = ids[held_range[0]:held_range[0] + s.held_tokens]",
+     "held_ids = ids[train_range[0]:train_range[0] + s.held_tokens]",
+     ["tests/test_distill_metrics.py"]),
+    ("distillation", "a tie counts as the soft student's win in the verdict",
+     "scripts/exp23_soft_labels.py",
+     "wins = {label: (soft[key] > hard[key]) == higher and soft[key] != hard[key]",
+     "wins = {label: (soft[key] > hard[key]) == higher or soft[key] == hard[key]",
+     ["tests/test_distill_metrics.py"]),
+    ("server", "a request the engine refuses is answered 500",
+     "minitransformer/serve/http.py",
+     "except ValueError as e:     # the engine refuses it: a client's mistake, said before",
+     "except KeyError as e:     # the engine refuses it: a client's mistake, said before",
+     ["tests/test_server.py::test_a_request_the_engine_refuses_is_a_400_before_any_stream"]),
+    ("batch-invariant mode", "a decode step multiplies the rows together, not each alone",
+     "minitransformer/serve/engine.py",
+     "if self.batch_invariant:  # each row by the very call a batch of one makes",
+     "if False:  # each row by the very call a batch of one makes",
+     ["tests/test_engine_properties.py", "tests/test_batched.py"]),
     ("GGUF", "a declared general.alignment is ignored (32 used)",
      "minitransformer/formats/gguf_file.py",
      "start = -(-r.pos // alignment) * alignment", "start = -(-r.pos // 32) * 32",
@@ -449,12 +486,14 @@ def configure(name, scratch: Path) -> None:
         config.write(f)
 
 
-def mutate(name, scratch: Path, children: int, mode: str) -> dict:
-    """Run mutmut on one module -> {mutant name: outcome}."""
+def mutate(name, scratch: Path, children: int, mode: str, only=()) -> dict:
+    """Run mutmut on one module (only the mutants whose names match a pattern of `only`, if
+    any: the others stay as recorded) -> {mutant name: outcome}."""
     meta = prepare(name, scratch, mode)
     env = dict(os.environ, PYTHONPATH=str(scratch / "mutants"))  # subprocesses see the mutants
     with open(scratch / "mutmut.log", "w" if mode == "fresh" else "a") as log:
-        done = subprocess.run(["mutmut", "run", "--max-children", str(children)], cwd=scratch,
+        done = subprocess.run(["mutmut", "run", "--max-children", str(children), *only],
+                              cwd=scratch,
                               env=env, stdout=log, stderr=subprocess.STDOUT)
     if not meta.is_file():
         raise ValueError(f"{name}: mutmut made no records (exit status {done.returncode}); "
@@ -495,6 +534,10 @@ def main(argv=None):
                              "reached) again against the current tree (the killed stay "
                              "killed where their function is unchanged; a changed function's "
                              "mutants run again)")
+    parser.add_argument("--only", action="append", default=[], metavar="PATTERN",
+                        help="run only the mutants whose names match PATTERN (fnmatch, as "
+                             "mutmut's own: '*x_speculative_generate__*'), the rest left as "
+                             "recorded or not run; may be given again")
     parser.add_argument("--table", dest="mode", action="store_const", const="table",
                         help="run nothing: the table of the runs recorded in --out")
     parser.add_argument("--planted", action="store_true",
@@ -526,7 +569,7 @@ def main(argv=None):
             say(f"{name}: mutating {MODULES[name][0]} (log: {scratch / 'mutmut.log'})")
         start = time.perf_counter()
         outcomes = recorded(name, scratch) if args.mode == "table" else \
-            mutate(name, scratch, args.children, args.mode)
+            mutate(name, scratch, args.children, args.mode, args.only)
         count = {o: sum(1 for v in outcomes.values() if v == o)
                  for o in ("killed", "survived", "no tests", "timeout", "not checked")}
         survivors = [m for m, o in outcomes.items() if o == "survived"]
