@@ -143,6 +143,21 @@ def test_samples_enter_when_slots_for_all_are_free_and_fork_at_the_last_chunk():
     assert sum(isinstance(m, Copy) for m in plan.decode.moves) == 2
 
 
+def test_the_first_sample_enters_only_with_a_block_for_each_sharers_first_token():
+    """3 samples of a 10-token prompt (blocks of 4): its 3 blocks, and at the first decode
+    two copies of the half-filled last block (the third sample writes into it): 5 blocks.
+    With 4 the first sample does not enter; with 5 it does, and nobody is ever preempted."""
+    for num_blocks in (4, 5):
+        s = scheduler(num_blocks=num_blocks, slots=3)
+        queue(s, 0, 10, 3, n=3)
+        plan = step(s)
+        assert ids(plan.admitted) == ([] if num_blocks == 4 else [0])
+    assert ids(plan.prefill[0].firsts) == [0, 1, 2]
+    plan = step(s)
+    assert not plan.preempted and sum(isinstance(m, Copy) for m in plan.decode.moves) == 2
+    assert s.blocks.num_free == 0
+
+
 def test_a_prompt_admitted_later_in_a_plan_finds_the_blocks_an_earlier_chunk_names():
     s = scheduler(slots=2)
     queue(s, 0, 9, 2)
