@@ -18,7 +18,8 @@ The n samples of a request come fanned out by the engine, n sequences queued one
 other, each its own; the first computes the prompt, and each other ``shares_prompt_with`` it:
 it is admitted by taking the prompt's blocks (``fork``) in the plan of its last chunk, whose
 logits pick every sample's first token. What it needs (a slot, a block for its first token) is
-counted when its sibling is admitted, and kept: nobody overtakes the head of the queue.
+counted when its sibling is admitted, and stays free for it: it waits at the head of the
+queue, which nobody overtakes.
 
 Example, with no model: a budget of 6 tokens a step; a 10-token prompt goes in chunks of 6
 and 4, and a 3-token one enters beside the second, in the 2 tokens left:
