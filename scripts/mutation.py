@@ -63,7 +63,7 @@ MODULES = {
                   "tests/test_training_edges.py"], ""),
     "blocks": ("minitransformer/serve/blocks.py",
                ["tests/test_blocks.py", "tests/test_block_state.py", "tests/test_prefix_cache.py",
-                "tests/test_paged.py"], ""),
+                "tests/test_paged.py", "tests/test_block_books.py"], ""),
     "scheduler": ("minitransformer/serve/scheduler.py", ["tests/test_scheduler.py"], ""),
     "paged": ("minitransformer/serve/paged.py",     # the ragged view: the mixed step's and
               ["tests/test_paged.py", "tests/test_mixed_step.py",  # the verification pass's
@@ -134,6 +134,10 @@ EQUIVALENT = {
     "minitransformer.formats.gguf_file.xǁGGUFFileǁparse__mutmut_209":
         "end >= begin always holds: the same as mutant 208",
     # speculative.py
+    "minitransformer.speculative.x_speculative_generate__mutmut_1":
+        "gamma's default 5 instead of 4: no caller and no claim rests on the default (the "
+        "README, the scripts and the tests all pass gamma), and the tokens are the same for "
+        "every gamma (greedy: generate's; sampled: the target's distribution)",
     "minitransformer.speculative.x_leviathan_step__mutmut_2":
         "u * q[x] <= p[x]: differs from < only where they are equal, u on [0, 1) in steps of "
         "2^-53: a chance of about 2^-53 a proposal",
@@ -225,6 +229,25 @@ EQUIVALENT = {
         "argmax(axis=+1) of s (n, V) is along its last axis",
     "minitransformer.drafts.training.x_closeness__mutmut_42":
         "argmax(axis=+1) of z (n, V) is along its last axis",
+    # serve/blocks.py
+    "minitransformer.serve.blocks.xǁPrefixIndexǁreleased__mutmut_2":
+        'unheld[block] = "": the OrderedDict is an ordered set, its values never read',
+    "minitransformer.serve.blocks.xǁPrefixIndexǁevict__mutmut_2":
+        "popitem(last=None): None is false, as False is: the oldest goes first",
+    "minitransformer.serve.blocks.xǁBlockManagerǁadd__mutmut_1":
+        "max_len's default 1, not 0: the sequence's max_len is max(max_len, len(prompt)), "
+        "and a prompt has at least one token (refused otherwise)",
+    "minitransformer.serve.blocks.xǁBlockManagerǁseal__mutmut_4":
+        "full >= named: with full == named there is no block to name (block_names of no "
+        "tokens is empty, and so is the zip that offers them)",
+    "minitransformer.serve.blocks.xǁBlockManagerǁcheck__mutmut_3":
+        "holders counted in float64 (dtype None) instead of int64: small whole numbers, "
+        "exact in both, compared equal to the same refcounts",
+    "minitransformer.serve.blocks.xǁBlockManagerǁcheck__mutmut_5":
+        "holders without dtype: float64, as mutant 3",
+    "minitransformer.serve.blocks.xǁBlockManagerǁcheck__mutmut_53":
+        "names <= length / block_size instead of // : a count of names is a whole number, "
+        "at most x exactly when at most floor(x)",
     # logprobs.py
     "minitransformer.logprobs.x_token_logprob__mutmut_15":
         "0 <= k: k 0 takes argpartition(..., -1)[:0], as empty as arange(V)[:0]",
