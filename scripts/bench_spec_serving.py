@@ -14,6 +14,13 @@ weights once for all the rows it verifies, so at batch 1 the accepted drafts com
 as the batch grows the pass's arithmetic and attention grow with B x (drafts + 1) rows while
 the weight read does not, and the speedup falls, below 1 at some batch: the crossover, printed
 per workload (experiment 22 prints it beside its formula's prediction).
+
+The default speculation drafts up to 8 tokens and stops a sequence's drafting while its
+acceptance is below 0.5 (``min_acceptance``, speculate.py). Long drafts: on a CPU most of a
+verification's cost is the step from one row (a matrix-vector product) to a few (a matrix
+product), which any draft pays; the rows after it cost little, so a right draft pays most when
+long. The bar: free generation's lookups find some match most steps and are rarely right, and
+each one rejected would cost that step.
 """
 import argparse
 import time
@@ -27,7 +34,7 @@ from _common import (Progress, add_model_argument, add_threads_argument, load_mo
 from _table import Table
 from minitransformer.lookup import PASSAGE, TASK
 from minitransformer.kernels.blas import FEW_ROWS
-from minitransformer.measure.timing import load_average
+from minitransformer.measure.timing import load_average, where_it_ran
 from minitransformer.model import forward
 from minitransformer.serve.config import EngineConfig
 from minitransformer.serve.engine import Engine
@@ -35,23 +42,22 @@ from minitransformer.serve.records import Request
 from minitransformer.serve.speculate import parse_speculative_config
 
 WORKLOADS = ("rewrite", "free")
-DEFAULT_CONFIG = '{"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 4}'
+DEFAULT_CONFIG = ('{"method": "ngram", "num_speculative_tokens": 8, "prompt_lookup_max": 4, '
+                  '"min_acceptance": 0.5}')
 TOPICS = ("a lighthouse keeper", "a lost kitten", "a river in winter", "an old clock",
           "a baker at dawn", "a train at night", "a garden after rain", "a kite",
           "a library", "a fox in the snow", "a fishing boat", "a mountain path",
           "a market day", "a broken bicycle", "a letter from far away", "the first snow")
 
 
-def passages(n: int) -> list:
-    """n passages to rewrite: the project's one, its sentences rotated (distinct prompts)."""
-    sentences = [s.strip() + "." for s in PASSAGE.split(".") if s.strip()]
-    return [" ".join(sentences[i % len(sentences):] + sentences[:i % len(sentences)])
-            for i in range(n)]
-
-
 def prompts(model, workload: str, n: int) -> list:
-    """n prompts of a workload as token ids (through the chat template when there is one)."""
-    texts = ([TASK + p for p in passages(n)] if workload == "rewrite" else
+    """n prompts of a workload as token ids (through the chat template when there is one).
+
+    Rewrite: every stream the project's passage, the very prompt of one stream, so the batch
+    size is all that changes (the passage with its sentences rotated, one prompt per stream,
+    was rewritten loosely from some sentences, and a batch lasts as long as its slowest
+    stream: 40 steps at 2 streams against 17 at 1). Free: a story, a topic per stream."""
+    texts = ([TASK + PASSAGE] * n if workload == "rewrite" else
              [f"Write a short story about {TOPICS[i % len(TOPICS)]}." for i in range(n)])
     tok = model.tokenizer
     if tok is None:
@@ -177,7 +183,7 @@ def show(model, results, workloads, n, args) -> None:
                            ("end to end", ""), ("steps", ""), ("accepted", ".2f"),
                            ("tokens/draft", ".2f"), ("same", "")])
     table.header(f"{n} new tokens per stream, greedy, end of sequence off; speculation: "
-                 f"{args.speculative_config}", timing_header(args),
+                 f"{args.speculative_config}", timing_header(args), where_it_ran(),
                  f"decode: the engine's decode steps (the first token of each stream comes "
                  f"from its prefill, the same both ways); the fastest and the median of "
                  f"{args.repeat} rounds, the two sides alternating",

@@ -2,6 +2,8 @@
 exact (batch-invariant greedy == the engine without speculation == generate; default mode by
 the near-tie rule; sampled draws from the target's distribution, chi-square), the paged cache's
 books right after every step, and what the server sees (streamed tokens, counters)."""
+from dataclasses import replace
+
 import numpy as np
 import pytest
 
@@ -162,6 +164,43 @@ def test_one_verification_pass_per_step_for_the_whole_batch(close_calls, monkeyp
     batches = [B for B, _ in served.decode_times]
     assert len(calls) == len(batches) and max(batches) == 4
     assert all(B == 1 for B, _ in calls) and max(R for _, R in calls) > 4   # (1, R): drafts
+
+
+def test_a_steps_drafts_are_counted_against_max_num_batched_tokens(close_calls, monkeypatch):
+    """Every step's tokens, its verification rows (last tokens and drafts) and its prompt
+    chunks together, stay within the budget; without it the same run verifies more."""
+    from minitransformer.serve import engine as engine_module
+    tokens = []                         # per step, the tokens its forward passes took
+
+    def counted(real):
+        def forward(model, ids, *args, **kw):
+            tokens[-1] += ids.size
+            return real(model, ids, *args, **kw)
+        return forward
+    monkeypatch.setattr(speculate, "forward", counted(speculate.forward))
+    monkeypatch.setattr(engine_module, "forward", counted(engine_module.forward))
+    for budget, fits in ((8, True), (None, False)):
+        served = engine(close_calls, NGRAM, max_num_seqs=3, max_num_batched_tokens=budget)
+        tokens[:] = [0]
+        served.run(workload(), on_step=lambda e: tokens.append(0))
+        assert (max(tokens) <= 8) == fits, tokens
+        assert served.speculator.counters.accepted_tokens > 0
+
+
+def test_min_acceptance_drafts_less_and_changes_no_greedy_token(close_calls):
+    """A bar of 0.8, above every sequence's acceptance before evidence (1/2): its drafts come
+    only once its lookup, judged for free while it does not draft, has been right often
+    enough; fewer proposals are rejected than drafting every step, the tokens the same."""
+    requests = workload()
+    plain = [r.tokens for r in engine(close_calls, batch_invariant=True).run(requests).results]
+    counters = {}
+    for config in (NGRAM, replace(NGRAM, min_acceptance=0.8)):
+        served = engine(close_calls, config, batch_invariant=True)
+        assert [r.tokens for r in served.run(requests).results] == plain
+        counters[config.min_acceptance] = c = served.speculator.counters
+        assert c.accepted_tokens > 0
+    rejected = {bar: c.draft_tokens - c.accepted_tokens for bar, c in counters.items()}
+    assert rejected[0.8] < rejected[None]
 
 
 # ---------------------------------------------------------------------------- sampling

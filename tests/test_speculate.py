@@ -52,6 +52,10 @@ BAD_CONFIGS = [  # (value, what the message must name)
     ({"num_speculative_tokens": 2, "weight_rows": float("nan")}, "weight_rows"),
     ({"num_speculative_tokens": 2, "weight_rows": -1}, "weight_rows"),
     ({"num_speculative_tokens": 2, "weight_rows": "16"}, "weight_rows"),
+    ({"num_speculative_tokens": 2, "min_acceptance": 0}, "min_acceptance"),
+    ({"num_speculative_tokens": 2, "min_acceptance": 1.5}, "min_acceptance"),
+    ({"num_speculative_tokens": 2, "min_acceptance": float("nan")}, "min_acceptance"),
+    ({"num_speculative_tokens": 2, "min_acceptance": "0.5"}, "min_acceptance"),
     ({"method": "ngram", "model": "/m", "num_speculative_tokens": 2}, "is for method"),
     ({"method": "draft_model", "num_speculative_tokens": 2}, "needs model"),
     ({"method": "draft_model", "model": 3, "num_speculative_tokens": 2}, "needs model"),
@@ -95,6 +99,13 @@ def test_adaptive_length_is_the_formulas_best_and_shrinks_with_batch_and_rejecti
 def test_fixed_length_is_vllms_and_disable_by_batch_size_turns_it_off():
     fixed = SpeculativeConfig(num_speculative_tokens=4, disable_by_batch_size=3)
     assert [draft_length(fixed, 0.01, b) for b in (1, 3, 4, 100)] == [4, 4, 0, 0]
+
+
+def test_min_acceptance_drafts_nothing_below_it_whatever_the_other_rule_says():
+    for weight_rows in (None, 1e6):     # fixed length; the formula with verifying all but free
+        config = SpeculativeConfig(num_speculative_tokens=4, weight_rows=weight_rows,
+                                   min_acceptance=0.6)
+        assert [draft_length(config, a, 1) for a in (0.59, 0.6, 0.95)] == [0, 4, 4]
 
 
 # ---------------------------------------------------------------------------- verification rows
@@ -311,3 +322,44 @@ def test_the_batch_cost_model_fits_back_its_own_weight_rows_and_falls_with_the_b
         assert speedups == sorted(speedups, reverse=True) and speedups[-1] < 1
     assert fit_weight_rows({1: 1.0, 2: 1.0}) == float("inf")      # verifying for free
     assert batch_verify_cost(3, 5, 1e12) == pytest.approx(1.0)     # weights dominate: free
+
+
+def test_below_min_acceptance_a_sequence_feeds_one_token_and_its_lookup_is_judged_for_free(
+        model, monkeypatch):
+    """A sequence whose drafts were rejected (books 0 of 4: acceptance 1/6) drafts nothing
+    although its text repeats; the lookup's first proposal is judged against the token made,
+    so its books grow without a draft; with books above the bar it drafts again."""
+    prompt = [1, 2, 1, 2, 1]                        # the lookup proposes 2 1
+    made = mt.generate(model, prompt, 1, eos_token_id=[])[0]
+    spec = Speculator(SpeculativeConfig(num_speculative_tokens=3, min_acceptance=0.5), model)
+    for shadow, hit in ((None, 0), (made, 1)):  # the lookup's own proposal, then the very token
+        if shadow is not None:
+            monkeypatch.setattr(spec.proposer, "shadow", lambda tokens: shadow)
+        cache = prefilled_one(model, prompt)
+        spec.judged["a"] = [0, 4]
+        (kept, _), = step(spec, cache, rows_of({"a": list(prompt)}, {"a": 4}))
+        assert spec.fed == [1] and spec.counters.drafts == 0 and kept == [made]
+        assert prompt_lookup(prompt, 1) != [made]   # so the lookup's own proposal missed
+        assert spec.judged["a"] == [hit, 5]
+    cache = prefilled_one(model, prompt)
+    spec.judged["a"] = [3, 4]                   # acceptance 4/6: above the bar
+    step(spec, cache, rows_of({"a": list(prompt)}, {"a": 4}))
+    assert spec.fed == [3] and spec.counters.drafts == 1   # its last token, then 2 1
+
+
+def prefilled_one(model, prompt, num_blocks=16, block_size=4) -> PagedCache:
+    """Sequence "a" in a pool, all but its prompt's last token computed."""
+    cache = PagedCache.allocate(model.config, num_blocks, block_size)
+    cache.add("a", prompt)
+    forward(model, np.array([prompt[:-1]]), cache.view(["a"]))
+    return cache
+
+
+def test_the_drafts_take_no_more_than_the_budgets_spare_tokens(model):
+    """spare: what max_num_batched_tokens leaves after the plan; the rows draft in order."""
+    cache = prefilled(model)
+    spec = Speculator(SpeculativeConfig(num_speculative_tokens=4), model)
+    rows = rows_of({"a": PROMPTS["a"] + [1, 2], "b": PROMPTS["b"] + [7, 8]}, {"a": 6, "b": 3})
+    cache.append(["a", "b"], 1)
+    spec.step(cache, rows, spare=3)
+    assert spec.fed == [4, 1]                   # a: 3 proposals (of 4), b: none left

@@ -168,8 +168,10 @@ class Engine:
         passes = [plan.decode] * bool(plan.decode.rows) + plan.prefill
         if self._together(passes):
             made = self._mixed(plan, passes)
-        else:
-            made = self._decode(plan.decode)
+        else:               # a verification's drafts are tokens of the step: the plan's spare
+            spare = None if self.scheduler.budget is None else \
+                self.scheduler.budget - sum(len(work.rows) * work.n for work in passes)
+            made = self._decode(plan.decode, spare)
             for chunk in plan.prefill:
                 made += self._prefill(chunk)
         self.cache.do(plan.moves)
@@ -184,15 +186,16 @@ class Engine:
                                    [seq.result.id for seq in self.waiting])
 
     # --- running a plan ----------------------------------------------------------------------
-    def _decode(self, work) -> list:
+    def _decode(self, work, spare=None) -> list:
         """One token for every row in one batched forward pass -> the rows that sampled one
-        (a padding row's is computed and thrown away)."""
+        (a padding row's is computed and thrown away). Speculating, the drafts take at most
+        `spare` tokens of the step's budget (None: none is set)."""
         self.cache.do(work.moves)
         rows = work.rows
         if not rows:
             return []
         if self.speculator is not None:
-            return self._speculate(rows)
+            return self._speculate(rows, spare)
         start, ids = time.perf_counter(), [row.result.id for row in rows]
         newest = np.array([[row.tokens[-1]] for row in rows])              # (B, 1)
         view = self.cache.view(ids, work.starts)
@@ -257,7 +260,7 @@ class Engine:
             self.prefill_times += [(work.n, seconds) for work in passes if work is not plan.decode]
         return made
 
-    def _speculate(self, rows) -> list:
+    def _speculate(self, rows, spare=None) -> list:
         """The decode pass as a verification (speculate.py): every row's draft verified in
         ONE forward pass over the paged cache; each row's kept tokens appended up to its end,
         its cache trimmed back to them and their full blocks named -> the rows that made
@@ -266,7 +269,7 @@ class Engine:
         out = spec.step(self.cache, [
             Row(seq.result.id, seq.tokens, len(seq.tokens) - len(seq.result.tokens),
                 seq.result.request.max_new_tokens, seq.result.request.sampling, seq.rng,
-                padding=seq.finished) for seq in rows], self.batch_invariant)
+                padding=seq.finished) for seq in rows], self.batch_invariant, spare)
         for seq, (kept, logits) in zip(rows, out):
             for token, z in zip(kept, logits):
                 self._append(seq, token, z)

@@ -33,8 +33,9 @@ The blocks: the scheduler's plan holds each row's slot for its last token, as fo
 written); the proposals get their slots here, in fresh blocks from the free list, and after
 the pass each sequence is trimmed back to the tokens it kept, a block that held only rejected
 positions going back. Speculation never preempts anyone: a draft longer than the free blocks
-allow is cut to what fits. (The proposals' rows are not counted against
-max_num_batched_tokens, which the plan spent before they were drafted.)
+allow is cut to what fits. The proposals are tokens of the step: with max_num_batched_tokens
+set, the drafts together take at most what the plan left of it (its decodes' last tokens and
+its prompt chunks come first), the rows drafting in order.
 
 The draft length (``draft_length``): with ``weight_rows`` unset, every draft is
 ``num_speculative_tokens`` long (vLLM's behaviour; ``disable_by_batch_size``, vLLM's too, turns
@@ -45,14 +46,29 @@ a batch of B costs v(n) = (W + B (n + 1)) / (W + B) plain steps, and yields
 (1 - alpha^(n+1)) / (1 - alpha) tokens for the sequence's acceptance alpha, measured so far
 (accepted + 1) / (judged + 2): n is the length with the best ratio, 0 included (no draft). So
 drafts shorten as the batch grows and as a sequence's proposals are rejected.
+With ``min_acceptance`` = m set (either way), a sequence whose alpha is below m drafts nothing
+this step: one row, a plain decode's cost, where its drafts have mostly been rejected (free
+generation: a lookup that finds some match almost every step, and little of it right).
+A sequence's books count, of every verified draft, its accepted tokens and the one rejected;
+and, at a step where it drafts nothing (the rule, the batch, the budget), its lookup's first
+proposal against the token the step made, free to know (a sampled token equals it with the
+probability of accepting it): so alpha keeps moving while the sequence does not draft, and it
+drafts again once its text starts repeating. A draft model's proposal costs a pass: its books
+move only with its drafts.
 
 Counters (``SpecCounters``, served under vLLM's names in /metrics): drafts (a sequence's
 proposal of at least one token, verified), draft tokens, accepted tokens, and accepted tokens
 by position in the draft.
-Leaves out: tree drafts, a draft model batched over the sequences (each drafts alone, on its
-own cache), EAGLE/Medusa heads.
+Leaves out: tree drafts, EAGLE/Medusa heads; a draft model batched over the sequences: each
+drafts alone, on its own contiguous cache, which stands at its own length and is fed what it
+has not seen (the prompt at its first draft, then the one or two tokens kept last round), so
+one draft pass for all would be a ragged batch over a paged pool of the draft's own; and the
+chunked-prefill step's one pass: a step with prompt chunks runs them in passes of their own
+after the verification (the verification's segments would be more groups of that ragged pass,
+but this step, drafts, pass, acceptance, would have to split around a pass the engine owns).
 """
 import json
+import math
 from dataclasses import dataclass, field, replace
 
 import numpy as np
@@ -69,12 +85,13 @@ from sim.speculative import batch_verify_cost, speedup
 
 METHODS = ("ngram", "draft_model")
 FIELDS = ("method", "model", "num_speculative_tokens", "prompt_lookup_max",
-          "prompt_lookup_min", "disable_by_batch_size", "weight_rows")
+          "prompt_lookup_min", "disable_by_batch_size", "weight_rows", "min_acceptance")
 
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
-    """``--speculative-config``, under vLLM's field names (weight_rows is this project's)."""
+    """``--speculative-config``, under vLLM's field names (weight_rows and min_acceptance are
+    this project's)."""
     num_speculative_tokens: int      # the longest draft
     method: str = "ngram"            # "ngram" (prompt lookup) or "draft_model"
     model: str = None                # the draft model's checkpoint (method draft_model)
@@ -82,6 +99,7 @@ class SpeculativeConfig:
     prompt_lookup_min: int = 1       # ngram: the shortest
     disable_by_batch_size: int = None  # no drafts while more sequences than this decode
     weight_rows: float = None        # set: draft lengths adapt (see the module's docstring)
+    min_acceptance: float = None     # set: no draft while a sequence's acceptance is below it
 
 
 def parse_speculative_config(value) -> SpeculativeConfig:
@@ -125,6 +143,9 @@ def parse_speculative_config(value) -> SpeculativeConfig:
     rows = fields.get("weight_rows")
     if rows is not None and (not is_real(rows) or not 0 < rows < float("inf")):
         raise ValueError(f"{where}: weight_rows must be a finite number > 0, got {rows!r}")
+    least = fields.get("min_acceptance")
+    if least is not None and (not is_real(least) or not 0 < least <= 1):
+        raise ValueError(f"{where}: min_acceptance must be a number in (0, 1], got {least!r}")
     config = SpeculativeConfig(**fields)
     if method == "ngram":
         if config.model is not None:
@@ -177,6 +198,14 @@ class Proposer:
                                              np.array(tokens[:prompt_len]), max_new_tokens)
         return self.drafts[seq_id].propose(tokens, n, settings, rng)
 
+    def shadow(self, tokens: list):
+        """The first token a lookup would propose now, None if it finds none or this is a draft
+        model (whose proposal costs a pass): judged against the token made, for the books."""
+        if self.lookup is None:
+            return None
+        first = self.lookup.lookup.propose(tokens, 1)
+        return first[0] if first else None
+
     def rollback(self, seq_id, valid: int) -> None:
         """The sequence keeps its first `valid` tokens: the draft's cache forgets the rest."""
         if seq_id in self.drafts:
@@ -204,8 +233,13 @@ def draft_length(config: SpeculativeConfig, alpha: float, batch: int, cost: floa
     [5, 4, 2, 0]
     >>> [draft_length(adaptive, a, 4) for a in (0.9, 0.6, 0.2)]       # acceptance falls
     [5, 2, 0]
+    >>> cutoff = SpeculativeConfig(num_speculative_tokens=8, min_acceptance=0.5)
+    >>> [draft_length(cutoff, a, 1) for a in (0.9, 0.5, 0.4)]         # below it: no draft
+    [8, 8, 0]
     """
     if config.disable_by_batch_size is not None and batch > config.disable_by_batch_size:
+        return 0
+    if config.min_acceptance is not None and alpha < config.min_acceptance:
         return 0
     top = config.num_speculative_tokens
     if config.weight_rows is None:
@@ -237,8 +271,8 @@ def verify_logits(model, cache, seq_ids, fed, batch_invariant=False):
     its proposals), counted in the books already (``append``) -> logits (R, V), R = the fed
     tokens of all, sequence by sequence (trim the rejected ones after). Default: a ragged batch
     (paged.RaggedView), the sequences feeding as many tokens one group, causal within each
-    row, the R tokens through every product at once. batch_invariant: row by row (``verify_view``), each
-    the very call a batch of one makes, in order."""
+    row, the R tokens through every product at once. batch_invariant: row by row
+    (``verify_view``), each the very call a batch of one makes, in order."""
     if batch_invariant:
         ids = np.array([[t] for tokens in fed for t in tokens])                # (R, 1)
         return last_logits_alone(model, ids, verify_view(cache, seq_ids, map(len, fed)))
@@ -312,38 +346,54 @@ class Speculator:
         self.judged = {}    # sequence id -> [accepted, judged] proposals, for its alpha
         self.fed = []       # the last step's tokens fed per row (its last token + drafts)
 
-    def step(self, cache, rows, batch_invariant=False) -> list:
+    def step(self, cache, rows, batch_invariant=False, spare=None) -> list:
         """Draft, make room, verify every row in one pass -> per row (kept tokens, the logits
         (k, V) each was chosen from). Each row's last token is counted in the books already,
         its slot held (the scheduler's plan: ``append``); its proposals get room here, from
         the free list only (a block the plan will still copy from or revive is never taken).
+        spare: the tokens of the step's budget (max_num_batched_tokens) the plan left, None
+        for no budget: the drafts together take no more, the rows drafting in order.
         The caches hold the verified positions until ``settle``."""
         ids = [row.seq_id for row in rows]
         decoding = sum(not row.padding for row in rows)
-        fed, drafts, dists = [], [], []
+        fed, drafts, dists, shadows = [], [], [], []
         for row in rows:
-            n = 0 if row.padding else self._length(cache, row, decoding)
+            n = 0 if row.padding else self._length(cache, row, decoding, spare)
             proposal, q = self.proposer.propose(row.seq_id, row.tokens, n, row.max_new_tokens,
                                                 row.prompt_len, row.settings, row.rng)
             cache.append([row.seq_id], len(proposal))   # fits: _length counted it
+            spare = None if spare is None else spare - len(proposal)
             fed.append([row.tokens[-1]] + proposal)
             drafts.append(proposal)
             dists.append(q)
+            shadows.append(None if proposal or row.padding else self.proposer.shadow(row.tokens))
         self.fed = list(map(len, fed))
         logits = verify_logits(self.model, cache, ids, fed, batch_invariant)
         out = []
-        for row, z, proposal, q in zip(rows, split_rows(logits, self.fed), drafts, dists):
+        for row, z, proposal, q, shadow in zip(rows, split_rows(logits, self.fed), drafts,
+                                               dists, shadows):
             if row.padding:
                 out.append(([], z[:0]))
                 continue
             kept = verify(z, proposal, q, row.tokens, row.settings, row.rng)
-            accepted = len(kept) - 1
-            self.counters.count(len(proposal), accepted)
-            books = self.judged.setdefault(row.seq_id, [0, 0])
-            books[0] += accepted
-            books[1] += accepted + (accepted < len(proposal))
+            self.counters.count(len(proposal), len(kept) - 1)
+            self._judge(row.seq_id, len(proposal), kept, shadow)
             out.append((kept, z[:len(kept)]))
         return out
+
+    def _judge(self, seq_id, proposed: int, kept: list, shadow) -> None:
+        """A sequence's books for its acceptance: of a verified draft, its accepted tokens and
+        the one rejected (if any); with no draft, the lookup's proposal it would have made
+        (shadow: its first token, None if none) against the token the step made, one judged
+        token, free to know (a sampled token equals it with the probability of accepting it)."""
+        books = self.judged.setdefault(seq_id, [0, 0])
+        accepted = len(kept) - 1
+        if proposed:
+            books[0] += accepted
+            books[1] += accepted + (accepted < proposed)
+        elif shadow is not None:
+            books[0] += shadow == kept[0]
+            books[1] += 1
 
     def settle(self, cache, seq_id, valid: int) -> None:
         """After a step: the sequence keeps its first `valid` tokens in the cache (the rest,
@@ -361,13 +411,14 @@ class Speculator:
         for seq_id in (set(self.judged) | set(self.proposer.drafts)) - set(seq_ids):
             self.forget(seq_id)
 
-    def _length(self, cache, row, batch: int) -> int:
+    def _length(self, cache, row, batch: int, spare=None) -> int:
         """This step's draft length for a row: the rule's, never past the request's end,
-        never more than the free blocks hold (speculation preempts nobody)."""
+        never more than the budget's spare tokens or the free blocks hold (speculation
+        preempts nobody)."""
         made = len(row.tokens) - row.prompt_len
         n = min(draft_length(self.config, acceptance(*self.judged.get(row.seq_id, (0, 0))),
                              batch, self.proposer.cost),
-                row.max_new_tokens - made - 1)
+                row.max_new_tokens - made - 1, math.inf if spare is None else spare)
         seq, bs = cache.seqs[row.seq_id], cache.block_size
         room = (len(seq.blocks) + len(cache.free)) * bs - seq.length    # after its one token
         return max(0, min(n, room))
