@@ -28,10 +28,14 @@ def within_summation_error(y, x, w):
     assert np.all(np.abs(y - x @ w.T) <= bound)
 
 
+@pytest.mark.parametrize("order", ["C", "F"])
 @pytest.mark.parametrize("route", blas.ROUTES)
 @pytest.mark.parametrize("M", [1, 2, 5, 16, 17])
-def test_every_way_is_the_product(route, M):
+def test_every_way_is_the_product(route, M, order):
+    """In either layout of w (row-major, column-major: blas.arrange's two)."""
     x, w = operands(M)
+    w = np.asarray(w, order=order)
+    assert blas.layout(w) == {"C": "row-major", "F": "column-major"}[order]
     within_summation_error(blas.CALLS[route](x, w, np.empty((M, len(w)), np.float32)), x, w)
     out = np.full((M, len(w) + 3), np.nan, np.float32)   # into a column slice, as blocks do
     blas.CALLS[route](x, w, out[:, 2:-1])
@@ -54,7 +58,7 @@ def test_a_shape_keeps_its_way_so_the_same_calls_give_the_same_bits(monkeypatch)
     again = [to_numpy(blas.multiply(to_device(x), to_device(w))) for _ in range(3)]
     assert len(blas.chosen) == 1 and all(np.array_equal(a, first) for a in again)
     one = to_numpy(blas.multiply(to_device(x[:1]), to_device(w)))  # one row: measured too
-    assert len(blas.chosen) == 2 and blas.chosen[(1, *w.shape, "<f4", "<f4")] in blas.ONE_ROW
+    assert len(blas.chosen) == 2 and blas.chosen[(1, *w.shape, "row-major", "<f4", "<f4")] in blas.ONE_ROW
     assert all(np.array_equal(to_numpy(blas.multiply(to_device(x[:1]), to_device(w))), one)
                for _ in range(3))
     assert blas.way(np.ones((17, 96), np.float32), w) == "flat" and len(blas.chosen) == 2
@@ -172,3 +176,58 @@ def test_a_row_of_a_per_row_product_has_the_bits_it_has_alone(monkeypatch, route
         alone = to_numpy(linear(to_device(x[None, b:b + 1]), to_device(w)))        # (1, 1, n)
         assert np.array_equal(rows[b], alone[0])
     within_summation_error(rows[:, 0], x, w)
+
+
+def layouts_slowed(monkeypatch, costs):
+    """Make every way cost costs[(layout, rows)] a call on the chooser's virtual clock (as
+    slowed) -> the (way, layout) of each call made."""
+    made, now = [], [0.0]
+    monkeypatch.setattr(blas, "time", SimpleNamespace(perf_counter=lambda: now[0]))
+    for name in blas.ROUTES:
+        real = getattr(blas, name)
+
+        def call(x, w, out=None, real=real, name=name):
+            made.append((name, blas.layout(w)))
+            now[0] += costs[blas.layout(w), 1 if name in ("rows", "dots") else len(x)]
+            return real(x, w, out)
+        monkeypatch.setattr(blas, name, call)
+    return made
+
+
+@pytest.mark.parametrize("one, few, taken", [
+    (0.001, 0.001, "column-major"),    # faster at 1 and at FEW_ROWS rows: column-major
+    (0.003, 0.001, "row-major"),       # faster for FEW_ROWS rows only: kept as it is
+    (0.001, 0.009, "row-major"),       # faster for one row only
+])
+def test_a_weight_is_laid_out_column_major_only_where_that_is_faster_for_1_and_few_rows(
+        monkeypatch, one, few, taken):
+    """Row-major ways cost 2 ms a call (1 row) and 8 ms (FEW_ROWS rows); the column-major ones
+    `one` and `few`. arrange gives the same values in the layout both counts run faster in,
+    times both layouts in the same trials, never `dots` over column-major (strided rows), and
+    keeps the fastest way of each count in the layout taken: nothing measured again."""
+    monkeypatch.setattr(blas, "FIXED", None)
+    monkeypatch.setattr(blas, "chosen", {})
+    monkeypatch.setattr(blas, "laid_out", {})
+    made = layouts_slowed(monkeypatch, {("row-major", 1): 0.002, ("column-major", 1): one,
+                                        ("row-major", blas.FEW_ROWS): 0.008,
+                                        ("column-major", blas.FEW_ROWS): few})
+    _, w = operands(4, n=300)
+    arranged = blas.arrange(to_device(w))
+    assert np.array_equal(to_numpy(arranged), w) and blas.layout(arranged) == taken
+    assert ("dots", "column-major") not in made and {layout for _, layout in made} == {
+        "row-major", "column-major"}
+    assert blas.laid_out == {(*w.shape, "<f4"): taken}
+    assert sorted(key[0] for key in blas.chosen) == [1, blas.FEW_ROWS]
+    assert all(key[3] == taken for key in blas.chosen)
+    calls = len(made)
+    blas.arrange(to_device(w.copy()))                        # the same shape: not timed again
+    for M in (1, blas.FEW_ROWS):
+        blas.multiply(to_device(np.ones((M, w.shape[1]), np.float32)), arranged)
+    assert len(made) == calls
+
+
+def test_a_fixed_way_keeps_the_checkpoint_s_layout(monkeypatch):
+    monkeypatch.setattr(blas, "FIXED", "flat")
+    monkeypatch.setattr(blas, "laid_out", {})
+    _, w = operands(4, n=300)
+    assert blas.arrange(w) is w and blas.laid_out == {}

@@ -28,6 +28,17 @@ the caches are flushed before each timing (a decode step reads every weight once
 them is still cached when its turn comes), by reading FLUSH_BYTES of other data: one buffer,
 allocated on the first large weight measured and kept for the process.
 
+The weight's own layout matters as much: BLAS reads a row-major (n, in) w and the same values
+laid out column-major (w.T row-major, so x @ w.T is BLAS's plain untransposed product) at
+different speeds, and for a few rows the column-major one can be the faster (measured here,
+Haswell kernel, 16 rows times a (3072, 576) matrix: about 1.3x). So each weight matrix the
+model multiplies is laid out once, where the model is built (`arrange`, called by fused.py): the
+ways for 1 and for FEW_ROWS rows are timed over both layouts side by side, and the weight is
+copied column-major only where that layout is the faster at both (one layout per shape, for the
+process; never under MT_PRODUCTS, so that two runs compare bits over the same layout). In
+either layout `flat` is the one product that reads w untransposed: (w @ x.T).T row-major,
+x @ w.T column-major; `dots` reads rows of w, which column-major are strided: not taken there.
+
 The ways sum in different orders, so their last bits differ. Within a process a shape always
 takes the same way, so the same calls give the same bits (a row of a batch-invariant step makes
 the very call the row alone makes, linear.py); across processes the measured choice may differ,
@@ -51,10 +62,13 @@ if FIXED is not None and FIXED not in ROUTES:
     raise ValueError(f"MT_PRODUCTS={FIXED!r} is not a way to multiply: use one of "
                      f"{', '.join(ROUTES)}, or leave it unset to measure")
 TRIALS = 3               # timings per way when a shape is measured (the fastest counts)
+LAYOUT_TRIALS = 5        # the same for a weight's layout: once per shape, and for every row count
 COLD_BYTES = 1 << 20     # a weight this large is timed from memory, as a decode step reads it
 FLUSH_BYTES = 1 << 27    # read between timings of a large weight: above the CPU's caches
 flush = None             # FLUSH_BYTES of ones, allocated on the first large weight's timing
-chosen = {}              # (M, n, in, dtypes) -> the way measured fastest for that shape
+chosen = {}              # (M, n, in, layout, dtypes) -> the way measured fastest there
+LAYOUTS = ("row-major", "column-major")
+laid_out = {}            # (n, in, dtype) -> the layout measured faster for that shape
 
 
 def multiply(x, w, out=None):
@@ -86,41 +100,102 @@ def way(x, w) -> str:
         return "flat"
     if FIXED is not None:
         return FIXED
-    key = (M, *w.shape, x.dtype.str, w.dtype.str)
+    key = shape_key(x, w)
     if key not in chosen:
         chosen[key] = fastest(x, w)
     return chosen[key]
 
 
-def candidates(M: int) -> tuple:
-    """The ways worth timing for M rows: every way, but for one row `rows` is `flat`."""
-    return ONE_ROW if M == 1 else ROUTES
+def shape_key(x, w) -> tuple:
+    """What a measured way belongs to: the rows, w's shape and layout, the dtypes."""
+    return len(x), *w.shape, layout(w), x.dtype.str, w.dtype.str
+
+
+def layout(w) -> str:
+    """row-major, or column-major (w.T row-major); a matrix that is neither counts as row-major
+    (its products are timed as they come, like any other)."""
+    return "column-major" if w.flags.f_contiguous and not w.flags.c_contiguous else "row-major"
+
+
+def candidates(M: int, w=None) -> tuple:
+    """The ways worth timing for M rows: every way, but for one row `rows` is `flat`; over a
+    column-major w not `dots` (its rows are strided: a dot product per row reads them badly)."""
+    ways = ONE_ROW if M == 1 else ROUTES
+    return ways if w is None or layout(w) == "row-major" else tuple(r for r in ways
+                                                                     if r != "dots")
+
+
+def arrange(w):
+    """A weight matrix w (n, in) as the model should hold it here: w itself, or the same values
+    laid out column-major where its products of 1 and of FEW_ROWS rows are both faster that way
+    (timed side by side, once per shape and dtype; see the docstring). Anything else (a
+    quantized weight, a vector, CuPy's arrays, a fixed MT_PRODUCTS) is given back as it is."""
+    if BACKEND == "cupy" or FIXED is not None or getattr(w, "ndim", 0) != 2 \
+            or not isinstance(w, xp.ndarray):
+        return w
+    return arrange_on_device(w)
+
+
+def numpy_arrange(w):
+    """arrange on a NumPy array."""
+    key = (*w.shape, w.dtype.str)
+    pair = {"row-major": np.ascontiguousarray(w)}     # w itself when it is row-major already
+    pair["column-major"] = w if layout(w) == "column-major" else np.asfortranarray(w)
+    if key not in laid_out:
+        laid_out[key] = faster_layout(pair)
+    return pair[laid_out[key]]
+
+
+def faster_layout(pair: dict) -> str:
+    """Time a weight's ways for 1 and FEW_ROWS rows in both layouts ({layout: w}), side by
+    side -> the layout both run faster in (row-major unless column-major wins both). The
+    fastest way of each count of rows in the layout taken is kept (`chosen`): not measured
+    again."""
+    w = pair["row-major"]
+    x = np.ones((FEW_ROWS, w.shape[1]), w.dtype)
+    best = {M: timings(x[:M], [pair[name] for name in LAYOUTS], LAYOUT_TRIALS)
+            for M in (1, FEW_ROWS)}                                  # M -> [{way: seconds}]
+    times = {M: [min(t.values()) for t in best[M]] for M in best}
+    taken = "column-major" if all(t[1] < t[0] for t in times.values()) else "row-major"
+    for M, per_layout in best.items():
+        ways = per_layout[LAYOUTS.index(taken)]
+        chosen[shape_key(x[:M], pair[taken])] = min(ways, key=ways.get)
+    return taken
 
 
 def fastest(x, w) -> str:
     """Time the ways for len(x) rows on these operands (TRIALS each, interleaved) -> the fastest.
+    """
+    ways = timings(x, [w])[0]
+    return min(ways, key=ways.get)
+
+
+def timings(x, ws, trials=None) -> list:
+    """Time the ways for len(x) rows over each matrix of ws (the same shape), `trials` each
+    (default TRIALS), interleaved -> per matrix, {way: its fastest time}.
 
     `rows` and `dots` make M alike passes over w: timed as one of them, times M (on a large
     matrix, such as a vocabulary's head, that keeps the measuring short). A weight of
     COLD_BYTES or more is timed from memory: FLUSH_BYTES of other data are read before each
     timing, so no way is timed on a w the previous one left in the cache (one buffer for the
     process, flush_buffer(), not one per shape measured)."""
-    out = np.empty((len(x), len(w)), np.result_type(x, w))
-    calls = {"flat": lambda: flat(x, w, out), "rows": lambda: rows(x[:1], w, out),
-             "slices": lambda: slices(x, w, out), "dots": lambda: dots(x[:1], w, out)}
-    ways = candidates(len(x))
-    cold = w.nbytes >= COLD_BYTES
-    best = dict.fromkeys(ways, float("inf"))
-    for _ in range(TRIALS):
-        for route in ways:
-            if cold:
-                flush_caches(flush_buffer())
-            start = time.perf_counter()
-            calls[route]()
-            best[route] = min(best[route], time.perf_counter() - start)
-    for route in {"rows", "dots"} & set(ways):
-        best[route] *= len(x)
-    return min(ways, key=best.get)
+    out = np.empty((len(x), len(ws[0])), np.result_type(x, ws[0]))
+    calls = {"flat": flat, "rows": rows, "slices": slices, "dots": dots}  # as named now
+    cold = ws[0].nbytes >= COLD_BYTES
+    best = [dict.fromkeys(candidates(len(x), w), float("inf")) for w in ws]
+    for _ in range(TRIALS if trials is None else trials):
+        for w, times in zip(ws, best):
+            for route in times:
+                if cold:
+                    flush_caches(flush_buffer())
+                rows_in = x[:1] if route in ("rows", "dots") else x
+                start = time.perf_counter()
+                calls[route](rows_in, w, out)
+                times[route] = min(times[route], time.perf_counter() - start)
+    for times in best:
+        for route in {"rows", "dots"} & set(times):
+            times[route] *= len(x)
+    return best
 
 
 def flush_buffer():
@@ -138,8 +213,10 @@ def flush_caches(buffer):
 
 
 def flat(x, w, out=None):
-    """One matrix-matrix product: w @ x.T is (n, M), given back transposed (a view), or
-    copied into out."""
+    """One matrix-matrix product with w untransposed: w @ x.T is (n, M), given back transposed
+    (a view), or copied into out; for a column-major w, x @ w.T (w.T is row-major)."""
+    if layout(w) == "column-major":
+        return np.matmul(x, w.T, out=out)                            # (M, n)
     y = (w @ x.T).T                                                  # (M, n)
     if out is None:
         return y
@@ -190,3 +267,4 @@ def slice_rows(M: int, cols: int) -> int:
 
 
 on_device = numpy_kernel(numpy_multiply)  # strict: NumPy's calls on the data it wraps
+arrange_on_device = numpy_kernel(numpy_arrange)

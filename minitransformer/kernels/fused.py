@@ -15,11 +15,15 @@ learner can still look up "model.layers.3.self_attn.k_proj.weight", and nothing 
 Quantized weights (linear.is_quantized) cannot be stacked as arrays: a Stacked keeps
 them apart and concatenates their outputs, which is the same function. The stacks are made once
 per weights dict, where a Model is built (model.Model): a Model made from another with the same
-dict (a draft of its first layers, a changed config) shares them.
+dict (a draft of its first layers, a changed config) shares them. There too every matrix the
+forward pass multiplies (the stacks, o, down and the head) is laid out in memory as its products
+run fastest on the BLAS here (blas.arrange: row-major as in the checkpoint, or column-major;
+the same values either way).
 """
 from dataclasses import dataclass
 
 from minitransformer.backend import xp
+from minitransformer.kernels.blas import arrange
 from minitransformer.linear import is_quantized
 
 
@@ -63,7 +67,7 @@ def stack(weights: dict, names: list):
     parts = [weights[n] for n in names]
     if any(is_quantized(w) for w in parts):
         return Stacked(tuple(parts))
-    whole = xp.concatenate(parts)                                    # (sum of outs, ...)
+    whole = arrange(xp.concatenate(parts))                           # (sum of outs, ...)
     start = 0
     for name, part in zip(names, parts):
         weights[name] = whole[start:start + len(part)]              # a view, same values
@@ -75,6 +79,10 @@ def fuse(config, weights: dict) -> Fused:
     """-> a new weights dict whose q/k/v and gate/up are views into the stacks, and a Layer per
     layer. The caller's dict is left as it was."""
     weights, layers = dict(weights), []
+    head = "model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"
+    for name in [head] + [f"model.layers.{i}.{m}" for i in range(config.num_hidden_layers)
+                          for m in ("self_attn.o_proj.weight", "mlp.down_proj.weight")]:
+        weights[name] = arrange(weights[name])     # laid out as its products run fastest here
     for i in range(config.num_hidden_layers):
         p = f"model.layers.{i}."
         attn = [f"{p}self_attn.{m}_proj" for m in "qkv"]
