@@ -1,4 +1,4 @@
-"""Serving benchmark through real HTTP: three workloads, each with a feature on and off.
+"""Serving benchmark through real HTTP: four workloads, each with a feature on and off.
 
 Every workload starts real servers (``python3 -m minitransformer serve``) on 127.0.0.1, one per
 setting compared, both up at once and used in turn (rounds alternate, so a change in the
@@ -25,6 +25,13 @@ measures it, per request:
                  --long-prompt tokens arrives; with whole-prompt prefill every stream stops for
                  the whole of it, with chunked prefill (--max-num-batched-tokens) they keep
                  flowing. The streams' largest gap and the long request's own TTFT.
+    streams      the batched step before and after: --concurrency values of streams at once
+                 (each a prompt of --prompt-len random text tokens, --stream-tokens greedy
+                 tokens), aggregate output tokens/s, on a server whose weights keep the
+                 checkpoint's row-major layout (MT_LAYOUT=row-major: the engine before
+                 kernels/blas.arrange) and one that lays each out as its products run fastest
+                 here (the default), --rounds rounds alternating between them; slots enough for
+                 the most streams. --markdown FILE writes its table (docs/benchmarks/).
 
 Prompts, arrivals and lengths are seeded; the timings are the machine's (stated in the header
 with its load). Traffic goes to 127.0.0.1 only. Leaves out: a dataset of real prompts,
@@ -49,13 +56,15 @@ from _common import (Progress, add_engine_arguments, add_model_argument, add_ser
                      add_workload_arguments, load_model, model_name, numbers, positive_int,
                      progress, say, workload_lengths)
 from _table import Table
+from bench_decode import write_markdown
 from minitransformer.__main__ import engine_flags
 from minitransformer.serve.config import EngineConfig
 from sim.workload import make_workload
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NAME = "bench"
-WORKLOADS = ("poisson", "chat", "long-prompt")
+WORKLOADS = ("poisson", "chat", "long-prompt", "streams")
+LAYOUTS = {"before": {"MT_LAYOUT": "row-major"}, "after": {}}   # the streams' two servers
 # The chat's system message: a document the questions are about (written for this benchmark).
 DOCUMENT = (
     "You answer questions about the following note on a small lending library. The library "
@@ -95,13 +104,13 @@ def engine(args, **changes) -> EngineConfig:
     return EngineConfig(max_num_seqs=args.slots, block_size=args.block_size, **changes)
 
 
-def start_server(args, label, config, model_path):
-    """A server process with this engine config -> (process, port), once /health answers (or
-    fails loudly)."""
+def start_server(args, label, config, model_path, env=None):
+    """A server process with this engine config (and these environment variables besides)
+    -> (process, port), once /health answers (or fails loudly)."""
     port = free_port()
     say(f"starting the {label} server on 127.0.0.1:{port}")
     env = os.environ | {"OPENBLAS_NUM_THREADS": str(args.threads),
-                        "OMP_NUM_THREADS": str(args.threads)}
+                        "OMP_NUM_THREADS": str(args.threads)} | (env or {})
     command = [sys.executable, "-m", "minitransformer", "serve", "--model", model_path,
                "--port", str(port), "--served-model-name", NAME,
                "--max-waiting", str(args.requests + 1), *engine_flags(config)]
@@ -122,11 +131,12 @@ class Servers:
     """The servers compared, by label, up together; stopped (Ctrl-C, as a person would) on
     leaving the with block."""
 
-    def __init__(self, args, model_path, settings):
+    def __init__(self, args, model_path, settings, envs=None):
         self.running = {}
         try:
             for label, config in settings.items():
-                self.running[label] = start_server(args, label, config, model_path)
+                self.running[label] = start_server(args, label, config, model_path,
+                                                   (envs or {}).get(label))
         except BaseException:
             self.__exit__()
             raise
@@ -409,6 +419,69 @@ def long_prompt(args, model) -> None:
                       for label, runs in rounds.items()})
 
 
+def streams(args, model) -> Table:
+    """Aggregate output tokens/s at each --concurrency, the engine before and after."""
+    slots = max(args.concurrency)
+    settings = {label: EngineConfig(max_num_seqs=slots, block_size=args.block_size)
+                for label in LAYOUTS}
+    rng, ids = np.random.default_rng(args.seed), text_ids(model)
+    rates = {(label, n): [] for label in LAYOUTS for n in args.concurrency}
+    progress_line = Progress(args.rounds * len(rates), "streams")
+    with Servers(args, model.path, settings, LAYOUTS) as ports:
+        for port in ports.values():
+            one_request(port, {"prompt": [1, 2, 3], "max_tokens": 2}, args.timeout)
+        for r in range(args.rounds):
+            for n in args.concurrency:
+                prompts = [rng.choice(ids, args.prompt_len).tolist() for _ in range(n)]
+                for label, port in ports.items():
+                    rates[label, n].append(at_once(port, prompts, args)["throughput"])
+                    progress_line(f"{label}, {n} streams, round {r + 1}: "
+                                  f"{rates[label, n][-1]:.1f} tok/s")
+    table = Table("Batched steps: aggregate output tokens/s by concurrent streams, before and "
+                  "after", experiment=13, chapter=False,
+                  columns=[("streams", ""), ("before tok/s best", ".1f"),
+                           ("before median", ".1f"), ("after tok/s best", ".1f"),
+                           ("after median", ".1f"), ("after / before best", ".2f"),
+                           ("after / before median", ".2f")])
+    table.header(f"{args.rounds} rounds alternating between the two servers; each round: n "
+                 f"streamed /v1/completions calls at once, prompts of {args.prompt_len} random "
+                 f"text tokens, {args.stream_tokens} greedy tokens each (end of sequence "
+                 f"ignored); tok/s: all the streams' output tokens over the span from the first "
+                 f"sent to the last done",
+                 "before: every weight in the checkpoint's row-major layout (MT_LAYOUT=row-major)"
+                 "; after: each laid out as its products run fastest here (kernels/blas.arrange)"
+                 f"; both {slots} slots", *setting_lines(args, model),
+                 f"load average {os.getloadavg()[0]:.1f} at the end")
+    for n in args.concurrency:
+        before, after = rates["before", n], rates["after", n]
+        table.row(n, max(before), np.median(before), max(after), np.median(after),
+                  max(after) / max(before), np.median(after) / np.median(before))
+    return table.show()
+
+
+def at_once(port, prompts, args) -> dict:
+    """Every prompt sent at once, each from its own thread -> summary of their records."""
+    records = [None] * len(prompts)
+
+    def client(i):
+        try:
+            records[i] = one_request(port, {"prompt": prompts[i], "temperature": 0,
+                                            "max_tokens": args.stream_tokens,
+                                            "ignore_eos": True}, args.timeout)
+        except (OSError, RuntimeError) as e:
+            records[i] = {"error": str(e)}
+    threads = [threading.Thread(target=client, args=(i,), daemon=True)
+               for i in range(len(prompts))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(args.timeout)
+    failed = [r for r in records if r is None or "error" in r]
+    if failed:
+        raise SystemExit(f"error: {len(failed)} streams failed, e.g. {failed[0]}")
+    return summary(records)
+
+
 def text_ids(model):
     """Token ids that decode on their own to printable ASCII: random prompts of these read as
     (nonsense) text, and the streams' answers come out as text a piece per token (a prompt of
@@ -500,6 +573,13 @@ def main(argv=None):
     group.add_argument("--long-prompt", type=positive_int, default=1500, help="its tokens")
     group.add_argument("--max-num-batched-tokens", type=positive_int, default=256,
                        help="the chunked server's token budget per step")
+    group = parser.add_argument_group("streams: the batched step before and after (also "
+                                      "--rounds, --prompt-len, --stream-tokens)")
+    group.add_argument("--concurrency", type=counts, default=[1, 4, 8, 16],
+                       help="streams at once, comma-separated (default: 1,4,8,16)")
+    group.add_argument("--markdown", metavar="FILE",
+                       help="also write the streams table as Markdown to FILE "
+                            "(docs/benchmarks/serving-streams.md)")
     args = parser.parse_args(argv)
     if "poisson" in args.workloads:
         try:
@@ -513,11 +593,17 @@ def main(argv=None):
     if args.max_num_batched_tokens <= args.slots:
         parser.error("--max-num-batched-tokens must exceed --slots (the decodes come first)")
     model = load_model(args.model)
+    tables = []
     for name in args.workloads:
         try:
-            {"poisson": poisson, "chat": chat, "long-prompt": long_prompt}[name](args, model)
+            tables.append({"poisson": poisson, "chat": chat, "long-prompt": long_prompt,
+                           "streams": streams}[name](args, model))
         except RuntimeError as e:   # a request refused or failed: the server's own words
             raise SystemExit(f"error: {name}: {e}") from None
+    if args.markdown and "streams" in args.workloads:
+        write_markdown(args.markdown, [t for t in tables if t is not None], argv,
+                       title="Serving benchmark: the batched step before and after",
+                       script="bench_serving.py")
     return 0
 
 
@@ -526,6 +612,13 @@ def rates(text):
     if not all(v > 0 for v in values):
         raise argparse.ArgumentTypeError("every rate must be > 0 requests/s")
     return values
+
+
+def counts(text):
+    values = numbers(text)
+    if not all(math.isfinite(v) and v >= 1 and v == int(v) for v in values):
+        raise argparse.ArgumentTypeError("every count of streams must be a whole number >= 1")
+    return [int(v) for v in values]
 
 
 def workloads(text):

@@ -58,11 +58,26 @@ def test_bench_serving_chat_and_long_prompt_print_each_feature_off_and_on(tiny, 
     assert all("nan" not in r for r in rows(out, "caching o", "whole prefill ", "chunked prefill "))
 
 
+def test_bench_serving_streams_prints_before_and_after_per_concurrency(tiny, run_script,
+                                                                        tmp_path):
+    out, _ = run_script("bench_serving", "--model", tiny, "--workloads", "streams",
+                        "--concurrency", "1,3", "--rounds", 2, "--stream-tokens", 5,
+                        "--prompt-len", 4, "--markdown", tmp_path / "streams.md")
+    found = [r for r in map(str.split, out.splitlines()) if r[:1] in (["1"], ["3"])]
+    assert [r[0] for r in found] == ["1", "3"] and all(len(r) == 7 for r in found)
+    assert all(float(v) > 0 for r in found for v in r[1:])
+    assert "MT_LAYOUT=row-major" in out and "load average" in out
+    written = (tmp_path / "streams.md").read_text()
+    assert written.startswith("# Serving benchmark: the batched step before and after")
+    assert "| 3 |" in written
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--workloads", "chat,nope"], "unknown workload"),
     (["--streams", "8", "--slots", "8"], "--streams must leave a slot"),
     (["--wait-tokens", "9", "--stream-tokens", "9"], "--wait-tokens must be below"),
-    (["--max-num-batched-tokens", "8"], "must exceed --slots")])
+    (["--max-num-batched-tokens", "8"], "must exceed --slots"),
+    (["--concurrency", "4,2.5"], "every count of streams must be a whole number >= 1")])
 def test_bench_serving_refuses_bad_options_naming_them(argv, message, run_script):
     _, err = run_script("bench_serving", "--model", "default", *argv, status=2)
     assert message in err

@@ -226,8 +226,24 @@ def test_a_weight_is_laid_out_column_major_only_where_that_is_faster_for_1_and_f
     assert len(made) == calls
 
 
-def test_a_fixed_way_keeps_the_checkpoint_s_layout(monkeypatch):
+def test_a_fixed_way_keeps_the_checkpoint_s_layout_and_a_fixed_layout_is_taken(monkeypatch):
     monkeypatch.setattr(blas, "FIXED", "flat")
     monkeypatch.setattr(blas, "laid_out", {})
     _, w = operands(4, n=300)
-    assert blas.arrange(w) is w and blas.laid_out == {}
+    held = to_device(np.asfortranarray(w))
+    assert blas.arrange(held) is held                         # as it is, column-major or not
+    for fixed in blas.LAYOUTS:
+        monkeypatch.setattr(blas, "FIXED_LAYOUT", fixed)
+        for given in (w, np.asfortranarray(w)):
+            arranged = blas.arrange(to_device(given))
+            assert blas.layout(arranged) == fixed and np.array_equal(to_numpy(arranged), w)
+    assert blas.laid_out == {}                                # nothing measured
+
+
+def test_an_unknown_fixed_layout_is_refused_at_import():
+    done = subprocess.run([sys.executable, "-c", "import minitransformer.kernels.blas"],
+                          capture_output=True, text=True, timeout=60,
+                          env=dict(os.environ, MT_LAYOUT="diagonal"))
+    assert done.returncode != 0
+    assert "MT_LAYOUT='diagonal' is not a layout: use one of row-major, column-major" \
+        in done.stderr

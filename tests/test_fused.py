@@ -53,3 +53,22 @@ def test_quantized_parts_stay_apart_and_multiply_as_one(tiny_model):
     expected = np.concatenate([to_numpy(linear(x, gate)), to_numpy(linear(x, up))], axis=-1)
     assert np.array_equal(to_numpy(linear(x, stacked)), expected)
     assert isinstance(q, Model) and len(stacked.parts) == 2
+
+
+def test_every_matrix_multiplied_is_laid_out_as_mt_layout_says():
+    """fuse lays out the stacks, o, down and the head (blas.arrange): under MT_LAYOUT every one
+    of them in that layout (what bench_serving's before server runs), the same values."""
+    import os
+    import subprocess
+    import sys
+    code = ("from minitransformer.kernels.blas import layout\n"
+            "from minitransformer.checkpoints.synth import qwen2_config, random_model\n"
+            "m = random_model(qwen2_config())\n"
+            "l = m.layers[0]\n"
+            "print(sorted({layout(w) for w in (l.qkv, l.o, l.gate_up, l.down,"
+            " m.weights['model.embed_tokens.weight'])}))\n")
+    for fixed in ("row-major", "column-major"):
+        done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                              timeout=120, env=dict(os.environ, MT_LAYOUT=fixed))
+        assert done.returncode == 0, done.stderr
+        assert done.stdout.split("\n")[0] == repr([fixed])

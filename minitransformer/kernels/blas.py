@@ -35,7 +35,10 @@ Haswell kernel, 16 rows times a (3072, 576) matrix: about 1.3x). So each weight 
 model multiplies is laid out once, where the model is built (`arrange`, called by fused.py): the
 ways for 1 and for FEW_ROWS rows are timed over both layouts side by side, and the weight is
 copied column-major only where that layout is the faster at both (one layout per shape, for the
-process; never under MT_PRODUCTS, so that two runs compare bits over the same layout). In
+process; never under MT_PRODUCTS, so that two runs compare bits over the same layout).
+`MT_LAYOUT=row-major|column-major` fixes the layout of every weight instead (read at import):
+row-major is the checkpoint's own, the library before it measured layouts, for a benchmark's
+before and after in one run (scripts/bench_serving.py). In
 either layout `flat` is the one product that reads w untransposed: (w @ x.T).T row-major,
 x @ w.T column-major; `dots` reads rows of w, which column-major are strided: not taken there.
 
@@ -61,13 +64,17 @@ FIXED = os.environ.get("MT_PRODUCTS", "").strip().lower() or None
 if FIXED is not None and FIXED not in ROUTES:
     raise ValueError(f"MT_PRODUCTS={FIXED!r} is not a way to multiply: use one of "
                      f"{', '.join(ROUTES)}, or leave it unset to measure")
+LAYOUTS = ("row-major", "column-major")
+FIXED_LAYOUT = os.environ.get("MT_LAYOUT", "").strip().lower() or None
+if FIXED_LAYOUT is not None and FIXED_LAYOUT not in LAYOUTS:
+    raise ValueError(f"MT_LAYOUT={FIXED_LAYOUT!r} is not a layout: use one of "
+                     f"{', '.join(LAYOUTS)}, or leave it unset to measure")
 TRIALS = 3               # timings per way when a shape is measured (the fastest counts)
 LAYOUT_TRIALS = 5        # the same for a weight's layout: once per shape, and for every row count
 COLD_BYTES = 1 << 20     # a weight this large is timed from memory, as a decode step reads it
 FLUSH_BYTES = 1 << 27    # read between timings of a large weight: above the CPU's caches
 flush = None             # FLUSH_BYTES of ones, allocated on the first large weight's timing
 chosen = {}              # (M, n, in, layout, dtypes) -> the way measured fastest there
-LAYOUTS = ("row-major", "column-major")
 laid_out = {}            # (n, in, dtype) -> the layout measured faster for that shape
 
 
@@ -129,21 +136,30 @@ def arrange(w):
     """A weight matrix w (n, in) as the model should hold it here: w itself, or the same values
     laid out column-major where its products of 1 and of FEW_ROWS rows are both faster that way
     (timed side by side, once per shape and dtype; see the docstring). Anything else (a
-    quantized weight, a vector, CuPy's arrays, a fixed MT_PRODUCTS) is given back as it is."""
-    if BACKEND == "cupy" or FIXED is not None or getattr(w, "ndim", 0) != 2 \
-            or not isinstance(w, xp.ndarray):
+    quantized weight, a vector, CuPy's arrays, a fixed MT_PRODUCTS) is given back as it is;
+    under MT_LAYOUT, w in that layout."""
+    if BACKEND == "cupy" or getattr(w, "ndim", 0) != 2 or not isinstance(w, xp.ndarray) \
+            or (FIXED is not None and FIXED_LAYOUT is None):
         return w
     return arrange_on_device(w)
 
 
 def numpy_arrange(w):
     """arrange on a NumPy array."""
+    if FIXED_LAYOUT is not None:
+        return in_layout(w, FIXED_LAYOUT)
     key = (*w.shape, w.dtype.str)
-    pair = {"row-major": np.ascontiguousarray(w)}     # w itself when it is row-major already
-    pair["column-major"] = w if layout(w) == "column-major" else np.asfortranarray(w)
+    pair = {name: in_layout(w, name) for name in LAYOUTS}  # w itself in its own layout
     if key not in laid_out:
         laid_out[key] = faster_layout(pair)
     return pair[laid_out[key]]
+
+
+def in_layout(w, name: str):
+    """w, or a copy of it laid out as named."""
+    if layout(w) == name:
+        return w
+    return np.asfortranarray(w) if name == "column-major" else np.ascontiguousarray(w)
 
 
 def faster_layout(pair: dict) -> str:
