@@ -1,7 +1,7 @@
-"""One forward pass per serving step: with chunked prefill, the step's decodes and its prompt
-chunks go through the layers as one ragged batch of tokens (paged.RaggedView), every weight
-multiplied once; tokens obey the near-tie rule, as a chunked prefill's do (conftest's policy),
-and batch-invariant mode keeps each row's own calls."""
+"""One forward pass per serving step: the step's decodes and its prompts (chunks with chunked
+prefill, whole prompts without) go through the layers as one ragged batch of tokens
+(paged.RaggedView), every weight multiplied once; tokens obey the near-tie rule, as a chunked
+prefill's do (conftest's policy), and batch-invariant mode keeps each row's own calls."""
 import numpy as np
 import pytest
 
@@ -58,6 +58,23 @@ def test_a_step_of_decodes_and_a_chunk_reads_every_weight_once(tiny_model, monke
     assert_pool_whole(engine)
 
 
+def test_a_step_of_decodes_and_whole_prompts_reads_every_weight_once(tiny_model, monkeypatch):
+    """No token budget: both 20-token prompts prefill whole, in the decodes' pass; the head
+    takes the two decodes' rows and each prompt's last."""
+    engine = streams_and_a_prompt(tiny_model, budget=None)
+    passes, products = counted(monkeypatch)
+    engine.step()
+    layers = tiny_model.config.num_hidden_layers
+    assert passes == [(1, 42)]
+    assert products == [42] * 4 * layers + [4]
+    assert all(engine.results[i].prefill_chunks == 1 for i in (2, 3))
+    while engine.running() or engine.waiting:
+        engine.step()
+    assert all(shape[0] == 1 for shape in passes)
+    assert_solo(tiny_model, engine.results.values())  # the near-tie rule
+    assert_pool_whole(engine)
+
+
 def test_batch_invariant_mode_keeps_each_rows_own_calls(tiny_model, monkeypatch):
     engine = streams_and_a_prompt(tiny_model, batch_invariant=True)
     _, products = counted(monkeypatch)
@@ -69,7 +86,7 @@ def test_batch_invariant_mode_keeps_each_rows_own_calls(tiny_model, monkeypatch)
     assert_solo(tiny_model, engine.results.values(), batch_invariant=True)
 
 
-@pytest.mark.parametrize("budget", [5, 9, 30])
+@pytest.mark.parametrize("budget", [5, 9, 30, None])
 def test_mixed_steps_keep_every_token_and_logprob_within_the_rule(tiny_model, budget):
     """Prompt logprobs and token logprobs from a mixed pass's rows, and prompts that end
     inside it (their first tokens from the chunk's last row)."""

@@ -5,8 +5,8 @@ Each ``step`` is plan -> run -> commit, each part in its own module:
           preempted, who decodes, which prompt chunks prefill within the token budget, who
           is admitted;
   run     here: the pool does the plan's copies and swaps (paged.py), the forward passes
-          (one batched decode and one per prompt chunk; with chunked prefill, all of them
-          in ONE pass over a ragged batch of tokens), the head, sampling, logprobs, timings;
+          (the decodes and every prompt, whole or a chunk, in ONE pass over a ragged batch
+          of tokens), the head, sampling, logprobs, timings;
   commit  the scheduler stamps first tokens and retires those that made their last.
 A request of n > 1 samples is fanned out here, before the scheduler, into n sequences (ids
 id .. id + n - 1, seeds seed + i) that share its one prefill; its holder (``run``'s results,
@@ -213,13 +213,12 @@ class Engine:
         return [seq for seq in rows if not seq.finished]
 
     def _together(self, passes) -> bool:
-        """Run the step's passes as one? With chunked prefill, in the default mode (batch-
-        invariant keeps each row's own calls), not speculating (its verification is the
+        """Run the step's passes as one? In the default mode (batch-invariant keeps each row's
+        own calls), whole prompts or chunks alike, not speculating (its verification is the
         decodes' own pass); not when a later pass needs a copy of a block an earlier one
         writes (a prompt cached in full behind the chunk filling its last block): the copies
         come first."""
-        return self.scheduler.budget is not None and not self.batch_invariant and \
-            self.speculator is None and len(passes) > 1 and \
+        return not self.batch_invariant and self.speculator is None and len(passes) > 1 and \
             not any(isinstance(move, Copy) for work in passes[1:] for move in work.moves)
 
     def _mixed(self, plan, passes) -> list:
