@@ -24,7 +24,9 @@ and the median of --repeat rounds are printed, ratios are built from the fastest
              rate this BLAS kernel reaches on a large product (a 1024^3 one, timed in the same
              rounds); without AVX-512 a 16-row step is compute-bound at one thread. Target:
              flat B = 16 >= 4x the tokens/s of B = 1, or within 10% of the ceiling's gain
-             where that is lower.
+             where that is lower. Beside it, in the same rounds, the 16-row step of the same
+             model with every weight in the checkpoint's row-major layout (the library before
+             kernels/blas.arrange laid each out as its products run fastest): what that buys.
   products   the step's weight products alone (each projection and the head times a vector,
              nothing else), in the same rounds: what BLAS itself reaches on these shapes, so the
              step's distance from the floor splits into BLAS's and the model's own work.
@@ -52,11 +54,12 @@ from _common import (add_threads_argument, add_timing_arguments, load_model, pos
                      timing_header)
 from _table import Table
 from minitransformer.backend import xp
+from minitransformer.kernels import blas
 from minitransformer.kvcache import KVCache
 from minitransformer.measure.timing import (blas_kernel, step_with_rollback, time_together,
                                             where_it_ran)
 from minitransformer.linear import linear
-from minitransformer.model import forward
+from minitransformer.model import Model, forward
 from minitransformer.shape import decode_read_bytes
 from minitransformer.checkpoints import real_model
 from minitransformer.checkpoints.synth import make_checkpoint, qwen25_05b_config, weights_dir
@@ -98,7 +101,6 @@ def product_routes(nbytes, cols=ROUTE_COLUMNS):
     """One float32 matrix W (N, cols) of about nbytes and one row x -> [(product, the library's
     route or "", function)]: the dot-product probe over W's bytes first, then every way one row
     can multiply W, the library's own (blas.py, on this very W) and others beside them."""
-    from minitransformer.kernels import blas
     rng = np.random.default_rng(0)
     w = rng.standard_normal((max(1, nbytes // (4 * cols)), cols), dtype=np.float32)  # (N, K)
     x, out = rng.standard_normal((1, cols), dtype=np.float32), np.empty((1, len(w)), np.float32)
@@ -123,7 +125,6 @@ def product_routes(nbytes, cols=ROUTE_COLUMNS):
 def routes_table(args, ran_on):
     """The table of one-row product routes -> (Table, the best library route's GB/s, the dot
     product's GB/s). Timed side by side, like everything here."""
-    from minitransformer.kernels import blas
     routes, (x, w) = product_routes(args.matrix_mb << 20)
     chosen = blas.way(x, w)                  # measured here as for any weight (or MT_PRODUCTS)
     repeat = ROUTE_ROUNDS * args.repeat                  # each round is milliseconds: many
@@ -342,15 +343,17 @@ def batching_table(models, args, ran_on, bandwidth) -> Table:
                               ("flat gain", ".2f"), ("ceiling ms", ".1f"),
                               ("ceiling gain", ".2f"), ("target gain", ".2f"),
                               (f"B={BATCH} row by row ms", ".1f"), ("row-by-row gain", ".2f"),
-                              ("rows as alone", "")])
+                              ("rows as alone", ""), (f"B={BATCH} / ceiling", ".2f"),
+                              (f"B={BATCH} row-major ms", ".1f"), ("row-major / ceiling", ".2f")])
     a = xp.ones((1024, 1024), dtype=xp.float32)
     for spec, path, model in models:
         one, one_back = decode_steps(model, 1, args.context)[:2]
         step, rollback = decode_steps(model, BATCH, args.context)[:2]
         exact, exact_back = decode_steps(model, BATCH, args.context, batch_invariant=True)[:2]
-        t1, flat, rows, gemm = time_together(
-            [one, step, exact, lambda: a @ a], warmup=1, repeat=args.repeat,
-            after=[one_back, rollback, exact_back, None])
+        before, before_back = decode_steps(checkpoint_layout(model), BATCH, args.context)[:2]
+        t1, flat, rows, gemm, old = time_together(
+            [one, step, exact, lambda: a @ a, before], warmup=1, repeat=args.repeat,
+            after=[one_back, rollback, exact_back, None, before_back])
         alone, rows_alone = one(), exact()
         one_back(), exact_back()
         same = bool((rows_alone == alone).all())  # every row of the invariant step: B = 1's bits
@@ -361,7 +364,8 @@ def batching_table(models, args, ran_on, bandwidth) -> Table:
         batching.row(spec, t1.best * 1e3, flat.best * 1e3, BATCH * t1.best / flat.best,
                      ceiling * 1e3, gain_ceiling, min(BATCH_TARGET, gain_ceiling / CEILING_SLACK),
                      rows.best * 1e3, BATCH * t1.best / rows.best,
-                     "bit for bit" if same else "NO: bits differ")
+                     "bit for bit" if same else "NO: bits differ", flat.best / ceiling,
+                     old.best * 1e3, old.best / ceiling)
     batching.header(f"gain = tokens/s at B={BATCH} / tokens/s at B=1; flat: one (B, D) matrix "
                     "per projection (the default); row by row: batch_invariant=True",
                     f"ceiling: the {BATCH}-row step at its floor, or at its flops (2 per weight "
@@ -370,6 +374,16 @@ def batching_table(models, args, ran_on, bandwidth) -> Table:
     batching.note(f"target: flat gain >= {BATCH_TARGET}, or >= the ceiling gain / "
                   f"{CEILING_SLACK} (within 10% of the ceiling) where that is lower")
     return batching
+
+
+def checkpoint_layout(model):
+    """The same model with every weight in the checkpoint's row-major layout, as the library
+    held them before blas.arrange measured layouts (MT_LAYOUT=row-major, for this model)."""
+    keep, blas.FIXED_LAYOUT = blas.FIXED_LAYOUT, "row-major"
+    try:
+        return Model(model.config, dict(model.weights), model.tokenizer, model.eos_token_ids)
+    finally:
+        blas.FIXED_LAYOUT = keep
 
 
 def write_markdown(path, tables, argv, title=None, script="bench_decode.py"):
