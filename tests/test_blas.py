@@ -75,13 +75,16 @@ def test_a_fixed_way_is_taken_for_every_shape(monkeypatch):
     assert blas.chosen == {}                                  # nothing measured
 
 
-def test_an_unknown_fixed_way_is_refused_at_import():
+@pytest.mark.parametrize("variable, value, message", [
+    ("MT_PRODUCTS", "fastest", "MT_PRODUCTS='fastest' is not a way to multiply: use one of "
+                               "flat, rows, slices, dots"),
+    ("MT_LAYOUT", "diagonal", "MT_LAYOUT='diagonal' is not a layout: use one of row-major, "
+                              "column-major")])
+def test_an_unknown_fixed_way_or_layout_is_refused_at_import(variable, value, message):
     done = subprocess.run([sys.executable, "-c", "import minitransformer.kernels.blas"],
                           capture_output=True, text=True, timeout=60,
-                          env=dict(os.environ, MT_PRODUCTS="fastest"))
-    assert done.returncode != 0
-    assert "MT_PRODUCTS='fastest' is not a way to multiply: use one of flat, rows, slices, dots" \
-        in done.stderr
+                          env=dict(os.environ, **{variable: value}))
+    assert done.returncode != 0 and message in done.stderr
 
 
 def slowed(monkeypatch, ways, seconds=0.003):
@@ -238,12 +241,3 @@ def test_a_fixed_way_keeps_the_checkpoint_s_layout_and_a_fixed_layout_is_taken(m
             arranged = blas.arrange(to_device(given))
             assert blas.layout(arranged) == fixed and np.array_equal(to_numpy(arranged), w)
     assert blas.laid_out == {}                                # nothing measured
-
-
-def test_an_unknown_fixed_layout_is_refused_at_import():
-    done = subprocess.run([sys.executable, "-c", "import minitransformer.kernels.blas"],
-                          capture_output=True, text=True, timeout=60,
-                          env=dict(os.environ, MT_LAYOUT="diagonal"))
-    assert done.returncode != 0
-    assert "MT_LAYOUT='diagonal' is not a layout: use one of row-major, column-major" \
-        in done.stderr
