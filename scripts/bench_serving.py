@@ -426,6 +426,7 @@ def streams(args, model) -> Table:
                 for label in LAYOUTS}
     rng, ids = np.random.default_rng(args.seed), text_ids(model)
     rates = {(label, n): [] for label in LAYOUTS for n in args.concurrency}
+    load = os.getloadavg()[0]
     progress_line = Progress(args.rounds * len(rates), "streams")
     with Servers(args, model.path, settings, LAYOUTS) as ports:
         for port in ports.values():
@@ -450,8 +451,10 @@ def streams(args, model) -> Table:
                  f"sent to the last done",
                  "before: every weight in the checkpoint's row-major layout (MT_LAYOUT=row-major)"
                  "; after: each laid out as its products run fastest here (kernels/blas.arrange)"
-                 f"; both {slots} slots", *setting_lines(args, model),
-                 f"load average {os.getloadavg()[0]:.1f} at the end")
+                 f"; both {slots} slots",
+                 *setting_lines(argparse.Namespace(**vars(args) | {"slots": slots}), model),
+                 f"load average {load:.1f} before the servers started, "
+                 f"{os.getloadavg()[0]:.1f} at the end")
     for n in args.concurrency:
         before, after = rates["before", n], rates["after", n]
         table.row(n, max(before), np.median(before), max(after), np.median(after),

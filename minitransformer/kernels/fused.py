@@ -80,9 +80,7 @@ def fuse(config, weights: dict) -> Fused:
     layer. The caller's dict is left as it was."""
     weights, layers = dict(weights), []
     head = "model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"
-    for name in [head] + [f"model.layers.{i}.{m}" for i in range(config.num_hidden_layers)
-                          for m in ("self_attn.o_proj.weight", "mlp.down_proj.weight")]:
-        weights[name] = arrange(weights[name])     # laid out as its products run fastest here
+    weights[head] = arrange(weights[head])         # laid out as its products run fastest here
     for i in range(config.num_hidden_layers):
         p = f"model.layers.{i}."
         attn = [f"{p}self_attn.{m}_proj" for m in "qkv"]
@@ -90,7 +88,7 @@ def fuse(config, weights: dict) -> Fused:
             input_norm=weights[p + "input_layernorm.weight"],
             qkv=stack(weights, [n + ".weight" for n in attn]),
             qkv_bias=stack(weights, [n + ".bias" for n in attn]),
-            o=weights[p + "self_attn.o_proj.weight"],
+            o=arranged(weights, p + "self_attn.o_proj.weight"),
             o_bias=weights.get(p + "self_attn.o_proj.bias"),
             **fuse_mlp(weights, i)))
     return Fused(weights, tuple(layers))
@@ -102,4 +100,11 @@ def fuse_mlp(weights: dict, i: int) -> dict:
     p = f"model.layers.{i}."
     return dict(post_norm=weights[p + "post_attention_layernorm.weight"],
                 gate_up=stack(weights, [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]),
-                down=weights[p + "mlp.down_proj.weight"])
+                down=arranged(weights, p + "mlp.down_proj.weight"))
+
+
+def arranged(weights: dict, name: str):
+    """weights[name] laid out as its products run fastest here (blas.arrange), put back in
+    the dict: the matrix multiplied and the one the name holds are the same array."""
+    weights[name] = arrange(weights[name])
+    return weights[name]
