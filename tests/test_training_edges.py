@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 import minitransformer as mt
+from minitransformer.backend import to_numpy
 from minitransformer.drafts import training as tr
 from minitransformer.checkpoints.synth import make_checkpoint, qwen2_config
 from test_training import tiny  # noqa: F401 (the fixture: a 3-layer model, vocabulary 64)
@@ -73,7 +74,7 @@ def test_training_runs_in_float32_and_the_draft_keeps_float32_weights(tiny):
     wide = {name: w.astype(np.float64) + 0.01 for name, w in start.items()}
     draft = tr.draft_model(tiny, 2, wide)
     for name, short in tr.PIECE.items():
-        w = np.asarray(draft.weights[f"model.layers.1.{short}"])
+        w = to_numpy(draft.weights[f"model.layers.1.{short}"])
         assert w.dtype == np.float32 and np.array_equal(w, wide[name].astype(np.float32))
 
 

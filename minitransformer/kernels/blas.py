@@ -141,7 +141,9 @@ def arrange(w):
     if BACKEND == "cupy" or getattr(w, "ndim", 0) != 2 or not isinstance(w, xp.ndarray) \
             or (FIXED is not None and FIXED_LAYOUT is None):
         return w
-    return arrange_on_device(w)
+    laid = arrange_on_device(w)
+    # its own layout taken: w itself (under strict, not a new handle on the same data)
+    return w if layout_on_device(laid) == layout_on_device(w) else laid
 
 
 def numpy_arrange(w):
@@ -284,3 +286,4 @@ def slice_rows(M: int, cols: int) -> int:
 
 on_device = numpy_kernel(numpy_multiply)  # strict: NumPy's calls on the data it wraps
 arrange_on_device = numpy_kernel(numpy_arrange)
+layout_on_device = numpy_kernel(layout)
