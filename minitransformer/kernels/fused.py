@@ -80,7 +80,7 @@ def fuse(config, weights: dict) -> Fused:
     layer. The caller's dict is left as it was."""
     weights, layers = dict(weights), []
     head = "model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"
-    weights[head] = arrange(weights[head])         # laid out as its products run fastest here
+    arranged(weights, head)                        # laid out as its products run fastest here
     for i in range(config.num_hidden_layers):
         p = f"model.layers.{i}."
         attn = [f"{p}self_attn.{m}_proj" for m in "qkv"]
