@@ -50,6 +50,7 @@ def main(argv=None):
     args = parser.parse_args(argv)
     (p_lo, p_hi), (n_lo, n_hi), slot_counts = args.prompt_len, args.new_tokens, args.slots
 
+    ran_on = timing_header(args)
     model = load_model(args.model)
     rng = np.random.default_rng(args.seed)
     requests = [Request(tuple(rng.integers(0, model.config.vocab_size,
@@ -59,7 +60,6 @@ def main(argv=None):
     tokens = sum(r.max_new_tokens for r in requests)
     mt.generate(model, [1, 2, 3], 2)  # warm-up
 
-    ran_on = timing_header(args)
     progress, solo, runs = Progress((1 + len(slot_counts)) * args.repeat, "runs"), [], {}
 
     def one_at_a_time():

@@ -56,8 +56,8 @@ def main(argv=None):
     if not 0 <= args.chunk_start <= args.prompt_len - args.chunk:
         parser.error(f"--chunk-start must be in [0, {args.prompt_len - args.chunk}]")
 
-    model = load_model(args.model)
     ran_on = timing_header(args)
+    model = load_model(args.model)
     cache, ids, p, prompt = pool(model, args.decodes, args.context, args.prompt_len,
                                  args.chunk_start, args.block_size, args.seed)
     first, n = args.chunk_start, args.chunk

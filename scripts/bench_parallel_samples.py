@@ -44,6 +44,7 @@ def main(argv=None):
     add_threads_argument(parser)
     args = parser.parse_args(argv)
 
+    ran_on = timing_header(args)
     model = load_model(args.model)
     if args.prompt_len + args.new_tokens > model.config.max_position_embeddings:
         parser.error(f"--prompt-len + --new-tokens exceed the model's "
@@ -59,7 +60,6 @@ def main(argv=None):
             (f"{args.n} requests, prefix caching", apart, True),
             (f"{args.n} requests, no caching", apart, False)]
 
-    ran_on = timing_header(args)
     progress, runs = Progress(len(ways) * (args.repeat + 1), "runs"), {}
 
     def serve(name, requests, share):

@@ -61,10 +61,10 @@ def main(argv=None):
     add_threads_argument(parser)
     args = parser.parse_args(argv)
 
+    ran_on = timing_header(args)
     model = load_model(args.model)
     ids = encode_prompt(model, args.prompt)
     n = args.max_new_tokens
-    ran_on = timing_header(args)
     mt.generate(model, ids[:4], 2)  # warm-up: first-call allocations out of the timings
     tokens, (t_slow, t_fast), warning = both_ways(model, ids, n, args.repeat,
                                                   args.kv_cache_dtype, args.attention)

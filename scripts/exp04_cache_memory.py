@@ -138,10 +138,10 @@ def main(argv=None):
         parser.error(f"need P >= 1, N >= 1 and P + N <= {c.max_position_embeddings} "
                      f"(the model's positions), got P={P}, N={N}")
 
+    threads = limit_threads(args.threads or None)
     model = load_model(path)
     prompt = np.random.default_rng(0).integers(0, c.vocab_size, P).tolist()
     mt.generate(model, prompt[:4], 2)  # warm-up: first-call allocations out of the numbers
-    threads = limit_threads(args.threads or None)
     say(f"generating {N} tokens after a {P}-token prompt, recompute then cache ...")
     runs, counter = peaks_both_ways(model, prompt, N)
     prefill = None

@@ -86,12 +86,12 @@ def main(argv=None):
     if P < 1 or N < 2:
         parser.error("need --prompt-tokens >= 1, --new-tokens >= 2")
 
+    ran_on = timing_header(args)
     model = load_model(args.model)
     c = model.config
     if P + N > c.max_position_embeddings:
         parser.error(f"P + N = {P + N} exceeds the model's {c.max_position_embeddings} positions")
     prompt = np.random.default_rng(0).integers(0, c.vocab_size, P).tolist()
-    ran_on = timing_header(args)
     prefill, decode, _ = prefill_and_decode(model, prompt, N, args.warmup, args.repeat)
 
     table = Table("Experiment 5: prefill vs decode, one generation with the KV cache (float32)",

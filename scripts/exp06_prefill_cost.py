@@ -46,11 +46,11 @@ def main(argv=None):
     add_threads_argument(parser)
     args = parser.parse_args(argv)
 
+    ran_on = timing_header(args)
     model = load_model(args.model)
     limit = model.config.max_position_embeddings
     lengths = lengths_within(args.lengths, limit, f"the model's {limit} positions")
     ids = np.random.default_rng(0).integers(0, model.config.vocab_size, max(lengths))
-    ran_on = timing_header(args)
 
     labels = [f"P={P}" for P in lengths]
     timings, warnings = recheck_rows(

@@ -55,12 +55,12 @@ def main(argv=None):
     add_threads_argument(parser)
     args = parser.parse_args(argv)
 
+    ran_on = timing_header(args)
     model = load_model(args.model)
     c = model.config
     lengths = lengths_within(sorted(set(args.lengths)), c.max_position_embeddings - 1,
                              f"the step's position C would be beyond the model's "
                              f"{c.max_position_embeddings} positions")
-    ran_on = timing_header(args)
     timings, warnings = recheck(
         lambda _: step_times(model, lengths, args.warmup, args.repeat),
         lambda t: merged(cost_falls(lengths, t, "a step against C ="),

@@ -181,8 +181,8 @@ def main(argv=None):
     args = parser.parse_args(argv)
     sizes = sorted(set(args.batch_sizes))
 
-    model = load_model(args.model)
     ran_on = timing_header(args)
+    model = load_model(args.model)
     timings, warnings, logits = batched_timings(model, sizes, args)
     batched_table(sizes, timings, warnings, args, ran_on).show()
     ways_table(sizes, timings, logits).show()

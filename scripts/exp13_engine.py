@@ -178,6 +178,7 @@ def main(argv=None):
     add_threads_argument(parser)
     args = parser.parse_args(argv)
 
+    ran_on = timing_header(args)
     model = load_model(args.model)
     try:
         lengths, requests = workload(args, model.config.vocab_size)
@@ -188,7 +189,6 @@ def main(argv=None):
     config = EngineConfig(max_num_seqs=args.slots, block_size=args.block_size,
                           num_gpu_blocks_override=args.num_blocks,
                           kv_cache_dtype=args.kv_cache_dtype, attention=args.attention)
-    ran_on = timing_header(args)
     runs = [serve(model, requests, replace(config, policy=policy))
             for policy in ("static", "continuous")]
     engine_table(runs, lengths, args, ran_on).show()

@@ -171,8 +171,8 @@ def main(argv=None):
     add_threads_argument(parser)
     args = parser.parse_args(argv)
 
-    model = load_model(args.model)
     say(timing_header(args))
+    model = load_model(args.model)
     context, lengths = model.config.max_position_embeddings, skewed_lengths()
     requests = requests_for(lengths, args.prompt_len, model.config.vocab_size, args.seed)
     say(f"serving {len(requests)} requests on the real model (block size {args.block_size})")

@@ -89,6 +89,7 @@ def attention_work(config, lengths) -> tuple:
 
 def profile(args) -> dict:
     """Everything measured under the kernel this process runs -> {"headers", "rows"}."""
+    ran_on = timing_header(args)   # BLAS threads fixed first: the loads measure layouts too
     models = []
     for spec in args.model or ["qwen", "smollm2"]:
         path = checkpoint(spec)
@@ -123,7 +124,7 @@ def profile(args) -> dict:
                          attention_ceiling * 1e3, attention_t.best / attention_ceiling,
                          rest * 1e3, rest / step_t.best])
     return {"kernel": blas_kernel(), "rows": rows, "headers": [
-        timing_header(args), where_it_ran(),
+        ran_on, where_it_ran(),
         f"read bandwidth {bandwidth / 1e9:.2f} GB/s (dot product {buffer / dot.best / 1e9:.2f},"
         f" matrix-vector {buffer / matvec.best / 1e9:.2f}: the faster); product rate "
         f"{rate / 1e9:.1f} GFLOP/s (a 1024^3 product)"]}

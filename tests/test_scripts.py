@@ -77,6 +77,55 @@ def test_bench_parallel_samples_counts_the_blocks_of_each_way(tiny, run_script):
     assert [r[-1] for r in rows.values()] == ["3/3"] * 3
 
 
+# every script that times a model, with a short run of it
+TIMED_RUNS = {
+    "bench_decode": ["--context", 8, "--repeat", 1, "--buffer-mb", 16, "--matrix-mb", 8,
+                     "--no-quant"],
+    "exp22_speculative": ["--new-tokens", 4, "--repeats", 1, "--max-gamma", 2, "--schemes",
+                          "int8-row", "--no-layers-draft", "--distilled", "none",
+                          "--serving-batches", "1"],
+    "bench_spec_serving": ["--batches", "1", "--new-tokens", 4, "--repeat", 1],
+    "exp01_kv_cache": ["--max-new-tokens", 2],
+    "exp04_cache_memory": ["--prompt-tokens", 4, "--new-tokens", 3, "--prefill-tokens", 0],
+    "exp05_prefill_vs_decode": ["--prompt-tokens", 6, "--new-tokens", 2, "--repeat", 1,
+                                "--warmup", 0],
+    "exp06_prefill_cost": ["--lengths", 4, "--repeat", 1, "--warmup", 0],
+    "exp07_decode_cost": ["--lengths", 4, "--repeat", 1, "--warmup", 0],
+    "exp12_batched_decode": ["--batch-sizes", "1,2", "--context", 8, "--repeat", 1],
+    "exp13_engine": ["--requests", 8, "--median", 4, "--max-len", 12, "--total", 40,
+                     "--prompt-len", 6],
+    "exp14_paged_cache": ["--block-sizes", 4],
+    "bench_engine": ["--requests", 2, "--prompt-len", "4-8", "--new-tokens", "2-4",
+                     "--slots", 2],
+    "bench_mixed_step": ["--decodes", 2, "--context", 8, "--prompt-len", 24, "--chunk", 8,
+                         "--block-size", 4, "--repeat", 1],
+    "bench_parallel_samples": ["--n", 2, "--prompt-len", 6, "--new-tokens", 2,
+                               "--block-size", 4, "--repeat", 1],
+    "profile_batched": ["--context", 8, "--repeat", 1, "--buffer-mb", 16, "--second", "none"],
+}
+
+
+@pytest.mark.parametrize("name", TIMED_RUNS)
+def test_timing_scripts_fix_blas_threads_before_the_model_loads(name, tiny, run_script,
+                                                                 monkeypatch):
+    """--threads is in force before anything is timed, the model's load included: building a
+    model times its weights' layouts and ways (blas.py), and a layout chosen under the
+    library's own thread count, for steps then timed under one, is a choice made for other
+    conditions than the ones the table reports."""
+    import threadpoolctl
+    events, limits = [], threadpoolctl.threadpool_limits
+    monkeypatch.setattr(threadpoolctl, "threadpool_limits",
+                        lambda *a, **k: events.append("threads") or limits(*a, **k))
+    measure = blas.timings
+    monkeypatch.setattr(blas, "timings",
+                        lambda *a, **k: events.append("timed") or measure(*a, **k))
+    for name_, value in (("laid_out", {}), ("chosen", {}), ("FIXED", None),
+                         ("FIXED_LAYOUT", None)):
+        monkeypatch.setattr(blas, name_, value)   # every shape measured again, here
+    run_script(name, "--model", tiny, *TIMED_RUNS[name])
+    assert "timed" in events and events[0] == "threads", events[:3]
+
+
 def test_bench_decode_runs_and_checks_its_bits(tiny, run_script, tmp_path):
     from minitransformer.measure.timing import blas_kernel, where_it_ran
     markdown = tmp_path / "decode.md"
