@@ -64,7 +64,11 @@ MODULES = {
     "blocks": ("minitransformer/serve/blocks.py",
                ["tests/test_blocks.py", "tests/test_block_state.py", "tests/test_prefix_cache.py",
                 "tests/test_paged.py", "tests/test_block_books.py"], ""),
-    "scheduler": ("minitransformer/serve/scheduler.py", ["tests/test_scheduler.py"], ""),
+    # test_scheduler's import test reads the module's imports, and mutmut's copy imports its
+    # trampoline (it fails on the unmutated copy)
+    "scheduler": ("minitransformer/serve/scheduler.py",
+                  ["tests/test_scheduler.py", "tests/test_scheduler_records.py",
+                   "tests/test_scheduler_admission.py"], "not never_import"),
     "paged": ("minitransformer/serve/paged.py",     # the ragged view: the mixed step's and
               ["tests/test_paged.py", "tests/test_mixed_step.py",  # the verification pass's
                "tests/test_batched.py", "tests/test_speculate.py"], ""),
@@ -253,6 +257,24 @@ EQUIVALENT = {
         "0 <= k: k 0 takes argpartition(..., -1)[:0], as empty as arange(V)[:0]",
     "minitransformer.logprobs.x_token_logprob__mutmut_16":
         "k <= V: k V takes argpartition(..., V - 1)[:V], all V ids, then sorted the same",
+    # serve/scheduler.py
+    "minitransformer.serve.scheduler.xǁSchedulerǁ__init____mutmut_10":
+        "the clock starting at 1.0: never read before schedule, commit or cancel sets it "
+        "(retire, _end and _admit are reached only through them)",
+    "minitransformer.serve.scheduler.xǁSchedulerǁ__init____mutmut_11":
+        "the admission counter starting at 1: orders are only compared with each other",
+    "minitransformer.serve.scheduler.xǁSchedulerǁ_enter__mutmut_5":
+        "the admission counter stepping by 2: orders are only compared with each other",
+    "minitransformer.serve.scheduler.xǁSchedulerǁretire__mutmut_13":
+        "close(..., returned=None): None is false, as False is: not returned yet",
+    "minitransformer.serve.scheduler.xǁSchedulerǁ_prefill__mutmut_14":
+        "min(under_way) without its key: under_way never holds two (a chunk that leaves its "
+        "prompt unfinished spends the rest of the budget, so each plan ends with at most "
+        "one prompt under way, and the one planned leaves the list), and min of one is it",
+    "minitransformer.serve.scheduler.xǁSchedulerǁ_prefill__mutmut_16":
+        "min(under_way, ) without its key: as mutant 14",
+    "minitransformer.serve.scheduler.xǁSchedulerǁ_prefill__mutmut_17":
+        "min by a key of None: as mutant 14",
 }
 
 # mutmut's exit codes -> outcome (mutmut/stats.py, status_by_exit_code)
