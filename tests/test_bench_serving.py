@@ -72,6 +72,32 @@ def test_bench_serving_streams_prints_before_and_after_per_concurrency(tiny, run
     assert "| 3 |" in written
 
 
+def test_bench_serving_streams_before_is_row_major_and_after_measures(monkeypatch):
+    """The two servers' environments: before holds the checkpoint's row-major layout, after
+    measures each weight's (an MT_LAYOUT set where the benchmark runs is not inherited)."""
+    import argparse
+
+    import bench_serving
+    seen = {}
+
+    class Exited:
+        returncode = 1
+
+        def poll(self):
+            return 1
+
+    def popen(command, env, **_):
+        seen[env["MT_LAYOUT"]] = env["OPENBLAS_NUM_THREADS"]
+        return Exited()
+    monkeypatch.setattr(bench_serving.subprocess, "Popen", popen)
+    monkeypatch.setenv("MT_LAYOUT", "column-major")
+    args = argparse.Namespace(threads=1, requests=1)
+    for label, env in bench_serving.LAYOUTS.items():
+        with pytest.raises(SystemExit, match=f"the {label} server exited"):
+            bench_serving.start_server(args, label, bench_serving.EngineConfig(), "m", env)
+    assert seen == {"row-major": "1", "": "1"}   # "": unset, as blas.py reads it
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--workloads", "chat,nope"], "unknown workload"),
     (["--streams", "8", "--slots", "8"], "--streams must leave a slot"),
