@@ -132,6 +132,9 @@ REFUSED = [(dict(n=0), "n"), (dict(n=True), "n"), (dict(n=1.0), "n"), (dict(n="1
            (dict(stop=[""]), "stop"), (dict(stop=0), "stop"), (dict(user=5), "user"),
            (dict(stream=True, stream_options={"include_usage": 1}),
             "stream_options.include_usage"),
+           (dict(stream=True, stream_options={"include_usage": True, "continuous_usage_stats":
+                                              True}), "stream_options.continuous_usage_stats"),
+           (dict(stream=True, stream_options={"usage": True}), "stream_options.usage"),
            (dict(prompt="a\ud800b"), "prompt"), (dict(stop=["\udfff"]), "stop"),
            (dict(metadata={"k\ud800": "v"}), "metadata"),
            # vLLM's extras this server does not implement, and a field of neither API

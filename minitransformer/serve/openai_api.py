@@ -227,6 +227,10 @@ def parse(body, kind: str, model, name: str, pool_tokens: int, max_n: int = 1,
         raise APIError("stream_options needs stream=true and must be an object",
                        "stream_options")
     include_usage = flag(options or {}, "include_usage", "stream_options.include_usage")
+    unknown = sorted(set(options or {}) - {"include_usage"})  # vLLM's continuous_usage_stats too
+    if unknown:
+        raise APIError(f"unrecognized stream option supplied: {unknown[0]!r:.100} (include_usage "
+                       f"is the one this server implements)", f"stream_options.{unknown[0]:.100}")
     stop = stop_strings(body)
     field = "max_completion_tokens" if body.get("max_completion_tokens") is not None \
         else "max_tokens"
