@@ -71,7 +71,8 @@ MODULES = {
                    "tests/test_scheduler_admission.py"], "not never_import"),
     "paged": ("minitransformer/serve/paged.py",     # the ragged view: the mixed step's and
               ["tests/test_paged.py", "tests/test_mixed_step.py",  # the verification pass's
-               "tests/test_batched.py", "tests/test_speculate.py"], ""),
+               "tests/test_batched.py", "tests/test_speculate.py",  # and (test_kvquant) the
+               "tests/test_kvquant.py", "tests/test_paged_edges.py"], ""),  # quantized pool's
     "engine": ("minitransformer/serve/engine.py",
                ["tests/test_engine.py", "tests/test_engine_properties.py"], ""),
 }
@@ -275,6 +276,46 @@ EQUIVALENT = {
         "min(under_way, ) without its key: as mutant 14",
     "minitransformer.serve.scheduler.xǁSchedulerǁ_prefill__mutmut_17":
         "min by a key of None: as mutant 14",
+    # serve/paged.py
+    "minitransformer.serve.paged.xǁPagedCacheǁallocate__mutmut_5":
+        "num_blocks < 1 and block_size < 1: with either 0 the arrays made first are empty, "
+        "and BlockManager.__init__ raises the same error, in the same words",
+    "minitransformer.serve.paged.xǁPagedCacheǁdo__mutmut_9":
+        "np.array of a swap's block ids without dtype=np.int64: Python ints become int64 "
+        "anyway (numpy's default integer here)",
+    "minitransformer.serve.paged.xǁPagedCacheǁdo__mutmut_11": "no dtype: as mutant 9",
+    "minitransformer.serve.paged.xǁPagedCacheǁdo__mutmut_19":
+        "no dtype for a swap in's block ids: as mutant 9",
+    "minitransformer.serve.paged.xǁPagedCacheǁdo__mutmut_21": "no dtype: as mutant 9",
+    "minitransformer.serve.paged.xǁPagedCacheǁview__mutmut_18":
+        "starts without dtype=np.int64: Python ints (lengths, or append's starts) become "
+        "int64 anyway; no caller views an empty batch (the engine drops an empty decode, "
+        "speculate's groups have rows), the one case where numpy would make float64",
+    "minitransformer.serve.paged.xǁPagedCacheǁview__mutmut_20": "no dtype: as mutant 18",
+    "minitransformer.serve.paged.xǁPagedCacheǁto_contiguous__mutmut_3":
+        "lengths without dtype=np.int64: Python ints become int64 anyway; with no rows "
+        "max() raises either way",
+    "minitransformer.serve.paged.xǁPagedCacheǁto_contiguous__mutmut_5": "no dtype: as mutant 3",
+    "minitransformer.serve.paged.xǁPagedViewǁslots__mutmut_23":
+        "take_along_axis without axis=1: the table and the positions are (B, ...) 2-D, and "
+        "-1, its default, is axis 1",
+    "minitransformer.serve.paged.xǁPagedViewǁupdate__mutmut_4":
+        "the slots worked out again though given: the same positions and the same books "
+        "within a pass give the same slots",
+    "minitransformer.serve.paged.xǁRaggedViewǁ__init____mutmut_1":
+        "a ragged view's cache attribute is never read: each group's PagedView holds its own",
+    "minitransformer.serve.paged.xǁRaggedViewǁpositions__mutmut_18":
+        "reshape(1, -2): numpy takes any negative size as the one to infer",
+    "minitransformer.serve.paged.xǁRaggedViewǁattend__mutmut_33":
+        "reshape(1, -2, ...): numpy takes any negative size as the one to infer",
+    "minitransformer.serve.paged.xǁRaggedViewǁupdate__mutmut_5":
+        "each group's update given no slots works them out itself: as PagedView.update's "
+        "mutant 4",
+    "minitransformer.serve.paged.xǁRaggedViewǁupdate__mutmut_9": "no slots: as mutant 5",
+    "minitransformer.serve.paged.x_block_table__mutmut_4":
+        "a short row padded with its first two blocks instead of its first: the padding "
+        "slots lie past the row's length, where the mask hides them (and the ids are the "
+        "row's own, in the pool)",
 }
 
 # mutmut's exit codes -> outcome (mutmut/stats.py, status_by_exit_code)

@@ -1,0 +1,195 @@
+"""The paged cache at its edges: the memory check at exactly the bytes there are (and the GiB
+it names), the smallest pool, a one-layer model, the constructor's default attention, the
+tiled way kept by its views and its contiguous copy, the contiguous copy of several rows
+(each its own keys, zeros past its length, a longer max_len, the refusal), a view written
+without precomputed slots, a view used for two passes, a row of a planned view alone, and
+the refusals' words (an id just past the pool, a write into a shared block, a ragged view
+given the wrong number of tokens)."""
+import numpy as np
+import pytest
+
+import minitransformer.serve.paged as paged
+from minitransformer.backend import to_numpy, xp
+from minitransformer.checkpoints.synth import qwen2_config, random_model
+from minitransformer.config import ModelConfig
+from minitransformer.kvcache import KVCache
+from minitransformer.kvquant import cache_bytes_per_token
+from minitransformer.model import forward
+from minitransformer.serve.paged import PagedCache, RaggedView, check_fits
+from minitransformer.tiled import CausalTiles
+
+
+def contiguous(model, *chunks):
+    """A contiguous cache fed the chunks pass by pass (the same calls as the paged side, so
+    the same bits)."""
+    kv = KVCache.allocate(model.config, 1, sum(map(len, chunks)))
+    for chunk in chunks:
+        forward(model, np.array([chunk]), kv)
+    return kv
+
+
+def test_the_memory_check_passes_at_exactly_the_bytes_there_are_and_names_the_gib(monkeypatch):
+    """A pool of 5 GiB and 8 slots (8 bytes each): refused with one byte fewer, the figure
+    shown as 5.0 GiB; accepted with exactly that many."""
+    config = ModelConfig.from_dict(qwen2_config())
+    per_token = cache_bytes_per_token(config, "f32")
+    num_blocks = 5 * 2**30 // (16 * per_token)
+    assert num_blocks * 16 * per_token == 5 * 2**30
+    need = 5 * 2**30 + 64
+    monkeypatch.setattr(paged, "memory_bytes", lambda: (need, "the test"))
+    check_fits(config, 8, num_blocks, 16)
+    monkeypatch.setattr(paged, "memory_bytes", lambda: (need - 1, "the test"))
+    with pytest.raises(ValueError, match=r"need 5,368,709,184 bytes \(5\.0 GiB\), more than "
+                                         r"the 5,368,709,183 bytes of the test"):
+        check_fits(config, 8, num_blocks, 16)
+
+
+def test_the_smallest_pool_is_one_block_of_one_slot_and_neither_may_be_zero(tiny_model):
+    cache = PagedCache.allocate(tiny_model.config, 1, 1)
+    assert cache.num_blocks == 1 and cache.block_size == 1
+    for num_blocks, block_size in ((0, 4), (4, 0)):
+        with pytest.raises(ValueError, match="num_blocks >= 1 and block_size >= 1"):
+            PagedCache.allocate(tiny_model.config, num_blocks, block_size)
+
+
+def test_a_one_layer_model_pages_its_cache():
+    model = random_model(qwen2_config(num_hidden_layers=1))
+    prompt = [3, 1, 4, 1, 5, 9]
+    cache = PagedCache.allocate(model.config, 4, 4)
+    cache.add("a", prompt)
+    forward(model, np.array([prompt]), cache.view(["a"]))
+    kv, ref = cache.to_contiguous(["a"]), contiguous(model, prompt)
+    assert np.array_equal(to_numpy(kv.k[0]), to_numpy(ref.k[0]))
+    assert np.array_equal(to_numpy(kv.v[0]), to_numpy(ref.v[0]))
+
+
+def test_a_cache_made_from_its_arrays_attends_plainly_by_default(tiny_model):
+    pool = PagedCache.allocate(tiny_model.config, 4, 4)
+    assert PagedCache(pool._k, pool._v, 4).attention == "plain"
+
+
+def test_a_tiled_cache_keeps_tiled_in_its_views_masks_and_its_contiguous_copy(tiny_model):
+    """Tiled attention never makes the (B, T, S) mask: its views hand forward CausalTiles,
+    and the contiguous copy attends tiled too."""
+    cache = PagedCache.allocate(tiny_model.config, 8, 4, attention="tiled")
+    assert cache.attention == "tiled"
+    cache.add("a", [1, 2, 3, 4, 5])
+    view = cache.view(["a"])
+    assert isinstance(view.mask(view.positions(5)), CausalTiles)
+    forward(tiny_model, np.array([[1, 2, 3, 4, 5]]), view)
+    assert cache.to_contiguous(["a"]).attention == "tiled"
+
+
+def test_the_contiguous_copy_holds_each_rows_own_keys_and_zeros_past_its_length(tiny_model):
+    """Rows of 9, 3 and 6 tokens (the longest first), copied into 12 positions: row b is
+    sequence b's keys and values as a contiguous cache computes them, zeros after its
+    length; its lengths are the rows'. A max_len under the longest row is refused."""
+    prompts = {"long": list(range(1, 10)), "short": [20, 21, 22], "mid": list(range(30, 36))}
+    cache = PagedCache.allocate(tiny_model.config, 16, 4)
+    for name, prompt in prompts.items():
+        cache.add(name, prompt)
+        forward(tiny_model, np.array([prompt]), cache.view([name]))
+    kv = cache.to_contiguous(list(prompts), max_len=12)
+    assert kv.lengths.tolist() == [9, 3, 6]
+    for layer in range(tiny_model.config.num_hidden_layers):
+        for held, expect in ((kv.k, "k"), (kv.v, "v")):
+            rows = to_numpy(held[layer])
+            assert rows.shape[0] == 3 and rows.shape[2] == 12
+            for b, prompt in enumerate(prompts.values()):
+                ref = to_numpy(getattr(contiguous(tiny_model, prompt), expect)[layer][0])
+                assert np.array_equal(rows[b, :, :len(prompt)], ref)
+                assert not rows[b, :, len(prompt):].any()
+    with pytest.raises(ValueError, match=r"max_len=8 is shorter than the longest row \(9\)"):
+        cache.to_contiguous(list(prompts), max_len=8)
+
+
+def test_a_view_written_without_precomputed_slots_stores_and_returns_the_keys(tiny_model):
+    """update(layer, k, v) alone (no slots from the pass): 3 new tokens of a 2-token row go
+    to positions 2..4, and the keys and values returned are the row's 5 positions."""
+    config = tiny_model.config
+    cache = PagedCache.allocate(config, 8, 2)
+    cache.add("a", [1, 2])
+    forward(tiny_model, np.array([[1, 2]]), cache.view(["a"]))
+    cache.make_room(["a"], 3)
+    Hkv, d = config.num_key_value_heads, config.head_dim
+    assert Hkv != 3
+    rng = np.random.default_rng(0)
+    k, v = (rng.standard_normal((1, 3, Hkv, d)).astype(np.float32) for _ in range(2))
+    before = to_numpy(cache.to_contiguous(["a"]).k[0])[0, :, :2]
+    held_k, held_v = cache.view(["a"]).update(0, xp.asarray(k), xp.asarray(v))
+    held_k, held_v = to_numpy(held_k), to_numpy(held_v)
+    assert held_k.shape == (1, Hkv, 5, d)
+    assert np.array_equal(held_k[0, :, :2], before)
+    assert np.array_equal(held_k[0, :, 2:], k[0].transpose(1, 0, 2))
+    assert np.array_equal(held_v[0, :, 2:], v[0].transpose(1, 0, 2))
+
+
+def test_one_view_used_for_two_passes_continues_where_the_first_ended(tiny_model):
+    prompt = [5, 6, 7, 8, 9]
+    cache = PagedCache.allocate(tiny_model.config, 8, 2)
+    cache.add("a", prompt[:3])
+    view = cache.view(["a"])
+    forward(tiny_model, np.array([prompt[:3]]), view)
+    cache.make_room(["a"], 2)
+    forward(tiny_model, np.array([prompt[3:]]), view)
+    assert cache.seqs["a"].length == 5
+    kv, ref = cache.to_contiguous(["a"]), contiguous(tiny_model, prompt[:3], prompt[3:])
+    for layer in range(tiny_model.config.num_hidden_layers):
+        assert np.array_equal(to_numpy(kv.k[layer]), to_numpy(ref.k[layer]))
+
+
+def test_a_row_of_a_planned_view_writes_that_sequence_alone(tiny_model):
+    """Two sequences' next tokens counted in the books (append), run row by row through
+    view.row(b) as a batch-invariant pass does: each row's block is written, none is left
+    waiting for a write, and each sequence holds the keys of its own token."""
+    cache = PagedCache.allocate(tiny_model.config, 8, 2)
+    for name, prompt in (("a", [1, 2]), ("b", [3, 4])):
+        cache.add(name, prompt)
+        forward(tiny_model, np.array([prompt]), cache.view([name]))
+    starts = cache.append(["a", "b"], 1)
+    view = cache.view(["a", "b"], starts)
+    for b, token in enumerate((7, 8)):
+        row = view.row(b)
+        assert row.ids == [["a", "b"][b]]
+        forward(tiny_model, np.array([[token]]), row)
+    assert not cache.filling
+    cache.check()
+    for name, prompt, token in (("a", [1, 2], 7), ("b", [3, 4], 8)):
+        ref = contiguous(tiny_model, prompt, [token])
+        got = cache.to_contiguous([name])
+        for layer in range(tiny_model.config.num_hidden_layers):
+            assert np.array_equal(to_numpy(got.k[layer]), to_numpy(ref.k[layer]))
+            assert np.array_equal(to_numpy(got.v[layer]), to_numpy(ref.v[layer]))
+
+
+def test_a_block_id_just_past_the_pool_is_refused(tiny_model):
+    cache = PagedCache.allocate(tiny_model.config, 4, 4)
+    cache.add("a", [1, 2, 3, 4])
+    forward(tiny_model, np.array([[1, 2, 3, 4]]), cache.view(["a"]))
+    cache.make_room(["a"], 1)
+    cache.seqs["a"].blocks[1] = 4                       # the pool's ids are 0..3
+    with pytest.raises(ValueError, match="block ids 0..4 outside a pool of 4"):
+        forward(tiny_model, np.array([[5]]), cache.view(["a"]))
+
+
+def test_a_write_into_a_shared_block_is_refused_by_name(tiny_model):
+    """A fork shares its parent's half-filled last block: writing into it without make_room's
+    copy is refused, and the message says what to call."""
+    cache = PagedCache.allocate(tiny_model.config, 8, 4)
+    cache.add("a", [1, 2, 3, 4, 5])
+    forward(tiny_model, np.array([[1, 2, 3, 4, 5]]), cache.view(["a"]))
+    cache.fork("a", "b")
+    with pytest.raises(RuntimeError, match="^write into a shared or named block: make_room "
+                                           "copies it first$"):
+        forward(tiny_model, np.array([[6]]), cache.view(["b"]))
+
+
+def test_a_ragged_view_given_the_wrong_number_of_tokens_says_how_many_it_holds(tiny_model):
+    cache = PagedCache.allocate(tiny_model.config, 8, 4)
+    for name in "abc":
+        cache.add(name, [1])
+    starts = cache.append(["a", "b"], 1) + cache.append(["c"], 3)
+    ragged = RaggedView(cache, [(["a", "b"], starts[:2], 1), (["c"], starts[2:], 3)])
+    assert ragged.positions(5).shape == (1, 5)
+    with pytest.raises(ValueError, match="^a ragged view of 5 tokens was given 4$"):
+        ragged.positions(4)
