@@ -73,8 +73,11 @@ MODULES = {
               ["tests/test_paged.py", "tests/test_mixed_step.py",  # the verification pass's
                "tests/test_batched.py", "tests/test_speculate.py",  # and (test_kvquant) the
                "tests/test_kvquant.py", "tests/test_paged_edges.py"], ""),  # quantized pool's
-    "engine": ("minitransformer/serve/engine.py",
-               ["tests/test_engine.py", "tests/test_engine_properties.py"], ""),
+    "engine": ("minitransformer/serve/engine.py",      # test_logprobs: the prompt's scores;
+               ["tests/test_engine.py", "tests/test_engine_properties.py",  # the speculative
+                "tests/test_engine_records.py", "tests/test_logprobs.py",   # engine's own
+                "tests/test_engine_speculative.py", "tests/test_engine_config.py"],
+               "not smollm2"),
 }
 
 # mutant name -> why no test can tell it from the original. A name is mutmut's: the module, the
@@ -316,6 +319,13 @@ EQUIVALENT = {
         "a short row padded with its first two blocks instead of its first: the padding "
         "slots lie past the row's length, where the mask hides them (and the ids are the "
         "row's own, in the pool)",
+    # serve/engine.py
+    "minitransformer.serve.engine.xǁEngineǁstep__mutmut_6":
+        "arrival >= clock: an arrival equal to the clock sets the clock to the value it has",
+    "minitransformer.serve.engine.xǁEngineǁ_prefill__mutmut_31":
+        "hidden[:, -2:] then position -1 is the same last position as hidden[:, -1:]",
+    "minitransformer.serve.engine.xǁEngineǁ_mixed__mutmut_76":
+        "passes[:2] for passes[:1]: only plan.decode is kept, and it can only be the first",
 }
 
 # mutmut's exit codes -> outcome (mutmut/stats.py, status_by_exit_code)
