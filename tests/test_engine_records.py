@@ -3,7 +3,9 @@
 clock's steps), releasing a record (what it forgets, the refusal of one not over, in its
 words), each sample's choice number, a request's own eos ids and its repetition penalty, a
 step's decodes and prompts in ONE forward pass, a static padding row beside a later chunk, the
-attention asked for, and the words of two refusals (a config of another type, an empty pool). Found by mutation testing of serve/engine.py
+attention asked for, the memory check in the pool's own format, speculation's draft loaded
+by its path, no block named with caching off and its timings, and the words of two refusals
+(a config of another type, an empty pool). Found by mutation testing of serve/engine.py
 (docs/testing.md)."""
 from types import SimpleNamespace
 
@@ -203,3 +205,54 @@ def test_the_engine_and_its_pool_attend_as_configured(tiny_model):
 def test_a_config_of_another_type_is_refused_naming_its_type(tiny_model):
     with pytest.raises(TypeError, match="^config: expected an EngineConfig, got dict$"):
         Engine(tiny_model, {"max_num_seqs": 2})
+
+
+def test_a_draft_model_named_only_by_its_path_is_loaded_and_changes_no_token(tiny_model):
+    """speculative_config names the draft by its checkpoint's path and no draft is passed:
+    the engine loads it, and batch-invariant greedy tokens are those of no speculation."""
+    from minitransformer.serve.speculate import SpeculativeConfig
+    spec = SpeculativeConfig(num_speculative_tokens=2, method="draft_model",
+                             model=tiny_model.path)
+    requests = [Request((1, 2, 3), 6, eos_token_id=[]), Request((4, 5), 5, eos_token_id=[])]
+    plain = Engine(tiny_model, EngineConfig(max_num_seqs=2, batch_invariant=True)).run(requests)
+    run = Engine(tiny_model, EngineConfig(max_num_seqs=2, batch_invariant=True,
+                                          speculative_config=spec)).run(requests)
+    assert [r.tokens for r in run.results] == [r.tokens for r in plain.results]
+
+
+def test_speculating_with_prefix_caching_off_names_no_block(tiny_model):
+    from minitransformer.serve.speculate import SpeculativeConfig
+    spec = SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_max=2)
+    engine = Engine(tiny_model, EngineConfig(max_num_seqs=2, block_size=2,
+                                             enable_prefix_caching=False,
+                                             speculative_config=spec))
+    named = []
+    engine.run([Request((1, 2, 1, 2, 1, 2), 8, eos_token_id=[]),
+                Request((3, 4, 3, 4), 8, eos_token_id=[])],
+               on_step=lambda e: named.append(len(e.cache.index.name_of)))
+    assert len(named) > 2 and set(named) == {0}
+
+
+def test_a_stopped_clock_times_each_verification_at_zero(tiny_model, monkeypatch):
+    from minitransformer.serve.speculate import SpeculativeConfig
+    monkeypatch.setattr(engine_module, "time", SimpleNamespace(perf_counter=lambda: 1000.0))
+    spec = SpeculativeConfig(num_speculative_tokens=2, prompt_lookup_max=2)
+    run = Engine(tiny_model, EngineConfig(max_num_seqs=2, speculative_config=spec),
+                 history=True).run([Request((1, 2, 1, 2), 4, eos_token_id=[])])
+    assert run.elapsed == 0.0 and run.decode_times
+    assert {seconds for _, seconds in run.decode_times} == {0.0}
+
+
+def test_the_memory_check_prices_the_pool_in_its_own_format(tiny_model, monkeypatch):
+    """A backend with exactly the bytes a q4_0 pool of 64 blocks x 16 tokens and 2 slots
+    needs: the engine of that pool is made, the same pool in f32 is refused."""
+    from minitransformer.serve import paged
+    per_token = paged.cache_bytes_per_token(tiny_model.config, "q4_0")
+    need = 64 * 16 * per_token + 8 * 2
+    assert paged.cache_bytes_per_token(tiny_model.config, "f32") > per_token
+    monkeypatch.setattr(paged, "memory_bytes", lambda: (need, "physical memory"))
+    sizes = dict(max_num_seqs=2, num_gpu_blocks_override=64, block_size=16)
+    Engine(tiny_model, EngineConfig(kv_cache_dtype="q4_0", **sizes))
+    with pytest.raises(ValueError, match="more than the"):
+        Engine(tiny_model, EngineConfig(**sizes))
+
