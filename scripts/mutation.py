@@ -166,6 +166,12 @@ EQUIVALENT = {
     "minitransformer.speculative.x_rollback__mutmut_9":
         "a kept token trimmed when nothing was rejected: the next round's pass feeds it "
         "again (the same tokens, one more position in that pass)",
+    "minitransformer.speculative.x_speculative_generate__mutmut_128":
+        "the target's cache trimmed one token short of the kept ones: the next pass feeds that "
+        "token again (fresh starts at the cache's length), as x_rollback__mutmut_9",
+    "minitransformer.speculative.x_speculative_generate__mutmut_132":
+        "the draft's cache trimmed one token short: its next proposal feeds that token again, "
+        "as mutant 128 for the target",
     # tiled.py
     "minitransformer.tiled.x_tiled_attention__mutmut_84":
         "the running sum l kept in float64: the same formula rounded less; over one tile the "

@@ -52,6 +52,30 @@ def test_greedy_equals_plain_greedy_on_tiny_models(tiny_model, draft_name):
                 assert r.accepted == 0 and r.target_passes == 25
 
 
+def test_a_run_ended_by_eos_reports_the_rounds_it_made(checkpoint_dir):
+    """A run whose eos id is the last token a run without one makes (found nowhere before
+    it) makes the same rounds and ends on the same token, but returns from inside the
+    round: its tokens and every count (target and draft passes, proposals, kept, rejected
+    rounds) are the run without eos's. (On a model whose greedy tokens vary: several tiny
+    ones repeat one token.)"""
+    tiny_model = mt.load(checkpoint_dir("qwen2-close-calls"))
+    draft, rng, checked = first_layers(tiny_model, 1), np.random.default_rng(1), []
+    for length in (1, 3, 5, 8, 12, 16):
+        ids = rng.integers(0, tiny_model.config.vocab_size, length).tolist()
+        for gamma in (2, 3):
+            runs = (speculative_generate(tiny_model, draft, ids, n, gamma=gamma, eos_token_id=[])
+                    for n in range(25, 1, -1))          # the longest whose last token is new
+            full = next((r for r in runs if r.tokens[-1] not in r.tokens[:-1]), None)
+            if full is None:
+                continue
+            ended = speculative_generate(tiny_model, draft, ids, len(full.tokens), gamma=gamma,
+                                         eos_token_id=full.tokens[-1])
+            assert ended == full, (length, gamma)
+            checked.append((full.target_passes, full.proposed, full.accepted, full.rejected))
+    # counts that differ from each other, so that one reported in another's place shows
+    assert any(len(set(c)) == 4 for c in checked), checked
+
+
 def test_prompt_lookup_greedy_equals_plain_greedy_and_drafts_from_repeats(tiny_model):
     rng = np.random.default_rng(1)
     passage = rng.integers(0, tiny_model.config.vocab_size, 12).tolist()
