@@ -91,6 +91,25 @@ def test_a_prompt_cached_in_full_is_admitted_again_into_a_pool_its_exact_size(ti
     assert_pool_whole(engine)
 
 
+def test_a_prompt_cached_in_full_behind_the_chunk_filling_its_last_block_reads_it_filled(
+        tiny_model):
+    """Two requests of one 8-token prompt (blocks of 4) arrive together, nothing decoding:
+    the first's chunk names both its blocks when planned, so the second, admitted behind it in
+    the same step, finds its prompt cached in full and computes its last token in a copy of
+    the last block, the block the first's chunk is writing. The copy is of that block
+    written (a step's passes in one forward pass would copy it first, unwritten): both get
+    their solo tokens."""
+    prompt = (60, 3, 44, 21, 7, 50, 11, 26)
+    requests = [Request(prompt, 8, eos_token_id=[]) for _ in range(2)]
+    engine = Engine(tiny_model, EngineConfig(max_num_seqs=2, block_size=4,
+                                             num_gpu_blocks_override=16))
+    run = engine.run(requests)
+    assert [r.cached_tokens for r in run.results] == [0, 7]
+    assert run.results[0].first_token == run.results[1].first_token   # one step
+    assert_solo(tiny_model, run.results)
+    assert_pool_whole(engine)
+
+
 def test_a_request_longer_than_the_pool_is_rejected_and_the_rest_served(tiny_model):
     ok = Request((1, 2, 3), 5, eos_token_id=[])
     huge = Request(tuple(range(1, 30)), 20, eos_token_id=[])  # 49 tokens > 8 blocks x 4
