@@ -5,6 +5,8 @@ prompt. Two passes read every weight twice; one pass over the flattened tokens (
 ragged view, paged.RaggedView, as vLLM and Sarathi-Serve batch a step) reads it once. Timed side
 by side, on the engine's own pool: the decodes alone, the chunk alone, the two one after the
 other, and the one mixed pass (its head over the decodes' rows), each rolled back after.
+--markdown FILE also writes the table, headed by the kernel (docs/benchmarks/mixed-step-KERNEL.md
+for each kernel, docs/benchmarks.md).
 """
 import argparse
 
@@ -13,8 +15,9 @@ import numpy as np
 from _common import (add_model_argument, add_threads_argument, load_model, positive_int,
                      timing_header)
 from _table import Table
+from bench_decode import write_markdown
 from minitransformer.generate import last_logits
-from minitransformer.measure.timing import time_together
+from minitransformer.measure.timing import blas_kernel, time_together, where_it_ran
 from minitransformer.model import forward, head
 from minitransformer.serve.paged import PagedCache, RaggedView
 
@@ -51,6 +54,7 @@ def main(argv=None):
     parser.add_argument("--block-size", type=positive_int, default=16)
     parser.add_argument("--repeat", type=positive_int, default=5)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--markdown", metavar="FILE", help="also write the table as Markdown")
     add_threads_argument(parser)
     args = parser.parse_args(argv)
     if not 0 <= args.chunk_start <= args.prompt_len - args.chunk:
@@ -68,7 +72,8 @@ def main(argv=None):
     table.header(f"{args.decodes} sequences decoding at {args.context} tokens while a "
                  f"{args.prompt_len}-token prompt arrives: a chunk of {n} tokens from position "
                  f"{first} (a budget of slots + {n}); blocks of {args.block_size}; the fastest "
-                 f"and the median of {args.repeat}+ rounds, side by side", ran_on)
+                 f"and the median of {args.repeat}+ rounds, side by side", ran_on,
+                 where_it_ran())
     names = [f"{args.decodes} decodes alone", f"the {n}-token chunk alone",
              "both, two passes", "both, one pass (ragged)"]
     for name, t in zip(names, timings):
@@ -77,6 +82,9 @@ def main(argv=None):
     table.note(f"one pass / (decodes alone + chunk alone): {mixed.best / (d.best + c.best):.2f} "
                f"(fastest), {mixed.median / (d.median + c.median):.2f} (median); target <= 0.9")
     table.show()
+    if args.markdown:
+        write_markdown(args.markdown, [table], argv, script="bench_mixed_step.py",
+                       title=f"A step's decodes and prompt chunk: OpenBLAS kernel {blas_kernel()}")
     return 0
 
 

@@ -14,6 +14,11 @@ made alone on the step's own shapes:
              over the longest row's slots, the short rows masked). Ceiling: the keys and values
              each row holds, read once, or its flops (2 for q.k and 2 for p.v per held token,
              head and dimension) at the same rate, whichever is slower.
+  in cache   the same products over a slab of each weight small enough to stay in cache between
+             calls (under blas.COLD_BYTES; as many weight rows in all, so as many flops): what
+             the products would cost were reading the weights free, i.e. the kernel's own
+             few-row product rate on these shapes. Its ratio to the products' ceiling is as near
+             as this BLAS's products of B rows can come to it, whatever the route.
   the rest   the step less those two: the norms, RoPE, SwiGLU's activation, the cache writes,
              the embedding row, the residual adds and the per-row NumPy work around them. No
              ceiling of its own (its bytes are the activations, a few MB); its share is printed.
@@ -40,6 +45,8 @@ from _table import Table
 from bench_decode import (checkpoint, decode_cache, product_weights, products_only, read_steps,
                           write_markdown)
 from minitransformer.backend import xp
+from minitransformer.kernels import blas
+from minitransformer.linear import linear
 from minitransformer.measure.timing import (blas_kernel, cpu, step_with_rollback, time_together,
                                             where_it_ran)
 from minitransformer.model import prepare
@@ -49,7 +56,8 @@ BATCHES = (1, 4, 16, 32)
 COLUMNS = [("model", ""), ("B", ""), ("step ms", ".1f"), ("step / ceiling", ".2f"),
            ("products ms", ".1f"), ("products ceiling ms", ".1f"), ("/ ceiling", ".2f"),
            ("attention ms", ".2f"), ("attention ceiling ms", ".3f"), ("/ ceiling", ".1f"),
-           ("rest ms", ".1f"), ("rest / step", ".2f")]
+           ("rest ms", ".1f"), ("rest / step", ".2f"), ("products in cache ms", ".1f"),
+           ("in cache / products ceiling", ".2f")]
 
 
 def row_lengths(batch: int, context: int) -> np.ndarray:
@@ -61,6 +69,29 @@ def row_lengths(batch: int, context: int) -> np.ndarray:
     if batch == 1:
         return np.array([context])
     return np.linspace(context // 2, context, batch).astype(np.int64)
+
+
+def products_in_cache(model, rows):
+    """-> a function making the weight products of one decode step of `rows` rows over weights
+    that stay in cache: each weight (n, in) replaced by calls over one slab of its first rows
+    (a copy in its layout, under blas.COLD_BYTES, shared by the weights of that shape), as
+    many calls as cover its n rows (the last over the remainder): the same rows, in-dim and
+    flops as products_only, none of its reads from memory."""
+    c = model.config
+    head = model.weights["model.embed_tokens.weight" if c.tie_word_embeddings else
+                         "lm_head.weight"]
+    slabs, calls = {}, []
+    for w in [w for layer in model.layers for w in (layer.qkv, layer.o, layer.gate_up,
+                                                     layer.down)] + [head]:
+        n, k = w.shape
+        per = max(1, min(n, blas.COLD_BYTES // (k * w.itemsize) - 1))  # weight rows a slab
+        x = xp.ones((rows, k), dtype=xp.float32)
+        for size in [per] * (n // per) + [n % per] * bool(n % per):
+            key = (size, k, blas.layout_on_device(w))
+            if key not in slabs:                          # w's first rows, in w's layout
+                slabs[key] = w[:size].copy(order="F" if key[2] == "column-major" else "C")
+            calls.append((x, slabs[key]))
+    return lambda: [linear(x, slab) for x, slab in calls]
 
 
 def attention_only(model, cache, token):
@@ -109,9 +140,10 @@ def profile(args) -> dict:
             lengths = row_lengths(B, args.context)
             cache, _, token = decode_cache(model, B, args.context, lengths=lengths)
             step, rollback = step_with_rollback(model, cache, token)
-            step_t, products_t, attention_t = time_together(
-                [step, products_only(model, B), attention_only(model, cache, token)],
-                warmup=1, repeat=args.repeat, after=[rollback, None, None])
+            step_t, products_t, attention_t, cached_t = time_together(
+                [step, products_only(model, B), attention_only(model, cache, token),
+                 products_in_cache(model, B)],
+                warmup=1, repeat=args.repeat, after=[rollback, None, None, None])
             products_ceiling = max(decode_read_bytes(c, model.weights) / bandwidth,
                                    2 * B * product_weights(model) / rate)
             kv_bytes, flops = attention_work(c, lengths)
@@ -122,7 +154,8 @@ def profile(args) -> dict:
                          products_t.best * 1e3, products_ceiling * 1e3,
                          products_t.best / products_ceiling, attention_t.best * 1e3,
                          attention_ceiling * 1e3, attention_t.best / attention_ceiling,
-                         rest * 1e3, rest / step_t.best])
+                         rest * 1e3, rest / step_t.best, cached_t.best * 1e3,
+                         cached_t.best / products_ceiling])
     return {"kernel": blas_kernel(), "rows": rows, "headers": [
         ran_on, where_it_ran(),
         f"read bandwidth {bandwidth / 1e9:.2f} GB/s (dot product {buffer / dot.best / 1e9:.2f},"
@@ -165,7 +198,10 @@ def table(result, forced=None) -> Table:
         t.row(*row)
     t.note("ceilings: products at their reads or their flops (at the 1024^3 rate), whichever "
            "is slower; attention at the keys and values the rows hold or its flops; the step "
-           "at their sum; the rest (norms, RoPE, activation, cache writes, residuals) has none")
+           "at their sum; the rest (norms, RoPE, activation, cache writes, residuals) has none; "
+           "products in cache: the same products over slabs of the weights that stay in cache "
+           "(as many flops, no reads from memory), the nearest this BLAS's products of B rows "
+           "come to their ceiling")
     rest = [name for name, _ in COLUMNS].index("rest ms")
     busy = [f"{row[0]} B={row[1]}" for row in result["rows"] if row[rest] < 0]
     if busy:

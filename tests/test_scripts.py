@@ -165,6 +165,23 @@ def test_bench_decode_says_where_no_route_reaches_the_dot_product(tiny, run_scri
     assert float(probes[0]) == max(map(float, probes[1:]))   # never the slower probe
 
 
+def test_bench_mixed_step_writes_its_table_headed_by_the_kernel(tiny, run_script, tmp_path):
+    """--markdown writes the table the run printed, under a title naming the kernel and the
+    command: the docs' figures are the script's own (docs/benchmarks/mixed-step-*.md)."""
+    from minitransformer.measure.timing import blas_kernel
+    markdown = tmp_path / "mixed.md"
+    out, _ = run_script("bench_mixed_step", "--model", tiny, *TIMED_RUNS["bench_mixed_step"],
+                        "--markdown", markdown)
+    written = markdown.read_text()
+    assert written.startswith(f"# A step's decodes and prompt chunk: OpenBLAS kernel "
+                              f"{blas_kernel()}\n")
+    assert "`python3 scripts/bench_mixed_step.py --model " in written
+    ratio = re.search(r"one pass / \(decodes alone \+ chunk alone\): ([0-9.]+) \(fastest\)",
+                      out).group(1)
+    assert f"one pass / (decodes alone + chunk alone): {ratio} (fastest)" in written
+    assert written.count("| both, one pass (ragged) |") == 1
+
+
 def test_run_all_runs_a_selection(tiny, capfd):
     """run_all starts each script as a process: its tables reach the file descriptor."""
     assert run_all.main(["--model", tiny, "--only", "exp(09|24)"]) == 0
@@ -244,6 +261,28 @@ def test_profile_batched_rest_is_the_step_less_its_parts(tiny):
         assert share == pytest.approx(rest / step)
 
 
+def test_products_in_cache_make_the_steps_products_over_slabs_that_stay_in_cache(
+        tiny, monkeypatch):
+    """The in-cache products make the step's products over as many weight rows (so as many
+    flops), the same rows and in-dims, each over a slab under blas.COLD_BYTES: here made
+    small, so every weight of the tiny model is split, the last slab the remainder."""
+    import numpy as np
+    import profile_batched
+    from bench_decode import product_weights
+    from minitransformer.loader import load
+    model = load(tiny)
+    monkeypatch.setattr(blas, "COLD_BYTES", 1024)
+    made = []
+    monkeypatch.setattr(profile_batched, "linear", lambda x, w: made.append((x.shape, w)))
+    profile_batched.products_in_cache(model, 3)()
+    assert sum(rows * w.shape[0] * w.shape[1] for (rows, _), w in made) == \
+        3 * product_weights(model)
+    assert all(rows == 3 and k == w.shape[1] and w.nbytes < 1024 for (rows, k), w in made)
+    assert len({id(w) for _, w in made}) < len(made) / 4        # slabs shared, hence cached
+    first = made[0][1]                                          # layer 0's qkv, first rows
+    assert np.array_equal(first, model.layers[0].qkv[:len(first)])
+
+
 def test_profile_batched_runs_the_second_kernel_in_a_child_that_forces_it(monkeypatch):
     import subprocess
     import profile_batched
@@ -280,8 +319,9 @@ def test_attention_work_counts_what_the_rows_hold():
 def test_profile_batched_says_when_the_split_does_not_add_up():
     """A step faster than its parts (a busy machine's rounds): the table says so, row named."""
     from profile_batched import table
-    row = ["m", 4, 10.0, 1.0, 8.0, 4.0, 2.0, 3.0, 1.0, 3.0, -1.0, -0.1]
-    result = {"kernel": "K", "headers": [], "rows": [row, ["m", 1, *row[2:10], 1.0, 0.1]]}
+    row = ["m", 4, 10.0, 1.0, 8.0, 4.0, 2.0, 3.0, 1.0, 3.0, -1.0, -0.1, 6.0, 1.5]
+    result = {"kernel": "K", "headers": [], "rows": [row, ["m", 1, *row[2:10], 1.0, 0.1,
+                                                            *row[12:]]]}
     notes = table(result).notes
     assert any(n.startswith("rest below 0 (m B=4): ") for n in notes)
     result["rows"] = result["rows"][1:]
