@@ -269,6 +269,7 @@ def test_products_in_cache_make_the_steps_products_over_slabs_that_stay_in_cache
     import numpy as np
     import profile_batched
     from bench_decode import product_weights
+    from minitransformer.backend import to_numpy
     from minitransformer.loader import load
     model = load(tiny)
     monkeypatch.setattr(blas, "COLD_BYTES", 1024)
@@ -280,7 +281,7 @@ def test_products_in_cache_make_the_steps_products_over_slabs_that_stay_in_cache
     assert all(rows == 3 and k == w.shape[1] and w.nbytes < 1024 for (rows, k), w in made)
     assert len({id(w) for _, w in made}) < len(made) / 4        # slabs shared, hence cached
     first = made[0][1]                                          # layer 0's qkv, first rows
-    assert np.array_equal(first, model.layers[0].qkv[:len(first)])
+    assert np.array_equal(to_numpy(first), to_numpy(model.layers[0].qkv[:len(first)]))
 
 
 def test_profile_batched_runs_the_second_kernel_in_a_child_that_forces_it(monkeypatch):
