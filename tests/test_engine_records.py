@@ -150,31 +150,19 @@ def count_passes(monkeypatch) -> list:
     return calls
 
 
-def test_a_decode_and_two_prompts_share_one_forward_pass(tiny_model, monkeypatch):
-    """A running request decodes while two new prompts prefill: the step is ONE forward pass
-    over the three (the default mode), and every request gets its tokens."""
+@pytest.mark.parametrize("prompts", [[(3, 4, 5)], [(3, 4, 5), (6, 7)]])
+def test_a_decode_and_new_prompts_share_one_forward_pass(tiny_model, monkeypatch, prompts):
+    """A running request decodes while one or two new prompts prefill: the step is ONE
+    forward pass over them all (the default mode), and every request gets its tokens."""
     calls = count_passes(monkeypatch)
-    engine = Engine(tiny_model, EngineConfig(max_num_seqs=3))
+    engine = Engine(tiny_model, EngineConfig(max_num_seqs=1 + len(prompts)))
     a = engine.submit(Request((1, 2), 3, eos_token_id=[]))
     engine.step()
-    b = engine.submit(Request((3, 4, 5), 2, eos_token_id=[]))
-    c = engine.submit(Request((6, 7), 2, eos_token_id=[]))
+    new = [engine.submit(Request(prompt, 2, eos_token_id=[])) for prompt in prompts]
     calls.clear()
     engine.step()
     assert calls == [1]
-    assert [len(engine.results[i].tokens) for i in (a, b, c)] == [2, 1, 1]
-
-
-def test_a_decode_and_a_prompt_share_one_forward_pass(tiny_model, monkeypatch):
-    calls = count_passes(monkeypatch)
-    engine = Engine(tiny_model, EngineConfig(max_num_seqs=2))
-    a = engine.submit(Request((1, 2), 3, eos_token_id=[]))
-    engine.step()
-    b = engine.submit(Request((3, 4, 5), 2, eos_token_id=[]))
-    calls.clear()
-    engine.step()
-    assert calls == [1]
-    assert [len(engine.results[i].tokens) for i in (a, b)] == [2, 1]
+    assert [len(engine.results[i].tokens) for i in (a, *new)] == [2] + [1] * len(prompts)
 
 
 def test_a_static_padding_row_beside_a_later_chunk_holds_its_length(tiny_model):
