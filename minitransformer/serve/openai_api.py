@@ -127,8 +127,10 @@ class FieldsRead(dict):
         return super().__contains__(field)
 
 
-def refuse_unread(body: FieldsRead) -> None:
-    unread = [field for field in body if field not in body.read]
+def refuse_unread(body: FieldsRead, within: str = "") -> None:
+    """A field never read is an error naming it (`within`: the object it sits in, for a
+    nested one such as stream_options)."""
+    unread = [within + field for field in body if field not in body.read]
     if unread:
         raise APIError(f"unrecognized request argument supplied: {unread[0]!r:.100} (not a field "
                        f"of the OpenAI API this server implements)", unread[0])
@@ -226,11 +228,9 @@ def parse(body, kind: str, model, name: str, pool_tokens: int, max_n: int = 1,
     if options is not None and (not stream or not isinstance(options, dict)):
         raise APIError("stream_options needs stream=true and must be an object",
                        "stream_options")
-    include_usage = flag(options or {}, "include_usage", "stream_options.include_usage")
-    unknown = sorted(set(options or {}) - {"include_usage"})  # vLLM's continuous_usage_stats too
-    if unknown:
-        raise APIError(f"unrecognized stream option supplied: {unknown[0]!r:.100} (include_usage "
-                       f"is the one this server implements)", f"stream_options.{unknown[0]:.100}")
+    options = FieldsRead(options or {})
+    include_usage = flag(options, "include_usage", "stream_options.include_usage")
+    refuse_unread(options, "stream_options.")      # vLLM's continuous_usage_stats among them
     stop = stop_strings(body)
     field = "max_completion_tokens" if body.get("max_completion_tokens") is not None \
         else "max_tokens"
