@@ -260,7 +260,7 @@ def percentiles(s) -> list:
 
 
 # --- the three workloads ----------------------------------------------------------------------
-def poisson(args, model) -> None:
+def poisson(args, model) -> list:
     """Static vs continuous batching under Poisson arrivals (experiment 13)."""
     lengths = workload_lengths(args)
     rng = np.random.default_rng(args.seed)
@@ -306,10 +306,10 @@ def poisson(args, model) -> None:
                    f"{st['e2e_mean'] / co['e2e_mean']:.1f}x better, p99 "
                    f"{st['e2e_p99'] / co['e2e_p99']:.1f}x better, mean TTFT "
                    f"{st['ttft_mean'] / co['ttft_mean']:.1f}x better")
-    table.show()
+    return [table.show()]
 
 
-def chat(args, model) -> None:
+def chat(args, model) -> list:
     """Multi-turn chats with prefix caching off and on, the same conversations, greedy."""
     document = " ".join(DOCUMENT.split()[:args.document_words])
     settings = {"caching off": engine(args, enable_prefix_caching=False),
@@ -363,13 +363,13 @@ def chat(args, model) -> None:
     table.note(f"answers identical with caching on and off: {same} of "
                f"{args.conversations * args.turns}; the caching server's prefix cache hit "
                f"rate: {rate:.0%} of {queries:,.0f} prompt tokens (vllm:prefix_cache_*)")
-    table.show()
-    percentile_table("Prefix caching: the chat requests' percentiles", "caching",
+    return [table.show(), percentile_table("Prefix caching: the chat requests' percentiles",
+                                           "caching",
                      {label: summary([r for chat_ in turns[label] for r in chat_])
-                      for label in settings})
+                                            for label in settings})]
 
 
-def long_prompt(args, model) -> None:
+def long_prompt(args, model) -> list:
     """Streams decoding when a long prompt arrives: whole-prompt prefill against chunked."""
     settings = {"whole prefill": engine(args),
                 "chunked prefill": engine(args, max_num_batched_tokens=args.max_num_batched_tokens)}
@@ -414,13 +414,14 @@ def long_prompt(args, model) -> None:
                f"(target: at least 3x); the long request's own time to first token "
                f"{ttft_on / ttft_off:.2f}x that of whole-prompt prefill (target: at most 1.5x); "
                f"medians over the rounds")
-    table.show()
-    percentile_table("Chunked prefill: the streams' percentiles", "prefill",
-                     {label: summary([s for streams, _ in runs for s in streams])
-                      for label, runs in rounds.items()})
+    return [table.show(), percentile_table("Chunked prefill: the streams' percentiles",
+                                           "prefill",
+                                           {label: summary([s for streams, _ in runs
+                                                            for s in streams])
+                                            for label, runs in rounds.items()})]
 
 
-def streams(args, model) -> Table:
+def streams(args, model) -> list:
     """Aggregate output tokens/s at each --concurrency, the engine before and after."""
     slots = max(args.concurrency)
     settings = {label: EngineConfig(max_num_seqs=slots, block_size=args.block_size)
@@ -460,7 +461,7 @@ def streams(args, model) -> Table:
         before, after = rates["before", n], rates["after", n]
         table.row(n, max(before), np.median(before), max(after), np.median(after),
                   max(after) / max(before), np.median(after) / np.median(before))
-    return table.show()
+    return [table.show()]
 
 
 def at_once(port, prompts, args) -> dict:
@@ -539,12 +540,12 @@ def largest_gap(streams) -> float:
     return max(float(np.diff(s["events"]).max()) for s in streams)
 
 
-def percentile_table(title, what, summaries) -> None:
+def percentile_table(title, what, summaries) -> Table:
     table = Table(title, experiment=13, chapter=False,
                   columns=[(what, ""), ("tok/s", ".1f"), *PERCENTILE_COLUMNS])
     for label, s in summaries.items():
         table.row(label, s["throughput"], *percentiles(s))
-    table.show()
+    return table.show()
 
 
 def main(argv=None):
@@ -582,8 +583,8 @@ def main(argv=None):
     group.add_argument("--concurrency", type=counts, default=[1, 4, 8, 16],
                        help="streams at once, comma-separated (default: 1,4,8,16)")
     group.add_argument("--markdown", metavar="FILE",
-                       help="also write the streams table as Markdown to FILE "
-                            "(docs/benchmarks/serving-streams.md)")
+                       help="also write the tables as Markdown to FILE (docs/benchmarks/: "
+                            "serving-streams.md, serving-prefix-chunked.md)")
     args = parser.parse_args(argv)
     if "poisson" in args.workloads:
         try:
@@ -600,13 +601,14 @@ def main(argv=None):
     tables = []
     for name in args.workloads:
         try:
-            tables.append({"poisson": poisson, "chat": chat, "long-prompt": long_prompt,
-                           "streams": streams}[name](args, model))
+            tables += {"poisson": poisson, "chat": chat, "long-prompt": long_prompt,
+                       "streams": streams}[name](args, model)
         except RuntimeError as e:   # a request refused or failed: the server's own words
             raise SystemExit(f"error: {name}: {e}") from None
-    if args.markdown and "streams" in args.workloads:
-        write_markdown(args.markdown, [t for t in tables if t is not None], argv,
-                       title="Serving benchmark: the batched step before and after",
+    if args.markdown:
+        title = "the batched step before and after" if args.workloads == ["streams"] else \
+            ", ".join(args.workloads)
+        write_markdown(args.markdown, tables, argv, title=f"Serving benchmark: {title}",
                        script="bench_serving.py")
     return 0
 

@@ -38,12 +38,13 @@ def test_bench_serving_prints_both_policies_and_the_comparison(tiny, run_script)
     assert "at inf req/s continuous vs static: throughput" in out
 
 
-def test_bench_serving_chat_and_long_prompt_print_each_feature_off_and_on(tiny, run_script):
+def test_bench_serving_chat_and_long_prompt_print_each_feature_off_and_on(tiny, run_script,
+                                                                          tmp_path):
     out, _ = run_script("bench_serving", "--model", tiny, "--workloads", "chat,long-prompt",
                         "--slots", 4, "--block-size", 4, "--conversations", 2, "--turns", 3,
                         "--answer-tokens", 6, "--document-words", 5, "--rounds", 1,
                         "--streams", 2, "--stream-tokens", 220, "--long-prompt", 120,
-                        "--max-num-batched-tokens", 16)
+                        "--max-num-batched-tokens", 16, "--markdown", tmp_path / "both.md")
     table = out.split("time to first token per turn")[1].split("turns 2-3")[0]
     turns = [row for row in map(str.split, table.splitlines())
              if len(row) == 7 and row[0].isdigit()]
@@ -51,6 +52,10 @@ def test_bench_serving_chat_and_long_prompt_print_each_feature_off_and_on(tiny, 
     assert int(turns[2][1]) > int(turns[0][1])                 # the history grows
     assert "answers identical with caching on and off: 6 of 6" in out
     assert "prefix cache hit rate" in out
+    written = (tmp_path / "both.md").read_text()   # every table printed, not only streams'
+    assert written.startswith("# Serving benchmark: chat, long-prompt\n")
+    assert written.count("\n### ") == 4 and "answers identical with caching on and off: 6 of 6" \
+        in written
     assert [r[:2] for r in rows(out, "caching o")] == [["caching", "off"], ["caching", "on"]]
     assert [r[:2] for r in rows(out, "whole prefill ", "chunked prefill ")] == \
         [["whole", "prefill"], ["chunked", "prefill"]] * 2        # gaps, then percentiles
