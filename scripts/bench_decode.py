@@ -154,24 +154,27 @@ def routes_table(args, ran_on):
     return table, library[best], dot
 
 
-def products_only(model, rows=1):
-    """-> a function making the weight products of one decode step of `rows` rows (every
-    projection and the head times a (rows, in) matrix, as linear makes them), nothing else."""
+def step_matrices(model) -> list:
+    """The weight matrices one decode step multiplies, in its order: every layer's
+    projections, then the head."""
     c = model.config
     head = model.weights["model.embed_tokens.weight" if c.tie_word_embeddings else
                          "lm_head.weight"]
-    matrices = [w for layer in model.layers for w in (layer.qkv, layer.o, layer.gate_up,
-                                                      layer.down)] + [head]
+    return [w for layer in model.layers for w in (layer.qkv, layer.o, layer.gate_up,
+                                                   layer.down)] + [head]
+
+
+def products_only(model, rows=1):
+    """-> a function making the weight products of one decode step of `rows` rows (every
+    projection and the head times a (rows, in) matrix, as linear makes them), nothing else."""
+    matrices = step_matrices(model)
     vectors = [xp.ones((rows, w.shape[1]), dtype=xp.float32) for w in matrices]
     return lambda: [linear(x, w) for x, w in zip(vectors, matrices)]
 
 
 def product_weights(model) -> int:
     """Weights a float decode step multiplies per row: every projection and the head."""
-    c = model.config
-    return c.vocab_size * c.hidden_size + sum(
-        int(w.shape[0]) * int(w.shape[1]) for layer in model.layers
-        for w in (layer.qkv, layer.o, layer.gate_up, layer.down))
+    return sum(int(w.shape[0]) * int(w.shape[1]) for w in step_matrices(model))
 
 
 def decode_steps(model, batch, context, seed=0, batch_invariant=False):

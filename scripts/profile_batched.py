@@ -43,7 +43,7 @@ from _common import (add_threads_argument, add_timing_arguments, at_least, load_
                      positive_int, say, timing_header)
 from _table import Table
 from bench_decode import (checkpoint, decode_cache, product_weights, products_only, read_steps,
-                          write_markdown)
+                          step_matrices, write_markdown)
 from minitransformer.backend import xp
 from minitransformer.kernels import blas
 from minitransformer.linear import linear
@@ -77,12 +77,8 @@ def products_in_cache(model, rows):
     (a copy in its layout, under blas.COLD_BYTES, shared by the weights of that shape), as
     many calls as cover its n rows (the last over the remainder): the same rows, in-dim and
     flops as products_only, none of its reads from memory."""
-    c = model.config
-    head = model.weights["model.embed_tokens.weight" if c.tie_word_embeddings else
-                         "lm_head.weight"]
     slabs, calls = {}, []
-    for w in [w for layer in model.layers for w in (layer.qkv, layer.o, layer.gate_up,
-                                                     layer.down)] + [head]:
+    for w in step_matrices(model):
         n, k = w.shape
         per = max(1, min(n, blas.COLD_BYTES // (k * w.itemsize) - 1))  # weight rows a slab
         x = xp.ones((rows, k), dtype=xp.float32)
