@@ -677,8 +677,7 @@ def main(argv=None):
         survivors = [m for m, o in outcomes.items() if o == "survived"]
         equivalent = [m for m in survivors if m in EQUIVALENT]
         alive = [m for m in survivors if m not in EQUIVALENT]
-        stale = [m for m in EQUIVALENT if m.startswith(module_prefix(name))
-                 and outcomes.get(m) != "survived"]
+        stale = stale_equivalents(name, outcomes)
         table.row(MODULES[name][0], len(outcomes), count["killed"], len(alive),
                   len(equivalent), count["no tests"], count["timeout"], count["not checked"],
                   None if args.mode == "table" else time.perf_counter() - start)
@@ -698,6 +697,15 @@ def main(argv=None):
     if args.markdown:
         Path(args.markdown).write_text(table.markdown())
     return 1 if unexplained else 0
+
+
+def stale_equivalents(name: str, outcomes: dict) -> list:
+    """The module's EQUIVALENT entries a run contradicts: killed (or timed out, or reached by
+    no test) where the entry says no test can kill it, or not made at all (the code moved). One
+    left unchecked by an --only run is not judged.
+    """
+    return [m for m in EQUIVALENT if m.startswith(module_prefix(name))
+            and outcomes.get(m) not in ("survived", "not checked")]
 
 
 def planted(scratch: Path, markdown=None) -> int:

@@ -182,6 +182,20 @@ def test_bench_mixed_step_writes_its_table_headed_by_the_kernel(tiny, run_script
     assert written.count("| both, one pass (ragged) |") == 1
 
 
+def test_mutation_judges_an_equivalent_only_where_its_run_checked_it():
+    """An EQUIVALENT entry is contradicted when its mutant was killed, timed out, reached by no
+    test or not made at all; one an --only run left unchecked is not judged (such a run exited
+    1 for the entries outside its pattern)."""
+    from mutation import EQUIVALENT, module_prefix, stale_equivalents
+    listed = [m for m in EQUIVALENT if m.startswith(module_prefix("engine"))]
+    m = listed[0]
+    for outcome, stale in (("survived", False), ("not checked", False), ("killed", True),
+                           ("timeout", True), ("no tests", True)):
+        assert (m in stale_equivalents("engine", {m: outcome})) is stale, outcome
+    assert stale_equivalents("engine", {}) == listed                       # none made
+    assert stale_equivalents("engine", dict.fromkeys(listed, "survived")) == []
+
+
 def test_run_all_runs_a_selection(tiny, capfd):
     """run_all starts each script as a process: its tables reach the file descriptor."""
     assert run_all.main(["--model", tiny, "--only", "exp(09|24)"]) == 0
