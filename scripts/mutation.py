@@ -328,8 +328,6 @@ EQUIVALENT = {
     # serve/engine.py
     "minitransformer.serve.engine.xǁEngineǁstep__mutmut_6":
         "arrival >= clock: an arrival equal to the clock sets the clock to the value it has",
-    "minitransformer.serve.engine.xǁEngineǁ_prefill__mutmut_31":
-        "hidden[:, -2:] then position -1 is the same last position as hidden[:, -1:]",
     "minitransformer.serve.engine.xǁEngineǁ_mixed__mutmut_76":
         "passes[:2] for passes[:1]: only plan.decode is kept, and it can only be the first",
 }
