@@ -16,9 +16,9 @@ made alone on the step's own shapes:
              head and dimension) at the same rate, whichever is slower.
   in cache   the same products over a slab of each weight small enough to stay in cache between
              calls (under blas.COLD_BYTES; as many weight rows in all, so as many flops): what
-             the products would cost were reading the weights free, i.e. the kernel's own
-             few-row product rate on these shapes. Its ratio to the products' ceiling is as near
-             as this BLAS's products of B rows can come to it, whatever the route.
+             the products would cost were reading the weights free: the kernel's own few-row
+             product rate on these shapes, whatever the route (an estimate: the slabs make more
+             and smaller calls than the step, each a little dearer per flop).
   the rest   the step less those two: the norms, RoPE, SwiGLU's activation, the cache writes,
              the embedding row, the residual adds and the per-row NumPy work around them. No
              ceiling of its own (its bytes are the activations, a few MB); its share is printed.
