@@ -363,10 +363,10 @@ def chat(args, model) -> list:
     table.note(f"answers identical with caching on and off: {same} of "
                f"{args.conversations * args.turns}; the caching server's prefix cache hit "
                f"rate: {rate:.0%} of {queries:,.0f} prompt tokens (vllm:prefix_cache_*)")
+    requests = {label: summary([r for chat_ in turns[label] for r in chat_])
+                for label in settings}
     return [table.show(), percentile_table("Prefix caching: the chat requests' percentiles",
-                                           "caching",
-                     {label: summary([r for chat_ in turns[label] for r in chat_])
-                                            for label in settings})]
+                                           "caching", requests)]
 
 
 def long_prompt(args, model) -> list:
@@ -414,11 +414,10 @@ def long_prompt(args, model) -> list:
                f"(target: at least 3x); the long request's own time to first token "
                f"{ttft_on / ttft_off:.2f}x that of whole-prompt prefill (target: at most 1.5x); "
                f"medians over the rounds")
+    streamed = {label: summary([s for streams, _ in runs for s in streams])
+                for label, runs in rounds.items()}
     return [table.show(), percentile_table("Chunked prefill: the streams' percentiles",
-                                           "prefill",
-                                           {label: summary([s for streams, _ in runs
-                                                            for s in streams])
-                                            for label, runs in rounds.items()})]
+                                           "prefill", streamed)]
 
 
 def streams(args, model) -> list:
