@@ -133,11 +133,20 @@ def markdown(summary, argv, total, cpu_total, judged) -> str:
             "| script | status | wall s | CPU s |\n|---|---|---:|---:|\n" + rows + "\n")
 
 
+def pattern(text):
+    """argparse type: --only's regular expression, compiled (a bad one refused when parsed)."""
+    try:
+        return re.compile(text)
+    except re.error as e:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a regular expression: {e}") from None
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_model_argument(parser, default=None)  # None: each script's own default model
-    parser.add_argument("--only", default=None, metavar="REGEX",
-                        help="run only the scripts whose name matches (e.g. 'exp0[1-8]')")
+    parser.add_argument("--only", type=pattern, default=None, metavar="REGEX",
+                        help="run only the scripts whose name matches (e.g. 'exp0[1-8]'; "
+                             "one that matches none is an error listing them)")
     parser.add_argument("--threads", type=int, default=1, metavar="N",
                         help="BLAS threads of every timing script (default: 1)")
     parser.add_argument("--report", default=None, metavar="DIR",
@@ -147,7 +156,11 @@ def main(argv=None):
                              "docs/main-job.md")
     args = parser.parse_args(argv)
     shown_argv = sys.argv[1:] if argv is None else list(argv)
-    job = [entry for entry in MAIN_JOB if not args.only or re.search(args.only, entry[0])]
+    job = [entry for entry in MAIN_JOB if not args.only or args.only.search(entry[0])]
+    if not job:
+        names = ", ".join(dict.fromkeys(script for script, _, _ in MAIN_JOB))
+        parser.error(f"--only {args.only.pattern!r} matches none of the main job's scripts: "
+                     f"{names}")
     env = dict(os.environ)
     if args.report:
         env[RECORD_ENV] = str(Path(args.report).resolve() / "tables")

@@ -57,6 +57,9 @@ def fails(run_script, name, argv) -> str:
      "argument --seed: expected an integer >= 0, got -3"),
     ("bench_engine", ["--model", "{tiny}", "--prompt-len", "8-4"],
      "argument --prompt-len: expected LO-HI with 1 <= LO <= HI, got '8-4'"),
+    ("run_all", ["--only", "["], "argument --only: '[' is not a regular expression"),
+    ("run_all", ["--only", "exp99"], "--only 'exp99' matches none of the main job's scripts: "
+                                     "exp01_kv_cache.py, exp02_attention_scaling.py"),
 ])
 def test_bad_invocation_is_one_error_line_and_status_2(tiny, tmp_path, run_script, name, argv,
                                                        words):
