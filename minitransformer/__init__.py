@@ -42,8 +42,19 @@ The stable public API:
     stream(...)                        -> the same tokens, yielded as they are made
 where sampling is a ``minitransformer.sampling.SamplingSettings``.
 """
-from minitransformer.errors import CheckpointError
-from minitransformer.generate import generate, logits, stream
-from minitransformer.loader import load
+import sys
+
+from minitransformer.errors import CheckpointError, SettingError
+
+try:
+    from minitransformer.generate import generate, logits, stream
+    from minitransformer.loader import load
+except SettingError as e:       # an MT_* environment value this library does not know
+    if sys.argv[:1] != ["-m"]:  # imported by a program: its own to catch (scripts/_common.py)
+        raise
+    # `python3 -m minitransformer` imports its package before its __main__ runs (sys.argv[0]
+    # is "-m" until then), so only here can the command line say it as its one error line
+    print(f"error: {e}", file=sys.stderr)
+    sys.exit(2)
 
 __all__ = ["load", "logits", "generate", "stream", "CheckpointError"]

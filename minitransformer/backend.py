@@ -8,7 +8,8 @@ Set the environment variable ``MT_BACKEND`` before importing minitransformer:
                        conversion raises, as on a GPU (see strict.py); the CI runs it too
 
 It is read once, at import; an unknown value or a missing CuPy is an error right here rather
-than a surprise later. Model code does ``from minitransformer.backend import xp`` and never
+than a surprise later (errors.SettingError: the command line and the scripts print it as one
+error line). Model code does ``from minitransformer.backend import xp`` and never
 imports numpy for array math, so the code on the screen is the code that ran on either device.
 
 Two CuPy traps this module exists to contain (CuPy's "differences from NumPy" page):
@@ -20,7 +21,11 @@ import os
 
 import numpy
 
-BACKEND = os.environ.get("MT_BACKEND", "numpy").strip().lower() or "numpy"
+from minitransformer.checks import environment_choice
+from minitransformer.errors import SettingError
+
+BACKENDS = ("numpy", "cupy", "strict")
+BACKEND = environment_choice("MT_BACKEND", BACKENDS, "a backend", "for numpy") or "numpy"
 
 if BACKEND == "numpy":
     xp = numpy
@@ -28,15 +33,12 @@ elif BACKEND == "cupy":
     try:
         import cupy as xp
     except ImportError as e:  # pragma: no cover - depends on the machine
-        raise ImportError(
-            "MT_BACKEND=cupy but CuPy is not installed: pip install -e '.[gpu]' "
+        raise SettingError(
+            f"MT_BACKEND=cupy but CuPy cannot be imported ({e}): pip install -e '.[gpu]' "
             "(a CuPy wheel matching your CUDA), or unset MT_BACKEND to run on NumPy"
         ) from e
-elif BACKEND == "strict":
-    from minitransformer.kernels import strict as xp
 else:
-    raise ValueError(f"MT_BACKEND={BACKEND!r} is not a backend: use 'numpy' (default), 'cupy' "
-                     "or 'strict' (tests)")
+    from minitransformer.kernels import strict as xp
 
 
 def to_numpy(a):

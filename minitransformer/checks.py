@@ -1,4 +1,5 @@
-"""Checks on values that come from outside: JSON files of a checkpoint, numbers from callers.
+"""Checks on values that come from outside: JSON files of a checkpoint, numbers from callers,
+the MT_* environment variables.
 
 A checkpoint is data someone else wrote, so every value read from it is checked for its type,
 finiteness and range before anything is computed or allocated from it, and a failure names the
@@ -15,13 +16,14 @@ Python) is refused wherever a number is meant.
 """
 import json
 import math
+import os
 from collections import Counter
 from numbers import Integral, Real
 from pathlib import Path
 
 import numpy as np
 
-from minitransformer.errors import CheckpointError
+from minitransformer.errors import CheckpointError, SettingError
 
 
 def is_integer(x) -> bool:
@@ -119,3 +121,25 @@ def check_finite(file: Path, name: str, w: np.ndarray) -> np.ndarray:
     where = np.unravel_index(np.flatnonzero(~np.isfinite(w))[0], w.shape)
     raise CheckpointError(f"{file}: tensor {name!r} holds a non-finite value "
                           f"({w[where]} at index {tuple(int(i) for i in where)})")
+
+
+def environment_choice(name: str, allowed: tuple, what: str, unset: str):
+    """The environment variable `name`, stripped and lower-cased: one of `allowed`, or None
+    when unset or empty; any other value a SettingError naming the variable, the value and
+    the values allowed. what: what a value is ("a backend"); unset: what leaving it unset
+    does ("to measure").
+
+    >>> os.environ["MT_EXAMPLE"] = " Flat "
+    >>> environment_choice("MT_EXAMPLE", ("flat", "rows"), "a way", "to measure")
+    'flat'
+    >>> os.environ["MT_EXAMPLE"] = "fastest"
+    >>> environment_choice("MT_EXAMPLE", ("flat", "rows"), "a way", "to measure")
+    Traceback (most recent call last):
+    minitransformer.errors.SettingError: MT_EXAMPLE='fastest' is not a way: use one of flat, rows, or leave it unset to measure
+    >>> del os.environ["MT_EXAMPLE"]
+    """
+    value = os.environ.get(name, "").strip().lower() or None
+    if value is not None and value not in allowed:
+        raise SettingError(f"{name}={value!r} is not {what}: use one of {', '.join(allowed)}, "
+                           f"or leave it unset {unset}")
+    return value

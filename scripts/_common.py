@@ -12,8 +12,19 @@ from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from minitransformer.loader import load  # noqa: E402
-from minitransformer.checkpoints.real_model import checkpoint  # noqa: E402
+
+def fail(error):
+    """error as the script's one line on stderr, then exit status 2, as argparse ends."""
+    message = " ".join(str(error).split()) or type(error).__name__
+    print(f"{os.path.basename(sys.argv[0])}: error: {message}", file=sys.stderr, flush=True)
+    sys.exit(2)
+
+
+try:    # every script imports this module before the library: a bad setting is said here
+    from minitransformer.loader import load  # noqa: E402
+    from minitransformer.checkpoints.real_model import checkpoint  # noqa: E402
+except ValueError as e:     # errors.SettingError: an MT_* environment value refused at import
+    fail(e)
 
 
 # --model NAME: the two models every script can run on without a download from a model hub.
@@ -379,7 +390,5 @@ def run(main):
     try:
         status = main()
     except (ValueError, OSError) as e:
-        message = " ".join(str(e).split()) or type(e).__name__
-        print(f"{os.path.basename(sys.argv[0])}: error: {message}", file=sys.stderr, flush=True)
-        sys.exit(2)
+        fail(e)
     sys.exit(status)

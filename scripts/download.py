@@ -13,6 +13,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from _common import run
 from minitransformer.config import load_config
 from minitransformer.checkpoints.synth import weights_dir
 
@@ -46,5 +47,4 @@ def main():
 
 
 if __name__ == "__main__":
-    from _common import run
     run(main)

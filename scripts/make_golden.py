@@ -28,6 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
+from _common import run
 import minitransformer as mt
 from minitransformer.backend import to_numpy
 from minitransformer.checkpoints.synth import llama_config, make_checkpoint, qwen2_config
@@ -146,5 +147,4 @@ def main():
 
 
 if __name__ == "__main__":
-    from _common import run
     run(main)

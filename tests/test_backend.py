@@ -29,7 +29,7 @@ def test_missing_cupy_is_a_clear_error():
     except ImportError:
         pass
     result = run("cupy")
-    assert result.returncode != 0 and "CuPy is not installed" in result.stderr
+    assert result.returncode != 0 and "MT_BACKEND=cupy but CuPy cannot be imported" in result.stderr
 
 
 def test_strict_is_the_test_backend():

@@ -162,6 +162,19 @@ def test_each_command_has_help(command):
     assert done.returncode == 0 and "--model" in done.stdout
 
 
+@pytest.mark.parametrize("variable, value", [("MT_BACKEND", "tensorflow"),
+                                             ("MT_PRODUCTS", "fastest"),
+                                             ("MT_LAYOUT", "diagonal")])
+def test_an_unknown_setting_is_one_error_line_naming_the_values_allowed(variable, value):
+    """Read when the package is imported, before the command line's own code runs."""
+    done = subprocess.run([sys.executable, "-m", "minitransformer", "generate", "hi"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=60,
+                          env=os.environ | {variable: value})
+    assert (done.returncode, done.stdout) == (2, "")
+    line, = done.stderr.splitlines()
+    assert line.startswith(f"error: {variable}={value!r} is not ") and "use one of" in line
+
+
 def test_bad_model_is_one_error_line(tmp_path):
     done = cli("generate", "--model", str(tmp_path / "nowhere"), "hi")
     assert done.returncode == 2 and done.stderr.startswith("error: ")

@@ -1,5 +1,7 @@
 """Bad script invocations end as argparse ends them: one 'error:' line on stderr, exit status 2,
 no traceback, and no table printed for work that was not done."""
+import ast
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -92,3 +94,38 @@ def test_the_real_entry_point(tmp_path):
     assert done.returncode == 2 and done.stdout == ""
     assert done.stderr.strip().splitlines() == [
         f"exp08_cache_bytes.py: error: {tmp_path / 'missing'}: checkpoint directory not found"]
+
+
+# An MT_* environment value the library refuses at import (errors.SettingError), as one line.
+BAD_SETTINGS = [
+    ("MT_BACKEND", "MT_BACKEND='tensorflow' is not a backend: use one of numpy, cupy, strict, "
+                   "or leave it unset for numpy"),
+    ("MT_PRODUCTS", "MT_PRODUCTS='tensorflow' is not a way to multiply: use one of flat, rows, "
+                    "slices, dots, or leave it unset to measure"),
+    ("MT_LAYOUT", "MT_LAYOUT='tensorflow' is not a layout: use one of row-major, column-major, "
+                  "or leave it unset to measure")]
+
+
+@pytest.mark.parametrize("variable, message", BAD_SETTINGS)
+def test_an_unknown_setting_is_one_error_line(variable, message):
+    done = subprocess.run([sys.executable, str(SCRIPTS / "exp08_cache_bytes.py")],
+                          capture_output=True, text=True, timeout=60,
+                          env=os.environ | {variable: "tensorflow"})
+    assert (done.returncode, done.stdout) == (2, "")
+    assert done.stderr == f"exp08_cache_bytes.py: error: {message}\n"
+
+
+PROJECT = ("minitransformer", "quant", "sim", "drafts")
+
+
+@pytest.mark.parametrize("script", sorted(p.name for p in SCRIPTS.glob("*.py")
+                                          if not p.name.startswith("_")))
+def test_every_script_imports_common_before_the_library(script):
+    """_common says a bad setting the library's import raises: only if it comes first."""
+    tree = ast.parse((SCRIPTS / script).read_text())
+    first = next(node for node in tree.body if isinstance(node, (ast.Import, ast.ImportFrom))
+                 and (node.names[0].name if isinstance(node, ast.Import) else node.module)
+                 .split(".")[0] in PROJECT + ("_common",) + tuple(
+                     p.stem for p in SCRIPTS.glob("*.py")))
+    module = first.names[0].name if isinstance(first, ast.Import) else first.module
+    assert module == "_common", f"{script} imports {module} before _common"

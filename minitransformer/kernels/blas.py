@@ -50,25 +50,19 @@ import, as MT_BACKEND) for a comparison of bits between two runs. On CuPy every 
 cuBLAS call (flat); the strict test backend runs exactly NumPy's calls on the data it wraps
 (backend.numpy_kernel).
 """
-import os
 import time
 
 import numpy as np
 
 from minitransformer.backend import BACKEND, numpy_kernel, xp
+from minitransformer.checks import environment_choice
 
 ROUTES = ("flat", "rows", "slices", "dots")
 ONE_ROW = ("flat", "slices", "dots")  # for one row, `rows` is `flat`'s own matrix-vector call
 FEW_ROWS = 16            # up to this many rows, the way is measured; above it, flat
-FIXED = os.environ.get("MT_PRODUCTS", "").strip().lower() or None
-if FIXED is not None and FIXED not in ROUTES:
-    raise ValueError(f"MT_PRODUCTS={FIXED!r} is not a way to multiply: use one of "
-                     f"{', '.join(ROUTES)}, or leave it unset to measure")
+FIXED = environment_choice("MT_PRODUCTS", ROUTES, "a way to multiply", "to measure")
 LAYOUTS = ("row-major", "column-major")
-FIXED_LAYOUT = os.environ.get("MT_LAYOUT", "").strip().lower() or None
-if FIXED_LAYOUT is not None and FIXED_LAYOUT not in LAYOUTS:
-    raise ValueError(f"MT_LAYOUT={FIXED_LAYOUT!r} is not a layout: use one of "
-                     f"{', '.join(LAYOUTS)}, or leave it unset to measure")
+FIXED_LAYOUT = environment_choice("MT_LAYOUT", LAYOUTS, "a layout", "to measure")
 TRIALS = 3               # timings per way when a shape is measured (the fastest counts)
 LAYOUT_TRIALS = 5        # the same for a weight's layout: once per shape, and for every row count
 COLD_BYTES = 1 << 20     # a weight this large is timed from memory, as a decode step reads it
