@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import minitransformer as mt
-from minitransformer.formats import gguf_blocks
+from minitransformer.formats import gguf_types
 from minitransformer.checkpoints.synth import (llama_config, make_checkpoint, qwen2_config,
                                                train_tokenizer)
 
@@ -31,7 +31,7 @@ def test_dequantize_matches_gguf_bit_for_bit(type_name):
     w[1, 32:64] = 0.0                      # an all-zero block: scale 0
     w[2, 5] = 40.0                         # an outlier
     stored, qtype, reference = store(w, type_name)
-    ours = gguf_blocks.dequantize(stored, type_name, w.shape)
+    ours = gguf_types.dequantize(stored, type_name, w.shape)
     assert ours.dtype == np.float32 and ours.shape == w.shape
     assert np.array_equal(bits(ours), bits(reference))
 
@@ -49,7 +49,7 @@ def test_dequantize_arbitrary_bytes_bit_for_bit(type_name):
     if type_name in ("F16", "BF16"):  # keep them finite: NaN payloads are not the point
         raw[:, 1::2] &= 0x3F
     reference = dequantize(raw, qtype).reshape(4, 64)
-    ours = gguf_blocks.dequantize(raw, type_name, (4, 64))
+    ours = gguf_types.dequantize(raw, type_name, (4, 64))
     assert np.array_equal(bits(ours), bits(reference))
 
 
@@ -58,7 +58,7 @@ def test_q4_nibble_order_is_llama_cpp_not_ours():
     block = np.zeros((1, 18), dtype=np.uint8)
     block[0, :2] = np.array([1.0], dtype="<f2").view(np.uint8)
     block[0, 2] = 0x9F  # low nibble 15 -> weight 0, high nibble 9 -> weight 16
-    w = gguf_blocks.dequantize(block, "Q4_0", (1, 32))[0]
+    w = gguf_types.dequantize(block, "Q4_0", (1, 32))[0]
     assert w[0] == 7.0 and w[16] == 1.0 and w[1] == -8.0
 
 
@@ -84,12 +84,12 @@ def test_the_kv_caches_blocks_are_llama_cpps(kv_dtype):
 
 
 def test_dequantize_errors_name_the_problem():
-    with pytest.raises(ValueError, match="Q5_0 is not supported"):
-        gguf_blocks.dequantize(np.zeros(22, np.uint8), "Q5_0", (1, 32))
+    with pytest.raises(ValueError, match="IQ2_XS is not supported"):
+        gguf_types.dequantize(np.zeros(74, np.uint8), "IQ2_XS", (1, 256))
     with pytest.raises(ValueError, match="rows of 48"):
-        gguf_blocks.dequantize(np.zeros(34, np.uint8), "Q8_0", (1, 48))
+        gguf_types.dequantize(np.zeros(34, np.uint8), "Q8_0", (1, 48))
     with pytest.raises(ValueError, match="takes 68 bytes, but 34"):
-        gguf_blocks.dequantize(np.zeros(34, np.uint8), "Q8_0", (1, 64))
+        gguf_types.dequantize(np.zeros(34, np.uint8), "Q8_0", (1, 64))
 
 
 def model_files(tmp_path, config, seed=0, **kwargs):
@@ -157,13 +157,19 @@ def test_non_finite_weight_names_the_tensor(tmp_path):
         mt.load(tmp_path / "m.gguf")
 
 
-def test_unsupported_type_names_tensor_and_type(tmp_path):
-    config = qwen2_config(**SHAPE)
+@pytest.mark.parametrize("type_name", ["IQ4_XS", "IQ2_XXS", "IQ3_S", "TQ2_0"])
+def test_unsupported_type_names_tensor_and_type(tmp_path, type_name):
+    """The i-quants left out (and the ternary types) are refused by name, before any decoding."""
+    config = qwen2_config(**SHAPE | {"hidden_size": 256})
     from minitransformer.checkpoints.synth import random_weights
     weights = random_weights(config)
+    weights.pop("model.layers.1.mlp.up_proj.weight")                      # (128, 256)
+    qtype = gguf.GGMLQuantizationType[type_name]
+    stored = np.zeros((128, gguf.GGML_QUANT_SIZES[qtype][1]), np.uint8)   # one block a row
     write_gguf(tmp_path / "m.gguf", config, weights,
-               types={"model.layers.1.mlp.up_proj.weight": "Q5_0"})
-    with pytest.raises(mt.CheckpointError, match=r"'blk\.1\.ffn_up\.weight'.*Q5_0"):
+               extra_tensors={"blk.1.ffn_up.weight": (stored, qtype)})
+    with pytest.raises(mt.CheckpointError, match=rf"'blk\.1\.ffn_up\.weight': GGML type "
+                                                 rf"{type_name} is not supported"):
         mt.load(tmp_path / "m.gguf")
 
 

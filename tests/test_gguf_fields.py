@@ -10,7 +10,7 @@ import struct
 import pytest
 
 from minitransformer.errors import CheckpointError
-from minitransformer.formats.gguf_blocks import SUPPORTED
+from minitransformer.formats.gguf_types import SUPPORTED
 from minitransformer.formats.gguf_file import GGUFFile, tensor_bytes
 
 from gguf_files import (ARRAY, BOOL, FLOAT32, INT32, STRING, UINT8, UINT32,  # noqa: E402

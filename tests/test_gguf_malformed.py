@@ -104,7 +104,8 @@ CONTAINER = {  # name -> (edit of the parts, layout for gguf_bytes, the error's 
                                       "truncated: tensor 'output_norm.weight'"),
     "an unknown tensor type": (type_id("output_norm.weight", 99), {},
                                "'output_norm.weight': GGML type type id 99 is not supported"),
-    "a Q5_0 tensor": (type_id("output_norm.weight", 6), {}, "GGML type Q5_0 is not supported"),
+    "an IQ4_XS tensor": (type_id("output_norm.weight", 23), {},
+                         "GGML type IQ4_XS is not supported"),
     "Q8_0 rows of 48": (dims("blk.0.ffn_up.weight", [48, 128]), {},
                         "'blk.0.ffn_up.weight': a Q8_0 row holds whole blocks of 32"),
 }

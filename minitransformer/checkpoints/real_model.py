@@ -121,7 +121,7 @@ def write_checkpoint(model, meta: dict, types: dict, out: Path, provenance: str)
         f"# {meta.get('general.name', out.name)}, imported from GGUF\n\n{provenance}\n\n"
         f"- license: {meta.get('general.license', 'not stated in the file')}\n"
         f"- tensors stored as: {stored}; dequantized exactly to float32 by "
-        "minitransformer/formats/gguf_blocks.py, q/k rows put back in Hugging Face order\n"
+        "minitransformer/formats/gguf_types.py, q/k rows put back in Hugging Face order\n"
         "- written by minitransformer (scripts/import_gguf.py); not for committing to git\n")
     return out
 

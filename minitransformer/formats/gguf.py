@@ -2,8 +2,8 @@
 
 GGUF is how llama.cpp, Ollama and LM Studio users hold their models: one file with a metadata
 table (the config and the tokenizer, under llama.cpp's key names) and the tensors, most of
-them in block formats (gguf_blocks.py). The container is read and checked by gguf_file.py;
-everything after that is done here:
+them in block formats (gguf_types.py lists those read). The container is read and checked by
+gguf_file.py; everything after that is done here:
 
 1. metadata -> ModelConfig, naming the GGUF key that is missing or wrong;
 2. tensor names -> Hugging Face names (``blk.3.attn_q.weight`` ->
@@ -16,7 +16,7 @@ everything after that is done here:
 
 Supports the llama and qwen2 architectures and byte-level BPE vocabularies (``gpt2``, as
 SmolLM2, Qwen2 and Llama 3 have). Leaves out: SentencePiece vocabularies, rope scaling,
-and the block formats gguf_blocks.py does not decode; each is an error that says which.
+and the tensor types gguf_types.py does not decode; each is an error that says which.
 """
 import math
 
@@ -26,9 +26,9 @@ from minitransformer.backend import to_device
 from minitransformer.checks import check_finite, check_missing, is_integer, is_real
 from minitransformer.config import ModelConfig
 from minitransformer.errors import CheckpointError
-from minitransformer.formats.gguf_blocks import dequantize
 from minitransformer.formats.gguf_file import GGUFFile
 from minitransformer.formats.gguf_tokenizer import tokenizer_from_metadata
+from minitransformer.formats.gguf_types import dequantize
 from minitransformer.model import Model
 from minitransformer.shape import tensor_shapes
 from minitransformer.tokenizer import Tokenizer
@@ -139,7 +139,10 @@ def read_weights(file: GGUFFile, config: ModelConfig) -> dict:
         if t.shape != expected[name]:
             raise CheckpointError(f"{source}: tensor {t.name!r} has shape {t.shape} but the "
                                   f"metadata implies {expected[name]} for {name}")
-        w = dequantize(file.raw(t), t.type_name, t.shape)   # sizes were checked by GGUFFile
+        try:                                # sizes were checked by GGUFFile; the scales not
+            w = dequantize(file.raw(t), t.type_name, t.shape)
+        except ValueError as e:
+            raise CheckpointError(f"{source}: tensor {t.name!r}: {e}") from None
         if config.model_type == "llama" and name.split(".")[-2] in ("q_proj", "k_proj"):
             heads = (config.num_attention_heads if "q_proj" in name
                      else config.num_key_value_heads)

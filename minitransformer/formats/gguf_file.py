@@ -33,7 +33,7 @@ from pathlib import Path
 import numpy as np
 
 from minitransformer.errors import CheckpointError
-from minitransformer.formats.gguf_blocks import BLOCK, BLOCK_FORMATS, PLAIN_FORMATS, SUPPORTED
+from minitransformer.formats.gguf_types import FORMATS, PLAIN_FORMATS, SUPPORTED, row_error
 
 MAGIC = b"GGUF"
 VERSIONS = (2, 3)
@@ -47,10 +47,11 @@ STRING, ARRAY = 8, 9
 TYPE_NAMES = {0: "uint8", 1: "int8", 2: "uint16", 3: "int16", 4: "uint32", 5: "int32",
               6: "float32", 7: "bool", 8: "string", 9: "array", 10: "uint64", 11: "int64",
               12: "float64"}
-# GGML tensor type id -> name (ggml.h), for the error of a type gguf_blocks.py does not decode
+# GGML tensor type id -> name (ggml.h), for the error of a type gguf_types.py does not decode
 GGML_TYPES = dict(enumerate(
     "F32 F16 Q4_0 Q4_1 Q4_2 Q4_3 Q5_0 Q5_1 Q8_0 Q8_1 Q2_K Q3_K Q4_K Q5_K Q6_K Q8_K IQ2_XXS "
-    "IQ2_XS IQ3_XXS IQ1_S IQ4_NL IQ3_S IQ2_S IQ4_XS I8 I16 I32 I64 F64 IQ1_M BF16".split()))
+    "IQ2_XS IQ3_XXS IQ1_S IQ4_NL IQ3_S IQ2_S IQ4_XS I8 I16 I32 I64 F64 IQ1_M BF16".split())) | \
+    {34: "TQ1_0", 35: "TQ2_0", 39: "MXFP4", 40: "NVFP4", 41: "Q1_0"}
 
 
 def tensor_bytes(type_name: str, shape) -> int:
@@ -63,10 +64,9 @@ def tensor_bytes(type_name: str, shape) -> int:
     count = math.prod(shape)            # Python ints: no overflow
     if type_name in PLAIN_FORMATS:
         return count * np.dtype(PLAIN_FORMATS[type_name]).itemsize
-    if shape[-1] % BLOCK:
-        raise ValueError(f"a {type_name} row holds whole blocks of {BLOCK} weights, but the "
-                         f"shape {list(shape)} has rows of {shape[-1]}")
-    return count // BLOCK * BLOCK_FORMATS[type_name][0]
+    if (why := row_error(type_name, shape)) is not None:
+        raise ValueError(why)
+    return count // FORMATS[type_name].weights * FORMATS[type_name].nbytes
 
 
 @dataclass(frozen=True)
