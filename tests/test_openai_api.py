@@ -2,7 +2,6 @@
 (no web framework needed)."""
 import json
 
-import numpy as np
 import pytest
 
 import minitransformer as mt
@@ -202,87 +201,3 @@ def test_best_of_must_equal_n_and_every_field_read_or_refused(model):
     with pytest.raises(APIError, match="unrecognized") as caught:
         ask("chat", messages=[{"role": "user", "content": "hi"}], prompt="hi")
     assert caught.value.param == "prompt"
-
-
-# --- stop strings -----------------------------------------------------------------------------
-class Pieces:
-    """A tokenizer whose token i stands for the text pieces[i] (decoding only)."""
-
-    def __init__(self, pieces):
-        self.pieces = pieces
-
-    def decode(self, ids):
-        return "".join(self.pieces[i] for i in ids)
-
-
-def searched(chunks, stops) -> str:
-    """What a stream with these stop strings must send: after each chunk of text, a search of
-    all the text so far; at the first chunk where a stop string occurs, the text before its
-    earliest occurrence."""
-    text = ""
-    for chunk in chunks:
-        text += chunk
-        hits = [i for i in (text.find(s) for s in stops) if i >= 0]
-        if hits:
-            return text[:min(hits)]
-    return text
-
-
-def test_stop_strings_cut_where_a_search_of_the_whole_text_would():
-    """Random texts over a two-letter alphabet (many partial matches, overlapping stops) in
-    random pieces: the stream sends exactly the text before the first stop, and never sends
-    text that could still begin one."""
-    from minitransformer.serve.detokenize import TextStream
-    rng = np.random.default_rng(0)
-    for case in range(300):
-        pieces = ["".join(rng.choice(list("ab"), size=rng.integers(1, 4))) for _ in range(12)]
-        stops = ["".join(rng.choice(list("ab"), size=rng.integers(1, 7)))
-                 for _ in range(rng.integers(1, 5))]
-        ids = rng.integers(0, len(pieces), size=rng.integers(0, 25)).tolist()
-        stream, sent = TextStream(Pieces(pieces), stop=stops), ""
-        for i in ids:
-            sent += stream.add(i)
-        sent += stream.flush()
-        assert sent == searched([pieces[i] for i in ids], stops), (case, pieces, stops, ids)
-
-
-def test_what_a_stream_holds_back_is_exactly_what_may_begin_a_stop_string():
-    from minitransformer.serve.detokenize import TextStream
-    rng = np.random.default_rng(1)
-    for case in range(200):
-        stops = ["".join(rng.choice(list("ab"), size=rng.integers(1, 7)))
-                 for _ in range(rng.integers(1, 5))]
-        stream, sent, text = TextStream(Pieces(["a", "b"]), stop=stops), "", ""
-        for i in rng.integers(0, 2, size=30).tolist():
-            sent, text = sent + stream.add(i), text + "ab"[i]
-            if stream.stopped:
-                break
-            held = max((n for s in stops for n in range(1, len(s)) if text.endswith(s[:n])),
-                       default=0)
-            assert sent == text[:len(text) - held], (case, stops, text)
-
-
-def test_stop_matching_work_is_linear_in_the_text_whatever_the_stop_length():
-    """The worst case for a naive check: the text keeps matching a long prefix of every stop
-    string (a's, each stop a's then a b). The automata move at most twice per character and
-    string, with stops of 10 or of MAX_STOP_CHARS characters alike."""
-    from minitransformer.serve.detokenize import StopStrings
-    for length in (10, MAX_STOP_CHARS):
-        stops = StopStrings(["a" * (length - 1) + "b", "a" * (length // 2) + "c",
-                             "ab" * (length // 2), "b" * length])
-        for _ in range(500):
-            assert stops.feed("aaaa") is None
-        assert stops.moves <= 2 * 4 * 500 * 4
-        assert stops.partial() == length - 1     # held back: what may begin the first one
-    assert stops.feed("b") == -(length - 1)      # found: it began that far back
-
-
-def test_a_stream_matches_its_stop_strings_with_the_counted_automata():
-    """TextStream's own matching is that work: 2,000 one-letter tokens against four stop
-    strings of MAX_STOP_CHARS characters, at most 2 moves per character and string."""
-    from minitransformer.serve.detokenize import TextStream
-    stops = ["a" * (MAX_STOP_CHARS - 1) + "b", "a" * 10 + "c", "ab" * 100, "b" * 50]
-    stream = TextStream(Pieces(["a"]), stop=stops)
-    sent = "".join(stream.add(0) for _ in range(2000))
-    assert stream.stop.moves <= 2 * 4 * 2000
-    assert sent == "a" * (2000 - (MAX_STOP_CHARS - 1)) and not stream.stopped
