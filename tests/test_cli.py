@@ -3,14 +3,18 @@ import json
 import os
 import re
 import shutil
+import signal
+import socket
 import subprocess
 import sys
 import time
+import urllib.request
 import uuid
 from pathlib import Path
 
 import pytest
 
+from conftest import wait_for
 import minitransformer as mt
 from minitransformer.kernels import blas
 from minitransformer.chat import encode_chat
@@ -175,6 +179,103 @@ def test_an_unknown_setting_is_one_error_line_naming_the_values_allowed(variable
     assert line.startswith(f"error: {variable}={value!r} is not ") and "use one of" in line
 
 
+def error_line(done) -> str:
+    """The one 'error:' line a refused command printed on stderr (argparse's usage aside),
+    with nothing on stdout and exit status 2."""
+    assert (done.returncode, done.stdout) == (2, ""), done.stderr
+    errors = [line for line in done.stderr.splitlines() if "error:" in line]
+    assert len(errors) == 1 and "Traceback" not in done.stderr, done.stderr
+    return errors[0]
+
+
+@pytest.mark.parametrize("command, option, value, says", [
+    ("serve", "--port", "99999", "--port: expected an integer in 0..65535, got '99999'"),
+    ("serve", "--port", "65536", "--port: expected an integer in 0..65535, got '65536'"),
+    ("serve", "--port", "-1", "--port: expected an integer in 0..65535, got '-1'"),
+    ("serve", "--port", "http", "--port: expected an integer in 0..65535, got 'http'"),
+    ("serve", "--max-num-seqs", "0", "max_num_seqs=0"),
+    ("serve", "--block-size", "-4", "block_size=-4"),
+    ("serve", "--max-waiting", "-1", "max_waiting=-1"),
+    ("serve", "--drain-timeout", "-1", "drain_timeout=-1.0"),
+    ("serve", "--max-request-bytes", "0", "max_request_bytes=0"),
+    ("generate", "--max-new-tokens", "-3", "--max-new-tokens: expected an integer >= 1, got '-3'"),
+    ("generate", "--max-new-tokens", "0", "--max-new-tokens: expected an integer >= 1, got '0'"),
+    ("generate", "--seed", "-1", "--seed: expected an integer >= 0, got '-1'"),
+    ("generate", "--top-k", "-2", "top_k"),
+    ("chat", "--max-new-tokens", "1.5", "--max-new-tokens: expected an integer >= 1, got '1.5'"),
+])
+def test_a_number_out_of_range_is_refused_before_the_model_is_looked_for(command, option,
+                                                                          value, says, tmp_path):
+    args = [command, "--model", str(tmp_path / "nowhere"), f"{option}={value}"]
+    line = error_line(cli(*args[:3], *(["hi"] if command == "generate" else []), *args[3:]))
+    assert says in line and "checkpoint" not in line
+
+
+def test_a_prompt_too_long_is_refused_before_it_is_shown(tiny_chat_model):
+    done = cli("generate", "--model", tiny_chat_model.path, "The cat", "--max-new-tokens",
+               "100000")
+    assert "exceeds the model's" in error_line(done)       # stdout empty: no prompt shown
+
+
+def test_an_error_while_streaming_ends_the_text_s_line_first(tiny_chat_model):
+    """The error line goes below the text, not after it on the same line."""
+    from io import StringIO
+
+    from minitransformer.__main__ import stream_text
+
+    def tokens():
+        yield from tiny_chat_model.tokenizer.encode(" sat on")
+        raise ValueError("the engine refused it")
+    out = StringIO()
+    with pytest.raises(ValueError, match="refused"):
+        stream_text(tiny_chat_model, tiny_chat_model.tokenizer.encode("The cat"), tokens(), out)
+    assert out.getvalue() == " sat on\n"
+
+
+def test_generate_into_a_closed_pipe_ends_quietly(tiny_chat_model):
+    """generate ... | head: the reader goes away; no traceback, exit 141 (128 + SIGPIPE)."""
+    read, write = os.pipe()
+    os.close(read)                  # the reader has gone before the first byte is written
+    try:
+        done = subprocess.run([sys.executable, "-m", "minitransformer", "generate", "--model",
+                               tiny_chat_model.path, "The cat", "--max-new-tokens", "30"],
+                              cwd=ROOT, stdout=write, stderr=subprocess.PIPE, text=True,
+                              timeout=120, env=os.environ | ONE_WAY)
+    finally:
+        os.close(write)
+    assert done.returncode == 141 and "Traceback" not in done.stderr, done.stderr
+    assert "error" not in done.stderr.lower()
+
+
+def test_serve_names_a_busy_port_and_says_where_it_serves_once_bound(tiny_chat_model):
+    pytest.importorskip("uvicorn")
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        done = cli("serve", "--model", tiny_chat_model.path, "--port", str(port))
+    assert error_line(done).startswith(f"error: cannot listen on 127.0.0.1:{port}: ")
+    assert "serving" not in done.stderr
+    server = subprocess.Popen([sys.executable, "-m", "minitransformer", "serve", "--model",
+                               tiny_chat_model.path, "--port", "0"], cwd=ROOT,
+                              stderr=subprocess.PIPE, text=True)
+    try:                            # port 0: the port the system gave is the one announced
+        url = re.search(r" on (http://\S+)/v1$", server.stderr.readline()).group(1)
+
+        def up():
+            try:
+                return urllib.request.urlopen(url + "/health", timeout=5).status == 200
+            except OSError:
+                return False
+        wait_for(up, timeout=60)
+        server.send_signal(signal.SIGINT)
+        assert server.wait(30) == 0
+    finally:
+        server.kill()
+        server.wait()
+        server.stderr.close()
+
+
 def test_bad_model_is_one_error_line(tmp_path):
     done = cli("generate", "--model", str(tmp_path / "nowhere"), "hi")
     assert done.returncode == 2 and done.stderr.startswith("error: ")
@@ -247,7 +348,7 @@ def test_help_is_plain_text_with_each_default_once():
                 assert block.count("(default:") == 1, block
     serve = " ".join(cli("serve", "--help").stdout.split())
     assert "--host HOST address to listen on (default: 127.0.0.1" in serve
-    assert "--port PORT TCP port (default: 8000)" in serve
+    assert "--port PORT TCP port, 0 for any free one (default: 8000)" in serve
     assert serve.count("folder name)") == 1
 
 

@@ -41,6 +41,7 @@ import asyncio
 import contextlib
 import json
 import math
+import socket
 import sys
 import time
 import uuid
@@ -104,15 +105,20 @@ class App:
         return self.online.engine.cache
 
 
+def check_request_bytes(max_request_bytes) -> None:
+    """None (the default) or an integer >= 1, else a ValueError."""
+    if max_request_bytes is not None and (not is_integer(max_request_bytes) or
+                                          max_request_bytes < 1):
+        raise ValueError(f"max_request_bytes={max_request_bytes!r}: expected an integer >= 1")
+
+
 def create_app(online: OnlineEngine, name: str, max_request_bytes: int = None):
     """The FastAPI application serving one model through one online engine: the routes and
     their handlers below. Bodies over max_request_bytes are refused with 413 (None:
     ``default_max_request_bytes``)."""
     if FastAPI is None:
         raise ImportError("the server needs the serve extra: pip install -e '.[serve]'")
-    if max_request_bytes is not None and (not is_integer(max_request_bytes) or
-                                          max_request_bytes < 1):
-        raise ValueError(f"max_request_bytes={max_request_bytes!r}: expected an integer >= 1")
+    check_request_bytes(max_request_bytes)
     model = online.engine.model
     longest = None if model.tokenizer is None else longest_token_bytes(model.tokenizer)
     app = FastAPI(title="minitransformer", docs_url=None, redoc_url=None, openapi_url=None)
@@ -582,6 +588,24 @@ class ServerLimits:
             raise ValueError(f"max_waiting={self.max_waiting!r}: expected an integer >= 0")
         if not is_real(self.drain_timeout) or not 0 <= self.drain_timeout < math.inf:
             raise ValueError(f"drain_timeout={self.drain_timeout!r}: expected seconds >= 0")
+        check_request_bytes(self.max_request_bytes)
+
+
+def bound_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to host:port (port 0: a free one the system picks), for uvicorn to
+    listen on: bound before the model loads, so a busy port is said at once, and the server
+    says where it serves only once the address is its own. A port out of range is a
+    ValueError; an address that cannot be had, an OSError naming it."""
+    if not is_integer(port) or not 0 <= port <= 65535:
+        raise ValueError(f"port={port!r}: expected an integer in 0..65535")
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)   # as uvicorn binds
+    try:
+        sock.bind((host, port))
+    except OSError as e:        # busy, not this machine's address, an unknown name
+        sock.close()
+        raise OSError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    return sock
 
 
 def serve(model_path, config: EngineConfig = None, host: str = "127.0.0.1", port: int = 8000,
@@ -597,20 +621,30 @@ def serve(model_path, config: EngineConfig = None, host: str = "127.0.0.1", port
     from minitransformer.serve.engine import Engine
 
     config, limits = config or EngineConfig(), limits or ServerLimits()
-    model = mt.load(model_path)
-    name = name or Path(model.path).name
-    engine = Engine(model, config)
-    online = OnlineEngine(engine, max_waiting=limits.max_waiting)
-    budget = config.max_num_batched_tokens
-    chunks = "whole prompts" if budget is None else f"chunked prefill, {budget} tokens a step"
-    limit = limits.max_request_bytes or default_max_request_bytes(model)
-    print(f"serving {name!r} ({config.policy} batching, {config.max_num_seqs} slots, "
-          f"{engine.cache.num_blocks} blocks of {config.block_size}, prefix caching "
-          f"{'on' if config.enable_prefix_caching else 'off'}, {chunks}, "
-          f"{config.kv_cache_dtype} cache, {config.attention} attention, bodies up to "
-          f"{limit:,} bytes) on http://{host}:{port}/v1", file=sys.stderr)
+    sock = bound_socket(host, port)
+    online = None
     try:
-        uvicorn.run(create_app(online, name, limit), host=host, port=port, http=http_protocol(),
-                    log_level="warning", timeout_graceful_shutdown=limits.drain_timeout)
+        model = mt.load(model_path)
+        name = name or Path(model.path).name
+        engine = Engine(model, config)
+        online = OnlineEngine(engine, max_waiting=limits.max_waiting)
+        budget = config.max_num_batched_tokens
+        chunks = "whole prompts" if budget is None else f"chunked prefill, {budget} tokens a step"
+        limit = limits.max_request_bytes or default_max_request_bytes(model)
+        where = f"[{host}]" if ":" in host else host
+        print(f"serving {name!r} ({config.policy} batching, {config.max_num_seqs} slots, "
+              f"{engine.cache.num_blocks} blocks of {config.block_size}, prefix caching "
+              f"{'on' if config.enable_prefix_caching else 'off'}, {chunks}, "
+              f"{config.kv_cache_dtype} cache, {config.attention} attention, bodies up to "
+              f"{limit:,} bytes) on http://{where}:{sock.getsockname()[1]}/v1", file=sys.stderr)
+        server = uvicorn.Server(uvicorn.Config(
+            create_app(online, name, limit), http=http_protocol(), log_level="warning",
+            timeout_graceful_shutdown=limits.drain_timeout))
+        try:
+            server.run(sockets=[sock])
+        except KeyboardInterrupt:   # Ctrl-C: uvicorn drained, stopped, then raised it again
+            pass
     finally:
-        online.close(drain=False, timeout=10)
+        sock.close()
+        if online is not None:
+            online.close(drain=False, timeout=10)
