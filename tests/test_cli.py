@@ -150,14 +150,39 @@ def test_chat_speculating_answers_each_turn_as_without(story_chat_model):
     assert 0 < accepted <= drafted and "speculation" not in plain.stderr
 
 
+BAD_SPECULATION = [('"num_speculative_tokens": 5, "prompt_lookup_maximum": 4',
+                    "'prompt_lookup_maximum'"),
+                   ('"num_speculative_tokens": null', "num_speculative_tokens must be an "
+                    "integer >= 1, got None"),
+                   ('"num_speculative_tokens": true', "got True"),
+                   ('"num_speculative_tokens": 2.5', "got 2.5"),
+                   ('"num_speculative_tokens": "5"', "got '5'")]
+
+
 @pytest.mark.parametrize("command", ["chat", "serve"])
-def test_a_bad_speculative_config_is_one_error_line_naming_the_field(command, tmp_path):
+@pytest.mark.parametrize("fields, named", BAD_SPECULATION, ids=[n for _, n in BAD_SPECULATION])
+def test_a_bad_speculative_config_is_one_error_line_naming_the_field(command, fields, named,
+                                                                     tmp_path):
     done = cli(command, "--model", str(tmp_path / "nowhere"), "--speculative-config",
-               '{"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_maximum": 4}')
+               '{"method": "ngram", ' + fields + '}')
     assert done.returncode == 2 and done.stdout == ""
     errors = [line for line in done.stderr.splitlines() if "error:" in line]
-    assert len(errors) == 1 and "'prompt_lookup_maximum'" in errors[0]
+    assert len(errors) == 1 and named in errors[0], done.stderr
     assert "checkpoint" not in done.stderr     # refused before the model is looked for
+
+
+@pytest.mark.parametrize("command", ["chat", "serve"])
+def test_a_draft_longer_than_the_model_has_positions_is_refused_naming_both(command,
+                                                                            tiny_chat_model):
+    """10**30 would overflow, 10**9 allocate gigabytes of books: refused once the model's
+    positions are known, before any pool, draft or server is made."""
+    path, positions = tiny_chat_model.path, tiny_chat_model.config.max_position_embeddings
+    done = cli(command, "--model", str(path), "--speculative-config",
+               '{"num_speculative_tokens": 1' + "0" * 30 + "}", stdin="hi\n\n")
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+    assert done.stderr.strip().splitlines()[-1] == (
+        f"error: speculative config: num_speculative_tokens=1{'0' * 30} is more than the "
+        f"model's {positions} positions")
 
 
 @pytest.mark.parametrize("command", ["generate", "chat", "serve"])

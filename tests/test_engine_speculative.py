@@ -137,6 +137,74 @@ def test_a_draft_model_in_the_engine(close_calls):
     assert served.speculator.counters.accepted_tokens > 0 and not served.speculator.proposer.drafts
 
 
+def short_draft(model, positions):
+    """The target's first layer as a draft that holds only `positions` positions."""
+    draft = first_layers(model, 1)
+    return replace(draft, config=replace(draft.config, max_position_embeddings=positions))
+
+
+@pytest.mark.parametrize("policy", ["continuous", "static"])
+def test_a_draft_with_fewer_positions_drafts_only_while_a_sequence_fits_them(close_calls,
+                                                                             policy):
+    """A 16-position draft beside a 256-position target (vLLM's way: a sequence past the
+    draft's positions stops drafting): a request within them (5 + 8 tokens), one that grows
+    past them (10 + 24), one whose prompt alone is longer (20 + 6): each gets the
+    non-speculating engine's greedy tokens (== generate); the second drafted while it fit and
+    not after, the third never; nobody's draft cache outlives its drafting."""
+    config = SpeculativeConfig(num_speculative_tokens=3, method="draft_model", model="-")
+    draft = short_draft(close_calls, 16)
+    requests = [Request(tuple(range(1, 1 + p)), new, eos_token_id=[])
+                for p, new in ((5, 8), (10, 24), (20, 6))]
+    plain = checked_run(engine(close_calls, batch_invariant=True, policy=policy,
+                               max_num_seqs=3), requests)
+    made = []                   # (sequence id, its length, its draft) per row drafting
+    original = speculate.Proposer.propose
+
+    def propose(self, seq_id, tokens, n, *rest):
+        drafts, dists = original(self, seq_id, tokens, n, *rest)
+        made.append((seq_id, len(tokens), len(drafts)))
+        return drafts, dists
+    speculate.Proposer.propose = propose
+    try:
+        served = engine(close_calls, config, draft, batch_invariant=True, policy=policy,
+                        max_num_seqs=3)
+        run = checked_run(served, requests)
+    finally:
+        speculate.Proposer.propose = original
+    for r, p, request in zip(run.results, plain.results, requests):
+        assert r.status == "finished" and r.tokens == p.tokens == mt.generate(
+            close_calls, list(request.prompt), request.max_new_tokens, eos_token_id=[])
+    drafted = {i: [(length, n) for seq, length, n in made if seq == i and n] for i in range(3)}
+    assert drafted[0] and drafted[1] and not drafted[2]
+    assert all(length + n - 1 <= 16 for length, n in drafted[0] + drafted[1])
+    assert max(length for length, _ in drafted[1]) >= 14     # it drafted up to the edge
+    assert served.speculator.counters.accepted_tokens > 0 and not served.speculator.proposer.drafts
+
+
+def test_num_speculative_tokens_is_bounded_by_the_positions_and_metrics_by_the_drafts(
+        close_calls):
+    """More than the model's positions is refused naming both, before anything is made; as
+    many is served, and /metrics' per-position lines are as many as the longest draft verified
+    (a request of 6 tokens drafts 4 after its first: not a line per position of the model)."""
+    from minitransformer.serve.prometheus import speculative_lines
+    positions = close_calls.config.max_position_embeddings
+    for n in (positions + 1, 10**30):
+        with pytest.raises(ValueError, match=f"num_speculative_tokens={n} is more than the "
+                                             f"model's {positions} positions"):
+            engine(close_calls, SpeculativeConfig(num_speculative_tokens=n))
+    itself = SpeculativeConfig(num_speculative_tokens=positions, method="draft_model",
+                               model="-")           # every proposal kept
+    served = engine(close_calls, itself, close_calls, max_num_seqs=2, batch_invariant=True)
+    request = workload()[0]
+    run = served.run([replace(request, max_new_tokens=6, logprobs=None)])
+    assert run.results[0].tokens == mt.generate(close_calls, list(request.prompt), 6,
+                                                eos_token_id=[])
+    c = served.speculator.counters          # the prefill's token, then one draft of 4
+    assert (c.drafts, c.per_position) == (1, [1, 1, 1, 1])
+    lines = speculative_lines('model_name="m"', c)
+    assert sum("per_pos_total{" in line for line in lines) == len(c.per_position)
+
+
 def test_default_mode_greedy_follows_the_near_tie_rule(close_calls):
     requests = workload(seed=1)
     served = engine(close_calls, NGRAM, max_num_seqs=4)

@@ -41,6 +41,9 @@ BAD_CONFIGS = [  # (value, what the message must name)
     ({"method": "eagle", "num_speculative_tokens": 2}, "method 'eagle'"),
     ({"method": "ngram"}, "num_speculative_tokens is required"),
     ({"num_speculative_tokens": 0}, "num_speculative_tokens must be an integer >= 1"),
+    ({"num_speculative_tokens": None}, "num_speculative_tokens must be an integer >= 1, got None"),
+    ('{"num_speculative_tokens": null}', "num_speculative_tokens must be an integer >= 1"),
+    ({"num_speculative_tokens": [3]}, "num_speculative_tokens must be an integer"),
     ({"num_speculative_tokens": True}, "num_speculative_tokens must be an integer"),
     ({"num_speculative_tokens": 2.0}, "num_speculative_tokens must be an integer"),
     ({"num_speculative_tokens": "5"}, "num_speculative_tokens must be an integer"),
@@ -67,6 +70,16 @@ def test_a_bad_config_is_a_value_error_naming_the_field(value, named):
     with pytest.raises(ValueError) as e:
         parse_speculative_config(value)
     assert named in str(e.value) and str(e.value).startswith("speculative config: ")
+
+
+def test_a_null_optional_field_is_its_default():
+    """vLLM's reading: null is the field left out (it once reached the dataclass, and
+    prompt_lookup_min > None was a TypeError)."""
+    nulls = {name: None for name in FIELDS if name not in ("num_speculative_tokens", "model")}
+    assert parse_speculative_config(json.dumps({"num_speculative_tokens": 2} | nulls)) == \
+        SpeculativeConfig(num_speculative_tokens=2)
+    assert parse_speculative_config({"num_speculative_tokens": 2, "model": "/m",
+                                     "method": None}).method == "draft_model"
 
 
 def test_every_field_has_a_home_in_the_dataclass():
@@ -285,7 +298,7 @@ def test_ngram_proposals_are_the_lookup_over_prompt_and_output(model):
 
 # ---------------------------------------------------------------------------- the counters
 def test_counters_count_drafts_tokens_and_acceptance_per_position():
-    c = SpecCounters(4)
+    c = SpecCounters()
     for proposed, accepted in ((4, 4), (3, 1), (0, 0), (2, 0)):
         c.count(proposed, accepted)
     assert (c.drafts, c.draft_tokens, c.accepted_tokens) == (3, 9, 5)
@@ -295,7 +308,7 @@ def test_counters_count_drafts_tokens_and_acceptance_per_position():
 def test_metrics_show_the_counters_under_vllms_names_only_when_speculating():
     from minitransformer.serve.online import Snapshot
     from minitransformer.serve.prometheus import ServingMetrics
-    c = SpecCounters(3)
+    c = SpecCounters()
     c.count(3, 2)
     c.count(2, 0)
     metrics = ServingMetrics("m")

@@ -59,7 +59,7 @@ from minitransformer.serve.intake import check_request
 from minitransformer.serve.paged import PagedCache, RaggedView, check_fits
 from minitransformer.serve.records import Request, Result, Run
 from minitransformer.serve.scheduler import Scheduler, Sequence, close
-from minitransformer.serve.speculate import Row, Speculator
+from minitransformer.serve.speculate import Row, Speculator, check_against
 
 
 class Engine:
@@ -74,6 +74,9 @@ class Engine:
             raise TypeError(f"config: expected an EngineConfig, got {type(config).__name__}")
         slots, num_blocks, block_size = config.max_num_seqs, config.num_blocks, config.block_size
         check_fits(model.config, slots, num_blocks, block_size, config.kv_cache_dtype)
+        spec = config.speculative_config
+        if spec is not None:        # before the pool or a draft model is made
+            check_against(spec, model)
         self.model, self.config, self.policy = model, config, config.policy
         self.prefix_caching = config.enable_prefix_caching
         self.batch_invariant = config.batch_invariant  # docs/serving.md, "Exactness"
@@ -86,7 +89,6 @@ class Engine:
         self.results = {}           # request id -> Result, until released
         self.next_id, self.clock, self.steps = 0, 0.0, 0
         self.decode_times, self.prefill_times, self.memory = [], [], []   # with history only
-        spec = config.speculative_config
         self.speculator = None if spec is None else Speculator(
             spec, model, draft_model if draft_model is not None or
             spec.method != "draft_model" else load(spec.model))

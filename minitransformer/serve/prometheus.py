@@ -84,7 +84,7 @@ def speculative_lines(labels: str, counters) -> list:
     """Speculation's counters (a speculate.SpecCounters) under vLLM's names.
 
     >>> from minitransformer.serve.speculate import SpecCounters
-    >>> c = SpecCounters(2); c.count(2, 1)
+    >>> c = SpecCounters(); c.count(2, 1)
     >>> print("\\n".join(speculative_lines('model_name="m"', c)[-4:]))
     # HELP vllm:spec_decode_num_accepted_tokens_per_pos_total Number of accepted tokens per draft position.
     # TYPE vllm:spec_decode_num_accepted_tokens_per_pos_total counter

@@ -108,10 +108,14 @@ def parse_speculative_config(value) -> SpeculativeConfig:
     >>> parse_speculative_config('{"method": "ngram", "num_speculative_tokens": 5, '
     ...                          '"prompt_lookup_max": 4}').prompt_lookup_max
     4
-    >>> parse_speculative_config({"num_speculative_tokens": 0})
+    >>> parse_speculative_config({"num_speculative_tokens": None})
     Traceback (most recent call last):
     ...
-    ValueError: speculative config: num_speculative_tokens must be an integer >= 1, got 0
+    ValueError: speculative config: num_speculative_tokens must be an integer >= 1, got None
+
+    A null optional field is the field left out (its default), as vLLM reads it. How long a
+    draft may be against the model is checked when an engine takes the config
+    (``check_against``): the model's positions are not known here.
     """
     where = "speculative config"
     if isinstance(value, str):
@@ -126,7 +130,8 @@ def parse_speculative_config(value) -> SpeculativeConfig:
     if unknown:
         raise ValueError(f"{where}: unknown field(s) {', '.join(map(repr, unknown))} "
                          f"(known: {', '.join(FIELDS)})")
-    fields = dict(value)
+    fields = {name: v for name, v in value.items()       # null: the default
+              if v is not None or name == "num_speculative_tokens"}
     if fields.get("model") is not None and "method" not in fields:
         fields["method"] = "draft_model"        # vLLM infers it from the model
     method = fields.get("method", "ngram")
@@ -137,8 +142,10 @@ def parse_speculative_config(value) -> SpeculativeConfig:
         raise ValueError(f"{where}: num_speculative_tokens is required (the longest draft)")
     for name in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min",
                  "disable_by_batch_size"):
-        n = fields.get(name)
-        if n is not None and (not is_integer(n) or n < 1):
+        if name not in fields:
+            continue
+        n = fields[name]
+        if not is_integer(n) or n < 1:
             raise ValueError(f"{where}: {name} must be an integer >= 1, got {n!r}")
     rows = fields.get("weight_rows")
     if rows is not None and (not is_real(rows) or not 0 < rows < float("inf")):
@@ -160,13 +167,32 @@ def parse_speculative_config(value) -> SpeculativeConfig:
     return config
 
 
+def check_against(config: SpeculativeConfig, target, draft=None) -> None:
+    """Before an engine allocates anything for speculation: no draft longer than the target
+    has positions (a sequence could never take it; its books, one counter a position, would
+    be that long), and a draft model's vocabulary is the target's. ValueErrors naming both
+    sizes. A draft model with fewer positions than the target is served: a sequence drafts
+    only while it fits the draft's positions (``Proposer.room``), as vLLM does."""
+    positions = target.config.max_position_embeddings
+    if config.num_speculative_tokens > positions:
+        raise ValueError(f"speculative config: num_speculative_tokens="
+                         f"{config.num_speculative_tokens} is more than the model's "
+                         f"{positions} positions")
+    if draft is not None and draft.config.vocab_size != target.config.vocab_size:
+        raise ValueError(f"draft and target must share a vocabulary: the draft has "
+                         f"{draft.config.vocab_size} tokens, the target "
+                         f"{target.config.vocab_size}")
+
+
 # --- proposals -------------------------------------------------------------------------------
 class Proposer:
     """Where one engine's drafts come from: a prompt lookup for all, or a draft model with a
-    cache per sequence (made at its first draft, dropped with ``forget``)."""
+    cache per sequence (made at its first draft, dropped with ``forget``). A draft model
+    proposes only within its own positions (``room``), however long the target's are."""
 
     def __init__(self, config: SpeculativeConfig, target, draft_model=None):
         self.config, self.target = config, target
+        check_against(config, target, draft_model)
         if config.method == "ngram":
             self.lookup = LookupDraft(PromptLookup(config.prompt_lookup_max,
                                                    config.prompt_lookup_min),
@@ -175,10 +201,6 @@ class Proposer:
         else:
             if draft_model is None:
                 raise ValueError("method 'draft_model' needs the draft model loaded")
-            if draft_model.config.vocab_size != target.config.vocab_size:
-                raise ValueError(f"draft and target must share a vocabulary: the draft has "
-                                 f"{draft_model.config.vocab_size} tokens, the target "
-                                 f"{target.config.vocab_size}")
             self.lookup, self.draft_model = None, draft_model
             # c of the formula: a decode step reads every weight, so a draft token costs the
             # draft's parameters over the target's
@@ -193,10 +215,28 @@ class Proposer:
             return [], []
         if self.lookup is not None:
             return self.lookup.propose(tokens, n, settings, rng)
-        if seq_id not in self.drafts:
+        if seq_id not in self.drafts:      # its cache: no longer than the draft's positions
+            fits = self.draft_model.config.max_position_embeddings - prompt_len
             self.drafts[seq_id] = ModelDraft(self.draft_model, self.target,
-                                             np.array(tokens[:prompt_len]), max_new_tokens)
+                                             np.array(tokens[:prompt_len]),
+                                             min(max_new_tokens, fits))
         return self.drafts[seq_id].propose(tokens, n, settings, rng)
+
+    def room(self, tokens: list):
+        """The most proposals the draft can make for a sequence of these tokens: a draft
+        model feeds the tokens and all but its last proposal, within its positions (a prompt
+        lookup: no limit, math.inf).
+
+        >>> from minitransformer.checkpoints.synth import qwen2_config, random_model
+        >>> config = SpeculativeConfig(3, "draft_model", "-")
+        >>> short = Proposer(config, random_model(qwen2_config(max_position_embeddings=64)),
+        ...                  random_model(qwen2_config(max_position_embeddings=8)))
+        >>> [short.room([1] * length) for length in (2, 7, 8, 9)]
+        [7, 2, 1, 0]
+        """
+        if self.lookup is not None:
+            return math.inf
+        return max(0, self.draft_model.config.max_position_embeddings - len(tokens) + 1)
 
     def shadow(self, tokens: list):
         """The first token a lookup would propose now, None if it finds none or this is a draft
@@ -299,15 +339,12 @@ def split_rows(logits, counts) -> list:
 @dataclass
 class SpecCounters:
     """What speculation did since the engine started (vLLM's spec_decode counters)."""
-    num_speculative_tokens: int
     drafts: int = 0                 # verified proposals of at least one token
     draft_tokens: int = 0           # tokens proposed and verified
     accepted_tokens: int = 0        # of those, accepted
-    per_position: list = field(default=None)   # accepted at draft position 0, 1, ...
-
-    def __post_init__(self):
-        if self.per_position is None:
-            self.per_position = [0] * self.num_speculative_tokens
+    per_position: list = field(default_factory=list)   # accepted at draft position 0, 1, ...
+    # per_position is as long as the longest draft verified, not num_speculative_tokens: a
+    # /metrics line a position, so never more lines than drafts made positions
 
     def copy(self) -> "SpecCounters":
         """A snapshot for another thread (the server's /metrics)."""
@@ -320,6 +357,7 @@ class SpecCounters:
         self.drafts += 1
         self.draft_tokens += proposed
         self.accepted_tokens += accepted
+        self.per_position += [0] * (proposed - len(self.per_position))
         for position in range(accepted):
             self.per_position[position] += 1
 
@@ -342,7 +380,7 @@ class Speculator:
     def __init__(self, config: SpeculativeConfig, model, draft_model=None):
         self.config, self.model = config, model
         self.proposer = Proposer(config, model, draft_model)
-        self.counters = SpecCounters(config.num_speculative_tokens)
+        self.counters = SpecCounters()
         self.judged = {}    # sequence id -> [accepted, judged] proposals, for its alpha
         self.fed = []       # the last step's tokens fed per row (its last token + drafts)
 
@@ -412,13 +450,16 @@ class Speculator:
             self.forget(seq_id)
 
     def _length(self, cache, row, batch: int, spare=None) -> int:
-        """This step's draft length for a row: the rule's, never past the request's end,
-        never more than the budget's spare tokens or the free blocks hold (speculation
-        preempts nobody)."""
-        made = len(row.tokens) - row.prompt_len
+        """This step's draft length for a row: the rule's, never past the request's end or
+        the draft model's positions, never more than the budget's spare tokens or the free
+        blocks hold (speculation preempts nobody). A sequence past the draft's positions
+        drafts no more: its draft cache goes."""
+        made, room = len(row.tokens) - row.prompt_len, self.proposer.room(row.tokens)
+        if room < 1:
+            self.proposer.forget(row.seq_id)
         n = min(draft_length(self.config, acceptance(*self.judged.get(row.seq_id, (0, 0))),
                              batch, self.proposer.cost),
-                row.max_new_tokens - made - 1, math.inf if spare is None else spare)
+                row.max_new_tokens - made - 1, room, math.inf if spare is None else spare)
         seq, bs = cache.seqs[row.seq_id], cache.block_size
         room = (len(seq.blocks) + len(cache.free)) * bs - seq.length    # after its one token
         return max(0, min(n, room))
