@@ -21,10 +21,11 @@ row (each weight read B times) so that every row gets exactly the bits it gets a
 second table prints the throughput of each, and at the largest B how many logits differ
 between the two and whether any greedy token changed.
 
---save-step-costs FILE writes {"batch size": seconds} for experiment 13's simulation.
+--save-step-costs FILE writes the step costs for experiment 13's simulation, with the rows
+still flagged after measuring again (sim/batching.py TableCost: its conclusions say "not
+concluded" on them, as this table's do).
 """
 import argparse
-import json
 import time
 
 import numpy as np
@@ -39,6 +40,7 @@ from minitransformer.measure.timing import batched_steps, time_together
 from minitransformer.model import forward
 from minitransformer.serve.blocks import blocks_for
 from minitransformer.serve.paged import PagedCache
+from sim.batching import TableCost
 
 
 def fill(model, B, context, block_size, seed):
@@ -176,7 +178,8 @@ def main(argv=None):
                         help="a doubling that buys less than this is past the knee "
                              "(default: %(default)s)")
     parser.add_argument("--save-step-costs", metavar="FILE",
-                        help="write the paged step latencies as JSON {batch size: seconds}")
+                        help="write the paged step latencies as JSON for experiment 13, with "
+                             "the rows still flagged")
     add_threads_argument(parser)
     args = parser.parse_args(argv)
     sizes = sorted(set(args.batch_sizes))
@@ -187,9 +190,11 @@ def main(argv=None):
     batched_table(sizes, timings, warnings, args, ran_on).show()
     ways_table(sizes, timings, logits).show()
     if args.save_step_costs:
-        with open(args.save_step_costs, "w") as f:
-            json.dump({str(B): p.best for B, (p, _, _) in zip(sizes, timings)}, f, indent=1)
-        say(f"step costs written to {args.save_step_costs}")
+        TableCost(tuple(sizes), tuple(p.best for p, _, _ in timings),
+                  {sizes[i]: why for i, why in warnings.items()}).write_json(args.save_step_costs)
+        say(f"step costs written to {args.save_step_costs}"
+            + (f" (flagged: B = {', '.join(str(sizes[i]) for i in warnings)})" if warnings
+               else ""))
 
 
 if __name__ == "__main__":

@@ -30,7 +30,7 @@ import minitransformer as mt
 from minitransformer.serve.config import EngineConfig
 from minitransformer.serve.engine import Engine
 from minitransformer.serve.paged import pool_for
-from minitransformer.measure.sanity import NOISE_FLOOR, load_seen
+from minitransformer.measure.sanity import conclude_on, load_seen
 from minitransformer.serve.records import Request, metrics
 from sim.batching import STATIC_RULE, TableCost, simulate_continuous, simulate_static
 from sim.workload import make_workload
@@ -50,18 +50,6 @@ def serve(model, requests, config):
     engine = Engine(model, config, history=True)     # its per-step timings
     return engine.run(requests, on_step=finished_progress(Progress(len(requests),
                                                                     config.policy)))
-
-
-def step_warnings(cost):
-    """The step-cost table the simulation uses (a median per batch size, as its header prints
-    them), checked: a larger batch cannot be cheaper beyond noise -> {batch size: message}."""
-    found, pairs = {}, list(zip(cost.batch_sizes, cost.seconds))
-    for i, (b1, s1) in enumerate(pairs[1:], 1):
-        b0, s0 = max(pairs[:i], key=lambda pair: pair[1])     # the dearest smaller batch
-        if s1 < s0 * (1 - NOISE_FLOOR):
-            found[b1] = (f"B={b1} {s1 * 1e3:.1f} ms below B={b0} {s0 * 1e3:.1f} ms: a larger "
-                         "batch cannot be cheaper")
-    return found
 
 
 COLUMNS = [("policy", ""), ("tokens/s", ".1f"), ("mean s", ".2f"), ("p50 s", ".2f"),
@@ -106,18 +94,18 @@ def engine_table(runs, lengths, args, ran_on) -> Table:
 
 
 def step_costs(model, requests, runs, config, args):
-    """The step-cost table the simulation uses: --step-costs, or the runs' own decode steps
-    (both policies once more, pooled, when a larger batch came out cheaper) -> (TableCost,
-    what step_warnings still says)."""
+    """The step-cost table the simulation uses: --step-costs (with what experiment 12
+    flagged in it), or the runs' own decode steps (both policies once more, pooled, when a
+    larger batch came out cheaper) -> (TableCost, what its doubts still say)."""
     steps = [s for run in runs for s in run.decode_times]
     cost = TableCost.from_json(args.step_costs) if args.step_costs else \
         TableCost.from_steps(steps, args.slots)
-    if step_warnings(cost) and not args.step_costs:   # measure again, pooling the steps
+    if cost.doubts() and not args.step_costs:   # measure again, pooling the steps
         say("step costs out of order (a larger batch cheaper): both policies once more")
         steps += [s for policy in ("static", "continuous")
                   for s in serve(model, requests, replace(config, policy=policy)).decode_times]
         cost = TableCost.from_steps(steps, args.slots)
-    return cost, step_warnings(cost)
+    return cost, cost.doubts()
 
 
 def simulation_table(runs, lengths, cost, warnings, args) -> Table:
@@ -134,11 +122,12 @@ def simulation_table(runs, lengths, cost, warnings, args) -> Table:
                "admitted request", STATIC_RULE)
     for run in sims:
         policy_row(sim, run, engine=False)
-    for B, message in warnings.items():
-        sim.note(f"WARNING: step costs out of order after measuring again: {message}")
-    sim.note(ratios(*[metrics(r.results) for r in sims]) if not warnings else
-             "continuous vs static (simulated): not concluded, the machine was too noisy "
-             f"(step costs out of order at B = {', '.join(map(str, warnings))}); {load_seen()}")
+    for message in warnings.values():
+        sim.note(f"WARNING: step cost {message}")
+    sim.note(conclude_on("continuous vs static (simulated)",
+                         lambda: ratios(*[metrics(r.results) for r in sims]),
+                         {B: f"step cost at B = {B} doubted" for B in warnings},
+                         "" if args.step_costs else load_seen()))
     return sim
 
 

@@ -39,11 +39,12 @@ static 5 [(1.0, 3.0), (1.0, 3.0), (4.0, 5.0)]
 continuous 3 [(1.0, 3.0), (1.0, 1.0), (2.0, 3.0)]
 """
 import json
-from dataclasses import astuple, dataclass
+from dataclasses import astuple, dataclass, field
 from pathlib import Path
 
 import numpy as np
 
+from minitransformer.measure.sanity import NOISE_FLOOR
 from minitransformer.serve.records import Metrics, Result, Run, metrics
 from sim.workload import make_workload
 
@@ -69,12 +70,20 @@ class AffineCost:
     def __call__(self, batch):
         return self.a + self.b * batch
 
+    def doubts(self) -> dict:
+        """Nothing measured, nothing doubted (TableCost.doubts)."""
+        return {}
+
 
 @dataclass(frozen=True)
 class TableCost:
-    """Measured step latencies per batch size, linearly interpolated in between."""
+    """Measured step latencies per batch size, linearly interpolated in between. flagged:
+    {batch size: why} for each latency the experiment that measured it doubted (experiment
+    12's warnings: repeats that disagree, a larger batch cheaper), kept with the costs so that
+    nothing concluded from them forgets it (``doubts``)."""
     batch_sizes: tuple
     seconds: tuple
+    flagged: dict = field(default_factory=dict)
 
     def __post_init__(self):
         if len(self.batch_sizes) == 0 or len(self.batch_sizes) != len(self.seconds):
@@ -83,6 +92,28 @@ class TableCost:
             raise ValueError(f"batch sizes {self.batch_sizes}: expected increasing, >= 1")
         if not all(s > 0 for s in self.seconds):
             raise ValueError(f"step latencies {self.seconds}: expected positive seconds")
+        if not set(self.flagged) <= set(self.batch_sizes):
+            raise ValueError(f"flagged batch sizes {sorted(self.flagged)}: expected some of "
+                             f"{self.batch_sizes}")
+
+    def doubts(self, tolerance=NOISE_FLOOR) -> dict:
+        """{batch size: why} of the costs no conclusion may rest on: those flagged where they
+        were measured, and those below a smaller batch's beyond the tolerance (a larger batch
+        cannot be cheaper; against the dearest smaller one, so a slow drift past several sizes
+        is caught too).
+
+        >>> TableCost((1, 4, 8), (0.010, 0.020, 0.015), {4: "B=4: repeats disagree"}).doubts()
+        {4: 'flagged where measured: B=4: repeats disagree', \
+8: 'B=8 15.0 ms below B=4 20.0 ms: a larger batch cannot be cheaper'}
+        """
+        found = {b: f"flagged where measured: {why}" for b, why in self.flagged.items()}
+        pairs = list(zip(self.batch_sizes, self.seconds))
+        for i, (b1, s1) in enumerate(pairs[1:], 1):
+            b0, s0 = max(pairs[:i], key=lambda pair: pair[1])     # the dearest smaller batch
+            if s1 < s0 * (1 - tolerance):
+                found.setdefault(b1, f"B={b1} {s1 * 1e3:.1f} ms below B={b0} {s0 * 1e3:.1f} "
+                                     "ms: a larger batch cannot be cheaper")
+        return dict(sorted(found.items()))
 
     def __call__(self, batch):
         if not self.batch_sizes[0] <= batch <= self.batch_sizes[-1]:
@@ -90,16 +121,28 @@ class TableCost:
                              f"({self.batch_sizes[0]}..{self.batch_sizes[-1]})")
         return float(np.interp(batch, self.batch_sizes, self.seconds))
 
+    def write_json(self, path) -> None:
+        """{"seconds": {"batch size": seconds}, "flagged": {"batch size": why}}: from_json's."""
+        Path(path).write_text(json.dumps({
+            "seconds": {str(b): s for b, s in zip(self.batch_sizes, self.seconds)},
+            "flagged": {str(b): why for b, why in self.flagged.items()}}, indent=1))
+
     @classmethod
     def from_json(cls, path):
-        """A JSON object {"batch size": seconds, ...}, e.g. written by experiment 12."""
+        """What write_json writes (experiment 12's --save-step-costs), or a plain JSON object
+        {"batch size": seconds, ...}: costs nobody flagged."""
         try:
             table = json.loads(Path(path).read_text())
-            pairs = sorted((int(b), float(s)) for b, s in table.items())
-        except (OSError, ValueError, AttributeError) as e:
+            seconds, flagged = (table["seconds"], table.get("flagged", {})) \
+                if "seconds" in table else (table, {})
+            pairs = sorted((int(b), float(s)) for b, s in seconds.items())
+            flagged = {int(b): why for b, why in flagged.items()}
+            if not all(isinstance(why, str) for why in flagged.values()):
+                raise ValueError(f"flagged {flagged}: expected a reason per batch size")
+            return cls(tuple(b for b, _ in pairs), tuple(s for _, s in pairs), flagged)
+        except (OSError, ValueError, AttributeError, TypeError) as e:
             raise ValueError(f"{str(path)!r}: expected a JSON object of batch size -> "
                              f"seconds ({e})") from None
-        return cls(tuple(b for b, _ in pairs), tuple(s for _, s in pairs))
 
     @classmethod
     def from_steps(cls, steps, slots):
@@ -107,7 +150,7 @@ class TableCost:
         seen at the ends (1, slots) take the nearest measured one's cost.
 
         >>> TableCost.from_steps([(2, 0.03), (2, 0.01), (2, 0.02), (4, 0.05)], slots=8)
-        TableCost(batch_sizes=(1, 2, 4, 8), seconds=(0.02, 0.02, 0.05, 0.05))
+        TableCost(batch_sizes=(1, 2, 4, 8), seconds=(0.02, 0.02, 0.05, 0.05), flagged={})
         """
         by_size = {}
         for batch, seconds in steps:

@@ -47,7 +47,7 @@ def test_batching_scripts_run_and_feed_each_other(tiny, tmp_path, run_script):
     costs = tmp_path / "costs.json"
     run_script("exp12_batched_decode", "--model", tiny, "--batch-sizes", "1,2,4", "--context", 8,
                "--repeat", 2, "--save-step-costs", costs)
-    assert set(json.loads(costs.read_text())) == {"1", "2", "4"}
+    assert set(json.loads(costs.read_text())["seconds"]) == {"1", "2", "4"}
     out, _ = run_script("exp13_batching_sim", "--step-costs", costs, "--slots", 4,
                         "--requests", 8, "--median", 4, "--max-len", 12, "--total", 40)
     assert "measured" in out and "continuous" in out
@@ -231,15 +231,74 @@ def test_exp12_concludes_only_from_steady_rows(tiny, monkeypatch, run_script, no
     assert "  66.7  " in row and any(" 100.0 " in line for line in out.splitlines())
 
 
-def test_exp13_engine_checks_the_step_costs_it_prints():
+def test_the_step_costs_doubts_quote_what_the_simulation_prints():
     """The warning quotes the medians the simulation's header prints, against the dearest
     smaller batch (a slow drift past several sizes is caught, not only a step between two)."""
-    from exp13_engine import step_warnings
     from sim.batching import TableCost
     cost = TableCost((1, 2, 5, 6, 7, 8), (0.0331, 0.0423, 0.0547, 0.0535, 0.0503, 0.0471))
-    assert step_warnings(cost) == {     # B=6 and 7 stay within the 10% floor of B=5
+    assert cost.doubts() == {     # B=6 and 7 stay within the 10% floor of B=5
         8: "B=8 47.1 ms below B=5 54.7 ms: a larger batch cannot be cheaper"}
-    assert step_warnings(TableCost((1, 2, 4), (0.030, 0.029, 0.050))) == {}   # within 10%
+    assert TableCost((1, 2, 4), (0.030, 0.029, 0.050)).doubts() == {}   # within 10%
+
+
+SIM = ["--slots", 8, "--requests", 8, "--median", 4, "--max-len", 12, "--total", 40,
+       "--loads", "0.5,1,inf", "--seeds", 1]
+
+
+@pytest.mark.parametrize("costs, why", [
+    ({"1": 0.010, "2": 0.012, "4": 0.020, "8": 0.015},     # B=8 below B=4: a plain file
+     "step cost B=8 15.0 ms below B=4 20.0 ms: a larger batch cannot be cheaper"),
+    ({"seconds": {"1": 0.010, "2": 0.012, "4": 0.020, "8": 0.030},   # ordered, but flagged
+      "flagged": {"4": "B=4: median 40.0 ms, 2.00x the fastest 20.0 ms: repeats disagree"}},
+     "step cost flagged where measured: B=4: median 40.0 ms, 2.00x the fastest 20.0 ms")])
+def test_exp13_sim_concludes_nothing_from_doubted_step_costs(tmp_path, run_script, costs, why):
+    """Costs out of order, or flagged by experiment 12: the rows are printed, no ratio is."""
+    path = tmp_path / "costs.json"
+    path.write_text(json.dumps(costs))
+    out, _ = run_script("exp13_batching_sim", "--step-costs", path, *SIM)
+    assert f"WARNING: {why}" in out
+    assert "continuous vs static: not concluded, the machine was too noisy (step costs at " \
+        "B = " in out
+    assert "the 1.6x throughput gain: not concluded" in out
+    assert "both chapter figures: not concluded" in out
+    assert not re.search(r"throughput \d+\.\d+x|reaches 1\.6x|at loads:", out), out
+    plain = {"1": 0.010, "2": 0.012, "4": 0.020, "8": 0.030}     # the same, in order: concluded
+    path.write_text(json.dumps(plain))
+    out, _ = run_script("exp13_batching_sim", "--step-costs", path, *SIM)
+    assert re.search(r"continuous vs static: throughput \d+\.\d+x", out)
+    assert "not concluded" not in out and "WARNING" not in out
+
+
+def test_exp12_s_flags_travel_with_its_step_costs_to_exp13(tiny, monkeypatch, run_script,
+                                                           tmp_path):
+    """Experiment 12 measuring B = 8 below B = 4 (injected timings, on both passes) writes
+    the costs with the row flagged; experiment 13 concludes nothing from them, and neither
+    does experiment 13 on the engine, simulating at them."""
+    import exp12_batched_decode as exp12
+    from minitransformer.measure.timing import Timing
+    steps = {1: 0.010, 2: 0.012, 4: 0.020, 8: 0.015}
+
+    def fake(fns, warmup=1, repeat=5, after=None):   # B = the rows the step decodes
+        B = fake.sizes.pop(0)
+        return [Timing((steps[B],) * 3, load=2.5)] * 3
+    fake.sizes = [1, 2, 4, 8, 4, 8]     # then the re-measurement: B = 8 and the row before
+    monkeypatch.setattr(exp12, "time_together", fake)
+    costs = tmp_path / "costs.json"
+    out, _ = run_script("exp12_batched_decode", "--model", tiny, "--batch-sizes", "1,2,4,8",
+                        "--context", 8, "--repeat", 3, "--save-step-costs", costs)
+    assert "WARNING: batch 8 costs 0.75x batch 4" in out
+    saved = json.loads(costs.read_text())
+    assert saved["seconds"] == {"1": 0.010, "2": 0.012, "4": 0.020, "8": 0.015}
+    assert list(saved["flagged"]) == ["8"] and "cannot be cheaper" in saved["flagged"]["8"]
+    out, _ = run_script("exp13_batching_sim", "--step-costs", costs, *SIM)
+    assert "WARNING: step cost flagged where measured: batch 8 costs 0.75x batch 4" in out
+    assert "continuous vs static: not concluded" in out
+    assert not re.search(r"throughput \d+\.\d+x", out), out
+    out, _ = run_script("exp13_engine", "--model", tiny, "--step-costs", costs, "--requests", 8,
+                        "--median", 4, "--max-len", 12, "--total", 40, "--prompt-len", 6)
+    simulated = out.split("Simulation (sim/batching.py)")[1]
+    assert "continuous vs static (simulated): not concluded" in simulated
+    assert not re.search(r"throughput \d+\.\d+x", simulated), simulated
 
 
 def test_profile_batched_splits_the_step_under_two_kernels(tiny, run_script, tmp_path):

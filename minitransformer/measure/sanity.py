@@ -151,16 +151,29 @@ def conclude(what, line, rows, max_spread=MAX_SPREAD) -> str:
     knee: not concluded, the machine was too noisy (B=2: still flagged, see its row)
     load average 1.0
     """
-    doubts = []
+    doubts = {}
     for label, (timing, warning) in rows.items():
         if warning:
-            doubts.append(f"{label}: still flagged, see its row")
+            doubts[label] = f"{label}: still flagged, see its row"
         elif timing.spread > max_spread:
-            doubts.append(f"{label}: repeats {timing.spread:.0%} apart")
+            doubts[label] = f"{label}: repeats {timing.spread:.0%} apart"
+    return conclude_on(what, line, doubts, load_seen(t for t, _ in rows.values()))
+
+
+def conclude_on(what, line, doubts: dict, seen: str = "") -> str:
+    """The derived line when nothing it rests on is doubted, else why not: ``conclude`` for
+    figures a check judged elsewhere (step costs experiment 12 measured and flagged, read by
+    experiment 13). doubts: {label: why}; seen: what is said last (the load average).
+
+    >>> conclude_on("throughput", "throughput 2.53x", {})
+    'throughput 2.53x'
+    >>> conclude_on("throughput", "throughput 2.53x", {8: "B=8 below B=4"})
+    'throughput: not concluded, the machine was too noisy (B=8 below B=4)'
+    """
     if not doubts:
         return line() if callable(line) else line
-    return (f"{what}: not concluded, the machine was too noisy ({'; '.join(doubts)}); "
-            f"{load_seen(t for t, _ in rows.values())}")
+    return (f"{what}: not concluded, the machine was too noisy ({'; '.join(doubts.values())})"
+            + (f"; {seen}" if seen else ""))
 
 
 def load_seen(timings=()) -> str:
