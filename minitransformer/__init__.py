@@ -28,7 +28,8 @@ each part serves; ../quant/ and ../sim/ sit beside this package):
 
 A first pass may skip: loader.py, tokenizer.py, chat.py and formats/ (where the bytes come
 from), linear.py, backend.py, kernels/, ../quant/matmul.py and ../quant/packing.py (how the
-products run fast, or on a GPU), checks.py and errors.py (refusing bad input), checkpoints/ (the
+products run fast, or on a GPU), checks.py and errors.py (refusing bad input), progress.py (a
+line on stderr while it loads or measures), checkpoints/ (the
 models the experiments run on), ../sim/arch.py (any config read as the cost models want it),
 serve/online.py, openai_api.py, detokenize.py, prometheus.py, http.py, speculate.py and
 logprobs.py (the server; speculate.py is step 10 in the engine), measure/timing.py and sanity.py (the measuring kit), __main__.py (the command line).

@@ -25,6 +25,7 @@ from minitransformer.errors import CheckpointError
 from minitransformer.formats.gguf import load_gguf
 from minitransformer.formats.safetensors_io import read_tensors, to_float32
 from minitransformer.model import Model
+from minitransformer.progress import tell
 from minitransformer.sampling import SamplingSettings
 from minitransformer.shape import tensor_shapes
 from minitransformer.tokenizer import load_tokenizer
@@ -141,15 +142,20 @@ def check_eos_ids(file: Path, eos, vocab_size: int) -> tuple[int, ...]:
 
 def load(path) -> Model:
     """A Hugging Face checkpoint directory, or a llama.cpp .gguf file (see gguf.py) -> Model
-    (float32 weights on the active backend)."""
+    (float32 weights on the active backend). Says on stderr what it loads (and, where this
+    machine has not yet measured the model's products, that it measures them: kernels/blas.py).
+    """
     path = Path(path)
     if path.suffix == ".gguf":
+        if path.is_file():
+            tell(f"loading {path}")
         return load_gguf(path)
     if path.is_file():
         raise CheckpointError(f"{path}: is a file; load takes a checkpoint directory "
                               "(config.json + model.safetensors + tokenizer.json) or a .gguf file")
     if not path.is_dir():
         raise CheckpointError(f"{path}: checkpoint directory not found")
+    tell(f"loading {path}")
     config = load_config(path)
     eos, sampling = generation_config(path, config.vocab_size)
     return Model(config=config, weights=load_weights(path, config),

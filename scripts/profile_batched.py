@@ -47,7 +47,8 @@ from bench_decode import (checkpoint, decode_cache, product_weights, products_on
 from minitransformer.backend import xp
 from minitransformer.kernels import blas
 from minitransformer.linear import linear
-from minitransformer.measure.timing import (blas_kernel, cpu, step_with_rollback, time_together,
+from minitransformer.kernels.tuning import cpu
+from minitransformer.measure.timing import (blas_kernel, step_with_rollback, time_together,
                                             where_it_ran)
 from minitransformer.model import prepare
 from minitransformer.shape import decode_read_bytes

@@ -1,6 +1,7 @@
 """The ways a product x @ w.T goes into BLAS (blas.py): each is the product, up to the order of
 its sums; the way a shape takes is measured (one row too) and fixed once per process, so the same
-calls give the same bits.
+calls give the same bits. What is measured here is kept in a file of the test's own (tuning.py:
+test_tuning.py tests the file), so every test measures afresh.
 """
 import os
 import subprocess
@@ -10,9 +11,18 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from minitransformer.kernels import blas
+from minitransformer.kernels import blas, tuning
 from minitransformer.backend import to_device, to_numpy
 from minitransformer.linear import linear
+
+
+@pytest.fixture(autouse=True)
+def own_tuning_file(monkeypatch, tmp_path):
+    """Nothing recalled from this machine's file, nothing written to it; the row counts as a
+    process starts with."""
+    monkeypatch.setenv("MT_TUNING_CACHE", str(tmp_path / "tuning.json"))
+    monkeypatch.setattr(tuning, "MODE", "remember")
+    monkeypatch.setattr(blas, "rows_run", {1, blas.FEW_ROWS})
 
 
 def operands(M, n=None, cols=96, seed=0):
@@ -219,7 +229,7 @@ def test_a_weight_is_laid_out_column_major_only_where_that_is_faster_for_1_and_f
     assert np.array_equal(to_numpy(arranged), w) and blas.layout(arranged) == taken
     assert ("dots", "column-major") not in made and {layout for _, layout in made} == {
         "row-major", "column-major"}
-    assert blas.laid_out == {(*w.shape, "<f4"): taken}
+    assert blas.laid_out == {(*w.shape, "<f4", (1, blas.FEW_ROWS)): taken}
     assert sorted(key[0] for key in blas.chosen) == [1, blas.FEW_ROWS]
     assert all(key[3] == taken for key in blas.chosen)
     calls = len(made)
@@ -241,3 +251,63 @@ def test_a_fixed_way_keeps_the_checkpoint_s_layout_and_a_fixed_layout_is_taken(m
             arranged = blas.arrange(to_device(given))
             assert blas.layout(arranged) == fixed and np.array_equal(to_numpy(arranged), w)
     assert blas.laid_out == {}                                # nothing measured
+
+
+# Per (layout, way, rows in the call) on the virtual clock, in ms: the two layouts' winners
+# differ at every count (1, 8 and FEW_ROWS rows), and column-major is the faster at each.
+# `rows` and `dots` are timed on one row (their cost per call), counted M times.
+WINNERS = {"column-major": {1: "slices", 8: "flat", 16: "rows"},
+           "row-major": {1: "dots", 8: "slices", 16: "flat"}}
+COSTS = {("column-major", "flat"): {1: 2, 8: 1, 16: 9},     # slices 1 | flat 1 | rows 8
+         ("column-major", "slices"): {1: 1, 8: 3, 16: 9},
+         ("column-major", "rows"): {1: 0.5},
+         ("row-major", "flat"): {1: 5, 8: 6, 16: 10},       # dots 1.5 | slices 2 | flat 10
+         ("row-major", "slices"): {1: 5, 8: 2, 16: 20},
+         ("row-major", "rows"): {1: 3},
+         ("row-major", "dots"): {1: 1.5}}
+
+
+def winners_differ_by_layout(monkeypatch):
+    """Every way costs COSTS on the chooser's virtual clock, and the products multiply calls
+    (blas.CALLS) are the timed ones too -> the (way, layout, rows) of each call made."""
+    made, now = [], [0.0]
+    monkeypatch.setattr(blas, "time", SimpleNamespace(perf_counter=lambda: now[0]))
+    wrapped = {}
+    for name in blas.ROUTES:
+        real = getattr(blas, name)
+
+        def call(x, w, out=None, real=real, name=name):
+            made.append((name, blas.layout(w), len(x)))
+            per = COSTS[blas.layout(w), name]      # rows, dots: a pass over w per row of x
+            now[0] += (per[len(x)] if len(per) > 1 else per[1] * len(x)) / 1000
+            return real(x, w, out)
+        monkeypatch.setattr(blas, name, call)
+        wrapped[name] = call
+    monkeypatch.setattr(blas, "CALLS", wrapped)
+    return made
+
+
+def test_a_weight_held_in_the_layout_that_won_takes_the_way_measured_fastest_in_that_layout(
+        monkeypatch):
+    """For each row count measured (1, 8 through expect_rows, FEW_ROWS), a product over the
+    weight arrange gave back (column-major, the faster at each) makes the call that was fastest
+    in column-major, never row-major's fastest (nor another count's): in this process, and in
+    the next one, which reads the choice back from the file and times nothing."""
+    monkeypatch.setattr(blas, "FIXED", None)
+    made = winners_differ_by_layout(monkeypatch)
+    blas.expect_rows(8, 40)                                 # 40 rows: flat, nothing to measure
+    _, w = operands(4, n=300)
+    for process in ("measures", "reads the file"):
+        monkeypatch.setattr(blas, "chosen", {})
+        monkeypatch.setattr(blas, "laid_out", {})
+        arranged = blas.arrange(to_device(w))
+        assert blas.layout(arranged) == "column-major" and np.array_equal(to_numpy(arranged), w)
+        assert {M for _, _, M in made} == ({1, 8, 16} if process == "measures" else set())
+        for M, route in WINNERS["column-major"].items():
+            made.clear()
+            x = np.ones((M, w.shape[1]), np.float32)
+            y = to_numpy(blas.multiply(to_device(x), arranged))
+            assert made == [(route, "column-major", M)], (process, M)
+            assert np.array_equal(y, blas.CALLS[route](x, np.asfortranarray(w),
+                                                       np.empty((M, len(w)), np.float32)))
+        made.clear()

@@ -349,8 +349,9 @@ def test_a_bad_sampling_default_in_the_checkpoint_is_one_error_line(tiny_chat_mo
                                                                     bad):
     path = with_sampling_defaults(tiny_chat_model, tmp_path, bad)
     done = cli("generate", "--model", str(path), "hi")
-    assert done.returncode == 2 and done.stderr.startswith("error: ")
-    assert "generation_config.json" in done.stderr and "Traceback" not in done.stderr
+    *said, error = done.stderr.splitlines()         # what the load said it did, then the error
+    assert done.returncode == 2 and error.startswith("error: ") and said == [f"loading {path}"]
+    assert "generation_config.json" in error and "Traceback" not in done.stderr
 
 
 def test_reset_says_so_and_starts_over(tiny_chat_model):
@@ -456,3 +457,24 @@ def test_model_names_and_the_offline_fallback(monkeypatch, capsys):
     assert model_path("default") == str(default_model())
     assert model_path(None) == str(default_model())
     assert "SmolLM2 unavailable (no network)" in capsys.readouterr().err
+
+
+def test_a_command_says_what_it_loads_and_measures_once_on_stderr(stories, tmp_path):
+    """No silent wait: generate names the checkpoint it loads and, where this machine has not
+    measured the model's products yet (an empty tuning file, products left to measure), says
+    that it measures them, a line per weight shape as it goes; the next run reads what the
+    first measured and says only what it loads."""
+    env = {k: v for k, v in os.environ.items() if k not in ("MT_PRODUCTS", "MT_LAYOUT")}
+    env |= {"MT_TUNING_CACHE": str(tmp_path / "tuning.json"), "MT_TUNING": "remember"}
+    runs = [subprocess.run([sys.executable, "-m", "minitransformer", "generate", "--model",
+                            stories.path, "Once", "--max-new-tokens", "2"], cwd=ROOT, env=env,
+                           capture_output=True, text=True, timeout=120) for _ in range(2)]
+    assert [run.returncode for run in runs] == [0, 0]
+    first, second = (run.stderr.splitlines() for run in runs)
+    shapes = {w.shape for w in [stories.layers[0].qkv, stories.layers[0].o,
+                                stories.layers[0].gate_up, stories.layers[0].down]}
+    assert first[0] == second[0] == f"loading {stories.path}"
+    measuring = [line for line in first if line.startswith("measuring how this machine")]
+    assert first[1:1 + len(measuring)] == measuring and len(measuring) >= len(shapes)
+    assert all(f"{n}x{k} float32 weight" in " ".join(measuring) for n, k in shapes)
+    assert not [line for line in second if "measuring" in line]

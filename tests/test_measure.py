@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from conftest import NEAR_TIE, clock_of_durations, fake_clock
+from minitransformer.kernels import tuning
 from minitransformer.measure import timing as measure
 from minitransformer.backend import BACKEND
 from minitransformer.measure.timing import median_time, peak_bytes, time_together, timed
@@ -112,18 +113,18 @@ def test_limit_threads_sets_blas_and_says_so():
 def test_where_it_ran_names_the_cpu_avx512_and_the_blas_kernel(monkeypatch):
     pools = [{"user_api": "blas", "internal_api": "openblas", "version": "0.3.31",
               "filepath": "/lib/libopenblas.so", "architecture": "Haswell", "num_threads": 1}]
-    monkeypatch.setattr(measure, "blas", lambda: pools)
+    monkeypatch.setattr(measure, "blas_pools", lambda: pools)
     monkeypatch.setattr(measure, "cpu", lambda: {"model": "AMD EPYC 7B13", "avx512": False})
     monkeypatch.setattr(os, "cpu_count", lambda: 2)
     assert measure.where_it_ran() == ("CPU: AMD EPYC 7B13 (2 cores), AVX-512: no; BLAS: "
                                       "openblas 0.3.31 (libopenblas.so), kernel Haswell, 1 thread")
     assert measure.blas_kernel() == "Haswell"
-    monkeypatch.setattr(measure, "blas", lambda: [])
+    monkeypatch.setattr(measure, "blas_pools", lambda: [])
     assert measure.blas_kernel() == "no-BLAS" and measure.where_it_ran().endswith("none found")
 
 
 def test_the_cpu_is_read_from_this_machine():
-    c = measure.cpu()
+    c = tuning.cpu()
     assert c["model"] and c["avx512"] in (True, False, None)
     if os.path.isfile("/proc/cpuinfo"):   # Linux on x86: the model name line, verbatim
         with open("/proc/cpuinfo") as f:

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 import run_all
-from minitransformer.kernels import blas
+from minitransformer.kernels import blas, tuning
 
 
 @pytest.fixture(scope="module")
@@ -122,6 +122,7 @@ def test_timing_scripts_fix_blas_threads_before_the_model_loads(name, tiny, run_
     for name_, value in (("laid_out", {}), ("chosen", {}), ("FIXED", None),
                          ("FIXED_LAYOUT", None)):
         monkeypatch.setattr(blas, name_, value)   # every shape measured again, here
+    monkeypatch.setattr(tuning, "MODE", "off")    # not recalled from this machine's file
     run_script(name, "--model", tiny, *TIMED_RUNS[name])
     assert "timed" in events and events[0] == "threads", events[:3]
 

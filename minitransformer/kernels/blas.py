@@ -22,8 +22,7 @@ on some CPUs the matrix-vector product streams a weight well below the rate of a
 over the same bytes (scripts/bench_decode.py times every route: docs/benchmarks/). So nothing
 here is tuned to one kernel: more than FEW_ROWS rows take one flat product, and for 1..FEW_ROWS
 rows the first product of each shape times the ways (for one row, `rows` is the very call
-`flat` makes, so three) on its own operands and keeps the fastest for that shape, for the rest
-of the process. A weight of COLD_BYTES or more is timed as a decode step reads it, from memory:
+`flat` makes, so three) on its own operands and keeps the fastest for that shape. A weight of COLD_BYTES or more is timed as a decode step reads it, from memory:
 the caches are flushed before each timing (a decode step reads every weight once, so none of
 them is still cached when its turn comes), by reading FLUSH_BYTES of other data: one buffer,
 allocated on the first large weight measured and kept for the process.
@@ -33,20 +32,30 @@ laid out column-major (w.T row-major, so x @ w.T is BLAS's plain untransposed pr
 different speeds, and for a few rows the column-major one can be the faster (measured here,
 Haswell kernel, 16 rows times a (3072, 576) matrix: about 1.3x). So each weight matrix the
 model multiplies is laid out once, where the model is built (`arrange`, called by fused.py): the
-ways for 1 and for FEW_ROWS rows are timed over both layouts side by side, and the weight is
-copied column-major only where that layout is the faster at both (one layout per shape, for the
-process; never under MT_PRODUCTS, so that two runs compare bits over the same layout).
-`MT_LAYOUT=row-major|column-major` fixes the layout of every weight instead (read at import):
-row-major is the checkpoint's own, the library before it measured layouts, for a benchmark's
-before and after in one run (scripts/bench_serving.py). In
+ways for each row count the process will run (`rows_run`: 1 and FEW_ROWS; a server adds its
+max_num_seqs through `expect_rows` before it loads) are timed over both layouts side by side,
+the weight is copied column-major only where that layout is the faster at every count, and the
+fastest way of each count *in the layout taken* is kept with it (one layout per shape; never
+under MT_PRODUCTS, so that two runs compare bits over the same layout).
+`MT_LAYOUT=row-major|column-major` fixes the layout of every weight instead, and measures none
+(read at import): row-major is the checkpoint's own, the library before it measured layouts,
+for a benchmark's before and after in one run (scripts/bench_serving.py). In
 either layout `flat` is the one product that reads w untransposed: (w @ x.T).T row-major,
 x @ w.T column-major; `dots` reads rows of w, which column-major are strided: not taken there.
 
+Measured once, remembered: timing every shape takes seconds, so what was measured (a layout
+with its ways, a way) is kept per machine in a small file (tuning.py: the CPU, the BLAS, its
+kernel and threads decide the answer) and read back at the next load; only what the file lacks
+is timed, and a load that times says so on stderr. The file is data: a name in it that is not
+a layout or a way taken there is measured again, never used. MT_TUNING=remeasure measures
+again on purpose; MT_TUNING=off keeps nothing (each process measures for itself).
+
 The ways sum in different orders, so their last bits differ. Within a process a shape always
 takes the same way, so the same calls give the same bits (a row of a batch-invariant step makes
-the very call the row alone makes, linear.py); across processes the measured choice may differ,
-and `MT_PRODUCTS=flat|rows|slices|dots` fixes it for every shape of 1..FEW_ROWS rows (read at
-import, as MT_BACKEND) for a comparison of bits between two runs. On CuPy every product is one
+the very call the row alone makes, linear.py); across processes it is the same where they read
+one file, but may differ where each measured, and `MT_PRODUCTS=flat|rows|slices|dots` fixes it
+for every shape of 1..FEW_ROWS rows (read at import, as MT_BACKEND) for a comparison of bits
+between two runs. On CuPy every product is one
 cuBLAS call (flat); the strict test backend runs exactly NumPy's calls on the data it wraps
 (backend.numpy_kernel).
 """
@@ -56,6 +65,8 @@ import numpy as np
 
 from minitransformer.backend import BACKEND, numpy_kernel, xp
 from minitransformer.checks import environment_choice
+from minitransformer.kernels import tuning
+from minitransformer.progress import tell
 
 ROUTES = ("flat", "rows", "slices", "dots")
 ONE_ROW = ("flat", "slices", "dots")  # for one row, `rows` is `flat`'s own matrix-vector call
@@ -68,8 +79,9 @@ LAYOUT_TRIALS = 5        # the same for a weight's layout: once per shape, and f
 COLD_BYTES = 1 << 20     # a weight this large is timed from memory, as a decode step reads it
 FLUSH_BYTES = 1 << 27    # read between timings of a large weight: above the CPU's caches
 flush = None             # FLUSH_BYTES of ones, allocated on the first large weight's timing
+rows_run = {1, FEW_ROWS}  # the row counts a weight's layout is decided over (expect_rows adds)
 chosen = {}              # (M, n, in, layout, dtypes) -> the way measured fastest there
-laid_out = {}            # (n, in, dtype) -> the layout measured faster for that shape
+laid_out = {}            # (n, in, dtype, row counts) -> the layout measured faster for that shape
 
 
 def multiply(x, w, out=None):
@@ -95,7 +107,8 @@ def numpy_multiply(x, w, out=None):
 
 def way(x, w) -> str:
     """The way M rows of x multiply w here: flat for more than FEW_ROWS rows; for 1..FEW_ROWS,
-    FIXED, or the way measured fastest the first time this shape came."""
+    FIXED, or the way measured fastest for this shape (on this machine: tuning.py's file
+    remembers it; else measured the first time the shape comes, and kept there)."""
     M = len(x)
     if M > FEW_ROWS:
         return "flat"
@@ -103,13 +116,33 @@ def way(x, w) -> str:
         return FIXED
     key = shape_key(x, w)
     if key not in chosen:
-        chosen[key] = fastest(x, w)
+        chosen[key] = known(tuning.recall(way_key(key)), candidates(M, layout(w))) \
+            or measured_way(x, w, key)
     return chosen[key]
+
+
+def measured_way(x, w, key: tuple) -> str:
+    """The fastest way for these operands, timed now and kept in the file."""
+    route = fastest(x, w)
+    tuning.remember(way_key(key), route)
+    return route
+
+
+def known(answer, names: tuple):
+    """answer where it is one of names, else None: what the file holds is checked, never
+    trusted (a way or layout blas.py does not know, or may not take there, is measured again)."""
+    return answer if isinstance(answer, str) and answer in names else None
 
 
 def shape_key(x, w) -> tuple:
     """What a measured way belongs to: the rows, w's shape and layout, the dtypes."""
     return len(x), *w.shape, layout(w), x.dtype.str, w.dtype.str
+
+
+def way_key(key: tuple) -> str:
+    """A shape_key as the file spells it, e.g. 'way 8 3072x576 row-major <f4 <f4'."""
+    M, n, cols, held, x_dtype, w_dtype = key
+    return f"way {M} {n}x{cols} {held} {x_dtype} {w_dtype}"
 
 
 def layout(w) -> str:
@@ -118,20 +151,28 @@ def layout(w) -> str:
     return "column-major" if w.flags.f_contiguous and not w.flags.c_contiguous else "row-major"
 
 
-def candidates(M: int, w=None) -> tuple:
-    """The ways worth timing for M rows: every way, but for one row `rows` is `flat`; over a
-    column-major w not `dots` (its rows are strided: a dot product per row reads them badly)."""
+def candidates(M: int, held: str = "row-major") -> tuple:
+    """The ways worth timing for M rows over a w held in layout `held`: every way, but for one
+    row `rows` is `flat`; over a column-major w not `dots` (its rows are strided: a dot product
+    per row reads them badly)."""
     ways = ONE_ROW if M == 1 else ROUTES
-    return ways if w is None or layout(w) == "row-major" else tuple(r for r in ways
-                                                                     if r != "dots")
+    return ways if held == "row-major" else tuple(r for r in ways if r != "dots")
+
+
+def expect_rows(*counts) -> None:
+    """The process will also multiply this many rows at once (a server's max_num_seqs): the
+    weights laid out from now on are decided over these counts too, and their ways for them
+    measured at load, not at the first step that makes them. Above FEW_ROWS a product is one
+    flat product: nothing to measure."""
+    rows_run.update(M for M in counts if 1 <= M <= FEW_ROWS)
 
 
 def arrange(w):
     """A weight matrix w (n, in) as the model should hold it here: w itself, or the same values
-    laid out column-major where its products of 1 and of FEW_ROWS rows are both faster that way
-    (timed side by side, once per shape and dtype; see the docstring). Anything else (a
-    quantized weight, a vector, CuPy's arrays, a fixed MT_PRODUCTS) is given back as it is;
-    under MT_LAYOUT, w in that layout."""
+    laid out column-major where its products of every row count of rows_run (1 and FEW_ROWS,
+    and any expect_rows added) are faster that way (timed side by side, once per shape and dtype
+    on this machine; see the docstring). Anything else (a quantized weight, a vector, CuPy's
+    arrays, a fixed MT_PRODUCTS) is given back as it is; under MT_LAYOUT, w in that layout."""
     if BACKEND == "cupy" or getattr(w, "ndim", 0) != 2 or not isinstance(w, xp.ndarray) \
             or (FIXED is not None and FIXED_LAYOUT is None):
         return w
@@ -144,10 +185,50 @@ def numpy_arrange(w):
     """arrange on a NumPy array."""
     if FIXED_LAYOUT is not None:
         return in_layout(w, FIXED_LAYOUT)
-    key = (*w.shape, w.dtype.str)
-    if key not in laid_out:   # both layouts made only to be timed (w itself in its own)
-        laid_out[key] = faster_layout({name: in_layout(w, name) for name in LAYOUTS})
+    counts = tuple(sorted(rows_run))
+    key = (*w.shape, w.dtype.str, counts)
+    if key not in laid_out:
+        laid_out[key] = recalled_layout(w, counts) or measured_layout(w, counts)
     return in_layout(w, laid_out[key])
+
+
+def layout_key(w, counts: tuple) -> str:
+    """What a measured layout belongs to, as the file spells it: 'layout 3072x576 <f4 rows 1,16'."""
+    return f"layout {w.shape[0]}x{w.shape[1]} {w.dtype.str} rows {','.join(map(str, counts))}"
+
+
+def recalled_layout(w, counts: tuple):
+    """The layout the file holds for w's shape and these row counts, with the way of each count
+    in that layout (put into `chosen`); None unless the file names a layout and a way for every
+    count, each one that blas.py takes there."""
+    answer = tuning.recall(layout_key(w, counts))
+    if not isinstance(answer, dict) or not isinstance(answer.get("ways"), dict):
+        return None
+    taken = known(answer.get("layout"), LAYOUTS)
+    ways = {M: known(answer["ways"].get(str(M)), candidates(M, taken)) for M in counts}
+    if taken is None or None in ways.values():
+        return None
+    keep_ways(w, taken, ways)
+    return taken
+
+
+def measured_layout(w, counts: tuple) -> str:
+    """Time w's shape in both layouts (faster_layout), saying so on stderr -> the layout taken;
+    its ways go into `chosen`, both into the file."""
+    rows = ", ".join(map(str, counts))
+    tell(f"measuring how this machine multiplies a {w.shape[0]}x{w.shape[1]} {w.dtype} weight "
+         f"by {rows} rows, in both layouts (once: kept in {tuning.path()})")
+    taken, ways = faster_layout({name: in_layout(w, name) for name in LAYOUTS}, counts)
+    keep_ways(w, taken, ways)
+    tuning.remember(layout_key(w, counts),
+                    {"layout": taken, "ways": {str(M): route for M, route in ways.items()}})
+    return taken
+
+
+def keep_ways(w, taken: str, ways: dict) -> None:
+    """{M: way} for w's shape held in layout `taken`, into `chosen`: not measured again."""
+    for M, route in ways.items():
+        chosen[(M, *w.shape, taken, w.dtype.str, w.dtype.str)] = route
 
 
 def in_layout(w, name: str):
@@ -157,21 +238,18 @@ def in_layout(w, name: str):
     return np.asfortranarray(w) if name == "column-major" else np.ascontiguousarray(w)
 
 
-def faster_layout(pair: dict) -> str:
-    """Time a weight's ways for 1 and FEW_ROWS rows in both layouts ({layout: w}), side by
-    side -> the layout both run faster in (row-major unless column-major wins both). The
-    fastest way of each count of rows in the layout taken is kept (`chosen`): not measured
-    again."""
+def faster_layout(pair: dict, counts: tuple = (1, FEW_ROWS)) -> tuple:
+    """Time a weight's ways for each row count in both layouts ({layout: w}), side by side ->
+    (the layout taken, {M: the way measured fastest for M rows in that layout}): row-major
+    unless column-major is the faster at every count."""
     w = pair["row-major"]
-    x = np.ones((FEW_ROWS, w.shape[1]), w.dtype)
+    x = np.ones((max(counts), w.shape[1]), w.dtype)
     best = {M: timings(x[:M], [pair[name] for name in LAYOUTS], LAYOUT_TRIALS)
-            for M in (1, FEW_ROWS)}                                  # M -> [{way: seconds}]
+            for M in counts}                                         # M -> [{way: seconds}]
     times = {M: [min(t.values()) for t in best[M]] for M in best}
     taken = "column-major" if all(t[1] < t[0] for t in times.values()) else "row-major"
-    for M, per_layout in best.items():
-        ways = per_layout[LAYOUTS.index(taken)]
-        chosen[shape_key(x[:M], pair[taken])] = min(ways, key=ways.get)
-    return taken
+    ways = {M: per_layout[LAYOUTS.index(taken)] for M, per_layout in best.items()}
+    return taken, {M: min(ways[M], key=ways[M].get) for M in ways}
 
 
 def fastest(x, w) -> str:
@@ -193,7 +271,7 @@ def timings(x, ws, trials=None) -> list:
     out = np.empty((len(x), len(ws[0])), np.result_type(x, ws[0]))
     calls = {"flat": flat, "rows": rows, "slices": slices, "dots": dots}  # as named now
     cold = ws[0].nbytes >= COLD_BYTES
-    best = [dict.fromkeys(candidates(len(x), w), float("inf")) for w in ws]
+    best = [dict.fromkeys(candidates(len(x), layout(w)), float("inf")) for w in ws]
     for _ in range(TRIALS if trials is None else trials):
         for w, times in zip(ws, best):
             for route in times:

@@ -42,6 +42,7 @@ import numpy as np
 
 from minitransformer.backend import BACKEND, synchronize, to_numpy, xp
 from minitransformer.generate import last_logits, last_logits_alone
+from minitransformer.kernels.tuning import blas_pools, cpu
 from minitransformer.kvcache import KVCache
 from minitransformer.model import forward, head
 
@@ -291,37 +292,9 @@ def machine() -> str:
     return text
 
 
-def cpu() -> dict:
-    """{"model": the CPU's name, "avx512": True, False or None (unknown)}, read from Linux's
-    /proc/cpuinfo (elsewhere: the platform's name for the processor, AVX-512 unknown)."""
-    import platform
-    try:
-        with open("/proc/cpuinfo") as f:
-            info = f.read()
-    except OSError:
-        return {"model": platform.processor() or platform.machine() or "unknown",
-                "avx512": None}
-    fields = {}
-    for line in info.splitlines():               # "model name\t: ...", the first CPU's
-        key, _, value = line.partition(":")
-        fields.setdefault(key.strip(), value.strip())
-    model = " ".join(fields.get("model name", "").split())
-    flags = fields.get("flags", "").split()
-    return {"model": model or platform.machine() or "unknown",
-            "avx512": ("avx512f" in flags) if flags else None}
-
-
-def blas() -> list:
-    """The BLAS libraries NumPy's products run on, as threadpoolctl reports them: dicts with
-    internal_api (openblas, mkl, ...), version, architecture (OpenBLAS's kernel, e.g.
-    SkylakeX or Haswell: chosen per CPU, or forced by OPENBLAS_CORETYPE), num_threads."""
-    from threadpoolctl import threadpool_info
-    return [p for p in threadpool_info() if p["user_api"] == "blas"]
-
-
 def blas_kernel() -> str:
     """The BLAS kernel in one word, e.g. 'SkylakeX' (for a file name), or the library's name."""
-    pools = blas()
+    pools = blas_pools()
     if not pools:
         return "no-BLAS"
     return pools[0].get("architecture") or pools[0]["internal_api"]
@@ -337,7 +310,7 @@ def where_it_ran() -> str:
     pools = [f"{p['internal_api']} {p.get('version') or '?'} "
              f"({os.path.basename(p.get('filepath', ''))}), kernel "
              f"{p.get('architecture') or '?'}, {p['num_threads']} thread"
-             f"{'s' if p['num_threads'] != 1 else ''}" for p in blas()]
+             f"{'s' if p['num_threads'] != 1 else ''}" for p in blas_pools()]
     return (f"CPU: {c['model']} ({os.cpu_count()} cores), AVX-512: {avx}; "
             f"BLAS: {'; '.join(pools) or 'none found'}")
 

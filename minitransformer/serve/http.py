@@ -618,9 +618,12 @@ def serve(model_path, config: EngineConfig = None, host: str = "127.0.0.1", port
     except ImportError:
         raise ImportError("the server needs the serve extra: pip install -e '.[serve]'") from None
     import minitransformer as mt
+    from minitransformer.kernels.blas import expect_rows
     from minitransformer.serve.engine import Engine
 
     config, limits = config or EngineConfig(), limits or ServerLimits()
+    if not config.batch_invariant:      # its steps multiply max_num_seqs rows: measured at load
+        expect_rows(config.max_num_seqs)
     sock = bound_socket(host, port)
     online = None
     try:

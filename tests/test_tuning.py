@@ -1,0 +1,272 @@
+"""What blas.py measured, kept on disk per machine (kernels/tuning.py): read back instead of
+measured again; filed under the machine, so another CPU, BLAS, kernel or thread count measures
+for itself; what the file holds is checked before it is taken, so a wrong or corrupt entry is
+measured again and never makes a wrong product; written whole, by several processes at once."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from minitransformer.backend import to_device, to_numpy
+from minitransformer.kernels import blas, tuning
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture
+def file(monkeypatch, tmp_path):
+    """A tuning file of the test's own (not there yet), nothing in this process's memory."""
+    path = tmp_path / "cache" / "tuning.json"
+    monkeypatch.setenv("MT_TUNING_CACHE", str(path))
+    monkeypatch.setattr(tuning, "MODE", "remember")
+    for name, value in (("chosen", {}), ("laid_out", {}), ("FIXED", None),
+                        ("FIXED_LAYOUT", None), ("rows_run", {1, blas.FEW_ROWS})):
+        monkeypatch.setattr(blas, name, value)
+    return path
+
+
+@pytest.fixture
+def timed(monkeypatch):
+    """The measurements blas.py makes, counted (timings() calls); the real ones run."""
+    calls, measure = [], blas.timings
+    monkeypatch.setattr(blas, "timings", lambda x, ws, *a: calls.append(len(x)) or
+                        measure(x, ws, *a))
+    return calls
+
+
+def operands(M, n=70, cols=24):
+    rng = np.random.default_rng(M)
+    return (rng.standard_normal((M, cols)).astype(np.float32),
+            rng.standard_normal((n, cols)).astype(np.float32))
+
+
+def entries(path) -> dict:
+    """This machine's entries in the file."""
+    return json.loads(path.read_text())["machines"][tuning.machine()]
+
+
+def plant(path, machine_entries: dict, format=tuning.FORMAT):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"format": format, "machines": machine_entries}))
+
+
+def test_the_default_file_is_in_the_user_s_cache_folder(monkeypatch, tmp_path):
+    monkeypatch.delenv("MT_TUNING_CACHE", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert tuning.path() == tmp_path / "minitransformer" / "blas-tuning.json"
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    assert tuning.path() == Path.home() / ".cache" / "minitransformer" / "blas-tuning.json"
+    monkeypatch.setenv("MT_TUNING_CACHE", str(tmp_path / "mine.json"))
+    assert tuning.path() == tmp_path / "mine.json"
+
+
+def test_a_layout_and_a_way_measured_once_are_read_back_not_measured(file, timed):
+    x, w = operands(3)
+    arranged = to_numpy(blas.arrange(to_device(w)))
+    route = blas.way(x, arranged)
+    assert sorted(timed) == [1, 3, blas.FEW_ROWS]           # the layout's counts, then 3 rows
+    held = blas.layout(arranged)
+    kept = entries(file)
+    assert kept[f"layout 70x24 <f4 rows 1,{blas.FEW_ROWS}"]["layout"] == held
+    assert kept[f"way 3 70x24 {held} <f4 <f4"] == route
+    blas.chosen.clear()
+    blas.laid_out.clear()                                    # as a new process starts
+    timed.clear()
+    again = to_numpy(blas.arrange(to_device(w)))
+    assert blas.layout(again) == held and blas.way(x, again) == route and timed == []
+
+
+def test_another_machine_s_entries_are_not_taken(file, timed, monkeypatch):
+    """The file keeps each machine's answers apart: the same shape on another CPU, BLAS
+    version, kernel or thread count is measured again."""
+    x, w = operands(3)
+    blas.way(x, w)
+    here = tuning.machine()
+    pools = [{"internal_api": "openblas", "version": "0.3.31", "architecture": "Haswell",
+              "num_threads": 2}]
+    monkeypatch.setattr(tuning, "blas_pools", lambda: pools)
+    elsewhere = {tuning.machine()}
+    for field, value in (("architecture", "SkylakeX"), ("version", "0.3.30"),
+                         ("num_threads", 1), ("internal_api", "mkl")):
+        monkeypatch.setattr(tuning, "blas_pools", lambda: [pools[0] | {field: value}])
+        elsewhere.add(tuning.machine())
+    monkeypatch.setattr(tuning, "cpu", lambda: {"model": "Another CPU", "avx512": True})
+    elsewhere.add(tuning.machine())
+    assert here not in elsewhere and len(elsewhere) == 6
+    blas.chosen.clear()
+    timed.clear()
+    blas.way(x, w)                                           # under "Another CPU"
+    assert timed == [3]
+    assert set(json.loads(file.read_text())["machines"]) == {here, tuning.machine()}
+
+
+@pytest.mark.parametrize("route", blas.ROUTES)
+def test_a_product_through_a_planted_way_is_the_product_of_the_way_it_names(file, timed,
+                                                                           route):
+    """An entry naming a way blas.py takes there is taken as it is, unmeasured: its product is
+    that way's, bit for bit (not another way's: their sums run in other orders)."""
+    x, w = operands(4)
+    plant(file, {tuning.machine(): {f"way 4 70x24 row-major <f4 <f4": route}})
+    y = to_numpy(blas.multiply(to_device(x), to_device(w)))
+    assert timed == [] and blas.way(x, w) == route
+    assert np.array_equal(y, blas.CALLS[route](x, w, np.empty((4, 70), np.float32)))
+
+
+@pytest.mark.parametrize("entry", ["warp", "FLAT", "dots ", None, 3, ["flat"], {"way": "flat"}])
+def test_a_way_the_file_names_wrongly_is_measured_again(file, timed, entry):
+    x, w = operands(4)
+    key = "way 4 70x24 row-major <f4 <f4"
+    plant(file, {tuning.machine(): {key: entry}})
+    y = to_numpy(blas.multiply(to_device(x), to_device(w)))
+    assert timed == [4]
+    route = blas.way(x, w)
+    assert route in blas.ROUTES and entries(file)[key] == route       # written over
+    assert np.array_equal(y, blas.CALLS[route](x, w, np.empty((4, 70), np.float32)))
+
+
+def test_dots_over_a_column_major_weight_is_not_taken_from_the_file(file, timed):
+    """dots is never measured over strided rows: an entry naming it there is wrong."""
+    x, w = operands(4)
+    w = np.asfortranarray(w)
+    plant(file, {tuning.machine(): {"way 4 70x24 column-major <f4 <f4": "dots"}})
+    assert blas.way(x, w) in blas.candidates(4, "column-major") and timed == [4]
+
+
+LAYOUT = f"layout 70x24 <f4 rows 1,{blas.FEW_ROWS}"
+GOOD = {"layout": "column-major", "ways": {"1": "slices", str(blas.FEW_ROWS): "rows"}}
+
+
+@pytest.mark.parametrize("entry", [
+    GOOD | {"layout": "diagonal"}, GOOD | {"layout": None}, {"layout": "row-major"},
+    GOOD | {"ways": {"1": "slices"}},                                   # a count missing
+    GOOD | {"ways": {"1": "rows", str(blas.FEW_ROWS): "rows"}},        # rows is flat for 1
+    GOOD | {"ways": {"1": "dots", str(blas.FEW_ROWS): "rows"}},        # no dots column-major
+    GOOD | {"ways": ["slices", "rows"]}, "column-major", None])
+def test_a_layout_the_file_holds_wrongly_is_measured_again(file, timed, entry):
+    _, w = operands(1)
+    plant(file, {tuning.machine(): {LAYOUT: entry}})
+    arranged = to_numpy(blas.arrange(to_device(w)))
+    assert sorted(timed) == [1, blas.FEW_ROWS] and np.array_equal(arranged, w)
+    assert entries(file)[LAYOUT]["layout"] == blas.layout(arranged)
+
+
+def test_a_good_layout_entry_is_taken_with_its_ways(file, timed):
+    x, w = operands(blas.FEW_ROWS)
+    plant(file, {tuning.machine(): {LAYOUT: GOOD}})
+    arranged = blas.arrange(to_device(w))
+    assert blas.layout(to_numpy(arranged)) == "column-major" and timed == []
+    assert np.array_equal(to_numpy(arranged), w)
+    assert blas.way(x[:1], to_numpy(arranged)) == "slices"
+    assert blas.way(x, to_numpy(arranged)) == "rows" and timed == []
+
+
+@pytest.mark.parametrize("text", ["", "{", "\x00\xff garbage", "[]", '{"format": 1}',
+                                  '{"format": 1, "machines": []}',
+                                  '{"format": 1, "machines": {"m": 3}}'])
+def test_a_malformed_file_is_measured_again_and_replaced(file, timed, text):
+    file.parent.mkdir(parents=True)
+    file.write_text(text)
+    x, w = operands(2)
+    route = blas.way(x, w)
+    assert timed == [2] and entries(file) == {"way 2 70x24 row-major <f4 <f4": route}
+
+
+def test_a_file_of_another_format_is_stale(file, timed):
+    x, w = operands(2)
+    plant(file, {tuning.machine(): {"way 2 70x24 row-major <f4 <f4": "flat"}},
+          format=tuning.FORMAT + 1)
+    blas.way(x, w)
+    assert timed == [2] and json.loads(file.read_text())["format"] == tuning.FORMAT
+
+
+def test_a_file_that_cannot_be_written_is_no_error(file, timed, monkeypatch, tmp_path):
+    (tmp_path / "a-file").write_text("")
+    monkeypatch.setenv("MT_TUNING_CACHE", str(tmp_path / "a-file" / "tuning.json"))
+    x, w = operands(2)
+    assert blas.way(x, w) in blas.ROUTES and timed == [2]
+
+
+def test_remeasure_measures_again_and_off_leaves_the_file_alone(file, timed, monkeypatch):
+    x, w = operands(2)
+    key = "way 2 70x24 row-major <f4 <f4"
+    plant(file, {tuning.machine(): {key: "planted"}})      # no way: only remeasure replaces it
+    monkeypatch.setattr(tuning, "MODE", "off")
+    blas.way(x, w)
+    assert timed == [2] and entries(file) == {key: "planted"}
+    monkeypatch.setattr(tuning, "MODE", "remeasure")
+    plant(file, {tuning.machine(): {key: "rows"}})
+    blas.chosen.clear()
+    route = blas.way(x, w)
+    assert timed == [2, 2] and entries(file) == {key: route}
+
+
+def test_an_unknown_tuning_mode_is_refused_at_import():
+    done = subprocess.run([sys.executable, "-c", "import minitransformer.kernels.tuning"],
+                          capture_output=True, text=True, timeout=60,
+                          env=dict(os.environ, MT_TUNING="forget"))
+    assert done.returncode != 0
+    assert "MT_TUNING='forget' is not a tuning mode: use one of remember, remeasure, off, or " \
+        "leave it unset to remember" in done.stderr
+
+
+WRITER = """
+import sys
+from minitransformer.kernels import tuning
+for i in range(40):
+    tuning.remember(f"way {sys.argv[1]}-{i}", "flat")
+"""
+
+
+def test_processes_writing_at_once_keep_every_answer_and_a_whole_file(file):
+    """Four processes add 40 answers each, at once, while this one reads the file over and
+    over: every read parses (a reader sees a whole file, old or new), and the end holds all
+    160 answers (each writer merged what the others had written)."""
+    env = dict(os.environ, MT_TUNING_CACHE=str(file), PYTHONPATH=str(ROOT))
+    writers = [subprocess.Popen([sys.executable, "-c", WRITER, str(k)], env=env)
+               for k in range(4)]
+    reads = 0
+    while any(p.poll() is None for p in writers):
+        if file.exists():
+            assert isinstance(json.loads(file.read_text())["machines"], dict)
+            reads += 1
+    assert [p.wait() for p in writers] == [0] * 4 and reads > 0
+    kept = entries(file)
+    assert sorted(kept) == sorted(f"way {k}-{i}" for k in range(4) for i in range(40))
+    assert not [p for p in file.parent.iterdir() if p.suffix == ".tmp"]
+
+
+def test_a_load_that_measures_says_so_on_stderr_and_one_that_reads_says_nothing(
+        file, capsys):
+    _, w = operands(1)
+    blas.arrange(to_device(w))
+    lines = capsys.readouterr().err.splitlines()
+    assert lines == [f"measuring how this machine multiplies a 70x24 float32 weight by 1, "
+                     f"{blas.FEW_ROWS} rows, in both layouts (once: kept in {file})"]
+    blas.laid_out.clear()
+    blas.arrange(to_device(w))
+    assert capsys.readouterr().err == ""
+
+
+def test_a_server_asks_for_its_slots_rows_before_it_loads(monkeypatch, file):
+    """serve measures the products of max_num_seqs rows (its full decode step) at load, with
+    the layouts decided over them too; a batch-invariant server multiplies one row at a time."""
+    pytest.importorskip("uvicorn")
+    import minitransformer as mt
+    from minitransformer.serve.config import EngineConfig
+    from minitransformer.serve.http import serve
+
+    class Loaded(Exception):
+        pass
+
+    def load(path):
+        raise Loaded(sorted(blas.rows_run))
+    monkeypatch.setattr(mt, "load", load)
+    with pytest.raises(Loaded, match=r"\[1, 5, 16\]"):
+        serve("some/model", EngineConfig(max_num_seqs=5), port=0)
+    monkeypatch.setattr(blas, "rows_run", {1, blas.FEW_ROWS})
+    with pytest.raises(Loaded, match=r"\[1, 16\]"):
+        serve("some/model", EngineConfig(max_num_seqs=5, batch_invariant=True), port=0)
