@@ -285,7 +285,9 @@ def test_serve_names_a_busy_port_and_says_where_it_serves_once_bound(tiny_chat_m
                                tiny_chat_model.path, "--port", "0"], cwd=ROOT,
                               stderr=subprocess.PIPE, text=True)
     try:                            # port 0: the port the system gave is the one announced
-        url = re.search(r" on (http://\S+)/v1$", server.stderr.readline()).group(1)
+        said = (re.search(r" on (http://\S+)/v1$", line) for line in  # after the load's lines
+                iter(server.stderr.readline, ""))
+        url = next(found for found in said if found).group(1)
 
         def up():
             try:
