@@ -13,17 +13,20 @@ each part serves; ../quant/ and ../sim/ sit beside this package):
     ../sim/kv_memory.py, macs.py  what the cache costs and saves, from shapes and formulas
     serve/records.py, intake.py,  batching: records, a request checked, the block manager's
       blocks.py, config.py,       books, the engine's knobs, the plan of a step, the pool and
-      scheduler.py, paged.py,     the forward pass's view of it, the engine (then the server)
-      engine.py
+      scheduler.py, paged.py,     the forward pass's view of it, the engine (then the server);
+      engine.py,                  experiment 13's simulation: skewed requests, and the two
+      ../sim/workload.py,         policies a step at a time
+      batching.py
     ../quant/int8.py, qweight.py, scales.py, absmax.py, nf4.py, schemes.py, qmodel.py
                                   weight quantization: the quantizers, QWeight, the schemes
     ../quant/analysis.py, activations.py, techniques.py
                                   outliers in weights and activations, and what handles them
-    measure/quality.py            what quantization costs in quality
+    measure/text.py, quality.py   the text measured on; what quantization costs in quality
     lookup.py, speculative.py,    a draft guesses, the target checks (lookup.py: a free
       ../sim/speculative.py       draft), and the speedup's formula
     drafts/distill.py,            soft labels and the distillation loss; a draft trained on
-      drafts/training.py          them: forward beside backward, Adam
+      drafts/training.py,         them: forward beside backward, Adam; three drafts trained
+      drafts/students.py          side by side from one start, on soft labels and on hard
     ../sim/memory_budget.py       the memory budget of a card
 
 A first pass may skip: loader.py, tokenizer.py, chat.py and formats/ (where the bytes come

@@ -41,7 +41,8 @@ def add_model_argument(parser, default="default"):
     """--model PATH or NAME. default: this script's model ('default' or 'smollm2'), or None
     for a driver (run_all) that leaves each script its own."""
     names = ", ".join(f"'{k}' {v}" for k, v in MODEL_NAMES.items())
-    own = "each script's own" if default is None else f"{default!r}"
+    own = "each script's own; given, it goes to each script that takes --model" \
+        if default is None else f"{default!r}"
     parser.add_argument("--model", default=default, metavar="PATH|NAME",
                         help=f"checkpoint directory or .gguf file, or a name: {names} "
                              f"(default: {own})")

@@ -5,13 +5,13 @@ models at fp16 / int8 / int4.
 The chapter states no assumptions; the ones that reproduce every figure it quotes (13B int4 on
 8 GB: 6.2 GB, 337 tokens; 16 GB int8: 7B 65,378 tokens, 13B 3,136; 7B fp16 13.0 GB) are the
 defaults below and are printed above the tables. Change any of them, or add your own model
-with --model PATH (parameters counted from its config.json).
+with --model PATH or a name, 'default' or 'smollm2' (parameters counted from its config.json).
 """
 import argparse
 import dataclasses
 from pathlib import Path
 
-from _common import numbers, say
+from _common import model_path, numbers, say
 from minitransformer.config import load_config
 from _table import Table
 from sim.kv_memory import format_bytes
@@ -42,9 +42,9 @@ def main(argv=None):
                              "group-128 with fp16 scales)")
     parser.add_argument("--decimal-gb", action="store_true",
                         help="GB = 10^9 bytes instead of the chapter's 2^30")
-    parser.add_argument("--model", default=None, metavar="PATH",
-                        help="also budget this checkpoint (its config.json); default: only the "
-                             "chapter's 7B / 13B / 70B")
+    parser.add_argument("--model", default=None, metavar="PATH|NAME",
+                        help="also budget this checkpoint (its config.json), or 'default' or "
+                             "'smollm2' (default: only the chapter's 7B / 13B / 70B)")
     args = parser.parse_args(argv)
 
     assumptions = Assumptions(gb=10**9 if args.decimal_gb else 2**30,
@@ -53,8 +53,8 @@ def main(argv=None):
                   for p in PRECISIONS]
     models = list(MODELS)
     if args.model:
-        name = Path(args.model).resolve().name
-        models.append(ModelSpec.from_config(load_config(args.model), name=name))
+        path = model_path(args.model)
+        models.append(ModelSpec.from_config(load_config(path), name=Path(path).resolve().name))
         say(f"--model {args.model}: {models[-1].parameters:,} parameters")
     try:
         rows = budget_table(args.cards, models, precisions, assumptions)

@@ -141,6 +141,15 @@ def test_the_readme_reads_in_import_order():
     assert forward_references(order, edges, skipped) == {}
 
 
+def test_the_reading_guide_names_every_module():
+    """Each module is a step of the reading order or one a first pass may skip (a package's
+    __init__ aside): a module named nowhere would be read by nobody."""
+    edges = graph()
+    order, skipped = readme_order(README.read_text(), set(edges))
+    packages = {m for m in edges if any(n.startswith(m + ".") for n in edges)}
+    assert set(edges) - set(order) - skipped - packages == set()
+
+
 def test_the_package_docstring_gives_the_readme_s_order():
     """Its list names the files in a column (indented 4, continued at 6), then says what they
     are after two spaces; its skip paragraph names them as plain words."""

@@ -13,6 +13,8 @@ import pytest
 import run_all
 from minitransformer.kernels import blas, tuning
 
+SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
+
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
@@ -195,6 +197,19 @@ def test_mutation_judges_an_equivalent_only_where_its_run_checked_it():
         assert (m in stale_equivalents("engine", {m: outcome})) is stale, outcome
     assert stale_equivalents("engine", {}) == listed                       # none made
     assert stale_equivalents("engine", dict.fromkeys(listed, "survived")) == []
+
+
+def test_the_readme_names_the_experiments_that_take_no_model(run_script):
+    """Every experiment's --help lists --model but those the README names, and no other."""
+    readme = " ".join((SCRIPTS.parent / "README.md").read_text().split())
+    named = re.search(r"every experiment `--model PATH\|default\|smollm2`, all but (.*?), which",
+                      readme).group(1)
+    without = set()
+    for script in sorted(SCRIPTS.glob("exp*.py")):
+        out, _ = run_script(script.stem, "--help")
+        if "--model" not in out:
+            without.add(script.name)
+    assert without == set(re.findall(r"`(exp\w+\.py)`", named)) != set()
 
 
 def test_run_all_runs_a_selection(tiny, capfd):
