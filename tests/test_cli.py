@@ -193,7 +193,8 @@ def test_each_command_has_help(command):
 
 @pytest.mark.parametrize("variable, value", [("MT_BACKEND", "tensorflow"),
                                              ("MT_PRODUCTS", "fastest"),
-                                             ("MT_LAYOUT", "diagonal")])
+                                             ("MT_LAYOUT", "diagonal"),
+                                             ("MT_TUNING", "sometimes")])
 def test_an_unknown_setting_is_one_error_line_naming_the_values_allowed(variable, value):
     """Read when the package is imported, before the command line's own code runs."""
     done = subprocess.run([sys.executable, "-m", "minitransformer", "generate", "hi"], cwd=ROOT,

@@ -103,7 +103,9 @@ BAD_SETTINGS = [
     ("MT_PRODUCTS", "MT_PRODUCTS='tensorflow' is not a way to multiply: use one of flat, rows, "
                     "slices, dots, or leave it unset to measure"),
     ("MT_LAYOUT", "MT_LAYOUT='tensorflow' is not a layout: use one of row-major, column-major, "
-                  "or leave it unset to measure")]
+                  "or leave it unset to measure"),
+    ("MT_TUNING", "MT_TUNING='tensorflow' is not a tuning mode: use one of remember, remeasure, "
+                  "off, or leave it unset to remember")]
 
 
 @pytest.mark.parametrize("variable, message", BAD_SETTINGS)
