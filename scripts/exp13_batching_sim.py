@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from _common import add_workload_arguments, numbers, say, workload_lengths
+from _common import add_workload_arguments, numbers, positive_int, say, workload_lengths
 from _table import Table
 from minitransformer.measure.sanity import conclude_on
 from minitransformer.serve.records import metrics
@@ -53,7 +53,8 @@ def main(argv=None):
     parser.add_argument("--step-costs", metavar="FILE",
                         help="JSON {batch size: seconds per decode step} measured by "
                              "experiment 12 (default: the affine model)")
-    parser.add_argument("--slots", type=int, default=8, help="batch slots (default: 8)")
+    parser.add_argument("--slots", type=positive_int, default=8,
+                        help="batch slots (default: 8)")
     parser.add_argument("--prefill-ms", type=float, default=0.0,
                         help="prefill charged per admitted request, added to the step that "
                              "admits it (default: 0, decode steps only, as the chapter)")
@@ -64,7 +65,7 @@ def main(argv=None):
     parser.add_argument("--loads", type=numbers, default=LOADS,
                         help="sweep rates as multiples of what full continuous slots serve "
                              "(default: %(default)s)")
-    parser.add_argument("--seeds", type=int, default=5,
+    parser.add_argument("--seeds", type=positive_int, default=5,
                         help="arrival seeds averaged per sweep point (default: 5)")
     args = parser.parse_args(argv)
 

@@ -40,6 +40,7 @@ def fails(run_script, name, argv) -> str:
     ("exp14_paged_cache", ["--model", "{tiny}", "--block-sizes", "0,4"], "--block-sizes"),
     ("exp12_batched_decode", ["--model", "{tiny}", "--batch-sizes", "1,x"], "--batch-sizes"),
     ("exp13_batching_sim", ["--loads", "1,nan"], "--loads"),
+    ("exp13_batching_sim", ["--seeds", "0"], "argument --seeds: expected an integer >= 1, got 0"),
     ("exp13_engine", ["--model", "{tiny}", "--requests", "0"], "--requests"),
     ("exp13_engine", ["--model", "{tiny}", "--median", "500"], "median"),
     ("exp12_batched_decode", ["--model", "{tiny}", "--context", "100000",
