@@ -113,6 +113,12 @@ class PrefixIndex:
             return True
         return False
 
+    def forget(self, block: int) -> None:
+        """A held block's name goes (its slots will not hold what the name stands for)."""
+        name = self.name_of.pop(block, None)
+        if name is not None:
+            del self.block_of[name]
+
     def evict(self) -> int:
         """The least recently released kept block, its name forgotten, to be reused."""
         block, _ = self.unheld.popitem(last=False)
@@ -346,6 +352,13 @@ class BlockManager:
         for s, start in zip(seq_ids, starts):
             self.filling.difference_update(self.seqs[s].blocks[start // bs:
                                                                self.blocks_for(start + T)])
+
+    def drop_unwritten(self) -> None:
+        """A pass that was to fill blocks failed: every block still being filled loses its
+        name (a plan names the full blocks its tokens fill before they are written), so no
+        later prompt finds keys and values that were never written."""
+        for block in self.filling:
+            self.index.forget(block)
 
     def seal(self, seq_id, tokens) -> None:
         """Name the sequence's full blocks not named yet and offer them to the index; tokens:

@@ -26,6 +26,27 @@ step's decodes verifies every sequence's draft, a sequence without one feeding i
 as in a plain decode; each keeps its accepted proposals and one token of the target's own (the
 library's rule, its own generator), and its cache is trimmed back to what it kept.
 
+Faults: an exception raised while a plan runs (a forward pass, the head, sampling, a draft)
+is the step's, not the engine's. The sequences it concerned end with status "error" and the
+exception named in their reason; everyone else goes on, tokens unchanged:
+
+    concerned      the rows of the pass that raised (a batched pass fails as a whole, as
+                   vLLM aborts the batch: no row is retried alone to find a culprit), and
+                   those of a later pass of the step that would read a block it was to fill
+                   (a prompt admitted in the same step finds a chunk's full blocks by name);
+                   in the default mode the step is one pass, so all of it. The samples
+                   waiting to share a concerned prompt end with it; a static batch's padding
+                   row keeps its answer.
+    not concerned  the other passes of the step (their tokens are made and kept), those
+                   swapped out or back in, the prompts under way without a chunk this step,
+                   the waiting.
+    the books      every move of the plan is carried out, the blocks left unwritten lose
+                   their names (no later prompt finds keys never computed), the concerned
+                   sequences' blocks go back, and ``check()`` must hold.
+
+A failure of the plan, the commit, or the abort itself leaves books nobody can vouch for: it
+is raised from ``step``, the engine cannot go on (the online loop says so and stops).
+
 Prefix caching, chunked prefill, parallel samples, logprobs, memory admission, speculation, the
 records kept and the exactness policy: docs/serving.md, "The engine".
 
@@ -160,23 +181,18 @@ class Engine:
         return self.scheduler.running()
 
     def step(self) -> None:
-        """Plan (the scheduler), run (the pool's moves, forward passes, sampling), commit."""
+        """Plan (the scheduler), run (the pool's moves, forward passes, sampling), commit. A
+        pass that raises ends the sequences it concerned (the module's docstring, Faults)."""
         start = time.perf_counter()
         if not self.running() and self.waiting and self.waiting[0].result.arrival > self.clock:
             self.clock = self.waiting[0].result.arrival  # idle: jump to the next arrival
         plan = self.scheduler.schedule(self.clock)
         if not self.running() and self.waiting:  # an empty pool refused the first request
             raise RuntimeError("nothing running and the first request cannot be admitted")
-        passes = [plan.decode] * bool(plan.decode.rows) + plan.prefill
-        if self._together(passes):
-            made = self._mixed(plan, passes)
-        else:               # a verification's drafts are tokens of the step: the plan's spare
-            spare = None if self.scheduler.budget is None else \
-                self.scheduler.budget - sum(len(work.rows) * work.n for work in passes)
-            made = self._decode(plan.decode, spare)
-            for chunk in plan.prefill:
-                made += self._prefill(chunk)
-        self.cache.do(plan.moves)
+        made, failed, error = self._run(plan)
+        if failed:
+            self._abort(plan, failed, error)
+        self._moves(plan)
         synchronize()
         self.clock += time.perf_counter() - start
         self.steps += 1
@@ -188,11 +204,61 @@ class Engine:
                                    [seq.result.id for seq in self.waiting])
 
     # --- running a plan ----------------------------------------------------------------------
+    def _run(self, plan) -> tuple:
+        """The plan's passes -> (the sequences that made tokens, the passes that failed or
+        would read what a failed one was to write, the first error raised or None)."""
+        passes = [plan.decode] * bool(plan.decode.rows) + plan.prefill
+        if self._together(passes):
+            try:
+                return self._mixed(plan, passes), [], None
+            except Exception as error:      # the step's fault, not the engine's
+                return [], passes, error
+        # a verification's drafts are tokens of the step: the plan's spare
+        spare = None if self.scheduler.budget is None else \
+            self.scheduler.budget - sum(len(work.rows) * work.n for work in passes)
+        made, failed, error = [], [], None
+        for work in [plan.decode, *plan.prefill]:
+            if failed and self._reads_unwritten(work, failed):
+                failed.append(work)
+                continue
+            try:
+                made += self._decode(work, spare) if work is plan.decode else \
+                    self._prefill(work)
+            except Exception as e:          # the step's fault, not the engine's
+                failed, error = failed + [work], error or e
+        return made, failed, error
+
+    def _reads_unwritten(self, work, failed) -> bool:
+        """Would this pass read a block a failed pass was to fill (one of its rows holds it,
+        found by name, or a copy takes it)?"""
+        books = self.cache
+        theirs = {b for f in failed for seq in f.rows for b in books.seqs[seq.result.id].blocks
+                  if b in books.filling}
+        return any(b in theirs for seq in work.rows for b in books.seqs[seq.result.id].blocks) \
+            or any(isinstance(move, Copy) and move.src in theirs for move in work.moves)
+
+    def _moves(self, work) -> None:
+        """Carry out a pass's moves (or the plan's last ones), once."""
+        moves, work.moves = work.moves, []
+        self.cache.do(moves)
+
+    def _abort(self, plan, failed, error) -> None:
+        """A pass raised `error`: the failed passes' sequences end with it, the books made
+        whole (the module's docstring, Faults). What fails here is the engine's own."""
+        for work in (plan.decode, *plan.prefill):
+            self._moves(work)                       # a swap out or in is someone else's
+        self._moves(plan)
+        self.cache.drop_unwritten()
+        reason = f"the engine failed on this request's step: {error!r}"
+        for seq in dict.fromkeys(seq for work in failed for seq in (*work.rows, *work.firsts)):
+            self.scheduler.fail(seq, reason)
+        self.cache.check()
+
     def _decode(self, work, spare=None) -> list:
         """One token for every row in one batched forward pass -> the rows that sampled one
         (a padding row's is computed and thrown away). Speculating, the drafts take at most
         `spare` tokens of the step's budget (None: none is set)."""
-        self.cache.do(work.moves)
+        self._moves(work)
         rows = work.rows
         if not rows:
             return []
@@ -227,7 +293,7 @@ class Engine:
         """The decodes and the prompt chunks of a step in ONE forward pass, a ragged batch of
         tokens (paged.RaggedView): every weight read once -> the sequences that sampled."""
         for work in passes:
-            self.cache.do(work.moves)
+            self._moves(work)
         start = time.perf_counter()
         parts = [(seq, first, work) for work in passes for seq, first in zip(work.rows,
                                                                              work.starts)]
@@ -286,7 +352,7 @@ class Engine:
     def _prefill(self, work) -> list:
         """A chunk of one prompt, in one forward pass -> its samples, with their first tokens
         when it is the prompt's last chunk."""
-        self.cache.do(work.moves)
+        self._moves(work)
         (seq,), (done,), n = work.rows, work.starts, work.n
         start = time.perf_counter()
         hidden = forward(self.model, np.array([seq.tokens[done:done + n]]),      # (1, n, D)

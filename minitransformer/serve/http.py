@@ -5,7 +5,8 @@
     GET  /v1/models             the one model served
     POST /tokenize, /detokenize vLLM's: text or chat messages -> token ids, and back
     GET  /tokenizer_info        vLLM's: the special tokens and chat template (lm-eval reads it)
-    GET  /health                200 while the engine runs
+    GET  /health                200 while the engine runs; 503 naming the error once it cannot
+                                go on (the server then drains and exits with status 1)
     GET  /metrics               Prometheus text, vLLM's metric names (see prometheus.py)
 
 Every request is submitted to the one ``OnlineEngine`` and answered from its tokens as they
@@ -151,7 +152,9 @@ async def framework_error(http: Request, e: HTTPException):
 
 
 async def health(http: Request):
-    return PlainTextResponse("", status_code=503 if serving(http).online.error else 200)
+    error = serving(http).online.error     # the engine cannot go on: the server is stopping
+    return PlainTextResponse("" if error is None else f"the engine failed: {error!r}\n",
+                             status_code=200 if error is None else 503)
 
 
 async def models(http: Request):
@@ -630,7 +633,8 @@ def serve(model_path, config: EngineConfig = None, host: str = "127.0.0.1", port
         model = mt.load(model_path)
         name = name or Path(model.path).name
         engine = Engine(model, config)
-        online = OnlineEngine(engine, max_waiting=limits.max_waiting)
+        online = OnlineEngine(engine, max_waiting=limits.max_waiting,   # a failed engine:
+                              on_failure=lambda error: setattr(server, "should_exit", True))
         budget = config.max_num_batched_tokens
         chunks = "whole prompts" if budget is None else f"chunked prefill, {budget} tokens a step"
         limit = limits.max_request_bytes or default_max_request_bytes(model)
@@ -651,3 +655,5 @@ def serve(model_path, config: EngineConfig = None, host: str = "127.0.0.1", port
         sock.close()
         if online is not None:
             online.close(drain=False, timeout=10)
+    if online.error is not None:    # drained; a supervisor restarts a process that exits 1
+        raise SystemExit(f"error: the engine failed and cannot go on: {online.error!r}")

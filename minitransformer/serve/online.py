@@ -17,6 +17,12 @@ steps. That keeps a step from ever blocking a client, and a client from ever see
 half-way through a step. Tokens are exactly the engine's, so each request gets the tokens
 ``generate`` gives it alone with the same settings and seed.
 
+A step that fails ends the requests it concerned with status "error" and the loop goes on
+(engine.py, "Faults"). An error the engine cannot go on after (raised from its step) ends
+every request in flight and every one submitted with "error", refuses new ones (``Closed``),
+calls ``on_failure(error)`` once (the server stops, so that a supervisor restarts it) and
+stops the loop: never a loop that takes requests it cannot serve.
+
 Listeners run on the loop thread and must return at once (put into a queue, nothing more).
 A request's record is released (``Engine.release``) once its end is handed over, so an engine
 that serves for days holds only its running requests' records (see engine.py, "Records").
@@ -78,8 +84,10 @@ class Ticket:                   # a client's handle on its request
 
 
 class OnlineEngine:
-    def __init__(self, engine, max_waiting: int = MAX_WAITING):
-        self.engine, self.max_waiting = engine, max_waiting
+    def __init__(self, engine, max_waiting: int = MAX_WAITING, on_failure=None):
+        """on_failure(error): called once, on the loop thread, if the engine cannot go on,
+        after every request has its error (the server's cue to stop)."""
+        self.engine, self.max_waiting, self.on_failure = engine, max_waiting, on_failure
         self.start = time.perf_counter()
         self.lock = threading.Condition()   # guards inbox and closing; wakes the loop
         self.inbox, self.closing, self.abandon, self.error = [], False, False, None
@@ -110,7 +118,8 @@ class OnlineEngine:
                    for request, listener in requests]
         with self.lock:
             if self.closing or self.error:
-                raise Closed("the engine is shutting down" if self.closing else str(self.error))
+                raise Closed("the engine is shutting down" if self.closing else
+                             f"the engine failed and cannot go on: {self.error!r}")
             waiting = self.snapshot.waiting + self.taken + \
                 sum(cmd == "submit" for cmd, *_ in self.inbox)
             if waiting + len(requests) > self.max_waiting:
@@ -174,8 +183,10 @@ class OnlineEngine:
                     self.engine.clock = self.now()   # the engine's clock is the wall clock
                     self.engine.step()
                 self._hand_over()
-            except Exception as e:  # a bug in a step: fail every request loudly, not silently
+            except Exception as e:  # the engine's own: fail every request loudly, then stop
                 self._fail(e)
+                if self.on_failure is not None:
+                    self.on_failure(e)
                 return
             if self.closing and not self._busy():
                 with self.lock:

@@ -32,7 +32,7 @@ import numpy as np
 
 from minitransformer.sampling import GREEDY, SamplingSettings
 
-STATUSES = ("waiting", "running", "finished", "cancelled", "rejected")
+STATUSES = ("waiting", "running", "finished", "cancelled", "rejected", "error")
 
 
 @dataclass(frozen=True)
@@ -57,7 +57,7 @@ class Result:
     request: Request = None         # what was asked (the engine's; None in the simulation)
     tokens: list = field(default_factory=list)   # new tokens only, as generate returns them
     status: str = "waiting"         # one of STATUSES
-    reason: str = ""                # why it was rejected
+    reason: str = ""                # why it was rejected, or what error ended it
     first_token: float = math.nan   # times on the serving clock (seconds)
     finished: float = math.nan      # last token made (or cancelled)
     returned: float = math.nan      # handed back: static batching returns a batch as a whole

@@ -158,11 +158,11 @@ class Scheduler:
         return [seq for seq in self.slots if seq is not None and seq.finished
                 and seq.result.id in self.blocks.seqs]
 
-    def _end(self, seq, status: str) -> None:
+    def _end(self, seq, status: str, reason: str = "") -> None:
         """A running sequence is over: its blocks back to the pool, its slot free, returned."""
         self.blocks.free_seq(seq.result.id)
         self._leave_slot(seq)
-        close(seq.result, status, self.now)
+        close(seq.result, status, self.now, reason=reason)
 
     def _leave_slot(self, seq) -> None:
         """Free a slot (a sequence finished, was cancelled or preempted)."""
@@ -199,6 +199,18 @@ class Scheduler:
                 self._end(seq, "cancelled")
             return True
         return False
+
+    def fail(self, seq, reason: str) -> None:
+        """A step could not make this sequence's tokens (its pass raised): it ends with an
+        error, and so do the samples waiting to share its prompt. A static batch's padding
+        row keeps its answer (made already); only its blocks go."""
+        for sharer in self._sharers(seq):
+            self.waiting.remove(sharer)
+            close(sharer.result, "error", self.now, reason=reason)
+        if not seq.finished:
+            self._end(seq, "error", reason)
+        elif seq.result.id in self.blocks.seqs:
+            self.blocks.free_seq(seq.result.id)
 
     def queued(self) -> int:
         """Requests waiting (the server's queue limit): a sequence sharing a prompt is part
