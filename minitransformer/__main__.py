@@ -240,7 +240,7 @@ def turn(engine, ids, args, settings):
             engine.step()
             yield from result.tokens[sent:]
             sent = len(result.tokens)
-        if result.status == "rejected":
+        if result.status in ("rejected", "error"):    # refused, or its step failed
             raise ValueError(result.reason)
     finally:
         engine.cancel(rid)          # a no-op once over; Ctrl-C: its blocks back to the pool

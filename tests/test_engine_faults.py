@@ -193,6 +193,20 @@ def test_online_a_poisoned_stream_fails_alone_and_the_loop_goes_on(model, fault)
     online.close()
 
 
+def test_a_chat_turn_whose_step_fails_is_an_error_not_a_short_answer(model, fault):
+    """The chat command's engine: a failed turn raises the error (the command's one error
+    line), never an answer cut short as if it were whole."""
+    from types import SimpleNamespace
+    from minitransformer.__main__ import chat_engine, turn
+    from minitransformer.sampling import GREEDY
+    fault(poisoned)
+    engine = chat_engine(model)
+    with pytest.raises(ValueError, match="Injected"):
+        list(turn(engine, list(POISON), SimpleNamespace(max_new_tokens=5, seed=None), GREEDY))
+    assert list(turn(engine, [1, 2], SimpleNamespace(max_new_tokens=5, seed=None), GREEDY)) == \
+        mt.generate(model, [1, 2], 5)
+
+
 # --- through the server -----------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def chat_model(tmp_path_factory):

@@ -181,6 +181,28 @@ def test_a_draft_with_fewer_positions_drafts_only_while_a_sequence_fits_them(clo
     assert served.speculator.counters.accepted_tokens > 0 and not served.speculator.proposer.drafts
 
 
+def test_online_a_request_past_a_short_drafts_positions_is_served_as_without_speculation(
+        close_calls):
+    """What the server saw: a request whose prompt + max_tokens passes the draft's positions
+    was a 500 "engine failed", then 503 for ever. Now, beside the non-speculating engine
+    online, the same greedy tokens for one within and one past a 16-position draft, and the
+    loop still up."""
+    from minitransformer.serve.online import OnlineEngine
+    config = SpeculativeConfig(num_speculative_tokens=3, method="draft_model", model="-")
+    requests = [Request(tuple(range(1, 6)), 8, eos_token_id=[]),
+                Request(tuple(range(1, 11)), 30, eos_token_id=[])]
+    onlines = [OnlineEngine(engine(close_calls, spec, short_draft(close_calls, 16),
+                                   max_num_seqs=2, batch_invariant=True))
+               for spec in (None, config)]
+    try:
+        plain, speculating = [[list(o.stream(r)) for r in requests] for o in onlines]
+        assert speculating == plain and onlines[1].error is None
+        assert onlines[1].engine.speculator.counters.drafts > 0
+    finally:
+        for online in onlines:
+            online.close()
+
+
 def test_num_speculative_tokens_is_bounded_by_the_positions_and_metrics_by_the_drafts(
         close_calls):
     """More than the model's positions is refused naming both, before anything is made; as
