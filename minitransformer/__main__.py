@@ -24,6 +24,7 @@ from pathlib import Path
 
 import minitransformer as mt
 from minitransformer.chat import encode_chat
+from minitransformer.config import load_config
 from minitransformer.generate import check_prompt
 from minitransformer.kvquant import KV_DTYPES
 from minitransformer.tiled import ATTENTIONS
@@ -35,7 +36,7 @@ from minitransformer.serve.engine import Engine
 from minitransformer.serve.online import MAX_WAITING
 from minitransformer.serve.blocks import blocks_for
 from minitransformer.serve.records import Request
-from minitransformer.serve.speculate import parse_speculative_config
+from minitransformer.serve.speculate import check_against, parse_speculative_config
 
 
 def model_path(spec) -> str:
@@ -162,8 +163,17 @@ def describe(settings, source) -> str:
     return "sampling: " + ", ".join(shown)
 
 
+def check_speculation(path, speculative) -> None:
+    """--speculative-config against a checkpoint's config.json, before its weights load (a
+    .gguf file's is checked when the engine is made, once loaded)."""
+    if speculative is not None and Path(path).is_dir():
+        check_against(speculative, load_config(path))
+
+
 def load_model(args):
-    model = mt.load(model_path(args.model))
+    path = model_path(args.model)
+    check_speculation(path, getattr(args, "speculative_config", None))
+    model = mt.load(path)
     if model.tokenizer is None:
         raise ValueError(f"{model.path}: no tokenizer.json, so no text in or out")
     return model
@@ -316,7 +326,9 @@ def serve(args) -> None:
 
     config = engine_config(args)        # a bad value: refused before the model is loaded
     limits = ServerLimits(args.max_waiting, args.max_request_bytes, args.drain_timeout)
-    run_server(model_path(args.model), config, host=args.host, port=args.port, limits=limits,
+    path = model_path(args.model)
+    check_speculation(path, config.speculative_config)
+    run_server(path, config, host=args.host, port=args.port, limits=limits,
                name=args.served_model_name)
 
 

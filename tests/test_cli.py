@@ -174,8 +174,8 @@ def test_a_bad_speculative_config_is_one_error_line_naming_the_field(command, fi
 @pytest.mark.parametrize("command", ["chat", "serve"])
 def test_a_draft_longer_than_the_model_has_positions_is_refused_naming_both(command,
                                                                             tiny_chat_model):
-    """10**30 would overflow, 10**9 allocate gigabytes of books: refused once the model's
-    positions are known, before any pool, draft or server is made."""
+    """10**30 would overflow, 10**9 allocate gigabytes of books: refused from the
+    checkpoint's config.json, before its weights load (nor any pool, draft or server)."""
     path, positions = tiny_chat_model.path, tiny_chat_model.config.max_position_embeddings
     done = cli(command, "--model", str(path), "--speculative-config",
                '{"num_speculative_tokens": 1' + "0" * 30 + "}", stdin="hi\n\n")
@@ -183,6 +183,7 @@ def test_a_draft_longer_than_the_model_has_positions_is_refused_naming_both(comm
     assert done.stderr.strip().splitlines()[-1] == (
         f"error: speculative config: num_speculative_tokens=1{'0' * 30} is more than the "
         f"model's {positions} positions")
+    assert "loading" not in done.stderr
 
 
 @pytest.mark.parametrize("command", ["generate", "chat", "serve"])

@@ -97,7 +97,7 @@ class Engine:
         check_fits(model.config, slots, num_blocks, block_size, config.kv_cache_dtype)
         spec = config.speculative_config
         if spec is not None:        # before the pool or a draft model is made
-            check_against(spec, model)
+            check_against(spec, model.config)
         self.model, self.config, self.policy = model, config, config.policy
         self.prefix_caching = config.enable_prefix_caching
         self.batch_invariant = config.batch_invariant  # docs/serving.md, "Exactness"

@@ -114,8 +114,8 @@ def parse_speculative_config(value) -> SpeculativeConfig:
     ValueError: speculative config: num_speculative_tokens must be an integer >= 1, got None
 
     A null optional field is the field left out (its default), as vLLM reads it. How long a
-    draft may be against the model is checked when an engine takes the config
-    (``check_against``): the model's positions are not known here.
+    draft may be against the model is checked against its config (``check_against``): the
+    model's positions are not known here.
     """
     where = "speculative config"
     if isinstance(value, str):
@@ -168,20 +168,20 @@ def parse_speculative_config(value) -> SpeculativeConfig:
 
 
 def check_against(config: SpeculativeConfig, target, draft=None) -> None:
-    """Before an engine allocates anything for speculation: no draft longer than the target
-    has positions (a sequence could never take it; its books, one counter a position, would
-    be that long), and a draft model's vocabulary is the target's. ValueErrors naming both
-    sizes. A draft model with fewer positions than the target is served: a sequence drafts
-    only while it fits the draft's positions (``Proposer.room``), as vLLM does."""
-    positions = target.config.max_position_embeddings
+    """The config against the target's ModelConfig (and the draft model's, once loaded),
+    before anything is allocated for speculation: no draft longer than the target has
+    positions (a sequence could never take it; its books, one counter a position, would be
+    that long), and a draft model's vocabulary the target's. ValueErrors naming both sizes.
+    A draft model with fewer positions than the target is served: a sequence drafts only
+    while it fits the draft's positions (``Proposer.room``), as vLLM does."""
+    positions = target.max_position_embeddings
     if config.num_speculative_tokens > positions:
         raise ValueError(f"speculative config: num_speculative_tokens="
                          f"{config.num_speculative_tokens} is more than the model's "
                          f"{positions} positions")
-    if draft is not None and draft.config.vocab_size != target.config.vocab_size:
+    if draft is not None and draft.vocab_size != target.vocab_size:
         raise ValueError(f"draft and target must share a vocabulary: the draft has "
-                         f"{draft.config.vocab_size} tokens, the target "
-                         f"{target.config.vocab_size}")
+                         f"{draft.vocab_size} tokens, the target {target.vocab_size}")
 
 
 # --- proposals -------------------------------------------------------------------------------
@@ -192,7 +192,8 @@ class Proposer:
 
     def __init__(self, config: SpeculativeConfig, target, draft_model=None):
         self.config, self.target = config, target
-        check_against(config, target, draft_model)
+        check_against(config, target.config, None if draft_model is None else
+                      draft_model.config)
         if config.method == "ngram":
             self.lookup = LookupDraft(PromptLookup(config.prompt_lookup_max,
                                                    config.prompt_lookup_min),
