@@ -154,19 +154,66 @@ def test_rows_and_dots_count_one_pass_over_w_per_row(monkeypatch):
         monkeypatch.undo()
 
 
-def test_a_large_weight_is_timed_from_memory(monkeypatch):
-    """From COLD_BYTES on, the caches are flushed before every timing (a decode step finds no
-    weight cached); a smaller weight is timed as it is. The data read to flush them is one
-    buffer of FLUSH_BYTES for the process, allocated when first needed, whatever the shapes."""
+def reads(monkeypatch, costs=None):
+    """Record, for every call of a way, (way, the address of w's data, w's rows, w's bytes,
+    w's layout, w's values); on the virtual clock a call costs costs(way, rows of x, rows of w)
+    where given -> the records."""
+    made, now = [], [0.0]
+    monkeypatch.setattr(blas, "time", SimpleNamespace(perf_counter=lambda: now[0]))
+    for name in blas.ROUTES:
+        real = getattr(blas, name)
+
+        def call(x, w, out=None, real=real, name=name):
+            made.append((name, w.__array_interface__["data"][0], len(w), w.nbytes,
+                         blas.layout(w), w.copy()))
+            now[0] += costs(name, len(x), len(w)) if costs else 0.0
+            return real(x, w, out)
+        monkeypatch.setattr(blas, name, call)
+    return made
+
+
+@pytest.mark.parametrize("order", ["C", "F"])
+def test_a_cold_weight_is_timed_over_copies_of_itself_in_turn(monkeypatch, order):
+    """From COLD_BYTES to LARGE_BYTES no flush: each timing reads a copy of w (in w's layout,
+    w's values) that at least FLUSH_BYTES of other copies were read after its last timing, so
+    it comes from memory, as a decode step finds its weights, and what is timed is the product
+    alone."""
+    flushes = []
+    monkeypatch.setattr(blas, "flush_caches", flushes.append)
+    x, w = operands(4, n=300)
+    w = np.asarray(w, order=order)
+    for name, value in (("COLD_BYTES", w.nbytes), ("LARGE_BYTES", w.nbytes),
+                        ("FLUSH_BYTES", 5 * w.nbytes - 100)):
+        monkeypatch.setattr(blas, name, value)
+    made = reads(monkeypatch)
+    blas.fastest(x, w)
+    assert flushes == [] and len(made) == blas.TRIALS * len(blas.candidates(4, blas.layout(w)))
+    assert len({address for _, address, *_ in made}) == 1 + 5        # w and 5 copies
+    assert all(held == blas.layout(w) and np.array_equal(values, w)
+               for _, _, _, _, held, values in made)
+    for i, (_, address, *_) in enumerate(made):
+        before = [j for j in range(i) if made[j][1] == address]
+        if before:
+            between = {made[j][1]: made[j][3] for j in range(before[-1] + 1, i)}
+            assert sum(between.values()) >= blas.FLUSH_BYTES, i
+
+
+def test_a_small_weight_is_timed_as_it_is_and_a_larger_one_after_a_flush(monkeypatch):
+    """Under COLD_BYTES, w itself every time, no flush; over LARGE_BYTES, w itself after a
+    flush before every timing. The data read to flush is one buffer of FLUSH_BYTES for the
+    process, allocated when first needed, whatever the shapes."""
     flushes = []
     monkeypatch.setattr(blas, "flush_caches", flushes.append)
     monkeypatch.setattr(blas, "FLUSH_BYTES", 4096)
     monkeypatch.setattr(blas, "flush", None)
     x, w = operands(1, n=300)
+    made = reads(monkeypatch)
     monkeypatch.setattr(blas, "COLD_BYTES", w.nbytes + 1)
     blas.fastest(x, w)
     assert flushes == [] and blas.flush is None                # nothing allocated
+    assert {address for _, address, *_ in made} == {w.__array_interface__["data"][0]}
     monkeypatch.setattr(blas, "COLD_BYTES", w.nbytes)
+    monkeypatch.setattr(blas, "LARGE_BYTES", w.nbytes - 1)
     blas.fastest(x, w)
     assert len(flushes) == blas.TRIALS * len(blas.ONE_ROW)
     x4, w2 = operands(4, n=2 * len(w))
@@ -174,6 +221,30 @@ def test_a_large_weight_is_timed_from_memory(monkeypatch):
     assert len(flushes) == blas.TRIALS * (len(blas.ONE_ROW) + len(blas.ROUTES))
     assert all(buffer is flushes[0] for buffer in flushes) and flushes[0] is blas.flush
     assert flushes[0].nbytes == 4096
+    assert {address for _, address, *_ in made} == {w.__array_interface__["data"][0],
+                                                   w2.__array_interface__["data"][0]}
+
+
+def test_slices_are_timed_over_slice_calls_slices_and_counted_for_all(monkeypatch):
+    """slices over more slices than SLICE_CALLS reads the first SLICE_CALLS of them, after a
+    flush (what it reads was not read just before), and counts its time for all of w: here a
+    row of w costs slices 1 us, so all 300 rows cost 300 us, and flat's 250 us wins."""
+    flushes = []
+    monkeypatch.setattr(blas, "flush_caches", flushes.append)
+    monkeypatch.setattr(blas, "SLICE_CALLS", 2)
+    x, w = operands(16, n=300)
+    step = blas.slice_rows(16, w.shape[1])
+    assert 300 > 2 * step
+    made = reads(monkeypatch, lambda way, M, n: {"flat": 250e-6, "slices": n * 1e-6}.get(
+        way, 1.0))
+    assert blas.fastest(x, w) == "flat" and flushes == []     # under COLD_BYTES: no flush
+    assert {n for way, _, n, *_ in made if way == "slices"} == {2 * step}
+    monkeypatch.setattr(blas, "COLD_BYTES", w.nbytes)
+    made.clear()
+    assert blas.fastest(x, w) == "flat" and len(flushes) == blas.TRIALS  # before slices
+    made = reads(monkeypatch, lambda way, M, n: {"flat": 350e-6, "slices": n * 1e-6}.get(
+        way, 1.0))
+    assert blas.fastest(x, w) == "slices"
 
 
 @pytest.mark.parametrize("route", blas.ROUTES)

@@ -416,3 +416,13 @@ def test_profile_batched_says_when_the_split_does_not_add_up():
     assert any(n.startswith("rest below 0 (m B=4): ") for n in notes)
     result["rows"] = result["rows"][1:]
     assert not any(n.startswith("rest below 0") for n in table(result).notes)
+
+
+def test_bench_load_prints_its_four_loads_side_by_side(tiny, run_script):
+    out, _ = run_script("bench_load", "--model", tiny, "--repeat", "1", "--max-num-seqs", "8")
+    rows = [line.split(":")[0] for line in out.splitlines()
+            if re.match(r"(row-major|remembered|first|unkept): ", line)]
+    assert rows == ["row-major", "remembered", "first", "unkept"]
+    assert "measured for 8 rows too (serve)" in out
+    assert re.search(r"targets: remembered <= 1.5x row-major \(here \d+\.\d\dx\); first <= "
+                     r"row-major \+ 3 s \(here \+-?\d+\.\d\d s\)", out)

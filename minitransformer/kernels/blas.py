@@ -22,10 +22,14 @@ on some CPUs the matrix-vector product streams a weight well below the rate of a
 over the same bytes (scripts/bench_decode.py times every route: docs/benchmarks/). So nothing
 here is tuned to one kernel: more than FEW_ROWS rows take one flat product, and for 1..FEW_ROWS
 rows the first product of each shape times the ways (for one row, `rows` is the very call
-`flat` makes, so three) on its own operands and keeps the fastest for that shape. A weight of COLD_BYTES or more is timed as a decode step reads it, from memory:
-the caches are flushed before each timing (a decode step reads every weight once, so none of
-them is still cached when its turn comes), by reading FLUSH_BYTES of other data: one buffer,
-allocated on the first large weight measured and kept for the process.
+`flat` makes, so three) on its own operands and keeps the fastest for that shape. A weight of
+COLD_BYTES or more is timed as a decode step reads it, from memory (a decode step reads every
+weight once, so none of them is still cached when its turn comes): each timing takes the next
+of a ring of copies of it, so that FLUSH_BYTES of the others were read since that copy's last
+timing; a weight over LARGE_BYTES (a vocabulary's head), too large to copy so often, is timed
+after FLUSH_BYTES of other data are read (one buffer, allocated when first needed and kept for
+the process). Ways that repeat alike calls are timed on a few and counted for all: rows and
+dots on one row of x, slices on SLICE_CALLS slices of w.
 
 The weight's own layout matters as much: BLAS reads a row-major (n, in) w and the same values
 laid out column-major (w.T row-major, so x @ w.T is BLAS's plain untransposed product) at
@@ -59,6 +63,7 @@ between two runs. On CuPy every product is one
 cuBLAS call (flat); the strict test backend runs exactly NumPy's calls on the data it wraps
 (backend.numpy_kernel).
 """
+import itertools
 import time
 
 import numpy as np
@@ -78,6 +83,8 @@ TRIALS = 3               # timings per way when a shape is measured (the fastest
 LAYOUT_TRIALS = 5        # the same for a weight's layout: once per shape, and for every row count
 COLD_BYTES = 1 << 20     # a weight this large is timed from memory, as a decode step reads it
 FLUSH_BYTES = 1 << 27    # read between timings of a large weight: above the CPU's caches
+LARGE_BYTES = 1 << 25    # up to this, a weight is timed over copies of itself; above, flushed
+SLICE_CALLS = 16         # slices is timed over this many slices of w at most, times the rest
 flush = None             # FLUSH_BYTES of ones, allocated on the first large weight's timing
 rows_run = {1, FEW_ROWS}  # the row counts a weight's layout is decided over (expect_rows adds)
 chosen = {}              # (M, n, in, layout, dtypes) -> the way measured fastest there
@@ -244,8 +251,8 @@ def faster_layout(pair: dict, counts: tuple = (1, FEW_ROWS)) -> tuple:
     unless column-major is the faster at every count."""
     w = pair["row-major"]
     x = np.ones((max(counts), w.shape[1]), w.dtype)
-    best = {M: timings(x[:M], [pair[name] for name in LAYOUTS], LAYOUT_TRIALS)
-            for M in counts}                                         # M -> [{way: seconds}]
+    rings = [copies(pair[name]) for name in LAYOUTS]
+    best = {M: timings(x[:M], rings, LAYOUT_TRIALS) for M in counts}  # M -> [{way: seconds}]
     times = {M: [min(t.values()) for t in best[M]] for M in best}
     taken = "column-major" if all(t[1] < t[0] for t in times.values()) else "row-major"
     ways = {M: per_layout[LAYOUTS.index(taken)] for M, per_layout in best.items()}
@@ -255,36 +262,67 @@ def faster_layout(pair: dict, counts: tuple = (1, FEW_ROWS)) -> tuple:
 def fastest(x, w) -> str:
     """Time the ways for len(x) rows on these operands (TRIALS each, interleaved) -> the fastest.
     """
-    ways = timings(x, [w])[0]
+    ways = timings(x, [copies(w)])[0]
     return min(ways, key=ways.get)
 
 
-def timings(x, ws, trials=None) -> list:
-    """Time the ways for len(x) rows over each matrix of ws (the same shape), `trials` each
-    (default TRIALS), interleaved -> per matrix, {way: its fastest time}.
+def timings(x, rings, trials=None) -> list:
+    """Time the ways for len(x) rows over each matrix of rings (a list per matrix: the copies
+    of it that its timings take in turn, `copies`; all of one shape), `trials` each (default
+    TRIALS), interleaved -> per matrix, {way: its fastest time}.
 
-    `rows` and `dots` make M alike passes over w: timed as one of them, times M (on a large
-    matrix, such as a vocabulary's head, that keeps the measuring short). A weight of
-    COLD_BYTES or more is timed from memory: FLUSH_BYTES of other data are read before each
-    timing, so no way is timed on a w the previous one left in the cache (one buffer for the
-    process, flush_buffer(), not one per shape measured)."""
-    out = np.empty((len(x), len(ws[0])), np.result_type(x, ws[0]))
+    `rows` and `dots` make M alike passes over w, and `slices` many alike calls: the first
+    are timed as one pass, times M; slices over SLICE_CALLS slices at most, times the rest
+    (on a large matrix, such as a vocabulary's head, that keeps the measuring short). A weight
+    of COLD_BYTES or more is timed from memory, as a decode step reads it: up to LARGE_BYTES
+    over its copies in turn (`copies`), and where slices reads only its first rows, or the
+    weight is larger, after FLUSH_BYTES of other data are read (one buffer for the process,
+    flush_buffer(), not one per shape measured)."""
+    w = rings[0][0]
+    out = np.empty((len(x), len(w)), np.result_type(x, w))
     calls = {"flat": flat, "rows": rows, "slices": slices, "dots": dots}  # as named now
-    cold = ws[0].nbytes >= COLD_BYTES
-    best = [dict.fromkeys(candidates(len(x), layout(w)), float("inf")) for w in ws]
+    best = [dict.fromkeys(candidates(len(x), layout(ring[0])), float("inf")) for ring in rings]
+    turns = [itertools.cycle(ring) for ring in rings]
     for _ in range(TRIALS if trials is None else trials):
-        for w, times in zip(ws, best):
+        for turn, times in zip(turns, best):
             for route in times:
-                if cold:
+                part = timed_rows(route, len(x), w)
+                if w.nbytes >= COLD_BYTES and (part < len(w) or w.nbytes > LARGE_BYTES):
                     flush_caches(flush_buffer())
                 rows_in = x[:1] if route in ("rows", "dots") else x
                 start = time.perf_counter()
-                calls[route](rows_in, w, out)
-                times[route] = min(times[route], time.perf_counter() - start)
+                calls[route](rows_in, next(turn)[:part], out[:, :part])
+                seconds = (time.perf_counter() - start) * len(w) / part
+                times[route] = min(times[route], seconds)
     for times in best:
         for route in {"rows", "dots"} & set(times):
             times[route] *= len(x)
     return best
+
+
+def timed_rows(route: str, M: int, w) -> int:
+    """The rows of w a timing of `route` for M rows reads: all, but SLICE_CALLS slices of
+    them at most for slices (its calls are alike: the time scales with their count).
+
+    >>> w = np.empty((49152, 576), np.float32)
+    >>> timed_rows("slices", 16, w), timed_rows("slices", 1, w), timed_rows("flat", 16, w)
+    (1200, 19200, 49152)
+    """
+    if route != "slices":
+        return len(w)
+    return min(len(w), SLICE_CALLS * slice_rows(M, w.shape[1]))
+
+
+def copies(w) -> list:
+    """The matrices the timings of a weight's ways take in turn: w and copies of it in its
+    layout, enough that between two timings over one of them at least FLUSH_BYTES of the
+    others are read, so each is timed from memory, as a decode step reads its weights, and
+    every timing is the product itself (no flush read between). w alone where it is under
+    COLD_BYTES (timed in the cache), or over LARGE_BYTES (flushed before each timing, the
+    copies would take too much memory)."""
+    if not COLD_BYTES <= w.nbytes <= LARGE_BYTES:
+        return [w]
+    return [w] + [np.array(w, order="K") for _ in range(-(-FLUSH_BYTES // w.nbytes))]
 
 
 def flush_buffer():
