@@ -120,18 +120,34 @@ def slowed(monkeypatch, ways, seconds=0.003):
 
 @pytest.mark.parametrize("M", [1, 4])
 def test_the_way_measured_fastest_is_taken(monkeypatch, M):
-    """For each way the chooser may take for M rows: all the others cost 3 ms a call, that way
-    nothing -> that way is chosen; for one row `rows` is not timed (it is flat's own
-    matrix-vector call)."""
+    """For each way the chooser may take for M rows: all the others cost 3 ms a call (one pass
+    of rows or dots: 3 ms / M), that way 2 ms -> that way is chosen; for one row `rows` is not
+    timed (it is flat's own matrix-vector call)."""
     x, w = operands(M, n=300)
     assert blas.candidates(M) == (blas.ONE_ROW if M == 1 else blas.ROUTES)
     assert set(blas.ONE_ROW) == set(blas.ROUTES) - {"rows"}
     for route in blas.candidates(M):
-        made = slowed(monkeypatch, set(blas.ROUTES) - {route})
+        cost = {name: (0.002 if name == route else 0.003) / (M if name in ("rows", "dots")
+                                                               else 1) for name in blas.ROUTES}
+        made = slowed(monkeypatch, cost)
         assert blas.fastest(x, w) == route
         assert set(made) == set(blas.candidates(M))
         assert len(made) == blas.TRIALS * len(blas.candidates(M))
         monkeypatch.undo()
+
+
+def test_a_way_far_slower_after_two_trials_is_timed_no_more(monkeypatch):
+    """After PRUNE_AFTER trials a way more than PRUNE times slower than the fastest is not
+    timed again (a slow way can cost a second a trial); one at PRUNE times is, and one slow
+    in its first trial only (a spike) is timed on, and wins."""
+    assert blas.TRIALS > blas.PRUNE_AFTER
+    x, w = operands(4, n=300)
+    made = slowed(monkeypatch, {"flat": 0.003, "rows": 0.0061 / 4, "dots": 0.006 / 4,
+                                "slices": [0.05, 0.002] + [0.002] * blas.TRIALS})
+    assert blas.fastest(x, w) == "slices"
+    assert {name: made.count(name) for name in blas.ROUTES} == {
+        "flat": blas.TRIALS, "rows": blas.PRUNE_AFTER, "dots": blas.TRIALS,
+        "slices": blas.TRIALS}
 
 
 def test_the_fastest_trial_of_a_way_counts(monkeypatch):
@@ -205,12 +221,12 @@ def test_a_small_weight_is_timed_as_it_is_and_a_larger_one_after_a_flush(monkeyp
     flushes = []
     monkeypatch.setattr(blas, "flush_caches", flushes.append)
     monkeypatch.setattr(blas, "FLUSH_BYTES", 4096)
-    monkeypatch.setattr(blas, "flush", None)
+    monkeypatch.setattr(blas, "room", None)
     x, w = operands(1, n=300)
     made = reads(monkeypatch)
     monkeypatch.setattr(blas, "COLD_BYTES", w.nbytes + 1)
     blas.fastest(x, w)
-    assert flushes == [] and blas.flush is None                # nothing allocated
+    assert flushes == [] and blas.room is None                 # nothing allocated
     assert {address for _, address, *_ in made} == {w.__array_interface__["data"][0]}
     monkeypatch.setattr(blas, "COLD_BYTES", w.nbytes)
     monkeypatch.setattr(blas, "LARGE_BYTES", w.nbytes - 1)
@@ -219,31 +235,35 @@ def test_a_small_weight_is_timed_as_it_is_and_a_larger_one_after_a_flush(monkeyp
     x4, w2 = operands(4, n=2 * len(w))
     blas.fastest(x4, w2)
     assert len(flushes) == blas.TRIALS * (len(blas.ONE_ROW) + len(blas.ROUTES))
-    assert all(buffer is flushes[0] for buffer in flushes) and flushes[0] is blas.flush
-    assert flushes[0].nbytes == 4096
+    assert all(buffer.base is blas.room for buffer in flushes)
+    assert {buffer.nbytes for buffer in flushes} == {4096}
     assert {address for _, address, *_ in made} == {w.__array_interface__["data"][0],
                                                    w2.__array_interface__["data"][0]}
 
 
-def test_slices_are_timed_over_slice_calls_slices_and_counted_for_all(monkeypatch):
-    """slices over more slices than SLICE_CALLS reads the first SLICE_CALLS of them, after a
-    flush (what it reads was not read just before), and counts its time for all of w: here a
-    row of w costs slices 1 us, so all 300 rows cost 300 us, and flat's 250 us wins."""
+def test_slices_over_a_large_weight_are_timed_over_slice_calls_slices_counted_for_all(
+        monkeypatch):
+    """slices over a weight above LARGE_BYTES, more slices than SLICE_CALLS, reads the first
+    SLICE_CALLS of them (after the flush every way's timing has there) and counts its time
+    for all of w: here a row of w costs slices 1 us, so all 300 rows cost 300 us, and flat's
+    250 us wins; at 350 us slices wins. Up to LARGE_BYTES slices reads all of w."""
     flushes = []
     monkeypatch.setattr(blas, "flush_caches", flushes.append)
     monkeypatch.setattr(blas, "SLICE_CALLS", 2)
     x, w = operands(16, n=300)
     step = blas.slice_rows(16, w.shape[1])
     assert 300 > 2 * step
-    made = reads(monkeypatch, lambda way, M, n: {"flat": 250e-6, "slices": n * 1e-6}.get(
-        way, 1.0))
-    assert blas.fastest(x, w) == "flat" and flushes == []     # under COLD_BYTES: no flush
-    assert {n for way, _, n, *_ in made if way == "slices"} == {2 * step}
-    monkeypatch.setattr(blas, "COLD_BYTES", w.nbytes)
+    costs = {"flat": 250e-6}                     # rows, dots: 25 us a pass, 400 us for 16
+    made = reads(monkeypatch, lambda way, M, n: costs.get(way, n * 1e-6 if way == "slices"
+                                                             else 25e-6))
+    assert blas.fastest(x, w) == "flat" and flushes == []     # all of w: 300 us, cached
+    assert {n for way, _, n, *_ in made if way == "slices"} == {300}
+    monkeypatch.setattr(blas, "LARGE_BYTES", w.nbytes - 1)
     made.clear()
-    assert blas.fastest(x, w) == "flat" and len(flushes) == blas.TRIALS  # before slices
-    made = reads(monkeypatch, lambda way, M, n: {"flat": 350e-6, "slices": n * 1e-6}.get(
-        way, 1.0))
+    assert blas.fastest(x, w) == "flat"
+    assert len(flushes) == blas.TRIALS * len(blas.ROUTES)
+    assert {n for way, _, n, *_ in made if way == "slices"} == {2 * step}
+    costs["flat"] = 350e-6
     assert blas.fastest(x, w) == "slices"
 
 

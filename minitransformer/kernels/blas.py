@@ -82,10 +82,14 @@ FIXED_LAYOUT = environment_choice("MT_LAYOUT", LAYOUTS, "a layout", "to measure"
 TRIALS = 3               # timings per way when a shape is measured (the fastest counts)
 LAYOUT_TRIALS = 5        # the same for a weight's layout: once per shape, and for every row count
 COLD_BYTES = 1 << 20     # a weight this large is timed from memory, as a decode step reads it
-FLUSH_BYTES = 1 << 27    # read between timings of a large weight: above the CPU's caches
-LARGE_BYTES = 1 << 25    # up to this, a weight is timed over copies of itself; above, flushed
+# read between two timings of a weight from memory: twice the caches one core reads through
+# (at least 16 MiB), 128 MiB where the system does not say how large they are
+FLUSH_BYTES = max(2 * tuning.cache_bytes(), 1 << 24) if tuning.cache_bytes() else 1 << 27
+LARGE_BYTES = FLUSH_BYTES // 4  # up to this, a weight is timed over copies of itself; above, flushed
 SLICE_CALLS = 16         # slices is timed over this many slices of w at most, times the rest
-flush = None             # FLUSH_BYTES of ones, allocated on the first large weight's timing
+COPY_ROWS = 256          # rows of w copied at a time into the column-major layout
+PRUNE, PRUNE_AFTER = 3, 2  # a way this many times slower after so many trials: timed no more
+room = None              # the scratch memory measuring works in (scratch()), when it is
 rows_run = {1, FEW_ROWS}  # the row counts a weight's layout is decided over (expect_rows adds)
 chosen = {}              # (M, n, in, layout, dtypes) -> the way measured fastest there
 laid_out = {}            # (n, in, dtype, row counts) -> the layout measured faster for that shape
@@ -239,10 +243,17 @@ def keep_ways(w, taken: str, ways: dict) -> None:
 
 
 def in_layout(w, name: str):
-    """w, or a copy of it laid out as named."""
+    """w, or a copy of it laid out as named. A column-major copy is made COPY_ROWS rows at a
+    time: both sides of a block stay in the cache (one strided copy of a vocabulary's head
+    misses it at every read: 10x slower)."""
     if layout(w) == name:
         return w
-    return np.asfortranarray(w) if name == "column-major" else np.ascontiguousarray(w)
+    if name == "row-major":
+        return np.ascontiguousarray(w)
+    held = np.empty(w.shape, w.dtype, order="F")
+    for r0 in range(0, len(w), COPY_ROWS):
+        held[r0:r0 + COPY_ROWS] = w[r0:r0 + COPY_ROWS]
+    return held
 
 
 def faster_layout(pair: dict, counts: tuple = (1, FEW_ROWS)) -> tuple:
@@ -251,8 +262,8 @@ def faster_layout(pair: dict, counts: tuple = (1, FEW_ROWS)) -> tuple:
     unless column-major is the faster at every count."""
     w = pair["row-major"]
     x = np.ones((max(counts), w.shape[1]), w.dtype)
-    rings = [copies(pair[name]) for name in LAYOUTS]
-    best = {M: timings(x[:M], rings, LAYOUT_TRIALS) for M in counts}  # M -> [{way: seconds}]
+    turns = rings([pair[name] for name in LAYOUTS])
+    best = {M: timings(x[:M], turns, LAYOUT_TRIALS) for M in counts}  # M -> [{way: seconds}]
     times = {M: [min(t.values()) for t in best[M]] for M in best}
     taken = "column-major" if all(t[1] < t[0] for t in times.values()) else "row-major"
     ways = {M: per_layout[LAYOUTS.index(taken)] for M, per_layout in best.items()}
@@ -262,76 +273,110 @@ def faster_layout(pair: dict, counts: tuple = (1, FEW_ROWS)) -> tuple:
 def fastest(x, w) -> str:
     """Time the ways for len(x) rows on these operands (TRIALS each, interleaved) -> the fastest.
     """
-    ways = timings(x, [copies(w)])[0]
+    ways = timings(x, rings([w]))[0]
     return min(ways, key=ways.get)
 
 
-def timings(x, rings, trials=None) -> list:
-    """Time the ways for len(x) rows over each matrix of rings (a list per matrix: the copies
-    of it that its timings take in turn, `copies`; all of one shape), `trials` each (default
-    TRIALS), interleaved -> per matrix, {way: its fastest time}.
-
-    `rows` and `dots` make M alike passes over w, and `slices` many alike calls: the first
-    are timed as one pass, times M; slices over SLICE_CALLS slices at most, times the rest
-    (on a large matrix, such as a vocabulary's head, that keeps the measuring short). A weight
-    of COLD_BYTES or more is timed from memory, as a decode step reads it: up to LARGE_BYTES
-    over its copies in turn (`copies`), and where slices reads only its first rows, or the
-    weight is larger, after FLUSH_BYTES of other data are read (one buffer for the process,
-    flush_buffer(), not one per shape measured)."""
-    w = rings[0][0]
+def timings(x, turns, trials=None) -> list:
+    """Time the ways for len(x) rows over each matrix of turns (a list per matrix: the copies
+    of it that its timings take in turn, `rings`; all of one shape), `trials` each (default
+    TRIALS), interleaved -> per matrix, {way: its fastest time}. After PRUNE_AFTER trials, a
+    way more than PRUNE times slower than the fastest over its matrix is timed no more: two
+    timings that slow are no spike, and it cannot win (a slow way can cost a second a trial).
+    """
+    w = turns[0][0]
     out = np.empty((len(x), len(w)), np.result_type(x, w))
     calls = {"flat": flat, "rows": rows, "slices": slices, "dots": dots}  # as named now
-    best = [dict.fromkeys(candidates(len(x), layout(ring[0])), float("inf")) for ring in rings]
-    turns = [itertools.cycle(ring) for ring in rings]
-    for _ in range(TRIALS if trials is None else trials):
-        for turn, times in zip(turns, best):
-            for route in times:
-                part = timed_rows(route, len(x), w)
-                if w.nbytes >= COLD_BYTES and (part < len(w) or w.nbytes > LARGE_BYTES):
-                    flush_caches(flush_buffer())
-                rows_in = x[:1] if route in ("rows", "dots") else x
-                start = time.perf_counter()
-                calls[route](rows_in, next(turn)[:part], out[:, :part])
-                seconds = (time.perf_counter() - start) * len(w) / part
-                times[route] = min(times[route], seconds)
-    for times in best:
-        for route in {"rows", "dots"} & set(times):
-            times[route] *= len(x)
+    best = [dict.fromkeys(candidates(len(x), layout(ring[0])), float("inf")) for ring in turns]
+    live = [list(times) for times in best]
+    cycles = [itertools.cycle(ring) for ring in turns]
+    for trial in range(TRIALS if trials is None else trials):
+        for turn, times, ways in zip(cycles, best, live):
+            for route in ways:
+                times[route] = min(times[route], timed(calls[route], route, x, next(turn), out))
+            if trial + 1 >= PRUNE_AFTER:
+                ways[:] = [r for r in ways if times[r] <= PRUNE * min(times.values())]
     return best
 
 
+def timed(call, route: str, x, w, out) -> float:
+    """Seconds of one call of a way for len(x) rows over w, as `timings` counts them.
+
+    `rows` and `dots` make M alike passes over w: timed as one pass, times M. A weight of
+    COLD_BYTES or more is timed from memory, as a decode step reads it: up to LARGE_BYTES over
+    its copies in turn (`rings`); above, after FLUSH_BYTES of other data are read (of the
+    scratch memory), and `slices`, many alike calls, over SLICE_CALLS of them, times the rest
+    (on a vocabulary's head, 655 calls for 16 rows: that keeps the measuring short)."""
+    part = timed_rows(route, len(x), w)
+    if w.nbytes > LARGE_BYTES:
+        flush_caches(flush_buffer())
+    passes = len(x) if route in ("rows", "dots") else 1
+    start = time.perf_counter()
+    call(x[:1] if passes > 1 else x, w[:part], out[:, :part])
+    return (time.perf_counter() - start) * passes * len(w) / part
+
+
 def timed_rows(route: str, M: int, w) -> int:
-    """The rows of w a timing of `route` for M rows reads: all, but SLICE_CALLS slices of
-    them at most for slices (its calls are alike: the time scales with their count).
+    """The rows of w a timing of `route` for M rows reads: all, but for slices over a w above
+    LARGE_BYTES SLICE_CALLS slices at most (its calls are alike: the time scales with their
+    count).
 
     >>> w = np.empty((49152, 576), np.float32)
     >>> timed_rows("slices", 16, w), timed_rows("slices", 1, w), timed_rows("flat", 16, w)
     (1200, 19200, 49152)
     """
-    if route != "slices":
+    if route != "slices" or w.nbytes <= LARGE_BYTES:
         return len(w)
     return min(len(w), SLICE_CALLS * slice_rows(M, w.shape[1]))
 
 
-def copies(w) -> list:
-    """The matrices the timings of a weight's ways take in turn: w and copies of it in its
-    layout, enough that between two timings over one of them at least FLUSH_BYTES of the
-    others are read, so each is timed from memory, as a decode step reads its weights, and
-    every timing is the product itself (no flush read between). w alone where it is under
-    COLD_BYTES (timed in the cache), or over LARGE_BYTES (flushed before each timing, the
-    copies would take too much memory)."""
+def rings(ws) -> list:
+    """Per matrix of ws (one or two, of one shape), the matrices its timings take in turn: the
+    matrix and copies of it in its layout, enough that between two timings over one of them
+    the others, at least FLUSH_BYTES, are read: each is timed from memory, as a decode step
+    reads its weights, and what is timed is the product alone (no flush read between). The
+    matrix alone where it is under COLD_BYTES (timed in the cache) or over LARGE_BYTES
+    (flushed before each timing: the copies would take too much memory). The copies are made
+    in the scratch memory (FLUSH_BYTES + LARGE_BYTES per matrix: as many whole copies as fit,
+    at least FLUSH_BYTES of them)."""
+    w = ws[0]
     if not COLD_BYTES <= w.nbytes <= LARGE_BYTES:
-        return [w]
-    return [w] + [np.array(w, order="K") for _ in range(-(-FLUSH_BYTES // w.nbytes))]
+        return [[w] for w in ws]
+    region, size = FLUSH_BYTES + LARGE_BYTES, -(-w.nbytes // 64) * 64     # copies 64-aligned
+    room = scratch().view(np.uint8)
+    found = []
+    for i, w in enumerate(ws):
+        ring = [w]
+        for start in range(i * region, (i + 1) * region - size + 1, size):
+            flat_copy = room[start:start + w.nbytes].view(w.dtype)
+            copy = flat_copy.reshape(w.shape) if layout(w) == "row-major" \
+                else flat_copy.reshape(w.shape[::-1]).T                 # column-major
+            copy[...] = w
+            ring.append(copy)
+        found.append(ring)
+    return found
+
+
+def scratch():
+    """The memory measuring works in: the FLUSH_BYTES read to flush the caches, then room for
+    a ring of copies of a weight in each of the two layouts (2 x (FLUSH_BYTES + LARGE_BYTES)
+    in all). Allocated when first needed; release() gives it back once a model is built (a
+    way measured later, at a new count of rows, takes it again and keeps it)."""
+    global room
+    if room is None:
+        room = np.ones(2 * (FLUSH_BYTES + LARGE_BYTES) // 4, np.float32)
+    return room
+
+
+def release() -> None:
+    """Give back the scratch memory (fused.fuse: the model's weights are laid out)."""
+    global room
+    room = None
 
 
 def flush_buffer():
-    """The data read to flush the caches: FLUSH_BYTES, allocated once, when first needed, and
-    kept for the process (a model's weights take up to a few dozen shapes to measure)."""
-    global flush
-    if flush is None:
-        flush = np.ones(FLUSH_BYTES // 4, np.float32)
-    return flush
+    """The data read to flush the caches: FLUSH_BYTES of the scratch memory."""
+    return scratch()[:FLUSH_BYTES // 4]
 
 
 def flush_caches(buffer):

@@ -23,7 +23,7 @@ the same values either way).
 from dataclasses import dataclass
 
 from minitransformer.backend import xp
-from minitransformer.kernels.blas import arrange
+from minitransformer.kernels.blas import arrange, release
 from minitransformer.linear import is_quantized
 
 
@@ -91,6 +91,7 @@ def fuse(config, weights: dict) -> Fused:
             o=arranged(weights, p + "self_attn.o_proj.weight"),
             o_bias=weights.get(p + "self_attn.o_proj.bias"),
             **fuse_mlp(weights, i)))
+    release()                                      # what measuring the layouts used
     return Fused(weights, tuple(layers))
 
 

@@ -149,6 +149,32 @@ def cpu() -> dict:
             "avx512": ("avx512f" in flags) if flags else None}
 
 
+def cache_bytes(folder=Path("/sys/devices/system/cpu/cpu0/cache")):
+    """The bytes of cache one core reads through: its data and unified caches, every level,
+    summed, as Linux describes them (None where it does not: another system, a container
+    that hides them).
+
+    >>> import tempfile
+    >>> with tempfile.TemporaryDirectory() as d:
+    ...     for i, (kind, size) in enumerate([("Data", "32K"), ("Instruction", "32K"),
+    ...                                       ("Unified", "512K"), ("Unified", "32M")]):
+    ...         (Path(d) / f"index{i}").mkdir()
+    ...         _ = (Path(d) / f"index{i}" / "type").write_text(kind)
+    ...         _ = (Path(d) / f"index{i}" / "size").write_text(size)
+    ...     cache_bytes(Path(d)) == (32 + 512 + 32 * 1024) * 1024
+    True
+    """
+    total = 0
+    for index in sorted(folder.glob("index*")):
+        try:
+            kind, size = ((index / name).read_text().strip() for name in ("type", "size"))
+            if kind != "Instruction":
+                total += int(size.rstrip("KMG")) << {"K": 10, "M": 20, "G": 30}.get(size[-1], 0)
+        except (OSError, ValueError):
+            return None
+    return total or None
+
+
 def blas_pools() -> list:
     """The BLAS libraries NumPy's products run on, as threadpoolctl reports them: dicts with
     internal_api (openblas, mkl, ...), version, architecture (OpenBLAS's kernel, e.g.
