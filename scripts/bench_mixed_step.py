@@ -5,17 +5,25 @@ prompt. Two passes read every weight twice; one pass over the flattened tokens (
 ragged view, paged.RaggedView, as vLLM and Sarathi-Serve batch a step) reads it once. Timed side
 by side, on the engine's own pool: the decodes alone, the chunk alone, the two one after the
 other, and the one mixed pass (its head over the decodes' rows), each rolled back after.
---markdown FILE also writes the table, headed by the kernel (docs/benchmarks/mixed-step-KERNEL.md
+
+--reads 256,1024 adds a table: the decode step of --decodes sequences at each of those contexts,
+its attention reading the pool three ways on the same pool and books, side by side in CPU time:
+the plain attention over each row's blocks gathered end to end (the engine's default), the
+tiled one over the same gathered copy, and the tiled one over the blocks where they lie
+(paged.InPlace: each 64-slot tile gathers only its own blocks).
+--markdown FILE also writes the tables, headed by the kernel (docs/benchmarks/mixed-step-KERNEL.md
 for each kernel, docs/benchmarks.md).
 """
 import argparse
+import time
 
 import numpy as np
 
 from _common import (add_model_argument, add_threads_argument, load_model, positive_int,
-                     timing_header)
+                     positive_ints, timing_header)
 from _table import Table
 from bench_decode import write_markdown
+from minitransformer.backend import to_device
 from minitransformer.generate import last_logits
 from minitransformer.measure.timing import blas_kernel, time_together, where_it_ran
 from minitransformer.model import forward, head
@@ -54,7 +62,10 @@ def main(argv=None):
     parser.add_argument("--block-size", type=positive_int, default=16)
     parser.add_argument("--repeat", type=positive_int, default=5)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--markdown", metavar="FILE", help="also write the table as Markdown")
+    parser.add_argument("--reads", type=positive_ints, metavar="CONTEXTS",
+                        help="also time the decode step at these contexts (e.g. 256,1024), its "
+                             "pool read gathered and in place")
+    parser.add_argument("--markdown", metavar="FILE", help="also write the tables as Markdown")
     add_threads_argument(parser)
     args = parser.parse_args(argv)
     if not 0 <= args.chunk_start <= args.prompt_len - args.chunk:
@@ -81,11 +92,64 @@ def main(argv=None):
     d, c, _, mixed = timings
     table.note(f"one pass / (decodes alone + chunk alone): {mixed.best / (d.best + c.best):.2f} "
                f"(fastest), {mixed.median / (d.median + c.median):.2f} (median); target <= 0.9")
-    table.show()
+    tables = [table.show()]
+    if args.reads:
+        tables.append(reads_table(model, args, ran_on).show())
     if args.markdown:
-        write_markdown(args.markdown, [table], argv, script="bench_mixed_step.py",
+        write_markdown(args.markdown, tables, argv, script="bench_mixed_step.py",
                        title=f"A step's decodes and prompt chunk: OpenBLAS kernel {blas_kernel()}")
     return 0
+
+
+READS = [("plain", False, "plain attention, blocks gathered (the default)"),
+         ("tiled", False, "tiled attention, blocks gathered"),
+         ("tiled", True, "tiled attention, blocks in place")]
+
+
+def reads_table(model, args, ran_on) -> Table:
+    """The decode step of --decodes rows at each of --reads contexts, the pool read each of
+    the READS ways, side by side (CPU time)."""
+    table = Table("Benchmark: the decode step's attention over the paged pool, gathered or in "
+                  "place", columns=[("context", ""), ("read", ""), ("min ms", ".1f"),
+                                    ("median ms", ".1f"), ("/ default", ".2f")])
+    table.header(f"{args.decodes} sequences decoding, each holding `context` tokens in blocks of "
+                 f"{args.block_size}: one decode step (forward and head), the same pool and "
+                 f"books read {len(READS)} ways; CPU time (time.process_time), the fastest and "
+                 f"the median of {args.repeat}+ rounds, side by side", ran_on, where_it_ran())
+    for context in args.reads:
+        cache, ids = held_pool(model, args.decodes, context, args.block_size, args.seed)
+        newest = np.array([[7]] * len(ids))                                  # (B, 1)
+
+        def step(attention, in_place):
+            def decode():
+                cache.attention, cache.in_place = attention, in_place        # how it is read
+                return last_logits(model, newest, cache.view(ids, cache.append(ids, 1)))
+            return decode
+
+        def undo():
+            for s in ids:
+                cache.trim(s, 1)
+        timings = time_together([step(a, i) for a, i, _ in READS], warmup=1,
+                                repeat=args.repeat, after=[undo] * len(READS),
+                                clock=time.process_time)
+        for (_, _, name), t in zip(READS, timings):
+            table.row(context, name, 1e3 * t.best, 1e3 * t.median, t.best / timings[0].best)
+    table.note("/ default: fastest against the fastest of the plain attention over gathered "
+               "blocks; the keys and values are random (a step's cost does not depend on them)")
+    return table
+
+
+def held_pool(model, rows, context, block_size, seed) -> tuple:
+    """A pool of `rows` sequences of `context` tokens each, counted as written and their keys
+    and values random (prefilling 8 x 1,024 tokens would take minutes) -> (cache, ids)."""
+    rng = np.random.default_rng(seed)
+    cache = PagedCache.allocate(model.config, rows * (context // block_size + 2), block_size)
+    for s in range(rows):
+        cache.add(s, [0] * context, reuse=False)
+        cache.written([s], cache.append([s], context), context)             # length: context
+    for pool in cache.k + cache.v:
+        pool[...] = to_device(rng.standard_normal(pool.shape, dtype=np.float32))
+    return cache, list(range(rows))
 
 
 def ways(model, cache, ids, p, chunk) -> tuple:

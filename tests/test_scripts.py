@@ -100,7 +100,7 @@ TIMED_RUNS = {
     "bench_engine": ["--requests", 2, "--prompt-len", "4-8", "--new-tokens", "2-4",
                      "--slots", 2],
     "bench_mixed_step": ["--decodes", 2, "--context", 8, "--prompt-len", 24, "--chunk", 8,
-                         "--block-size", 4, "--repeat", 1],
+                         "--block-size", 4, "--repeat", 1, "--reads", "6,9"],
     "bench_parallel_samples": ["--n", 2, "--prompt-len", 6, "--new-tokens", 2,
                                "--block-size", 4, "--repeat", 1],
     "profile_batched": ["--context", 8, "--repeat", 1, "--buffer-mb", 16, "--second", "none"],
@@ -183,6 +183,12 @@ def test_bench_mixed_step_writes_its_table_headed_by_the_kernel(tiny, run_script
                       out).group(1)
     assert f"one pass / (decodes alone + chunk alone): {ratio} (fastest)" in written
     assert written.count("| both, one pass (ragged) |") == 1
+    reads = out.split("gathered or in place")[1]        # --reads: each context, three ways
+    for context in (6, 9):
+        assert re.search(rf"\n +{context} +plain attention, blocks gathered \(the default\) .* "
+                         r"1\.00\n", reads)
+        assert re.search(rf"\n +{context} +tiled attention, blocks in place ", reads)
+    assert written.count("| tiled attention, blocks in place |") == 2
 
 
 def test_mutation_judges_an_equivalent_only_where_its_run_checked_it():

@@ -6,12 +6,20 @@ pass's view of it (experiment 14).
     books   blocks.BlockManager: free list, block tables, refcounts, the prefix index
     view    ``view(seq_ids)`` is what ``model.forward`` talks to (kvcache.py's protocol):
             ``positions``, ``update`` (write the new keys/values into their slots, return all
-            held, gathered through the block tables), ``mask``, ``attend``, ``advance``
+            held), ``mask``, ``attend``, ``advance``
+
+What ``update`` returns depends on the way the pool is attended over. The plain attention
+reads every key at once: each row's blocks are gathered end to end, a copy per layer and step
+(``gather``). The tiled attention (tiled.py) reads 64 slots at a time, so it is handed the
+blocks where they lie (``InPlace``), and each tile gathers the few blocks its slots are in:
+PagedAttention's reading, never the whole context copied; the same tiles as a gathered copy,
+so the same bits (``in_place=False`` gathers first, to time the two side by side).
 
 The books decide, the pool does: a copy on write or a swap the books queue (``moves``) is
 carried out by ``do`` before the pool is read or written, in the order decided. Shapes: N
 blocks, bs slots per block, nb blocks in a table; B, T, S, Hkv, d as in model.py. Leaves out:
-kernels that read blocks in place (we gather a copy per layer and step).
+a kernel that multiplies each block where it lies (here a tile's blocks are indexed, a copy
+of B x a tile's slots).
 
 Example: blocks of 4 slots; "b" starts with a's first 4 tokens, so it holds a's first block
 and its keys, and only its fifth token is computed:
@@ -78,23 +86,27 @@ def check_fits(config, slots: int, num_blocks: int, block_size: int,
 class PagedCache(BlockManager):
     """The books (BlockManager) and the pool arrays they describe."""
 
-    def __init__(self, k: list, v: list, block_size: int, attention: str = "plain"):
+    def __init__(self, k: list, v: list, block_size: int, attention: str = "plain",
+                 in_place: bool = True):
         super().__init__(k[0].shape[0], block_size)
         self._k, self._v = k, v
         attention_named(attention)              # checked: how its views attend (tiled.py)
         self.attention = attention
+        self.in_place = attention == "tiled" and in_place   # update hands InPlace blocks
 
     @classmethod
     def allocate(cls, config, num_blocks: int, block_size: int, kv_dtype: str = "f32",
-                 attention: str = "plain"):
-        """kv_dtype: f32, f16, q8_0 or q4_0 (kvquant.KV_DTYPES); attention: plain or tiled."""
+                 attention: str = "plain", in_place: bool = True):
+        """kv_dtype: f32, f16, q8_0 or q4_0 (kvquant.KV_DTYPES); attention: plain or tiled;
+        in_place: the tiled attention reads the blocks where they lie (False: gathered first,
+        as the plain one reads them)."""
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"a paged cache needs num_blocks >= 1 and block_size >= 1, "
                              f"got {num_blocks}, {block_size}")
         shape = (num_blocks, config.num_key_value_heads, block_size, config.head_dim)
         L = config.num_hidden_layers
         return cls([zeros(shape, kv_dtype) for _ in range(L)],
-                   [zeros(shape, kv_dtype) for _ in range(L)], block_size, attention)
+                   [zeros(shape, kv_dtype) for _ in range(L)], block_size, attention, in_place)
 
     @property
     def k(self) -> list:
@@ -214,14 +226,16 @@ class PagedView:
         return attention_named(self.cache.attention).attend(q, k, v, visible)
 
     def update(self, layer: int, k, v, slots=None):
-        """Write k, v (B, T, Hkv, d) into their slots -> k, v (B, Hkv, S, d), S longest row."""
+        """Write k, v (B, T, Hkv, d) into their slots -> k, v (B, Hkv, S, d), S longest row:
+        gathered, or where they lie (InPlace) for a tiled attention."""
         cache = self.cache
         blocks, offsets, table, S = self.slots(self.positions(k.shape[1])) if slots is None \
             else slots
         # pool[blocks[b, t], :, offsets[b, t]] = k[b, t]: advanced indices on axes 0 and 2
         cache.k[layer][blocks, :, offsets] = k
         cache.v[layer][blocks, :, offsets] = v
-        return gather(cache.k[layer], table, S), gather(cache.v[layer], table, S)
+        held = InPlace if cache.in_place else gather
+        return held(cache.k[layer], table, S), held(cache.v[layer], table, S)
 
     def advance(self, T: int) -> None:
         """Called by forward after every layer has stored its T new tokens."""
@@ -295,6 +309,34 @@ def on_host(held):
 
 def on_device(held):
     return held.apply(to_device) if isinstance(held, QuantizedArray) else to_device(held)
+
+
+class InPlace:
+    """A layer's keys (or values) of B rows left where they lie in the pool, read as gather's
+    (B, Hkv, S, d) would be, a slice of slots at a time: ``[:, :, j:j + n]`` gathers only the
+    blocks slots j..j+n-1 lie in (what tiled_attention asks for, tile by tile).
+
+    >>> pool = xp.arange(4 * 1 * 2 * 1, dtype=xp.float32).reshape(4, 1, 2, 1)  # slot = value
+    >>> table = xp.asarray([[3, 1, 0], [2, 2, 2]])           # row 0: blocks 3, 1, 0; row 1: 2
+    >>> keys = InPlace(pool, table, 5)
+    >>> keys.shape, to_numpy(keys[:, :, 1:4])[:, 0, :, 0].tolist()          # slots 1..3
+    ((2, 1, 5, 1), [[7.0, 2.0, 3.0], [5.0, 4.0, 5.0]])
+    """
+
+    def __init__(self, pool, table, S: int):
+        self.pool, self.table, self.S = pool, table, S           # (N, Hkv, bs, d), (B, nb)
+        _, Hkv, _, d = pool.shape
+        self.shape = (table.shape[0], Hkv, S, d)
+
+    def __getitem__(self, index):
+        rows, heads, slots = index
+        if (rows, heads) != (slice(None), slice(None)) or slots.step is not None:
+            raise IndexError(f"InPlace reads [:, :, start:stop], not {index}")
+        bs = self.pool.shape[2]
+        start, stop = slots.start or 0, min(self.S, self.S if slots.stop is None else slots.stop)
+        first, last = start // bs, -(-stop // bs)                     # the blocks they lie in
+        return gather(self.pool, self.table[:, first:last], stop - first * bs)[
+            :, :, start - first * bs:]                                # (B, Hkv, stop-start, d)
 
 
 def gather(pool, table, S: int):
