@@ -17,8 +17,10 @@ each part serves; ../quant/ and ../sim/ sit beside this package):
       engine.py,                  experiment 13's simulation: skewed requests, and the two
       ../sim/workload.py,         policies a step at a time
       batching.py
-    ../quant/int8.py, qweight.py, scales.py, absmax.py, nf4.py, schemes.py, qmodel.py
-                                  weight quantization: the quantizers, QWeight, the schemes
+    ../quant/int8.py, qweight.py, scales.py, absmax.py, nf4.py, ggml_blocks.py, kquants.py,
+      gguf_weight.py, schemes.py, qmodel.py
+                                  weight quantization: the quantizers (llama.cpp's blocks and
+                                  k-quants among them), QWeight, the schemes
     ../quant/analysis.py, activations.py, techniques.py
                                   outliers in weights and activations, and what handles them
     measure/text.py, quality.py   the text measured on; what quantization costs in quality

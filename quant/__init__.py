@@ -3,6 +3,9 @@
     schemes.py     the chapter's schemes as data (label, bits, group, levels) -> quantize, nbytes
     absmax.py      symmetric absmax at 8 and 4 bits: absmax_per_tensor / _per_row / _per_group
     nf4.py         NF4 (QLoRA's 4-bit NormalFloat), blocks of 64
+    ggml_blocks.py llama.cpp's blocks of 32 (Q8_0, Q5_0, Q5_1, IQ4_NL), as llama-quantize writes
+    kquants.py     llama.cpp's k-quants (Q2_K..Q6_K): super-blocks of 256, scales quantized too
+    gguf_weight.py GGUFWeight: a matrix held as GGUF blocks (a k-quant, or its fallback type)
     scales.py      what the quantizers share: territory absmax, float16 scales, build a QWeight
     packing.py     two 4-bit codes per byte
     qweight.py     QWeight: packed codes + float16 scales, .dequantize() (the spec), .matmul(x)

@@ -92,9 +92,9 @@ def resident_bytes(weights) -> dict:
 
     for name, w in weights.items():
         if is_quantized(w):
-            count("projections", w.codes)
-            count("projections", w.scales)
-            count("levels", w.levels)
+            for kind, arrays in w.buffers().items():
+                for array in arrays:
+                    count(kind, array)
         else:
             count("projections" if PROJECTION.search(name) else "other", w)
     return total

@@ -49,6 +49,10 @@ class QWeight:
     def bits_per_weight(self) -> float:
         return 8 * self.nbytes / (self.shape[0] * self.shape[1])
 
+    def buffers(self) -> dict:
+        """What is held, by kind (qmodel.resident_bytes): codes and scales; the shared table."""
+        return {"projections": [self.codes, self.scales], "levels": [self.levels]}
+
     def unpacked_codes(self):
         """-> uint8 (out*in,): one code per weight, as the quantizer chose it."""
         n = self.shape[0] * self.shape[1]

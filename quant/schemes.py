@@ -4,7 +4,10 @@ Serves experiments 15, 16, 21 and 22, and every `--schemes` argument. A scheme s
 bits a code has, which weights share one scale (its territory: the whole matrix, one row, or
 `group` consecutive weights of a row) and what the codes stand for (evenly spaced integers for
 absmax, normal quantiles for NF4). From that alone follow the quantizer to call and the bytes a
-matrix takes, so nothing is ever parsed back out of a name.
+matrix takes, so nothing is ever parsed back out of a name. llama.cpp's k-quants (Q2_K..Q6_K)
+are schemes too: a GGUF type instead of bits and a group, held as GGUF blocks
+(gguf_weight.py), their bytes read off the block layout (a row that is not whole
+super-blocks of 256 takes llama-quantize's fallback type).
 
 >>> s = SCHEMES["int4-g128"]
 >>> s.label, s.bits, s.group
@@ -15,13 +18,16 @@ matrix takes, so nothing is ever parsed back out of a name.
 4.125
 >>> SCHEMES["int8-row"].scales((896, 4864))   # one scale per output row
 896
+>>> SCHEMES["q4_k"].bits_per_weight((896, 4864)), SCHEMES["q4_k"].bits_per_weight((896, 896))
+(4.5, 5.5)
 
-Leaves out: schemes the chapter does not tabulate (INT8 per-group, 3- or 2-bit codes).
+Leaves out: schemes the chapter does not tabulate (INT8 per-group, absmax at 3 or 2 bits).
 """
 from dataclasses import dataclass
 
 from minitransformer.shape import ceil_div
 from quant.absmax import absmax_per_group, absmax_per_row, absmax_per_tensor
+from quant.gguf_weight import gguf_quantize, stored_bytes
 from quant.nf4 import nf4
 
 TENSOR, ROW = "tensor", "row"  # the two territories that are not a group size
@@ -34,9 +40,12 @@ class Scheme:
     bits: int               # per code: 8 or 4
     group: int | str        # weights sharing one scale: a count along a row, ROW or TENSOR
     levels: str = "integer"  # what a code stands for: "integer" (absmax) or "nf4"
+    gguf: str | None = None  # a llama.cpp type (Q4_K, ...): held as its GGUF blocks
 
     def quantize(self, w):
-        """A float matrix (out, in) -> its QWeight under this scheme."""
+        """A float matrix (out, in) -> its QWeight (or GGUFWeight) under this scheme."""
+        if self.gguf is not None:
+            return gguf_quantize(w, self.gguf, self.label)
         if self.levels == "nf4":
             return nf4(w, self.group)
         if self.group == TENSOR:
@@ -53,7 +62,10 @@ class Scheme:
         return out * (1 if self.group == ROW else ceil_div(cols, self.group))
 
     def nbytes(self, shape) -> int:
-        """Bytes held for a matrix (out, in): codes (4-bit ones two per byte) + float16 scales."""
+        """Bytes held for a matrix (out, in): codes (4-bit ones two per byte) + float16 scales;
+        for a GGUF type, its blocks."""
+        if self.gguf is not None:
+            return stored_bytes(self.gguf, shape)
         out, cols = shape
         return ceil_div(out * cols * self.bits, 8) + 2 * self.scales(shape)
 
@@ -69,6 +81,8 @@ SCHEMES = {s.name: s for s in (
     Scheme("int4-row", "INT4 per-row", 4, ROW),
     Scheme("int4-g128", "INT4 group-128", 4, 128),
     Scheme("nf4", "NF4 (block 64)", 4, 64, levels="nf4"),
+    *(Scheme(f"q{bits}_k", f"Q{bits}_K", bits, 256, levels="gguf", gguf=f"Q{bits}_K")
+      for bits in (2, 3, 4, 5, 6)),
 )}
 
 

@@ -3,7 +3,8 @@
 Everything here goes the way llama.cpp's converter goes (Hugging Face -> GGUF), written
 independently of minitransformer/formats/gguf.py, which goes back: names by a literal table, the q/k
 rows of a llama file put in Meta's interleaved order by an explicit index formula, values
-quantized by ``gguf.quants.quantize``.
+quantized by ``gguf.quants.quantize`` (by quant/'s llama.cpp quantizers for the types that
+package cannot quantize), the weights a reader must give back always ``gguf.quants.dequantize``'s.
 """
 import json
 
@@ -18,7 +19,7 @@ GGUF_LAYER = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_n
               "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
 GGUF_TOP = {"model.embed_tokens.weight": "token_embd.weight",
             "model.norm.weight": "output_norm.weight", "lm_head.weight": "output.weight"}
-MATRIX_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1")
+MATRIX_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "IQ4_NL")
 
 
 def gguf_name(hf: str) -> str:
@@ -39,12 +40,22 @@ def interleave_rows(w, heads):
 
 
 def store(w, type_name):
-    """float32 array -> (array to write, its GGML type, what a correct reader gives back)."""
+    """float32 array -> (array to write, its GGML type, what a correct reader gives back).
+
+    Quantized by the gguf package where it can (F32..Q8_0, Q4_0..Q5_1); the k-quants and IQ4_NL,
+    which it cannot, by quant/'s llama.cpp quantizers. Either way what a reader must give back
+    is the gguf package's own dequantization of the bytes."""
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize, quantize
 
+    from quant.gguf_weight import QUANTIZERS
+
     qtype = GGMLQuantizationType[type_name]
-    stored = quantize(np.ascontiguousarray(w, dtype=np.float32), qtype)
+    w = np.ascontiguousarray(w, dtype=np.float32)
+    if type_name in QUANTIZERS and type_name not in ("Q8_0", "Q5_0", "Q5_1", "F16"):
+        stored = QUANTIZERS[type_name](w.reshape(-1, w.shape[-1]))
+    else:
+        stored = quantize(w, qtype)
     return stored, qtype, dequantize(stored, qtype).reshape(w.shape).astype(np.float32)
 
 
@@ -198,3 +209,21 @@ def parts(tmp_path_factory):
     entries, tensors = gguf_parts(path)
     assert all(e[0] != "general.alignment" for e in entries)
     return entries, tensors
+
+
+# The same with the matrices in k-quants (rows of 256: whole super-blocks), for the broken
+# k-quant files; no tokenizer (a weights-only file loads as well).
+K_CONFIG = qwen2_config(vocab_size=320, hidden_size=256, intermediate_size=256,
+                        num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2)
+K_TYPES = {"mlp.up_proj": "Q4_K", "mlp.down_proj": "Q5_K", "mlp.gate_proj": "Q6_K",
+           "self_attn.q_proj": "Q3_K", "self_attn.k_proj": "Q2_K"}
+
+
+@pytest.fixture(scope="module")
+def kquant_parts(tmp_path_factory):
+    """(metadata entries, tensors) of a valid file of K_CONFIG with the K_TYPES matrices."""
+    path = tmp_path_factory.mktemp("gguf") / "kquants.gguf"
+    weights = random_weights(K_CONFIG)
+    types = {f"model.layers.0.{m}.weight": t for m, t in K_TYPES.items()}
+    write_gguf(path, K_CONFIG, weights, types={n: types.get(n, "F32") for n in weights})
+    return gguf_parts(path)

@@ -118,6 +118,43 @@ def test_forward_pass_matches_the_same_weights_from_safetensors(tmp_path, arch):
     assert mt.generate(model, ids, 6) == mt.generate(ref, ids, 6)
 
 
+# A Q4_K_M file's kind of choices (Q4_K with Q6_K on v, down and the head) and every other
+# type the importer decodes, on rows of whole super-blocks; the second layer in the
+# blocks-of-32 types llama-quantize falls back to where rows are not.
+K_LAYER = {"self_attn.q_proj": "Q4_K", "self_attn.k_proj": "Q5_K", "self_attn.v_proj": "Q6_K",
+           "self_attn.o_proj": "Q3_K", "mlp.gate_proj": "Q2_K", "mlp.up_proj": "Q4_K",
+           "mlp.down_proj": "Q6_K"}
+FALLBACK_LAYER = {"self_attn.q_proj": "Q5_0", "self_attn.k_proj": "Q5_1",
+                  "self_attn.v_proj": "Q8_0", "self_attn.o_proj": "IQ4_NL",
+                  "mlp.gate_proj": "IQ4_NL", "mlp.up_proj": "Q5_0", "mlp.down_proj": "Q8_0"}
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_a_mix_of_k_quants_gives_the_logits_of_its_dequantized_weights(tmp_path, arch):
+    make = llama_config if arch == "llama" else qwen2_config
+    config = make(**SHAPE | {"hidden_size": 256, "intermediate_size": 512},
+                  tie_word_embeddings=False)
+    types = {"model.embed_tokens.weight": "Q4_K", "lm_head.weight": "Q6_K"}
+    for layer, kinds in enumerate((K_LAYER, FALLBACK_LAYER)):
+        types |= {f"model.layers.{layer}.{m}.weight": t for m, t in kinds.items()}
+    path, reference, expected = model_files(tmp_path, config, types=types)
+    model, meta, stored = gguf_module().read_model(path)
+    assert stored.pop("F32") == sum(w.ndim == 1 for w in expected.values())   # norms, biases
+    assert stored == {"Q4_K": 3, "Q5_K": 1, "Q6_K": 3, "Q3_K": 1, "Q2_K": 1,
+                      "Q5_0": 2, "Q5_1": 1, "Q8_0": 2, "IQ4_NL": 2}
+    for name, w in expected.items():    # every tensor: the gguf package's dequantization
+        assert np.array_equal(bits(mt_numpy(model.weights[name])), bits(w)), name
+    ids = [3, 17, 42, 5, 88, 1, 60]
+    ref = mt.load(reference)
+    assert np.array_equal(mt.logits(model, ids), mt.logits(ref, ids))
+    assert mt.generate(model, ids, 6) == mt.generate(ref, ids, 6)
+
+
+def gguf_module():
+    from minitransformer.formats import gguf as module
+    return module
+
+
 def mt_numpy(x):
     from minitransformer.backend import to_numpy
     return to_numpy(x)

@@ -14,7 +14,7 @@ import minitransformer as mt
 
 pytest.importorskip("gguf")
 from gguf_files import (ARRAY, BOOL, FLOAT32, INT32, STRING, UINT8, UINT32,  # noqa: E402
-                        gguf_bytes, parts)  # noqa: F401 (parts: a fixture)
+                        gguf_bytes, kquant_parts, parts)  # noqa: F401 (fixtures)
 
 
 def write(tmp_path, entries, tensors, **layout):
@@ -239,3 +239,68 @@ def test_no_tokenizer_metadata_at_all_loads_weights_only(tmp_path, parts):
     model = mt.load(write(tmp_path, entries, tensors))
     assert model.tokenizer is None and model.eos_token_ids == ()
     assert len(mt.generate(model, [1, 2, 3], 4)) == 4
+
+
+# --- k-quant tensors ----------------------------------------------------------------------------
+def fp16_at(name, block_bytes, block, at, value):
+    """Write an fp16 value into one block of a tensor's bytes (at: its offset in the block)."""
+    def edit(entries, tensors):
+        t = tensor(tensors, name)
+        start = block * block_bytes + at
+        t[3] = t[3][:start] + struct.pack("<e", value) + t[3][start + 2:]
+    return edit
+
+
+def last(name):
+    """Move a tensor to the end of the data section (to cut the file inside it)."""
+    def edit(entries, tensors):
+        tensors.append(tensors.pop(tensors.index(tensor(tensors, name))))
+    return edit
+
+
+K_QUANTS = {  # name -> (edit of the parts, bytes cut off the end, the error's words)
+    "a Q4_K super-block cut short": (
+        last("blk.0.ffn_up.weight"), 100,
+        "truncated: tensor 'blk.0.ffn_up.weight' (Q4_K [256, 256], 36864 bytes) needs bytes up "
+        "to"),
+    "Q4_K rows of 576": (dims("blk.0.ffn_up.weight", [576, 64]), 0,
+                         "tensor 'blk.0.ffn_up.weight': a Q4_K row holds whole super-blocks of "
+                         "256 weights, but the shape [64, 576] has rows of 576"),
+    "Q6_K rows of 32": (dims("blk.0.ffn_gate.weight", [32, 2048]), 0,
+                        "tensor 'blk.0.ffn_gate.weight': a Q6_K row holds whole super-blocks "
+                        "of 256 weights, but the shape [2048, 32] has rows of 32"),
+    "an inf super-scale in Q4_K": (
+        fp16_at("blk.0.ffn_up.weight", 144, 3, 0, float("inf")), 0,
+        "tensor 'blk.0.ffn_up.weight': Q4_K block 0 of row 3 decodes to"),
+    "a NaN super-minimum in Q5_K": (
+        fp16_at("blk.0.ffn_down.weight", 176, 5, 2, float("nan")), 0,
+        "tensor 'blk.0.ffn_down.weight': Q5_K block 0 of row 5 decodes to nan"),
+    "a NaN super-scale in Q6_K": (
+        fp16_at("blk.0.ffn_gate.weight", 210, 200, 208, float("nan")), 0,
+        "tensor 'blk.0.ffn_gate.weight': Q6_K block 0 of row 200 decodes to nan"),
+    "an inf super-scale in Q3_K": (
+        fp16_at("blk.0.attn_q.weight", 110, 0, 108, -float("inf")), 0,
+        "tensor 'blk.0.attn_q.weight': Q3_K block 0 of row 0 decodes to"),
+    "an inf super-minimum in Q2_K": (
+        fp16_at("blk.0.attn_k.weight", 84, 127, 82, float("inf")), 0,
+        "tensor 'blk.0.attn_k.weight': Q2_K block 0 of row 127 decodes to"),
+}
+
+
+def test_the_valid_k_quant_file_loads(tmp_path, kquant_parts):
+    model = mt.load(write(tmp_path, *kquant_parts))
+    assert model.config.hidden_size == 256 and model.tokenizer is None
+
+
+@pytest.mark.parametrize("case", K_QUANTS)
+def test_broken_k_quant_tensors_are_named(tmp_path, kquant_parts, case):
+    edit, cut, words = K_QUANTS[case]
+    entries, tensors = copy.deepcopy(kquant_parts)
+    edit(entries, tensors)
+    path = write(tmp_path, entries, tensors)
+    if cut:
+        path.write_bytes(path.read_bytes()[:-cut])
+    with pytest.raises(mt.CheckpointError) as caught:
+        mt.load(path)
+    message = str(caught.value)
+    assert message.startswith(str(path)) and words in message and "\n" not in message, message

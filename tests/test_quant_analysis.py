@@ -11,6 +11,7 @@ from quant.absmax import absmax_per_group, absmax_per_row, absmax_per_tensor
 from quant.activations import (capture_residuals, default_layer, int8_levels, log2_histogram,
                                longest_run, per_dim_max, persistence, quantile_dims, top_dims)
 from quant.analysis import default_outlier_matrix, error_table, outlier_stats
+from quant.gguf_weight import gguf_quantize
 from quant.nf4 import nf4
 from quant.qmodel import SCHEMES, projection_names, quantize_model, resident_bytes
 from quant.techniques import matmul_operands, measure
@@ -32,7 +33,7 @@ def test_error_table_rows_are_the_per_matrix_errors(model):
         "int4-row": lambda w: absmax_per_row(w, 4),
         "int4-g128": lambda w: absmax_per_group(w, 4, 128),
         "nf4": lambda w: nf4(w, 64),
-    }
+    } | {f"q{b}_k": lambda w, b=b: gguf_quantize(w, f"Q{b}_K") for b in (2, 3, 4, 5, 6)}
     for row in table:
         direct = {n: by_hand[row.scheme](model.weights[n]).error for n in names}
         assert row.errors == direct

@@ -89,7 +89,8 @@ def dequantize(raw, type_name: str, shape) -> np.ndarray:
     _check_size(data, count // block.weights * block.nbytes, type_name, shape)
     with np.errstate(invalid="ignore", over="ignore"):      # non-finite scales: said below
         w = block.decode(data.reshape(-1, block.nbytes))               # (blocks, weights)
-    if not np.isfinite(w.sum()) and not np.isfinite(w).all():          # cheap test first
+        finite = np.isfinite(w.sum()) or np.isfinite(w).all()          # cheap test first
+    if not finite:
         first = int(np.flatnonzero(~np.isfinite(w).all(axis=1))[0])
         per_row = shape[-1] // block.weights
         raise ValueError(f"{type_name} block {first % per_row} of row {first // per_row} "

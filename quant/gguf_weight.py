@@ -1,0 +1,118 @@
+"""A matrix held as llama.cpp holds it: GGUF blocks, the bytes of a GGUF file's tensor.
+
+Serves the k-quant schemes of experiments 15, 16 and 21 (schemes.py). A QWeight (qweight.py)
+holds codes and scales apart; a k-quant block interleaves them, sub-scales quantized inside
+it, so the honest thing to hold is the block bytes themselves, exactly what llama.cpp keeps
+in memory and writes to a file, read back by the importer's own decoders
+(minitransformer/formats/gguf_types.py). Memory is then the bytes held, and the bits per
+weight come from the block layout: 144 bytes per 256 weights is Q4_K's 4.5.
+
+A k-quant needs rows of whole super-blocks (256 weights). Where a matrix's rows are not,
+llama-quantize stores that matrix in a blocks-of-32 type instead, and so does this:
+
+    Q2_K, Q3_K -> IQ4_NL    Q4_K -> Q5_0    Q5_K -> Q5_1    Q6_K -> Q8_0
+
+so a "Q4_K" SmolLM2 (rows of 576 everywhere but the down projections' 1,536) is Q5_0 in its
+other six matrices per layer, as every Q4_K GGUF of it is. Rows that are not even whole
+blocks of 32 are stored F16, as llama-quantize does.
+
+>>> import numpy as np
+>>> q = gguf_quantize(np.ones((2, 576), np.float32), "Q4_K")
+>>> q.type_name, q.nbytes, q.bits_per_weight             # 576 = 18 blocks of 32 -> Q5_0
+('Q5_0', 792, 5.5)
+
+Leaves out: importance matrices (llama-quantize --imatrix), the _S/_M/_L mixes' per-tensor
+choices (a mix is a file of several of these types; the importer reads any).
+"""
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from minitransformer.backend import BACKEND, numpy_kernel, to_device
+from minitransformer.formats.gguf_types import FORMATS, dequantize
+from quant import ggml_blocks, kquants
+from quant.int8 import int8_activations
+from quant.scales import check_weight, relative_error
+
+QUANTIZERS = {"Q2_K": kquants.q2_k, "Q3_K": kquants.q3_k, "Q4_K": kquants.q4_k,
+              "Q5_K": kquants.q5_k, "Q6_K": kquants.q6_k, "Q8_0": ggml_blocks.q8_0,
+              "Q5_0": ggml_blocks.q5_0, "Q5_1": ggml_blocks.q5_1, "IQ4_NL": ggml_blocks.iq4_nl,
+              "F16": lambda w: np.ascontiguousarray(w, "<f2").view(np.uint8)}
+# llama-quantize's fallback for a row that is not whole super-blocks (llama-quant.cpp)
+FALLBACK = {"Q2_K": "IQ4_NL", "Q3_K": "IQ4_NL", "Q4_K": "Q5_0", "Q5_K": "Q5_1", "Q6_K": "Q8_0"}
+ROWS_PER_STEP = 64  # rows decoded at a time by matmul: 64 x 1,536 floats, in cache
+
+
+def stored_type(type_name: str, cols: int) -> str:
+    """The GGUF type a matrix with rows of `cols` is stored in under `type_name`: itself, its
+    fallback, or F16 (llama-quant.cpp's order)."""
+    for kind in (type_name, FALLBACK.get(type_name)):
+        if kind is not None and cols % FORMATS[kind].weights == 0:
+            return kind
+    return "F16"
+
+
+def stored_bytes(type_name: str, shape) -> int:
+    """Bytes a matrix (out, in) takes under `type_name` (its fallback where rows need one)."""
+    out, cols = shape
+    kind = stored_type(type_name, cols)
+    if kind == "F16":
+        return 2 * out * cols
+    return out * cols // FORMATS[kind].weights * FORMATS[kind].nbytes
+
+
+@dataclass(frozen=True)
+class GGUFWeight:
+    scheme: str                         # the label of the scheme, e.g. "Q4_K"
+    shape: tuple                        # (out, in) of the float matrix this stands for
+    type_name: str                      # the GGUF type of the bytes: the scheme's or fallback
+    blocks: object = field(repr=False)  # uint8 (out, bytes per row), on the host
+    error: float = 0.0                  # ||W - W_hat|| / ||W||, measured when quantized
+    outlier_threshold: float | None = None  # None: weight-only; else INT8 activations too
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.blocks.nbytes)
+
+    @property
+    def bits_per_weight(self) -> float:
+        return 8 * self.nbytes / (self.shape[0] * self.shape[1])
+
+    def buffers(self) -> dict:
+        """What is held, by kind (qmodel.resident_bytes): the blocks, scales inside."""
+        return {"projections": [self.blocks], "levels": []}
+
+    def dequantize(self):
+        """-> float32 (out, in) on the backend: the blocks decoded as the importer does."""
+        return to_device(dequantize(self.blocks, self.type_name, self.shape))
+
+    def matmul(self, x):
+        """x (..., in) @ W_hat.T -> (..., out), W_hat = dequantize(), never held whole."""
+        if self.outlier_threshold is not None:
+            x = int8_activations(x, self.outlier_threshold)
+        if BACKEND == "cupy":                    # the decoders are NumPy's: decode, upload
+            return x @ self.dequantize().T
+        return on_host(self, x)
+
+
+def numpy_matmul(q: GGUFWeight, x):
+    """GGUFWeight.matmul on NumPy arrays: ROWS_PER_STEP rows of blocks decoded at a time."""
+    out, cols = q.shape
+    xs = x.reshape(-1, cols)
+    y = np.empty((len(xs), out), np.float32)
+    for r0 in range(0, out, ROWS_PER_STEP):
+        rows = q.blocks[r0:r0 + ROWS_PER_STEP]
+        y[:, r0:r0 + len(rows)] = xs @ dequantize(rows, q.type_name, (len(rows), cols)).T
+    return y.reshape(*x.shape[:-1], out)
+
+
+on_host = numpy_kernel(numpy_matmul)  # strict: NumPy's calls on the data it wraps
+
+
+def gguf_quantize(w, type_name: str, label: str | None = None) -> GGUFWeight:
+    """A float matrix (out, in) -> its GGUFWeight under llama.cpp's `type_name` (or fallback)."""
+    w = check_weight(w)
+    stored = stored_type(type_name, w.shape[1])
+    blocks = QUANTIZERS[stored](w)
+    error = relative_error(w, dequantize(blocks, stored, w.shape))
+    return GGUFWeight(label or type_name, tuple(w.shape), stored, blocks, error)

@@ -1,0 +1,126 @@
+"""quant/'s llama.cpp quantizers: the bytes llama-quantize writes, and the matrices held so.
+
+Q8_0, Q5_0 and Q5_1 against the gguf package's own ``gguf.quants.quantize`` byte for byte (it
+implements those, not the k-quants nor IQ4_NL). The k-quants and IQ4_NL against llama.cpp's
+C reference: the digests below are of the bytes ggml's ``quantize_row_q*_K_ref`` and
+``quantize_iq4_nl`` wrote for MATRIX (ggml d99724f2, built with cc -O2, no fused multiply-add;
+scripts/measure_kquants.py rebuilds and compares from any ggml or llama.cpp checkout).
+"""
+import hashlib
+
+import numpy as np
+import pytest
+
+from minitransformer.formats.gguf_types import FORMATS, dequantize
+from quant import ggml_blocks, kquants
+from quant.gguf_weight import GGUFWeight, gguf_quantize, stored_bytes, stored_type
+from quant.schemes import SCHEMES
+
+
+def matrix():
+    """16 rows of 512: Gaussian, with the cases that branch: a zero row, all-positive and
+    all-negative rows, a constant row, tiny weights, outliers, values on a grid, a zero
+    sub-block, every other weight zero."""
+    rng = np.random.default_rng(41)
+    w = rng.standard_normal((16, 512)).astype(np.float32)
+    w[0] = 0
+    w[1], w[2], w[3] = np.abs(w[1]), -np.abs(w[2]), 0.25
+    w[4, :256] *= 1e-3
+    w[5, 7], w[6, 300] = 30, -30
+    w[7] = np.round(w[7] * 4) / 4
+    w[8, :16] = 0
+    w[9, ::2] = 0
+    return w
+
+
+# sha256 (first 16 hex digits) of llama.cpp's bytes for matrix(), measured as the docstring says
+LLAMA_CPP = {"Q2_K": "543c36f4785b1896", "Q3_K": "780e2435a0419c28", "Q4_K": "a659e2c4f9eb6a9b",
+             "Q5_K": "00026edde3e15973", "Q6_K": "736cc1f5214b5d93",
+             "IQ4_NL": "d3e2d5d3f66ee70f", "Q8_0": "aa900e04399b0c6e",
+             "Q5_0": "8f5e2c051de60f5b", "Q5_1": "3137135404520c7b"}
+QUANTIZE = {"Q2_K": kquants.q2_k, "Q3_K": kquants.q3_k, "Q4_K": kquants.q4_k,
+            "Q5_K": kquants.q5_k, "Q6_K": kquants.q6_k, "IQ4_NL": ggml_blocks.iq4_nl,
+            "Q8_0": ggml_blocks.q8_0, "Q5_0": ggml_blocks.q5_0, "Q5_1": ggml_blocks.q5_1}
+
+
+# and for 1,024 super-blocks of Gaussian weights (rng 0, (256, 1024)): rare branches, such as
+# Q3_K's fifth pass moving a code, happen in one block of a thousand
+LLAMA_CPP_GAUSSIAN = {"Q2_K": "fcccb4e717ddf15a", "Q3_K": "b87ea5c62a091b57",
+                      "Q4_K": "0ef151abff41d975", "Q5_K": "5ee5bf989156cc38",
+                      "Q6_K": "3d1d5dd6fdd2143b", "IQ4_NL": "1fca09810f579b42"}
+
+
+def digest(stored) -> str:
+    return hashlib.sha256(stored.tobytes()).hexdigest()[:16]
+
+
+@pytest.mark.parametrize("type_name", LLAMA_CPP)
+def test_the_bytes_are_llama_cpps(type_name):
+    stored = QUANTIZE[type_name](matrix())
+    assert stored.dtype == np.uint8
+    assert stored.shape == (16, 512 // FORMATS[type_name].weights * FORMATS[type_name].nbytes)
+    assert digest(stored) == LLAMA_CPP[type_name]
+
+
+@pytest.mark.parametrize("type_name", LLAMA_CPP_GAUSSIAN)
+def test_a_thousand_super_blocks_are_llama_cpps(type_name):
+    w = np.random.default_rng(0).standard_normal((256, 1024)).astype(np.float32)
+    assert digest(QUANTIZE[type_name](w)) == LLAMA_CPP_GAUSSIAN[type_name]
+
+
+def hard_cases():
+    """Matrices of 32-blocks whose rounding is on a knife's edge: halves, ties for the largest
+    magnitude, tiny and huge scales."""
+    rng = np.random.default_rng(5)
+    yield rng.standard_normal((64, 256)).astype(np.float32) * 0.02
+    grid = rng.integers(-16, 17, (64, 256)).astype(np.float32) / 2      # halves everywhere
+    grid[:, 0], grid[:, 31] = 8, -8                                       # |max| tied
+    yield grid
+    yield np.float32(1e-6) * rng.standard_normal((8, 64)).astype(np.float32)
+    yield np.float32(6e4) * np.tanh(rng.standard_normal((8, 64))).astype(np.float32)
+    yield np.zeros((2, 64), np.float32)
+
+
+@pytest.mark.parametrize("type_name", ["Q8_0", "Q5_0", "Q5_1"])
+def test_blocks_of_32_are_the_gguf_packages_bytes(type_name):
+    gguf = pytest.importorskip("gguf")
+    from gguf.quants import quantize
+
+    for w in hard_cases():
+        ours = QUANTIZE[type_name](w)
+        assert np.array_equal(ours, quantize(w, gguf.GGMLQuantizationType[type_name]))
+
+
+def test_more_bits_less_error():
+    w = np.random.default_rng(3).standard_normal((64, 512)).astype(np.float32)
+    errors = [gguf_quantize(w, f"Q{b}_K").error for b in (2, 3, 4, 5, 6)]
+    assert errors == sorted(errors, reverse=True)
+    assert 0.25 < errors[0] < 0.35 and 0.01 < errors[-1] < 0.025, errors
+
+
+@pytest.mark.parametrize("type_name, cols, stored", [
+    ("Q4_K", 1536, "Q4_K"), ("Q4_K", 576, "Q5_0"), ("Q5_K", 576, "Q5_1"),
+    ("Q6_K", 576, "Q8_0"), ("Q3_K", 576, "IQ4_NL"), ("Q2_K", 576, "IQ4_NL"),
+    ("Q4_K", 9, "F16"), ("Q6_K", 200, "F16")])
+def test_rows_that_are_not_super_blocks_take_llama_quantizes_fallback(type_name, cols, stored):
+    assert stored_type(type_name, cols) == stored
+    w = np.random.default_rng(0).standard_normal((3, cols)).astype(np.float32)
+    q = gguf_quantize(w, type_name)
+    assert isinstance(q, GGUFWeight) and q.type_name == stored and q.scheme == type_name
+    assert q.nbytes == stored_bytes(type_name, (3, cols)) == SCHEMES[type_name.lower()].nbytes(
+        (3, cols))
+    assert np.array_equal(q.dequantize(), dequantize(q.blocks, stored, (3, cols)))
+
+
+def test_bits_per_weight_come_from_the_block_layout():
+    expected = {"q2_k": 2.625, "q3_k": 3.4375, "q4_k": 4.5, "q5_k": 5.5, "q6_k": 6.5625}
+    for name, bits in expected.items():
+        assert SCHEMES[name].bits_per_weight((576, 1536)) == bits
+        assert gguf_quantize(np.ones((2, 512), np.float32), name.upper()).bits_per_weight == bits
+
+
+def test_a_non_finite_weight_is_refused_by_position():
+    w = np.ones((2, 256), np.float32)
+    w[1, 3] = np.nan
+    with pytest.raises(ValueError, match=r"weight \[1, 3\] is nan"):
+        gguf_quantize(w, "Q4_K")
