@@ -5,10 +5,14 @@ one. First that arithmetic for this model, then the real thing: every projection
 quantized by each scheme and the bytes the model then holds, measured two ways: the sizes of
 the buffers it keeps (codes, scales, the floats that stay) and, on NumPy, the allocator's own
 count of what quantizing left allocated (tracemalloc). The embedding (and tied head), norms and
-biases stay float32 in every row, as in the chapter's quantized models.
+biases stay float32 in every row, as in the chapter's quantized models. llama.cpp's k-quants
+(Q2_K..Q6_K) are held as their GGUF blocks, so their expected bytes are the block layout's
+(144 bytes per 256 weights for Q4_K); a matrix whose rows are not whole super-blocks of 256 is
+held in llama-quantize's fallback type, and a note says how many.
 """
 import argparse
 import tracemalloc
+from collections import Counter
 
 import numpy as np
 
@@ -43,6 +47,7 @@ def main(argv=None):
             ("fp16 (cast)", 16.0, sum(to_numpy(model.weights[n]).astype(np.float16).nbytes
                                       for n in names), 2 * n_proj, base["other"], None)]
     progress = Progress(len(schemes), "quantizing")
+    held_as = {}   # k-quant label -> GGUF type -> matrices held so
     for scheme in schemes:
         tracing = BACKEND == "numpy"
         if tracing:
@@ -53,6 +58,8 @@ def main(argv=None):
             tracemalloc.stop()
         held = resident_bytes(quantized.weights)
         s = SCHEMES[scheme]  # expected: what the scheme's bits and group say, from the shapes
+        if s.gguf is not None:
+            held_as[s.label] = Counter(quantized.weights[n].type_name for n in names)
         rows.append((s.label, 8 * held["projections"] / n_proj, held["projections"],
                      sum(s.nbytes(shape) for shape in shapes), held["other"] + held["levels"],
                      allocated))
@@ -75,9 +82,14 @@ def main(argv=None):
         total = held + other
         table.row(label, bpw, held, expected, other, total / 1e6, fp32_total / total, allocated)
     table.note("held = the codes and scales actually kept; expected = codes at their width plus "
-               "one float16 per scale;",
+               "one float16 per scale (for Q2_K..Q6_K: the GGUF block layout's bytes);",
                "allocator = bytes tracemalloc saw still allocated after quantizing (the float "
                "model still alive), NumPy only")
+    for label, types in held_as.items():
+        if len(types) > 1:
+            kinds = ", ".join(f"{n} {t}" for t, n in types.most_common())
+            table.note(f"{label}: its {len(names)} matrices held as {kinds} (rows that are not "
+                       "whole super-blocks of 256 take llama-quantize's fallback type)")
     table.plot("projections", ["total MB"], "weights in memory per scheme", kind="bar",
                xlabel="storage scheme", ylabel="weights in memory (MB)")
     table.show()

