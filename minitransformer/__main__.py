@@ -325,7 +325,8 @@ def serve(args) -> None:
     from minitransformer.serve.http import ServerLimits, serve as run_server
 
     config = engine_config(args)        # a bad value: refused before the model is loaded
-    limits = ServerLimits(args.max_waiting, args.max_request_bytes, args.drain_timeout)
+    limits = ServerLimits(args.max_waiting, args.max_request_bytes, args.drain_timeout,
+                          args.read_timeout, args.api_key)
     path = model_path(args.model)
     check_speculation(path, config.speculative_config)
     run_server(path, config, host=args.host, port=args.port, limits=limits,
@@ -388,6 +389,13 @@ def parser() -> argparse.ArgumentParser:
                    "filling the model's context in any language: positions x the longest "
                    "token's bytes x 6, a JSON escape per byte, + 1 MiB; 5,029,888 for "
                    "SmolLM2-135M)")
+    s.add_argument("--read-timeout", type=float, default=60.0, metavar="SECONDS",
+                   help="a request still arriving this long after its connection opened (or "
+                   "the previous answer ended) gets HTTP 408 and is disconnected (default: 60)")
+    s.add_argument("--api-key", default=os.environ.get("MT_API_KEY"), metavar="KEY",
+                   help="answer the API (/v1/..., /tokenize, /detokenize, /tokenizer_info) only "
+                   "with 'Authorization: Bearer KEY' (default: the MT_API_KEY environment "
+                   "variable, which keeps the key out of the process list; unset: no key)")
     add_cache(s)
     add_speculation(s)
     s.set_defaults(run=serve)

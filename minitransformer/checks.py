@@ -7,7 +7,9 @@ file and the field. Python's ``json`` accepts ``NaN`` and ``Infinity`` and maps 
 ``int`` or ``float`` by how it is spelled, so "is it a number" needs saying precisely here once,
 not guessed at in each reader. Callers' numbers may be NumPy scalars (``np.float32(0.7)``,
 ``np.int64(8)``): ``numbers.Real`` / ``numbers.Integral`` accept them; ``bool`` (an int to
-Python) is refused wherever a number is meant.
+Python) is refused wherever a number is meant. A JSON object from a client is read through
+``FieldsRead``, which remembers which keys were looked at: a key never read was not acted on,
+and is refused rather than dropped (the server's request bodies, a chat template's messages).
 
     >>> is_integer(np.int64(3)), is_integer(True), is_integer(2.0)
     (True, False, False)
@@ -56,6 +58,52 @@ def no_duplicates(refuse):
             raise refuse(twice)
         return dict(pairs)
     return hook
+
+
+class FieldsRead(dict):
+    """A JSON object that remembers which of its keys were looked at (by key, by ``in``, or
+    all at once by iterating it), so that those never read can be refused, not dropped.
+
+    >>> body = FieldsRead({"role": "user", "content": "hi", "name": "Ada"})
+    >>> body["role"], body.get("content"), body.unread()
+    ('user', 'hi', ['name'])
+    """
+
+    def __init__(self, body):
+        super().__init__(body)
+        self.read = set()
+
+    def get(self, field, default=None):
+        self.read.add(field)
+        return super().get(field, default)
+
+    def __getitem__(self, field):
+        self.read.add(field)
+        return super().__getitem__(field)
+
+    def __contains__(self, field):
+        self.read.add(field)
+        return super().__contains__(field)
+
+    def __iter__(self):         # a template's {% for k, v in m.items() %}, its tojson: all read
+        self.read.update(dict.keys(self))
+        return super().__iter__()
+
+    def keys(self):
+        self.read.update(dict.keys(self))
+        return super().keys()
+
+    def values(self):
+        self.read.update(dict.keys(self))
+        return super().values()
+
+    def items(self):
+        self.read.update(dict.keys(self))
+        return super().items()
+
+    def unread(self) -> list:
+        """The keys never looked at, in the object's order (this look marks none read)."""
+        return [field for field in dict.keys(self) if field not in self.read]
 
 
 def read_json_object(file: Path, what: str = "a JSON object") -> dict:

@@ -72,3 +72,35 @@ def test_bad_messages_and_missing_templates_are_named(chat_model, checkpoint_dir
         encode_chat(chat_model, [])
     with pytest.raises(ValueError, match="has no tokenizer"):
         encode_chat(mt.load(checkpoint_dir("llama-gqa")), [{"role": "user", "content": "a"}])
+
+
+READS_NAME = [  # every way a template may look at a message's field
+    "{% for m in messages %}{{ m['name'] }}{% endfor %}",
+    "{% for m in messages %}{{ m.name }}{% endfor %}",
+    "{% for m in messages %}{{ m.get('name') }}{% endfor %}",
+    "{% for m in messages %}{% if 'name' in m %}x{% endif %}{% endfor %}",
+    "{% for m in messages %}{% for k, v in m.items() %}{{ v }}{% endfor %}{% endfor %}",
+    "{% for m in messages %}{% for k in m %}{{ k }}{% endfor %}{% endfor %}",
+    "{% for m in messages %}{{ m.values() | list }}{% endfor %}",
+    "{% for m in messages %}{{ m | dictsort }}{% endfor %}",
+    "{{ messages | tojson }}",
+    "{% for m in messages %}{{ m | tojson }}{% endfor %}"]
+
+
+@pytest.mark.parametrize("template", READS_NAME)
+def test_a_field_is_read_however_the_template_looks_at_it(chat_model, template):
+    """A message's field beyond role and content passes if the template reads it, in any of
+    Jinja's ways; the same message under a template that never reads it is refused, naming
+    the field: the prompt would drop it."""
+    from dataclasses import replace
+
+    from minitransformer.chat import MessageError, chat_ids
+    tokenizer = chat_model.tokenizer
+    message = [{"role": "user", "content": "a", "name": "Ada"}]
+    assert chat_ids(replace(tokenizer, chat_template=template), message)
+    content_only = replace(tokenizer, chat_template="{% for m in messages %}{{ m.content }}"
+                                                    "{% endfor %}")
+    with pytest.raises(MessageError, match="would drop it") as caught:
+        chat_ids(content_only, message)
+    assert caught.value.where == "messages[0].name"
+    assert chat_ids(content_only, [{"role": "user", "content": "a", "name": None}])  # absent

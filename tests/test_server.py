@@ -29,8 +29,8 @@ from minitransformer.checkpoints.synth import make_checkpoint, qwen2_config, tra
 openai = pytest.importorskip("openai")
 pytest.importorskip("fastapi")
 uvicorn = pytest.importorskip("uvicorn")
-from minitransformer.serve.http import (create_app, default_max_request_bytes,  # noqa: E402
-                                        http_protocol)
+from minitransformer.serve.http import (READ_TIMEOUT_S, create_app,  # noqa: E402
+                                        default_max_request_bytes, http_protocol)
 
 NAME = "tiny-chat"
 ROOT = Path(__file__).resolve().parents[1]
@@ -41,12 +41,12 @@ TEMPLATE = ("{% for m in messages %}<|endoftext|>{{ m['role'] }}: {{ m['content'
 class Background:
     """A uvicorn server on an ephemeral port of 127.0.0.1, in a thread of this process."""
 
-    def __init__(self, app):
+    def __init__(self, app, read_timeout=READ_TIMEOUT_S):
         self.sock = socket.socket()
         self.sock.bind(("127.0.0.1", 0))
         self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
         self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning",
-                                                    http=http_protocol()))
+                                                    http=http_protocol(read_timeout)))
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]},
                                        daemon=True)
         self.thread.start()
@@ -323,9 +323,15 @@ def test_models_health_and_metrics(served):
         assert f"# TYPE {name}" in text
 
 
-def serve_command(model, *options):
+def inherited() -> dict:
+    """This process's environment, less an API key the tester may have set for a server."""
+    return {k: v for k, v in os.environ.items() if k != "MT_API_KEY"}
+
+
+def serve_command(model, *options, env=None, api_key="none"):
     """`python3 -m minitransformer serve` in its own process on a free port of 127.0.0.1, once
-    /health answers -> (process, an openai client of it). The caller kills the process.
+    /health answers -> (process, an openai client of it, sending api_key). The caller kills
+    the process. env: variables added to this process's.
     Its products of a few rows take the flat way (MT_PRODUCTS): the way is otherwise measured
     per process (blas.py), and a test comparing its text with this process's generate bit for
     bit pins blas.FIXED to the same."""
@@ -335,7 +341,7 @@ def serve_command(model, *options):
     process = subprocess.Popen([sys.executable, "-m", "minitransformer", "serve", "--model",
                                 model.path, "--port", str(port), "--served-model-name", NAME,
                                 *options], cwd=ROOT, stderr=subprocess.PIPE, text=True,
-                               env=os.environ | {"MT_PRODUCTS": "flat"})
+                               env=inherited() | {"MT_PRODUCTS": "flat"} | (env or {}))
 
     def up():
         try:
@@ -344,7 +350,7 @@ def serve_command(model, *options):
             return process.poll() is not None   # it died: stop waiting, the test will say so
     wait_for(up, timeout=60)
     assert process.poll() is None, process.stderr.read()
-    return process, openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none",
+    return process, openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=api_key,
                                   max_retries=0)
 
 
@@ -457,6 +463,21 @@ def chat(content):
                        "messages": [{"role": "user", "content": content}]}).encode()
 
 
+def conversation(*messages, **fields):
+    return json.dumps({"model": NAME, "max_tokens": 2, "messages": list(messages)} |
+                      fields).encode()
+
+
+USER = {"role": "user", "content": "hi"}
+TOOL_CALL = {"role": "assistant", "content": "", "tool_calls": [{
+    "id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}
+CHAT_JSON = conversation(USER).decode()
+
+
+def parts(*content):
+    return conversation({"role": "user", "content": list(content)})
+
+
 def get(path, method="GET"):
     return f"{method} {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n".encode()
 
@@ -533,6 +554,83 @@ HOSTILE = {  # name -> (raw request, status, param or None, code or None)
                             "n", None),
     "n 4 beyond the pool, streamed": (post("/v1/completions", completion(
         prompt=[5] * 180, n=4, stream=True)), 400, "n", None),
+    # only JSON: a body under another Content-Type (what a web page may send anywhere without
+    # asking) is a 415, whatever it holds
+    "text/plain": (post("/v1/completions", completion(), "text/plain"), 415, None,
+                   "unsupported_media_type"),
+    "a form": (post("/v1/completions", completion(), "application/x-www-form-urlencoded"),
+               415, None, "unsupported_media_type"),
+    "multipart": (post("/v1/chat/completions", chat("hi"), "multipart/form-data; boundary=x"),
+                  415, None, "unsupported_media_type"),
+    "XML": (post("/v1/completions", completion(), "application/xml"), 415, None,
+            "unsupported_media_type"),
+    "text/json": (post("/v1/completions", completion(), "text/json"), 415, None,
+                  "unsupported_media_type"),
+    "+json alone": (post("/v1/completions", completion(), "application/+json"), 415, None,
+                    "unsupported_media_type"),
+    "text/plain to /tokenize": (post("/tokenize", b'{"prompt": "hi"}', "text/plain"), 415,
+                                None, "unsupported_media_type"),
+    "text/plain to /detokenize": (post("/detokenize", b'{"tokens": [1]}', "text/plain"), 415,
+                                  None, "unsupported_media_type"),
+    # only UTF-8: Python's parser would take UTF-16 and UTF-32, with or without a BOM
+    "UTF-16": (post("/v1/completions", completion().decode().encode("utf-16")), 400, None,
+               "invalid_json"),
+    "UTF-16-LE, no BOM": (post("/v1/completions", completion().decode().encode("utf-16-le")),
+                          400, None, "invalid_json"),
+    "UTF-16-BE to /tokenize": (post("/tokenize", '{"prompt": "hi"}'.encode("utf-16-be")), 400,
+                               None, "invalid_json"),
+    "UTF-32": (post("/v1/chat/completions", CHAT_JSON.encode("utf-32")), 400, None,
+               "invalid_json"),
+    "UTF-32-BE, no BOM": (post("/v1/completions", completion().decode().encode("utf-32-be")),
+                          400, None, "invalid_json"),
+    # only once: a key given twice is refused, naming its path (the parser keeps the last)
+    "max_tokens twice": (post("/v1/completions", b'{"model": "tiny-chat", "prompt": "hi", '
+                              b'"max_tokens": 2, "max_tokens": 6}'), 400, "max_tokens", None),
+    "model twice": (post("/v1/completions", b'{"model": "gpt-4", "prompt": "hi", '
+                         b'"model": "tiny-chat"}'), 400, "model", None),
+    "a role twice in a message": (post("/v1/chat/completions", CHAT_JSON.replace(
+        '"role": "user"', '"role": "system", "role": "user"').encode()), 400,
+        "messages[0].role", None),
+    "include_usage twice": (post("/v1/completions", completion(stream=True).replace(
+        b'"stream": true', b'"stream": true, "stream_options": {"include_usage": true, '
+        b'"include_usage": false}')), 400, "stream_options.include_usage", None),
+    "logit_bias key twice": (post("/v1/completions", completion().replace(
+        b'"prompt"', b'"logit_bias": {"1": 0, "1": 5}, "prompt"')), 400, "logit_bias.1", None),
+    "prompt twice to /tokenize": (post("/tokenize", b'{"prompt": "a", "prompt": "b"}'), 400,
+                                  "prompt", None),
+    # every field of a message is read, or refused: nothing the prompt would drop
+    "an unknown key in a message": (post("/v1/chat/completions", conversation(
+        USER | {"foo": 1})), 400, "messages[0].foo", None),
+    "temperature in a message": (post("/v1/chat/completions", conversation(
+        USER, USER | {"temperature": 0})), 400, "messages[1].temperature", None),
+    "a name the template drops": (post("/v1/chat/completions", conversation(
+        USER | {"name": "Ada"})), 400, "messages[0].name", None),
+    "an assistant's tool_calls": (post("/v1/chat/completions", conversation(
+        USER, TOOL_CALL, USER)), 400, "messages[1].tool_calls", None),
+    "tool_calls to /tokenize": (post("/tokenize", json.dumps({"messages": [USER, TOOL_CALL]})
+                                     .encode()), 400, "messages[1].tool_calls", None),
+    # chat content as parts: text only, each part checked
+    "an image part": (post("/v1/chat/completions", parts(
+        {"type": "text", "text": "what is this?"},
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64,AA=="}})), 400,
+        "messages[0].content[1].type", None),
+    "an audio part": (post("/v1/chat/completions", parts(
+        {"type": "input_audio", "input_audio": {"data": "AA==", "format": "wav"}})), 400,
+        "messages[0].content[0].type", None),
+    "a file part": (post("/v1/chat/completions", parts(
+        {"type": "file", "file": {"file_id": "f"}})), 400, "messages[0].content[0].type", None),
+    "an image part to /tokenize": (post("/tokenize", json.dumps({"messages": [
+        {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]})
+        .encode()), 400, "messages[0].content[0].type", None),
+    "a part without a type": (post("/v1/chat/completions", parts({"text": "hi"})), 400,
+                              "messages[0].content[0]", None),
+    "a text part of a number": (post("/v1/chat/completions", parts({"type": "text",
+                                                                    "text": 5})), 400,
+                                "messages[0].content[0].text", None),
+    "a text part with a key more": (post("/v1/chat/completions", parts(
+        {"type": "text", "text": "hi", "cache_control": {"type": "ephemeral"}})), 400,
+        "messages[0].content[0].cache_control", None),
+    "no parts": (post("/v1/chat/completions", parts()), 400, "messages[0].content", None),
 }
 
 

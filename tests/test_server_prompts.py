@@ -287,23 +287,41 @@ def test_a_tokenizer_body_that_is_not_an_object_is_400(served, path, body):
 
 
 
-def test_a_batch_the_queue_cannot_take_is_refused_whole(model):
-    """A batch is queued whole or not at all: 3 prompts into a queue of 1 get a 429, none of
-    them handed over (blocks free, nothing counted at /metrics)."""
+def test_a_batch_the_queue_can_never_take_is_a_400_one_it_cannot_take_now_a_429(model):
+    """A batch is queued whole or not at all. One longer than --max-waiting could never be
+    queued, so it is a 400 naming prompt and the limit (a 429 would have an obedient client
+    retry forever); one within the limit that finds the queue busy is a 429, and is served
+    once the queue is free. Nothing refused is handed over (blocks free, nothing counted)."""
+    import threading
     import urllib.request
 
     from conftest import wait_for
     config = EngineConfig(max_num_seqs=1, num_gpu_blocks_override=64, block_size=8)
-    online = OnlineEngine(Engine(model, config), max_waiting=1)
+    online = OnlineEngine(Engine(model, config), max_waiting=2)
     server = Background(create_app(online, NAME))
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
+    batch = {"model": NAME, "prompt": [[5, 6], [7, 8], [9, 10]], "max_tokens": 4}
     try:
-        status, reply = post(server.url, "/v1/completions", {
-            "model": NAME, "prompt": [[5, 6], [7, 8], [9, 10]], "max_tokens": 4})
-        assert status == 429 and reply["error"]["code"] == "queue_full", reply
+        status, reply = post(server.url, "/v1/completions", batch)
+        assert status == 400 and reply["error"]["param"] == "prompt", reply
+        assert "at most 2 may wait (--max-waiting)" in reply["error"]["message"]
         wait_for(lambda: not online.engine.waiting and not online.engine.running())
         assert online.engine.cache.num_free == online.engine.cache.num_blocks
         metrics = urllib.request.urlopen(server.url + "/metrics").read().decode()
         assert f'vllm:prompt_tokens_total{{model_name="{NAME}"}} 0' in metrics
+        long = client.completions.create(model=NAME, prompt="a", max_tokens=200, stream=True,
+                                         extra_body={"ignore_eos": True})
+        next(iter(long))            # it holds the only slot
+        waiter = threading.Thread(target=client.completions.create,
+                                  kwargs=dict(model=NAME, prompt="b", max_tokens=2))
+        waiter.start()
+        wait_for(lambda: online.snapshot.waiting == 1)
+        status, reply = post(server.url, "/v1/completions", batch | {"prompt": [[5], [6]]})
+        assert status == 429 and reply["error"]["code"] == "queue_full", reply
+        long.close()
+        waiter.join(20)
+        status, reply = post(server.url, "/v1/completions", batch | {"prompt": [[5], [6]]})
+        assert status == 200 and len(reply["choices"]) == 2
     finally:
         server.stop()
         online.close()

@@ -19,9 +19,12 @@ pool before the next step, and it is counted at /metrics as vLLM counts it
 finish for up to ``drain_timeout`` seconds, then the rest are cancelled.
 
 A client's mistake is a 4xx with OpenAI's error body, ``{"error": {"message", "type", "param",
-"code"}}``, whatever it is: a bad field (400), an unknown model (404), an unknown path (404), a
-wrong method (405), a body over ``max_request_bytes`` (413, refused before it is read), a full
-queue (429 with ``Retry-After``), even a request that is not HTTP (400). No request stalls
+"code"}}``, whatever it is: a bad field (400), a body that is not UTF-8 JSON or gives a key twice
+(400), a missing or wrong API key when the server has one (401), an unknown model (404), an
+unknown path (404), a wrong method (405), a request too slow to arrive (408), a body over
+``max_request_bytes`` (413, refused before it is read), a body under a Content-Type other than
+JSON's (415), a full queue (429 with ``Retry-After``; a batch that could never be queued is a
+400), even a request that is not HTTP (400). No request stalls
 the others: the event loop only moves bytes; parsing the JSON, laying out a chat,
 tokenizing and building the stop strings' tables, whose time grows with the request, run in
 worker threads, and each new token's text is checked for stop strings in time linear in that
@@ -34,22 +37,24 @@ of prompts is submitted whole, its prompts batched by the engine like any reques
 choices numbered prompt x n + sample.
 
 Needs the ``serve`` extra (fastapi, uvicorn, jinja2); the library imports without it.
-Leaves out: authentication (any API key is accepted), tools.
+Leaves out: keys per client, TLS (put a proxy in front), tools.
 """
 from __future__ import annotations      # Request below: the serve extra's, when installed
 
 import asyncio
 import contextlib
+import hmac
 import json
 import math
 import socket
 import sys
 import time
 import uuid
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
+from http import HTTPStatus
 from pathlib import Path
 
-from minitransformer.checks import is_integer, is_real
+from minitransformer.checks import duplicate_keys, is_integer, is_real
 from minitransformer.logprobs import TokenLogprob
 from minitransformer.serve.config import EngineConfig
 from minitransformer.serve.detokenize import Detokenizer, StopStrings, TextStream
@@ -71,6 +76,8 @@ except ImportError:             # create_app says what to install
     FastAPI = None
 
 RETRY_AFTER_S = 1               # what a 429 asks the client to wait
+READ_TIMEOUT_S = 60.0           # a request's head and body must arrive within this: else 408
+GUARDED = ("/v1", "/tokenize", "/detokenize", "/tokenizer_info")   # paths an API key guards
 JSON_ESCAPE = 6                 # bytes a JSON string may spend on one byte of text: "\u0001"
 SLACK_BYTES = 1 << 20           # room for a request's other fields
 
@@ -113,13 +120,17 @@ def check_request_bytes(max_request_bytes) -> None:
         raise ValueError(f"max_request_bytes={max_request_bytes!r}: expected an integer >= 1")
 
 
-def create_app(online: OnlineEngine, name: str, max_request_bytes: int = None):
+def create_app(online: OnlineEngine, name: str, max_request_bytes: int = None,
+               api_key: str = None):
     """The FastAPI application serving one model through one online engine: the routes and
     their handlers below. Bodies over max_request_bytes are refused with 413 (None:
-    ``default_max_request_bytes``)."""
+    ``default_max_request_bytes``); with an api_key, the API's routes answer only a client
+    that sends it (``RequireKey``)."""
     if FastAPI is None:
         raise ImportError("the server needs the serve extra: pip install -e '.[serve]'")
     check_request_bytes(max_request_bytes)
+    if api_key is not None:
+        check_api_key(api_key)
     model = online.engine.model
     longest = None if model.tokenizer is None else longest_token_bytes(model.tokenizer)
     app = FastAPI(title="minitransformer", docs_url=None, redoc_url=None, openapi_url=None)
@@ -128,7 +139,44 @@ def create_app(online: OnlineEngine, name: str, max_request_bytes: int = None):
     app.add_exception_handler(HTTPException, framework_error)
     for method, path, handler in ROUTES:
         app.add_api_route(path, handler, methods=[method])
+    if api_key is not None:
+        app.add_middleware(RequireKey, key=api_key)
     return app
+
+
+class RequireKey:
+    """ASGI middleware: the API's routes (``GUARDED``: /v1/..., the tokenizer's) answer only a
+    request with ``Authorization: Bearer KEY``, compared in constant time (hmac.compare_digest:
+    how long the comparison takes says nothing of where a guess goes wrong); any other gets
+    401 in OpenAI's error body, which never shows a key. /health and /metrics stay open, as
+    vLLM's do (a supervisor and a scraper need no key)."""
+
+    def __init__(self, app, key: str):
+        self.app, self.key = app, key.encode()
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and guarded(scope["path"]):
+            problem = self.refuse(dict(scope["headers"]).get(b"authorization"))
+            if problem:
+                await error(APIError(
+                    f"{problem}: send the header 'Authorization: Bearer KEY' with the key "
+                    f"this server was started with", status=401, code="invalid_api_key",
+                    headers={"WWW-Authenticate": "Bearer"}))(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+    def refuse(self, header) -> str:
+        """Why this Authorization header is refused, or "" if it carries the key."""
+        if header is None:
+            return "this server needs an API key"
+        scheme, _, token = header.partition(b" ")
+        if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), self.key):
+            return "wrong API key"
+        return ""
+
+
+def guarded(path: str) -> bool:
+    return any(path == p or path.startswith(p + "/") for p in GUARDED)
 
 
 # --- the handlers, one per endpoint ----------------------------------------------------------
@@ -205,8 +253,7 @@ async def answer(http: Request, kind: str):
     streamed as Server-Sent Events or returned whole."""
     app = serving(http)
     try:
-        raw = await read_body(http, app.limit)
-        body = await asyncio.to_thread(decode_json, raw)
+        body = await read_json(http, app.limit)
         jobs = await asyncio.to_thread(parse, body, kind, app.model, app.name,
                                        app.cache.num_blocks * app.cache.block_size,
                                        app.online.engine.config.max_num_seqs, app.longest)
@@ -252,12 +299,47 @@ async def tokenizer_endpoint(http: Request, handle):
     """/tokenize and /detokenize (vLLM's): the body checked, the work off the loop."""
     app = serving(http)
     try:
-        body = await asyncio.to_thread(decode_json, await read_body(http, app.limit))
+        body = await read_json(http, app.limit)
         return await asyncio.to_thread(handle, body, app.model, app.name, app.longest)
     except APIError as e:
         return error(e)
     except ClientDisconnect:
         return PlainTextResponse("", status_code=400)
+
+
+async def read_json(http: Request, limit: int):
+    """The request's body as a JSON value: its Content-Type checked, its bytes read (413 past
+    the limit), then decoded off the event loop."""
+    check_content_type(http.headers.get("content-type"))
+    return await asyncio.to_thread(decode_json, await read_body(http, limit))
+
+
+def check_content_type(value) -> None:
+    """A body is JSON, and its Content-Type, if it has one, must say so: application/json or
+    any type/subtype+json, parameters (charset=utf-8) allowed; anything else is a 415. Bodies
+    under text/plain, application/x-www-form-urlencoded and multipart/form-data are what any
+    web page may send to any server without asking first (no CORS preflight), so a page the
+    user visits could otherwise make a local server work for it. A missing Content-Type is
+    taken as JSON.
+
+    >>> check_content_type("application/json; charset=utf-8")
+    >>> check_content_type("application/vnd.api+json")
+    >>> check_content_type("text/plain")
+    Traceback (most recent call last):
+    ...
+    minitransformer.serve.openai_api.APIError: the body's Content-Type is 'text/plain', not \
+JSON: send JSON with the header 'Content-Type: application/json'
+    """
+    if value is None:
+        return
+    media = value.split(";", 1)[0].strip().lower()
+    kind, _, subtype = media.partition("/")
+    if media == "application/json" or (kind and subtype.endswith("+json") and
+                                        len(subtype) > len("+json")):
+        return
+    raise APIError(f"the body's Content-Type is {value!r:.100}, not JSON: send JSON with the "
+                   f"header 'Content-Type: application/json'", status=415,
+                   code="unsupported_media_type")
 
 
 async def read_body(http: Request, limit: int) -> bytes:
@@ -297,6 +379,11 @@ def submit_all(app: App, jobs, stops):
     refuses it) -> (their tickets, one async iterator of (choice index prompt x n + sample,
     text, NamedLogprobs, finish_reason or None, tokens so far over all)). Whoever iterates
     must cancel the tickets when done."""
+    waiting = app.online.max_waiting
+    if len(jobs) > waiting:     # it would get 429 however long the client waited
+        raise APIError(f"a batch of {len(jobs)} prompts can never be queued here: at most "
+                       f"{waiting} may wait (--max-waiting); split it into batches of at most "
+                       f"{waiting}", "prompt")
     feeds = [feed(app) for _ in jobs]           # (listener, updates) per prompt
     try:
         tickets = app.online.submit_all([(job.request, listener)
@@ -546,34 +633,133 @@ def echo_named(tokenizer, prompt, scored=None) -> list:
 
 
 def decode_json(raw: bytes):
-    """A request body -> its JSON value, or a 400 saying why not (also for what Python's
-    parser refuses beyond the grammar: numbers of thousands of digits, nesting too deep)."""
+    """A request body -> its JSON value, or a 400 saying why not: bytes that are not UTF-8
+    (UTF-16 and UTF-32 included, which Python's parser would take; a UTF-8 BOM is allowed), a
+    key given twice in one object (Python's parser keeps the last silently; the error names
+    its path, ``messages[0].role``), and what the parser refuses beyond the grammar: numbers of
+    thousands of digits, nesting too deep."""
+    encoding = json.detect_encoding(raw)
+    if encoding not in ("utf-8", "utf-8-sig"):
+        raise APIError(f"the request body is {encoding.upper()}, not UTF-8: send UTF-8",
+                       code="invalid_json")
     try:
-        return json.loads(raw)
+        text = raw.decode("utf-8-sig")
+    except UnicodeDecodeError as e:
+        raise APIError(f"the request body is not UTF-8 ({e.reason} at byte {e.start})",
+                       code="invalid_json") from None
+    twice = []                  # (the first object holding a key twice, the key)
+
+    def unique(pairs):
+        value = dict(pairs)
+        if len(value) < len(pairs) and not twice:
+            twice.append((value, duplicate_keys(pairs)[0]))
+        return value
+    try:
+        value = json.loads(text, object_pairs_hook=unique)
     except RecursionError:
         raise APIError("the request body nests JSON arrays or objects too deeply") from None
-    except ValueError as e:     # JSONDecodeError, UnicodeDecodeError, the digit limit
+    except ValueError as e:     # JSONDecodeError, the digit limit
         if "integer string conversion" in str(e):
             raise APIError(f"the request body holds an integer of more than "
                            f"{sys.get_int_max_str_digits()} digits") from None
         raise APIError(f"the request body is not JSON ({e})", code="invalid_json") from None
+    if twice:
+        where = key_path(value, *twice[0]).encode("utf-8", "replace").decode()
+        raise APIError(f"the key {where!r:.200} is given twice in the request body (JSON "
+                       f"keeps one of them; say which you mean)", where)
+    return value
 
 
-def http_protocol():
-    """uvicorn's HTTP/1.1 protocol, answering a request that is not HTTP with OpenAI's error
-    body as every other error is answered (uvicorn's own answer is plain text)."""
+def key_path(value, holder, key) -> str:
+    """Where the object ``holder`` sits in ``value``, then its ``key``, as a path of the body:
+    ``max_tokens``, ``messages[0].role``.
+
+    >>> body = {"messages": [{"role": "user"}]}
+    >>> key_path(body, body["messages"][0], "role")
+    'messages[0].role'
+    """
+    stack = [(value, "")]
+    while stack:            # depth-first, no recursion: the body may nest deeply
+        item, path = stack.pop()
+        if item is holder:
+            return f"{path}.{key}" if path else key
+        if isinstance(item, dict):
+            stack.extend((v, f"{path}.{k}" if path else k) for k, v in item.items())
+        elif isinstance(item, list):
+            stack.extend((v, f"{path}[{i}]") for i, v in enumerate(item))
+    raise AssertionError("the holder is in the value it was parsed into")
+
+
+def http_protocol(read_timeout: float = READ_TIMEOUT_S):
+    """uvicorn's HTTP/1.1 protocol with two changes. A request that is not HTTP is answered
+    with OpenAI's error body, as every other error is (uvicorn's own answer is plain text). And
+    a request must arrive whole, head and body, within read_timeout seconds of the connection
+    opening (or of the previous answer's end, on a kept-alive connection): a client still
+    sending then is answered 408 and disconnected; one that sent nothing is disconnected. So
+    clients sending a byte a second cannot hold the server's connections (uvicorn times out
+    only an idle kept-alive connection, after 5 s)."""
     import h11
     from uvicorn.protocols.http.h11_impl import H11Protocol
 
     class Protocol(H11Protocol):
+        timeout = read_timeout
+        deadline = None         # the timer of the request arriving now, if one is
+
+        def connection_made(self, transport):
+            super().connection_made(transport)
+            self.watch()
+
+        def data_received(self, data: bytes) -> None:
+            super().data_received(data)
+            self.watch()
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            self.watch()
+
+        def connection_lost(self, exc) -> None:
+            self.unwatch()
+            super().connection_lost(exc)
+
+        def watch(self) -> None:
+            """Time the request while it arrives; stop once it is all in."""
+            arriving = self.conn.their_state in (h11.IDLE, h11.SEND_BODY)
+            if not arriving or self.transport.is_closing():
+                self.unwatch()
+            elif self.deadline is None:
+                self.deadline = self.loop.call_later(self.timeout, self.too_slow)
+
+        def unwatch(self) -> None:
+            if self.deadline is not None:
+                self.deadline.cancel()
+                self.deadline = None
+
+        def too_slow(self) -> None:
+            self.deadline = None
+            state = self.conn.their_state
+            answered = state is h11.SEND_BODY and self.cycle.response_started  # (413)
+            if answered or (state is h11.IDLE and not self.conn.trailing_data[0]):
+                self.transport.close()  # nothing to say: no request, or already answered
+                return
+            self.send_error(408, APIError(
+                f"the request did not arrive whole within {self.timeout:g} s "
+                f"(--read-timeout): send its head and body without pausing",
+                status=408, code="request_timeout"))
+
         def send_400_response(self, msg: str) -> None:
-            body = json.dumps(APIError(f"not a valid HTTP/1.1 request ({msg.rstrip('.')})",
-                                       code="malformed_request").body()).encode()
-            headers = [(b"content-type", b"application/json"), (b"connection", b"close"),
-                       (b"content-length", str(len(body)).encode())]
-            for event in (h11.Response(status_code=400, headers=headers), h11.Data(data=body),
-                          h11.EndOfMessage()):
-                self.transport.write(self.conn.send(event))
+            self.send_error(400, APIError(f"not a valid HTTP/1.1 request "
+                                          f"({msg.rstrip('.')})", code="malformed_request"))
+
+        def send_error(self, status: int, e: APIError) -> None:
+            """Answer with OpenAI's error body and close the connection (only close it if an
+            answer is being written: its client sent more while it was)."""
+            cycle = self.cycle
+            if cycle is None or not cycle.response_started or cycle.response_complete:
+                body = json.dumps(e.body()).encode()
+                head = (f"HTTP/1.1 {status} {HTTPStatus(status).phrase}\r\n"
+                        f"content-type: application/json\r\nconnection: close\r\n"
+                        f"content-length: {len(body)}\r\n\r\n")
+                self.transport.write(head.encode() + body)
             self.transport.close()
 
     return Protocol
@@ -581,17 +767,33 @@ def http_protocol():
 
 @dataclass(frozen=True)
 class ServerLimits:
-    """What the server takes from its clients, beside the engine's own sizes (EngineConfig)."""
+    """What the server takes from its clients, and from whom, beside the engine's own sizes
+    (EngineConfig)."""
     max_waiting: int = MAX_WAITING      # waiting requests beyond which a new one gets 429
     max_request_bytes: int = None       # bodies above it get 413; None: the default (above)
     drain_timeout: float = 30.0         # seconds answers in flight may finish on shutdown
+    read_timeout: float = READ_TIMEOUT_S    # seconds a request may take to arrive: then 408
+    api_key: str = field(default=None, repr=False)  # None: any client is served
 
     def __post_init__(self):
-        if not is_integer(self.max_waiting) or self.max_waiting < 0:
-            raise ValueError(f"max_waiting={self.max_waiting!r}: expected an integer >= 0")
+        if not is_integer(self.max_waiting) or self.max_waiting < 1:
+            raise ValueError(f"max_waiting={self.max_waiting!r}: expected an integer >= 1 "
+                             f"(with 0, every request would be refused)")
         if not is_real(self.drain_timeout) or not 0 <= self.drain_timeout < math.inf:
             raise ValueError(f"drain_timeout={self.drain_timeout!r}: expected seconds >= 0")
         check_request_bytes(self.max_request_bytes)
+        if not is_real(self.read_timeout) or not 0 < self.read_timeout < math.inf:
+            raise ValueError(f"read_timeout={self.read_timeout!r}: expected seconds > 0")
+        if self.api_key is not None:
+            check_api_key(self.api_key)
+
+
+def check_api_key(key) -> None:
+    """A key a client can send in a header: printable ASCII, no spaces (the error never shows
+    the key, which may sit in a log)."""
+    if not isinstance(key, str) or not key or not all(33 <= ord(c) <= 126 for c in key):
+        raise ValueError("the API key (--api-key, MT_API_KEY) must be a non-empty string of "
+                         "printable ASCII without spaces")
 
 
 def bound_socket(host: str, port: int) -> socket.socket:
@@ -643,9 +845,11 @@ def serve(model_path, config: EngineConfig = None, host: str = "127.0.0.1", port
               f"{engine.cache.num_blocks} blocks of {config.block_size}, prefix caching "
               f"{'on' if config.enable_prefix_caching else 'off'}, {chunks}, "
               f"{config.kv_cache_dtype} cache, {config.attention} attention, bodies up to "
-              f"{limit:,} bytes) on http://{where}:{sock.getsockname()[1]}/v1", file=sys.stderr)
+              f"{limit:,} bytes, {'an' if limits.api_key else 'no'} API key required) on "
+              f"http://{where}:{sock.getsockname()[1]}/v1", file=sys.stderr)
         server = uvicorn.Server(uvicorn.Config(
-            create_app(online, name, limit), http=http_protocol(), log_level="warning",
+            create_app(online, name, limit, limits.api_key),
+            http=http_protocol(limits.read_timeout), log_level="warning",
             timeout_graceful_shutdown=limits.drain_timeout))
         try:
             server.run(sockets=[sock])

@@ -44,8 +44,8 @@ import json
 import math
 from dataclasses import dataclass, replace
 
-from minitransformer.checks import is_integer, is_real
-from minitransformer.chat import encode_chat, special_tokens
+from minitransformer.checks import FieldsRead, is_integer, is_real
+from minitransformer.chat import MessageError, check_messages, encode_chat, special_tokens
 from minitransformer.generate import eos_ids
 from minitransformer.logprobs import MAX_LOGPROBS, TokenLogprob
 from minitransformer.sampling import SamplingSettings
@@ -106,31 +106,10 @@ def refuse_not_implemented(body: dict, kind: str) -> None:
 # ----------------------------------------------------------------------------------------------
 
 
-class FieldsRead(dict):
-    """A request body that remembers which of its fields were looked at: a field never read
-    was not acted on, and is refused rather than dropped."""
-
-    def __init__(self, body):
-        super().__init__(body)
-        self.read = set()
-
-    def get(self, field, default=None):
-        self.read.add(field)
-        return super().get(field, default)
-
-    def __getitem__(self, field):
-        self.read.add(field)
-        return super().__getitem__(field)
-
-    def __contains__(self, field):
-        self.read.add(field)
-        return super().__contains__(field)
-
-
 def refuse_unread(body: FieldsRead, within: str = "") -> None:
     """A field never read is an error naming it (`within`: the object it sits in, for a
     nested one such as stream_options)."""
-    unread = [within + field for field in body if field not in body.read]
+    unread = [within + field for field in body.unread()]
     if unread:
         raise APIError(f"unrecognized request argument supplied: {unread[0]!r:.100} (not a field "
                        f"of the OpenAI API this server implements)", unread[0])
@@ -334,15 +313,7 @@ def prompts(body, kind, model, longest_token=None) -> list:
     Completions, as OpenAI and vLLM take them: a string, a list of token ids, or a batch of
     up to MAX_PROMPTS of either kind (a list of strings, or of token-id lists)."""
     if kind == "chat":
-        messages = body.get("messages")
-        texts = [m.get("content") for m in messages if isinstance(m, dict)] \
-            if isinstance(messages, list) else []
-        check_text_fits(model, [t for t in texts if isinstance(t, str)], longest_token,
-                        "messages")
-        try:
-            return [encode_chat(model, messages)]
-        except ValueError as e:
-            raise APIError(str(e), "messages") from None
+        return [chat_prompt(model, body.get("messages"), longest_token)]
     prompt, V = body.get("prompt"), model.config.vocab_size
     kinds = (f"a non-empty string, a non-empty list of token ids in [0, {V}), or a list of "
              f"at most {MAX_PROMPTS} of either")
@@ -358,6 +329,20 @@ def prompts(body, kind, model, longest_token=None) -> list:
                        "prompt")
     return [one_prompt(model, p, f"prompt[{i}]" if batch else "prompt", V, longest_token)
             for i, p in enumerate(prompt)]
+
+
+def chat_prompt(model, messages, longest_token=None, add_generation_prompt=True) -> list:
+    """Chat messages -> the prompt's ids through the model's template: the messages' texts
+    checked to fit first, then laid out; a message's mistake is a 400 naming where it is
+    (``messages[0].content[1].type``), or ``messages``."""
+    try:
+        texts = [m["content"] for m in check_messages(messages)]
+        check_text_fits(model, texts, longest_token, "messages")
+        return encode_chat(model, messages, add_generation_prompt)
+    except MessageError as e:
+        raise APIError(str(e), e.where) from None
+    except ValueError as e:
+        raise APIError(str(e), "messages") from None
 
 
 def one_prompt(model, prompt, where: str, V: int, longest_token) -> list:
@@ -548,11 +533,8 @@ def tokenize_body(body, model, name: str, longest_token=None) -> dict:
             raise APIError(f"messages must be a list of messages, got {json_text(messages)}",
                            "messages")
         generation = body.get("add_generation_prompt")
-        try:
-            ids = encode_chat(model, messages, True if generation is None else
-                              flag(body, "add_generation_prompt"))
-        except ValueError as e:
-            raise APIError(str(e), "messages") from None
+        ids = chat_prompt(model, messages, longest_token, True if generation is None else
+                          flag(body, "add_generation_prompt"))
         if special and model.tokenizer.bos_token_id is not None:
             ids = [model.tokenizer.bos_token_id] + ids
     else:
