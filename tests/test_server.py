@@ -1,5 +1,6 @@
 """The OpenAI-compatible server, driven by the official ``openai`` client over real HTTP on
 127.0.0.1: every answer's text is the text of ``generate`` alone, streamed or not."""
+import contextlib
 import json
 import os
 import signal
@@ -269,6 +270,19 @@ def test_bad_requests_get_400_naming_the_field(served, model):
         "model"
 
 
+def one_running_one_waiting(online, client) -> tuple:
+    """On an engine of one slot: a long stream holding it, a request waiting behind it ->
+    (the stream, the waiting request's thread)."""
+    long = client.completions.create(model=NAME, prompt="a", max_tokens=200, stream=True,
+                                     extra_body={"ignore_eos": True})
+    next(iter(long))            # it holds the only slot
+    waiter = threading.Thread(target=client.completions.create,
+                              kwargs=dict(model=NAME, prompt="b", max_tokens=2))
+    waiter.start()
+    wait_for(lambda: online.snapshot.waiting == 1)
+    return long, waiter
+
+
 def test_full_queue_gets_429_with_retry_after(model):
     online = OnlineEngine(Engine(model, EngineConfig(max_num_seqs=1, num_gpu_blocks_override=64,
                                                      block_size=4), history=True),
@@ -276,13 +290,7 @@ def test_full_queue_gets_429_with_retry_after(model):
     server = Background(create_app(online, NAME))
     client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
     try:
-        long = client.completions.create(model=NAME, prompt="a", max_tokens=200, stream=True,
-                                         extra_body={"ignore_eos": True})
-        next(iter(long))            # it holds the only slot
-        waiter = threading.Thread(target=client.completions.create,
-                                  kwargs=dict(model=NAME, prompt="b", max_tokens=2))
-        waiter.start()
-        wait_for(lambda: online.snapshot.waiting == 1)
+        long, waiter = one_running_one_waiting(online, client)
         with pytest.raises(openai.RateLimitError) as caught:
             client.completions.create(model=NAME, prompt="c", max_tokens=2)
         assert caught.value.response.headers["retry-after"] == "1"
@@ -776,16 +784,18 @@ class HeldTokenizer:
         return getattr(self.backend, name)
 
 
-def test_health_answers_while_a_prompt_is_being_tokenized(model):
-    """Tokenizing runs off the event loop: while one prompt's tokenization is held open,
-    /health keeps answering, and the held request then completes."""
+@contextlib.contextmanager
+def held_in_tokenization(model, read_timeout=READ_TIMEOUT_S):
+    """A server whose tokenizer holds its next encoding (HeldTokenizer), and a completion
+    request sent to it, held there -> (its server, the HeldTokenizer, the request's thread, a
+    list its exchange() goes to). The request goes on once held.go is set."""
     from dataclasses import replace
 
     held = HeldTokenizer(model.tokenizer.backend)
     served = replace(model, tokenizer=replace(model.tokenizer, backend=held))
     online = OnlineEngine(Engine(served, EngineConfig(max_num_seqs=1, num_gpu_blocks_override=16,
                                                       block_size=4)))
-    server = Background(create_app(online, NAME))
+    server = Background(create_app(online, NAME), read_timeout)
     try:
         done = []
         held.armed = True
@@ -793,16 +803,23 @@ def test_health_answers_while_a_prompt_is_being_tokenized(model):
             "/v1/completions", completion(prompt="The robot counted boats.")))))
         request.start()
         assert held.started.wait(timeout=30)
+        yield server, held, request, done
+    finally:
+        held.go.set()
+        server.stop()
+        online.close()
+
+
+def test_health_answers_while_a_prompt_is_being_tokenized(model):
+    """Tokenizing runs off the event loop: while one prompt's tokenization is held open,
+    /health keeps answering, and the held request then completes."""
+    with held_in_tokenization(model) as (server, held, request, done):
         for _ in range(3):      # a loop blocked by the tokenizer would not answer at all
             assert urllib.request.urlopen(server.url + "/health", timeout=5).status == 200
         assert request.is_alive() and not done
         held.go.set()
         request.join(30)
         assert done and done[0][0] == 200, done
-    finally:
-        held.go.set()
-        server.stop()
-        online.close()
 
 
 class WatchedTokenizer:

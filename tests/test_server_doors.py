@@ -8,7 +8,6 @@ import select
 import socket
 import subprocess
 import sys
-import threading
 import time
 import urllib.request
 from dataclasses import replace
@@ -16,14 +15,11 @@ from types import SimpleNamespace
 
 import pytest
 
-from conftest import wait_for
-
 openai = pytest.importorskip("openai")
 pytest.importorskip("fastapi")
 uvicorn = pytest.importorskip("uvicorn")
-from test_server import (NAME, ROOT, Background, HeldTokenizer, completion,  # noqa: E402
-                         exchange, inherited, model, post, serve_command, served)  # noqa: F401
-import minitransformer as mt  # noqa: E402
+from test_server import (NAME, ROOT, Background, completion, exchange,  # noqa: E402,F401
+                         held_in_tokenization, inherited, model, post, serve_command, served)
 import minitransformer.__main__ as cli  # noqa: E402
 from minitransformer.chat import encode_chat  # noqa: E402
 from minitransformer.serve import http as server_module  # noqa: E402
@@ -325,26 +321,11 @@ def test_the_timeout_is_per_request_and_ends_when_the_request_is_in(impatient, m
         sock.sendall(ask[:10])      # the next request, never finished
         assert select.select([sock], [], [], 10)[0]
         assert sock.recv(65536).startswith(b"HTTP/1.1 408")
-    held = HeldTokenizer(model.tokenizer.backend)
-    slow = replace(model, tokenizer=replace(model.tokenizer, backend=held))
-    engine = OnlineEngine(Engine(slow, EngineConfig(max_num_seqs=1, num_gpu_blocks_override=16,
-                                                    block_size=4)))
-    server = Background(create_app(engine, NAME), read_timeout=TIMEOUT)
-    try:
-        done = []
-        held.armed = True
-        asking = threading.Thread(target=lambda: done.append(exchange(server.url, post(
-            "/v1/completions", completion(prompt="The robot counted boats.")))))
-        asking.start()
-        assert held.started.wait(timeout=30)
+    with held_in_tokenization(model, TIMEOUT) as (server, held, request, done):
         time.sleep(2 * TIMEOUT)     # the request is in: no timer runs on it now
         held.go.set()
-        asking.join(30)
-        assert done[0][0] == 200, done
-    finally:
-        held.go.set()
-        server.stop()
-        engine.close()
+        request.join(30)
+        assert done and done[0][0] == 200, done
 
 
 # --- each serve flag reaches the server it starts ---------------------------------------------

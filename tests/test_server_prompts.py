@@ -292,10 +292,10 @@ def test_a_batch_the_queue_can_never_take_is_a_400_one_it_cannot_take_now_a_429(
     queued, so it is a 400 naming prompt and the limit (a 429 would have an obedient client
     retry forever); one within the limit that finds the queue busy is a 429, and is served
     once the queue is free. Nothing refused is handed over (blocks free, nothing counted)."""
-    import threading
     import urllib.request
 
     from conftest import wait_for
+    from test_server import one_running_one_waiting
     config = EngineConfig(max_num_seqs=1, num_gpu_blocks_override=64, block_size=8)
     online = OnlineEngine(Engine(model, config), max_waiting=2)
     server = Background(create_app(online, NAME))
@@ -309,13 +309,7 @@ def test_a_batch_the_queue_can_never_take_is_a_400_one_it_cannot_take_now_a_429(
         assert online.engine.cache.num_free == online.engine.cache.num_blocks
         metrics = urllib.request.urlopen(server.url + "/metrics").read().decode()
         assert f'vllm:prompt_tokens_total{{model_name="{NAME}"}} 0' in metrics
-        long = client.completions.create(model=NAME, prompt="a", max_tokens=200, stream=True,
-                                         extra_body={"ignore_eos": True})
-        next(iter(long))            # it holds the only slot
-        waiter = threading.Thread(target=client.completions.create,
-                                  kwargs=dict(model=NAME, prompt="b", max_tokens=2))
-        waiter.start()
-        wait_for(lambda: online.snapshot.waiting == 1)
+        long, waiter = one_running_one_waiting(online, client)
         status, reply = post(server.url, "/v1/completions", batch | {"prompt": [[5], [6]]})
         assert status == 429 and reply["error"]["code"] == "queue_full", reply
         long.close()
