@@ -531,6 +531,46 @@ PLANTED = [
      "minitransformer/formats/gguf_file.py",
      "start = -(-r.pos // alignment) * alignment", "start = -(-r.pos // 32) * 32",
      ["tests/test_gguf_alignment.py", "tests/test_gguf_fields.py"]),
+    ("server", "serve drops --max-waiting (the online engine keeps its default)",
+     "minitransformer/serve/http.py",
+     "online = OnlineEngine(engine, max_waiting=limits.max_waiting)",
+     "online = OnlineEngine(engine)",
+     ["tests/test_server_doors.py::test_every_serve_flag_reaches_the_server_it_starts"]),
+    ("server", "serve drops --api-key", "minitransformer/serve/http.py",
+     "create_app(online, name, limit, limits.api_key),", "create_app(online, name, limit),",
+     ["tests/test_server_doors.py::test_every_serve_flag_reaches_the_server_it_starts"]),
+    ("server", "a body under a non-JSON Content-Type is served", "minitransformer/serve/http.py",
+     'if media == "application/json" or (kind and subtype.endswith("+json") and',
+     'if True or (kind and subtype.endswith("+json") and',
+     ["tests/test_server.py::test_hostile_requests_get_openai_errors_and_the_server_lives_on"]),
+    ("server", "a key given twice in a body: the last one kept", "minitransformer/serve/http.py",
+     "if len(value) < len(pairs) and not twice:", "if False:",
+     ["tests/test_server.py::test_hostile_requests_get_openai_errors_and_the_server_lives_on"]),
+    ("server", "a message field the chat template never reads is dropped",
+     "minitransformer/chat.py", "    check_all_read(messages)", "    messages",
+     ["tests/test_server.py::test_hostile_requests_get_openai_errors_and_the_server_lives_on"]),
+    ("server", "text parts joined with nothing, not a newline", "minitransformer/chat.py",
+     'return "\\n".join(texts)', 'return "".join(texts)',
+     ["tests/test_server_doors.py::"
+      "test_text_parts_are_joined_with_newlines_through_the_real_client"]),
+    ("server", "a batch longer than --max-waiting is a 429", "minitransformer/serve/http.py",
+     "    if len(jobs) > waiting:", "    if False:",
+     ["tests/test_server_prompts.py::"
+      "test_a_batch_the_queue_can_never_take_is_a_400_one_it_cannot_take_now_a_429"]),
+    ("server", "the API key compared with != (its time says where a guess goes wrong)",
+     "minitransformer/serve/http.py", "not hmac.compare_digest(token.strip(), self.key)",
+     "token.strip() != self.key",
+     ["tests/test_server_doors.py::"
+      "test_the_openai_client_with_the_key_is_served_and_without_it_refused"]),
+    ("server", "a request dripping in a byte at a time is never timed out",
+     "minitransformer/serve/http.py", "            elif self.deadline is None:",
+     "            elif False:",
+     ["tests/test_server_doors.py::"
+      "test_a_request_sent_a_byte_at_a_time_gets_408_and_is_disconnected"]),
+    ("server", "the read timer runs on once the request is in", "minitransformer/serve/http.py",
+     "if not arriving or self.transport.is_closing():", "if self.transport.is_closing():",
+     ["tests/test_server_doors.py::"
+      "test_the_timeout_is_per_request_and_ends_when_the_request_is_in"]),
 ]
 
 
