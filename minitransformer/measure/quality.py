@@ -16,6 +16,7 @@ from about half to nine in ten, so one question more or less says nothing (the c
 An instruct model can be asked through its chat template (``chat=True``).
 Leaves out: sampling-based evaluation, benchmark suites.
 """
+import math
 import re
 from dataclasses import dataclass
 
@@ -67,6 +68,7 @@ class Perplexity:
     value: float      # exp(nll / tokens)
     nll: float        # summed negative log-likelihood, nats
     tokens: int       # tokens scored
+    per_token: np.ndarray  # (tokens,) each one's negative log-likelihood, nats (float64)
 
 
 def token_nll(logits, targets) -> np.ndarray:
@@ -93,18 +95,35 @@ def perplexity(model, ids, window: int, progress=None, chunk: int = 256) -> Perp
         raise ValueError(f"window and chunk must be at least 1, got {window} and {chunk}")
     window = min(window, model.config.max_position_embeddings)
     starts = range(0, len(ids) - 1, window)
-    nll, count = 0.0, 0
+    nll, count, each = 0.0, 0, []
     for i, start in enumerate(starts, 1):
         inputs = ids[start:start + window]
         targets = ids[start + 1:start + window + 1]
         hidden = forward(model, inputs[None])                              # (1, T, D)
         for a in range(0, len(targets), chunk):
             logits = to_numpy(head(model, hidden[:, a:a + chunk]))[0]     # (chunk, V)
-            nll += float(token_nll(logits[: len(targets) - a], targets[a:a + chunk]).sum())
+            each.append(token_nll(logits[: len(targets) - a], targets[a:a + chunk]))
+            nll += float(each[-1].sum())
         count += len(targets)
         if progress is not None:
             progress(i, len(starts))
-    return Perplexity(float(np.exp(nll / count)), nll, count)
+    return Perplexity(float(np.exp(nll / count)), nll, count, np.concatenate(each))
+
+
+def paired_ratio(nll, base, z: float = 1.96) -> tuple[float, float, float]:
+    """Perplexity ratio exp(mean(nll - base)) of two models (or caches) scored on the same
+    tokens, and its 95% (z = 1.96) interval: the per-token differences are paired, so the
+    interval is mean +- z standard errors of their mean, exponentiated. A small change to a
+    model is told apart on far fewer tokens this way than by two perplexities' own intervals.
+
+    >>> [round(x, 4) for x in paired_ratio([1.0, 1.2, 1.1, 1.3], [1.0, 1.0, 1.0, 1.0])]
+    [1.1618, 1.0238, 1.3185]
+    """
+    diff = np.asarray(nll, dtype=np.float64) - np.asarray(base, dtype=np.float64)
+    if diff.size < 2:
+        raise ValueError(f"a paired interval needs at least 2 tokens, got {diff.size}")
+    mean, half = diff.mean(), z * diff.std(ddof=1) / math.sqrt(diff.size)
+    return math.exp(mean), math.exp(mean - half), math.exp(mean + half)
 
 
 def next_token_scores(model, ids, kv_dtype: str = "f32", chunk: int = 256):
