@@ -372,3 +372,37 @@ def test_a_seed_gives_the_same_draws_and_rounds_feed_only_new_tokens(tiny_model,
     half = len(target) // 2
     assert target[:half] == target[half:]
     assert target[0] == 4 + 3 and max(target[1:half]) <= 2 + 3
+
+
+@pytest.mark.parametrize("persists", [False, True])
+def test_exp22_races_every_draft_against_the_same_plain_runs(pair, monkeypatch, persists):
+    """One set of rounds: plain greedy, then each draft (one call of time_together); a row
+    whose speedup beats its ceiling is measured again and, only if it still does, flagged,
+    its row alone."""
+    import exp22_speculative as exp22
+    from minitransformer.measure.timing import Timing
+    target, draft = pair
+    ids, plain = [1, 2, 3], mt.generate(target, [1, 2, 3], 6, eos_token_id=[])
+    rows = [("first", draft, 0.5, 0.5, 0.5, 1, 1.0, 1.0),
+            ("second", draft, 0.5, 0.5, 0.5, 2, 1.0, 1.0)]
+    calls = []
+
+    def fake_time_together(fns, warmup, repeat, after):
+        calls.append(len(fns))
+        for fn, undo in zip(fns, after):
+            fn()
+            if undo is not None:
+                undo()
+        # plain 1 s; the first draft 4 s (0.25x: sane), the second 0.1 s: 10x, above any
+        # ceiling (at most 3 tokens a pass / (2 x 0.5 + 1) = 1.5x), unless the rerun settles it
+        second = 0.1 if persists or len(calls) == 1 else 4.0
+        return [Timing((1.0, 1.0)), Timing((4.0, 4.0)), Timing((second, second))]
+    monkeypatch.setattr(exp22, "time_together", fake_time_together)
+    measured = exp22.races(target, ids, plain, rows, repeats=2)
+    assert calls == [3, 3]          # plain and both drafts together, measured twice
+    assert [m[3] for m in measured] == [True, True]            # the tokens are plain greedy's
+    assert measured[0][1] == pytest.approx(0.25) and measured[0][4] is None
+    if persists:
+        assert measured[1][1] == pytest.approx(10.0) and "above its ceiling" in measured[1][4]
+    else:
+        assert measured[1][1] == pytest.approx(0.25) and measured[1][4] is None
