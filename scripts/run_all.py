@@ -7,14 +7,24 @@ so) unless --model is given, which is passed to every script that loads a model.
 measures the batched step costs that experiment 13's simulation then uses; experiments 9 and 10
 run twice, on the model and on the chapter's Qwen2.5-0.5B shape.
 
---report DIR also writes DIR/index.html (one self-contained page: every table, the chapter's
-figures beside ours, plots; plots need matplotlib, the 'report' extra) and every table as JSON
-(DIR/tables.json). Per script the wall time and the CPU time are printed: on a machine shared
-with other work the CPU time is what the script would take alone (one BLAS thread). The summary
-ends with the total, the load average seen between scripts, and a verdict: a machine is named
-busy when the job waited for a core (wall time above 1.2x the CPU time) or other work kept the
-load average a whole core above the job's own threads. --summary FILE also writes that summary
-as Markdown (docs/main-job.md is written so: what the documentation says the job costs).
+First use, apart: before the experiments, what the selected scripts fetch or make once per
+machine (SmolLM2's fetch and import, experiment 21's text, the distilled drafts of experiments
+22 and 23: about 3 CPU minutes of training) is made here, each timed on its own, so the
+experiments' times are what a second run costs and the first run's extra is said apart. Every
+script runs with the BLAS threads the summary names, set in its environment
+(OPENBLAS_NUM_THREADS and its kin): --threads N for the timing scripts (their --threads too),
+every core for the others, whose tables hold no timings.
+
+The HTML report is written by default (out/report/index.html in the checkout, git-ignored:
+one self-contained page, every table, the chapter's figures beside ours, plots; plots need
+matplotlib, the 'report' extra) with every table as JSON (tables.json); --report DIR puts it
+elsewhere, --no-report leaves it out. Per script the wall time and the CPU time are printed: on
+a machine shared with other work the CPU time is what the script would take alone. The job
+ends with what it cost: the total, the first use apart, the load average seen between scripts,
+and a verdict: a machine is named busy when the job waited for a core (wall time above 1.2x the
+CPU time) or other work kept the load average a whole core above the job's own threads.
+--summary FILE also writes that summary as Markdown (docs/main-job.md is written so: what the
+documentation says the job costs).
 """
 import argparse
 import os
@@ -28,13 +38,17 @@ import tempfile
 import time
 from datetime import datetime, timezone
 from pathlib import Path
+from types import SimpleNamespace
 
-from _common import add_model_argument, say
+from _common import add_model_argument, model_name, model_path, say
 from minitransformer.measure.timing import load_average
 from _table import RECORD_ENV, Table
 
 HERE = Path(__file__).resolve().parent
+REPORT = HERE.parent / "out" / "report"   # the default report's folder: git-ignored (/out/)
 MODEL, THREADS = "model", "threads"      # what a script takes: --model PATH, --threads N
+# The environment variables that set a BLAS's threads when it loads (OpenBLAS, OpenMP, MKL)
+THREAD_VARIABLES = ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS")
 # The main job, in the chapter's order: (script, what it takes, extra arguments).
 MAIN_JOB = [
     ("exp01_kv_cache.py", {MODEL, THREADS}, []),
@@ -61,10 +75,11 @@ MAIN_JOB = [
     ("exp18_activation_outliers.py", {MODEL}, []),
     ("exp19_int8_activation_levels.py", {MODEL}, []),
     ("exp20_outlier_techniques.py", {MODEL}, []),
-    # The two slow ones, lightened to keep the main job under 10 minutes on 2 cores: the
-    # 2,048 tokens are scored in two windows of 1,024 (the attention's square cost halves),
+    # The slow ones, lightened to keep the main job under 10 minutes on 2 cores: experiment
+    # 21 scores 1,024 tokens in one window (half its 2,048; each scheme's perplexity ratio to
+    # fp32's is printed with its paired 95% interval, which says what 1,024 tokens decide),
     # and the speculative run compares prompt lookup with the best quantized draft only.
-    ("exp21_quantized_quality.py", {MODEL}, ["--window", "1024"]),
+    ("exp21_quantized_quality.py", {MODEL}, ["--tokens", "1024"]),
     # the KV cache's formats on 256 tokens (nine prefills; 1,024 tokens and f16 alone)
     ("exp21_kv_cache_quality.py", {MODEL}, ["--tokens", "256", "--kv-dtypes", "f32", "q8_0",
                                             "q4_0"]),
@@ -80,20 +95,42 @@ MAIN_JOB = [
 ]
 
 
+# What scripts of the job fetch or make once per machine, made before the job (first_use).
+USES_SMOLLM2 = {  # by default (--model not given), or as experiment 4's long prefill's model
+    "exp04_cache_memory.py", "exp16_quant_error.py", "exp17_weight_outliers.py",
+    "exp18_activation_outliers.py", "exp19_int8_activation_levels.py",
+    "exp20_outlier_techniques.py", "exp21_quantized_quality.py", "exp21_kv_cache_quality.py",
+    "exp22_speculative.py", "exp23_soft_labels.py"}
+USES_TEXT = {"exp21_quantized_quality.py", "exp21_kv_cache_quality.py"}
+USES_DRAFTS = {"exp22_speculative.py", "exp23_soft_labels.py"}
+
+
 def command(script, takes, extra, args, step_costs):
     """-> the argv that runs one entry of the main job."""
     argv = [sys.executable, str(HERE / script)]
     if MODEL in takes and args.model:
         argv += ["--model", args.model]
     if THREADS in takes:
-        argv += ["--threads", str(args.threads)]
+        argv += ["--threads", str(threads_of(takes, args))]
     return argv + [a.format(step_costs=step_costs) for a in extra]
 
 
+def threads_of(takes, args) -> int:
+    """The BLAS threads a script of the job runs with: --threads for the timing scripts (0:
+    every core, the library's own choice), every core for the others (no timings in their
+    tables: the cores only shorten the wait)."""
+    return args.threads if THREADS in takes and args.threads > 0 else os.cpu_count() or 1
+
+
+def with_threads(env, threads: int) -> dict:
+    """env with the BLAS's thread count set, read when the script's NumPy loads its BLAS."""
+    return env | dict.fromkeys(THREAD_VARIABLES, str(threads))
+
+
 def cpu_seconds() -> float:
-    """CPU time (user + system) of the finished child processes so far."""
-    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return usage.ru_utime + usage.ru_stime
+    """CPU time (user + system) of this process and its finished children so far."""
+    usage = [resource.getrusage(who) for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)]
+    return sum(u.ru_utime + u.ru_stime for u in usage)
 
 
 WAITED = 1.2      # wall time above this many times the CPU time: the job waited for a core
@@ -116,10 +153,10 @@ def verdict(wall, cpu, loads, threads) -> str:
             f"CPU, {seen} for {threads} BLAS thread{'s' if threads != 1 else ''}")
 
 
-def markdown(summary, argv, total, cpu_total, judged) -> str:
+def markdown(summary, argv, total, cpu_total, judged, firsts) -> str:
     """The summary as the Markdown page docs/main-job.md is."""
-    rows = "\n".join(f"| {s} | {status} | {wall:.1f} | {cpu:.1f} |"
-                      for s, status, wall, cpu in summary.rows)
+    rows = "\n".join(f"| {s} | {status} | {threads} | {wall:.1f} | {cpu:.1f} |"
+                      for s, status, threads, wall, cpu in summary.rows)
     when = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     return (f"# The main job: what it cost where it ran\n\n"
             f"Written by `python scripts/run_all.py {shlex.join(argv)}` on {when}; "
@@ -127,10 +164,13 @@ def markdown(summary, argv, total, cpu_total, judged) -> str:
             f"- machine: {os.cpu_count()} CPU cores, {platform.machine()}, "
             f"{platform.python_implementation()} {platform.python_version()}\n"
             f"- total: **{total:.0f} s wall ({total / 60:.1f} min)**, {cpu_total:.0f} s CPU\n"
+            f"- first use, apart (once per machine): {first_use_line(firsts)}\n"
             f"- {judged}\n\n"
             "On a busy machine the wall time includes waiting for a core; the CPU time is what "
-            "the job takes alone.\n\n"
-            "| script | status | wall s | CPU s |\n|---|---|---:|---:|\n" + rows + "\n")
+            "the job takes alone. BLAS threads: what the script ran with (set in its "
+            "environment; the timing scripts' --threads too).\n\n"
+            "| script | status | BLAS threads | wall s | CPU s |\n|---|---|---:|---:|---:|\n"
+            + rows + "\n")
 
 
 def pattern(text):
@@ -148,76 +188,160 @@ def main(argv=None):
                         help="run only the scripts whose name matches (e.g. 'exp0[1-8]'; "
                              "one that matches none is an error listing them)")
     parser.add_argument("--threads", type=int, default=1, metavar="N",
-                        help="BLAS threads of every timing script (default: 1)")
-    parser.add_argument("--report", default=None, metavar="DIR",
-                        help="also write DIR/index.html and every table as JSON")
+                        help="BLAS threads of every timing script (default: 1; 0: every core); "
+                             "the others run on every core")
+    parser.add_argument("--report", default=str(REPORT), metavar="DIR",
+                        help="where the HTML report (DIR/index.html) and every table as JSON "
+                             "go (default: out/report in the checkout, ignored by git)")
+    parser.add_argument("--no-report", action="store_true", help="write no report")
     parser.add_argument("--summary", default=None, metavar="FILE",
                         help="also write the summary (times, load, verdict) as Markdown, e.g. "
                              "docs/main-job.md")
     args = parser.parse_args(argv)
     shown_argv = sys.argv[1:] if argv is None else list(argv)
+    report = None if args.no_report else Path(args.report).resolve()
     job = [entry for entry in MAIN_JOB if not args.only or args.only.search(entry[0])]
     if not job:
         names = ", ".join(dict.fromkeys(script for script, _, _ in MAIN_JOB))
         parser.error(f"--only {args.only.pattern!r} matches none of the main job's scripts: "
                      f"{names}")
     env = dict(os.environ)
-    if args.report:
-        env[RECORD_ENV] = str(Path(args.report).resolve() / "tables")
+    if report:
+        env[RECORD_ENV] = str(report / "tables")
         for old in Path(env[RECORD_ENV]).glob("*.json"):
             old.unlink()
+    firsts = first_use(job, args, env)
     start, cpu_start, loads = time.perf_counter(), cpu_seconds(), [load_average()]
     timings = run_job(job, args, env, loads)
-    failed = [script for (script, _, _), (_, status, _, _) in zip(job, timings) if status != "ok"]
+    failed = [script for (script, _, _), (_, status, *_) in zip(job, timings) if status != "ok"]
     total, cpu_total = time.perf_counter() - start, cpu_seconds() - cpu_start
-    judged = verdict(total, cpu_total, loads, args.threads)
-    summary = summary_table(timings, failed, args.threads, total, cpu_total, judged)
+    judged = verdict(total, cpu_total, loads, max((t[2] for t in timings), default=1))
+    summary = summary_table(timings, failed, total, cpu_total, judged, firsts)
     os.environ.update({k: v for k, v in env.items() if k == RECORD_ENV})
     summary.show()
     if args.summary:
         Path(args.summary).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.summary).write_text(markdown(summary, shown_argv, total, cpu_total, judged))
+        Path(args.summary).write_text(markdown(summary, shown_argv, total, cpu_total, judged,
+                                               firsts))
         say(f"summary: {args.summary}")
-    if args.report:
+    if report:
         from _report import write_report
-        page = write_report(Path(args.report), title="minitransformer: the chapter's tables")
-        say(f"report: {page}")
+        page = write_report(report, title="minitransformer: the chapter's tables")
+        say(f"report: {page} (open it in a browser; --no-report leaves it out)")
+    say(f"the job cost {total:.0f} s wall ({total / 60:.1f} min), {cpu_total:.0f} s CPU; "
+        f"first use, apart: {first_use_line(firsts)}")
     return 1 if failed else 0
+
+
+def first_use(job, args, env) -> list:
+    """Fetch or make what the job's scripts need once per machine and lack, each timed on its
+    own -> [(what, wall s, CPU s)], empty when everything was there. The model a script is
+    given (--model, else SmolLM2 for the scripts that default to it) and the drafts trained on
+    it, at the timing scripts' threads (as experiment 22 would train them)."""
+    from minitransformer.checkpoints.real_model import NAME, is_imported
+    from minitransformer.checkpoints.synth import weights_dir
+    from minitransformer.measure.text import cache_path
+    names = {script for script, _, _ in job}
+    model = args.model or "smollm2"
+    steps = []
+    if names & USES_SMOLLM2 and model == "smollm2" and not is_imported(weights_dir() / NAME):
+        steps.append((f"{NAME}: fetched and imported", lambda: model_path("smollm2")))
+    if names & USES_TEXT and not cache_path().is_file():
+        steps.append(("experiment 21's text: fetched", fetch_text))
+    if names & USES_DRAFTS and not drafts_there(model):
+        steps.append(("the distilled drafts: trained", lambda: train_drafts(model, args, env)))
+    firsts = []
+    for what, make in steps:
+        say(f"=== first use: {what} ... ===")
+        t, cpu = time.perf_counter(), cpu_seconds()
+        make()
+        firsts.append((what, time.perf_counter() - t, cpu_seconds() - cpu))
+        say(f"=== first use: {what} in {firsts[-1][1]:.1f} s (CPU {firsts[-1][2]:.1f} s) ===")
+    return firsts
+
+
+def fetch_text():
+    """Experiment 21's text, fetched; offline, its scripts say so and what to do."""
+    from minitransformer.measure.text import evaluation_text
+    try:
+        evaluation_text()
+    except ValueError as e:
+        say(f"note: {e}")
+
+
+def drafts_there(model) -> bool:
+    """Whether the distilled drafts of this model (with the scripts' default settings) are
+    already trained and cached, or no drafts would be trained on it (too few layers)."""
+    from minitransformer.config import load_config
+    from minitransformer.drafts.students import Settings, students_file
+    path = Path(model_path(model))
+    if not (path / "config.json").is_file():
+        return True    # a .gguf file or no checkpoint at all: the scripts themselves say
+    settings = Settings()
+    return (load_config(path).num_hidden_layers <= settings.layers
+            or students_file(SimpleNamespace(path=str(path)), settings).is_file())
+
+
+def train_drafts(model, args, env):
+    """scripts/train_draft.py, in a process of its own, at the timing scripts' threads."""
+    threads = threads_of({THREADS}, args)
+    subprocess.run([sys.executable, str(HERE / "train_draft.py"), "--model", model,
+                    "--threads", str(threads)], env=with_threads(env, threads))
+
+
+def first_use_line(firsts) -> str:
+    """'none (everything was there)' or each thing made, its wall and CPU time."""
+    if not firsts:
+        return "none (everything was there)"
+    return "; ".join(f"{what} in {wall:.0f} s ({cpu:.0f} s CPU)" for what, wall, cpu in firsts)
 
 
 def run_job(job, args, env, loads) -> list:
     """Each script of the job in its own process, in order; the load average after each
-    appended to loads -> (what ran, "ok" or "FAILED (code)", wall s, CPU s) per script."""
+    appended to loads -> (what ran, "ok" or "FAILED (code)", BLAS threads, wall s, CPU s) per
+    script."""
     step_costs = Path(tempfile.mkdtemp(prefix="run_all_")) / "step_costs.json"
     timings = []
     for i, (script, takes, extra) in enumerate(job, 1):
         if script == "exp13_batching_sim.py" and not step_costs.is_file():
             extra = []  # experiment 12 did not run: the simulation's default cost model
         argv = command(script, takes, extra, args, step_costs)
-        # the step-cost file lives in a temporary folder: named by its role, not its path
-        shown = " ".join([script, *argv[2:]]).replace(str(step_costs), "STEP_COSTS.json")
+        threads = threads_of(takes, args)
+        shown = shown_command(script, argv, args, step_costs)
         say(f"=== [{i}/{len(job)}] {shown} ===")
         print(f"\n{'=' * 78}\n{shown}\n{'=' * 78}", flush=True)
         t, cpu = time.perf_counter(), cpu_seconds()
-        code = subprocess.run(argv, env=env).returncode
+        code = subprocess.run(argv, env=with_threads(env, threads)).returncode
         wall, cpu = time.perf_counter() - t, cpu_seconds() - cpu
         loads.append(load_average())
-        timings.append((shown, "ok" if code == 0 else f"FAILED ({code})", wall, cpu))
-        say(f"=== {script}: {timings[-1][1]} in {wall:.1f} s (CPU {cpu:.1f} s) ===")
+        timings.append((shown, "ok" if code == 0 else f"FAILED ({code})", threads, wall, cpu))
+        say(f"=== {script}: {timings[-1][1]} in {wall:.1f} s (CPU {cpu:.1f} s, "
+            f"{threads} BLAS thread{'s' if threads != 1 else ''}) ===")
     return timings
 
 
-def summary_table(timings, failed, threads: int, total: float, cpu_total: float,
-                  judged: str) -> Table:
+def shown_command(script, argv, args, step_costs) -> str:
+    """How the summary names what ran: no path of this machine. The step-cost file (in a
+    temporary folder) by its role, a --model path by its folder's name, as tables name it."""
+    shown = " ".join([script, *argv[2:]]).replace(str(step_costs), "STEP_COSTS.json")
+    if args.model and args.model in argv:
+        shown = shown.replace(f"--model {args.model}", f"--model {model_name(args.model)}")
+    return shown
+
+
+def summary_table(timings, failed, total: float, cpu_total: float, judged: str,
+                  firsts) -> Table:
     summary = Table(f"The main job: {len(timings) - len(failed)} of {len(timings)} scripts ran",
-                    columns=[("script", ""), ("status", ""), ("wall s", ".1f"),
-                             ("CPU s", ".1f")], chapter=False)
-    summary.header(f"BLAS threads {threads}; the CPU time is what a script takes on a "
-                   "quiet machine (wall time on a shared one includes waiting for a core)")
+                    columns=[("script", ""), ("status", ""), ("BLAS threads", "d"),
+                             ("wall s", ".1f"), ("CPU s", ".1f")], chapter=False)
+    summary.header("BLAS threads: what each script ran with; the CPU time is what a script "
+                   "takes on a quiet machine (wall time on a shared one includes waiting for a "
+                   "core)")
     for row in timings:
         summary.row(*row)
     summary.note(f"total: {total:.0f} s wall ({total / 60:.1f} min), {cpu_total:.0f} s CPU"
                  + (f"; failed: {', '.join(failed)}" if failed else ""),
+                 f"first use, apart (once per machine): {first_use_line(firsts)}",
                  f"machine: {os.cpu_count()} CPU cores; {judged}")
     return summary
 

@@ -5,6 +5,7 @@ exact figure (the chapter's budget and speculative formulas, identical tokens) t
 checked. Timings are printed by the scripts, never asserted here.
 """
 import json
+import os
 import re
 from pathlib import Path
 
@@ -218,11 +219,78 @@ def test_the_readme_names_the_experiments_that_take_no_model(run_script):
     assert without == set(re.findall(r"`(exp\w+\.py)`", named)) != set()
 
 
-def test_run_all_runs_a_selection(tiny, capfd):
-    """run_all starts each script as a process: its tables reach the file descriptor."""
-    assert run_all.main(["--model", tiny, "--only", "exp(09|24)"]) == 0
-    out = capfd.readouterr().out
+@pytest.mark.parametrize("report", [True, False])
+def test_run_all_runs_a_selection_writes_its_report_by_default_and_ends_with_its_cost(
+        tiny, capfd, monkeypatch, tmp_path, report):
+    """run_all starts each script as a process: its tables reach the file descriptor. The
+    report is written unless --no-report, where the job says, and the job's last line is what
+    it cost, the first use apart."""
+    monkeypatch.setattr(run_all, "REPORT", tmp_path / "report")
+    argv = ["--model", tiny, "--only", "exp(09|24)"] + ([] if report else ["--no-report"])
+    assert run_all.main(argv) == 0
+    out, err = capfd.readouterr()
     assert "Experiment 9: KV cache for users x tokens" in out and "Experiment 24" in out
+    page = tmp_path / "report" / "index.html"
+    assert page.is_file() == report and (f"report: {page}" in err) == report
+    assert "Experiment 24" in (page.read_text() if report else "Experiment 24")
+    assert re.search(r"the job cost \d+ s wall \([\d.]+ min\), \d+ s CPU; first use, apart: "
+                     r"none \(everything was there\)\n$", err), err[-300:]
+
+
+def test_the_default_report_is_outside_the_tracked_tree():
+    import shutil
+    import subprocess
+    root = Path(run_all.__file__).resolve().parents[1]
+    if shutil.which("git") is None or not (root / ".git").exists():
+        pytest.skip("not a git checkout")
+    page = run_all.REPORT / "index.html"
+    assert subprocess.run(["git", "-C", str(root), "check-ignore", "-q", str(page)]).returncode \
+        == 0
+
+
+PROBE = """import numpy, threadpoolctl
+print("threads", max(i["num_threads"] for i in threadpoolctl.threadpool_info()
+                      if i["user_api"] == "blas"))
+"""
+
+
+@pytest.mark.parametrize("takes", [set(), {run_all.THREADS}])
+def test_run_all_names_the_blas_threads_each_script_ran_with(takes, capfd, monkeypatch,
+                                                             tmp_path):
+    """The summary's BLAS threads are the ones the script's BLAS had: a timing script's
+    --threads, every core for the others (docs/main-job.md said 1 where three ran with 2)."""
+    probe = tmp_path / "probe.py"
+    probe.write_text(PROBE)
+    monkeypatch.setattr(run_all, "MAIN_JOB", [(str(probe), takes, [])])
+    assert run_all.main(["--no-report", "--threads", "1"]) == 0
+    out, _ = capfd.readouterr()
+    ran = int(re.search(r"^threads (\d+)$", out, re.M).group(1))
+    stated = int(re.search(r"probe\.py.*?ok\s+(\d+)\s", out).group(1))
+    assert ran == stated == (1 if takes else os.cpu_count())
+
+
+def test_first_use_is_made_before_the_job_and_timed_apart(monkeypatch, tmp_path):
+    """What a script fetches once (here experiment 21's text) is made before the job, timed on
+    its own; nothing when it is already there."""
+    import time
+    from minitransformer.measure import text
+    made = []
+
+    def fetch():
+        start = time.process_time()
+        while time.process_time() - start < 0.2:
+            pass
+        made.append(True)
+    monkeypatch.setattr(run_all, "fetch_text", fetch)
+    monkeypatch.setattr(text, "cache_path", lambda: tmp_path / "absent.txt")
+    args = run_all.argparse.Namespace(model="default", threads=1)
+    job = [("exp21_kv_cache_quality.py", {run_all.MODEL}, [])]
+    (what, wall, cpu), = run_all.first_use(job, args, {})
+    assert made and what == "experiment 21's text: fetched" and wall >= cpu >= 0.2
+    assert run_all.first_use_line([(what, wall, cpu)]).startswith(f"{what} in ")
+    monkeypatch.setattr(text, "cache_path", lambda: Path(run_all.__file__))  # there
+    assert run_all.first_use(job, args, {}) == [] and len(made) == 1
+    assert run_all.first_use_line([]) == "none (everything was there)"
 
 
 @pytest.mark.parametrize("noisy", [False, True])
