@@ -89,7 +89,7 @@ def main(argv=None):
     if args.threads < 0 or (args.max_num_seqs is not None and args.max_num_seqs < 1):
         parser.error("--threads must be >= 0 and --max-num-seqs >= 1")
     path = model_path(args.model)
-    samples = {way: [] for way in WAYS}
+    samples, ran_on = {way: [] for way in WAYS}, machine()
     with tempfile.TemporaryDirectory(prefix="bench-load-") as folder:
         say("filling the 'remembered' way's file (one load, not timed) ...")
         load_once(path, args, environment("remembered", Path(folder), 0))
@@ -98,10 +98,10 @@ def main(argv=None):
             for way in WAYS:
                 samples[way].append(load_once(path, args, environment(way, Path(folder), round_)))
                 progress(way)
-    show(args, path, samples)
+    show(args, path, samples, ran_on)
 
 
-def show(args, path, samples):
+def show(args, path, samples, ran_on):
     wall = {way: Timing(tuple(s["wall"] for s in runs)) for way, runs in samples.items()}
     cpu = {way: Timing(tuple(s["cpu"] for s in runs)) for way, runs in samples.items()}
     base = wall["row-major"].best
@@ -114,7 +114,7 @@ def show(args, path, samples):
     threads = limit_threads(None) if not args.threads else f"BLAS threads: {args.threads} (set)"
     table.header(f"mt.load in a fresh process per load, four ways side by side, the fastest and "
                  f"the median of {args.repeat} rounds (wall), CPU the fastest{rows}",
-                 f"machine: {machine()}, {load_average():.1f} at end; {threads} "
+                 f"machine: {ran_on}, {load_average():.1f} at end; {threads} "
                  f"in the loads", where_it_ran())
     for way, text in WAYS.items():
         table.row(f"{way}: {text}", wall[way].best, wall[way].median, cpu[way].best,

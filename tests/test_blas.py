@@ -216,8 +216,8 @@ def test_a_cold_weight_is_timed_over_copies_of_itself_in_turn(monkeypatch, order
 
 def test_a_small_weight_is_timed_as_it_is_and_a_larger_one_after_a_flush(monkeypatch):
     """Under COLD_BYTES, w itself every time, no flush; over LARGE_BYTES, w itself after a
-    flush before every timing. The data read to flush is one buffer of FLUSH_BYTES for the
-    process, allocated when first needed, whatever the shapes."""
+    flush before every timing. The data read to flush is FLUSH_BYTES of the one scratch
+    memory, allocated when first needed, whatever the shapes."""
     flushes = []
     monkeypatch.setattr(blas, "flush_caches", flushes.append)
     monkeypatch.setattr(blas, "FLUSH_BYTES", 4096)
@@ -239,32 +239,6 @@ def test_a_small_weight_is_timed_as_it_is_and_a_larger_one_after_a_flush(monkeyp
     assert {buffer.nbytes for buffer in flushes} == {4096}
     assert {address for _, address, *_ in made} == {w.__array_interface__["data"][0],
                                                    w2.__array_interface__["data"][0]}
-
-
-def test_slices_over_a_large_weight_are_timed_over_slice_calls_slices_counted_for_all(
-        monkeypatch):
-    """slices over a weight above LARGE_BYTES, more slices than SLICE_CALLS, reads the first
-    SLICE_CALLS of them (after the flush every way's timing has there) and counts its time
-    for all of w: here a row of w costs slices 1 us, so all 300 rows cost 300 us, and flat's
-    250 us wins; at 350 us slices wins. Up to LARGE_BYTES slices reads all of w."""
-    flushes = []
-    monkeypatch.setattr(blas, "flush_caches", flushes.append)
-    monkeypatch.setattr(blas, "SLICE_CALLS", 2)
-    x, w = operands(16, n=300)
-    step = blas.slice_rows(16, w.shape[1])
-    assert 300 > 2 * step
-    costs = {"flat": 250e-6}                     # rows, dots: 25 us a pass, 400 us for 16
-    made = reads(monkeypatch, lambda way, M, n: costs.get(way, n * 1e-6 if way == "slices"
-                                                             else 25e-6))
-    assert blas.fastest(x, w) == "flat" and flushes == []     # all of w: 300 us, cached
-    assert {n for way, _, n, *_ in made if way == "slices"} == {300}
-    monkeypatch.setattr(blas, "LARGE_BYTES", w.nbytes - 1)
-    made.clear()
-    assert blas.fastest(x, w) == "flat"
-    assert len(flushes) == blas.TRIALS * len(blas.ROUTES)
-    assert {n for way, _, n, *_ in made if way == "slices"} == {2 * step}
-    costs["flat"] = 350e-6
-    assert blas.fastest(x, w) == "slices"
 
 
 @pytest.mark.parametrize("route", blas.ROUTES)
@@ -402,3 +376,14 @@ def test_a_weight_held_in_the_layout_that_won_takes_the_way_measured_fastest_in_
             assert np.array_equal(y, blas.CALLS[route](x, np.asfortranarray(w),
                                                        np.empty((M, len(w)), np.float32)))
         made.clear()
+
+
+def test_the_scratch_memory_is_given_back_once_a_model_is_built(monkeypatch, tiny_model):
+    """Measuring's copies and flush data (up to a few hundred MiB) are not held by a model:
+    fuse gives them back once every weight is laid out."""
+    from minitransformer.kernels.fused import fuse
+    monkeypatch.setattr(blas, "room", None)
+    blas.flush_buffer()
+    assert blas.room is not None
+    fuse(tiny_model.config, tiny_model.weights)
+    assert blas.room is None

@@ -27,9 +27,9 @@ COLD_BYTES or more is timed as a decode step reads it, from memory (a decode ste
 weight once, so none of them is still cached when its turn comes): each timing takes the next
 of a ring of copies of it, so that FLUSH_BYTES of the others were read since that copy's last
 timing; a weight over LARGE_BYTES (a vocabulary's head), too large to copy so often, is timed
-after FLUSH_BYTES of other data are read (one buffer, allocated when first needed and kept for
-the process). Ways that repeat alike calls are timed on a few and counted for all: rows and
-dots on one row of x, slices on SLICE_CALLS slices of w.
+after FLUSH_BYTES of other data are read (the copies and that data are one scratch memory,
+given back once the model is built). rows and dots, M alike passes over w, are timed as one, counted M times; a way
+far slower than the fastest after two trials is timed no more.
 
 The weight's own layout matters as much: BLAS reads a row-major (n, in) w and the same values
 laid out column-major (w.T row-major, so x @ w.T is BLAS's plain untransposed product) at
@@ -86,7 +86,6 @@ COLD_BYTES = 1 << 20     # a weight this large is timed from memory, as a decode
 # (at least 16 MiB), 128 MiB where the system does not say how large they are
 FLUSH_BYTES = max(2 * tuning.cache_bytes(), 1 << 24) if tuning.cache_bytes() else 1 << 27
 LARGE_BYTES = FLUSH_BYTES // 4  # up to this, a weight is timed over copies of itself; above, flushed
-SLICE_CALLS = 16         # slices is timed over this many slices of w at most, times the rest
 COPY_ROWS = 256          # rows of w copied at a time into the column-major layout
 PRUNE, PRUNE_AFTER = 3, 2  # a way this many times slower after so many trials: timed no more
 room = None              # the scratch memory measuring works in (scratch()), when it is
@@ -302,32 +301,17 @@ def timings(x, turns, trials=None) -> list:
 def timed(call, route: str, x, w, out) -> float:
     """Seconds of one call of a way for len(x) rows over w, as `timings` counts them.
 
-    `rows` and `dots` make M alike passes over w: timed as one pass, times M. A weight of
+    `rows` and `dots` make M alike passes over w: timed as one pass, times M (on a large
+    matrix, such as a vocabulary's head, that keeps the measuring short). A weight of
     COLD_BYTES or more is timed from memory, as a decode step reads it: up to LARGE_BYTES over
     its copies in turn (`rings`); above, after FLUSH_BYTES of other data are read (of the
-    scratch memory), and `slices`, many alike calls, over SLICE_CALLS of them, times the rest
-    (on a vocabulary's head, 655 calls for 16 rows: that keeps the measuring short)."""
-    part = timed_rows(route, len(x), w)
+    scratch memory)."""
     if w.nbytes > LARGE_BYTES:
         flush_caches(flush_buffer())
     passes = len(x) if route in ("rows", "dots") else 1
     start = time.perf_counter()
-    call(x[:1] if passes > 1 else x, w[:part], out[:, :part])
-    return (time.perf_counter() - start) * passes * len(w) / part
-
-
-def timed_rows(route: str, M: int, w) -> int:
-    """The rows of w a timing of `route` for M rows reads: all, but for slices over a w above
-    LARGE_BYTES SLICE_CALLS slices at most (its calls are alike: the time scales with their
-    count).
-
-    >>> w = np.empty((49152, 576), np.float32)
-    >>> timed_rows("slices", 16, w), timed_rows("slices", 1, w), timed_rows("flat", 16, w)
-    (1200, 19200, 49152)
-    """
-    if route != "slices" or w.nbytes <= LARGE_BYTES:
-        return len(w)
-    return min(len(w), SLICE_CALLS * slice_rows(M, w.shape[1]))
+    call(x[:1] if passes > 1 else x, w, out)
+    return (time.perf_counter() - start) * passes
 
 
 def rings(ws) -> list:
