@@ -85,27 +85,36 @@ def test_a_bad_serve_option_is_refused_before_the_model_is_looked_for(tmp_path, 
 
 def test_serve_carries_the_config_and_the_limits_through(tiny_model, monkeypatch):
     """http.serve hands the very config to the engine and each limit to its user: the queue's
-    bound to the online engine, the body limit to the app, the drain time to uvicorn."""
+    bound to the online engine, the body limit and the API key to the app, the address to the
+    socket, the read timeout to the protocol and the drain time to uvicorn."""
+    import socket
+
     import uvicorn
 
     import minitransformer as mt
     seen = {}
     monkeypatch.setattr(mt, "load", lambda path: tiny_model)
-    monkeypatch.setattr(http, "create_app", lambda online, name, limit: seen.update(
-        online=online, name=name, limit=limit) or "app")
-    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: seen.update(app=app, **kw))
+    monkeypatch.setattr(http, "create_app", lambda online, name, limit, api_key: seen.update(
+        online=online, name=name, limit=limit, api_key=api_key) or "app")
+    monkeypatch.setattr(http, "bound_socket", lambda host, port: seen.update(
+        host=host, port=port) or socket.socket())
+    monkeypatch.setattr(uvicorn.Server, "run", lambda self, sockets: seen.update(
+        app=self.config.app, read_timeout=self.config.http.timeout,
+        drain=self.config.timeout_graceful_shutdown))
     config = EngineConfig(max_num_seqs=2, block_size=4, num_gpu_blocks_override=12,
                           kv_cache_dtype="f16")
-    limits = http.ServerLimits(max_waiting=3, max_request_bytes=5000, drain_timeout=1.5)
+    limits = http.ServerLimits(max_waiting=3, max_request_bytes=5000, drain_timeout=1.5,
+                               read_timeout=2.5, api_key="sk-x")
     http.serve("anywhere", config, port=8123, limits=limits, name="tiny")
     engine = seen["online"].engine
     assert engine.config is config and engine.cache.kv_dtype == "f16"
     assert seen["online"].max_waiting == 3 and seen["limit"] == 5000 and seen["name"] == "tiny"
     assert seen["app"] == "app" and seen["port"] == 8123 and seen["host"] == "127.0.0.1"
-    assert seen["timeout_graceful_shutdown"] == 1.5
+    assert seen["drain"] == 1.5 and seen["read_timeout"] == 2.5 and seen["api_key"] == "sk-x"
 
 
 @pytest.mark.parametrize("field, bad", [("max_waiting", -1), ("max_waiting", 1.5),
+                                        ("max_waiting", 0), ("read_timeout", 0),
                                         ("drain_timeout", -1.0), ("drain_timeout", float("nan")),
                                         ("drain_timeout", "30")], ids=str)
 def test_a_bad_server_limit_is_refused_naming_it(field, bad):
