@@ -387,3 +387,8 @@ def test_the_scratch_memory_is_given_back_once_a_model_is_built(monkeypatch, tin
     assert blas.room is not None
     fuse(tiny_model.config, tiny_model.weights)
     assert blas.room is None
+    blas.flush_buffer()                          # a way measured at a new count of rows
+    monkeypatch.setattr(blas, "FIXED", None)
+    monkeypatch.setattr(blas, "chosen", {})
+    blas.way(*operands(3))
+    assert blas.room is None

@@ -25,11 +25,12 @@ rows the first product of each shape times the ways (for one row, `rows` is the 
 `flat` makes, so three) on its own operands and keeps the fastest for that shape. A weight of
 COLD_BYTES or more is timed as a decode step reads it, from memory (a decode step reads every
 weight once, so none of them is still cached when its turn comes): each timing takes the next
-of a ring of copies of it, so that FLUSH_BYTES of the others were read since that copy's last
-timing; a weight over LARGE_BYTES (a vocabulary's head), too large to copy so often, is timed
-after FLUSH_BYTES of other data are read (the copies and that data are one scratch memory,
-given back once the model is built). rows and dots, M alike passes over w, are timed as one, counted M times; a way
-far slower than the fastest after two trials is timed no more.
+of a ring of copies of it, so that FLUSH_BYTES (twice the caches) of the others were read since
+that copy's last timing; a weight over LARGE_BYTES (a vocabulary's head), too large to copy so
+often, is timed after FLUSH_BYTES of other data are read (the copies and that data are one
+scratch memory, given back once the model is built). rows and dots, M alike passes over w, are
+timed as one pass, counted M times; a way far slower than the fastest after two trials is
+timed no more.
 
 The weight's own layout matters as much: BLAS reads a row-major (n, in) w and the same values
 laid out column-major (w.T row-major, so x @ w.T is BLAS's plain untransposed product) at
@@ -59,9 +60,8 @@ takes the same way, so the same calls give the same bits (a row of a batch-invar
 the very call the row alone makes, linear.py); across processes it is the same where they read
 one file, but may differ where each measured, and `MT_PRODUCTS=flat|rows|slices|dots` fixes it
 for every shape of 1..FEW_ROWS rows (read at import, as MT_BACKEND) for a comparison of bits
-between two runs. On CuPy every product is one
-cuBLAS call (flat); the strict test backend runs exactly NumPy's calls on the data it wraps
-(backend.numpy_kernel).
+between two runs. On CuPy every product is one cuBLAS call (flat); the strict test backend runs
+exactly NumPy's calls on the data it wraps (backend.numpy_kernel).
 """
 import itertools
 import time
@@ -85,7 +85,7 @@ COLD_BYTES = 1 << 20     # a weight this large is timed from memory, as a decode
 # read between two timings of a weight from memory: twice the caches one core reads through
 # (at least 16 MiB), 128 MiB where the system does not say how large they are
 FLUSH_BYTES = max(2 * tuning.cache_bytes(), 1 << 24) if tuning.cache_bytes() else 1 << 27
-LARGE_BYTES = FLUSH_BYTES // 4  # up to this, a weight is timed over copies of itself; above, flushed
+LARGE_BYTES = FLUSH_BYTES // 4  # up to this a weight is timed over copies of itself, above flushed
 COPY_ROWS = 256          # rows of w copied at a time into the column-major layout
 PRUNE, PRUNE_AFTER = 3, 2  # a way this many times slower after so many trials: timed no more
 room = None              # the scratch memory measuring works in (scratch()), when it is
@@ -132,8 +132,10 @@ def way(x, w) -> str:
 
 
 def measured_way(x, w, key: tuple) -> str:
-    """The fastest way for these operands, timed now and kept in the file."""
+    """The fastest way for these operands, timed now (its scratch memory given back after: a
+    step of a new count of rows, once per machine) and kept in the file."""
     route = fastest(x, w)
+    release()
     tuning.remember(way_key(key), route)
     return route
 
@@ -344,8 +346,8 @@ def rings(ws) -> list:
 def scratch():
     """The memory measuring works in: the FLUSH_BYTES read to flush the caches, then room for
     a ring of copies of a weight in each of the two layouts (2 x (FLUSH_BYTES + LARGE_BYTES)
-    in all). Allocated when first needed; release() gives it back once a model is built (a
-    way measured later, at a new count of rows, takes it again and keeps it)."""
+    in all). Allocated when first needed; release() gives it back once a model is built, and
+    after a way measured later, at a new count of rows."""
     global room
     if room is None:
         room = np.ones(2 * (FLUSH_BYTES + LARGE_BYTES) // 4, np.float32)
@@ -353,7 +355,8 @@ def scratch():
 
 
 def release() -> None:
-    """Give back the scratch memory (fused.fuse: the model's weights are laid out)."""
+    """Give back the scratch memory: fused.fuse once a model's weights are laid out,
+    measured_way once a way is measured."""
     global room
     room = None
 
