@@ -576,6 +576,10 @@ HOSTILE = {  # name -> (raw request, status, param or None, code or None)
                   "unsupported_media_type"),
     "+json alone": (post("/v1/completions", completion(), "application/+json"), 415, None,
                     "unsupported_media_type"),
+    "no type, from a web page": ((f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nOrigin: "
+                                  f"https://example.com\r\nContent-Length: {len(completion())}"
+                                  f"\r\nConnection: close\r\n\r\n").encode() + completion(),
+                                 415, None, "unsupported_media_type"),
     "text/plain to /tokenize": (post("/tokenize", b'{"prompt": "hi"}', "text/plain"), 415,
                                 None, "unsupported_media_type"),
     "text/plain to /detokenize": (post("/detokenize", b'{"tokens": [1]}', "text/plain"), 415,

@@ -42,15 +42,17 @@ def without_type(path, body: bytes):
     post("/v1/completions", completion(), "application/json; charset=utf-8"),
     post("/v1/completions", completion(), "Application/JSON;charset=UTF-8"),
     post("/v1/completions", completion(), "application/vnd.api+json"),
+    post("/v1/completions", completion()).replace(b"Host: x", b"Host: x\r\nOrigin: null"),
     post("/v1/completions", b"\xef\xbb\xbf" + completion()),     # a UTF-8 BOM
     without_type("/tokenize", b'{"prompt": "hi"}'),
     post("/v1/chat/completions", json.dumps({"model": NAME, "max_tokens": 2, "messages": [
         {"role": "user", "content": "hi", "name": None, "tool_calls": None}]}).encode()),
-], ids=["no type", "charset", "capitals", "+json", "BOM", "tokenize, no type",
-        "null message fields"])
+], ids=["no type", "charset", "capitals", "+json", "JSON from a page", "BOM",
+        "tokenize, no type", "null message fields"])
 def test_json_bodies_are_served_with_or_without_a_content_type(served, raw):
-    """What stays accepted beside the new refusals: no Content-Type at all, JSON's with
-    parameters or in capitals, a +json type, a UTF-8 BOM, message fields that are null."""
+    """What stays accepted beside the new refusals: no Content-Type at all (from anything but
+    a web page), JSON's with parameters or in capitals, a +json type (from a page too), a UTF-8
+    BOM, message fields that are null."""
     online, url, client = served
     status, _, reply = exchange(url, raw)
     assert status == 200, reply

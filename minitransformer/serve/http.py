@@ -310,36 +310,38 @@ async def tokenizer_endpoint(http: Request, handle):
 async def read_json(http: Request, limit: int):
     """The request's body as a JSON value: its Content-Type checked, its bytes read (413 past
     the limit), then decoded off the event loop."""
-    check_content_type(http.headers.get("content-type"))
+    check_content_type(http.headers.get("content-type"), http.headers.get("origin"))
     return await asyncio.to_thread(decode_json, await read_body(http, limit))
 
 
-def check_content_type(value) -> None:
-    """A body is JSON, and its Content-Type, if it has one, must say so: application/json or
-    any type/subtype+json, parameters (charset=utf-8) allowed; anything else is a 415. Bodies
+def check_content_type(value, origin=None) -> None:
+    """A body is JSON, and its Content-Type must say so: application/json or any
+    type/subtype+json, parameters (charset=utf-8) allowed; anything else is a 415. Bodies
     under text/plain, application/x-www-form-urlencoded and multipart/form-data are what any
     web page may send to any server without asking first (no CORS preflight), so a page the
     user visits could otherwise make a local server work for it. A missing Content-Type is
-    taken as JSON.
+    taken as JSON, unless the request comes from a web page (it has an ``Origin``): a page
+    may send a body with no type without asking first too (a Blob of no type).
 
     >>> check_content_type("application/json; charset=utf-8")
-    >>> check_content_type("application/vnd.api+json")
+    >>> check_content_type(None)
     >>> check_content_type("text/plain")
     Traceback (most recent call last):
     ...
     minitransformer.serve.openai_api.APIError: the body's Content-Type is 'text/plain', not \
 JSON: send JSON with the header 'Content-Type: application/json'
     """
-    if value is None:
+    if value is None and origin is None:
         return
-    media = value.split(";", 1)[0].strip().lower()
+    media = (value or "").split(";", 1)[0].strip().lower()
     kind, _, subtype = media.partition("/")
     if media == "application/json" or (kind and subtype.endswith("+json") and
                                         len(subtype) > len("+json")):
         return
-    raise APIError(f"the body's Content-Type is {value!r:.100}, not JSON: send JSON with the "
-                   f"header 'Content-Type: application/json'", status=415,
-                   code="unsupported_media_type")
+    what = f"the body's Content-Type is {value!r:.100}, not JSON" if value is not None else \
+        f"a body without a Content-Type from a web page (Origin: {origin!r:.100})"
+    raise APIError(f"{what}: send JSON with the header 'Content-Type: application/json'",
+                   status=415, code="unsupported_media_type")
 
 
 async def read_body(http: Request, limit: int) -> bytes:
