@@ -158,26 +158,36 @@ def test_a_draft_with_fewer_positions_drafts_only_while_a_sequence_fits_them(clo
     plain = checked_run(engine(close_calls, batch_invariant=True, policy=policy,
                                max_num_seqs=3), requests)
     made = []                   # (sequence id, its length, its draft) per row drafting
-    original = speculate.Proposer.propose
+    steps = []                  # (sequence id, its length, the draft length taken) per step
+    original, length = speculate.Proposer.propose, speculate.Speculator._length
 
     def propose(self, seq_id, tokens, n, *rest):
         drafts, dists = original(self, seq_id, tokens, n, *rest)
         made.append((seq_id, len(tokens), len(drafts)))
         return drafts, dists
-    speculate.Proposer.propose = propose
+
+    def sized(self, cache, row, *rest):
+        n = length(self, cache, row, *rest)
+        steps.append((row.seq_id, len(row.tokens), n))
+        return n
+    speculate.Proposer.propose, speculate.Speculator._length = propose, sized
     try:
         served = engine(close_calls, config, draft, batch_invariant=True, policy=policy,
                         max_num_seqs=3)
         run = checked_run(served, requests)
     finally:
-        speculate.Proposer.propose = original
+        speculate.Proposer.propose, speculate.Speculator._length = original, length
     for r, p, request in zip(run.results, plain.results, requests):
         assert r.status == "finished" and r.tokens == p.tokens == mt.generate(
             close_calls, list(request.prompt), request.max_new_tokens, eos_token_id=[])
     drafted = {i: [(length, n) for seq, length, n in made if seq == i and n] for i in range(3)}
     assert drafted[0] and drafted[1] and not drafted[2]
     assert all(length + n - 1 <= 16 for length, n in drafted[0] + drafted[1])
-    assert max(length for length, _ in drafted[1]) >= 14     # it drafted up to the edge
+    # it drafted at every step it fitted (up to the edge), and at none past it
+    second = [(n_tokens, n) for seq, n_tokens, n in steps if seq == 1]
+    assert any(n_tokens > 16 for n_tokens, _ in second)
+    assert all((n > 0) == (n_tokens <= 16) for n_tokens, n in second
+               if n_tokens - 10 < 24 - 1), second
     assert served.speculator.counters.accepted_tokens > 0 and not served.speculator.proposer.drafts
 
 
