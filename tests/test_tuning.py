@@ -80,6 +80,28 @@ def test_a_layout_and_a_way_measured_once_are_read_back_not_measured(file, timed
     assert blas.layout(again) == held and blas.way(x, again) == route and timed == []
 
 
+def test_the_machine_names_numpys_blas_only(monkeypatch):
+    """SciPy's own OpenBLAS, loaded beside NumPy's once scipy is imported, is not NumPy's: the
+    machine's name (and so its answers) stays the same; a NumPy on the system's BLAS (no
+    library of its own) is named by every BLAS loaded."""
+    import threadpoolctl
+    numpy_dir = Path(np.__file__).resolve().parent
+    ours = {"user_api": "blas", "internal_api": "openblas", "version": "0.3.31",
+            "architecture": "Haswell", "num_threads": 1,
+            "filepath": str(numpy_dir.with_name("numpy.libs") / "libscipy_openblas64_.so")}
+    scipys = ours | {"version": "0.3.30", "filepath": str(numpy_dir.with_name("scipy.libs")
+                                                           / "libscipy_openblas.so")}
+    system = ours | {"filepath": "/usr/lib/x86_64-linux-gnu/libopenblas.so.0"}
+    names = []
+    for loaded in ([ours], [scipys, ours], [ours, scipys], [system]):
+        monkeypatch.setattr(threadpoolctl, "threadpool_info", lambda: loaded)
+        names.append(tuning.machine())
+    assert names[0] == names[1] == names[2] and "0.3.30" not in names[1]
+    assert names[3] == names[0]          # the same version, kernel and threads: the same name
+    monkeypatch.setattr(threadpoolctl, "threadpool_info", lambda: [system, scipys])
+    assert "0.3.30" in tuning.machine()  # neither NumPy's own: both named
+
+
 def test_another_machine_s_entries_are_not_taken(file, timed, monkeypatch):
     """The file keeps each machine's answers apart: the same shape on another CPU, BLAS
     version, kernel or thread count is measured again."""

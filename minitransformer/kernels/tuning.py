@@ -178,6 +178,19 @@ def cache_bytes(folder=Path("/sys/devices/system/cpu/cpu0/cache")):
 def blas_pools() -> list:
     """The BLAS libraries NumPy's products run on, as threadpoolctl reports them: dicts with
     internal_api (openblas, mkl, ...), version, architecture (OpenBLAS's kernel, e.g.
-    SkylakeX or Haswell: chosen per CPU, or forced by OPENBLAS_CORETYPE), num_threads."""
+    SkylakeX or Haswell: chosen per CPU, or forced by OPENBLAS_CORETYPE), num_threads.
+
+    Only NumPy's own where it ships one: SciPy loads an OpenBLAS of its own when imported, which
+    NumPy's products never call (counted, the same machine would file its answers under two
+    names, before and after an import of scipy). A NumPy built on the system's BLAS ships none:
+    then every BLAS loaded."""
     from threadpoolctl import threadpool_info
-    return [p for p in threadpool_info() if p["user_api"] == "blas"]
+    pools = [p for p in threadpool_info() if p["user_api"] == "blas"]
+    return [p for p in pools if numpy_ships(p.get("filepath") or "")] or pools
+
+
+def numpy_ships(library: str) -> bool:
+    """Whether a loaded library's file is one NumPy's wheel ships (in numpy/ or numpy.libs/)."""
+    numpy_dir = Path(np.__file__).resolve().parent
+    folders = (numpy_dir, numpy_dir.with_name("numpy.libs"))
+    return any(Path(library).resolve().is_relative_to(folder) for folder in folders)
