@@ -21,14 +21,30 @@ blocks of 32 are stored F16, as llama-quantize does.
 >>> q.type_name, q.nbytes, q.bits_per_weight             # 576 = 18 blocks of 32 -> Q5_0
 ('Q5_0', 792, 5.5)
 
+Quantized once, kept: the k-quants' searches take NumPy seconds a matrix (minutes for
+SmolLM2, in each of experiments 15, 16 and 21), so, as a llama.cpp user quantizes once and keeps
+the GGUF file, the blocks of every matrix of KEPT_WEIGHTS weights or more are kept on disk
+under weights/quantized/ (git-ignored; $MT_WEIGHTS_DIR moves it), named by a digest of the
+matrix's bytes and shape, the type and the quantizers' own source: another matrix, another type
+or a changed quantizer finds nothing of its own and quantizes. A file that cannot be read or
+holds blocks of another size is quantized again, never an error; a file is written whole (a
+temporary file, then os.replace), so two processes at once corrupt nothing.
+MT_QUANT_CACHE=off quantizes every time and keeps nothing.
+
 Leaves out: importance matrices (llama-quantize --imatrix), the _S/_M/_L mixes' per-tensor
 choices (a mix is a file of several of these types; the importer reads any).
 """
+import functools
+import hashlib
+import os
+import tempfile
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 
 from minitransformer.backend import BACKEND, numpy_kernel, to_device
+from minitransformer.checkpoints.synth import weights_dir
 from minitransformer.formats.gguf_types import FORMATS, dequantize
 from quant import ggml_blocks, kquants
 from quant.int8 import int8_activations
@@ -41,6 +57,7 @@ QUANTIZERS = {"Q2_K": kquants.q2_k, "Q3_K": kquants.q3_k, "Q4_K": kquants.q4_k,
 # llama-quantize's fallback for a row that is not whole super-blocks (llama-quant.cpp)
 FALLBACK = {"Q2_K": "IQ4_NL", "Q3_K": "IQ4_NL", "Q4_K": "Q5_0", "Q5_K": "Q5_1", "Q6_K": "Q8_0"}
 ROWS_PER_STEP = 64  # rows decoded at a time by matmul: 64 x 1,536 floats, in cache
+KEPT_WEIGHTS = 1 << 16  # matrices this large are kept once quantized (the tests' tiny ones not)
 
 
 def stored_type(type_name: str, cols: int) -> str:
@@ -113,6 +130,51 @@ def gguf_quantize(w, type_name: str, label: str | None = None) -> GGUFWeight:
     """A float matrix (out, in) -> its GGUFWeight under llama.cpp's `type_name` (or fallback)."""
     w = check_weight(w)
     stored = stored_type(type_name, w.shape[1])
-    blocks = QUANTIZERS[stored](w)
+    blocks = kept_blocks(w, stored)
     error = relative_error(w, dequantize(blocks, stored, w.shape))
     return GGUFWeight(label or type_name, tuple(w.shape), stored, blocks, error)
+
+
+def kept_blocks(w: np.ndarray, stored: str) -> np.ndarray:
+    """QUANTIZERS[stored](w): read from weights/quantized/ when this very matrix was quantized
+    to this type by this very code before, else quantized now and kept (module docstring)."""
+    if stored == "F16" or w.size < KEPT_WEIGHTS or os.environ.get("MT_QUANT_CACHE") == "off":
+        return QUANTIZERS[stored](w)
+    file = kept_file(w, stored)
+    size = (w.shape[0], stored_bytes(stored, w.shape) // w.shape[0])
+    try:
+        blocks = np.load(file, allow_pickle=False)
+        if blocks.dtype == np.uint8 and blocks.shape == size:
+            return blocks
+    except (OSError, ValueError, EOFError):
+        pass                                # none kept, or unreadable: quantized again
+    blocks = QUANTIZERS[stored](w)
+    keep(file, blocks)
+    return blocks
+
+
+def kept_file(w: np.ndarray, stored: str) -> Path:
+    """weights/quantized/<type>-<digest of the quantizers' code, type, shape and bytes>.npy"""
+    digest = hashlib.sha1(quantizers_digest().encode())
+    digest.update(f"{stored} {w.shape}".encode())
+    digest.update(np.ascontiguousarray(w, np.float32).tobytes())
+    return weights_dir() / "quantized" / f"{stored}-{digest.hexdigest()[:20]}.npy"
+
+
+@functools.cache
+def quantizers_digest() -> str:
+    """A digest of the quantizers' source: a change to them makes every kept file a stranger."""
+    sources = [Path(m.__file__).read_bytes() for m in (kquants, ggml_blocks)]
+    return hashlib.sha1(b"".join(sources)).hexdigest()
+
+
+def keep(file: Path, blocks: np.ndarray) -> None:
+    """Write blocks to file whole (a temporary file beside it, then os.replace); a folder that
+    cannot be written costs only the quantizing next time."""
+    try:
+        file.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=file.parent, suffix=".partial", delete=False) as f:
+            np.save(f, blocks, allow_pickle=False)
+        os.replace(f.name, file)
+    except OSError:
+        pass

@@ -4,8 +4,8 @@ recorded as data.
 A ``Table`` is a title, header lines (what was measured, on what machine, with how many BLAS
 threads), columns with a format each, rows of raw values, and notes under it. ``show()`` prints
 it, then the chapter's figure for that experiment and one line on why ours differs (from
-``_chapter.py``). When the environment variable ``MT_TABLES`` names a directory (``run_all.py
---report`` sets it), ``show()`` also appends the table, raw numbers and all, to
+``_chapter.py``). When the environment variable ``MT_TABLES`` names a directory (``run_all.py``
+sets it unless --no-report), ``show()`` also appends the table, raw numbers and all, to
 ``MT_TABLES/<script>.json``, which the report turns into HTML tables and plots. A plot is
 declared on the table from its own columns (``plot()``), so a plot shows only numbers the table
 shows.

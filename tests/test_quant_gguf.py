@@ -139,3 +139,31 @@ def test_the_measuring_script_finds_ggml_quants_or_says_why_not(tmp_path):
     with pytest.raises(ValueError, match=r"no src/ggml-quants.c or ggml/src/ggml-quants.c: not "
                                          r"a ggml or llama.cpp checkout"):
         main(["--ggml", str(tmp_path / "ggml" / "src")])
+
+
+def test_a_large_matrix_is_quantized_once_and_kept(monkeypatch, tmp_path):
+    """The blocks of a matrix of KEPT_WEIGHTS or more are kept: the same matrix and type is
+    read back, bytes and error equal; another matrix, a file cut short, a changed quantizer or
+    MT_QUANT_CACHE=off quantize again."""
+    from quant import gguf_weight
+    monkeypatch.setenv("MT_WEIGHTS_DIR", str(tmp_path))
+    w = np.random.default_rng(0).standard_normal((256, 512)).astype(np.float32)
+    assert w.size >= gguf_weight.KEPT_WEIGHTS
+    calls, real = [], gguf_weight.QUANTIZERS["Q4_K"]
+    monkeypatch.setitem(gguf_weight.QUANTIZERS, "Q4_K", lambda m: calls.append(1) or real(m))
+    first, second = gguf_quantize(w, "Q4_K"), gguf_quantize(w, "Q4_K")
+    assert len(calls) == 1 and np.array_equal(first.blocks, second.blocks)
+    assert first.error == second.error and np.array_equal(first.blocks, real(w))
+    kept, = (tmp_path / "quantized").glob("Q4_K-*.npy")
+    other = w.copy()
+    other[0, 0] += 1
+    assert not np.array_equal(gguf_quantize(other, "Q4_K").blocks, first.blocks)
+    assert len(calls) == 2
+    kept.write_bytes(kept.read_bytes()[:100])                      # cut short
+    assert np.array_equal(gguf_quantize(w, "Q4_K").blocks, first.blocks) and len(calls) == 3
+    monkeypatch.setattr(gguf_weight, "quantizers_digest", lambda: "another quantizer")
+    gguf_quantize(w, "Q4_K")
+    assert len(calls) == 4
+    monkeypatch.setenv("MT_QUANT_CACHE", "off")
+    gguf_quantize(w, "Q4_K")
+    assert len(calls) == 5

@@ -500,3 +500,19 @@ def test_bench_load_prints_its_four_loads_side_by_side(tiny, run_script):
     assert "measured for 8 rows too (serve)" in out
     assert re.search(r"targets: remembered <= 1.5x row-major \(here \d+\.\d\dx\); first <= "
                      r"row-major \+ 3 s \(here \+-?\d+\.\d\d s\)", out)
+
+
+def test_first_use_knows_when_the_drafts_are_trained(monkeypatch, tmp_path):
+    """The drafts count as a first use only when their cache file is missing and the model has
+    layers enough to cut a draft from."""
+    from types import SimpleNamespace
+    from minitransformer.checkpoints.synth import make_checkpoint, qwen2_config
+    from minitransformer.drafts.students import Settings, students_file
+    monkeypatch.setenv("MT_WEIGHTS_DIR", str(tmp_path / "weights"))
+    deep = make_checkpoint(tmp_path / "deep", qwen2_config(num_hidden_layers=Settings().layers + 1))
+    shallow = make_checkpoint(tmp_path / "shallow", qwen2_config(num_hidden_layers=2))
+    assert not run_all.drafts_there(str(deep)) and run_all.drafts_there(str(shallow))
+    file = students_file(SimpleNamespace(path=str(deep)), Settings())
+    file.parent.mkdir(parents=True)
+    file.write_bytes(b"")
+    assert run_all.drafts_there(str(deep))
