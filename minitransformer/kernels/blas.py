@@ -30,7 +30,7 @@ that copy's last timing; a weight over LARGE_BYTES (a vocabulary's head), too la
 often, is timed after FLUSH_BYTES of other data are read (the copies and that data are one
 scratch memory, given back once the model is built). rows and dots, M alike passes over w, are
 timed as one pass, counted M times; a way far slower than the fastest after two trials is
-timed no more.
+timed no more, and slices, many small products, stops as soon as it has lost.
 
 The weight's own layout matters as much: BLAS reads a row-major (n, in) w and the same values
 laid out column-major (w.T row-major, so x @ w.T is BLAS's plain untransposed product) at
@@ -294,25 +294,36 @@ def timings(x, turns, trials=None) -> list:
     for trial in range(TRIALS if trials is None else trials):
         for turn, times, ways in zip(cycles, best, live):
             for route in ways:
-                times[route] = min(times[route], timed(calls[route], route, x, next(turn), out))
+                limit = PRUNE * min(times.values())                 # past it, a way has lost
+                seconds = timed(calls[route], route, x, next(turn), out, limit)
+                times[route] = min(times[route], seconds)
             if trial + 1 >= PRUNE_AFTER:
                 ways[:] = [r for r in ways if times[r] <= PRUNE * min(times.values())]
     return best
 
 
-def timed(call, route: str, x, w, out) -> float:
+def timed(call, route: str, x, w, out, limit=float("inf")) -> float:
     """Seconds of one call of a way for len(x) rows over w, as `timings` counts them.
 
     `rows` and `dots` make M alike passes over w: timed as one pass, times M (on a large
-    matrix, such as a vocabulary's head, that keeps the measuring short). A weight of
-    COLD_BYTES or more is timed from memory, as a decode step reads it: up to LARGE_BYTES over
-    its copies in turn (`rings`); above, after FLUSH_BYTES of other data are read (of the
-    scratch memory)."""
+    matrix, such as a vocabulary's head, that keeps the measuring short). `slices`, many
+    calls, is made a slice at a time where a limit is set, and stopped once it has taken
+    longer: it has lost (a head's 655 small products for 16 rows took seconds on a busy
+    machine). A weight of COLD_BYTES or more is timed from memory, as a decode step
+    reads it: up to LARGE_BYTES over its copies in turn (`rings`); above, after FLUSH_BYTES
+    of other data are read (of the scratch memory)."""
     if w.nbytes > LARGE_BYTES:
         flush_caches(flush_buffer())
     passes = len(x) if route in ("rows", "dots") else 1
+    step = slice_rows(len(x), w.shape[1])
     start = time.perf_counter()
-    call(x[:1] if passes > 1 else x, w, out)
+    if route != "slices" or limit == float("inf"):
+        call(x[:1] if passes > 1 else x, w, out)
+    else:
+        for r0 in range(0, len(w), step):
+            call(x, w[r0:r0 + step], out[:, r0:r0 + step])
+            if time.perf_counter() - start > limit:
+                break
     return (time.perf_counter() - start) * passes
 
 
