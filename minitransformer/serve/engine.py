@@ -127,8 +127,11 @@ class Engine:
     def pool_need(self, prompt_tokens: int, max_new_tokens: int, n: int = 1) -> int:
         """Blocks a request may hold at once: its longest sequence, or its prompt with the n
         samples' first tokens (each sample writes its own copy of the last prompt block).
-        More than the whole pool, and the request is rejected at submission."""
+        More than the whole pool, and the request is rejected at submission. A request of no
+        new tokens (prompt logprobs alone) holds its prompt's blocks, shared by its samples."""
         bs = self.cache.block_size
+        if max_new_tokens == 0:
+            return blocks_for(prompt_tokens, bs)
         return max(blocks_for(prompt_tokens + max_new_tokens, bs),
                    blocks_for(prompt_tokens + 1, bs) + n - 1)
 
@@ -158,8 +161,12 @@ class Engine:
 
     def cancel(self, request_id: int) -> bool:
         """Stop a request (one sample of it, by its id) now: True if it was waiting or
-        running, False if already over (scheduler.cancel)."""
-        return self.scheduler.cancel(request_id, self.clock)
+        running, False if already over (scheduler.cancel). What speculation held for it (its
+        acceptance books, a draft model's cache) goes now: no step may follow."""
+        cancelled = self.scheduler.cancel(request_id, self.clock)
+        if cancelled and self.speculator is not None:
+            self.speculator.forget(request_id)
+        return cancelled
 
     def release(self, request_id: int) -> None:
         """Its owner is done with an ended request's record: the engine forgets it (unless it
@@ -394,8 +401,8 @@ class Engine:
             if need > self.cache.num_blocks:
                 close(seq.result, "rejected", self.clock, reason=f"needs up to {need} "
                       f"blocks of {bs} tokens; the pool has {self.cache.num_blocks}")
-            elif request.max_new_tokens == 0:
-                close(seq.result, "finished", self.clock)
+            elif request.max_new_tokens == 0 and request.prompt_logprobs is None:
+                close(seq.result, "finished", self.clock)   # nothing to compute
         if seqs[0].result.status == "waiting":
             for seq in seqs[1:]:
                 seq.shares_prompt_with = seqs[0]
@@ -404,7 +411,10 @@ class Engine:
 
     def _sample(self, seq, logits) -> None:
         """Pick the next token; its logprob (when asked) from the same logits, before the
-        request's sampling settings touch them."""
+        request's sampling settings touch them. A request of no new tokens picks none: its
+        prompt's pass made its prompt logprobs, and it is done."""
+        if seq.result.request.max_new_tokens == 0:
+            return
         self._append(seq, next_token(logits, seq.tokens, seq.result.request.sampling, seq.rng),
                      logits)
 

@@ -57,7 +57,7 @@ class Sequence:                     # one sample of a request the engine is serv
     def done(self) -> bool:
         """Its last token is made: an eos id, or max_new_tokens of them."""
         made = self.result.tokens
-        return made[-1] in self.eos or len(made) == self.result.request.max_new_tokens
+        return len(made) == self.result.request.max_new_tokens or made[-1] in self.eos
 
     @property
     def prefilling(self) -> bool:
@@ -328,14 +328,16 @@ class Scheduler:
 
     def _fits(self, seq) -> bool:
         """Memory admission: can the pool take this sequence with room for its next token
-        (else the next step could preempt it at once), and every running sequence's next?"""
+        (else the next step could preempt it at once; none for a request of no new tokens),
+        and every running sequence's next?"""
+        then = min(1, seq.result.request.max_new_tokens)
         if seq.swapped:
-            enter = self.blocks.swap_in_cost(seq.swapped, then=1)
+            enter = self.blocks.swap_in_cost(seq.swapped, then=then)
         elif self._reuses(seq):
-            enter = self.blocks.add_cost(seq.tokens, then=1)
+            enter = self.blocks.add_cost(seq.tokens, then=then)
         else:
-            enter = self.blocks.blocks_for(len(seq.tokens) + 1)
-        enter += len(self._sharers(seq))    # each sharer's first token: a block or a copy
+            enter = self.blocks.blocks_for(len(seq.tokens) + then)
+        enter += then * len(self._sharers(seq))  # each sharer's first token: a block or a copy
         return enter + self._growth(self.running()) <= self.blocks.num_free
 
     def _growth(self, rows) -> int:
