@@ -167,3 +167,15 @@ def test_a_large_matrix_is_quantized_once_and_kept(monkeypatch, tmp_path):
     monkeypatch.setenv("MT_QUANT_CACHE", "off")
     gguf_quantize(w, "Q4_K")
     assert len(calls) == 5
+
+
+def test_exp16_tells_weights_already_on_a_4_bit_grid():
+    from exp16_quant_error import share_on_a_4_bit_grid
+
+    w = np.random.default_rng(1).standard_normal((4, 256)).astype(np.float32)
+    on_grid = dequantize(ggml_blocks.q5_1(w), "Q5_1", w.shape)     # 32 levels: not 4-bit
+    assert share_on_a_4_bit_grid(w) == 0.0 and share_on_a_4_bit_grid(on_grid) < 0.5
+    gguf = pytest.importorskip("gguf")
+    from gguf.quants import quantize
+    q4_1 = dequantize(quantize(w, gguf.GGMLQuantizationType.Q4_1), "Q4_1", w.shape)
+    assert share_on_a_4_bit_grid(q4_1) == 1.0
