@@ -25,7 +25,7 @@ rows the first product of each shape times the ways (for one row, `rows` is the 
 `flat` makes, so three) on its own operands and keeps the fastest for that shape. A weight of
 COLD_BYTES or more is timed as a decode step reads it, from memory (a decode step reads every
 weight once, so none of them is still cached when its turn comes): each timing takes the next
-of a ring of copies of it, so that FLUSH_BYTES (twice the caches) of the others were read since
+of a ring of copies of it, FLUSH_BYTES of them (twice the caches), so the others were read since
 that copy's last timing; a weight over LARGE_BYTES (a vocabulary's head), too large to copy so
 often, is timed after FLUSH_BYTES of other data are read (the copies and that data are one
 scratch memory, given back once the model is built). rows and dots, M alike passes over w, are
@@ -329,9 +329,10 @@ def timed(call, route: str, x, w, out, limit=float("inf")) -> float:
 
 def rings(ws) -> list:
     """Per matrix of ws (one or two, of one shape), the matrices its timings take in turn: the
-    matrix and copies of it in its layout, enough that between two timings over one of them
-    the others, at least FLUSH_BYTES, are read: each is timed from memory, as a decode step
-    reads its weights, and what is timed is the product alone (no flush read between). The
+    matrix and copies of it in its layout, at least FLUSH_BYTES of them, so that between two
+    timings over one of them all the others are timed (a slices stopped early reads only a
+    part): each is timed from memory, as a decode step reads its weights, and what is timed is
+    the product alone (no flush read between). The
     matrix alone where it is under COLD_BYTES (timed in the cache) or over LARGE_BYTES
     (flushed before each timing: the copies would take too much memory). The copies are made
     in the scratch memory (FLUSH_BYTES + LARGE_BYTES per matrix: as many whole copies as fit,
