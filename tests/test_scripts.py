@@ -293,6 +293,25 @@ def test_first_use_is_made_before_the_job_and_timed_apart(monkeypatch, tmp_path)
     assert run_all.first_use_line([]) == "none (everything was there)"
 
 
+def test_exp12_draws_no_knee_from_the_smaller_row_of_an_inverted_pair(tiny, monkeypatch,
+                                                                     run_script):
+    """B = 8 costs less than B = 4 (flagged, still after re-measuring): either may be the wrong
+    one, so the knee at B = 2, which rests on B = 4, is not concluded."""
+    import exp12_batched_decode as exp12
+    from minitransformer.measure.timing import Timing
+    steps = {1: 0.010, 2: 0.012, 4: 0.022, 8: 0.015}
+
+    def fake(fns, warmup=1, repeat=5, after=None):
+        return [Timing((steps[fake.sizes.pop(0)],) * 3, load=0.5)] * 3
+    fake.sizes = [1, 2, 4, 8] + [4, 8]       # then the flagged row and the one before it
+    monkeypatch.setattr(exp12, "time_together", fake)
+    out, _ = run_script("exp12_batched_decode", "--model", tiny, "--batch-sizes", "1,2,4,8",
+                        "--context", 8, "--repeat", 3)
+    assert "knee: B = 2" not in out
+    assert "knee: not concluded, the machine was too noisy (B=8: still flagged, see its row)" \
+        in out
+
+
 @pytest.mark.parametrize("noisy", [False, True])
 def test_exp12_concludes_only_from_steady_rows(tiny, monkeypatch, run_script, noisy):
     """Step timings injected: quiet, the knee is printed; with B = 2's repeats disagreeing
@@ -314,8 +333,8 @@ def test_exp12_concludes_only_from_steady_rows(tiny, monkeypatch, run_script, no
         assert "knee: B = 2 (doubling to 4 buys +20% tokens/s, under 25%)" in out
         assert "WARNING" not in out
         return
-    assert "knee: not concluded, the machine was too noisy (B=2: still flagged, see its row)" \
-        "; load average 3.5" in out
+    assert "knee: not concluded, the machine was too noisy (B=2: still flagged, see its row" \
+        "; B=4: still flagged, see its row); load average 3.5" in out
     row = next(line for line in out.splitlines() if line.lstrip().startswith("2 "))
     assert "WARNING: batch 2 makes 66.7 tokens/s, 0.67x batch 1 (100.0)" in row
     assert "  66.7  " in row and any(" 100.0 " in line for line in out.splitlines())

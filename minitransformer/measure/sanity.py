@@ -253,12 +253,18 @@ def recheck_rows(labels, measure_row, check, progress=quiet, what: str = "rows",
 
 def rests_on(labels, timings, warnings, rows) -> dict:
     """{label: (Timing, warning or None)} for the given rows (indices): what ``conclude``
-    takes, the rows a conclusion rests on and what a check still says of them.
+    takes, the rows a conclusion rests on and what a check still says of them. The rows grow
+    in work and a check compares each with the one before it (a larger batch that costs less
+    flags the larger), but either of the two may be the wrong one: a row rests on the next
+    one too where that one is flagged.
 
     >>> from minitransformer.measure.timing import Timing
     >>> rests_on(["B=1", "B=2"], [Timing((0.01,)), Timing((0.02,))], {1: "flagged"}, [1])
     {'B=2': (Timing(samples=(0.02,), rounds=1, load=None), 'flagged')}
+    >>> list(rests_on(["B=1", "B=2", "B=4"], [Timing((0.01,))] * 3, {1: "flagged"}, [0]))
+    ['B=1', 'B=2']
     """
+    rows = sorted(set(rows) | {i + 1 for i in rows if i + 1 in warnings})
     return {labels[i]: (timings[i], warnings.get(i)) for i in rows}
 
 
