@@ -164,7 +164,7 @@ def races(target, ids, plain, rows, repeats) -> list:
     fastest runs, from the medians, tokens identical, warning). Rows whose speedup beats its
     ceiling, or whose repeats disagree, are measured again (every row, in the same rounds)."""
     n, results = len(plain), {}
-    progress = Progress(len(rows) * repeats, "speculative runs")
+    progress = Progress(len(rows) * repeats, "speculative runs", more=len(rows))  # per round
 
     def spec(i, row):
         label, draft, _, _, _, g, _, _ = row
