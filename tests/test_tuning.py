@@ -44,6 +44,13 @@ def operands(M, n=70, cols=24):
             rng.standard_normal((n, cols)).astype(np.float32))
 
 
+def arranged(w) -> np.ndarray:
+    """blas.arrange(w) on this backend, back on the host in the layout it took (to_numpy
+    copies row-major under the strict backend, as cupy.asnumpy does)."""
+    laid = blas.arrange(to_device(w))
+    return blas.in_layout(to_numpy(laid), blas.layout_on_device(laid))
+
+
 def entries(path) -> dict:
     """This machine's entries in the file."""
     return json.loads(path.read_text())["machines"][tuning.machine()]
@@ -66,17 +73,17 @@ def test_the_default_file_is_in_the_user_s_cache_folder(monkeypatch, tmp_path):
 
 def test_a_layout_and_a_way_measured_once_are_read_back_not_measured(file, timed):
     x, w = operands(3)
-    arranged = to_numpy(blas.arrange(to_device(w)))
-    route = blas.way(x, arranged)
+    laid = arranged(w)
+    route = blas.way(x, laid)
     assert sorted(timed) == [1, 3, blas.FEW_ROWS]           # the layout's counts, then 3 rows
-    held = blas.layout(arranged)
+    held = blas.layout(laid)
     kept = entries(file)
     assert kept[f"layout 70x24 <f4 rows 1,{blas.FEW_ROWS}"]["layout"] == held
     assert kept[f"way 3 70x24 {held} <f4 <f4"] == route
     blas.chosen.clear()
     blas.laid_out.clear()                                    # as a new process starts
     timed.clear()
-    again = to_numpy(blas.arrange(to_device(w)))
+    again = arranged(w)
     assert blas.layout(again) == held and blas.way(x, again) == route and timed == []
 
 
@@ -171,19 +178,19 @@ GOOD = {"layout": "column-major", "ways": {"1": "slices", str(blas.FEW_ROWS): "r
 def test_a_layout_the_file_holds_wrongly_is_measured_again(file, timed, entry):
     _, w = operands(1)
     plant(file, {tuning.machine(): {LAYOUT: entry}})
-    arranged = to_numpy(blas.arrange(to_device(w)))
-    assert sorted(timed) == [1, blas.FEW_ROWS] and np.array_equal(arranged, w)
-    assert entries(file)[LAYOUT]["layout"] == blas.layout(arranged)
+    laid = arranged(w)
+    assert sorted(timed) == [1, blas.FEW_ROWS] and np.array_equal(laid, w)
+    assert entries(file)[LAYOUT]["layout"] == blas.layout(laid)
 
 
 def test_a_good_layout_entry_is_taken_with_its_ways(file, timed):
     x, w = operands(blas.FEW_ROWS)
     plant(file, {tuning.machine(): {LAYOUT: GOOD}})
-    arranged = blas.arrange(to_device(w))
-    assert blas.layout(to_numpy(arranged)) == "column-major" and timed == []
-    assert np.array_equal(to_numpy(arranged), w)
-    assert blas.way(x[:1], to_numpy(arranged)) == "slices"
-    assert blas.way(x, to_numpy(arranged)) == "rows" and timed == []
+    laid = arranged(w)
+    assert blas.layout(laid) == "column-major" and timed == []
+    assert np.array_equal(laid, w)
+    assert blas.way(x[:1], laid) == "slices"
+    assert blas.way(x, laid) == "rows" and timed == []
 
 
 @pytest.mark.parametrize("text", ["", "{", "\x00\xff garbage", "[]", '{"format": 1}',
