@@ -263,7 +263,8 @@ def test_processes_writing_at_once_keep_every_answer_and_a_whole_file(file):
             assert isinstance(json.loads(file.read_text())["machines"], dict)
             reads += 1
     assert [p.wait() for p in writers] == [0] * 4 and reads > 0
-    kept = entries(file)
+    # the writers' machine, as they named it (this process may run another BLAS thread count)
+    (kept,) = json.loads(file.read_text())["machines"].values()
     assert sorted(kept) == sorted(f"way {k}-{i}" for k in range(4) for i in range(40))
     assert not [p for p in file.parent.iterdir() if p.suffix == ".tmp"]
 
