@@ -36,8 +36,8 @@ from), linear.py, backend.py, kernels/, ../quant/matmul.py and ../quant/packing.
 products run fast, or on a GPU), checks.py and errors.py (refusing bad input), progress.py (a
 line on stderr while it loads or measures), checkpoints/ (the
 models the experiments run on), ../sim/arch.py (any config read as the cost models want it),
-serve/online.py, openai_api.py, detokenize.py, prometheus.py, http.py, speculate.py and
-logprobs.py (the server; speculate.py is step 10 in the engine), measure/timing.py and sanity.py (the measuring kit), __main__.py (the command line).
+serve/online.py, openai_api.py, detokenize.py, prometheus.py, http.py, drafting.py, speculate.py
+and logprobs.py (the server; drafting.py and speculate.py are step 10 in the engine), measure/timing.py and sanity.py (the measuring kit), __main__.py (the command line).
 
 The stable public API:
     load(path)                         -> Model (config, weights, tokenizer)

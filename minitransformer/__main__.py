@@ -36,7 +36,7 @@ from minitransformer.serve.engine import Engine
 from minitransformer.serve.online import MAX_WAITING
 from minitransformer.serve.blocks import blocks_for
 from minitransformer.serve.records import Request
-from minitransformer.serve.speculate import check_against, parse_speculative_config
+from minitransformer.serve.config import check_against, parse_speculative_config
 
 
 def model_path(spec) -> str:

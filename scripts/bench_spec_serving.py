@@ -39,7 +39,7 @@ from minitransformer.model import forward
 from minitransformer.serve.config import EngineConfig
 from minitransformer.serve.engine import Engine
 from minitransformer.serve.records import Request
-from minitransformer.serve.speculate import parse_speculative_config
+from minitransformer.serve.config import parse_speculative_config
 
 WORKLOADS = ("rewrite", "free")
 DEFAULT_CONFIG = ('{"method": "ngram", "num_speculative_tokens": 8, "prompt_lookup_max": 4, '

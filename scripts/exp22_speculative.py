@@ -40,7 +40,7 @@ from minitransformer.drafts.students import SHORT, drafts_of
 from minitransformer.measure.timing import (step_with_rollback, time_together,
                                             verification_timings)
 from minitransformer.model import forward
-from minitransformer.serve.speculate import SpeculativeConfig
+from minitransformer.serve.config import SpeculativeConfig
 from minitransformer.shape import decode_read_bytes
 from minitransformer.speculative import first_layers, speculative_generate
 from quant.qmodel import SCHEMES, quantize_model

@@ -11,7 +11,8 @@ import minitransformer as mt
 from minitransformer.checkpoints.synth import qwen2_config, random_model
 from minitransformer.model import forward
 from minitransformer.serve.paged import PagedCache
-from minitransformer.serve.speculate import SpeculativeConfig, Speculator
+from minitransformer.serve.config import SpeculativeConfig
+from minitransformer.serve.speculate import Speculator
 from test_speculate import rows_of, step
 
 K = 4

@@ -5,10 +5,9 @@ import numpy as np
 import pytest
 
 from minitransformer.checkpoints.synth import qwen2_config, random_model
-from minitransformer.serve.config import EngineConfig
+from minitransformer.serve.config import EngineConfig, SpeculativeConfig
 from minitransformer.serve.engine import Engine
 from minitransformer.serve.records import Request
-from minitransformer.serve.speculate import SpeculativeConfig
 from minitransformer.speculative import first_layers
 
 PROMPT = (1, 2, 3, 1, 2, 3, 1, 2)      # repeats: the lookup proposes

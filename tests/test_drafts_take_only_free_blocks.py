@@ -10,7 +10,8 @@ from minitransformer.backend import to_numpy
 from minitransformer.checkpoints.synth import qwen2_config, random_model
 from minitransformer.model import forward
 from minitransformer.serve.paged import PagedCache
-from minitransformer.serve.speculate import SpeculativeConfig, Speculator
+from minitransformer.serve.config import SpeculativeConfig
+from minitransformer.serve.speculate import Speculator
 from test_speculate import rows_of, step
 
 OLD = [11, 12, 13, 14, 15, 16, 17, 18]      # a finished turn: two full blocks of 4, kept

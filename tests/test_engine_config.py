@@ -7,9 +7,8 @@ import pytest
 
 from minitransformer import __main__ as cli
 from minitransformer.serve import http
-from minitransformer.serve.config import EngineConfig
+from minitransformer.serve.config import EngineConfig, SpeculativeConfig
 from minitransformer.serve.engine import Engine
-from minitransformer.serve.speculate import SpeculativeConfig
 
 
 @pytest.mark.parametrize("field, bad", [

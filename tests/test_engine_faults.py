@@ -23,12 +23,11 @@ import minitransformer as mt
 from conftest import wait_for
 from engine_fuzz import solo
 from minitransformer import model as model_module
-from minitransformer.serve.config import EngineConfig
+from minitransformer.serve.config import EngineConfig, SpeculativeConfig
 from minitransformer.serve.engine import Engine
 from minitransformer.serve.online import Closed, OnlineEngine
 from minitransformer.serve.records import Request
 from minitransformer.serve.scheduler import Scheduler
-from minitransformer.serve.speculate import SpeculativeConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 POISON = (91, 92, 93)           # a run of tokens no other prompt holds

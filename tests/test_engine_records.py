@@ -198,7 +198,7 @@ def test_a_config_of_another_type_is_refused_naming_its_type(tiny_model):
 def test_a_draft_model_named_only_by_its_path_is_loaded_and_changes_no_token(tiny_model):
     """speculative_config names the draft by its checkpoint's path and no draft is passed:
     the engine loads it, and batch-invariant greedy tokens are those of no speculation."""
-    from minitransformer.serve.speculate import SpeculativeConfig
+    from minitransformer.serve.config import SpeculativeConfig
     spec = SpeculativeConfig(num_speculative_tokens=2, method="draft_model",
                              model=tiny_model.path)
     requests = [Request((1, 2, 3), 6, eos_token_id=[]), Request((4, 5), 5, eos_token_id=[])]
@@ -209,7 +209,7 @@ def test_a_draft_model_named_only_by_its_path_is_loaded_and_changes_no_token(tin
 
 
 def test_speculating_with_prefix_caching_off_names_no_block(tiny_model):
-    from minitransformer.serve.speculate import SpeculativeConfig
+    from minitransformer.serve.config import SpeculativeConfig
     spec = SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_max=2)
     engine = Engine(tiny_model, EngineConfig(max_num_seqs=2, block_size=2,
                                              enable_prefix_caching=False,
@@ -222,7 +222,7 @@ def test_speculating_with_prefix_caching_off_names_no_block(tiny_model):
 
 
 def test_a_stopped_clock_times_each_verification_at_zero(tiny_model, monkeypatch):
-    from minitransformer.serve.speculate import SpeculativeConfig
+    from minitransformer.serve.config import SpeculativeConfig
     monkeypatch.setattr(engine_module, "time", SimpleNamespace(perf_counter=lambda: 1000.0))
     spec = SpeculativeConfig(num_speculative_tokens=2, prompt_lookup_max=2)
     run = Engine(tiny_model, EngineConfig(max_num_seqs=2, speculative_config=spec),

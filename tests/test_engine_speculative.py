@@ -11,11 +11,10 @@ import minitransformer as mt
 from conftest import assert_like_solo
 from minitransformer import speculative
 from minitransformer.sampling import SamplingSettings
-from minitransformer.serve import speculate
-from minitransformer.serve.config import EngineConfig
+from minitransformer.serve import drafting, speculate
+from minitransformer.serve.config import EngineConfig, SpeculativeConfig
 from minitransformer.serve.engine import Engine
 from minitransformer.serve.records import Request
-from minitransformer.serve.speculate import SpeculativeConfig
 from minitransformer.speculative import first_layers
 from test_speculative import (SAMPLING_CASES, accept_always, exact_joint, goodness_of_fit,  # noqa: F401
                               pair)   # the target and draft pair, a fixture
@@ -159,7 +158,7 @@ def test_a_draft_with_fewer_positions_drafts_only_while_a_sequence_fits_them(clo
                                max_num_seqs=3), requests)
     made = []                   # (sequence id, its length, its draft) per row drafting
     steps = []                  # (sequence id, its length, the draft length taken) per step
-    original, length = speculate.Proposer.propose, speculate.Speculator._length
+    original, length = drafting.Proposer.propose, speculate.Speculator._length
 
     def propose(self, seq_id, tokens, n, *rest):
         drafts, dists = original(self, seq_id, tokens, n, *rest)
@@ -170,13 +169,13 @@ def test_a_draft_with_fewer_positions_drafts_only_while_a_sequence_fits_them(clo
         n = length(self, cache, row, *rest)
         steps.append((row.seq_id, len(row.tokens), n))
         return n
-    speculate.Proposer.propose, speculate.Speculator._length = propose, sized
+    drafting.Proposer.propose, speculate.Speculator._length = propose, sized
     try:
         served = engine(close_calls, config, draft, batch_invariant=True, policy=policy,
                         max_num_seqs=3)
         run = checked_run(served, requests)
     finally:
-        speculate.Proposer.propose, speculate.Speculator._length = original, length
+        drafting.Proposer.propose, speculate.Speculator._length = original, length
     for r, p, request in zip(run.results, plain.results, requests):
         assert r.status == "finished" and r.tokens == p.tokens == mt.generate(
             close_calls, list(request.prompt), request.max_new_tokens, eos_token_id=[])

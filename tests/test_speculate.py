@@ -15,9 +15,9 @@ from minitransformer.lookup import prompt_lookup
 from minitransformer.model import forward
 from minitransformer.sampling import GREEDY
 from minitransformer.serve.paged import PagedCache
-from minitransformer.serve.speculate import (FIELDS, Row, SpecCounters, SpeculativeConfig,
-                                             Speculator, draft_length,
-                                             parse_speculative_config, verify_logits)
+from minitransformer.serve.config import FIELDS, SpeculativeConfig, parse_speculative_config
+from minitransformer.serve.drafting import draft_length
+from minitransformer.serve.speculate import Row, SpecCounters, Speculator, verify_logits
 from minitransformer.speculative import first_layers
 
 

@@ -1,4 +1,5 @@
-"""The engine's knobs in one frozen dataclass, under vLLM's names (nano-vllm's ``Config``).
+"""The engine's knobs in one frozen dataclass, under vLLM's names (nano-vllm's ``Config``),
+and speculation's beside them (``SpeculativeConfig``, read from ``--speculative-config``).
 
 Built once, from the command line (``__main__``) or by a caller, and handed to the engine,
 the server and the scripts whole: ``Engine(model, EngineConfig(max_num_seqs=2))``. Each value
@@ -12,15 +13,118 @@ Traceback (most recent call last):
 ...
 ValueError: max_num_batched_tokens=4 leaves no room for a prompt beside 4 decodes: give more...
 """
+import json
 from dataclasses import dataclass
 
 import numpy as np
 
-from minitransformer.checks import is_integer
+from minitransformer.checks import is_integer, is_real, no_duplicates
 from minitransformer.kvquant import KV_DTYPES
 from minitransformer.tiled import ATTENTIONS
 from minitransformer.serve.blocks import blocks_for
-from minitransformer.serve.speculate import SpeculativeConfig
+
+METHODS = ("ngram", "draft_model")
+FIELDS = ("method", "model", "num_speculative_tokens", "prompt_lookup_max",
+          "prompt_lookup_min", "disable_by_batch_size", "weight_rows", "min_acceptance")
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """``--speculative-config``, under vLLM's field names (weight_rows and min_acceptance are
+    this project's)."""
+    num_speculative_tokens: int      # the longest draft
+    method: str = "ngram"            # "ngram" (prompt lookup) or "draft_model"
+    model: str = None                # the draft model's checkpoint (method draft_model)
+    prompt_lookup_max: int = 3       # ngram: the longest n-gram looked up
+    prompt_lookup_min: int = 1       # ngram: the shortest
+    disable_by_batch_size: int = None  # no drafts while more sequences than this decode
+    weight_rows: float = None        # set: draft lengths adapt (see the module's docstring)
+    min_acceptance: float = None     # set: no draft while a sequence's acceptance is below it
+
+
+def parse_speculative_config(value) -> SpeculativeConfig:
+    """A JSON text or a dict -> SpeculativeConfig; a ValueError naming the bad field.
+
+    >>> parse_speculative_config('{"method": "ngram", "num_speculative_tokens": 5, '
+    ...                          '"prompt_lookup_max": 4}').prompt_lookup_max
+    4
+    >>> parse_speculative_config({"num_speculative_tokens": None})
+    Traceback (most recent call last):
+    ...
+    ValueError: speculative config: num_speculative_tokens must be an integer >= 1, got None
+
+    A null optional field is the field left out (its default), as vLLM reads it. How long a
+    draft may be against the model is checked against its config (``check_against``): the
+    model's positions are not known here.
+    """
+    where = "speculative config"
+    if isinstance(value, str):
+        try:
+            value = json.loads(value, object_pairs_hook=no_duplicates(lambda twice: ValueError(
+                f"{where}: field(s) given twice: {', '.join(twice)}")))
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{where}: not JSON ({e})") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{where}: expected a JSON object, got {type(value).__name__}")
+    unknown = sorted(set(value) - set(FIELDS))
+    if unknown:
+        raise ValueError(f"{where}: unknown field(s) {', '.join(map(repr, unknown))} "
+                         f"(known: {', '.join(FIELDS)})")
+    fields = {name: v for name, v in value.items()       # null: the default
+              if v is not None or name == "num_speculative_tokens"}
+    if fields.get("model") is not None and "method" not in fields:
+        fields["method"] = "draft_model"        # vLLM infers it from the model
+    method = fields.get("method", "ngram")
+    if method not in METHODS:
+        raise ValueError(f"{where}: method {method!r} is not served here: use "
+                         f"{' or '.join(map(repr, METHODS))}")
+    if "num_speculative_tokens" not in fields:
+        raise ValueError(f"{where}: num_speculative_tokens is required (the longest draft)")
+    for name in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min",
+                 "disable_by_batch_size"):
+        if name not in fields:
+            continue
+        n = fields[name]
+        if not is_integer(n) or n < 1:
+            raise ValueError(f"{where}: {name} must be an integer >= 1, got {n!r}")
+    rows = fields.get("weight_rows")
+    if rows is not None and (not is_real(rows) or not 0 < rows < float("inf")):
+        raise ValueError(f"{where}: weight_rows must be a finite number > 0, got {rows!r}")
+    least = fields.get("min_acceptance")
+    if least is not None and (not is_real(least) or not 0 < least <= 1):
+        raise ValueError(f"{where}: min_acceptance must be a number in (0, 1], got {least!r}")
+    config = SpeculativeConfig(**fields)
+    if method == "ngram":
+        if config.model is not None:
+            raise ValueError(f"{where}: model {config.model!r} is for method 'draft_model', "
+                             f"not 'ngram'")
+        if config.prompt_lookup_min > config.prompt_lookup_max:
+            raise ValueError(f"{where}: prompt_lookup_min ({config.prompt_lookup_min}) is "
+                             f"more than prompt_lookup_max ({config.prompt_lookup_max})")
+    elif not isinstance(config.model, str) or not config.model:
+        raise ValueError(f"{where}: method 'draft_model' needs model, the draft's "
+                         f"checkpoint path")
+    return config
+
+
+def check_against(config: SpeculativeConfig, target, draft=None) -> None:
+    """The config against the target's ModelConfig (and the draft model's, once loaded),
+    before anything is allocated for speculation: no draft longer than the target has
+    positions (a sequence could never take it; its books, one counter a position, would be
+    that long), and a draft model's vocabulary the target's. ValueErrors naming both sizes.
+    A draft model with fewer positions than the target is served: a sequence drafts only
+    while it fits the draft's positions (``Proposer.room``), as vLLM does."""
+    positions = target.max_position_embeddings
+    if config.num_speculative_tokens > positions:
+        raise ValueError(f"speculative config: num_speculative_tokens="
+                         f"{config.num_speculative_tokens} is more than the model's "
+                         f"{positions} positions")
+    if draft is not None and draft.vocab_size != target.vocab_size:
+        raise ValueError(f"draft and target must share a vocabulary: the draft has "
+                         f"{draft.vocab_size} tokens, the target {target.vocab_size}")
+
+
+
 
 POLICIES = ("static", "continuous")
 TOKENS_PER_SLOT = 1024      # the default pool: room for this many tokens in every slot
@@ -61,7 +165,7 @@ class EngineConfig:
         spec = self.speculative_config
         if spec is not None and not isinstance(spec, SpeculativeConfig):
             raise ValueError(f"speculative_config={spec!r}: expected a SpeculativeConfig "
-                             f"(speculate.parse_speculative_config reads vLLM's JSON)")
+                             f"(parse_speculative_config reads vLLM's JSON)")
         for name in ("enable_prefix_caching", "batch_invariant"):
             if not isinstance(getattr(self, name), (bool, np.bool_)):
                 raise ValueError(f"{name}={getattr(self, name)!r}: expected True or False")

@@ -75,12 +75,12 @@ from minitransformer.logprobs import token_logprob
 from minitransformer.model import forward, head
 from minitransformer.sampling import next_token
 from minitransformer.serve.blocks import Copy, blocks_for
-from minitransformer.serve.config import EngineConfig
+from minitransformer.serve.config import EngineConfig, check_against
 from minitransformer.serve.intake import check_request
 from minitransformer.serve.paged import PagedCache, RaggedView, check_fits
 from minitransformer.serve.records import Request, Result, Run
 from minitransformer.serve.scheduler import Scheduler, Sequence, close
-from minitransformer.serve.speculate import Row, Speculator, check_against
+from minitransformer.serve.speculate import Row, Speculator
 
 
 class Engine:

@@ -37,24 +37,7 @@ allow is cut to what fits. The proposals are tokens of the step: with max_num_ba
 set, the drafts together take at most what the plan left of it (its decodes' last tokens and
 its prompt chunks come first), the rows drafting in order.
 
-The draft length (``draft_length``): with ``weight_rows`` unset, every draft is
-``num_speculative_tokens`` long (vLLM's behaviour; ``disable_by_batch_size``, vLLM's too, turns
-drafting off while more sequences than that are decoding). With ``weight_rows`` = W set, the
-length is the chapter's formula's best (sim.speculative): a step over R rows is taken to cost
-W + R (reading the weights is worth W rows of arithmetic), so drafting n tokens per sequence in
-a batch of B costs v(n) = (W + B (n + 1)) / (W + B) plain steps, and yields
-(1 - alpha^(n+1)) / (1 - alpha) tokens for the sequence's acceptance alpha, measured so far
-(accepted + 1) / (judged + 2): n is the length with the best ratio, 0 included (no draft). So
-drafts shorten as the batch grows and as a sequence's proposals are rejected.
-With ``min_acceptance`` = m set (either way), a sequence whose alpha is below m drafts nothing
-this step: one row, a plain decode's cost, where its drafts have mostly been rejected (free
-generation: a lookup that finds some match almost every step, and little of it right).
-A sequence's books count, of every verified draft, its accepted tokens and the one rejected;
-and, at a step where it drafts nothing (the rule, the batch, the budget), its lookup's first
-proposal against the token the step made, free to know (a sampled token equals it with the
-probability of accepting it): so alpha keeps moving while the sequence does not draft, and it
-drafts again once its text starts repeating. A draft model's proposal costs a pass: its books
-move only with its drafts.
+The draft length: drafting.py.
 
 Counters (``SpecCounters``, served under vLLM's names in /metrics): drafts (a sequence's
 proposal of at least one token, verified), draft tokens, accepted tokens, and accepted tokens
@@ -67,229 +50,18 @@ chunked-prefill step's one pass: a step with prompt chunks runs them in passes o
 after the verification (the verification's segments would be more groups of that ragged pass,
 but this step, drafts, pass, acceptance, would have to split around a pass the engine owns).
 """
-import json
 import math
 from dataclasses import dataclass, field, replace
 
 import numpy as np
 
 from minitransformer.backend import to_numpy
-from minitransformer.checks import is_integer, is_real, no_duplicates
 from minitransformer.generate import last_logits_alone
-from minitransformer.lookup import PromptLookup
 from minitransformer.model import forward, head
+from minitransformer.serve.config import SpeculativeConfig
+from minitransformer.serve.drafting import Proposer, acceptance, draft_length
 from minitransformer.serve.paged import PagedView, RaggedView
-from minitransformer.shape import parameter_count
-from minitransformer.speculative import LookupDraft, ModelDraft, verify
-from sim.speculative import batch_verify_cost, speedup
-
-METHODS = ("ngram", "draft_model")
-FIELDS = ("method", "model", "num_speculative_tokens", "prompt_lookup_max",
-          "prompt_lookup_min", "disable_by_batch_size", "weight_rows", "min_acceptance")
-
-
-@dataclass(frozen=True)
-class SpeculativeConfig:
-    """``--speculative-config``, under vLLM's field names (weight_rows and min_acceptance are
-    this project's)."""
-    num_speculative_tokens: int      # the longest draft
-    method: str = "ngram"            # "ngram" (prompt lookup) or "draft_model"
-    model: str = None                # the draft model's checkpoint (method draft_model)
-    prompt_lookup_max: int = 3       # ngram: the longest n-gram looked up
-    prompt_lookup_min: int = 1       # ngram: the shortest
-    disable_by_batch_size: int = None  # no drafts while more sequences than this decode
-    weight_rows: float = None        # set: draft lengths adapt (see the module's docstring)
-    min_acceptance: float = None     # set: no draft while a sequence's acceptance is below it
-
-
-def parse_speculative_config(value) -> SpeculativeConfig:
-    """A JSON text or a dict -> SpeculativeConfig; a ValueError naming the bad field.
-
-    >>> parse_speculative_config('{"method": "ngram", "num_speculative_tokens": 5, '
-    ...                          '"prompt_lookup_max": 4}').prompt_lookup_max
-    4
-    >>> parse_speculative_config({"num_speculative_tokens": None})
-    Traceback (most recent call last):
-    ...
-    ValueError: speculative config: num_speculative_tokens must be an integer >= 1, got None
-
-    A null optional field is the field left out (its default), as vLLM reads it. How long a
-    draft may be against the model is checked against its config (``check_against``): the
-    model's positions are not known here.
-    """
-    where = "speculative config"
-    if isinstance(value, str):
-        try:
-            value = json.loads(value, object_pairs_hook=no_duplicates(lambda twice: ValueError(
-                f"{where}: field(s) given twice: {', '.join(twice)}")))
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{where}: not JSON ({e})") from None
-    if not isinstance(value, dict):
-        raise ValueError(f"{where}: expected a JSON object, got {type(value).__name__}")
-    unknown = sorted(set(value) - set(FIELDS))
-    if unknown:
-        raise ValueError(f"{where}: unknown field(s) {', '.join(map(repr, unknown))} "
-                         f"(known: {', '.join(FIELDS)})")
-    fields = {name: v for name, v in value.items()       # null: the default
-              if v is not None or name == "num_speculative_tokens"}
-    if fields.get("model") is not None and "method" not in fields:
-        fields["method"] = "draft_model"        # vLLM infers it from the model
-    method = fields.get("method", "ngram")
-    if method not in METHODS:
-        raise ValueError(f"{where}: method {method!r} is not served here: use "
-                         f"{' or '.join(map(repr, METHODS))}")
-    if "num_speculative_tokens" not in fields:
-        raise ValueError(f"{where}: num_speculative_tokens is required (the longest draft)")
-    for name in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min",
-                 "disable_by_batch_size"):
-        if name not in fields:
-            continue
-        n = fields[name]
-        if not is_integer(n) or n < 1:
-            raise ValueError(f"{where}: {name} must be an integer >= 1, got {n!r}")
-    rows = fields.get("weight_rows")
-    if rows is not None and (not is_real(rows) or not 0 < rows < float("inf")):
-        raise ValueError(f"{where}: weight_rows must be a finite number > 0, got {rows!r}")
-    least = fields.get("min_acceptance")
-    if least is not None and (not is_real(least) or not 0 < least <= 1):
-        raise ValueError(f"{where}: min_acceptance must be a number in (0, 1], got {least!r}")
-    config = SpeculativeConfig(**fields)
-    if method == "ngram":
-        if config.model is not None:
-            raise ValueError(f"{where}: model {config.model!r} is for method 'draft_model', "
-                             f"not 'ngram'")
-        if config.prompt_lookup_min > config.prompt_lookup_max:
-            raise ValueError(f"{where}: prompt_lookup_min ({config.prompt_lookup_min}) is "
-                             f"more than prompt_lookup_max ({config.prompt_lookup_max})")
-    elif not isinstance(config.model, str) or not config.model:
-        raise ValueError(f"{where}: method 'draft_model' needs model, the draft's "
-                         f"checkpoint path")
-    return config
-
-
-def check_against(config: SpeculativeConfig, target, draft=None) -> None:
-    """The config against the target's ModelConfig (and the draft model's, once loaded),
-    before anything is allocated for speculation: no draft longer than the target has
-    positions (a sequence could never take it; its books, one counter a position, would be
-    that long), and a draft model's vocabulary the target's. ValueErrors naming both sizes.
-    A draft model with fewer positions than the target is served: a sequence drafts only
-    while it fits the draft's positions (``Proposer.room``), as vLLM does."""
-    positions = target.max_position_embeddings
-    if config.num_speculative_tokens > positions:
-        raise ValueError(f"speculative config: num_speculative_tokens="
-                         f"{config.num_speculative_tokens} is more than the model's "
-                         f"{positions} positions")
-    if draft is not None and draft.vocab_size != target.vocab_size:
-        raise ValueError(f"draft and target must share a vocabulary: the draft has "
-                         f"{draft.vocab_size} tokens, the target {target.vocab_size}")
-
-
-# --- proposals -------------------------------------------------------------------------------
-class Proposer:
-    """Where one engine's drafts come from: a prompt lookup for all, or a draft model with a
-    cache per sequence (made at its first draft, dropped with ``forget``). A draft model
-    proposes only within its own positions (``room``), however long the target's are."""
-
-    def __init__(self, config: SpeculativeConfig, target, draft_model=None):
-        self.config, self.target = config, target
-        check_against(config, target.config, None if draft_model is None else
-                      draft_model.config)
-        if config.method == "ngram":
-            self.lookup = LookupDraft(PromptLookup(config.prompt_lookup_max,
-                                                   config.prompt_lookup_min),
-                                      target.config.vocab_size)
-            self.cost = 0.0
-        else:
-            if draft_model is None:
-                raise ValueError("method 'draft_model' needs the draft model loaded")
-            self.lookup, self.draft_model = None, draft_model
-            # c of the formula: a decode step reads every weight, so a draft token costs the
-            # draft's parameters over the target's
-            self.cost = parameter_count(draft_model.config) / parameter_count(target.config)
-        self.drafts = {}    # sequence id -> its ModelDraft (draft_model only)
-
-    def propose(self, seq_id, tokens: list, n: int, max_new_tokens: int, prompt_len: int,
-                settings, rng) -> tuple:
-        """Up to n proposals for a sequence (tokens: prompt + output), and their q (None when
-        greedy). A draft model's cache for this sequence is made at its first call."""
-        if n < 1:
-            return [], []
-        if self.lookup is not None:
-            return self.lookup.propose(tokens, n, settings, rng)
-        if seq_id not in self.drafts:      # its cache: no longer than the draft's positions
-            fits = self.draft_model.config.max_position_embeddings - prompt_len
-            self.drafts[seq_id] = ModelDraft(self.draft_model, self.target,
-                                             np.array(tokens[:prompt_len]),
-                                             min(max_new_tokens, fits))
-        return self.drafts[seq_id].propose(tokens, n, settings, rng)
-
-    def room(self, tokens: list):
-        """The most proposals the draft can make for a sequence of these tokens: a draft
-        model feeds the tokens and all but its last proposal, within its positions (a prompt
-        lookup: no limit, math.inf).
-
-        >>> from minitransformer.checkpoints.synth import qwen2_config, random_model
-        >>> config = SpeculativeConfig(3, "draft_model", "-")
-        >>> short = Proposer(config, random_model(qwen2_config(max_position_embeddings=64)),
-        ...                  random_model(qwen2_config(max_position_embeddings=8)))
-        >>> [short.room([1] * length) for length in (2, 7, 8, 9)]
-        [7, 2, 1, 0]
-        """
-        if self.lookup is not None:
-            return math.inf
-        return max(0, self.draft_model.config.max_position_embeddings - len(tokens) + 1)
-
-    def shadow(self, tokens: list):
-        """The first token a lookup would propose now, None if it finds none or this is a draft
-        model (whose proposal costs a pass): judged against the token made, for the books."""
-        if self.lookup is None:
-            return None
-        first = self.lookup.lookup.propose(tokens, 1)
-        return first[0] if first else None
-
-    def rollback(self, seq_id, valid: int) -> None:
-        """The sequence keeps its first `valid` tokens: the draft's cache forgets the rest."""
-        if seq_id in self.drafts:
-            self.drafts[seq_id].rollback(valid)
-
-    def forget(self, seq_id) -> None:
-        self.drafts.pop(seq_id, None)
-
-
-def acceptance(accepted: int, judged: int) -> float:
-    """A sequence's alpha so far, (accepted + 1) / (judged + 2): 1/2 before any evidence.
-
-    >>> acceptance(0, 0), acceptance(9, 10)
-    (0.5, 0.8333333333333334)
-    """
-    return (accepted + 1) / (judged + 2)
-
-
-def draft_length(config: SpeculativeConfig, alpha: float, batch: int, cost: float = 0.0) -> int:
-    """Tokens a sequence drafts this step (see the module's docstring for the rule).
-
-    batch: the decoding sequences; cost: c, a draft token's cost in target steps (0: lookup).
-    >>> adaptive = SpeculativeConfig(num_speculative_tokens=5, weight_rows=16)
-    >>> [draft_length(adaptive, 0.8, b) for b in (1, 4, 16, 64)]      # the batch grows
-    [5, 4, 2, 0]
-    >>> [draft_length(adaptive, a, 4) for a in (0.9, 0.6, 0.2)]       # acceptance falls
-    [5, 2, 0]
-    >>> cutoff = SpeculativeConfig(num_speculative_tokens=8, min_acceptance=0.5)
-    >>> [draft_length(cutoff, a, 1) for a in (0.9, 0.5, 0.4)]         # below it: no draft
-    [8, 8, 0]
-    """
-    if config.disable_by_batch_size is not None and batch > config.disable_by_batch_size:
-        return 0
-    if config.min_acceptance is not None and alpha < config.min_acceptance:
-        return 0
-    top = config.num_speculative_tokens
-    if config.weight_rows is None:
-        return top
-    W = config.weight_rows
-
-    def gain(n):                    # tokens per plain step's time; no draft: exactly 1
-        return 1.0 if n == 0 else speedup(alpha, n, cost, batch_verify_cost(n, batch, W))
-    return max(range(top + 1), key=gain)
+from minitransformer.speculative import verify
 
 
 # --- verification ----------------------------------------------------------------------------
@@ -464,3 +236,4 @@ class Speculator:
         seq, bs = cache.seqs[row.seq_id], cache.block_size
         room = (len(seq.blocks) + len(cache.free)) * bs - seq.length    # after its one token
         return max(0, min(n, room))
+
