@@ -1,4 +1,4 @@
-"""Make the golden outputs the real-model tests compare against (tests/test_smollm2.py).
+"""Make the golden outputs the real-model tests compare against (tests/checkpoints/test_smollm2.py).
 
 Optional: needs torch and transformers (pip install -e '.[reference]'); nothing else in the
 repository imports them. transformers reads the same GGUF file with its own reader and its own

@@ -1,7 +1,7 @@
 """How close quant/'s llama.cpp quantizers come to llama.cpp's own C: the share of blocks and
 bytes that differ, per type, built two ways.
 
-The gguf package implements the quantizers of Q8_0, Q5_0 and Q5_1 (tests/test_quant_gguf.py
+The gguf package implements the quantizers of Q8_0, Q5_0 and Q5_1 (tests/quant/test_quant_gguf.py
 compares those byte for byte) but not the k-quants nor IQ4_NL, so those are measured against
 the C: ``--ggml DIR`` names a ggml or llama.cpp checkout, whose ggml-quants.c is compiled here
 (``cc``, as a shared library beside a few stubs for what it calls of the rest of ggml) and its

@@ -1,6 +1,6 @@
 """The engine fuzzed: random workloads, and what must hold after every step and at the end.
 
-Shared by tests/test_engine_fuzz.py (a fixed seed, a few cases, in CI) and
+Shared by tests/serve/test_engine_fuzz.py (a fixed seed, a few cases, in CI) and
 scripts/fuzz_engine.py (as many cases as asked). A case draws slots, a block size, a pool
 from tight (waiting, preemption, eviction from the prefix cache) to roomy, requests with shared
 prompt prefixes and repeated prompts, greedy or seeded sampling, eos on or off, zero-token and

@@ -49,7 +49,7 @@ PIECE = {"norm": "post_attention_layernorm.weight", "gate": "mlp.gate_proj.weigh
 # ---- forward and backward, one pair per operation -------------------------------------------
 # Each *_forward is the core's function of that name (linear.linear, model.rms_norm,
 # model.silu) on host arrays of any float dtype, returning what its *_backward needs
-# (tests/test_training.py holds rms_norm_forward and silu_forward to the core's numbers).
+# (tests/drafts/test_training.py holds rms_norm_forward and silu_forward to the core's numbers).
 
 def linear_forward(x, w):
     """x (..., in), w (out, in) as checkpoints store it -> x w^T (..., out): linear.linear."""

@@ -17,7 +17,7 @@ import _report
 import run_all
 from _table import Table
 
-SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
+SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
 
 
 def test_the_main_job_runs_every_experiment_script():

@@ -15,7 +15,7 @@ import minitransformer as mt
 from minitransformer.checkpoints.real_model import NAME, WHEEL_SHA256, is_imported
 from minitransformer.checkpoints.synth import weights_dir
 
-GOLDEN = json.loads((Path(__file__).parent / "fixtures" / "smollm2_golden.json").read_text())
+GOLDEN = json.loads((Path(__file__).parents[1] / "fixtures" / "smollm2_golden.json").read_text())
 PATH = weights_dir() / NAME
 TIE = 1e-3  # top-two gap under which float32 order may pick either (50x the logit error)
 

@@ -1,7 +1,7 @@
 """The serving engine changes no token: every request gets what decoding it alone gives, bit for
 bit in batch-invariant mode, up to near ties in the default fast mode (conftest's policy).
 
-Scenarios, one situation each; random workloads are the fuzz's (tests/test_engine_fuzz.py)."""
+Scenarios, one situation each; random workloads are the fuzz's (tests/serve/test_engine_fuzz.py)."""
 import math
 
 import numpy as np

@@ -9,7 +9,7 @@ from minitransformer.serve.blocks import BlockManager, Copy, SwapIn, SwapOut
 from minitransformer.serve.records import Request, Result
 from minitransformer.serve.scheduler import Scheduler, Sequence
 
-SERVE = Path(__file__).resolve().parents[1] / "minitransformer" / "serve"
+SERVE = Path(__file__).resolve().parents[2] / "minitransformer" / "serve"
 
 
 def scheduler(num_blocks=32, block_size=4, slots=2, policy="continuous", budget=None):

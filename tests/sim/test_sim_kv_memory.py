@@ -13,7 +13,7 @@ from sim.kv_memory import (GB, KB, MB, attention_variants, cache_bytes, context_
 from sim.memory_budget import FP16, SEVEN_B, THIRTEEN_B, weight_bytes
 
 QWEN25_05B = qwen25_05b_config()  # the chapter's model: 24 layers, 14 q heads, 2 kv heads
-STORIES = Path(__file__).resolve().parents[2] / "shared" / "models" / "stories260K"
+STORIES = Path(__file__).resolve().parents[3] / "shared" / "models" / "stories260K"
 
 
 def test_chapter_model_bytes_per_token():

@@ -29,7 +29,7 @@ from minitransformer.serve.online import Closed, OnlineEngine
 from minitransformer.serve.records import Request
 from minitransformer.serve.scheduler import Scheduler
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 POISON = (91, 92, 93)           # a run of tokens no other prompt holds
 STEM = (11, 12, 13, 14, 15, 16, 17, 18)     # two full blocks of 4
 

