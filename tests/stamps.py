@@ -4,7 +4,8 @@ A real key at position p is a function of the tokens up to p (the prefix), not o
 alone. A stamp is the same: one number per distinct prefix, written into every layer's keys and
 values at that slot. So a block's contents say which prefix it holds, exactly, and a block
 handed to the wrong sequence (a bad name, a missed copy on write, a block given out while held)
-shows up as a wrong stamp. Shared by tests/serve/test_prefix_cache.py and tests/serve/test_block_state.py.
+shows up as a wrong stamp. Shared by tests/serve/test_prefix_cache.py and
+tests/serve/test_block_state.py.
 """
 from dataclasses import dataclass, field
 

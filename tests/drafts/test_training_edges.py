@@ -1,8 +1,8 @@
 """Training a draft at its edges: the settings' bounds at the boundary (a draft of every layer,
 exactly one batch of positions, an infinite learning rate), what a seed fixes, the dtypes the
 training and the draft keep, closeness's float64 arithmetic, and the whole refusal of a model
-with its own lm_head. Each test kills a mutant of drafts/training.py that tests/drafts/test_training.py
-and tests/drafts/test_distill_metrics.py let through (scripts/mutation.py training)."""
+with its own lm_head. Each test kills a mutant of drafts/training.py that
+tests/drafts/test_training.py and tests/drafts/test_distill_metrics.py let through (scripts/mutation.py training)."""
 from dataclasses import replace
 
 import numpy as np
