@@ -1,7 +1,29 @@
-"""Where a sequence's drafts come from, and how long they are (speculate.py verifies them).
+"""Where a step's drafts come from, and how long they are (speculate.py verifies them).
 
-Proposals (``Proposer``): prompt lookup over a sequence's prompt and output (vLLM's ``ngram``
-method, lookup.py), or a draft model with its own cache per sequence (speculative.ModelDraft).
+    propose   every decoding sequence asks for up to n_b proposals, all in ONE call
+              (``Proposer.propose``): a prompt lookup over its prompt and output (vLLM's
+              ``ngram``, lookup.py), or a draft model (``DraftModel``)
+    length    ``draft_length``: how many a sequence asks for this step, from its acceptance
+              so far and the batch (docs/serving.md, "The draft length")
+
+A draft model drafts for the whole batch at once. Its keys and values live in a paged pool of
+its own (paged.py: the draft's layers and heads, the target's block size and count), where a
+sequence takes blocks at its first draft and gives them back when it is trimmed, forgotten,
+cancelled or over. The draft's cache lags the sequence: it holds what the draft has seen, so
+each sequence feeds what it has not (its prompt at its first draft, then the one or two
+tokens kept last round). Proposing n tokens for B sequences is n forward passes of the draft,
+whatever B:
+
+    position 0     ONE ragged pass (paged.RaggedView): each sequence feeds its unseen tokens,
+                   the sequences feeding as many one group -> every row's first proposal
+    position j     ONE decode pass over the sequences asking for more than j, each feeding
+                   its proposal j - 1 -> their proposal j
+
+A draft's bits are the batch's: its products are shaped by the rows beside it, so a proposal
+may differ from the one the sequence would get drafting alone (at a near tie). That is safe:
+a proposal is only a proposal, the target verifies it and the tokens stay exact. In
+batch-invariant mode each row is computed by the very call a batch of one makes, as the
+engine's decode is, so a sequence's proposals are those it gets alone (tested).
 
 The draft length (``draft_length``): with ``weight_rows`` unset, every draft is
 ``num_speculative_tokens`` long (vLLM's behaviour; ``disable_by_batch_size``, vLLM's too, turns
@@ -23,53 +45,69 @@ drafts again once its text starts repeating. A draft model's proposal costs a pa
 move only with its drafts.
 """
 import math
+from dataclasses import dataclass
 
 import numpy as np
 
+from minitransformer.backend import to_numpy
+from minitransformer.generate import last_logits, last_logits_alone
 from minitransformer.lookup import PromptLookup
+from minitransformer.model import forward, head
+from minitransformer.sampling import apply_repetition_penalty, draw, next_token, probabilities
 from minitransformer.serve.config import SpeculativeConfig, check_against
+from minitransformer.serve.paged import PagedCache, RaggedView
 from minitransformer.shape import parameter_count
-from minitransformer.speculative import LookupDraft, ModelDraft
+from minitransformer.speculative import LookupDraft
 from sim.speculative import batch_verify_cost, speedup
 
 
-class Proposer:
-    """Where one engine's drafts come from: a prompt lookup for all, or a draft model with a
-    cache per sequence (made at its first draft, dropped with ``forget``). A draft model
-    proposes only within its own positions (``room``), however long the target's are."""
+@dataclass(frozen=True)
+class Ask:
+    """One sequence's request for proposals this step."""
+    seq_id: object
+    tokens: list            # prompt + output so far
+    n: int                  # the most proposals wanted (0: none)
+    settings: object        # its SamplingSettings: greedy proposals, or draws with their q
+    rng: object             # its own generator
 
-    def __init__(self, config: SpeculativeConfig, target, draft_model=None):
-        self.config, self.target = config, target
+
+class Proposer:
+    """Where one engine's drafts come from: a prompt lookup for all, or a draft model over a
+    paged pool of its own. A draft model proposes only within its own positions (``room``),
+    however long the target's are."""
+
+    def __init__(self, config: SpeculativeConfig, target, draft_model=None,
+                 num_blocks: int = 64, block_size: int = 16, batch_invariant: bool = False):
+        """num_blocks, block_size: the draft model's pool (the target's); batch_invariant:
+        each draft row computed as a batch of one."""
         check_against(config, target.config, None if draft_model is None else
                       draft_model.config)
         if config.method == "ngram":
             self.lookup = LookupDraft(PromptLookup(config.prompt_lookup_max,
                                                    config.prompt_lookup_min),
                                       target.config.vocab_size)
-            self.cost = 0.0
-        else:
-            if draft_model is None:
-                raise ValueError("method 'draft_model' needs the draft model loaded")
-            self.lookup, self.draft_model = None, draft_model
-            # c of the formula: a decode step reads every weight, so a draft token costs the
-            # draft's parameters over the target's
-            self.cost = parameter_count(draft_model.config) / parameter_count(target.config)
-        self.drafts = {}    # sequence id -> its ModelDraft (draft_model only)
+            self.draft, self.cost = None, 0.0
+            return
+        if draft_model is None:
+            raise ValueError("method 'draft_model' needs the draft model loaded")
+        self.lookup = None
+        self.draft = DraftModel(draft_model, num_blocks, block_size, batch_invariant)
+        # c of the formula: a decode step reads every weight, so a draft token costs the
+        # draft's parameters over the target's
+        self.cost = parameter_count(draft_model.config) / parameter_count(target.config)
 
-    def propose(self, seq_id, tokens: list, n: int, max_new_tokens: int, prompt_len: int,
-                settings, rng) -> tuple:
-        """Up to n proposals for a sequence (tokens: prompt + output), and their q (None when
-        greedy). A draft model's cache for this sequence is made at its first call."""
-        if n < 1:
-            return [], []
+    def propose(self, asks) -> list:
+        """Every ask's proposals at once -> per ask (tokens, their q), q None when greedy; at
+        most ask.n tokens (a lookup may find fewer, a draft model's full pool gives fewer)."""
         if self.lookup is not None:
-            return self.lookup.propose(tokens, n, settings, rng)
-        if seq_id not in self.drafts:      # its cache: no longer than the draft's positions
-            fits = self.draft_model.config.max_position_embeddings - prompt_len
-            self.drafts[seq_id] = ModelDraft(self.draft_model, self.target,
-                                             np.array(tokens[:prompt_len]),
-                                             min(max_new_tokens, fits))
-        return self.drafts[seq_id].propose(tokens, n, settings, rng)
+            return [self.lookup.propose(a.tokens, a.n, a.settings, a.rng) if a.n > 0
+                    else ([], []) for a in asks]
+        for a in asks:                  # past the draft's positions: it drafts no more
+            if self.room(a.tokens) < 1:
+                self.forget(a.seq_id)
+        return self.draft.propose([a if a.n <= self.room(a.tokens) else
+                                   Ask(a.seq_id, a.tokens, self.room(a.tokens), a.settings,
+                                       a.rng) for a in asks])
 
     def room(self, tokens: list):
         """The most proposals the draft can make for a sequence of these tokens: a draft
@@ -85,7 +123,7 @@ class Proposer:
         """
         if self.lookup is not None:
             return math.inf
-        return max(0, self.draft_model.config.max_position_embeddings - len(tokens) + 1)
+        return max(0, self.draft.model.config.max_position_embeddings - len(tokens) + 1)
 
     def shadow(self, tokens: list):
         """The first token a lookup would propose now, None if it finds none or this is a draft
@@ -97,11 +135,118 @@ class Proposer:
 
     def rollback(self, seq_id, valid: int) -> None:
         """The sequence keeps its first `valid` tokens: the draft's cache forgets the rest."""
-        if seq_id in self.drafts:
-            self.drafts[seq_id].rollback(valid)
+        if self.draft is not None:
+            self.draft.rollback(seq_id, valid)
 
     def forget(self, seq_id) -> None:
-        self.drafts.pop(seq_id, None)
+        """The sequence drafts no more (over, cancelled, past the draft's positions): what
+        the draft held for it goes back."""
+        if self.draft is not None:
+            self.draft.forget(seq_id)
+
+    def holding(self) -> set:
+        """The sequences the draft holds blocks for."""
+        return set() if self.draft is None else set(self.draft.pool.seqs)
+
+
+class DraftModel:
+    """A draft model over a paged pool of its own: proposals for a batch, a pass a position."""
+
+    def __init__(self, model, num_blocks: int, block_size: int, batch_invariant: bool = False):
+        self.model, self.batch_invariant = model, batch_invariant
+        self.pool = PagedCache.allocate(model.config, num_blocks, block_size)
+        self.passes = 0     # forward passes of the draft, one a draft position
+
+    def propose(self, asks) -> list:
+        """Per ask, up to ask.n proposals and their q: ONE pass for every row's first, then
+        ONE pass a position over the rows asking for more (the module's docstring)."""
+        n = self._fit(asks)                              # per ask, what its blocks allow
+        out = [([], []) for _ in asks]
+        rows = [b for b, a in enumerate(asks) if n[b] > 0]
+        if not rows:
+            return out
+        logits = self._first([asks[b] for b in rows])                       # (B, V)
+        for j in range(max(n)):
+            if j:
+                rows = [b for b in rows if n[b] > j]
+                logits = self._next([asks[b].seq_id for b in rows],
+                                    [out[b][0][-1] for b in rows])           # (B', V)
+            for b, z in zip(rows, logits):
+                choose(z, asks[b], *out[b])
+        return out
+
+    def _fit(self, asks) -> list:
+        """Per ask, its n cut to what the draft's free blocks hold (in order; 0 where even its
+        unseen tokens do not fit): it feeds its unseen tokens and all but its last proposal."""
+        pool, free, n = self.pool, self.pool.num_free, []
+        for a in asks:
+            seq = pool.seqs.get(a.seq_id)
+            held, length = (0, 0) if seq is None else (len(seq.blocks), seq.length)
+            fits = 0 if a.n < 1 else max(0, min(a.n, (held + free) * pool.block_size
+                                                 - len(a.tokens) + 1))
+            n.append(fits)
+            if fits:
+                free -= max(0, pool.blocks_for(len(a.tokens) + fits - 1) - held)
+        return n
+
+    def _first(self, asks) -> np.ndarray:
+        """Each row feeds what the draft has not seen, in ONE ragged pass -> its last
+        position's logits (B, V)."""
+        pool, fresh, starts = self.pool, [], []
+        for a in asks:
+            if a.seq_id not in pool.seqs:
+                pool.add(a.seq_id, a.tokens[:1], reuse=False)     # its blocks: none held yet
+            seen = pool.seqs[a.seq_id].length
+            fresh.append(a.tokens[seen:])
+            starts.append(pool.append([a.seq_id], len(fresh[-1]))[0])
+        self.passes += 1
+        if self.batch_invariant:        # each row the very call a batch of one makes
+            return np.concatenate([last_logits(self.model, np.array([f]),
+                                               pool.view([a.seq_id], [s]))
+                                   for a, f, s in zip(asks, fresh, starts)])
+        groups = {}                     # unseen tokens -> the rows feeding as many
+        for b, f in enumerate(fresh):
+            groups.setdefault(len(f), []).append(b)
+        order = [b for rows in groups.values() for b in rows]
+        ids = np.array([[t for b in order for t in fresh[b]]])                  # (1, R)
+        view = RaggedView(pool, [([asks[b].seq_id for b in rows], [starts[b] for b in rows], T)
+                                 for T, rows in groups.items()])
+        hidden = forward(self.model, ids, view)                                 # (1, R, D)
+        ends = np.cumsum([len(fresh[b]) for b in order]) - 1          # each row's last token
+        logits = to_numpy(head(self.model, hidden[:, ends]))[0]                 # (B, V)
+        return logits[np.argsort(order)]                                   # back in ask order
+
+    def _next(self, seq_ids, last) -> np.ndarray:
+        """The rows feed their last proposals, ONE decode pass -> logits (B', V)."""
+        starts = self.pool.append(seq_ids, 1)
+        ids = np.array(last)[:, None]                                           # (B', 1)
+        view = self.pool.view(seq_ids, starts)
+        self.passes += 1
+        way = last_logits_alone if self.batch_invariant else last_logits
+        return way(self.model, ids, view)
+
+    def rollback(self, seq_id, valid: int) -> None:
+        seq = self.pool.seqs.get(seq_id)
+        if seq is not None and seq.length > valid:
+            self.pool.trim(seq_id, seq.length - valid)
+
+    def forget(self, seq_id) -> None:
+        if seq_id in self.pool.seqs:
+            self.pool.free_seq(seq_id)
+
+
+def choose(logits, ask: Ask, drafts: list, dists: list) -> None:
+    """The draft's next proposal from its logits (V,): greedy, as plain decoding picks (q
+    None), or a draw from its distribution q, which the verification needs."""
+    context = ask.tokens + drafts
+    if ask.settings.greedy:
+        drafts.append(next_token(logits, context, ask.settings, ask.rng))
+        dists.append(None)
+        return
+    z = apply_repetition_penalty(logits, context, ask.settings.repetition_penalty)
+    q = probabilities(z, ask.settings)                                          # (V,)
+    drafts.append(draw(q, ask.rng))
+    dists.append(q)
 
 
 def acceptance(accepted: int, judged: int) -> float:
@@ -138,5 +283,3 @@ def draft_length(config: SpeculativeConfig, alpha: float, batch: int, cost: floa
     def gain(n):                    # tokens per plain step's time; no draft: exactly 1
         return 1.0 if n == 0 else speedup(alpha, n, cost, batch_verify_cost(n, batch, W))
     return max(range(top + 1), key=gain)
-
-

@@ -112,7 +112,8 @@ class Engine:
         self.decode_times, self.prefill_times, self.memory = [], [], []   # with history only
         self.speculator = None if spec is None else Speculator(
             spec, model, draft_model if draft_model is not None or
-            spec.method != "draft_model" else load(spec.model))
+            spec.method != "draft_model" else load(spec.model), num_blocks, block_size,
+            config.batch_invariant)
 
     # --- the public API ----------------------------------------------------------------------
     def submit(self, request: Request) -> int:

@@ -3,10 +3,10 @@
 The library's ``speculative_generate`` (speculative.py) runs one sequence: draft, verify in one
 target pass, keep, trim. An engine step does the same for the whole batch at once:
 
-    propose   each decoding sequence may carry a draft of n_b tokens: prompt lookup over
-              its prompt and output (vLLM's ``ngram`` method, lookup.py), or a draft model
-              with its own cache per sequence (speculative.ModelDraft); ``draft_length``
-              decides n_b (below)
+    propose   each decoding sequence may carry a draft of n_b tokens, all of them from ONE
+              call of the proposer (drafting.py: a prompt lookup, or a draft model whose
+              cache is paged, one batched draft pass per draft position); ``draft_length``
+              decides n_b
     verify    ONE forward pass of the target over the paged cache, whatever the drafts:
               sequence b feeds its last token and its n_b proposals, n_b + 1 rows; a sequence
               without a draft feeds its last token alone, an ordinary decode row (batch-
@@ -15,7 +15,8 @@ target pass, keep, trim. An engine step does the same for the whole batch at onc
               greedy keeps the longest agreeing prefix plus one token of the target's own;
               sampling, Leviathan's rejection rule, with the sequence's own generator)
     trim      the positions of rejected proposals leave the cache (``PagedCache.trim``): a
-              block that held only rejected positions goes back to the pool
+              block that held only rejected positions goes back to the pool, and the draft
+              model's cache is trimmed to the same tokens
 
 The verification pass (``verify_logits``): by default a ragged batch (paged.RaggedView), each
 sequence a segment of its fed tokens, causal within it, all R tokens through every product at
@@ -33,22 +34,16 @@ The blocks: the scheduler's plan holds each row's slot for its last token, as fo
 written); the proposals get their slots here, in fresh blocks from the free list, and after
 the pass each sequence is trimmed back to the tokens it kept, a block that held only rejected
 positions going back. Speculation never preempts anyone: a draft longer than the free blocks
-allow is cut to what fits. The proposals are tokens of the step: with max_num_batched_tokens
-set, the drafts together take at most what the plan left of it (its decodes' last tokens and
-its prompt chunks come first), the rows drafting in order.
+allow is cut to what fits (``fits``). The proposals are tokens of the step: with
+max_num_batched_tokens set, the drafts together take at most what the plan left of it (its
+decodes' last tokens and its prompt chunks come first), the rows drafting in order.
 
-The draft length: drafting.py.
-
-Counters (``SpecCounters``, served under vLLM's names in /metrics): drafts (a sequence's
-proposal of at least one token, verified), draft tokens, accepted tokens, and accepted tokens
-by position in the draft.
-Leaves out: tree drafts, EAGLE/Medusa heads; a draft model batched over the sequences: each
-drafts alone, on its own contiguous cache, which stands at its own length and is fed what it
-has not seen (the prompt at its first draft, then the one or two tokens kept last round), so
-one draft pass for all would be a ragged batch over a paged pool of the draft's own; and the
-chunked-prefill step's one pass: a step with prompt chunks runs them in passes of their own
-after the verification (the verification's segments would be more groups of that ragged pass,
-but this step, drafts, pass, acceptance, would have to split around a pass the engine owns).
+The draft length, the acceptance books (a sequence's accepted and judged proposals, and at a
+step where it drafts nothing its lookup's first proposal judged against the token made) and
+the counters (``SpecCounters``, served under vLLM's names in /metrics): docs/serving.md,
+"Speculative decoding".
+Leaves out: tree drafts, EAGLE/Medusa heads; and the chunked-prefill step's one pass: a step
+with prompt chunks runs them in passes of their own after the verification.
 """
 import math
 from dataclasses import dataclass, field, replace
@@ -59,10 +54,9 @@ from minitransformer.backend import to_numpy
 from minitransformer.generate import last_logits_alone
 from minitransformer.model import forward, head
 from minitransformer.serve.config import SpeculativeConfig
-from minitransformer.serve.drafting import Proposer, acceptance, draft_length
+from minitransformer.serve.drafting import Ask, Proposer, acceptance, draft_length
 from minitransformer.serve.paged import PagedView, RaggedView
 from minitransformer.speculative import verify
-
 
 # --- verification ----------------------------------------------------------------------------
 def verify_view(cache, seq_ids, counts) -> PagedView:
@@ -150,9 +144,13 @@ class Row:
 class Speculator:
     """Speculation for one engine: proposals, the verification pass, the books."""
 
-    def __init__(self, config: SpeculativeConfig, model, draft_model=None):
+    def __init__(self, config: SpeculativeConfig, model, draft_model=None, num_blocks: int = 64,
+                 block_size: int = 16, batch_invariant: bool = False):
+        """num_blocks, block_size: the target's pool (a draft model's pool is as large);
+        batch_invariant: the draft's rows too are computed as batches of one."""
         self.config, self.model = config, model
-        self.proposer = Proposer(config, model, draft_model)
+        self.proposer = Proposer(config, model, draft_model, num_blocks, block_size,
+                                 batch_invariant)
         self.counters = SpecCounters()
         self.judged = {}    # sequence id -> [accepted, judged] proposals, for its alpha
         self.fed = []       # the last step's tokens fed per row (its last token + drafts)
@@ -160,24 +158,26 @@ class Speculator:
     def step(self, cache, rows, batch_invariant=False, spare=None) -> list:
         """Draft, make room, verify every row in one pass -> per row (kept tokens, the logits
         (k, V) each was chosen from). Each row's last token is counted in the books already,
-        its slot held (the scheduler's plan: ``append``); its proposals get room here, from
-        the free list only (a block the plan will still copy from or revive is never taken).
+        its slot held (the scheduler's plan: ``append``); every row's proposals come from ONE
+        call of the proposer, then get room here, from the free list only (a block the plan
+        will still copy from or revive is never taken), each cut to what fits.
         spare: the tokens of the step's budget (max_num_batched_tokens) the plan left, None
         for no budget: the drafts together take no more, the rows drafting in order.
         The caches hold the verified positions until ``settle``."""
         ids = [row.seq_id for row in rows]
         decoding = sum(not row.padding for row in rows)
+        proposals = self.proposer.propose([Ask(
+            row.seq_id, row.tokens, 0 if row.padding else self._length(row, decoding),
+            row.settings, row.rng) for row in rows])
         fed, drafts, dists, shadows = [], [], [], []
-        for row in rows:
-            n = 0 if row.padding else self._length(cache, row, decoding, spare)
-            proposal, q = self.proposer.propose(row.seq_id, row.tokens, n, row.max_new_tokens,
-                                                row.prompt_len, row.settings, row.rng)
-            cache.append([row.seq_id], len(proposal))   # fits: _length counted it
-            spare = None if spare is None else spare - len(proposal)
-            fed.append([row.tokens[-1]] + proposal)
-            drafts.append(proposal)
-            dists.append(q)
-            shadows.append(None if proposal or row.padding else self.proposer.shadow(row.tokens))
+        for row, (proposal, q) in zip(rows, proposals):
+            n = fits(cache, row.seq_id, len(proposal), spare)
+            cache.append([row.seq_id], n)
+            spare = None if spare is None else spare - n
+            fed.append([row.tokens[-1]] + proposal[:n])
+            drafts.append(proposal[:n])
+            dists.append(q[:n])
+            shadows.append(None if n or row.padding else self.proposer.shadow(row.tokens))
         self.fed = list(map(len, fed))
         logits = verify_logits(self.model, cache, ids, fed, batch_invariant)
         out = []
@@ -213,27 +213,28 @@ class Speculator:
         self.proposer.rollback(seq_id, valid)
 
     def forget(self, seq_id) -> None:
-        """A sequence is over: its books and draft cache go."""
+        """A sequence is over: its books and the draft's blocks of it go."""
         self.judged.pop(seq_id, None)
         self.proposer.forget(seq_id)
 
     def retain(self, seq_ids) -> None:
         """Forget every sequence but these (the engine's running and waiting ones)."""
-        for seq_id in (set(self.judged) | set(self.proposer.drafts)) - set(seq_ids):
+        for seq_id in (set(self.judged) | self.proposer.holding()) - set(seq_ids):
             self.forget(seq_id)
 
-    def _length(self, cache, row, batch: int, spare=None) -> int:
+    def _length(self, row, batch: int) -> int:
         """This step's draft length for a row: the rule's, never past the request's end or
-        the draft model's positions, never more than the budget's spare tokens or the free
-        blocks hold (speculation preempts nobody). A sequence past the draft's positions
-        drafts no more: its draft cache goes."""
-        made, room = len(row.tokens) - row.prompt_len, self.proposer.room(row.tokens)
-        if room < 1:
-            self.proposer.forget(row.seq_id)
-        n = min(draft_length(self.config, acceptance(*self.judged.get(row.seq_id, (0, 0))),
-                             batch, self.proposer.cost),
-                row.max_new_tokens - made - 1, room, math.inf if spare is None else spare)
-        seq, bs = cache.seqs[row.seq_id], cache.block_size
-        room = (len(seq.blocks) + len(cache.free)) * bs - seq.length    # after its one token
-        return max(0, min(n, room))
+        the draft model's positions (the pool and the budget cut it after: ``fits``)."""
+        made = len(row.tokens) - row.prompt_len
+        alpha = acceptance(*self.judged.get(row.seq_id, (0, 0)))
+        return max(0, min(draft_length(self.config, alpha, batch, self.proposer.cost),
+                          row.max_new_tokens - made - 1, self.proposer.room(row.tokens)))
 
+
+def fits(cache, seq_id, n: int, spare=None) -> int:
+    """How many of n proposals a sequence's verification can feed: no more than the budget's
+    spare tokens (None: no budget) or the free blocks hold after its one token (speculation
+    preempts nobody)."""
+    seq, bs = cache.seqs[seq_id], cache.block_size
+    room = (len(seq.blocks) + len(cache.free)) * bs - seq.length
+    return max(0, min(n, room, math.inf if spare is None else spare))

@@ -31,9 +31,9 @@ def test_a_cancel_leaving_nothing_running_retires_speculations_books_and_draft(m
     speculator = engine.speculator
     assert rid in speculator.judged and speculator.counters.draft_tokens > 0
     if method == "draft_model":
-        assert rid in speculator.proposer.drafts
+        assert rid in speculator.proposer.holding()
     assert engine.cancel(rid)
     assert not engine.running() and not engine.waiting
-    assert speculator.judged == {} and speculator.proposer.drafts == {}
+    assert speculator.judged == {} and speculator.proposer.holding() == set()
     assert engine.cache.seqs == {} and engine.cache.num_free == engine.cache.num_blocks
     assert engine.results[rid].status == "cancelled"

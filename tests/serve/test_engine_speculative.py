@@ -133,7 +133,7 @@ def test_a_draft_model_in_the_engine(close_calls):
     for r, request in zip(run.results, requests):
         assert r.tokens == mt.generate(close_calls, list(request.prompt),
                                        request.max_new_tokens, eos_token_id=[])
-    assert served.speculator.counters.accepted_tokens > 0 and not served.speculator.proposer.drafts
+    assert served.speculator.counters.accepted_tokens > 0 and not served.speculator.proposer.holding()
 
 
 def short_draft(model, positions):
@@ -157,25 +157,22 @@ def test_a_draft_with_fewer_positions_drafts_only_while_a_sequence_fits_them(clo
     plain = checked_run(engine(close_calls, batch_invariant=True, policy=policy,
                                max_num_seqs=3), requests)
     made = []                   # (sequence id, its length, its draft) per row drafting
-    steps = []                  # (sequence id, its length, the draft length taken) per step
-    original, length = drafting.Proposer.propose, speculate.Speculator._length
+    steps = []                  # (sequence id, its length, the draft length asked) per step
+    original = drafting.DraftModel.propose
 
-    def propose(self, seq_id, tokens, n, *rest):
-        drafts, dists = original(self, seq_id, tokens, n, *rest)
-        made.append((seq_id, len(tokens), len(drafts)))
-        return drafts, dists
-
-    def sized(self, cache, row, *rest):
-        n = length(self, cache, row, *rest)
-        steps.append((row.seq_id, len(row.tokens), n))
-        return n
-    drafting.Proposer.propose, speculate.Speculator._length = propose, sized
+    def propose(self, asks):
+        out = original(self, asks)
+        for a, (drafts, _) in zip(asks, out):
+            steps.append((a.seq_id, len(a.tokens), a.n))
+            made.append((a.seq_id, len(a.tokens), len(drafts)))
+        return out
+    drafting.DraftModel.propose = propose
     try:
         served = engine(close_calls, config, draft, batch_invariant=True, policy=policy,
                         max_num_seqs=3)
         run = checked_run(served, requests)
     finally:
-        drafting.Proposer.propose, speculate.Speculator._length = original, length
+        drafting.DraftModel.propose = original
     for r, p, request in zip(run.results, plain.results, requests):
         assert r.status == "finished" and r.tokens == p.tokens == mt.generate(
             close_calls, list(request.prompt), request.max_new_tokens, eos_token_id=[])
@@ -187,7 +184,7 @@ def test_a_draft_with_fewer_positions_drafts_only_while_a_sequence_fits_them(clo
     assert any(n_tokens > 16 for n_tokens, _ in second)
     assert all((n > 0) == (n_tokens <= 16) for n_tokens, n in second
                if n_tokens - 10 < 24 - 1), second
-    assert served.speculator.counters.accepted_tokens > 0 and not served.speculator.proposer.drafts
+    assert served.speculator.counters.accepted_tokens > 0 and not served.speculator.proposer.holding()
 
 
 def test_online_a_request_past_a_short_drafts_positions_is_served_as_without_speculation(

@@ -16,7 +16,7 @@ from minitransformer.model import forward
 from minitransformer.sampling import GREEDY
 from minitransformer.serve.paged import PagedCache
 from minitransformer.serve.config import FIELDS, SpeculativeConfig, parse_speculative_config
-from minitransformer.serve.drafting import draft_length
+from minitransformer.serve.drafting import Ask, draft_length
 from minitransformer.serve.speculate import Row, SpecCounters, Speculator, verify_logits
 from minitransformer.speculative import first_layers
 
@@ -265,8 +265,8 @@ def test_speculation_cuts_its_draft_to_the_free_blocks(model):
 
 
 def test_a_draft_model_drafts_with_its_own_cache(close_calls):
-    """The target's first layer as the draft model, a cache of its own per sequence: greedy
-    tokens still the target's, its rejected proposals rolled out of its cache."""
+    """The target's first layer as the draft model, a paged pool of its own: greedy tokens
+    still the target's, its rejected proposals rolled out of its cache."""
     model = close_calls
     config = SpeculativeConfig(num_speculative_tokens=3, method="draft_model", model="-")
     spec = Speculator(config, model, first_layers(model, 1))
@@ -278,21 +278,25 @@ def test_a_draft_model_drafts_with_its_own_cache(close_calls):
             tokens[row.seq_id] += kept
             spec.settle(cache, row.seq_id, len(tokens[row.seq_id]) - 1)
             # the draft's cache holds no rejected proposal: at most the kept tokens
-            assert spec.proposer.drafts[row.seq_id].kv.lengths[0] <= len(tokens[row.seq_id]) - 1
+            held = spec.proposer.draft.pool.seqs[row.seq_id].length
+            assert held <= len(tokens[row.seq_id]) - 1
     for s, p in PROMPTS.items():
         made = tokens[s][len(p):]
         assert made == mt.generate(model, p, len(made), eos_token_id=[])
     c = spec.counters
     assert c.draft_tokens == 2 * 5 * 3 and 0 < c.accepted_tokens < c.draft_tokens
     assert 0.5 < spec.proposer.cost < 1         # one of two layers, and the embeddings
+    pool = spec.proposer.draft.pool
     spec.forget("a")
-    assert "a" not in spec.proposer.drafts and "b" in spec.proposer.drafts
+    assert spec.proposer.holding() == {"b"}
+    spec.forget("b")
+    assert pool.num_free == pool.num_blocks and not spec.proposer.holding()
 
 
 def test_ngram_proposals_are_the_lookup_over_prompt_and_output(model):
     spec = Speculator(SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_max=2), model)
     for tokens in ([5, 6, 7, 9, 5, 6], [1, 2, 3], [4, 4, 4, 4], [1, 2, 3, 1]):  # 2-, no, 1-gram
-        drafts, dists = spec.proposer.propose(0, tokens, 3, 10, 2, GREEDY, None)
+        (drafts, dists), = spec.proposer.propose([Ask(0, tokens, 3, GREEDY, None)])
         assert drafts == prompt_lookup(tokens, 3, 2, 1) and dists == [None] * len(drafts)
 
 
