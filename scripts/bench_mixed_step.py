@@ -39,10 +39,10 @@ def pool(model, decodes, context, prompt_len, chunk_start, block_size, seed):
     cache = PagedCache.allocate(model.config, blocks, block_size)
     for s in range(decodes):
         tokens = rng.integers(0, V, context).tolist()
-        cache.add(s, tokens)
+        cache.books.add(s, tokens)
         forward(model, np.array([tokens]), cache.view([s]))
     prompt = rng.integers(0, V, prompt_len).tolist()
-    cache.add("prompt", prompt)
+    cache.books.add("prompt", prompt)
     if chunk_start:
         forward(model, np.array([prompt[:chunk_start]]), cache.view(["prompt"]))
     return cache, list(range(decodes)), "prompt", prompt
@@ -123,12 +123,12 @@ def reads_table(model, args, ran_on) -> Table:
         def step(attention, in_place):
             def decode():
                 cache.attention, cache.in_place = attention, in_place        # how it is read
-                return last_logits(model, newest, cache.view(ids, cache.append(ids, 1)))
+                return last_logits(model, newest, cache.view(ids, cache.books.append(ids, 1)))
             return decode
 
         def undo():
             for s in ids:
-                cache.trim(s, 1)
+                cache.books.trim(s, 1)
         timings = time_together([step(a, i) for a, i, _ in READS], warmup=1,
                                 repeat=args.repeat, after=[undo] * len(READS),
                                 clock=time.process_time)
@@ -145,8 +145,8 @@ def held_pool(model, rows, context, block_size, seed) -> tuple:
     rng = np.random.default_rng(seed)
     cache = PagedCache.allocate(model.config, rows * (context // block_size + 2), block_size)
     for s in range(rows):
-        cache.add(s, [0] * context, reuse=False)
-        cache.written([s], cache.append([s], context), context)             # length: context
+        cache.books.add(s, [0] * context, reuse=False)
+        cache.books.written([s], cache.books.append([s], context), context)  # length: context
     for pool in cache.k + cache.v:
         pool[...] = to_device(rng.standard_normal(pool.shape, dtype=np.float32))
     return cache, list(range(rows))
@@ -159,17 +159,17 @@ def ways(model, cache, ids, p, chunk) -> tuple:
     n = chunk.shape[1]
 
     def decodes():
-        return last_logits(model, newest, cache.view(ids, cache.append(ids, 1)))
+        return last_logits(model, newest, cache.view(ids, cache.books.append(ids, 1)))
 
     def alone():
-        return forward(model, chunk, cache.view([p], cache.append([p], n)))
+        return forward(model, chunk, cache.view([p], cache.books.append([p], n)))
 
     def two_passes():
         decodes()
         alone()
 
     def one_pass():
-        starts = cache.append(ids, 1) + cache.append([p], n)
+        starts = cache.books.append(ids, 1) + cache.books.append([p], n)
         view = RaggedView(cache, [(ids, starts[:-1], 1), ([p], starts[-1:], n)])
         tokens = np.concatenate([newest[:, 0], chunk[0]])[None]              # (1, B + n)
         hidden = forward(model, tokens, view)                                 # (1, B + n, D)
@@ -177,10 +177,10 @@ def ways(model, cache, ids, p, chunk) -> tuple:
 
     def undo_decodes():
         for s in ids:
-            cache.trim(s, 1)
+            cache.books.trim(s, 1)
 
     def undo_chunk():
-        cache.trim(p, n)
+        cache.books.trim(p, n)
 
     def undo_both():
         undo_decodes()

@@ -51,7 +51,7 @@ def fill(model, B, context, block_size, seed):
     start = time.perf_counter()
     for b in range(B):
         prompt = rng.integers(0, model.config.vocab_size, context).tolist()
-        cache.add(b, prompt)
+        cache.books.add(b, prompt)
         forward(model, np.array([prompt]), cache.view([b]))
         if (b + 1) % 8 == 0 or b + 1 == B:
             progress(b + 1, B, f"prefilled {context}-token caches "

@@ -102,16 +102,17 @@ def exact(engine, result) -> bool:
 def check_pool(engine) -> None:
     """The cache's books; exactly the running rows and padding rows hold blocks."""
     cache = engine.cache
-    cache.check()
+    cache.books.check()
     members = [live for live in engine.slots if live is not None]
-    assert all(live.result.id in cache.seqs for live in engine.running()), "a row lost blocks"
-    assert set(cache.seqs) <= {live.result.id for live in members}, "blocks of nobody's row"
-    assert not any(live.result.id in cache.seqs for live in engine.waiting)
-    assert engine.prefix_caching or not cache.index.name_of, "named blocks with caching off"
+    assert all(live.result.id in cache.books.seqs for live in engine.running()), \
+        "a row lost blocks"
+    assert set(cache.books.seqs) <= {live.result.id for live in members}, "blocks of nobody's row"
+    assert not any(live.result.id in cache.books.seqs for live in engine.waiting)
+    assert engine.prefix_caching or not cache.books.index.name_of, "named blocks with caching off"
     for live in members:  # paging holds no more than the blocks its tokens fill (its whole
-        seq = cache.seqs.get(live.result.id)   # prompt while a chunked prefill is under way)
+        seq = cache.books.seqs.get(live.result.id)   # prompt while a chunked prefill is under way)
         written = len(live.tokens) if live.prefilling else seq.length if seq else 0
-        assert seq is None or len(seq.blocks) <= blocks_for(written, cache.block_size), \
+        assert seq is None or len(seq.blocks) <= blocks_for(written, cache.books.block_size), \
             "a sequence holds more blocks than its tokens fill"
 
 
@@ -139,7 +140,8 @@ def run_case(model, seed, batch_invariant=True) -> dict:
                 f"case {seed}, request {result.id}: a token differs from generate alone"
     check_pool(engine)
     cache = engine.cache
-    assert cache.num_free == cache.num_blocks and not cache.seqs and not any(engine.slots)
+    books = cache.books
+    assert books.num_free == books.num_blocks and not books.seqs and not any(engine.slots)
     for result, request, (tokens, logprobs) in zip(engine.results.values(), asked, expected):
         where = f"case {seed}, request {result.id}"
         assert result.request is request, where
@@ -179,7 +181,7 @@ def run_case(model, seed, batch_invariant=True) -> dict:
                 cancelled=sum(r.status == "cancelled" for r in engine.results.values()),
                 rejected=sum(r.status == "rejected" for r in engine.results.values()),
                 cached=sum(r.cached_tokens > 0 for r in engine.results.values()),
-                evicted=engine.cache.index.evicted,
+                evicted=engine.cache.books.index.evicted,
                 forked=sum(r.choice > 0 and r.tokens != [] for r in engine.results.values()),
                 chunked=config.max_num_batched_tokens is not None,
                 caching=config.enable_prefix_caching, static=config.policy == "static")

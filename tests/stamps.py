@@ -46,16 +46,17 @@ def write(cache: PagedCache, stamps: Stamps, tokens: dict, T: int) -> list:
     Before writing, each target block is checked here, not by the cache's own rule: one
     holder (refcount 1) and no name. A write into a shared or named block fails."""
     ids = list(tokens)
-    cache.make_room(ids, T)
+    cache.books.make_room(ids, T)
+    cache.do(cache.books.take_moves())                      # the copies on write first
     view = cache.view(ids)
     positions = view.positions(T)                                      # (B, T)
-    targets = [[cache.seqs[s].blocks[p // cache.block_size] for p in row]
+    targets = [[cache.books.seqs[s].blocks[p // cache.books.block_size] for p in row]
                for s, row in zip(ids, positions)]
     for s, row in zip(ids, targets):
         for block in row:
-            assert cache.refcount[block] == 1, f"{s!r} writes block {block}, shared " \
-                f"by {cache.refcount[block]}"
-            assert block not in cache.index.name_of, f"{s!r} writes named block {block}"
+            assert cache.books.refcount[block] == 1, f"{s!r} writes block {block}, shared " \
+                f"by {cache.books.refcount[block]}"
+            assert block not in cache.books.index.name_of, f"{s!r} writes named block {block}"
     values = np.array([[stamps(tokens[s][:p + 1]) for p in row]
                        for s, row in zip(ids, positions)], dtype=np.float32)   # (B, T)
     _, Hkv, _, d = cache.k[0].shape
@@ -77,7 +78,7 @@ def block_stamps(cache: PagedCache, block: int) -> np.ndarray:
 
 def read(cache: PagedCache, seq_id) -> list:
     """A sequence's stamps read back through its block table, one per token held."""
-    seq = cache.seqs[seq_id]
+    seq = cache.books.seqs[seq_id]
     slots = [block_stamps(cache, b) for b in seq.blocks]
     return np.concatenate(slots)[:seq.length].tolist() if slots else []
 
@@ -89,8 +90,8 @@ def expected(stamps: Stamps, tokens) -> list:
 
 def holders(cache: PagedCache) -> np.ndarray:
     """(N,) how many block tables hold each block, counted here from the tables."""
-    count = np.zeros(cache.num_blocks, dtype=np.int64)
-    for seq in cache.seqs.values():
+    count = np.zeros(cache.books.num_blocks, dtype=np.int64)
+    for seq in cache.books.seqs.values():
         for block in seq.blocks:
             count[block] += 1
     return count

@@ -36,7 +36,7 @@ def paged_batch(model, prompts, block_size):
     cache = PagedCache.allocate(model.config, sum(len(p) // block_size + 2 for p in prompts),
                                 block_size)
     for i, prompt in enumerate(prompts):
-        held = cache.add(i, prompt)
+        held = cache.books.add(i, prompt)
         forward(model, np.array([prompt[held:]]), cache.view([i]))
     return cache
 
@@ -50,7 +50,7 @@ def test_decode_step_is_the_solo_step(tiny_model, block_size, batch_invariant):
     prompts = [rng.integers(0, V, n).tolist() for n in lengths]
     tokens = rng.integers(0, V, len(prompts)).tolist()
     cache = paged_batch(tiny_model, prompts, block_size)
-    cache.make_room(range(len(prompts)), 1)
+    cache.books.make_room(range(len(prompts)), 1)
     batched = decode_step(tiny_model, tokens, cache.view(range(6)), batch_invariant)
     for row, (prompt, token) in enumerate(zip(prompts, tokens)):
         expected = solo_decode_logits(tiny_model, prompt, token)
@@ -83,11 +83,11 @@ def test_many_batched_steps_give_generate_s_tokens(tiny_model, batch_invariant):
     cache = PagedCache.allocate(tiny_model.config, 64, 4)
     tokens = []
     for i, prompt in enumerate(prompts):  # prefill alone: it picks the first token
-        cache.add(i, prompt)
+        cache.books.add(i, prompt)
         tokens.append([int(np.argmax(last_logits(tiny_model, np.array([prompt]),
                                                  cache.view([i]))[0]))])
     for _ in range(19):                   # then 19 batched steps, greedy
-        cache.make_room(range(4), 1)
+        cache.books.make_room(range(4), 1)
         logits = decode_step(tiny_model, [t[-1] for t in tokens], cache.view(range(4)),
                              batch_invariant)
         for row, row_logits in enumerate(logits):
@@ -109,7 +109,7 @@ def test_long_rows_past_the_blas_size_switch(tmp_path):
     prompts = [rng.integers(0, 96, n).tolist() for n in (5, 64, 64, 299, 301, 420)]
     tokens = rng.integers(0, 96, len(prompts)).tolist()
     cache = paged_batch(model, prompts, 16)
-    cache.make_room(range(len(prompts)), 1)
+    cache.books.make_room(range(len(prompts)), 1)
     batched = decode_step(model, tokens, cache.view(range(len(prompts))), batch_invariant=True)
     for row, (prompt, token) in enumerate(zip(prompts, tokens)):
         assert np.array_equal(batched[row], solo_decode_logits(model, prompt, token)), row
@@ -188,7 +188,7 @@ def test_a_margin_is_the_logit_change_that_changes_the_choice(settings):
 
 def test_bad_token_ids_are_refused(tiny_model):
     cache = paged_batch(tiny_model, [[1, 2]], 4)
-    cache.make_room([0], 1)
+    cache.books.make_room([0], 1)
     with pytest.raises(ValueError, match="token ids"):
         decode_step(tiny_model, [tiny_model.config.vocab_size], cache.view([0]))
 

@@ -146,22 +146,24 @@ def test_engine_gives_generates_tokens_for_the_same_cache_format(checkpoint_dir,
 def test_copy_on_write_and_swap_move_codes_and_scales_bit_for_bit(tiny_model, kv_dtype):
     cache = PagedCache.allocate(tiny_model.config, 8, 4, kv_dtype)
     prompt = [3, 1, 4, 1, 5, 9, 2, 6]                       # two full blocks
-    cache.add("a", prompt)
+    cache.books.add("a", prompt)
     forward(tiny_model, np.array([prompt]), cache.view(["a"]))
-    cache.seal("a", prompt)
-    assert cache.add("b", prompt) == 7                      # held in full: last block copied
-    (a0, a1), (b0, b1) = cache.seqs["a"].blocks, cache.seqs["b"].blocks
+    cache.books.seal("a", prompt)
+    assert cache.books.add("b", prompt) == 7                # held in full: last block copied
+    cache.do(cache.books.take_moves())
+    (a0, a1), (b0, b1) = cache.books.seqs["a"].blocks, cache.books.seqs["b"].blocks
     assert a0 == b0 and a1 != b1
     for held in cache.k + cache.v:
         for part in (held.codes, held.scales):
             np.testing.assert_array_equal(to_numpy(part[b1]), to_numpy(part[a1]))
         assert to_numpy(held.scales[a1]).any()              # real blocks, not zeros
     before = [(to_numpy(h.codes[a1]), to_numpy(h.scales[a1])) for h in cache.k + cache.v]
-    swapped = cache.swap_out("a")
-    cache.settle()                                          # the pool copies it out
+    swapped = cache.books.swap_out("a")
+    cache.do(cache.books.take_moves())                    # the pool copies it out
     assert isinstance(swapped.k[0], QuantizedArray) and isinstance(swapped.k[0].codes, np.ndarray)
-    cache.swap_in("a", swapped)
-    a1 = cache.seqs["a"].blocks[1]
+    cache.books.swap_in("a", swapped)
+    cache.do(cache.books.take_moves())
+    a1 = cache.books.seqs["a"].blocks[1]
     for (codes, scales), held in zip(before, cache.k + cache.v):
         np.testing.assert_array_equal(to_numpy(held.codes[a1]), codes)
         np.testing.assert_array_equal(to_numpy(held.scales[a1]), scales)

@@ -180,13 +180,13 @@ def batched_steps(model, cache, tokens, contiguous=None) -> tuple:
         decode = last_logits_alone if batch_invariant else last_logits
 
         def step():
-            cache.make_room(rows, 1)
+            cache.books.make_room(rows, 1)
             return decode(model, tokens, cache.view(rows))
         return step
 
     def rollback():
         for b in rows:
-            cache.trim(b, 1)
+            cache.books.trim(b, 1)
     steps, rollbacks = [paged(False), paged(True)], [rollback, rollback]
     if contiguous is not None:
         step, undo = step_with_rollback(model, contiguous, tokens)

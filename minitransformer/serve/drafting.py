@@ -146,7 +146,7 @@ class Proposer:
 
     def holding(self) -> set:
         """The sequences the draft holds blocks for."""
-        return set() if self.draft is None else set(self.draft.pool.seqs)
+        return set() if self.draft is None else set(self.draft.pool.books.seqs)
 
 
 class DraftModel:
@@ -178,27 +178,28 @@ class DraftModel:
     def _fit(self, asks) -> list:
         """Per ask, its n cut to what the draft's free blocks hold (in order; 0 where even its
         unseen tokens do not fit): it feeds its unseen tokens and all but its last proposal."""
-        pool, free, n = self.pool, self.pool.num_free, []
+        books, n = self.pool.books, []
+        free = books.num_free
         for a in asks:
-            seq = pool.seqs.get(a.seq_id)
+            seq = books.seqs.get(a.seq_id)
             held, length = (0, 0) if seq is None else (len(seq.blocks), seq.length)
-            fits = 0 if a.n < 1 else max(0, min(a.n, (held + free) * pool.block_size
+            fits = 0 if a.n < 1 else max(0, min(a.n, (held + free) * books.block_size
                                                  - len(a.tokens) + 1))
             n.append(fits)
             if fits:
-                free -= max(0, pool.blocks_for(len(a.tokens) + fits - 1) - held)
+                free -= max(0, books.blocks_for(len(a.tokens) + fits - 1) - held)
         return n
 
     def _first(self, asks) -> np.ndarray:
         """Each row feeds what the draft has not seen, in ONE ragged pass -> its last
         position's logits (B, V)."""
-        pool, fresh, starts = self.pool, [], []
+        pool, books, fresh, starts = self.pool, self.pool.books, [], []
         for a in asks:
-            if a.seq_id not in pool.seqs:
-                pool.add(a.seq_id, a.tokens[:1], reuse=False)     # its blocks: none held yet
-            seen = pool.seqs[a.seq_id].length
+            if a.seq_id not in books.seqs:
+                books.add(a.seq_id, a.tokens[:1], reuse=False)    # its blocks: none held yet
+            seen = books.seqs[a.seq_id].length
             fresh.append(a.tokens[seen:])
-            starts.append(pool.append([a.seq_id], len(fresh[-1]))[0])
+            starts.append(books.append([a.seq_id], len(fresh[-1]))[0])
         self.passes += 1
         if self.batch_invariant:        # each row the very call a batch of one makes
             return np.concatenate([last_logits(self.model, np.array([f]),
@@ -218,7 +219,7 @@ class DraftModel:
 
     def _next(self, seq_ids, last) -> np.ndarray:
         """The rows feed their last proposals, ONE decode pass -> logits (B', V)."""
-        starts = self.pool.append(seq_ids, 1)
+        starts = self.pool.books.append(seq_ids, 1)
         ids = np.array(last)[:, None]                                           # (B', 1)
         view = self.pool.view(seq_ids, starts)
         self.passes += 1
@@ -226,13 +227,13 @@ class DraftModel:
         return way(self.model, ids, view)
 
     def rollback(self, seq_id, valid: int) -> None:
-        seq = self.pool.seqs.get(seq_id)
+        seq = self.pool.books.seqs.get(seq_id)
         if seq is not None and seq.length > valid:
-            self.pool.trim(seq_id, seq.length - valid)
+            self.pool.books.trim(seq_id, seq.length - valid)
 
     def forget(self, seq_id) -> None:
-        if seq_id in self.pool.seqs:
-            self.pool.free_seq(seq_id)
+        if seq_id in self.pool.books.seqs:
+            self.pool.books.free_seq(seq_id)
 
 
 def choose(logits, ask: Ask, drafts: list, dists: list) -> None:

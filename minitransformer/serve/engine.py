@@ -104,7 +104,7 @@ class Engine:
         self.attention = config.attention
         self.cache = PagedCache.allocate(model.config, num_blocks, block_size,
                                          config.kv_cache_dtype, config.attention)
-        self.scheduler = Scheduler(self.cache, slots, config.policy,
+        self.scheduler = Scheduler(self.cache.books, slots, config.policy,
                                    config.max_num_batched_tokens, config.enable_prefix_caching)
         self.history = history
         self.results = {}           # request id -> Result, until released
@@ -130,7 +130,7 @@ class Engine:
         samples' first tokens (each sample writes its own copy of the last prompt block).
         More than the whole pool, and the request is rejected at submission. A request of no
         new tokens (prompt logprobs alone) holds its prompt's blocks, shared by its samples."""
-        bs = self.cache.block_size
+        bs = self.cache.books.block_size
         if max_new_tokens == 0:
             return blocks_for(prompt_tokens, bs)
         return max(blocks_for(prompt_tokens + max_new_tokens, bs),
@@ -239,7 +239,7 @@ class Engine:
     def _reads_unwritten(self, work, failed) -> bool:
         """Would this pass read a block a failed pass was to fill (one of its rows holds it,
         found by name, or a copy takes it)?"""
-        books = self.cache
+        books = self.cache.books
         theirs = {b for f in failed for seq in f.rows for b in books.seqs[seq.result.id].blocks
                   if b in books.filling}
         return any(b in theirs for seq in work.rows for b in books.seqs[seq.result.id].blocks) \
@@ -256,11 +256,11 @@ class Engine:
         for work in (plan.decode, *plan.prefill):
             self._moves(work)                       # a swap out or in is someone else's
         self._moves(plan)
-        self.cache.drop_unwritten()
+        self.cache.books.drop_unwritten()
         reason = f"the engine failed on this request's step: {error!r}"
         for seq in dict.fromkeys(seq for work in failed for seq in (*work.rows, *work.firsts)):
             self.scheduler.fail(seq, reason)
-        self.cache.check()
+        self.cache.books.check()
 
     def _decode(self, work, spare=None) -> list:
         """One token for every row in one batched forward pass -> the rows that sampled one
@@ -281,7 +281,7 @@ class Engine:
             logits = last_logits(self.model, newest, view)                  # (B, V)
         for seq, row in zip(rows, logits):
             if seq.finished:
-                self.cache.trim(seq.result.id, 1)   # a padding row never grows
+                self.cache.books.trim(seq.result.id, 1)   # a padding row never grows
             else:
                 self._sample(seq, row)
         if self.history:
@@ -324,7 +324,7 @@ class Engine:
                     self._sample(member, z)
                 made += work.firsts
             elif seq.finished:
-                self.cache.trim(seq.result.id, 1)      # a padding row never grows
+                self.cache.books.trim(seq.result.id, 1)      # a padding row never grows
             else:
                 self._sample(seq, z)
                 made.append(seq)
@@ -352,7 +352,7 @@ class Engine:
                     break
             spec.settle(self.cache, seq.result.id, len(seq.tokens) - 1)
             if self.prefix_caching and not seq.finished:
-                self.cache.seal(seq.result.id, seq.tokens)
+                self.cache.books.seal(seq.result.id, seq.tokens)
         if self.history:
             self.decode_times.append((len(rows), time.perf_counter() - start))
         return [seq for seq in rows if not seq.finished]
@@ -396,12 +396,12 @@ class Engine:
             result = Result(self.next_id, float(request.arrival), request, choice=i)
             self.results[result.id], self.next_id = result, self.next_id + 1
             seqs.append(Sequence(result, list(prompt), rng, eos))
-        bs, need = self.cache.block_size, self.pool_need(len(prompt), request.max_new_tokens,
-                                                         len(seqs))
+        bs = self.cache.books.block_size
+        need = self.pool_need(len(prompt), request.max_new_tokens, len(seqs))
         for seq in seqs:
-            if need > self.cache.num_blocks:
+            if need > self.cache.books.num_blocks:
                 close(seq.result, "rejected", self.clock, reason=f"needs up to {need} "
-                      f"blocks of {bs} tokens; the pool has {self.cache.num_blocks}")
+                      f"blocks of {bs} tokens; the pool has {self.cache.books.num_blocks}")
             elif request.max_new_tokens == 0 and request.prompt_logprobs is None:
                 close(seq.result, "finished", self.clock)   # nothing to compute
         if seqs[0].result.status == "waiting":

@@ -255,7 +255,7 @@ async def answer(http: Request, kind: str):
     try:
         body = await read_json(http, app.limit)
         jobs = await asyncio.to_thread(parse, body, kind, app.model, app.name,
-                                       app.cache.num_blocks * app.cache.block_size,
+                                       app.cache.books.num_blocks * app.cache.books.block_size,
                                        app.online.engine.config.max_num_seqs, app.longest)
         for job in jobs:
             check_pool(app, job.request)
@@ -369,10 +369,10 @@ def check_pool(app: App, request) -> None:
     answer starts (the prompt and max_tokens alone were checked by parse)."""
     length, cache = len(request.prompt), app.cache
     need = app.online.engine.pool_need(length, request.max_new_tokens, request.n)
-    if need > cache.num_blocks:
+    if need > cache.books.num_blocks:
         raise APIError(f"n={request.n} samples of a {length}-token prompt need {need} KV "
-                       f"blocks of {cache.block_size} tokens at once (the prompt and each "
-                       f"sample's first token); the pool has {cache.num_blocks}: ask for "
+                       f"blocks of {cache.books.block_size} tokens at once (the prompt and each "
+                       f"sample's first token); the pool has {cache.books.num_blocks}: ask for "
                        f"fewer samples", "n")
 
 
@@ -844,7 +844,7 @@ def serve(model_path, config: EngineConfig = None, host: str = "127.0.0.1", port
         limit = limits.max_request_bytes or default_max_request_bytes(model)
         where = f"[{host}]" if ":" in host else host
         print(f"serving {name!r} ({config.policy} batching, {config.max_num_seqs} slots, "
-              f"{engine.cache.num_blocks} blocks of {config.block_size}, prefix caching "
+              f"{engine.cache.books.num_blocks} blocks of {config.block_size}, prefix caching "
               f"{'on' if config.enable_prefix_caching else 'off'}, {chunks}, "
               f"{config.kv_cache_dtype} cache, {config.attention} attention, bodies up to "
               f"{limit:,} bytes, {'an' if limits.api_key else 'no'} API key required) on "

@@ -237,7 +237,7 @@ class OnlineEngine:
     def _snapshot(self) -> Snapshot:
         cache = self.engine.cache
         return Snapshot(len(self.engine.running()), self.engine.scheduler.queued(),
-                        cache.num_blocks - cache.num_free, cache.num_blocks,
+                        cache.books.num_blocks - cache.books.num_free, cache.books.num_blocks,
                         self.engine.preemptions, self.engine.prefix_queries,
                         self.engine.prefix_hits, None if self.engine.speculator is None
                         else self.engine.speculator.counters.copy())

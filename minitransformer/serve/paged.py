@@ -3,7 +3,7 @@ pass's view of it (experiment 14).
 
     pool    per layer, one array (N, Hkv, bs, d) of keys and one of values: a block is a
             small (Hkv, bs, d) cache, float or a QuantizedArray of codes and scales (kvquant)
-    books   blocks.BlockManager: free list, block tables, refcounts, the prefix index
+    books   a blocks.BlockManager (``books``): free list, block tables, refcounts, prefix index
     view    ``view(seq_ids)`` is what ``model.forward`` talks to (kvcache.py's protocol):
             ``positions``, ``update`` (write the new keys/values into their slots, return all
             held), ``mask``, ``attend``, ``advance``
@@ -16,7 +16,8 @@ PagedAttention's reading, never the whole context copied; the same tiles as a ga
 so the same bits (``in_place=False`` gathers first, to time the two side by side).
 
 The books decide, the pool does: a copy on write or a swap the books queue (``moves``) is
-carried out by ``do`` before the pool is read or written, in the order decided. Shapes: N
+carried out by ``do``, when the engine asks, before the pool is read or written, in the order
+decided; reading ``k`` or ``v`` moves nothing. Shapes: N
 blocks, bs slots per block, nb blocks in a table; B, T, S, Hkv, d as in model.py. Leaves out:
 a kernel that multiplies each block where it lies (here a tile's blocks are indexed, a copy
 of B x a tile's slots).
@@ -30,11 +31,12 @@ and its keys, and only its fifth token is computed:
 >>> model = random_model(qwen2_config())
 >>> cache = PagedCache.allocate(model.config, 8, block_size=4)
 >>> a = [5, 6, 7, 8, 9, 10]
->>> cache.add("a", a)                 # -> prompt tokens already held: none
+>>> books = cache.books
+>>> books.add("a", a)                 # -> prompt tokens already held: none
 0
 >>> _ = forward(model, np.array([a]), cache.view(["a"]))
->>> cache.seal("a", a)                # name a's full blocks: offered to later prompts
->>> cache.add("b", [5, 6, 7, 8, 42]), cache.seqs["b"].blocks     # block 0 is a's
+>>> books.seal("a", a)                # name a's full blocks: offered to later prompts
+>>> books.add("b", [5, 6, 7, 8, 42]), books.seqs["b"].blocks     # block 0 is a's
 (4, [0, 2])
 >>> bool((to_numpy(cache.to_contiguous(["b"]).k[0][0, :, :4]) ==
 ...       to_numpy(cache.to_contiguous(["a"]).k[0][0, :, :4])).all())
@@ -83,80 +85,63 @@ def check_fits(config, slots: int, num_blocks: int, block_size: int,
                          f"{have:,} bytes of {where}: ask for fewer blocks or slots")
 
 
-class PagedCache(BlockManager):
-    """The books (BlockManager) and the pool arrays they describe."""
+class PagedCache:
+    """The pool arrays, and the books (a BlockManager) that say whose tokens each block holds.
+    The books decide, the pool does: a move happens when ``do`` is asked, never on a read."""
 
-    def __init__(self, k: list, v: list, block_size: int, attention: str = "plain",
+    def __init__(self, books: BlockManager, k: list, v: list, attention: str = "plain",
                  in_place: bool = True):
-        super().__init__(k[0].shape[0], block_size)
-        self._k, self._v = k, v
         attention_named(attention)              # checked: how its views attend (tiled.py)
+        self.books, self.k, self.v = books, k, v    # L arrays (N, Hkv, bs, d) each
         self.attention = attention
         self.in_place = attention == "tiled" and in_place   # update hands InPlace blocks
 
     @classmethod
     def allocate(cls, config, num_blocks: int, block_size: int, kv_dtype: str = "f32",
                  attention: str = "plain", in_place: bool = True):
-        """kv_dtype: f32, f16, q8_0 or q4_0 (kvquant.KV_DTYPES); attention: plain or tiled;
-        in_place: the tiled attention reads the blocks where they lie (False: gathered first,
-        as the plain one reads them)."""
-        if num_blocks < 1 or block_size < 1:
-            raise ValueError(f"a paged cache needs num_blocks >= 1 and block_size >= 1, "
-                             f"got {num_blocks}, {block_size}")
+        """A pool of num_blocks blocks and its books. kv_dtype: f32, f16, q8_0 or q4_0
+        (kvquant.KV_DTYPES); attention: plain or tiled; in_place: the tiled attention reads
+        the blocks where they lie (False: gathered first, as the plain one reads them)."""
+        books = BlockManager(num_blocks, block_size)        # checks both sizes
         shape = (num_blocks, config.num_key_value_heads, block_size, config.head_dim)
         L = config.num_hidden_layers
-        return cls([zeros(shape, kv_dtype) for _ in range(L)],
-                   [zeros(shape, kv_dtype) for _ in range(L)], block_size, attention, in_place)
-
-    @property
-    def k(self) -> list:
-        """L arrays (N, Hkv, bs, d), the moves the books decided done first."""
-        self.settle()
-        return self._k
-
-    @property
-    def v(self) -> list:
-        self.settle()
-        return self._v
-
-    def settle(self) -> None:
-        """Carry out every move the books have decided and nobody has taken yet."""
-        self.do(self.take_moves())
+        return cls(books, [zeros(shape, kv_dtype) for _ in range(L)],
+                   [zeros(shape, kv_dtype) for _ in range(L)], attention, in_place)
 
     @property
     def kv_dtype(self) -> str:
-        return kv_dtype_of(self._k[0])
+        return kv_dtype_of(self.k[0])
 
     @property
     def bytes_per_token(self) -> int:
-        _, Hkv, _, d = self._k[0].shape
-        return cache_bytes_per_token(KVDims(len(self._k), Hkv, d), self.kv_dtype)
+        _, Hkv, _, d = self.k[0].shape
+        return cache_bytes_per_token(KVDims(len(self.k), Hkv, d), self.kv_dtype)
 
     def stats(self):
-        return super().stats(self.bytes_per_token)
+        return self.books.stats(self.bytes_per_token)
 
     def do(self, moves) -> None:
         """Carry out the books' moves, in the order they were decided (a swap out reads its
         blocks before a later move or write reuses them)."""
         for move in moves:
             if isinstance(move, Copy):
-                for k, v in zip(self._k, self._v):
+                for k, v in zip(self.k, self.v):
                     k[move.dst], v[move.dst] = k[move.src], v[move.src]
             elif isinstance(move, SwapOut):
                 index = to_device(np.array(move.blocks, dtype=np.int64))
-                move.into.k = [on_host(k[index]) for k in self._k]
-                move.into.v = [on_host(v[index]) for v in self._v]
+                move.into.k = [on_host(k[index]) for k in self.k]
+                move.into.v = [on_host(v[index]) for v in self.v]
             elif isinstance(move, SwapIn):
                 index = to_device(np.array(move.blocks, dtype=np.int64))  # host-made, in range
-                for layer in range(len(self._k)):
-                    self._k[layer][index] = on_device(move.source.k[layer])
-                    self._v[layer][index] = on_device(move.source.v[layer])
+                for layer in range(len(self.k)):
+                    self.k[layer][index] = on_device(move.source.k[layer])
+                    self.v[layer][index] = on_device(move.source.v[layer])
 
     def view(self, seq_ids, starts=None) -> "PagedView":
         """The sequences seq_ids as one batch for model.forward (row b = seq_ids[b]). starts:
         where each row's new tokens go when a plan has counted them in the books already
         (``append``); by default each row's length, and ``advance`` counts them."""
-        seqs = [self.seqs[s] for s in seq_ids]
+        seqs = [self.books.seqs[s] for s in seq_ids]
         counted = starts is not None
         if not counted:
             starts = [s.length for s in seqs]
@@ -166,17 +151,18 @@ class PagedCache(BlockManager):
         """The sequences' keys and values copied into a contiguous KVCache of max_len
         positions (default: the longest row's length), row b = seq_ids[b]: the same bits in
         the other layout, e.g. to time the two layouts' decodes side by side."""
-        lengths = np.array([self.seqs[s].length for s in seq_ids], dtype=np.int64)
+        books = self.books
+        lengths = np.array([books.seqs[s].length for s in seq_ids], dtype=np.int64)
         S = int(lengths.max())
         max_len = S if max_len is None else max_len
         if max_len < S:
             raise ValueError(f"max_len={max_len} is shorter than the longest row ({S})")
-        _, Hkv, _, d = self._k[0].shape
-        kv = KVCache([zeros((len(seq_ids), Hkv, max_len, d), self.kv_dtype) for _ in self._k],
-                     [zeros((len(seq_ids), Hkv, max_len, d), self.kv_dtype) for _ in self._v],
+        _, Hkv, _, d = self.k[0].shape
+        kv = KVCache([zeros((len(seq_ids), Hkv, max_len, d), self.kv_dtype) for _ in self.k],
+                     [zeros((len(seq_ids), Hkv, max_len, d), self.kv_dtype) for _ in self.v],
                      lengths, self.attention)
         for b, (s, n) in enumerate(zip(seq_ids, lengths.tolist())):  # each row its own length
-            table = to_device(block_table([self.seqs[s]], self.blocks_for(n)))      # (1, nb)
+            table = to_device(block_table([books.seqs[s]], books.blocks_for(n)))    # (1, nb)
             for contiguous, pool in zip(kv.k + kv.v, self.k + self.v):
                 contiguous[b:b + 1, :, :n] = gather(pool, table, n)
         return kv
@@ -197,7 +183,7 @@ class PagedView:
 
     def positions(self, T: int) -> np.ndarray:
         """Positions (B, T) of T new tokens per row: where they go, and their RoPE angle."""
-        rooms = np.array([len(s.blocks) for s in self.seqs]) * self.cache.block_size
+        rooms = np.array([len(s.blocks) for s in self.seqs]) * self.cache.books.block_size
         if (self.starts + T > rooms).any():
             raise ValueError(f"no room for {T} token(s) in rows of {self.starts.tolist()} "
                              f"(slots {rooms.tolist()}): call make_room first")
@@ -207,14 +193,14 @@ class PagedView:
         """Where positions (B, T) go and where each row's blocks are, worked out once per
         forward pass -> (blocks (B, T), offsets (B, T), block tables (B, nb), S) on the device.
         """
-        cache, bs = self.cache, self.cache.block_size
-        S, N = int(positions.max()) + 1, cache.num_blocks
-        table = block_table(self.seqs, cache.blocks_for(S))                  # (B, nb)
+        books = self.cache.books
+        bs, S, N = books.block_size, int(positions.max()) + 1, books.num_blocks
+        table = block_table(self.seqs, books.blocks_for(S))                  # (B, nb)
         # Checked here: CuPy would wrap a bad id around silently.
         if table.min() < 0 or table.max() >= N:
             raise ValueError(f"block ids {table.min()}..{table.max()} outside a pool of {N}")
         blocks = np.take_along_axis(table, positions // bs, axis=1)       # (B, T)
-        if not all(map(cache.may_write, blocks.ravel())):  # shared or named: never changed
+        if not all(map(books.may_write, blocks.ravel())):  # shared or named: never changed
             raise RuntimeError("write into a shared or named block: make_room copies it first")
         return to_device(blocks), to_device(positions % bs), to_device(table), S
 
@@ -239,7 +225,7 @@ class PagedView:
 
     def advance(self, T: int) -> None:
         """Called by forward after every layer has stored its T new tokens."""
-        self.cache.written(self.ids, self.starts, T)
+        self.cache.books.written(self.ids, self.starts, T)
         if not self.counted:
             for s in self.seqs:
                 s.length += T

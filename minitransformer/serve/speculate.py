@@ -67,7 +67,7 @@ def verify_view(cache, seq_ids, counts) -> PagedView:
     own position."""
     ids, starts = [], []
     for seq_id, count in zip(seq_ids, counts):
-        length = cache.seqs[seq_id].length
+        length = cache.books.seqs[seq_id].length
         ids += [seq_id] * count
         starts += range(length - count, length)
     return cache.view(ids, starts)
@@ -90,7 +90,7 @@ def verify_logits(model, cache, seq_ids, fed, batch_invariant=False):
     order = [b for rows in by_count.values() for b in rows]          # the pass's row order
     ids = np.array([[t for b in order for t in fed[b]]])                       # (1, R)
     view = RaggedView(cache, [([seq_ids[b] for b in rows],
-                               [cache.seqs[seq_ids[b]].length - n for b in rows], n)
+                               [cache.books.seqs[seq_ids[b]].length - n for b in rows], n)
                               for n, rows in by_count.items()])
     logits = to_numpy(head(model, forward(model, ids, view)))[0]               # (R, V)
     ends = np.cumsum([0] + [len(fed[b]) for b in order])
@@ -172,7 +172,7 @@ class Speculator:
         fed, drafts, dists, shadows = [], [], [], []
         for row, (proposal, q) in zip(rows, proposals):
             n = fits(cache, row.seq_id, len(proposal), spare)
-            cache.append([row.seq_id], n)
+            cache.books.append([row.seq_id], n)
             spare = None if spare is None else spare - n
             fed.append([row.tokens[-1]] + proposal[:n])
             drafts.append(proposal[:n])
@@ -209,7 +209,7 @@ class Speculator:
     def settle(self, cache, seq_id, valid: int) -> None:
         """After a step: the sequence keeps its first `valid` tokens in the cache (the rest,
         rejected or past its end, are trimmed: their blocks go back), the draft's too."""
-        cache.trim(seq_id, cache.seqs[seq_id].length - valid)
+        cache.books.trim(seq_id, cache.books.seqs[seq_id].length - valid)
         self.proposer.rollback(seq_id, valid)
 
     def forget(self, seq_id) -> None:
@@ -235,6 +235,6 @@ def fits(cache, seq_id, n: int, spare=None) -> int:
     """How many of n proposals a sequence's verification can feed: no more than the budget's
     spare tokens (None: no budget) or the free blocks hold after its one token (speculation
     preempts nobody)."""
-    seq, bs = cache.seqs[seq_id], cache.block_size
-    room = (len(seq.blocks) + len(cache.free)) * bs - seq.length
+    seq, bs = cache.books.seqs[seq_id], cache.books.block_size
+    room = (len(seq.blocks) + len(cache.books.free)) * bs - seq.length
     return max(0, min(n, room, math.inf if spare is None else spare))

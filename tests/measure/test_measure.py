@@ -147,7 +147,7 @@ def test_batched_steps_are_one_decode_step_each_way_and_roll_back(tiny_model):
     cache = PagedCache.allocate(c, num_blocks=B * 4, block_size=4)
     kv = KVCache.allocate(c, B, T + 1)
     for b in range(B):
-        cache.add(b, prompts[b].tolist())
+        cache.books.add(b, prompts[b].tolist())
         forward(tiny_model, prompts[b:b + 1], cache.view([b]))
     forward(tiny_model, prompts, kv)
     tokens = np.array([5, 7, 11])
@@ -159,7 +159,7 @@ def test_batched_steps_are_one_decode_step_each_way_and_roll_back(tiny_model):
         alone.append(last_logits(tiny_model, tokens[b:b + 1, None], one)[0])
     for _ in range(2):                         # the second time round sees the same caches
         flat, exact, contiguous = [(step(), undo())[0] for step, undo in zip(steps, rollbacks)]
-        assert [cache.seqs[b].length for b in range(B)] == [T] * B
+        assert [cache.books.seqs[b].length for b in range(B)] == [T] * B
         assert kv.lengths.tolist() == [T] * B
         np.testing.assert_array_equal(exact, np.array(alone))
         window = NEAR_TIE * np.abs(exact).max()

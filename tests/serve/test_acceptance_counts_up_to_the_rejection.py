@@ -40,7 +40,7 @@ def speculating(model, draft, **config):
     """A pool holding PROMPT (all but its last token computed) and a speculator whose lookup
     proposes `draft`, verified row by row (batch-invariant: plain greedy's tokens)."""
     cache = PagedCache.allocate(model.config, 16, 4)
-    cache.add("a", PROMPT)
+    cache.books.add("a", PROMPT)
     forward(model, np.array([PROMPT[:-1]]), cache.view(["a"]))
     spec = Speculator(SpeculativeConfig(num_speculative_tokens=K, **config), model)
     spec.proposer.lookup = Scripted(draft)

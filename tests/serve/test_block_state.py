@@ -57,10 +57,10 @@ class BlockBooks(RuleBasedStateMachine):
         return self.next_id
 
     def snapshot(self):
-        c = self.cache
+        c = self.cache.books
         return (list(c.free), list(c.index.unheld), c.refcount.tolist(),
                 {s: (list(q.blocks), q.length) for s, q in c.seqs.items()},
-                dict(c.index.name_of), [to_numpy(a).copy() for a in c.k])
+                dict(c.index.name_of), [to_numpy(a).copy() for a in self.cache.k])
 
     def assert_unchanged(self, before):
         after = self.snapshot()
@@ -69,8 +69,8 @@ class BlockBooks(RuleBasedStateMachine):
 
     def named_prefixes(self) -> set:
         """The prefix each named block holds, read from its stamps."""
-        bs, held = self.cache.block_size, set()
-        for block in self.cache.index.name_of:
+        bs, held = self.cache.books.block_size, set()
+        for block in self.cache.books.index.name_of:
             slots = block_stamps(self.cache, block)
             assert slots.all(), f"named block {block} is not full"
             prefix = self.stamps.prefix_of[int(slots[-1])]
@@ -81,7 +81,7 @@ class BlockBooks(RuleBasedStateMachine):
 
     def expected_hits(self, prompt) -> int:
         """Leading full blocks of prompt whose whole prefix a named block holds."""
-        bs, held, hits = self.cache.block_size, self.named_prefixes(), 0
+        bs, held, hits = self.cache.books.block_size, self.named_prefixes(), 0
         while (hits + 1) * bs <= len(prompt) and tuple(prompt[:(hits + 1) * bs]) in held:
             hits += 1
         return hits
@@ -90,14 +90,15 @@ class BlockBooks(RuleBasedStateMachine):
         """The kept blocks after a rule: the ones kept before, less those revived and moved,
         the oldest evicted (only once the free list is empty), then the released ones in
         the order given (``released``: None when any order is right), then ``moved``."""
-        old_names, unheld = before[4], list(self.cache.index.unheld)
+        old_names, unheld = before[4], list(self.cache.books.index.unheld)
         rest = [b for b in before[1] if b not in revived and b not in moved]
         evicted = [b for b in rest if b not in unheld]
         assert rest[:len(evicted)] == evicted, f"evicted {evicted}, oldest first was {rest}"
         for b in evicted:
-            assert self.cache.index.name_of.get(b) != old_names[b], f"{b} evicted, still named"
+            assert self.cache.books.index.name_of.get(b) != old_names[b], \
+                f"{b} evicted, still named"
         if evicted:
-            assert not self.cache.free, "a kept block evicted while the free list had one"
+            assert not self.cache.books.free, "a kept block evicted while the free list had one"
         kept = rest[len(evicted):]
         assert unheld[:len(kept)] == kept, f"kept blocks reordered: {unheld} after {kept}"
         tail = unheld[len(kept):]
@@ -122,7 +123,7 @@ class BlockBooks(RuleBasedStateMachine):
             return
         s, cache, before = self.new_id(), self.cache, self.snapshot()
         hits = self.expected_hits(prompt)                  # a lookup, whether reused or not
-        found, bs = cache.cached_prefix(prompt)[1], cache.block_size
+        found, bs = cache.books.cached_prefix(prompt)[1], cache.books.block_size
         assert len(found) == hits
         for j, block in enumerate(found):
             assert block_stamps(cache, block).tolist() == \
@@ -131,19 +132,20 @@ class BlockBooks(RuleBasedStateMachine):
         if not reuse:
             hits, found = 0, []
         try:
-            held = cache.add(s, prompt, reuse=reuse)
+            held = cache.books.add(s, prompt, reuse=reuse)
         except PoolExhausted:
             self.assert_unchanged(before)
             return
-        assert held == min(hits * cache.block_size, len(prompt) - 1)
+        assert held == min(hits * cache.books.block_size, len(prompt) - 1)
+        cache.do(cache.books.take_moves())                 # the copy of a block held in full
         assert read(cache, s) == expected(self.stamps, prompt)[:held]
-        copied = held < len(found) * cache.block_size
+        copied = held < len(found) * cache.books.block_size
         moved = [found[-1]] if copied and before[2][found[-1]] == 0 else []
         self.check_kept_order(before, revived=found, moved=moved, released=[])
         write(cache, self.stamps, {s: prompt}, len(prompt) - held)   # the prefill: no new block
         self.tokens[s] = list(prompt)
         self.texts.append(list(prompt))
-        cache.seal(s, prompt)
+        cache.books.seal(s, prompt)
 
     @precondition(lambda self: self.tokens)
     @rule(i=PICK, token=st.none() | st.integers(0, 2))
@@ -151,9 +153,9 @@ class BlockBooks(RuleBasedStateMachine):
         """A fork takes no block; with a token, it writes it at once (a parallel sample's
         first decode: into the shared last block, when that one is partly filled)."""
         s, child, before = self.pick(i), self.new_id(), self.snapshot()
-        self.cache.fork(s, child)
+        self.cache.books.fork(s, child)
         self.tokens[child] = list(self.tokens[s])
-        assert self.cache.num_free == len(before[0]) + len(before[1])
+        assert self.cache.books.num_free == len(before[0]) + len(before[1])
         self.check_kept_order(before, released=[])
         if token is not None:
             self.extend([child], 1, [token], seal=True)
@@ -178,15 +180,15 @@ class BlockBooks(RuleBasedStateMachine):
             self.tokens[s] = extended[s]
             self.texts.append(extended[s])
             if seal:
-                self.cache.seal(s, extended[s])
+                self.cache.books.seal(s, extended[s])
 
     @precondition(lambda self: self.tokens)
     @rule(i=PICK, n=st.integers(0, 6))
     def trim(self, i, n):
         s, before = self.pick(i), self.snapshot()
         n = min(n, len(self.tokens[s]))
-        tail = before[3][s][0][blocks_for(len(self.tokens[s]) - n, self.cache.block_size):]
-        self.cache.trim(s, n)
+        tail = before[3][s][0][blocks_for(len(self.tokens[s]) - n, self.cache.books.block_size):]
+        self.cache.books.trim(s, n)
         self.tokens[s] = self.tokens[s][:len(self.tokens[s]) - n]
         self.check_kept_order(before, released=self.released_order(tail[::-1], before))
 
@@ -194,7 +196,7 @@ class BlockBooks(RuleBasedStateMachine):
     @rule(i=PICK)
     def release(self, i):
         s, before = self.pick(i), self.snapshot()
-        self.cache.free_seq(s)
+        self.cache.books.free_seq(s)
         del self.tokens[s]
         self.check_kept_order(before, released=self.released_order(before[3][s][0], before))
 
@@ -202,7 +204,8 @@ class BlockBooks(RuleBasedStateMachine):
     @rule(i=PICK)
     def swap_out(self, i):
         s, before = self.pick(i), self.snapshot()
-        self.swapped[s] = (self.cache.swap_out(s), self.tokens.pop(s))
+        self.swapped[s] = (self.cache.books.swap_out(s), self.tokens.pop(s))
+        self.cache.do(self.cache.books.take_moves())    # the pool copies it out now
         self.check_kept_order(before, released=self.released_order(before[3][s][0], before))
 
     @precondition(lambda self: self.swapped)
@@ -211,10 +214,11 @@ class BlockBooks(RuleBasedStateMachine):
         s = sorted(self.swapped)[i % len(self.swapped)]
         before = self.snapshot()
         try:
-            self.cache.swap_in(s, self.swapped[s][0])
+            self.cache.books.swap_in(s, self.swapped[s][0])
         except PoolExhausted:
             self.assert_unchanged(before)
             return
+        self.cache.do(self.cache.books.take_moves())
         self.tokens[s] = self.swapped.pop(s)[1]
         self.check_kept_order(before, released=[])
 
@@ -224,23 +228,24 @@ class BlockBooks(RuleBasedStateMachine):
         if not hasattr(self, "cache"):
             return
         cache = self.cache
-        assert set(cache.seqs) == set(self.tokens)
+        assert set(cache.books.seqs) == set(self.tokens)
         for s, tokens in self.tokens.items():
-            assert cache.seqs[s].length == len(tokens)
-            assert len(cache.seqs[s].blocks) == blocks_for(len(tokens), cache.block_size)
+            assert cache.books.seqs[s].length == len(tokens)
+            assert len(cache.books.seqs[s].blocks) == blocks_for(len(tokens),
+                                                                cache.books.block_size)
             assert read(cache, s) == expected(self.stamps, tokens)
 
     @invariant()
     def refcounts_and_free_blocks_add_up(self):
         if not hasattr(self, "cache"):
             return
-        cache, index = self.cache, self.cache.index
+        cache, index = self.cache, self.cache.books.index
         held = holders(cache)
-        assert (cache.refcount == held).all()
-        free, kept = list(cache.free), list(index.unheld)
+        assert (cache.books.refcount == held).all()
+        free, kept = list(cache.books.free), list(index.unheld)
         assert len(set(free)) == len(free) and not set(free) & set(kept)
         assert sorted(free + kept) == np.flatnonzero(held == 0).tolist()
-        assert cache.num_free == len(free) + len(kept)
+        assert cache.books.num_free == len(free) + len(kept)
         assert not any(b in index.name_of for b in free) and all(b in index.name_of
                                                                  for b in kept)
 
@@ -248,7 +253,7 @@ class BlockBooks(RuleBasedStateMachine):
     def names_are_unique_and_named_blocks_unwritten(self):
         if not hasattr(self, "cache"):
             return
-        index = self.cache.index
+        index = self.cache.books.index
         assert len(index.block_of) == len(index.name_of)
         assert all(index.name_of[b] == name for name, b in index.block_of.items())
         self.named_prefixes()

@@ -34,7 +34,7 @@ def test_the_books_queue_copies_and_swaps_and_hold_no_array():
 
 def keys_of(cache, seq_id):
     """(L, Hkv, length, d) a sequence's keys, read through its block table."""
-    seq = cache.seqs[seq_id]
+    seq = cache.books.seqs[seq_id]
     held = [to_numpy(k[np.array(seq.blocks)]) for k in cache.k]          # (nb, Hkv, bs, d)
     return np.stack([np.concatenate(list(h), axis=1)[:, :seq.length] for h in held])
 
@@ -43,19 +43,23 @@ def test_the_pool_does_the_moves_in_the_order_the_books_decided(tiny_model):
     """a is swapped out; b takes a's freed blocks and is written; a comes back: a's keys
     are read out before b's write, and written back after."""
     cache = PagedCache.allocate(tiny_model.config, 2, 4)
-    cache.add("a", PROMPT)
+    cache.books.add("a", PROMPT)
     forward(tiny_model, np.array([PROMPT]), cache.view(["a"]))
     before = keys_of(cache, "a")
-    swapped = cache.swap_out("a")                       # decided; nothing copied yet
+    swapped = cache.books.swap_out("a")                       # decided; nothing copied yet
     other = [7, 7, 7, 7, 8, 8, 8, 8]
-    cache.add("b", other)                               # a's two blocks
-    forward(tiny_model, np.array([other]), cache.view(["b"]))     # the swap out goes first
+    cache.books.add("b", other)                               # a's two blocks
+    assert swapped.k is None                                  # reading the pool moves nothing
+    cache.do(cache.books.take_moves())                        # the swap out goes first
+    forward(tiny_model, np.array([other]), cache.view(["b"]))
     assert swapped.k is not None
-    cache.free_seq("b")
-    cache.swap_in("a", swapped)
+    cache.books.free_seq("b")
+    cache.books.swap_in("a", swapped)
+    cache.do(cache.books.take_moves())
     np.testing.assert_array_equal(keys_of(cache, "a"), before)     # bit for bit
-    cache.swap_in("a2", cache.swap_out("a"))            # out and in, both pending: in order
-    assert len(cache.moves) == 2
+    cache.books.swap_in("a2", cache.books.swap_out("a"))      # out and in, both pending
+    assert len(cache.books.moves) == 2
+    cache.do(cache.books.take_moves())                        # in order
     np.testing.assert_array_equal(keys_of(cache, "a2"), before)
 
 
@@ -64,10 +68,10 @@ def test_a_readied_block_is_written_once_even_when_shared_then_never():
     plan, holds it. a's own write into it is the one allowed; after it, none is."""
     from stamps import pool
     cache = pool(num_blocks=6, block_size=4)
-    cache.add("a", PROMPT[:5])
-    starts = cache.append(["a"], 5)
-    cache.seal("a", PROMPT[:5])
-    assert cache.add("b", PROMPT[:4] + [0]) == 4        # b holds a's first block
+    cache.books.add("a", PROMPT[:5])
+    starts = cache.books.append(["a"], 5)
+    cache.books.seal("a", PROMPT[:5])
+    assert cache.books.add("b", PROMPT[:4] + [0]) == 4        # b holds a's first block
     view = cache.view(["a"], starts)
     positions = view.positions(5)
     view.slots(positions)                               # a may write: room was made for it
@@ -83,7 +87,7 @@ def test_to_contiguous_holds_each_rows_keys_and_values_bit_for_bit(tiny_model, k
     prompts = {"long": PROMPT + [5, 3], "short": PROMPT[:3]}
     alone = {}
     for seq_id, prompt in prompts.items():
-        cache.add(seq_id, prompt)
+        cache.books.add(seq_id, prompt)
         forward(tiny_model, np.array([prompt]), cache.view([seq_id]))
         alone[seq_id] = KVCache.allocate(tiny_model.config, 1, len(prompt), kv_dtype)
         forward(tiny_model, np.array([prompt]), alone[seq_id])

@@ -35,5 +35,6 @@ def test_a_cancel_leaving_nothing_running_retires_speculations_books_and_draft(m
     assert engine.cancel(rid)
     assert not engine.running() and not engine.waiting
     assert speculator.judged == {} and speculator.proposer.holding() == set()
-    assert engine.cache.seqs == {} and engine.cache.num_free == engine.cache.num_blocks
+    books = engine.cache.books
+    assert books.seqs == {} and books.num_free == books.num_blocks
     assert engine.results[rid].status == "cancelled"

@@ -77,13 +77,13 @@ def test_the_default_batch_is_one_draft_pass_per_position(draft, monkeypatch):
 def test_the_draft_pool_holds_only_kept_tokens_and_gives_every_block_back(draft):
     made, model, tokens = rounds(draft, list(PROMPTS))
     pool = model.pool
-    assert set(pool.seqs) == set(PROMPTS)
+    assert set(pool.books.seqs) == set(PROMPTS)
     for s in PROMPTS:       # its tokens but the last, none of the rejected proposals
-        assert pool.seqs[s].length == len(tokens[s]) - 1
+        assert pool.books.seqs[s].length == len(tokens[s]) - 1
     for s in PROMPTS:
         model.forget(s)
-    pool.check()
-    assert pool.num_free == pool.num_blocks and not pool.seqs
+    pool.books.check()
+    assert pool.books.num_free == pool.books.num_blocks and not pool.books.seqs
 
 
 def test_a_full_draft_pool_cuts_the_drafts_it_cannot_hold(draft):
@@ -93,7 +93,7 @@ def test_a_full_draft_pool_cuts_the_drafts_it_cannot_hold(draft):
     out = model.propose([Ask("a", PROMPTS["a"], 4, GREEDY, None),
                          Ask("b", PROMPTS["b"], 4, GREEDY, None)])
     assert [len(tokens) for tokens, _ in out] == [2, 0]
-    assert set(model.pool.seqs) == {"a"} and model.pool.num_free == 0
+    assert set(model.pool.books.seqs) == {"a"} and model.pool.books.num_free == 0
 
 
 @pytest.mark.parametrize("end", ["finish", "cancel"])
@@ -107,14 +107,15 @@ def test_the_engine_gives_the_drafts_blocks_back(draft, end):
     ids = [engine.submit(Request(tuple(p), 12, eos_token_id=[])) for p in PROMPTS.values()]
     for _ in range(3):
         engine.step()
-    assert pool.num_free < pool.num_blocks and engine.speculator.proposer.holding()
+    assert pool.books.num_free < pool.books.num_blocks and engine.speculator.proposer.holding()
     if end == "cancel":
         for i in ids:
             engine.cancel(i)
     while engine.running() or engine.waiting:
         engine.step()
-    pool.check()
-    assert pool.num_free == pool.num_blocks and not engine.speculator.proposer.holding()
+    pool.books.check()
+    assert pool.books.num_free == pool.books.num_blocks
+    assert not engine.speculator.proposer.holding()
 
 
 def test_the_ragged_first_pass_gives_each_row_its_own_logits(draft):

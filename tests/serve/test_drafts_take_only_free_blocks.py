@@ -30,27 +30,27 @@ def test_a_draft_never_takes_a_kept_block_nor_one_a_pending_copy_reads(model):
     emptied by other holders. The draft gets no room (its rows feed the last token alone):
     OLD's blocks stay named and found, and the copy reads OLD's keys, not a draft's."""
     cache = PagedCache.allocate(model.config, 8, 4)
-    cache.add("old", OLD)
+    cache.books.add("old", OLD)
     forward(model, np.array([OLD]), cache.view(["old"]))
-    cache.seal("old", OLD)
-    kept = list(cache.seqs["old"].blocks)
+    cache.books.seal("old", OLD)
+    kept = list(cache.books.seqs["old"].blocks)
     before = [to_numpy(pool[kept[1]]).copy() for pool in cache.k + cache.v]
-    cache.free_seq("old")                                    # both blocks kept, unheld
-    cache.add("a", A)
+    cache.books.free_seq("old")                                    # both blocks kept, unheld
+    cache.books.add("a", A)
     forward(model, np.array([A[:-1]]), cache.view(["a"]))
-    cache.add("new", OLD)                                    # cached in full: copy the last
-    moves = cache.take_moves()                               # the plan's, done after the pass
-    while cache.free:
-        cache.add(("filler", len(cache.seqs)), [3])
-    assert cache.num_free == 1                               # OLD's second block, kept
+    cache.books.add("new", OLD)                                    # cached in full: copy the last
+    moves = cache.books.take_moves()                         # the plan's, done after the pass
+    while cache.books.free:
+        cache.books.add(("filler", len(cache.books.seqs)), [3])
+    assert cache.books.num_free == 1                               # OLD's second block, kept
     spec = Speculator(SpeculativeConfig(num_speculative_tokens=4), model)
     (kept_tokens, _), = step(spec, cache, rows_of({"a": list(A)}, {"a": len(A)}))
     assert spec.counters.draft_tokens == 0 and spec.fed == [1]
-    assert cache.index.evicted == 0
-    assert len(cache.cached_prefix(OLD)[1]) == 2             # the turn is still found whole
+    assert cache.books.index.evicted == 0
+    assert len(cache.books.cached_prefix(OLD)[1]) == 2             # the turn is still found whole
     cache.do(moves)                                          # the plan's copy, after the pass
-    copy = cache.seqs["new"].blocks[1]
+    copy = cache.books.seqs["new"].blocks[1]
     assert copy != kept[1]
     for pool, old in zip(cache.k + cache.v, before):
         assert (to_numpy(pool[copy]) == old).all()
-    cache.check()
+    cache.books.check()

@@ -30,10 +30,10 @@ def assert_solo(model, results, batch_invariant=False):
 def assert_pool_whole(engine):
     """Nothing held, every block free; the prefix cache keeps only unheld blocks."""
     cache = engine.cache
-    assert cache.num_free == cache.num_blocks and not cache.refcount.any()
-    assert not cache.seqs and not any(engine.slots) and not engine.waiting
-    assert set(cache.index.unheld) == set(cache.index.name_of)
-    cache.check()
+    assert cache.books.num_free == cache.books.num_blocks and not cache.books.refcount.any()
+    assert not cache.books.seqs and not any(engine.slots) and not engine.waiting
+    assert set(cache.books.index.unheld) == set(cache.books.index.name_of)
+    cache.books.check()
 
 
 def test_shared_prefix_holds_the_expected_fewer_blocks(tiny_model):
@@ -134,7 +134,7 @@ def test_cancel_waiting_running_and_finished_requests(tiny_model):
         engine.step()                                       # request 0 runs, 1 and 2 wait
     assert engine.cancel(ids[1]) is True                    # waiting: leaves with no tokens
     assert engine.cancel(ids[0]) is True                    # running: stops, keeps its tokens
-    assert engine.cache.num_free == 16                      # its blocks are back at once
+    assert engine.cache.books.num_free == 16                      # its blocks are back at once
     r0, r1 = engine.results[0], engine.results[1]
     assert (r0.status, r1.status) == ("cancelled", "cancelled") and r1.tokens == []
     assert len(r0.tokens) == 5                              # a prefix of its solo tokens:

@@ -44,7 +44,7 @@ def test_the_engine_takes_only_a_config(tiny_model):
                           max_num_batched_tokens=7, kv_cache_dtype="q8_0")
     engine = Engine(tiny_model, config)
     assert engine.config is config and len(engine.slots) == 3
-    assert (engine.cache.num_blocks, engine.cache.block_size) == (10, 4)
+    assert (engine.cache.books.num_blocks, engine.cache.books.block_size) == (10, 4)
     assert (engine.policy, engine.prefix_caching, engine.scheduler.budget) == ("static", False, 7)
     with pytest.raises(TypeError, match="EngineConfig"):
         Engine(tiny_model, {"max_num_seqs": 3})

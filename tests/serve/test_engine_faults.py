@@ -66,8 +66,9 @@ def poisoned(ids) -> bool:
 def checked_run(engine, requests):
     """Serve requests, the books checked after every step, and every block back (or kept,
     named and written) at the end, none left being filled."""
-    run = engine.run(requests, on_step=lambda e: e.cache.check())
-    assert engine.cache.num_free == engine.cache.num_blocks and not engine.cache.filling
+    run = engine.run(requests, on_step=lambda e: e.cache.books.check())
+    books = engine.cache.books
+    assert books.num_free == books.num_blocks and not books.filling
     return run
 
 

@@ -37,7 +37,7 @@ LOGPROB_TOLERANCE = 2e-6
 
 def held(cache, seq_id, layer, pool="k"):
     """A sequence's keys (or values) read through its block table: (Hkv, length, d)."""
-    seq = cache.seqs[seq_id]
+    seq = cache.books.seqs[seq_id]
     blocks = to_numpy(getattr(cache, pool)[layer][np.array(seq.blocks)])   # (nb, Hkv, bs, d)
     return np.concatenate(list(blocks), axis=1)[:, :seq.length]
 
@@ -114,7 +114,7 @@ def test_admission_counts_each_samples_first_token_copy(tiny_model, spare):
     engine.step()                                       # its prompt and first token
     samples = engine.submit(Request(prompt, 3, sampling=SAMPLED, seed=7, n=4, eos_token_id=[],
                                     arrival=engine.clock))
-    assert engine.cache.num_free == 5 + spare and engine.cache.blocks_needed(0, 1) == 0
+    assert engine.cache.books.num_free == 5 + spare and engine.cache.books.blocks_needed(0, 1) == 0
     engine.step()                          # it decodes position 2 (block 0), then admission
     assert engine.results[samples].status == ("running" if spare else "waiting")
     while engine.waiting or engine.running():
@@ -132,13 +132,13 @@ def test_a_sample_writing_into_the_shared_block_copies_it_first(tiny_model):
     first = engine.submit(Request(tuple(prompt), 3, sampling=SAMPLED, seed=11, n=4,
                                   eos_token_id=[]))
     engine.step()                                       # prefill, forks, first tokens
-    leader = engine.cache.seqs[first].blocks
+    leader = engine.cache.books.seqs[first].blocks
     prompt_keys = held(engine.cache, first, 0)
     engine.step()                                       # each writes position 10
     ids = range(first, first + 4)
     tokens = [engine.results[i].tokens[0] for i in ids]
     assert len(set(tokens)) > 1, "the samples drew one first token: nothing to tell apart"
-    tables = [engine.cache.seqs[i].blocks for i in ids]
+    tables = [engine.cache.books.seqs[i].blocks for i in ids]
     assert all(t[:2] == leader[:2] for t in tables) and len({t[2] for t in tables}) == 4
     for i, token in zip(ids, tokens):
         mine = held(engine.cache, i, 0)

@@ -176,12 +176,12 @@ def test_a_static_padding_row_beside_a_later_chunk_holds_its_length(tiny_model):
     lengths = []
     while engine.waiting or engine.running():
         engine.step()
-        if short in engine.cache.seqs:
-            lengths.append(engine.cache.seqs[short].length)
-        engine.cache.check()
+        if short in engine.cache.books.seqs:
+            lengths.append(engine.cache.books.seqs[short].length)
+        engine.cache.books.check()
     assert len(lengths) >= 3 and set(lengths) == {2}
     assert len(engine.results[short].tokens) == 1 and len(engine.results[long].tokens) == 2
-    assert engine.cache.num_free == engine.cache.num_blocks
+    assert engine.cache.books.num_free == engine.cache.books.num_blocks
 
 
 def test_the_engine_and_its_pool_attend_as_configured(tiny_model):
@@ -217,7 +217,7 @@ def test_speculating_with_prefix_caching_off_names_no_block(tiny_model):
     named = []
     engine.run([Request((1, 2, 1, 2, 1, 2), 8, eos_token_id=[]),
                 Request((3, 4, 3, 4), 8, eos_token_id=[])],
-               on_step=lambda e: named.append(len(e.cache.index.name_of)))
+               on_step=lambda e: named.append(len(e.cache.books.index.name_of)))
     assert len(named) > 2 and set(named) == {0}
 
 

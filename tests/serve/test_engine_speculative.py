@@ -43,11 +43,11 @@ def checked_run(engine, requests):
     """Serve requests, the pool's books checked after every step, and no decoding sequence
     holding a block past its length (a rejected position's block is given back at once)."""
     def check(e):
-        e.cache.check()
+        e.cache.books.check()
         for live in e.running():
-            seq = e.cache.seqs[live.result.id]
+            seq = e.cache.books.seqs[live.result.id]
             if not live.prefilling:     # (a prompt holds its blocks from admission)
-                assert len(seq.blocks) == e.cache.blocks_for(seq.length), live.result.id
+                assert len(seq.blocks) == e.cache.books.blocks_for(seq.length), live.result.id
     return engine.run(requests, on_step=check)
 
 
@@ -79,7 +79,8 @@ def test_batch_invariant_greedy_is_the_engine_without_speculation(close_calls, s
         assert r.logprobs == p.logprobs
     c = served.speculator.counters
     assert c.draft_tokens > c.accepted_tokens > 0     # drafts kept and drafts rejected
-    assert served.cache.num_free == served.cache.num_blocks   # every block back (or kept)
+    books = served.cache.books
+    assert books.num_free == books.num_blocks   # every block back (or kept)
     assert not served.speculator.judged               # no books of finished sequences
     if setting == "preempting":
         assert run.preemptions > 0
@@ -118,7 +119,7 @@ def test_the_next_turn_finds_the_speculated_answer_cached(close_calls):
         answer = run.results[0].tokens
         turn = Request(first.prompt + tuple(answer) + (5, 6), 4, eos_token_id=[])
         cached[name] = served.run([turn]).results[0].cached_tokens
-        served.cache.check()
+        served.cache.books.check()
     assert run.steps == 3                           # prefill, then two verifications
     held = len(first.prompt) + len(answer) - 1     # the cache lags the last token
     assert cached["speculating"] == cached["plain"] == held // 2 * 2

@@ -134,4 +134,4 @@ def test_lm_eval_loglikelihoods_equal_the_librarys(model, tmp_path):
     assert sum(sizes) == 3 * len(DOCS) and max(sizes) == 8, sizes
     assert all(body["echo"] and body["max_tokens"] == 1 and all(
         isinstance(p, list) for p in body["prompt"]) for body in app.bodies)
-    assert online.engine.cache.num_free == online.engine.cache.num_blocks
+    assert online.engine.cache.books.num_free == online.engine.cache.books.num_blocks

@@ -26,11 +26,11 @@ def passes(model, cache, rng) -> list:
     of two decodes beside a 5-token chunk of the third row."""
     V, out = model.config.vocab_size, []
     for s, n in enumerate(LENGTHS):
-        cache.add(s, [1] * n, reuse=False)
+        cache.books.add(s, [1] * n, reuse=False)
         out.append(forward(model, rng.integers(0, V, (1, n)), cache.view([s])))
     out.append(forward(model, rng.integers(0, V, (3, 1)),
-                       cache.view([0, 1, 2], cache.append([0, 1, 2], 1))))
-    starts = cache.append([0, 1], 1) + cache.append([2], 5)
+                       cache.view([0, 1, 2], cache.books.append([0, 1, 2], 1))))
+    starts = cache.books.append([0, 1], 1) + cache.books.append([2], 5)
     ragged = RaggedView(cache, [([0, 1], starts[:2], 1), ([2], starts[2:], 5)])
     out.append(forward(model, rng.integers(0, V, (1, 7)), ragged))
     return [to_numpy(h) for h in out]
@@ -44,7 +44,7 @@ def test_in_place_is_the_gathered_copy_bit_for_bit(tiny_model, block_size, kv_dt
     def run(attention, in_place):
         cache = PagedCache.allocate(tiny_model.config, 400 // block_size + 8, block_size,
                                     kv_dtype, attention, in_place)
-        cache.add("first", [2] * 7)          # so the rows' blocks are not 0, 1, 2, ...
+        cache.books.add("first", [2] * 7)          # so the rows' blocks are not 0, 1, 2, ...
         assert cache.in_place == (attention == "tiled" and in_place)
         return passes(tiny_model, cache, np.random.default_rng(0))
     in_place, gathered = run("tiled", True), run("tiled", False)
@@ -60,8 +60,8 @@ def gathers(model, cache, monkeypatch) -> list:
     monkeypatch.setattr(paged, "gather",
                         lambda pool, table, S: widths.append(table.shape[1]) or
                         gather(pool, table, S))
-    ids = list(cache.seqs)
-    forward(model, np.array([[3]] * len(ids)), cache.view(ids, cache.append(ids, 1)))
+    ids = list(cache.books.seqs)
+    forward(model, np.array([[3]] * len(ids)), cache.view(ids, cache.books.append(ids, 1)))
     monkeypatch.undo()
     return widths
 
@@ -76,10 +76,10 @@ def test_a_tile_gathers_only_the_blocks_its_slots_lie_in(tiny_model, block_size,
         cache = PagedCache.allocate(tiny_model.config, 200, block_size, attention="tiled",
                                     in_place=in_place)
         for s, n in enumerate(LENGTHS[:2]):
-            cache.add(s, [1] * n, reuse=False)
+            cache.books.add(s, [1] * n, reuse=False)
             forward(tiny_model, np.ones((1, n), dtype=np.int64), cache.view([s]))
         widths = gathers(tiny_model, cache, monkeypatch)
-        whole = cache.blocks_for(151)
+        whole = cache.books.blocks_for(151)
         if in_place:
             assert max(widths) <= 64 // block_size + 1 < whole
             assert len(widths) == 2 * L * -(-151 // 64)       # K and V, every tile, every layer
@@ -93,13 +93,13 @@ def decode_peak(model, rows: int, n: int, in_place: bool) -> int:
     cache = PagedCache.allocate(model.config, rows * 16 + 8, 16, attention="tiled",
                                 in_place=in_place)
     for s in range(rows):
-        cache.add(s, [1] * n, reuse=False)
-        cache.written([s], cache.append([s], n), n)
+        cache.books.add(s, [1] * n, reuse=False)
+        cache.books.written([s], cache.books.append([s], n), n)
     ids = np.array([[3]] * rows)
-    forward(model, ids, cache.view(range(rows), cache.append(range(rows), 1)))  # warm: a
+    forward(model, ids, cache.view(range(rows), cache.books.append(range(rows), 1)))  # warm: a
     for s in range(rows):                          # first product of a shape may measure it
-        cache.trim(s, 1)
-    view = cache.view(range(rows), cache.append(range(rows), 1))
+        cache.books.trim(s, 1)
+    view = cache.view(range(rows), cache.books.append(range(rows), 1))
     return peak_bytes(lambda: forward(model, ids, view)).peak_bytes
 
 

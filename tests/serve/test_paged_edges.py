@@ -46,7 +46,7 @@ def test_the_memory_check_passes_at_exactly_the_bytes_there_are_and_names_the_gi
 
 def test_the_smallest_pool_is_one_block_of_one_slot_and_neither_may_be_zero(tiny_model):
     cache = PagedCache.allocate(tiny_model.config, 1, 1)
-    assert cache.num_blocks == 1 and cache.block_size == 1
+    assert cache.books.num_blocks == 1 and cache.books.block_size == 1
     for num_blocks, block_size in ((0, 4), (4, 0)):
         with pytest.raises(ValueError, match="num_blocks >= 1 and block_size >= 1"):
             PagedCache.allocate(tiny_model.config, num_blocks, block_size)
@@ -56,7 +56,7 @@ def test_a_one_layer_model_pages_its_cache():
     model = random_model(qwen2_config(num_hidden_layers=1))
     prompt = [3, 1, 4, 1, 5, 9]
     cache = PagedCache.allocate(model.config, 4, 4)
-    cache.add("a", prompt)
+    cache.books.add("a", prompt)
     forward(model, np.array([prompt]), cache.view(["a"]))
     kv, ref = cache.to_contiguous(["a"]), contiguous(model, prompt)
     assert np.array_equal(to_numpy(kv.k[0]), to_numpy(ref.k[0]))
@@ -65,7 +65,7 @@ def test_a_one_layer_model_pages_its_cache():
 
 def test_a_cache_made_from_its_arrays_attends_plainly_by_default(tiny_model):
     pool = PagedCache.allocate(tiny_model.config, 4, 4)
-    assert PagedCache(pool._k, pool._v, 4).attention == "plain"
+    assert PagedCache(pool.books, pool.k, pool.v).attention == "plain"
 
 
 def test_a_tiled_cache_keeps_tiled_in_its_views_masks_and_its_contiguous_copy(tiny_model):
@@ -73,7 +73,7 @@ def test_a_tiled_cache_keeps_tiled_in_its_views_masks_and_its_contiguous_copy(ti
     and the contiguous copy attends tiled too."""
     cache = PagedCache.allocate(tiny_model.config, 8, 4, attention="tiled")
     assert cache.attention == "tiled"
-    cache.add("a", [1, 2, 3, 4, 5])
+    cache.books.add("a", [1, 2, 3, 4, 5])
     view = cache.view(["a"])
     assert isinstance(view.mask(view.positions(5)), CausalTiles)
     forward(tiny_model, np.array([[1, 2, 3, 4, 5]]), view)
@@ -87,7 +87,7 @@ def test_the_contiguous_copy_holds_each_rows_own_keys_and_zeros_past_its_length(
     prompts = {"long": list(range(1, 10)), "short": [20, 21, 22], "mid": list(range(30, 36))}
     cache = PagedCache.allocate(tiny_model.config, 16, 4)
     for name, prompt in prompts.items():
-        cache.add(name, prompt)
+        cache.books.add(name, prompt)
         forward(tiny_model, np.array([prompt]), cache.view([name]))
     kv = cache.to_contiguous(list(prompts), max_len=12)
     assert kv.lengths.tolist() == [9, 3, 6]
@@ -108,9 +108,9 @@ def test_a_view_written_without_precomputed_slots_stores_and_returns_the_keys(ti
     to positions 2..4, and the keys and values returned are the row's 5 positions."""
     config = tiny_model.config
     cache = PagedCache.allocate(config, 8, 2)
-    cache.add("a", [1, 2])
+    cache.books.add("a", [1, 2])
     forward(tiny_model, np.array([[1, 2]]), cache.view(["a"]))
-    cache.make_room(["a"], 3)
+    cache.books.make_room(["a"], 3)
     Hkv, d = config.num_key_value_heads, config.head_dim
     assert Hkv != 3
     rng = np.random.default_rng(0)
@@ -127,12 +127,12 @@ def test_a_view_written_without_precomputed_slots_stores_and_returns_the_keys(ti
 def test_one_view_used_for_two_passes_continues_where_the_first_ended(tiny_model):
     prompt = [5, 6, 7, 8, 9]
     cache = PagedCache.allocate(tiny_model.config, 8, 2)
-    cache.add("a", prompt[:3])
+    cache.books.add("a", prompt[:3])
     view = cache.view(["a"])
     forward(tiny_model, np.array([prompt[:3]]), view)
-    cache.make_room(["a"], 2)
+    cache.books.make_room(["a"], 2)
     forward(tiny_model, np.array([prompt[3:]]), view)
-    assert cache.seqs["a"].length == 5
+    assert cache.books.seqs["a"].length == 5
     kv, ref = cache.to_contiguous(["a"]), contiguous(tiny_model, prompt[:3], prompt[3:])
     for layer in range(tiny_model.config.num_hidden_layers):
         assert np.array_equal(to_numpy(kv.k[layer]), to_numpy(ref.k[layer]))
@@ -144,16 +144,16 @@ def test_a_row_of_a_planned_view_writes_that_sequence_alone(tiny_model):
     waiting for a write, and each sequence holds the keys of its own token."""
     cache = PagedCache.allocate(tiny_model.config, 8, 2)
     for name, prompt in (("a", [1, 2]), ("b", [3, 4])):
-        cache.add(name, prompt)
+        cache.books.add(name, prompt)
         forward(tiny_model, np.array([prompt]), cache.view([name]))
-    starts = cache.append(["a", "b"], 1)
+    starts = cache.books.append(["a", "b"], 1)
     view = cache.view(["a", "b"], starts)
     for b, token in enumerate((7, 8)):
         row = view.row(b)
         assert row.ids == [["a", "b"][b]]
         forward(tiny_model, np.array([[token]]), row)
-    assert not cache.filling
-    cache.check()
+    assert not cache.books.filling
+    cache.books.check()
     for name, prompt, token in (("a", [1, 2], 7), ("b", [3, 4], 8)):
         ref = contiguous(tiny_model, prompt, [token])
         got = cache.to_contiguous([name])
@@ -164,10 +164,10 @@ def test_a_row_of_a_planned_view_writes_that_sequence_alone(tiny_model):
 
 def test_a_block_id_just_past_the_pool_is_refused(tiny_model):
     cache = PagedCache.allocate(tiny_model.config, 4, 4)
-    cache.add("a", [1, 2, 3, 4])
+    cache.books.add("a", [1, 2, 3, 4])
     forward(tiny_model, np.array([[1, 2, 3, 4]]), cache.view(["a"]))
-    cache.make_room(["a"], 1)
-    cache.seqs["a"].blocks[1] = 4                       # the pool's ids are 0..3
+    cache.books.make_room(["a"], 1)
+    cache.books.seqs["a"].blocks[1] = 4                       # the pool's ids are 0..3
     with pytest.raises(ValueError, match="block ids 0..4 outside a pool of 4"):
         forward(tiny_model, np.array([[5]]), cache.view(["a"]))
 
@@ -176,9 +176,9 @@ def test_a_write_into_a_shared_block_is_refused_by_name(tiny_model):
     """A fork shares its parent's half-filled last block: writing into it without make_room's
     copy is refused, and the message says what to call."""
     cache = PagedCache.allocate(tiny_model.config, 8, 4)
-    cache.add("a", [1, 2, 3, 4, 5])
+    cache.books.add("a", [1, 2, 3, 4, 5])
     forward(tiny_model, np.array([[1, 2, 3, 4, 5]]), cache.view(["a"]))
-    cache.fork("a", "b")
+    cache.books.fork("a", "b")
     with pytest.raises(RuntimeError, match="^write into a shared or named block: make_room "
                                            "copies it first$"):
         forward(tiny_model, np.array([[6]]), cache.view(["b"]))
@@ -187,8 +187,8 @@ def test_a_write_into_a_shared_block_is_refused_by_name(tiny_model):
 def test_a_ragged_view_given_the_wrong_number_of_tokens_says_how_many_it_holds(tiny_model):
     cache = PagedCache.allocate(tiny_model.config, 8, 4)
     for name in "abc":
-        cache.add(name, [1])
-    starts = cache.append(["a", "b"], 1) + cache.append(["c"], 3)
+        cache.books.add(name, [1])
+    starts = cache.books.append(["a", "b"], 1) + cache.books.append(["c"], 3)
     ragged = RaggedView(cache, [(["a", "b"], starts[:2], 1), (["c"], starts[2:], 3)])
     assert ragged.positions(5).shape == (1, 5)
     with pytest.raises(ValueError, match="^a ragged view of 5 tokens was given 4$"):

@@ -25,23 +25,25 @@ SAMPLED = SamplingSettings(do_sample=True, temperature=1.0)
 
 def test_a_fork_shares_every_block_until_one_side_writes(tiny_model):
     cache = PagedCache.allocate(tiny_model.config, 12, block_size=4)
-    cache.add("a", list(PROMPT))
+    cache.books.add("a", list(PROMPT))
     forward(tiny_model, np.array([PROMPT]), cache.view(["a"]))
-    free = cache.num_free
-    cache.fork("a", "b")
-    assert cache.seqs["b"].blocks == cache.seqs["a"].blocks and cache.num_free == free
-    assert cache.refcount[cache.seqs["a"].blocks].tolist() == [2, 2, 2]
+    free = cache.books.num_free
+    cache.books.fork("a", "b")
+    assert cache.books.seqs["b"].blocks == cache.books.seqs["a"].blocks
+    assert cache.books.num_free == free
+    assert cache.books.refcount[cache.books.seqs["a"].blocks].tolist() == [2, 2, 2]
     before = [to_numpy(k).copy() for k in cache.k]
-    cache.make_room(["b"], 1)       # b writes at position 10, in the shared half block
-    a, b = cache.seqs["a"].blocks, cache.seqs["b"].blocks
-    assert a[:2] == b[:2] and a[2] != b[2] and cache.num_free == free - 1
+    cache.books.make_room(["b"], 1)       # b writes at position 10, in the shared half block
+    cache.do(cache.books.take_moves())
+    a, b = cache.books.seqs["a"].blocks, cache.books.seqs["b"].blocks
+    assert a[:2] == b[:2] and a[2] != b[2] and cache.books.num_free == free - 1
     for k, old in zip(map(to_numpy, cache.k), before):
         assert np.array_equal(k[b[2]], old[a[2]]) and np.array_equal(k[a[2]], old[a[2]])
     forward(tiny_model, np.array([[3]]), cache.view(["b"]))
     assert all(np.array_equal(k[a[2]], old[a[2]])
                for k, old in zip(map(to_numpy, cache.k), before))
     with pytest.raises(ValueError, match="already in the cache"):
-        cache.fork("a", "b")
+        cache.books.fork("a", "b")
 
 
 @pytest.mark.parametrize("batch_invariant", [True, False])
@@ -79,7 +81,7 @@ def test_the_prompt_is_prefilled_once_and_shared(tiny_model, monkeypatch):
     while engine.running():
         engine.step()
         check_pool(engine)
-    assert engine.cache.num_free == engine.cache.num_blocks
+    assert engine.cache.books.num_free == engine.cache.books.num_blocks
 
 
 def test_greedy_samples_are_all_the_greedy_answer(tiny_model):
@@ -125,7 +127,7 @@ def test_cancelling_one_sample_leaves_the_others(tiny_model):
                                                     1)
     assert engine.results[third].status == "finished"
     assert engine.results[third + 1].status == "cancelled"
-    assert engine.cache.num_free == engine.cache.num_blocks
+    assert engine.cache.books.num_free == engine.cache.books.num_blocks
 
 
 def test_samples_of_a_chunked_prompt_wait_at_the_head_of_the_queue_for_its_end(tiny_model):
@@ -164,7 +166,7 @@ def test_samples_of_a_chunked_prompt_wait_at_the_head_of_the_queue_for_its_end(t
         engine.step()
         check_pool(engine)
     assert [r.status for r in engine.results.values()] == ["cancelled", "finished", "cancelled"]
-    assert engine.cache.num_free == engine.cache.num_blocks
+    assert engine.cache.books.num_free == engine.cache.books.num_blocks
 
 
 @pytest.mark.parametrize("chunked", [False, True])
@@ -191,7 +193,7 @@ def test_cancelling_every_sample_at_any_step_frees_every_block(tiny_model, chunk
         while engine.waiting or engine.running():
             engine.step()
             check_pool(engine)
-        assert engine.cache.num_free == engine.cache.num_blocks, cancel_at
+        assert engine.cache.books.num_free == engine.cache.books.num_blocks, cancel_at
         assert engine.results[0].tokens == solo(tiny_model, busy)
 
 

@@ -14,18 +14,18 @@ from stamps import Stamps, block_stamps, expected, holders, pool, read, write
 
 def prefilled(cache, stamps, seq_id, prompt, seal=True) -> int:
     """add a prompt, write the tokens not found cached, name its full blocks -> tokens found."""
-    held = cache.add(seq_id, prompt)
+    held = cache.books.add(seq_id, prompt)
     write(cache, stamps, {seq_id: prompt}, len(prompt) - held)
     if seal:
-        cache.seal(seq_id, prompt)
+        cache.books.seal(seq_id, prompt)
     return held
 
 
 def found_prefix(cache, stamps, prompt) -> int:
     """Prompt tokens whose blocks the index finds; each found block holds the prompt's own
     prefix (checked by its stamps)."""
-    _, found, _ = cache.cached_prefix(prompt)
-    bs = cache.block_size
+    _, found, _ = cache.books.cached_prefix(prompt)
+    bs = cache.books.block_size
     for i, block in enumerate(found):
         assert block_stamps(cache, block).tolist() == \
             expected(stamps, prompt)[i * bs:(i + 1) * bs], f"block {i} holds another prefix"
@@ -68,8 +68,8 @@ def test_blocks_named_as_decoding_fills_them_are_found_by_the_whole_text():
     prefilled(cache, stamps, "a", text[:5])
     for n in range(6, len(text) + 1):
         write(cache, stamps, {"a": text[:n]}, 1)
-        cache.seal("a", text[:n])
-    cache.free_seq("a")
+        cache.books.seal("a", text[:n])
+    cache.books.free_seq("a")
     assert found_prefix(cache, stamps, text + [0]) == 12
     assert prefilled(cache, stamps, "b", text + [0]) == 12
     assert read(cache, "b") == expected(stamps, text + [0])
@@ -95,21 +95,21 @@ def test_kept_blocks_go_least_recently_released_first_and_only_when_nothing_is_f
     prompts = {s: [10 * i, 10 * i + 1, 10 * i + 2] for i, s in enumerate("abcd", start=1)}
     for s, prompt in prompts.items():
         prefilled(cache, stamps, s, prompt)
-    assert cache.num_free == 0
+    assert cache.books.num_free == 0
     for s in "cadb":
-        cache.free_seq(s)
+        cache.books.free_seq(s)
     assert prefilled(cache, stamps, "a2", prompts["a"]) == 2     # revived, 1 free block taken
-    cache.free_seq("a2")                       # a's block: now the most recently released
+    cache.books.free_seq("a2")                       # a's block: now the most recently released
 
     def still_found():
         return [s for s in "abcd" if found_prefix(cache, stamps, prompts[s])]
     prefilled(cache, stamps, "new1", [90] * 7)                   # 4 blocks: the 4 free ones
-    assert still_found() == list("abcd") and cache.index.evicted == 0
+    assert still_found() == list("abcd") and cache.books.index.evicted == 0
     write(cache, stamps, {"new1": [90] * 9}, 2)                  # a 5th: one kept goes
     assert still_found() == list("abd")
     prefilled(cache, stamps, "new2", [80] * 3)                   # 2 more: the next two
     assert still_found() == ["a"]
-    assert cache.index.evicted == 3
+    assert cache.books.index.evicted == 3
     assert read(cache, "new1") == expected(stamps, [90] * 9)
 
 
@@ -120,9 +120,9 @@ def test_a_named_block_is_never_written_even_by_its_only_holder():
     stamps, cache = Stamps(), pool(8, 4)
     old = [1, 2, 3, 4, 5, 6, 7, 8, 9]
     prefilled(cache, stamps, "a", old)
-    named = cache.seqs["a"].blocks[1]
-    assert cache.refcount[named] == 1 and named in cache.index.name_of
-    cache.trim("a", 3)                                           # 6 tokens left
+    named = cache.books.seqs["a"].blocks[1]
+    assert cache.books.refcount[named] == 1 and named in cache.books.index.name_of
+    cache.books.trim("a", 3)                                           # 6 tokens left
     new = old[:6] + [60, 61]
     write(cache, stamps, {"a": new}, 2)                          # slots 6, 7 of block 1
     assert read(cache, "a") == expected(stamps, new)
@@ -136,11 +136,12 @@ def test_a_prompt_cached_in_full_writes_its_last_token_into_a_copy():
     stamps, cache = Stamps(), pool(6, 4)
     prompt = list(range(1, 9))
     prefilled(cache, stamps, "a", prompt)
-    named = list(cache.seqs["a"].blocks)
-    cache.free_seq("a")
+    named = list(cache.books.seqs["a"].blocks)
+    cache.books.free_seq("a")
     assert prefilled(cache, stamps, "b", prompt) == 7
-    assert cache.seqs["b"].blocks[0] == named[0] and cache.seqs["b"].blocks[1] != named[1]
-    assert all(b in cache.index.name_of for b in named)
+    b = cache.books.seqs["b"].blocks
+    assert b[0] == named[0] and b[1] != named[1]
+    assert all(b in cache.books.index.name_of for b in named)
     assert read(cache, "b") == expected(stamps, prompt)
 
 
@@ -150,14 +151,14 @@ def test_a_fork_writing_into_the_shared_last_block_copies_it_first():
     stamps, cache = Stamps(), pool(8, 4)
     prompt = list(range(1, 11))                                  # blocks of 4, 4, 2
     prefilled(cache, stamps, "a", prompt)
-    cache.fork("a", "b")
-    free = cache.num_free
-    assert cache.room_needed(["a", "b"], 1) == 1         # one copy: then b's block is a's own
+    cache.books.fork("a", "b")
+    free = cache.books.num_free
+    assert cache.books.room_needed(["a", "b"], 1) == 1   # one copy: then b's block is a's own
     written = write(cache, stamps, {"a": prompt + [70], "b": prompt + [80]}, 1)
-    assert written[0] != written[1] and cache.num_free == free - 1
+    assert written[0] != written[1] and cache.books.num_free == free - 1
     assert read(cache, "a") == expected(stamps, prompt + [70])
     assert read(cache, "b") == expected(stamps, prompt + [80])
-    assert cache.seqs["a"].blocks[:2] == cache.seqs["b"].blocks[:2]
+    assert cache.books.seqs["a"].blocks[:2] == cache.books.seqs["b"].blocks[:2]
 
 
 # --- refcounts -----------------------------------------------------------------------------
@@ -167,26 +168,27 @@ def test_refcounts_are_the_holders_through_forks_writes_and_releases():
     stamps, cache = Stamps(), pool(10, 4)
     prompt = list(range(1, 11))
     prefilled(cache, stamps, "a", prompt)
-    blocks, free = list(cache.seqs["a"].blocks), cache.num_free
-    cache.fork("a", "b")
-    cache.fork("b", "c")
-    assert cache.refcount[blocks].tolist() == [3, 3, 3] and cache.num_free == free
-    assert (cache.refcount == holders(cache)).all()
-    assert cache.room_needed(["b", "c"], 1) == 2          # a holds it too: both copy
+    blocks, free = list(cache.books.seqs["a"].blocks), cache.books.num_free
+    cache.books.fork("a", "b")
+    cache.books.fork("b", "c")
+    assert cache.books.refcount[blocks].tolist() == [3, 3, 3] and cache.books.num_free == free
+    assert (cache.books.refcount == holders(cache)).all()
+    assert cache.books.room_needed(["b", "c"], 1) == 2          # a holds it too: both copy
     write(cache, stamps, {"b": prompt + [1], "c": prompt + [2]}, 1)   # two copies of block 2
-    assert cache.refcount[blocks].tolist() == [3, 3, 1] and cache.num_free == free - 2
-    assert (cache.refcount == holders(cache)).all()
-    cache.free_seq("a")
-    assert cache.refcount[blocks].tolist() == [2, 2, 0]
-    assert (cache.refcount == holders(cache)).all()
+    assert cache.books.refcount[blocks].tolist() == [3, 3, 1] and cache.books.num_free == free - 2
+    assert (cache.books.refcount == holders(cache)).all()
+    cache.books.free_seq("a")
+    assert cache.books.refcount[blocks].tolist() == [2, 2, 0]
+    assert (cache.books.refcount == holders(cache)).all()
     prefilled(cache, stamps, "big", [50] * 23)   # takes every free block (the kept ones too)
-    assert cache.num_free == 0
+    assert cache.books.num_free == 0
     assert read(cache, "b") == expected(stamps, prompt + [1])   # b's blocks were not lent
     assert read(cache, "c") == expected(stamps, prompt + [2])
     for s in ("b", "c", "big"):
-        cache.free_seq(s)
-    assert not cache.refcount.any() and cache.num_free == cache.num_blocks
-    assert sorted(cache.free + list(cache.index.unheld)) == list(range(cache.num_blocks))
+        cache.books.free_seq(s)
+    assert not cache.books.refcount.any() and cache.books.num_free == cache.books.num_blocks
+    books = cache.books
+    assert sorted(books.free + list(books.index.unheld)) == list(range(books.num_blocks))
 
 
 @pytest.mark.parametrize("n", [2, 3])
@@ -195,20 +197,20 @@ def test_a_trimmed_fork_releases_only_its_own_hold(n):
     prompt = [4, 5, 6, 7, 8]
     prefilled(cache, stamps, "a", prompt)
     for i in range(1, n):
-        cache.fork("a", i)
-    cache.trim(1, 3)                                            # 2 tokens: 1 block
-    assert (cache.refcount == holders(cache)).all()
-    assert cache.refcount[cache.seqs["a"].blocks].tolist() == [n, n - 1, n - 1]
+        cache.books.fork("a", i)
+    cache.books.trim(1, 3)                                            # 2 tokens: 1 block
+    assert (cache.books.refcount == holders(cache)).all()
+    assert cache.books.refcount[cache.books.seqs["a"].blocks].tolist() == [n, n - 1, n - 1]
     assert read(cache, "a") == expected(stamps, prompt)
 
 
 def test_a_sequence_trimmed_to_nothing_swaps_out_and_back_in():
     stamps, cache = Stamps(), pool(4, 2)
     prefilled(cache, stamps, "a", [1, 2, 3])
-    cache.trim("a", 3)
-    swapped = cache.swap_out("a")
-    assert swapped.blocks == 0 and cache.num_free == 4
-    cache.swap_in("a", swapped)
-    assert cache.seqs["a"].blocks == [] and cache.num_free == 4
+    cache.books.trim("a", 3)
+    swapped = cache.books.swap_out("a")
+    assert swapped.blocks == 0 and cache.books.num_free == 4
+    cache.books.swap_in("a", swapped)
+    assert cache.books.seqs["a"].blocks == [] and cache.books.num_free == 4
     write(cache, stamps, {"a": [7]}, 1)
     assert read(cache, "a") == expected(stamps, [7])

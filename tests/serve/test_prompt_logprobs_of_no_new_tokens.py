@@ -48,7 +48,7 @@ def test_no_new_tokens_needs_only_its_prompts_blocks(model):
     assert [r.status for r in run.results] == ["finished"] * 2
     assert run.results[0].prompt_logprobs == run.results[1].prompt_logprobs
     assert len(run.results[0].prompt_logprobs) == len(PROMPT)
-    assert e.cache.num_free == 2
+    assert e.cache.books.num_free == 2
     rejected, = engine(model, 2).run([Request(PROMPT, 1, prompt_logprobs=0)]).results
     assert rejected.status == "rejected" and "needs up to 3 blocks" in rejected.reason
 

@@ -939,7 +939,7 @@ def test_a_long_run_keeps_no_record_per_request_and_metrics_count_them_all(model
             prompt_tokens += usage.prompt_tokens
         wait_for(lambda: not online.live and online.snapshot.running == 0)
         cache = online.engine.cache             # its lists and maps: at most one per block
-        assert max(footprint(cache).values()) <= cache.num_blocks
+        assert max(footprint(cache).values()) <= cache.books.num_blocks
         return footprint(online.engine, online)
     try:
         after_n = requests(6)

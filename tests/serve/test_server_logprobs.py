@@ -199,7 +199,7 @@ def test_n_samples_are_the_single_requests_seeded_seed_plus_i(served, model):
         assert c.message.content == text
         assert [e.token for e in c.logprobs.content] == names(model.tokenizer, chat_ids, tokens)
     assert chat.usage.completion_tokens == sum(len(c.logprobs.content) for c in chat.choices)
-    assert online.engine.cache.num_free == online.engine.cache.num_blocks
+    assert online.engine.cache.books.num_free == online.engine.cache.books.num_blocks
 
 
 def test_a_stop_string_ends_one_sample_not_the_others(served, model):
@@ -269,7 +269,7 @@ def test_bad_logprobs_echo_and_n_get_400_naming_the_field(served, path, fields, 
     status, reply = post(url, f"/v1/{path}", body | fields)
     assert status == 400 and reply["error"]["param"] == param, reply
     assert says in reply["error"]["message"], reply
-    assert online.engine.cache.num_free == online.engine.cache.num_blocks
+    assert online.engine.cache.books.num_free == online.engine.cache.books.num_blocks
 
 
 def test_the_bound_on_k_is_accepted_at_its_edge(served):

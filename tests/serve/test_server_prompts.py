@@ -74,7 +74,7 @@ def test_logprob_tokens_join_to_the_text_and_offsets_point_at_them(any_served, s
     if model.tokenizer.bos_token_id is not None and model.tokenizer.add_bos:
         assert ids[0] == model.tokenizer.bos_token_id and got["tokens"][0] == ""
     assert " " in "".join(got["tokens"][:len(ids)])       # the spaces are in the tokens
-    assert online.engine.cache.num_free == online.engine.cache.num_blocks
+    assert online.engine.cache.books.num_free == online.engine.cache.books.num_blocks
 
 
 @pytest.mark.parametrize("stream", [False, True])
@@ -159,7 +159,7 @@ def test_a_batch_of_prompts_is_answered_in_openais_order(served, model):
         for c in chunk.choices:
             texts[c.index] += c.text
     assert texts == alone
-    assert online.engine.cache.num_free == online.engine.cache.num_blocks
+    assert online.engine.cache.books.num_free == online.engine.cache.books.num_blocks
 
 
 def test_echo_with_max_tokens_0_is_the_prompts_logprobs_alone(served, model):
@@ -179,7 +179,7 @@ def test_echo_with_max_tokens_0_is_the_prompts_logprobs_alone(served, model):
             [row[t] for row, t in zip(ref, ids[1:])], abs=TOLERANCE)
     plain = client.completions.create(model=NAME, prompt="Hi there", max_tokens=0, echo=True)
     assert plain.choices[0].text == "Hi there" and plain.choices[0].logprobs is None
-    assert online.engine.cache.num_free == online.engine.cache.num_blocks
+    assert online.engine.cache.books.num_free == online.engine.cache.books.num_blocks
 
 
 def test_tokenize_and_detokenize_as_vllm(served, model):
@@ -276,7 +276,7 @@ def test_bad_prompts_and_tokenizer_bodies_get_400_naming_the_field(served, path,
     expected = 404 if says == "does not exist" else 400     # an unknown model: 404
     assert status == expected and reply["error"]["param"] == param, reply
     assert says in reply["error"]["message"], reply
-    assert online.engine.cache.num_free == online.engine.cache.num_blocks
+    assert online.engine.cache.books.num_free == online.engine.cache.books.num_blocks
 
 
 @pytest.mark.parametrize("path, body", [("/tokenize", [1, 2]), ("/detokenize", "x")])
@@ -306,7 +306,7 @@ def test_a_batch_the_queue_can_never_take_is_a_400_one_it_cannot_take_now_a_429(
         assert status == 400 and reply["error"]["param"] == "prompt", reply
         assert "at most 2 may wait (--max-waiting)" in reply["error"]["message"]
         wait_for(lambda: not online.engine.waiting and not online.engine.running())
-        assert online.engine.cache.num_free == online.engine.cache.num_blocks
+        assert online.engine.cache.books.num_free == online.engine.cache.books.num_blocks
         metrics = urllib.request.urlopen(server.url + "/metrics").read().decode()
         assert f'vllm:prompt_tokens_total{{model_name="{NAME}"}} 0' in metrics
         long, waiter = one_running_one_waiting(online, client)

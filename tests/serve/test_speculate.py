@@ -134,7 +134,7 @@ def prefilled(model, num_blocks=32, block_size=4) -> PagedCache:
     """Both prompts in a pool, all but their last token computed (as the engine holds them)."""
     cache = PagedCache.allocate(model.config, num_blocks, block_size)
     for seq_id, prompt in PROMPTS.items():
-        cache.add(seq_id, prompt)
+        cache.books.add(seq_id, prompt)
         forward(model, np.array([prompt[:-1]]), cache.view([seq_id]))
     return cache
 
@@ -146,15 +146,15 @@ def test_one_pass_gives_every_position_a_decode_steps_logits(model, batch_invari
     batch-invariant mode, within the float32 rounding of other shapes otherwise."""
     fed = {"a": [6, 11, 12], "b": [9, 13]}
     cache = prefilled(model)
-    cache.append(["a"], 3)          # counted in the books first, as a plan counts them
-    cache.append(["b"], 2)
+    cache.books.append(["a"], 3)          # counted in the books first, as a plan counts them
+    cache.books.append(["b"], 2)
     z = verify_logits(model, cache, ["a", "b"], [fed["a"], fed["b"]], batch_invariant)
     assert z.shape == (5, model.config.vocab_size)
-    assert (cache.seqs["a"].length, cache.seqs["b"].length) == (8, 4)
+    assert (cache.books.seqs["a"].length, cache.books.seqs["b"].length) == (8, 4)
     step = prefilled(model)
     rows = {"a": [], "b": []}
     for t, ids in enumerate([["a", "b"], ["a", "b"], ["a"]]):
-        step.make_room(ids, 1)
+        step.books.make_room(ids, 1)
         decode = last_logits_alone if batch_invariant else last_logits   # the engine's
         logits = decode(model, np.array([[fed[s][t]] for s in ids]), step.view(ids))
         for s, row in zip(ids, logits):
@@ -164,7 +164,7 @@ def test_one_pass_gives_every_position_a_decode_steps_logits(model, batch_invari
         assert (z == reference).all()
         # the keys and values written are a decode's too: both caches continue alike
         for c in (cache, step):
-            c.make_room(["a", "b"], 1)
+            c.books.make_room(["a", "b"], 1)
         assert (last_logits_alone(model, np.array([[3], [4]]), cache.view(["a", "b"])) ==
                 last_logits_alone(model, np.array([[3], [4]]), step.view(["a", "b"]))).all()
     else:   # other shapes, other last bits: within the measured rounding window (conftest)
@@ -181,7 +181,7 @@ def rows_of(tokens: dict, prompt_len: dict, settings=GREEDY, max_new=40):
 def step(spec, cache, rows, batch_invariant=True):
     """A step as the engine takes it: the plan holds each row's slot for its last token
     (scheduler: blocks.append), then the speculator drafts and verifies."""
-    cache.append([row.seq_id for row in rows], 1)
+    cache.books.append([row.seq_id for row in rows], 1)
     return spec.step(cache, rows, batch_invariant)
 
 
@@ -201,7 +201,7 @@ def test_a_step_keeps_what_greedy_keeps_and_trims_the_rest_back_to_the_pool(clos
     spec = Speculator(SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_max=2), model)
     cache = PagedCache.allocate(model.config, 40, 2)
     for seq_id, prompt in prompts.items():
-        cache.add(seq_id, prompt)
+        cache.books.add(seq_id, prompt)
         forward(model, np.array([prompt[:-1]]), cache.view([seq_id]))
     tokens = {s: list(p) for s, p in prompts.items()}
     while any(len(tokens[s]) - len(prompts[s]) < new for s in tokens):
@@ -212,14 +212,14 @@ def test_a_step_keeps_what_greedy_keeps_and_trims_the_rest_back_to_the_pool(clos
             assert len(z) == len(kept) >= 1
             tokens[row.seq_id] += kept
             spec.settle(cache, row.seq_id, len(tokens[row.seq_id]) - 1)
-            seq = cache.seqs[row.seq_id]
+            seq = cache.books.seqs[row.seq_id]
             assert seq.length == len(tokens[row.seq_id]) - 1
-            assert len(seq.blocks) == cache.blocks_for(seq.length)   # nothing past it held
-        cache.check()
+            assert len(seq.blocks) == cache.books.blocks_for(seq.length)   # nothing past it held
+        cache.books.check()
     for s, p in prompts.items():
         assert tokens[s][len(p):] == mt.generate(model, p, new, eos_token_id=[])
-    held = sum(len(seq.blocks) for seq in cache.seqs.values())
-    assert cache.num_free == cache.num_blocks - held
+    held = sum(len(seq.blocks) for seq in cache.books.seqs.values())
+    assert cache.books.num_free == cache.books.num_blocks - held
     c = spec.counters
     assert c.draft_tokens > c.accepted_tokens > 0     # some kept, some trimmed
 
@@ -230,21 +230,21 @@ def test_named_and_shared_blocks_are_never_written_by_verification(model):
     one is copied before a write (the view refuses any write into a shared or named block)."""
     cache = PagedCache.allocate(model.config, 16, 4)
     prompt = [1, 2, 3, 1, 2, 3]     # "2 3" seen before: the lookup proposes 1 2 3
-    cache.add("a", prompt)
+    cache.books.add("a", prompt)
     forward(model, np.array([prompt[:-1]]), cache.view(["a"]))
-    cache.seal("a", prompt)
-    cache.fork("a", "b")
-    named, = cache.index.name_of
+    cache.books.seal("a", prompt)
+    cache.books.fork("a", "b")
+    named, = cache.books.index.name_of
     before = [to_numpy(k[named]) for k in cache.k + cache.v]
     spec = Speculator(SpeculativeConfig(num_speculative_tokens=3), model)
     rows = rows_of({"a": list(prompt), "b": list(prompt)}, {"a": 6, "b": 6})
     out = step(spec, cache, rows)
     assert spec.counters.draft_tokens == 6
     assert all((to_numpy(k[named]) == old).all() for k, old in zip(cache.k + cache.v, before))
-    assert cache.seqs["a"].blocks[1] != cache.seqs["b"].blocks[1]     # copied on write
+    assert cache.books.seqs["a"].blocks[1] != cache.books.seqs["b"].blocks[1]     # copied on write
     for row, (kept, _) in zip(rows, out):
         spec.settle(cache, row.seq_id, len(prompt) + len(kept) - 1)
-    cache.check()
+    cache.books.check()
     assert out[0][0] == out[1][0] == mt.generate(model, prompt, len(out[0][0]), eos_token_id=[])
 
 
@@ -253,14 +253,14 @@ def test_speculation_cuts_its_draft_to_the_free_blocks(model):
     have, nothing raises, nobody is preempted."""
     cache = PagedCache.allocate(model.config, 4, 2)
     prompt = [1, 2, 1, 2, 1]
-    cache.add("a", prompt)
+    cache.books.add("a", prompt)
     forward(model, np.array([prompt[:-1]]), cache.view(["a"]))
-    while cache.num_free:           # fill the pool with another holder's blocks
-        cache.add(len(cache.seqs), [3])
+    while cache.books.num_free:           # fill the pool with another holder's blocks
+        cache.books.add(len(cache.books.seqs), [3])
     spec = Speculator(SpeculativeConfig(num_speculative_tokens=4), model)
     (kept, _), = step(spec, cache, rows_of({"a": prompt}, {"a": 5}), batch_invariant=False)
     # the next token's block has one slot more: one proposal fits, no block is taken
-    assert spec.counters.draft_tokens == 1 and cache.num_free == 0
+    assert spec.counters.draft_tokens == 1 and cache.books.num_free == 0
     assert kept == mt.generate(model, prompt, len(kept), eos_token_id=[])
 
 
@@ -278,7 +278,7 @@ def test_a_draft_model_drafts_with_its_own_cache(close_calls):
             tokens[row.seq_id] += kept
             spec.settle(cache, row.seq_id, len(tokens[row.seq_id]) - 1)
             # the draft's cache holds no rejected proposal: at most the kept tokens
-            held = spec.proposer.draft.pool.seqs[row.seq_id].length
+            held = spec.proposer.draft.pool.books.seqs[row.seq_id].length
             assert held <= len(tokens[row.seq_id]) - 1
     for s, p in PROMPTS.items():
         made = tokens[s][len(p):]
@@ -290,7 +290,7 @@ def test_a_draft_model_drafts_with_its_own_cache(close_calls):
     spec.forget("a")
     assert spec.proposer.holding() == {"b"}
     spec.forget("b")
-    assert pool.num_free == pool.num_blocks and not spec.proposer.holding()
+    assert pool.books.num_free == pool.books.num_blocks and not spec.proposer.holding()
 
 
 def test_ngram_proposals_are_the_lookup_over_prompt_and_output(model):
@@ -367,7 +367,7 @@ def test_below_min_acceptance_a_sequence_feeds_one_token_and_its_lookup_is_judge
 def prefilled_one(model, prompt, num_blocks=16, block_size=4) -> PagedCache:
     """Sequence "a" in a pool, all but its prompt's last token computed."""
     cache = PagedCache.allocate(model.config, num_blocks, block_size)
-    cache.add("a", prompt)
+    cache.books.add("a", prompt)
     forward(model, np.array([prompt[:-1]]), cache.view(["a"]))
     return cache
 
@@ -377,6 +377,6 @@ def test_the_drafts_take_no_more_than_the_budgets_spare_tokens(model):
     cache = prefilled(model)
     spec = Speculator(SpeculativeConfig(num_speculative_tokens=4), model)
     rows = rows_of({"a": PROMPTS["a"] + [1, 2], "b": PROMPTS["b"] + [7, 8]}, {"a": 6, "b": 3})
-    cache.append(["a", "b"], 1)
+    cache.books.append(["a", "b"], 1)
     spec.step(cache, rows, spare=3)
     assert spec.fed == [4, 1]                   # a: 3 proposals (of 4), b: none left
