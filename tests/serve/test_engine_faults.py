@@ -221,7 +221,7 @@ def server(chat_model):
     """-> start(online): an in-process server of it -> an openai client; stopped after."""
     openai = pytest.importorskip("openai")
     pytest.importorskip("fastapi")
-    from test_server import NAME, Background
+    from servers import NAME, Background
     from minitransformer.serve.http import create_app
     started = []
 
@@ -241,7 +241,7 @@ def test_the_server_answers_a_failed_request_with_an_error_and_serves_on(chat_mo
     (its 200 and first bytes are sent at once), an error event. A stream in flight beside
     them ends with generate's text, and the server stays healthy."""
     import openai
-    from test_server import NAME, expected
+    from servers import NAME, expected
     fault(poisoned)
     client = server(OnlineEngine(Engine(chat_model, EngineConfig(
         max_num_seqs=4, block_size=4, num_gpu_blocks_override=48, batch_invariant=True))))
@@ -264,7 +264,7 @@ def test_the_server_answers_a_failed_request_with_an_error_and_serves_on(chat_mo
 def test_a_server_whose_engine_cannot_go_on_says_so_at_health(chat_model, server,
                                                               monkeypatch):
     import openai
-    from test_server import NAME
+    from servers import NAME
     monkeypatch.setattr(Scheduler, "commit", lambda *_: 1 / 0)
     client = server(OnlineEngine(Engine(chat_model, EngineConfig(max_num_seqs=2))))
     with pytest.raises(openai.InternalServerError, match="ZeroDivisionError"):

@@ -20,7 +20,7 @@ from minitransformer.logprobs import log_softmax
 from minitransformer.tokenizer import encode_text
 
 pytest.importorskip("fastapi")
-from test_server import NAME, Background, model  # noqa: E402,F401 (the fixture)
+from servers import NAME, Background, model  # noqa: E402,F401 (the fixture)
 from minitransformer.serve.config import EngineConfig  # noqa: E402
 from minitransformer.serve.engine import Engine  # noqa: E402
 from minitransformer.serve.http import create_app  # noqa: E402

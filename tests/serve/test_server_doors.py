@@ -1,7 +1,7 @@
 """Who may ask the server, and how: the API key, the body's type and encoding, chat content as
 parts, clients too slow to send a request, and each `serve` flag reaching the server it starts.
 Over real HTTP on 127.0.0.1 and the real ``openai`` client; the refusals themselves are cases
-of the hostile corpus (test_server.HOSTILE, KEYLESS below)."""
+of the hostile corpus (test_server_hostile.HOSTILE, KEYLESS below)."""
 import argparse
 import json
 import select
@@ -18,7 +18,7 @@ import pytest
 openai = pytest.importorskip("openai")
 pytest.importorskip("fastapi")
 uvicorn = pytest.importorskip("uvicorn")
-from test_server import (NAME, ROOT, Background, completion, exchange,  # noqa: E402,F401
+from servers import (NAME, ROOT, Background, completion, exchange,  # noqa: E402,F401
                          held_in_tokenization, inherited, model, post, serve_command, served)
 import minitransformer.__main__ as cli  # noqa: E402
 from minitransformer.chat import encode_chat  # noqa: E402

@@ -14,7 +14,7 @@ from minitransformer.sampling import SamplingSettings
 
 openai = pytest.importorskip("openai")
 pytest.importorskip("fastapi")
-from test_server import NAME, answered, model, served  # noqa: E402,F401 (the fixtures: one server)
+from servers import NAME, answered, model, served  # noqa: E402,F401 (the fixtures: one server)
 
 TOLERANCE = 1e-4
 PROMPT = "The cat sat on the mat."

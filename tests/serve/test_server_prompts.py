@@ -11,7 +11,7 @@ from minitransformer.chat import encode_chat
 
 openai = pytest.importorskip("openai")
 pytest.importorskip("fastapi")
-from test_server import NAME, Background, model, served  # noqa: E402,F401 (the fixtures)
+from servers import NAME, Background, model, served  # noqa: E402,F401 (the fixtures)
 from test_server_logprobs import (TOLERANCE, check_names_index_the_text, names,  # noqa: E402
                                   post, reference, warm)
 from minitransformer.serve.config import EngineConfig  # noqa: E402
@@ -295,7 +295,7 @@ def test_a_batch_the_queue_can_never_take_is_a_400_one_it_cannot_take_now_a_429(
     import urllib.request
 
     from conftest import wait_for
-    from test_server import one_running_one_waiting
+    from servers import one_running_one_waiting
     config = EngineConfig(max_num_seqs=1, num_gpu_blocks_override=64, block_size=8)
     online = OnlineEngine(Engine(model, config), max_waiting=2)
     server = Background(create_app(online, NAME))

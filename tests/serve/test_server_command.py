@@ -1,0 +1,98 @@
+"""The `serve` command in its own process: Ctrl-C drains the answers in flight, a quantized cache
+and tiled attention give generate's text, speculation streams generate's text and counts its
+drafts; and the server module imports without the serve extra."""
+import signal
+import subprocess
+import sys
+import urllib.request
+
+import pytest
+
+from minitransformer.kernels import blas
+
+openai = pytest.importorskip("openai")
+pytest.importorskip("fastapi")
+uvicorn = pytest.importorskip("uvicorn")
+from servers import NAME, ROOT, expected, serve_command, model  # noqa: E402,F401 (the fixtures)
+
+
+def test_serve_command_drains_answers_in_flight_on_ctrl_c(model):
+    """The real command in its own process: Ctrl-C lets a stream in flight finish."""
+    process, client = serve_command(model)
+    try:
+        stream = iter(client.completions.create(model=NAME, prompt="The robot", max_tokens=40,
+                                                stream=True, extra_body={"ignore_eos": True}))
+        chunks = [next(stream)]
+        process.send_signal(signal.SIGINT)      # shut down while the answer is half made
+        chunks += list(stream)
+        assert chunks[-1].choices[0].finish_reason == "length"
+        assert process.wait(30) == 0
+    finally:
+        process.kill()
+        process.wait()
+    assert "serving 'tiny-chat'" in process.stderr.read()
+
+
+def test_serve_command_with_a_quantized_cache_and_tiled_attention(model, monkeypatch):
+    """--kv-cache-dtype q8_0 --attention tiled: the client's text is generate's with the same
+    cache format and attention (batch-invariant, and both processes multiplying the flat way:
+    the same BLAS calls, bit for bit); a bad format is refused."""
+    monkeypatch.setattr(blas, "FIXED", "flat")
+    bad = subprocess.run([sys.executable, "-m", "minitransformer", "serve", "--model", model.path,
+                          "--kv-cache-dtype", "int8"], cwd=ROOT, capture_output=True, text=True)
+    assert bad.returncode == 2 and "--kv-cache-dtype: invalid choice: 'int8'" in bad.stderr
+    assert all(name in bad.stderr.splitlines()[-1] for name in ("f32", "f16", "q8_0", "q4_0"))
+    process, client = serve_command(model, "--kv-cache-dtype", "q8_0", "--attention", "tiled",
+                                    "--batch-invariant")
+    try:
+        prompt = "The cat sat on the mat."
+        ids = model.tokenizer.encode(prompt)
+        tokens, text, finish = expected(model, ids, 24, kv_dtype="q8_0", attention="tiled")
+        reply = client.completions.create(model=NAME, prompt=prompt, max_tokens=24,
+                                          temperature=0)
+        assert reply.choices[0].text == text and reply.choices[0].finish_reason == finish
+    finally:
+        process.kill()
+        process.wait()
+    assert "q8_0 cache, tiled attention" in process.stderr.read()
+
+
+def test_serve_command_speculating_streams_generates_text_and_counts_drafts(model, monkeypatch):
+    """--speculative-config (prompt lookup) with --batch-invariant: a prompt the answer copies
+    from, streamed: the text is generate's, events carry the several tokens a step verified
+    (fewer events than tokens), and /metrics shows vLLM's spec_decode counters."""
+    monkeypatch.setattr(blas, "FIXED", "flat")
+    process, client = serve_command(model, "--batch-invariant", "--speculative-config",
+                                    '{"method": "ngram", "num_speculative_tokens": 4}')
+    try:
+        prompt = "the cat sat on the mat. " * 4
+        ids = model.tokenizer.encode(prompt)
+        tokens, text, _ = expected(model, ids, 32, eos_token_id=[])
+        events = [c.choices[0].text for c in client.completions.create(
+            model=NAME, prompt=prompt, max_tokens=32, temperature=0, stream=True,
+            extra_body={"ignore_eos": True})]
+        port = client.base_url.port
+        metrics = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics").read().decode()
+    finally:
+        process.kill()
+        process.wait()
+    assert "".join(events) == text and len([e for e in events if e]) < len(tokens)
+    samples = dict(line.rsplit(" ", 1) for line in metrics.splitlines() if line[:1] != "#")
+    label = f'{{model_name="{NAME}"}}'
+    drafted = int(samples["vllm:spec_decode_num_draft_tokens_total" + label])
+    accepted = int(samples["vllm:spec_decode_num_accepted_tokens_total" + label])
+    assert 0 < accepted <= drafted and int(samples["vllm:spec_decode_num_drafts_total" + label])
+    assert int(samples[f'vllm:spec_decode_num_accepted_tokens_per_pos_total{{position="0",'
+                       f'model_name="{NAME}"}}']) > 0
+
+
+def test_the_server_module_imports_without_the_serve_extra():
+    """The library imports without fastapi (doctests collect every module); the server says
+    what to install when it is asked for."""
+    code = ("import sys; sys.modules['fastapi'] = None\n"
+            "from minitransformer.serve import http\n"
+            "try:\n    http.create_app(None, 'x')\n"
+            "except ImportError as e:\n    print(e)\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == "the server needs the serve extra: pip install -e '.[serve]'\n"
