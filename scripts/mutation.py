@@ -62,8 +62,8 @@ MODULES = {
                  ["tests/drafts/test_training.py", "tests/drafts/test_distill_metrics.py",
                   "tests/drafts/test_training_edges.py"], ""),
     "blocks": ("minitransformer/serve/blocks.py",
-               ["tests/serve/test_blocks.py", "tests/serve/test_block_state.py", "tests/serve/test_prefix_cache.py",
-                "tests/serve/test_paged.py", "tests/serve/test_block_books.py"], ""),
+               ["tests/serve/test_blocks.py", "tests/serve/test_block_state.py",
+                "tests/serve/test_prefix_cache.py", "tests/serve/test_paged.py"], ""),
     # test_scheduler's import test reads the module's imports, and mutmut's copy imports its
     # trampoline (it fails on the unmutated copy)
     "scheduler": ("minitransformer/serve/scheduler.py",
@@ -72,7 +72,7 @@ MODULES = {
     "paged": ("minitransformer/serve/paged.py",     # the ragged view: the mixed step's and
               ["tests/serve/test_paged.py", "tests/serve/test_mixed_step.py",  # the verification pass's
                "tests/test_batched.py", "tests/serve/test_speculate.py",  # and (test_kvquant) the
-               "tests/test_kvquant.py", "tests/serve/test_paged_edges.py"], ""),  # quantized pool's
+               "tests/test_kvquant.py", "tests/serve/test_blocks.py"], ""),  # quantized pool's
     "engine": ("minitransformer/serve/engine.py",      # test_logprobs: the prompt's scores;
                ["tests/serve/test_engine.py", "tests/serve/test_engine_properties.py",  # the speculative
                 "tests/serve/test_engine_records.py", "tests/test_logprobs.py",   # engine's own
@@ -348,20 +348,24 @@ PLANTED = [
      "minitransformer/serve/blocks.py",
      "parent = hashlib.sha256(parent + block.tobytes()).digest()",
      "parent = hashlib.sha256(block.tobytes()).digest()",
-     ["tests/serve/test_prefix_cache.py", "tests/serve/test_blocks.py", "tests/serve/test_block_state.py"]),
+     ["tests/serve/test_prefix_cache.py", "tests/serve/test_blocks.py", "tests/serve/test_paged.py",
+      "tests/serve/test_block_state.py"]),
     ("prefix cache", "the most recently released kept block is evicted first",
      "minitransformer/serve/blocks.py",
      "block, _ = self.unheld.popitem(last=False)", "block, _ = self.unheld.popitem(last=True)",
-     ["tests/serve/test_prefix_cache.py", "tests/serve/test_blocks.py", "tests/serve/test_block_state.py"]),
+     ["tests/serve/test_prefix_cache.py", "tests/serve/test_blocks.py", "tests/serve/test_paged.py",
+      "tests/serve/test_block_state.py"]),
     ("prefix cache", "a kept block held again stays evictable",
      "minitransformer/serve/blocks.py",
      "self.unheld.pop(block, None)", "self.unheld.get(block, None)",
-     ["tests/serve/test_prefix_cache.py", "tests/serve/test_blocks.py", "tests/serve/test_block_state.py"]),
+     ["tests/serve/test_prefix_cache.py", "tests/serve/test_blocks.py", "tests/serve/test_paged.py",
+      "tests/serve/test_block_state.py"]),
     ("prefix cache", "a prompt cached in full is not left its last token to compute",
      "minitransformer/serve/blocks.py",
      "min(len(found) * self.block_size, len(prompt) - 1)",
      "min(len(found) * self.block_size, len(prompt))",
-     ["tests/serve/test_prefix_cache.py", "tests/serve/test_blocks.py", "tests/serve/test_block_state.py"]),
+     ["tests/serve/test_prefix_cache.py", "tests/serve/test_blocks.py", "tests/serve/test_paged.py",
+      "tests/serve/test_block_state.py"]),
     ("chunked prefill", "every chunk computes the prompt's first tokens again",
      "minitransformer/serve/engine.py",
      "np.array([seq.tokens[done:done + n]])", "np.array([seq.tokens[:n]])",
@@ -496,12 +500,14 @@ PLANTED = [
      "minitransformer/serve/blocks.py",
      "return self.refcount[block] == 1 and block not in self.index.name_of",
      "return self.refcount[block] == 1",
-     ["tests/serve/test_prefix_cache.py", "tests/serve/test_blocks.py", "tests/serve/test_block_state.py"]),
+     ["tests/serve/test_prefix_cache.py", "tests/serve/test_blocks.py", "tests/serve/test_paged.py",
+      "tests/serve/test_block_state.py"]),
     ("n samples", "a block two samples share is written in place (no copy on write)",
      "minitransformer/serve/blocks.py",
      "return self.refcount[block] == 1 and block not in self.index.name_of",
      "return block not in self.index.name_of",
-     ["tests/serve/test_parallel_samples.py", "tests/serve/test_blocks.py", "tests/serve/test_block_state.py"]),
+     ["tests/serve/test_parallel_samples.py", "tests/serve/test_blocks.py", "tests/serve/test_paged.py",
+      "tests/serve/test_block_state.py"]),
     ("logprobs", "the chosen token's logprob is the most likely token's",
      "minitransformer/logprobs.py",
      "return TokenLogprob(int(token), float(logp[token]),",

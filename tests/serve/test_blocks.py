@@ -1,26 +1,194 @@
-"""The books decide, the pool does: copy on write and swapping queued as moves by the block
-manager (host integers, no array), carried out by the pool in the order decided; a block a
-plan has readied may be written once though a later prompt of the plan shares it; a paged
-sequence copied into a contiguous cache."""
+"""The block manager's promises (serve/blocks.py: the books, host integers, no array), in one
+place: what it holds and counts (stats worked out by hand, every block back in the pool, a
+shared prefix holding fewer blocks, waste under a block per sequence), what it refuses and
+leaves unchanged (an exhausted pool, a taken id, a smaller pool than one block), its check
+naming each broken rule, forks and swaps keeping a sequence's books, copies and swaps queued as
+moves for the pool, a readied block written once and then never, and the prefix index's names
+and kept blocks (found again, evicted least recently released first, counted when revived).
+Random operations on the books: here and as a state machine in test_block_state.py; on stamped
+blocks, the prefix cache's defining properties in test_prefix_cache.py; the pool doing the
+moves, in test_paged.py."""
 import numpy as np
 import pytest
 
 from minitransformer.backend import to_numpy
-from minitransformer.kvcache import KVCache
-from minitransformer.model import forward
-from minitransformer.serve.blocks import BlockManager, Copy, SwapIn, SwapOut
+from minitransformer.serve.blocks import BlockManager, Copy, PoolExhausted, SwapIn, SwapOut
 from minitransformer.serve.paged import PagedCache
+from test_paged import check_invariants, prefill
 
-PROMPT = [3, 1, 4, 1, 5, 9, 2, 6]                       # two full blocks of 4
+PROMPT = [3, 1, 4, 1, 5, 9]                             # a full block of 4 and half of one
+
+TWO_BLOCKS = [3, 1, 4, 1, 5, 9, 2, 6]                       # two full blocks of 4
+
+
+def sealed(max_len=10):
+    """A sequence "a" of PROMPT written and sealed: block 0 full and named, block 1 half."""
+    books = BlockManager(num_blocks=6, block_size=4)
+    books.add("a", PROMPT, max_len)
+    books.written(["a"], books.append(["a"], len(PROMPT)), len(PROMPT))
+    books.seal("a", PROMPT)
+    return books
+
+
+def figures(books):
+    s = books.stats()
+    return (s.block_size, s.bytes_per_token, s.blocks_total, s.blocks_held, s.blocks_shared,
+            s.sequences, s.slots_filled, s.tokens_logical, s.tokens_reserved, s.blocks_cached)
+
+
+def test_stats_by_hand():
+    books = BlockManager(num_blocks=6, block_size=4)
+    books.add("c", [7, 7, 7, 7, 7], max_len=9)     # 2 blocks readied, nothing written yet
+    assert figures(books) == (4, 0, 6, 2, 0, 1, 0, 0, 9, 0)
+    books.free_seq("c")
+    books = sealed()
+    books.fork("a", "b")                            # both blocks shared, 6 tokens each
+    assert figures(books) == (4, 0, 6, 2, 2, 2, 6, 12, 20, 0)
+    books.trim("b", 3)                              # b: 3 tokens in block 0, which a fills
+    assert figures(books) == (4, 0, 6, 2, 1, 2, 6, 9, 20, 0)
+    books.free_seq("a")
+    books.free_seq("b")                             # block 0 named: kept, counted cached
+    assert figures(books) == (4, 0, 6, 0, 0, 0, 0, 0, 0, 1)
+
+
+def broken(books, how):
+    how(books)
+    with pytest.raises(RuntimeError) as caught:
+        books.check()
+    return str(caught.value)
+
+
+def test_check_names_each_broken_rule_alone():
+    books = sealed()
+    books.check()
+    named = books.seqs["a"].blocks[0]
+    name = books.index.name_of[named]
+    rules = {
+        "a refcount differs from its block tables":
+            lambda b: b.refcount.__setitem__(named, 2),
+        "the free list and the kept blocks are not exactly the unheld blocks":
+            lambda b: b.free.append(b.free[-1]),
+        "a block on the free list still has a name":
+            lambda b: (b.index.name_of.__setitem__(b.free[-1], b"n"),
+                       b.index.block_of.__setitem__(b"n", b.free[-1])),
+        "the index's maps are not inverse":             # as many entries, one pointing wrong
+            lambda b: b.index.name_of.__setitem__(named, b"other"),
+        "a sequence holds a block named for another prefix":
+            lambda b: b.seqs["a"].names.__setitem__(0, b"other"),
+        "a sequence names a block it has not filled":
+            lambda b: b.seqs["a"].names.append(b"half"),
+    }
+    for rule, how in rules.items():
+        assert broken(sealed(), how) == f"paged cache books: {rule}"
+    assert books.index.block_of[name] == named
+
+
+def test_a_fork_is_its_parents_books_and_a_taken_id_is_refused():
+    books = sealed(max_len=10)
+    books.fork("a", "b")
+    assert books.seqs["b"] == books.seqs["a"]       # blocks, length, max_len, names
+    assert books.seqs["b"].blocks is not books.seqs["a"].blocks
+    with pytest.raises(ValueError) as refused:
+        books.fork("a", "b")
+    assert str(refused.value) == "sequence 'b' is already in the cache"
+
+
+def test_append_adds_to_the_length_and_says_where_each_append_starts():
+    books = sealed()
+    assert books.append(["a"], 1) == [6] and books.append(["a"], 2) == [7]
+    assert books.seqs["a"].length == 9
+
+
+def test_a_swap_keeps_the_sequences_books_and_a_full_pool_is_named():
+    books = sealed(max_len=10)
+    before = books.seqs["a"].length, books.seqs["a"].max_len, len(books.seqs["a"].blocks)
+    swapped = books.swap_out("a")
+    books.swap_in("a", swapped)
+    seq = books.seqs["a"]
+    assert (seq.length, seq.max_len, len(seq.blocks)) == before
+    books.add("big", [1] * 13)                      # 4 blocks: none left but 0
+    out = books.swap_out("a")
+    books.add("more", [2] * 8)
+    with pytest.raises(PoolExhausted) as full:
+        books.swap_in("a", out)
+    assert str(full.value) == "2 blocks needed, 0 free"
+
+
+def test_no_block_stays_readied_once_written_or_let_go():
+    """A written block shared by a fork is not writable in place; and a block readied by a
+    plan whose sequence then went (cancelled before its pass) is, once named and held again
+    by a prompt that finds it cached, not writable either."""
+    books = sealed()
+    books.fork("a", "b")
+    half = books.seqs["a"].blocks[1]
+    assert not books.may_write(half)                # written, then shared: copy on write
+    books = BlockManager(num_blocks=6, block_size=4)
+    prompt = PROMPT + [2, 6]                         # two full blocks
+    books.add("a", prompt)
+    books.append(["a"], len(prompt))                 # planned, never written
+    books.seal("a", prompt)
+    first = books.seqs["a"].blocks[0]
+    books.free_seq("a")                              # named: kept by the index
+    assert books.add("b", prompt) == 7 and books.seqs["b"].blocks[0] == first
+    assert not books.may_write(first)               # named and cached: never written
+
+
+def test_the_smallest_pool_and_the_refusals_of_a_smaller_one():
+    BlockManager(num_blocks=1, block_size=1).check()
+    for blocks, size in ((0, 4), (4, 0)):
+        with pytest.raises(ValueError) as refused:
+            BlockManager(num_blocks=blocks, block_size=size)
+        assert str(refused.value) == ("a paged cache needs num_blocks >= 1 and block_size >= 1, "
+                                      f"got {blocks}, {size}")
+
+
+def test_add_refuses_by_name_and_counts_the_cached_prefix_it_holds():
+    """A pool of 3 blocks, 2 of them a sealed 8-token prompt's: the same prompt again fits
+    (its first block held, its last copied: 1 block), which counting it uncached would not."""
+    books = BlockManager(num_blocks=3, block_size=4)
+    prompt = PROMPT + [2, 6]
+    books.add("a", prompt)
+    books.written(["a"], books.append(["a"], 8), 8)
+    books.seal("a", prompt)
+    assert books.add_cost(prompt) == 1 and books.add_cost(prompt, then=1) == 1
+    assert books.add_cost([9] * 6, then=3) == 3      # 9 tokens in all, nothing cached
+    assert books.add("b", prompt) == 7
+    assert books.seqs["b"].names == books.seqs["a"].names[:1]   # the block it holds, named
+    with pytest.raises(ValueError) as refused:
+        books.add("b", prompt)
+    assert str(refused.value) == "sequence 'b' is already in the cache"
+    with pytest.raises(ValueError) as refused:
+        books.add("c", [])
+    assert str(refused.value) == "a sequence needs a prompt of at least one token"
+    with pytest.raises(PoolExhausted) as full:
+        books.add("c", [5] * 13)
+    assert str(full.value) == "a prompt of 13 tokens needs 4 blocks, 0 free"
+
+
+def test_a_swapped_sequences_cost_counts_the_tokens_to_come():
+    books = BlockManager(num_blocks=6, block_size=4)
+    books.add("a", PROMPT + [2, 6])
+    books.append(["a"], 8)                          # two full blocks
+    swapped = books.swap_out("a")
+    assert books.swap_in_cost(swapped) == 2
+    assert books.swap_in_cost(swapped, then=1) == 3 and books.swap_in_cost(swapped, 4) == 3
+
+
+def test_a_blocks_name_is_its_tokens_whatever_holds_them():
+    import numpy as np
+    from minitransformer.serve.blocks import block_names
+    names = block_names(PROMPT + [2, 6], 4)
+    assert block_names(np.array(PROMPT + [2, 6], np.int32), 4) == names
+    assert block_names(np.array(PROMPT + [2, 6], np.int16), 4) == names
 
 
 def test_the_books_queue_copies_and_swaps_and_hold_no_array():
     books = BlockManager(num_blocks=6, block_size=4)
-    books.add("a", PROMPT)
-    books.append(["a"], len(PROMPT))
-    books.seal("a", PROMPT)
+    books.add("a", TWO_BLOCKS)
+    books.append(["a"], len(TWO_BLOCKS))
+    books.seal("a", TWO_BLOCKS)
     assert books.take_moves() == []
-    assert books.add("b", PROMPT) == 7                  # held in full: the last block copied
+    assert books.add("b", TWO_BLOCKS) == 7                  # held in full: the last block copied
     a, b = books.seqs["a"].blocks, books.seqs["b"].blocks
     assert books.take_moves() == [Copy(a[1], b[1])] and a[0] == b[0]
     swapped = books.swap_out("a")
@@ -32,46 +200,15 @@ def test_the_books_queue_copies_and_swaps_and_hold_no_array():
                    isinstance(value[0], np.ndarray) for value in vars(books).values())
 
 
-def keys_of(cache, seq_id):
-    """(L, Hkv, length, d) a sequence's keys, read through its block table."""
-    seq = cache.books.seqs[seq_id]
-    held = [to_numpy(k[np.array(seq.blocks)]) for k in cache.k]          # (nb, Hkv, bs, d)
-    return np.stack([np.concatenate(list(h), axis=1)[:, :seq.length] for h in held])
-
-
-def test_the_pool_does_the_moves_in_the_order_the_books_decided(tiny_model):
-    """a is swapped out; b takes a's freed blocks and is written; a comes back: a's keys
-    are read out before b's write, and written back after."""
-    cache = PagedCache.allocate(tiny_model.config, 2, 4)
-    cache.books.add("a", PROMPT)
-    forward(tiny_model, np.array([PROMPT]), cache.view(["a"]))
-    before = keys_of(cache, "a")
-    swapped = cache.books.swap_out("a")                       # decided; nothing copied yet
-    other = [7, 7, 7, 7, 8, 8, 8, 8]
-    cache.books.add("b", other)                               # a's two blocks
-    assert swapped.k is None                                  # reading the pool moves nothing
-    cache.do(cache.books.take_moves())                        # the swap out goes first
-    forward(tiny_model, np.array([other]), cache.view(["b"]))
-    assert swapped.k is not None
-    cache.books.free_seq("b")
-    cache.books.swap_in("a", swapped)
-    cache.do(cache.books.take_moves())
-    np.testing.assert_array_equal(keys_of(cache, "a"), before)     # bit for bit
-    cache.books.swap_in("a2", cache.books.swap_out("a"))      # out and in, both pending
-    assert len(cache.books.moves) == 2
-    cache.do(cache.books.take_moves())                        # in order
-    np.testing.assert_array_equal(keys_of(cache, "a2"), before)
-
-
 def test_a_readied_block_is_written_once_even_when_shared_then_never():
     """A plan counts a's prompt at once and names its full block; b, admitted in the same
     plan, holds it. a's own write into it is the one allowed; after it, none is."""
     from stamps import pool
     cache = pool(num_blocks=6, block_size=4)
-    cache.books.add("a", PROMPT[:5])
+    cache.books.add("a", TWO_BLOCKS[:5])
     starts = cache.books.append(["a"], 5)
-    cache.books.seal("a", PROMPT[:5])
-    assert cache.books.add("b", PROMPT[:4] + [0]) == 4        # b holds a's first block
+    cache.books.seal("a", TWO_BLOCKS[:5])
+    assert cache.books.add("b", TWO_BLOCKS[:4] + [0]) == 4        # b holds a's first block
     view = cache.view(["a"], starts)
     positions = view.positions(5)
     view.slots(positions)                               # a may write: room was made for it
@@ -81,28 +218,153 @@ def test_a_readied_block_is_written_once_even_when_shared_then_never():
         again.slots(again.positions(4))
 
 
-@pytest.mark.parametrize("kv_dtype", ["f32", "q8_0"])
-def test_to_contiguous_holds_each_rows_keys_and_values_bit_for_bit(tiny_model, kv_dtype):
-    cache = PagedCache.allocate(tiny_model.config, 8, 4, kv_dtype)
-    prompts = {"long": PROMPT + [5, 3], "short": PROMPT[:3]}
-    alone = {}
-    for seq_id, prompt in prompts.items():
-        cache.books.add(seq_id, prompt)
-        forward(tiny_model, np.array([prompt]), cache.view([seq_id]))
-        alone[seq_id] = KVCache.allocate(tiny_model.config, 1, len(prompt), kv_dtype)
-        forward(tiny_model, np.array([prompt]), alone[seq_id])
-    kv = cache.to_contiguous(["short", "long"], max_len=12)
-    assert kv.lengths.tolist() == [3, 10] and kv.max_len == 12
-    for row, seq_id in enumerate(["short", "long"]):
-        n = len(prompts[seq_id])
-        for mine, theirs in zip(kv.k + kv.v, alone[seq_id].k + alone[seq_id].v):
-            np.testing.assert_array_equal(to_numpy(unpack(mine)[row, :, :n]),
-                                          to_numpy(unpack(theirs)[0, :, :n]))
-            assert not to_numpy(unpack(mine)[row, :, n:]).any()  # nothing past the row
-    with pytest.raises(ValueError, match="shorter than the longest row"):
-        cache.to_contiguous(["long"], max_len=9)
+def test_every_block_returns_to_the_pool(tiny_model):
+    cache = PagedCache.allocate(tiny_model.config, 20, 4)
+    for i, n in enumerate([1, 4, 5, 13]):
+        prefill(tiny_model, cache, i, list(range(n)))
+    check_invariants(cache)
+    for i in range(4):
+        cache.books.free_seq(i)
+    assert cache.books.num_free == 20 and not cache.books.refcount.any()
+    # kept: the full blocks, [0..3] (computed once, held by three) and 13 tokens' next two
+    assert list(cache.books.index.unheld) == list(cache.books.index.name_of) == [1, 3, 4]
+    check_invariants(cache)
 
 
-def unpack(held):
-    """A float cache as it is; a quantized one's codes (its scales follow them)."""
-    return getattr(held, "codes", held)
+@pytest.mark.parametrize("common", [0, 3, 4, 9, 12])
+def test_shared_prefix_holds_fewer_blocks_by_the_expected_count(tiny_model, common):
+    bs = 4
+    a = list(range(1, 1 + common)) + [50] * 7
+    b = list(range(1, 1 + common)) + [60] * 6
+    held = {}
+    for share in (True, False):
+        cache = PagedCache.allocate(tiny_model.config, 30, bs)
+        prefill(tiny_model, cache, "a", a, seal=share)
+        got = prefill(tiny_model, cache, "b", b)
+        assert got == (common // bs * bs if share else 0)
+        held[share] = cache.stats().blocks_held
+        assert cache.stats().blocks_shared == (common // bs if share else 0)
+        check_invariants(cache)
+    assert held[False] - held[True] == common // bs
+
+
+def test_exhaustion_raises_and_changes_nothing(tiny_model):
+    cache = PagedCache.allocate(tiny_model.config, 3, 4)
+    prefill(tiny_model, cache, "a", list(range(8)))        # two blocks
+    books = cache.books
+    state = (list(books.free), books.refcount.copy(), list(books.seqs["a"].blocks))
+    with pytest.raises(PoolExhausted, match="2 blocks"):
+        cache.books.add("b", list(range(20, 28)))
+    cache.books.seqs["a"].length = 8
+    with pytest.raises(PoolExhausted):
+        cache.books.make_room(["a"], 9)                          # needs 3 more, 1 free
+    assert "b" not in cache.books.seqs
+    assert (list(books.free), books.refcount.tolist(), books.seqs["a"].blocks) == \
+        (state[0], state[1].tolist(), state[2])
+    cache.books.make_room(["a"], 4)                              # exactly the last free block
+    assert cache.books.num_free == 0
+
+
+def test_kept_blocks_are_found_again_and_evicted_least_recently_released_first(tiny_model):
+    cache = PagedCache.allocate(tiny_model.config, 6, 2)
+    for i, first in enumerate((10, 20, 30)):               # 3 prompts of one full block + 1
+        prefill(tiny_model, cache, i, [first, first + 1, first + 2])
+    saved = to_numpy(cache.k[0][cache.books.seqs[1].blocks[0]]).copy()
+    for i in (1, 0, 2):                                    # released in this order
+        cache.books.free_seq(i)
+    assert list(cache.books.index.unheld) == [2, 0, 4] and cache.books.num_free == 6
+    assert prefill(tiny_model, cache, "again", [20, 21, 90]) == 2    # 1's block, revived
+    assert cache.books.seqs["again"].blocks[0] == 2 and 2 not in cache.books.index.unheld
+    assert np.array_equal(to_numpy(cache.k[0][2]), saved)  # the very keys, not recomputed
+    assert cache.books.index.evicted == 0                        # the free list is used first
+    prefill(tiny_model, cache, "big", list(range(40, 47)))  # 4 blocks: 2 free + 2 evicted
+    assert cache.books.index.evicted == 2 and list(cache.books.index.unheld) == []
+    assert cache.books.cached_prefix([10, 11, 12])[1] == []      # the oldest kept ones went
+    check_invariants(cache)
+
+
+def test_add_counts_the_kept_blocks_it_revives_and_overcommits_nothing(tiny_model):
+    cache = PagedCache.allocate(tiny_model.config, 4, 2)
+    prefill(tiny_model, cache, "a", [1, 2, 3, 4, 5, 6, 7, 8])   # 4 full blocks, all named
+    cache.books.free_seq("a")
+    assert cache.books.num_free == 4 and len(cache.books.index.unheld) == 4
+    # 3 cached blocks held again + 1 copy of the third (written at the last token) = 4; the
+    # copy evicts [7, 8], and the third goes back to the kept ones: 1 free after all
+    assert cache.books.add_cost([1, 2, 3, 4, 5, 6]) == 4
+    assert cache.books.add("b", [1, 2, 3, 4, 5, 6]) == 5 and cache.books.num_free == 1
+    assert cache.books.index.evicted == 1 and cache.books.cached_prefix([7, 8, 9])[1] == []
+    with pytest.raises(PoolExhausted, match="needs 2 blocks, 1 free"):
+        cache.books.add("c", [7, 8, 9])
+    check_invariants(cache)
+
+
+def test_check_names_a_broken_rule(tiny_model):
+    cache = PagedCache.allocate(tiny_model.config, 6, 2)
+    prefill(tiny_model, cache, "a", [1, 2, 3])
+    cache.books.check()
+    cache.books.refcount[0] += 1
+    with pytest.raises(RuntimeError, match="refcount differs"):
+        cache.books.check()
+    cache.books.refcount[0] -= 1
+    cache.books.free.append(cache.books.seqs["a"].blocks[0])
+    with pytest.raises(RuntimeError, match="not exactly the unheld blocks"):
+        cache.books.check()
+
+
+def test_waste_is_under_one_block_per_sequence_and_reservation_is_the_max(tiny_model):
+    cache = PagedCache.allocate(tiny_model.config, 50, 8)
+    lengths = [1, 7, 8, 9, 30]
+    for i, n in enumerate(lengths):
+        cache.books.add(i, list(range(100, 100 + n)), max_len=64)
+        cache.books.seqs[i].length = n                           # as if prefilled
+    s = cache.stats()
+    assert s.slots_filled == s.tokens_logical == sum(lengths)
+    assert s.slots_wasted == sum(-n % 8 for n in lengths) < 8 * len(lengths)
+    assert s.tokens_reserved == 64 * len(lengths)
+    assert s.bytes_per_token == 2 * tiny_model.config.num_hidden_layers * \
+        tiny_model.config.num_key_value_heads * tiny_model.config.head_dim * 4
+
+
+def test_random_operations_keep_the_books(tiny_model):
+    """Random adds (with shared prefixes), growth, swaps and frees: the invariants hold and
+    the pool is whole at the end."""
+    rng = np.random.default_rng(0)
+    cache = PagedCache.allocate(tiny_model.config, 24, 3)
+    stem = list(range(1, 10))
+    live, swapped = [], {}
+    for step in range(300):
+        op = rng.integers(4)
+        if op == 0:
+            prompt = stem[:rng.integers(0, 10)] + rng.integers(20, 40, rng.integers(1, 6)).tolist()
+            try:
+                cache.books.add(step, prompt)
+                cache.books.seqs[step].length = len(prompt)      # as if prefilled
+                cache.books.seal(step, prompt)
+                live.append(step)
+            except PoolExhausted:
+                pass
+        elif op == 1 and live:
+            s = live[rng.integers(len(live))]
+            try:
+                cache.books.make_room([s], 1)
+                cache.books.seqs[s].length += 1
+            except PoolExhausted:
+                pass
+        elif op == 2 and live:
+            s = live.pop(rng.integers(len(live)))
+            swapped[s] = cache.books.swap_out(s)
+        elif op == 3 and (live or swapped):
+            if swapped and rng.integers(2):
+                s, handle = swapped.popitem()
+                try:
+                    cache.books.swap_in(s, handle)
+                    live.append(s)
+                except PoolExhausted:
+                    pass
+            elif live:
+                cache.books.free_seq(live.pop(rng.integers(len(live))))
+        check_invariants(cache)
+    for s in live:
+        cache.books.free_seq(s)
+    assert cache.books.num_free == 24 and not cache.books.refcount.any()
+    assert set(cache.books.index.unheld) == set(cache.books.index.name_of)

@@ -1,13 +1,26 @@
-"""The paged cache: block tables, reference counts, the prefix cache (naming, keeping, LRU
-eviction), copy on write, swapping."""
+"""The paged pool (serve/paged.py: the arrays the books point into): keys read through a block
+table equal the contiguous cache's, a prompt held in full copied before its write, swapping
+bit-exact, a trimmed sequence's named block copied before a write, the moves done in the order
+the books decided, the contiguous copy of several rows; and at its edges: the memory check at
+exactly the bytes there are, the smallest pool, a one-layer model, the attention a cache keeps,
+views written without precomputed slots or used for two passes, a row of a planned view alone,
+and the refusals' words (a write without room, a block id past the pool, a write into a shared
+block, a ragged view given the wrong number of tokens)."""
 import numpy as np
 import pytest
 
-from minitransformer.backend import to_numpy
+import minitransformer.serve.paged as paged
+from minitransformer.backend import to_numpy, xp
+from minitransformer.checkpoints.synth import qwen2_config, random_model
+from minitransformer.config import ModelConfig
 from minitransformer.kvcache import KVCache
+from minitransformer.kvquant import cache_bytes_per_token
 from minitransformer.model import forward
 from minitransformer.serve.blocks import PoolExhausted, blocks_for
-from minitransformer.serve.paged import PagedCache
+from minitransformer.serve.paged import PagedCache, RaggedView, check_fits
+from minitransformer.tiled import CausalTiles
+
+PROMPT = [3, 1, 4, 1, 5, 9, 2, 6]                       # two full blocks of 4
 
 
 def prefill(model, cache, seq_id, prompt, seal=True):
@@ -33,6 +46,22 @@ def check_invariants(cache):
         assert len(seq.blocks) == cache.books.blocks_for(seq.length) or seq.length == 0
 
 
+def keys_of(cache, seq_id):
+    """(L, Hkv, length, d) a sequence's keys, read through its block table."""
+    seq = cache.books.seqs[seq_id]
+    held = [to_numpy(k[np.array(seq.blocks)]) for k in cache.k]          # (nb, Hkv, bs, d)
+    return np.stack([np.concatenate(list(h), axis=1)[:, :seq.length] for h in held])
+
+
+def contiguous(model, *chunks):
+    """A contiguous cache fed the chunks pass by pass (the same calls as the paged side, so
+    the same bits)."""
+    kv = KVCache.allocate(model.config, 1, sum(map(len, chunks)))
+    for chunk in chunks:
+        forward(model, np.array([chunk]), kv)
+    return kv
+
+
 @pytest.mark.parametrize("block_size", [1, 3, 16])
 def test_keys_through_the_block_table_equal_the_contiguous_cache(tiny_model, block_size):
     prompt = list(range(1, 30))
@@ -45,36 +74,6 @@ def test_keys_through_the_block_table_equal_the_contiguous_cache(tiny_model, blo
         assert np.array_equal(keys(cache, "s", layer), to_numpy(kv.k[layer][0]))
     assert len(cache.books.seqs["s"].blocks) == blocks_for(29, block_size)
     check_invariants(cache)
-
-
-def test_every_block_returns_to_the_pool(tiny_model):
-    cache = PagedCache.allocate(tiny_model.config, 20, 4)
-    for i, n in enumerate([1, 4, 5, 13]):
-        prefill(tiny_model, cache, i, list(range(n)))
-    check_invariants(cache)
-    for i in range(4):
-        cache.books.free_seq(i)
-    assert cache.books.num_free == 20 and not cache.books.refcount.any()
-    # kept: the full blocks, [0..3] (computed once, held by three) and 13 tokens' next two
-    assert list(cache.books.index.unheld) == list(cache.books.index.name_of) == [1, 3, 4]
-    check_invariants(cache)
-
-
-@pytest.mark.parametrize("common", [0, 3, 4, 9, 12])
-def test_shared_prefix_holds_fewer_blocks_by_the_expected_count(tiny_model, common):
-    bs = 4
-    a = list(range(1, 1 + common)) + [50] * 7
-    b = list(range(1, 1 + common)) + [60] * 6
-    held = {}
-    for share in (True, False):
-        cache = PagedCache.allocate(tiny_model.config, 30, bs)
-        prefill(tiny_model, cache, "a", a, seal=share)
-        got = prefill(tiny_model, cache, "b", b)
-        assert got == (common // bs * bs if share else 0)
-        held[share] = cache.stats().blocks_held
-        assert cache.stats().blocks_shared == (common // bs if share else 0)
-        check_invariants(cache)
-    assert held[False] - held[True] == common // bs
 
 
 def test_a_prompt_held_in_full_copies_its_last_block_on_write(tiny_model):
@@ -90,23 +89,6 @@ def test_a_prompt_held_in_full_copies_its_last_block_on_write(tiny_model):
         assert np.array_equal(to_numpy(k[np.array(a)]), to_numpy(k0[np.array(a)]))
     np.testing.assert_allclose(keys(cache, "b"), keys(cache, "a"), rtol=1e-5, atol=1e-6)
     check_invariants(cache)
-
-
-def test_exhaustion_raises_and_changes_nothing(tiny_model):
-    cache = PagedCache.allocate(tiny_model.config, 3, 4)
-    prefill(tiny_model, cache, "a", list(range(8)))        # two blocks
-    books = cache.books
-    state = (list(books.free), books.refcount.copy(), list(books.seqs["a"].blocks))
-    with pytest.raises(PoolExhausted, match="2 blocks"):
-        cache.books.add("b", list(range(20, 28)))
-    cache.books.seqs["a"].length = 8
-    with pytest.raises(PoolExhausted):
-        cache.books.make_room(["a"], 9)                          # needs 3 more, 1 free
-    assert "b" not in cache.books.seqs
-    assert (list(books.free), books.refcount.tolist(), books.seqs["a"].blocks) == \
-        (state[0], state[1].tolist(), state[2])
-    cache.books.make_room(["a"], 4)                              # exactly the last free block
-    assert cache.books.num_free == 0
 
 
 def test_writing_without_room_or_with_a_bad_table_is_refused(tiny_model):
@@ -161,106 +143,219 @@ def test_trim_frees_blocks_and_a_named_block_it_keeps_is_copied_before_a_write(t
         cache.books.trim("a", 7)
 
 
-def test_kept_blocks_are_found_again_and_evicted_least_recently_released_first(tiny_model):
-    cache = PagedCache.allocate(tiny_model.config, 6, 2)
-    for i, first in enumerate((10, 20, 30)):               # 3 prompts of one full block + 1
-        prefill(tiny_model, cache, i, [first, first + 1, first + 2])
-    saved = to_numpy(cache.k[0][cache.books.seqs[1].blocks[0]]).copy()
-    for i in (1, 0, 2):                                    # released in this order
-        cache.books.free_seq(i)
-    assert list(cache.books.index.unheld) == [2, 0, 4] and cache.books.num_free == 6
-    assert prefill(tiny_model, cache, "again", [20, 21, 90]) == 2    # 1's block, revived
-    assert cache.books.seqs["again"].blocks[0] == 2 and 2 not in cache.books.index.unheld
-    assert np.array_equal(to_numpy(cache.k[0][2]), saved)  # the very keys, not recomputed
-    assert cache.books.index.evicted == 0                        # the free list is used first
-    prefill(tiny_model, cache, "big", list(range(40, 47)))  # 4 blocks: 2 free + 2 evicted
-    assert cache.books.index.evicted == 2 and list(cache.books.index.unheld) == []
-    assert cache.books.cached_prefix([10, 11, 12])[1] == []      # the oldest kept ones went
-    check_invariants(cache)
+def test_the_pool_does_the_moves_in_the_order_the_books_decided(tiny_model):
+    """a is swapped out; b takes a's freed blocks and is written; a comes back: a's keys
+    are read out before b's write, and written back after."""
+    cache = PagedCache.allocate(tiny_model.config, 2, 4)
+    cache.books.add("a", PROMPT)
+    forward(tiny_model, np.array([PROMPT]), cache.view(["a"]))
+    before = keys_of(cache, "a")
+    swapped = cache.books.swap_out("a")                       # decided; nothing copied yet
+    other = [7, 7, 7, 7, 8, 8, 8, 8]
+    cache.books.add("b", other)                               # a's two blocks
+    assert swapped.k is None                                  # reading the pool moves nothing
+    cache.do(cache.books.take_moves())                        # the swap out goes first
+    forward(tiny_model, np.array([other]), cache.view(["b"]))
+    assert swapped.k is not None
+    cache.books.free_seq("b")
+    cache.books.swap_in("a", swapped)
+    cache.do(cache.books.take_moves())
+    np.testing.assert_array_equal(keys_of(cache, "a"), before)     # bit for bit
+    cache.books.swap_in("a2", cache.books.swap_out("a"))      # out and in, both pending
+    assert len(cache.books.moves) == 2
+    cache.do(cache.books.take_moves())                        # in order
+    np.testing.assert_array_equal(keys_of(cache, "a2"), before)
 
 
-def test_add_counts_the_kept_blocks_it_revives_and_overcommits_nothing(tiny_model):
-    cache = PagedCache.allocate(tiny_model.config, 4, 2)
-    prefill(tiny_model, cache, "a", [1, 2, 3, 4, 5, 6, 7, 8])   # 4 full blocks, all named
-    cache.books.free_seq("a")
-    assert cache.books.num_free == 4 and len(cache.books.index.unheld) == 4
-    # 3 cached blocks held again + 1 copy of the third (written at the last token) = 4; the
-    # copy evicts [7, 8], and the third goes back to the kept ones: 1 free after all
-    assert cache.books.add_cost([1, 2, 3, 4, 5, 6]) == 4
-    assert cache.books.add("b", [1, 2, 3, 4, 5, 6]) == 5 and cache.books.num_free == 1
-    assert cache.books.index.evicted == 1 and cache.books.cached_prefix([7, 8, 9])[1] == []
-    with pytest.raises(PoolExhausted, match="needs 2 blocks, 1 free"):
-        cache.books.add("c", [7, 8, 9])
-    check_invariants(cache)
+@pytest.mark.parametrize("kv_dtype", ["f32", "q8_0"])
+def test_to_contiguous_holds_each_rows_keys_and_values_bit_for_bit(tiny_model, kv_dtype):
+    cache = PagedCache.allocate(tiny_model.config, 8, 4, kv_dtype)
+    prompts = {"long": PROMPT + [5, 3], "short": PROMPT[:3]}
+    alone = {}
+    for seq_id, prompt in prompts.items():
+        cache.books.add(seq_id, prompt)
+        forward(tiny_model, np.array([prompt]), cache.view([seq_id]))
+        alone[seq_id] = KVCache.allocate(tiny_model.config, 1, len(prompt), kv_dtype)
+        forward(tiny_model, np.array([prompt]), alone[seq_id])
+    kv = cache.to_contiguous(["short", "long"], max_len=12)
+    assert kv.lengths.tolist() == [3, 10] and kv.max_len == 12
+    for row, seq_id in enumerate(["short", "long"]):
+        n = len(prompts[seq_id])
+        for mine, theirs in zip(kv.k + kv.v, alone[seq_id].k + alone[seq_id].v):
+            np.testing.assert_array_equal(to_numpy(unpack(mine)[row, :, :n]),
+                                          to_numpy(unpack(theirs)[0, :, :n]))
+            assert not to_numpy(unpack(mine)[row, :, n:]).any()  # nothing past the row
+    with pytest.raises(ValueError, match="shorter than the longest row"):
+        cache.to_contiguous(["long"], max_len=9)
 
 
-def test_check_names_a_broken_rule(tiny_model):
-    cache = PagedCache.allocate(tiny_model.config, 6, 2)
-    prefill(tiny_model, cache, "a", [1, 2, 3])
-    cache.books.check()
-    cache.books.refcount[0] += 1
-    with pytest.raises(RuntimeError, match="refcount differs"):
-        cache.books.check()
-    cache.books.refcount[0] -= 1
-    cache.books.free.append(cache.books.seqs["a"].blocks[0])
-    with pytest.raises(RuntimeError, match="not exactly the unheld blocks"):
-        cache.books.check()
+def unpack(held):
+    """A float cache as it is; a quantized one's codes (its scales follow them)."""
+    return getattr(held, "codes", held)
 
 
-def test_waste_is_under_one_block_per_sequence_and_reservation_is_the_max(tiny_model):
-    cache = PagedCache.allocate(tiny_model.config, 50, 8)
-    lengths = [1, 7, 8, 9, 30]
-    for i, n in enumerate(lengths):
-        cache.books.add(i, list(range(100, 100 + n)), max_len=64)
-        cache.books.seqs[i].length = n                           # as if prefilled
-    s = cache.stats()
-    assert s.slots_filled == s.tokens_logical == sum(lengths)
-    assert s.slots_wasted == sum(-n % 8 for n in lengths) < 8 * len(lengths)
-    assert s.tokens_reserved == 64 * len(lengths)
-    assert s.bytes_per_token == 2 * tiny_model.config.num_hidden_layers * \
-        tiny_model.config.num_key_value_heads * tiny_model.config.head_dim * 4
+def test_the_memory_check_passes_at_exactly_the_bytes_there_are_and_names_the_gib(monkeypatch):
+    """A pool of 5 GiB and 8 slots (8 bytes each): refused with one byte fewer, the figure
+    shown as 5.0 GiB; accepted with exactly that many."""
+    config = ModelConfig.from_dict(qwen2_config())
+    per_token = cache_bytes_per_token(config, "f32")
+    num_blocks = 5 * 2**30 // (16 * per_token)
+    assert num_blocks * 16 * per_token == 5 * 2**30
+    need = 5 * 2**30 + 64
+    monkeypatch.setattr(paged, "memory_bytes", lambda: (need, "the test"))
+    check_fits(config, 8, num_blocks, 16)
+    monkeypatch.setattr(paged, "memory_bytes", lambda: (need - 1, "the test"))
+    with pytest.raises(ValueError, match=r"need 5,368,709,184 bytes \(5\.0 GiB\), more than "
+                                         r"the 5,368,709,183 bytes of the test"):
+        check_fits(config, 8, num_blocks, 16)
 
 
-def test_random_operations_keep_the_books(tiny_model):
-    """Random adds (with shared prefixes), growth, swaps and frees: the invariants hold and
-    the pool is whole at the end."""
+def test_the_smallest_pool_is_one_block_of_one_slot_and_neither_may_be_zero(tiny_model):
+    cache = PagedCache.allocate(tiny_model.config, 1, 1)
+    assert cache.books.num_blocks == 1 and cache.books.block_size == 1
+    for num_blocks, block_size in ((0, 4), (4, 0)):
+        with pytest.raises(ValueError, match="num_blocks >= 1 and block_size >= 1"):
+            PagedCache.allocate(tiny_model.config, num_blocks, block_size)
+
+
+def test_a_one_layer_model_pages_its_cache():
+    model = random_model(qwen2_config(num_hidden_layers=1))
+    prompt = [3, 1, 4, 1, 5, 9]
+    cache = PagedCache.allocate(model.config, 4, 4)
+    cache.books.add("a", prompt)
+    forward(model, np.array([prompt]), cache.view(["a"]))
+    kv, ref = cache.to_contiguous(["a"]), contiguous(model, prompt)
+    assert np.array_equal(to_numpy(kv.k[0]), to_numpy(ref.k[0]))
+    assert np.array_equal(to_numpy(kv.v[0]), to_numpy(ref.v[0]))
+
+
+def test_a_cache_made_from_its_arrays_attends_plainly_by_default(tiny_model):
+    pool = PagedCache.allocate(tiny_model.config, 4, 4)
+    assert PagedCache(pool.books, pool.k, pool.v).attention == "plain"
+
+
+def test_a_tiled_cache_keeps_tiled_in_its_views_masks_and_its_contiguous_copy(tiny_model):
+    """Tiled attention never makes the (B, T, S) mask: its views hand forward CausalTiles,
+    and the contiguous copy attends tiled too."""
+    cache = PagedCache.allocate(tiny_model.config, 8, 4, attention="tiled")
+    assert cache.attention == "tiled"
+    cache.books.add("a", [1, 2, 3, 4, 5])
+    view = cache.view(["a"])
+    assert isinstance(view.mask(view.positions(5)), CausalTiles)
+    forward(tiny_model, np.array([[1, 2, 3, 4, 5]]), view)
+    assert cache.to_contiguous(["a"]).attention == "tiled"
+
+
+def test_the_contiguous_copy_holds_each_rows_own_keys_and_zeros_past_its_length(tiny_model):
+    """Rows of 9, 3 and 6 tokens (the longest first), copied into 12 positions: row b is
+    sequence b's keys and values as a contiguous cache computes them, zeros after its
+    length; its lengths are the rows'. A max_len under the longest row is refused."""
+    prompts = {"long": list(range(1, 10)), "short": [20, 21, 22], "mid": list(range(30, 36))}
+    cache = PagedCache.allocate(tiny_model.config, 16, 4)
+    for name, prompt in prompts.items():
+        cache.books.add(name, prompt)
+        forward(tiny_model, np.array([prompt]), cache.view([name]))
+    kv = cache.to_contiguous(list(prompts), max_len=12)
+    assert kv.lengths.tolist() == [9, 3, 6]
+    for layer in range(tiny_model.config.num_hidden_layers):
+        for held, expect in ((kv.k, "k"), (kv.v, "v")):
+            rows = to_numpy(held[layer])
+            assert rows.shape[0] == 3 and rows.shape[2] == 12
+            for b, prompt in enumerate(prompts.values()):
+                ref = to_numpy(getattr(contiguous(tiny_model, prompt), expect)[layer][0])
+                assert np.array_equal(rows[b, :, :len(prompt)], ref)
+                assert not rows[b, :, len(prompt):].any()
+    with pytest.raises(ValueError, match=r"max_len=8 is shorter than the longest row \(9\)"):
+        cache.to_contiguous(list(prompts), max_len=8)
+
+
+def test_a_view_written_without_precomputed_slots_stores_and_returns_the_keys(tiny_model):
+    """update(layer, k, v) alone (no slots from the pass): 3 new tokens of a 2-token row go
+    to positions 2..4, and the keys and values returned are the row's 5 positions."""
+    config = tiny_model.config
+    cache = PagedCache.allocate(config, 8, 2)
+    cache.books.add("a", [1, 2])
+    forward(tiny_model, np.array([[1, 2]]), cache.view(["a"]))
+    cache.books.make_room(["a"], 3)
+    Hkv, d = config.num_key_value_heads, config.head_dim
+    assert Hkv != 3
     rng = np.random.default_rng(0)
-    cache = PagedCache.allocate(tiny_model.config, 24, 3)
-    stem = list(range(1, 10))
-    live, swapped = [], {}
-    for step in range(300):
-        op = rng.integers(4)
-        if op == 0:
-            prompt = stem[:rng.integers(0, 10)] + rng.integers(20, 40, rng.integers(1, 6)).tolist()
-            try:
-                cache.books.add(step, prompt)
-                cache.books.seqs[step].length = len(prompt)      # as if prefilled
-                cache.books.seal(step, prompt)
-                live.append(step)
-            except PoolExhausted:
-                pass
-        elif op == 1 and live:
-            s = live[rng.integers(len(live))]
-            try:
-                cache.books.make_room([s], 1)
-                cache.books.seqs[s].length += 1
-            except PoolExhausted:
-                pass
-        elif op == 2 and live:
-            s = live.pop(rng.integers(len(live)))
-            swapped[s] = cache.books.swap_out(s)
-        elif op == 3 and (live or swapped):
-            if swapped and rng.integers(2):
-                s, handle = swapped.popitem()
-                try:
-                    cache.books.swap_in(s, handle)
-                    live.append(s)
-                except PoolExhausted:
-                    pass
-            elif live:
-                cache.books.free_seq(live.pop(rng.integers(len(live))))
-        check_invariants(cache)
-    for s in live:
-        cache.books.free_seq(s)
-    assert cache.books.num_free == 24 and not cache.books.refcount.any()
-    assert set(cache.books.index.unheld) == set(cache.books.index.name_of)
+    k, v = (rng.standard_normal((1, 3, Hkv, d)).astype(np.float32) for _ in range(2))
+    before = to_numpy(cache.to_contiguous(["a"]).k[0])[0, :, :2]
+    held_k, held_v = cache.view(["a"]).update(0, xp.asarray(k), xp.asarray(v))
+    held_k, held_v = to_numpy(held_k), to_numpy(held_v)
+    assert held_k.shape == (1, Hkv, 5, d)
+    assert np.array_equal(held_k[0, :, :2], before)
+    assert np.array_equal(held_k[0, :, 2:], k[0].transpose(1, 0, 2))
+    assert np.array_equal(held_v[0, :, 2:], v[0].transpose(1, 0, 2))
+
+
+def test_one_view_used_for_two_passes_continues_where_the_first_ended(tiny_model):
+    prompt = [5, 6, 7, 8, 9]
+    cache = PagedCache.allocate(tiny_model.config, 8, 2)
+    cache.books.add("a", prompt[:3])
+    view = cache.view(["a"])
+    forward(tiny_model, np.array([prompt[:3]]), view)
+    cache.books.make_room(["a"], 2)
+    forward(tiny_model, np.array([prompt[3:]]), view)
+    assert cache.books.seqs["a"].length == 5
+    kv, ref = cache.to_contiguous(["a"]), contiguous(tiny_model, prompt[:3], prompt[3:])
+    for layer in range(tiny_model.config.num_hidden_layers):
+        assert np.array_equal(to_numpy(kv.k[layer]), to_numpy(ref.k[layer]))
+
+
+def test_a_row_of_a_planned_view_writes_that_sequence_alone(tiny_model):
+    """Two sequences' next tokens counted in the books (append), run row by row through
+    view.row(b) as a batch-invariant pass does: each row's block is written, none is left
+    waiting for a write, and each sequence holds the keys of its own token."""
+    cache = PagedCache.allocate(tiny_model.config, 8, 2)
+    for name, prompt in (("a", [1, 2]), ("b", [3, 4])):
+        cache.books.add(name, prompt)
+        forward(tiny_model, np.array([prompt]), cache.view([name]))
+    starts = cache.books.append(["a", "b"], 1)
+    view = cache.view(["a", "b"], starts)
+    for b, token in enumerate((7, 8)):
+        row = view.row(b)
+        assert row.ids == [["a", "b"][b]]
+        forward(tiny_model, np.array([[token]]), row)
+    assert not cache.books.filling
+    cache.books.check()
+    for name, prompt, token in (("a", [1, 2], 7), ("b", [3, 4], 8)):
+        ref = contiguous(tiny_model, prompt, [token])
+        got = cache.to_contiguous([name])
+        for layer in range(tiny_model.config.num_hidden_layers):
+            assert np.array_equal(to_numpy(got.k[layer]), to_numpy(ref.k[layer]))
+            assert np.array_equal(to_numpy(got.v[layer]), to_numpy(ref.v[layer]))
+
+
+def test_a_block_id_just_past_the_pool_is_refused(tiny_model):
+    cache = PagedCache.allocate(tiny_model.config, 4, 4)
+    cache.books.add("a", [1, 2, 3, 4])
+    forward(tiny_model, np.array([[1, 2, 3, 4]]), cache.view(["a"]))
+    cache.books.make_room(["a"], 1)
+    cache.books.seqs["a"].blocks[1] = 4                       # the pool's ids are 0..3
+    with pytest.raises(ValueError, match="block ids 0..4 outside a pool of 4"):
+        forward(tiny_model, np.array([[5]]), cache.view(["a"]))
+
+
+def test_a_write_into_a_shared_block_is_refused_by_name(tiny_model):
+    """A fork shares its parent's half-filled last block: writing into it without make_room's
+    copy is refused, and the message says what to call."""
+    cache = PagedCache.allocate(tiny_model.config, 8, 4)
+    cache.books.add("a", [1, 2, 3, 4, 5])
+    forward(tiny_model, np.array([[1, 2, 3, 4, 5]]), cache.view(["a"]))
+    cache.books.fork("a", "b")
+    with pytest.raises(RuntimeError, match="^write into a shared or named block: make_room "
+                                           "copies it first$"):
+        forward(tiny_model, np.array([[6]]), cache.view(["b"]))
+
+
+def test_a_ragged_view_given_the_wrong_number_of_tokens_says_how_many_it_holds(tiny_model):
+    cache = PagedCache.allocate(tiny_model.config, 8, 4)
+    for name in "abc":
+        cache.books.add(name, [1])
+    starts = cache.books.append(["a", "b"], 1) + cache.books.append(["c"], 3)
+    ragged = RaggedView(cache, [(["a", "b"], starts[:2], 1), (["c"], starts[2:], 3)])
+    assert ragged.positions(5).shape == (1, 5)
+    with pytest.raises(ValueError, match="^a ragged view of 5 tokens was given 4$"):
+        ragged.positions(4)
