@@ -463,14 +463,14 @@ async def pieces(app: App, job, stops, ticket, updates, arrival):
             arrival = update.record.arrival
             if i not in open_:  # tokens made before its stop string's cancel took effect
                 continue
-            if job.echo and counts[i] == 0 and update.tokens:
+            prompt_only = job.request.max_new_tokens == 0 and update.status == "finished"
+            if job.echo and counts[i] == 0 and (update.tokens or prompt_only):
                 if echo is None:    # the prompt's names: as long as the prompt, off the loop
                     echo = await asyncio.to_thread(
                         echo_named, app.model.tokenizer, job.request.prompt,
                         update.record.prompt_logprobs if job.logprobs else None)
                 scored = echo if job.logprobs else []
-                if job.prompt_only:     # its one token is not part of the answer
-                    online.cancel(ticket, i)
+                if prompt_only:         # max_tokens 0: the prompt is the whole answer
                     metrics.ended(arrival, online.now(), "length")
                     open_.discard(i)
                     yield i, "".join(s.text for s in echo), scored, "length", sum(counts)

@@ -146,7 +146,6 @@ class Job:
     logprobs: bool = False      # send each token's log-probability (request.logprobs: top k)
     echo: bool = False          # completions with echo: the prompt's text (as its tokens
                                 # decode), sent first
-    prompt_only: bool = False   # echo with max_tokens 0: the prompt alone, no new token sent
 
 
 def number(body, name, default, low, high, integer=False, low_open=False):
@@ -213,9 +212,7 @@ def parse(body, kind: str, model, name: str, pool_tokens: int, max_n: int = 1,
     stop = stop_strings(body)
     field = "max_completion_tokens" if body.get("max_completion_tokens") is not None \
         else "max_tokens"
-    max_tokens = number(body, field, None, 0 if echo else 1, math.inf, True)
-    if max_tokens == 0:         # echo alone, vLLM's way to score a text: as vLLM, one token
-        max_tokens = 1          # is made and never sent (the prompt's logprobs need a pass)
+    max_tokens = number(body, field, None, 0 if echo else 1, math.inf, True)  # 0: echo alone
 
     jobs, batch = [], prompts(body, kind, model, longest_token)
     for p, prompt in enumerate(batch):
@@ -223,7 +220,7 @@ def parse(body, kind: str, model, name: str, pool_tokens: int, max_n: int = 1,
         which = "the prompt" if len(batch) == 1 else f"prompt[{p}]"
         param = "prompt" if kind == "completion" else "messages"
         room = min(positions, pool_tokens) - len(prompt)  # tokens left for the answer
-        if room <= 0:
+        if room < 0 or room == 0 and max_tokens != 0:     # echo alone may fill them all
             raise APIError(f"{which} has {len(prompt)} tokens; the model takes {positions} "
                            f"positions and the KV pool {pool_tokens} tokens in all", param)
         new = (16 if kind == "completion" else room) if max_tokens is None else max_tokens
@@ -235,8 +232,7 @@ def parse(body, kind: str, model, name: str, pool_tokens: int, max_n: int = 1,
                           eos_token_id=[] if ignore_eos else None, n=n, logprobs=top,
                           prompt_logprobs=top if echo else None)
         jobs.append(Job(kind, request, frozenset(eos_ids(model, request.eos_token_id)), stop,
-                        stream, include_usage, top is not None, echo,
-                        echo and body.get(field) == 0))
+                        stream, include_usage, top is not None, echo))
     refuse_unread(body)
     return tuple(jobs)
 

@@ -49,13 +49,26 @@ def test_logprobs_echo_and_n_become_the_engine_request(model):
     r = j.request
     assert (r.n, r.logprobs, r.prompt_logprobs, j.logprobs, j.echo) == (2, 3, 3, True, True)
     j = job(model, prompt=[5, 6], echo=True)          # echo alone: text, no scoring
-    assert j.request.prompt_logprobs is None and j.echo and not j.prompt_only
+    assert j.request.prompt_logprobs is None and j.echo
     chat = job(model, "chat", messages=[{"role": "user", "content": "a"}], logprobs=True)
     assert (chat.request.logprobs, chat.request.prompt_logprobs, chat.echo) == (0, None, False)
     chat = job(model, "chat", messages=[{"role": "user", "content": "a"}], logprobs=True,
                top_logprobs=5)
     assert chat.request.logprobs == 5 and chat.logprobs
     assert job(model, prompt="a", logprobs=None).request.logprobs is None
+
+
+def test_echo_with_max_tokens_0_asks_the_engine_for_no_token(model):
+    """max_tokens 0 reaches the engine as 0 (its prompt's pass gives the logprobs; no token is
+    made), so a prompt filling the whole pool can be scored; without echo, or with a token to
+    make, that prompt is refused."""
+    for field in ("max_tokens", "max_completion_tokens"):
+        j = job(model, prompt=[1] * POOL, echo=True, logprobs=1, **{field: 0})
+        assert j.request.max_new_tokens == 0 and j.request.prompt_logprobs == 1
+    for body in (dict(echo=True, max_tokens=1), dict(echo=True), dict(max_tokens=1)):
+        with pytest.raises(APIError) as e:
+            job(model, prompt=[1] * POOL, **body)
+        assert e.value.param in ("prompt", "max_tokens")
 
 
 @pytest.mark.parametrize("body, field", [
