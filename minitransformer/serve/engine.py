@@ -78,8 +78,8 @@ from minitransformer.serve.blocks import Copy, blocks_for
 from minitransformer.serve.config import EngineConfig, check_against
 from minitransformer.serve.intake import check_request
 from minitransformer.serve.paged import PagedCache, RaggedView, check_fits
-from minitransformer.serve.records import Request, Result, Run
-from minitransformer.serve.scheduler import Scheduler, Sequence, close
+from minitransformer.serve.records import Request, Run
+from minitransformer.serve.scheduler import Scheduler, close, fan_out
 from minitransformer.serve.speculate import Row, Speculator
 
 
@@ -389,13 +389,12 @@ class Engine:
         return check_request(self.model, request, len(self.slots))
 
     def _queue(self, request, prompt, rngs, eos) -> int:
-        """Fan a request out into its n sequences (ids first .. first + n - 1), queued one
-        behind the other, the others sharing the first's prompt -> the first id."""
-        seqs = []
-        for i, rng in enumerate(rngs):
-            result = Result(self.next_id, float(request.arrival), request, choice=i)
-            self.results[result.id], self.next_id = result, self.next_id + 1
-            seqs.append(Sequence(result, list(prompt), rng, eos))
+        """Fan a request out into its n sequences (ids first .. first + n - 1, fan_out), queued
+        one behind the other -> the first id."""
+        seqs = fan_out(request, self.next_id, prompt, rngs, eos)
+        self.next_id += len(seqs)
+        for seq in seqs:
+            self.results[seq.result.id] = seq.result
         bs = self.cache.books.block_size
         need = self.pool_need(len(prompt), request.max_new_tokens, len(seqs))
         for seq in seqs:
@@ -405,8 +404,6 @@ class Engine:
             elif request.max_new_tokens == 0 and request.prompt_logprobs is None:
                 close(seq.result, "finished", self.clock)   # nothing to compute
         if seqs[0].result.status == "waiting":
-            for seq in seqs[1:]:
-                seq.shares_prompt_with = seqs[0]
             self.waiting.extend(seqs)
         return seqs[0].result.id
 

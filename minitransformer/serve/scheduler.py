@@ -14,7 +14,7 @@ them. After the engine has run the plan, ``commit`` takes its new tokens: first-
 and a sequence that made its last token retires (``retire``, beside ``admits``: the two
 decisions where the policies differ; the table is in engine.py).
 
-The n samples of a request come fanned out by the engine, n sequences queued one behind the
+The n samples of a request come fanned out (``fan_out``), n sequences queued one behind the
 other, each its own; the first computes the prompt, and each other ``shares_prompt_with`` it:
 it is admitted by taking the prompt's blocks (``fork``) in the plan of its last chunk, whose
 logits pick every sample's first token. What it needs (a slot, a block for its first token) is
@@ -94,6 +94,16 @@ def close(result, status: str, now: float, returned: bool = True, reason: str = 
     result.status, result.reason, result.finished = status, reason, now
     if returned:
         result.returned = now
+
+
+def fan_out(request, first_id: int, prompt: list, rngs, eos: set) -> list:
+    """A request's n sequences, ids first_id .. first_id + n - 1, sample i drawing with rngs[i];
+    the first computes the prompt and each other shares_prompt_with it."""
+    seqs = [Sequence(Result(first_id + i, float(request.arrival), request, choice=i),
+                     list(prompt), rng, eos) for i, rng in enumerate(rngs)]
+    for seq in seqs[1:]:
+        seq.shares_prompt_with = seqs[0]
+    return seqs
 
 
 class Scheduler:

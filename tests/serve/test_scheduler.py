@@ -6,8 +6,8 @@ from pathlib import Path
 import pytest
 
 from minitransformer.serve.blocks import BlockManager, Copy, SwapIn, SwapOut
-from minitransformer.serve.records import Request, Result
-from minitransformer.serve.scheduler import Scheduler, Sequence
+from minitransformer.serve.records import Request
+from minitransformer.serve.scheduler import Scheduler, fan_out
 
 SERVE = Path(__file__).resolve().parents[2] / "minitransformer" / "serve"
 
@@ -17,13 +17,11 @@ def scheduler(num_blocks=32, block_size=4, slots=2, policy="continuous", budget=
 
 
 def queue(scheduler, first_id, prompt_len, max_new, n=1, first_token=1, arrival=0.0):
-    """A request of n samples (ids first_id ..), fanned out as the engine does -> its
-    sequences, queued one behind the other, the others sharing the first's prompt."""
-    request = Request(tuple(range(first_token, first_token + prompt_len)), max_new, n=n)
-    seqs = [Sequence(Result(first_id + i, arrival, request, choice=i), list(request.prompt),
-                     eos={-1}) for i in range(n)]
-    for seq in seqs[1:]:
-        seq.shares_prompt_with = seqs[0]
+    """A request of n samples (ids first_id ..), fanned out as the engine fans it out (fan_out)
+    -> its sequences, queued one behind the other."""
+    request = Request(tuple(range(first_token, first_token + prompt_len)), max_new, n=n,
+                      arrival=arrival)
+    seqs = fan_out(request, first_id, list(request.prompt), [None] * n, {-1})
     scheduler.waiting.extend(seqs)
     return seqs
 
