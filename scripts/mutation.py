@@ -41,13 +41,13 @@ COPIED = ("minitransformer", "quant", "sim", "tests", "scripts", "setup.cfg", "p
 # end (tens of seconds each, and each runs again for every mutant that reaches it).
 MODULES = {
     "sampling": ("minitransformer/sampling.py",
-                 ["tests/test_sampling.py", "tests/test_sampling_boundaries.py"], ""),
+                 ["tests/test_sampling.py"], ""),
     "speculative": ("minitransformer/speculative.py",  # the tiny models' greedy test stands
                     ["tests/test_speculative.py"],     # for stories260K's three prompts
                     "not default_model and not real_model"),
     "kvquant": ("minitransformer/kvquant.py",
                 ["tests/test_kvquant.py", "tests/sim/test_kv_bytes.py",
-                 "tests/test_kvquant_bounds.py", "tests/test_kvquant_edge_blocks.py"], ""),
+                 "tests/test_kvquant_bounds.py"], ""),
     "logprobs": ("minitransformer/logprobs.py",
                  ["tests/test_logprobs.py", "tests/test_logprobs_top_and_positions.py"],
                  "not smollm2"),
@@ -59,15 +59,14 @@ MODULES = {
                   ["tests/formats/test_gguf.py", "tests/formats/test_gguf_malformed.py",
                    "tests/formats/test_gguf_alignment.py", "tests/formats/test_gguf_fields.py"], ""),
     "training": ("minitransformer/drafts/training.py",
-                 ["tests/drafts/test_training.py", "tests/drafts/test_distill_metrics.py",
-                  "tests/drafts/test_training_edges.py"], ""),
+                 ["tests/drafts/test_training.py", "tests/drafts/test_distill_metrics.py"], ""),
     "blocks": ("minitransformer/serve/blocks.py",
                ["tests/serve/test_blocks.py", "tests/serve/test_block_state.py",
                 "tests/serve/test_prefix_cache.py", "tests/serve/test_paged.py"], ""),
     # test_scheduler's import test reads the module's imports, and mutmut's copy imports its
     # trampoline (it fails on the unmutated copy)
     "scheduler": ("minitransformer/serve/scheduler.py",
-                  ["tests/serve/test_scheduler.py", "tests/serve/test_scheduler_records.py",
+                  ["tests/serve/test_scheduler.py", "tests/serve/test_scheduler_results.py",
                    "tests/serve/test_scheduler_admission.py"], "not never_import"),
     "paged": ("minitransformer/serve/paged.py",     # the ragged view: the mixed step's and
               ["tests/serve/test_paged.py", "tests/serve/test_mixed_step.py",  # the verification pass's
@@ -75,7 +74,7 @@ MODULES = {
                "tests/test_kvquant.py", "tests/serve/test_blocks.py"], ""),  # quantized pool's
     "engine": ("minitransformer/serve/engine.py",      # test_logprobs: the prompt's scores;
                ["tests/serve/test_engine.py", "tests/serve/test_engine_properties.py",  # the speculative
-                "tests/serve/test_engine_records.py", "tests/test_logprobs.py",   # engine's own
+                "tests/serve/test_engine_results.py", "tests/test_logprobs.py",   # engine's own
                 "tests/serve/test_engine_speculative.py", "tests/serve/test_engine_config.py"],
                "not smollm2"),
 }
@@ -236,7 +235,7 @@ EQUIVALENT = {
         "the chunks differ in float64's last bits only",
     "minitransformer.drafts.training.x_closeness__mutmut_23":
         "the student's logits not cast to float64 first: logprobs.log_softmax casts them "
-        "itself (test_training_edges' float64 test fails when it does not)",
+        "itself (test_training's float64 test fails when it does not)",
     "minitransformer.drafts.training.x_closeness__mutmut_25":
         "the teacher's logits not cast to float64 first: as mutant 23",
     "minitransformer.drafts.training.x_closeness__mutmut_38":
