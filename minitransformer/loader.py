@@ -8,7 +8,10 @@ What is checked, and named in the error when wrong:
 - every tensor the config implies is present, with exactly the shape the config implies and a
   float dtype (F32, F16 or BF16); no unexpected tensor is present.
 
-Weights are converted to float32 once, here; all the math of the model runs in float32.
+Weights are converted to float32 once, here; all the math of the model runs in float32. A
+float32 matrix is handed on as the file holds it (a read-only view of the mapped file): the
+Model copies it once, into the layout its products run fastest in (kernels/fused.py), so its
+bytes land once, where they are kept; a vector is copied here.
 A tied checkpoint that still carries ``lm_head.weight`` keeps only the embedding (they are the
 same matrix by definition), and stored RoPE ``inv_freq`` buffers from old exports are ignored:
 RoPE is recomputed from ``rope_theta``.
@@ -107,7 +110,8 @@ def load_weights(path: Path, config: ModelConfig) -> dict:
         if tuple(stored.shape) != shape:
             raise CheckpointError(f"{file}: tensor {name!r} has shape {tuple(stored.shape)} "
                                   f"but config.json implies {shape}")
-        weights[name] = to_device(check_finite(file, name, to_float32(dtype, stored)))
+        matrix = to_float32(dtype, stored, copy=len(shape) != 2)      # see the docstring
+        weights[name] = to_device(check_finite(file, name, matrix))
     return weights
 
 

@@ -72,6 +72,31 @@ def test_storage_dtypes_load_to_float32(tmp_path, dtype):
     np.testing.assert_array_equal(w, stored)
 
 
+@pytest.mark.parametrize("tied", [True, False])
+@pytest.mark.parametrize("layout", ["row-major", "column-major", None])
+def test_a_loaded_model_holds_nothing_of_its_file(tmp_path, monkeypatch, tied, layout):
+    """float32 matrices reach the Model as views of the mapped file (copied once, where they
+    are laid out): every array it keeps must be its own, so a file overwritten after the load
+    changes nothing (each weight, laid out or not, the untied embedding, the layers' fields)."""
+    from minitransformer.checkpoints.synth import make_checkpoint, qwen2_config, random_weights
+    from minitransformer.kernels import blas
+    monkeypatch.setattr(blas, "FIXED_LAYOUT", layout)             # None: measured (or recalled)
+    config = qwen2_config(tie_word_embeddings=tied)
+    path = make_checkpoint(tmp_path / "ckpt", config, seed=5)
+    model = mt.load(path)
+    file = path / "model.safetensors"
+    header = 8 + struct.unpack("<Q", file.read_bytes()[:8])[0]
+    with open(file, "r+b") as f:                                   # same size: no SIGBUS
+        f.seek(header)
+        f.write(bytes(file.stat().st_size - header))
+    exact = random_weights(config, seed=5)
+    for name, w in model.weights.items():
+        np.testing.assert_array_equal(to_numpy(w), exact[name], err_msg=name)
+    layer = model.layers[0]
+    for field in ("input_norm", "qkv", "o", "post_norm", "gate_up", "down"):
+        assert np.any(to_numpy(getattr(layer, field)) != 0), field
+
+
 def test_sharded_checkpoint_loads_the_same(checkpoint_dir, tmp_path):
     src = checkpoint_dir("qwen2-mha-untied")
     dst = tmp_path / "sharded"

@@ -143,10 +143,14 @@ def read_tensors(file) -> dict[str, tuple[str, np.ndarray]]:
     return out
 
 
-def to_float32(dtype: str, stored: np.ndarray) -> np.ndarray:
-    """A stored tensor (F32, F16 or BF16) -> a new float32 array."""
+def to_float32(dtype: str, stored: np.ndarray, copy: bool = True) -> np.ndarray:
+    """A stored tensor (F32, F16 or BF16) -> a new float32 array; with copy=False an F32 one
+    is given back as stored (read_tensors: a read-only view of the file, for a caller that
+    copies it itself, once, where it keeps it)."""
     if dtype == "BF16":
         return bf16_to_f32(stored)
+    if dtype == "F32" and not copy:
+        return stored
     return np.array(stored, dtype=np.float32)
 
 

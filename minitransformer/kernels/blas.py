@@ -79,8 +79,7 @@ FEW_ROWS = 16            # up to this many rows, the way is measured; above it, 
 FIXED = environment_choice("MT_PRODUCTS", ROUTES, "a way to multiply", "to measure")
 LAYOUTS = ("row-major", "column-major")
 FIXED_LAYOUT = environment_choice("MT_LAYOUT", LAYOUTS, "a layout", "to measure")
-TRIALS = 3               # timings per way when a shape is measured (the fastest counts)
-LAYOUT_TRIALS = 5        # the same for a weight's layout: once per shape, and for every row count
+TRIALS = 3               # timings per way and layout when a shape is measured (the fastest counts)
 COLD_BYTES = 1 << 20     # a weight this large is timed from memory, as a decode step reads it
 # read between two timings of a weight from memory: twice the caches one core reads through
 # (at least 16 MiB), 128 MiB where the system does not say how large they are
@@ -183,24 +182,28 @@ def arrange(w):
     """A weight matrix w (n, in) as the model should hold it here: w itself, or the same values
     laid out column-major where its products of every row count of rows_run (1 and FEW_ROWS,
     and any expect_rows added) are faster that way (timed side by side, once per shape and dtype
-    on this machine; see the docstring). Anything else (a quantized weight, a vector, CuPy's
-    arrays, a fixed MT_PRODUCTS) is given back as it is; under MT_LAYOUT, w in that layout."""
-    if BACKEND == "cupy" or getattr(w, "ndim", 0) != 2 or not isinstance(w, xp.ndarray) \
-            or (FIXED is not None and FIXED_LAYOUT is None):
+    on this machine; see the docstring); a read-only w (a view of the checkpoint's file) is
+    copied, once, into the layout taken. Anything else (a quantized weight, a vector, CuPy's
+    arrays) is given back as it is; under MT_LAYOUT, w in that layout; under a fixed
+    MT_PRODUCTS, in its own."""
+    if BACKEND == "cupy" or getattr(w, "ndim", 0) != 2 or not isinstance(w, xp.ndarray):
         return w
     laid = arrange_on_device(w)
-    # its own layout taken: w itself (under strict, not a new handle on the same data)
-    return w if layout_on_device(laid) == layout_on_device(w) else laid
+    # nothing copied: w itself (under strict, not a new handle on the same data)
+    return w if same_on_device(laid, w) else laid
 
 
 def numpy_arrange(w):
     """arrange on a NumPy array."""
-    if FIXED_LAYOUT is not None:
-        return in_layout(w, FIXED_LAYOUT)
+    if FIXED_LAYOUT is not None or FIXED is not None:
+        return in_layout(w, FIXED_LAYOUT or layout(w))
     counts = tuple(sorted(rows_run))
     key = (*w.shape, w.dtype.str, counts)
     if key not in laid_out:
-        laid_out[key] = recalled_layout(w, counts) or measured_layout(w, counts)
+        laid_out[key] = recalled_layout(w, counts)
+        if laid_out[key] is None:
+            laid_out[key], laid = measured_layout(w, counts)
+            return laid                                  # the copy timed: not made again
     return in_layout(w, laid_out[key])
 
 
@@ -224,17 +227,18 @@ def recalled_layout(w, counts: tuple):
     return taken
 
 
-def measured_layout(w, counts: tuple) -> str:
-    """Time w's shape in both layouts (faster_layout), saying so on stderr -> the layout taken;
-    its ways go into `chosen`, both into the file."""
+def measured_layout(w, counts: tuple) -> tuple:
+    """Time w's shape in both layouts (faster_layout), saying so on stderr -> (the layout
+    taken, w in it); its ways go into `chosen`, both into the file."""
     rows = ", ".join(map(str, counts))
     tell(f"measuring how this machine multiplies a {w.shape[0]}x{w.shape[1]} {w.dtype} weight "
          f"by {rows} rows, in both layouts (once: kept in {tuning.path()})")
-    taken, ways = faster_layout({name: in_layout(w, name) for name in LAYOUTS}, counts)
+    pair = {name: in_layout(w, name) for name in LAYOUTS}
+    taken, ways = faster_layout(pair, counts)
     keep_ways(w, taken, ways)
     tuning.remember(layout_key(w, counts),
                     {"layout": taken, "ways": {str(M): route for M, route in ways.items()}})
-    return taken
+    return taken, pair[taken]
 
 
 def keep_ways(w, taken: str, ways: dict) -> None:
@@ -244,13 +248,16 @@ def keep_ways(w, taken: str, ways: dict) -> None:
 
 
 def in_layout(w, name: str):
-    """w, or a copy of it laid out as named. A column-major copy is made COPY_ROWS rows at a
+    """w, or a copy of it laid out as named. A read-only w is copied in either case: the
+    checkpoint's own bytes (loader.py hands a float32 matrix over as a view of the mapped file),
+    copied once, straight into the layout the model keeps (a copy row-major first and then
+    column-major would touch twice the memory). A column-major copy is made COPY_ROWS rows at a
     time: both sides of a block stay in the cache (one strided copy of a vocabulary's head
     misses it at every read: 10x slower)."""
-    if layout(w) == name:
+    if layout(w) == name and w.flags.writeable:
         return w
     if name == "row-major":
-        return np.ascontiguousarray(w)
+        return np.array(w, order="C")
     held = np.empty(w.shape, w.dtype, order="F")
     for r0 in range(0, len(w), COPY_ROWS):
         held[r0:r0 + COPY_ROWS] = w[r0:r0 + COPY_ROWS]
@@ -264,7 +271,7 @@ def faster_layout(pair: dict, counts: tuple = (1, FEW_ROWS)) -> tuple:
     w = pair["row-major"]
     x = np.ones((max(counts), w.shape[1]), w.dtype)
     turns = rings([pair[name] for name in LAYOUTS])
-    best = {M: timings(x[:M], turns, LAYOUT_TRIALS) for M in counts}  # M -> [{way: seconds}]
+    best = {M: timings(x[:M], turns) for M in counts}                # M -> [{way: seconds}]
     times = {M: [min(t.values()) for t in best[M]] for M in best}
     taken = "column-major" if all(t[1] < t[0] for t in times.values()) else "row-major"
     ways = {M: per_layout[LAYOUTS.index(taken)] for M, per_layout in best.items()}
@@ -278,12 +285,12 @@ def fastest(x, w) -> str:
     return min(ways, key=ways.get)
 
 
-def timings(x, turns, trials=None) -> list:
+def timings(x, turns) -> list:
     """Time the ways for len(x) rows over each matrix of turns (a list per matrix: the copies
-    of it that its timings take in turn, `rings`; all of one shape), `trials` each (default
-    TRIALS), interleaved -> per matrix, {way: its fastest time}. After PRUNE_AFTER trials, a
-    way more than PRUNE times slower than the fastest over its matrix is timed no more: two
-    timings that slow are no spike, and it cannot win (a slow way can cost a second a trial).
+    of it that its timings take in turn, `rings`; all of one shape), TRIALS each, interleaved
+    -> per matrix, {way: its fastest time}. After PRUNE_AFTER trials, a way more than PRUNE
+    times slower than the fastest over its matrix is timed no more: two timings that slow are
+    no spike, and it cannot win (a slow way can cost a second a trial).
     """
     w = turns[0][0]
     out = np.empty((len(x), len(w)), np.result_type(x, w))
@@ -291,7 +298,7 @@ def timings(x, turns, trials=None) -> list:
     best = [dict.fromkeys(candidates(len(x), layout(ring[0])), float("inf")) for ring in turns]
     live = [list(times) for times in best]
     cycles = [itertools.cycle(ring) for ring in turns]
-    for trial in range(TRIALS if trials is None else trials):
+    for trial in range(TRIALS):
         for turn, times, ways in zip(cycles, best, live):
             for route in ways:
                 limit = PRUNE * min(times.values())                 # past it, a way has lost
@@ -383,6 +390,11 @@ def flush_caches(buffer):
     np.dot(buffer, buffer)
 
 
+def same(a, b) -> bool:
+    """Whether a and b are one array."""
+    return a is b
+
+
 def flat(x, w, out=None):
     """One matrix-matrix product with w untransposed: w @ x.T is (n, M), given back transposed
     (a view), or copied into out; for a column-major w, x @ w.T (w.T is row-major)."""
@@ -440,3 +452,4 @@ def slice_rows(M: int, cols: int) -> int:
 on_device = numpy_kernel(numpy_multiply)  # strict: NumPy's calls on the data it wraps
 arrange_on_device = numpy_kernel(numpy_arrange)
 layout_on_device = numpy_kernel(layout)
+same_on_device = numpy_kernel(same)  # strict: one array's data behind two handles

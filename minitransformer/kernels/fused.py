@@ -22,6 +22,8 @@ the same values either way).
 """
 from dataclasses import dataclass
 
+import numpy as np
+
 from minitransformer.backend import xp
 from minitransformer.kernels.blas import arrange, release
 from minitransformer.linear import is_quantized
@@ -92,7 +94,14 @@ def fuse(config, weights: dict) -> Fused:
             o_bias=weights.get(p + "self_attn.o_proj.bias"),
             **fuse_mlp(weights, i)))
     release()                                      # what measuring the layouts used
-    return Fused(weights, tuple(layers))
+    return Fused({name: own(w) for name, w in weights.items()}, tuple(layers))
+
+
+def own(w):
+    """w, copied where it is read-only: a view of the checkpoint's file that no product reads
+    (an untied embedding: loader.py hands matrices over uncopied, the products' own copied as
+    laid out), so that the model holds nothing of a file that may change under it."""
+    return w.copy() if isinstance(w, np.ndarray) and not w.flags.writeable else w
 
 
 def fuse_mlp(weights: dict, i: int) -> dict:
