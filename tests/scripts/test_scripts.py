@@ -517,8 +517,9 @@ def test_bench_load_prints_its_four_loads_side_by_side(tiny, run_script):
             if re.match(r"(row-major|remembered|first|unkept): ", line)]
     assert rows == ["row-major", "remembered", "first", "unkept"]
     assert "measured for 8 rows too (serve)" in out
-    assert re.search(r"targets: remembered <= 1.5x row-major \(here \d+\.\d\dx\); first <= "
-                     r"row-major \+ 3 s \(here \+-?\d+\.\d\d s\)", out)
+    assert re.search(r"targets: remembered <= 1.5x row-major \(here \d+\.\d\dx, \d+\.\d\dx "
+                     r"per round\); first <= row-major \+ 3 s \(here [+-]\d+\.\d\d s, "
+                     r"[+-]\d+\.\d\d s per round\)", out)
 
 
 def test_first_use_knows_when_the_drafts_are_trained(monkeypatch, tmp_path):
