@@ -56,13 +56,15 @@ def prompt_lookup(tokens, n: int, max_ngram: int = 3, min_ngram: int = 1) -> lis
     """
     seq = np.asarray(tokens)
     L = len(seq)
+    ends = np.flatnonzero(seq[:-1] == seq[-1])  # where an earlier k-gram could end (its last)
     for k in range(min(max_ngram, L - 1), min_ngram - 1, -1):
-        # windows[i] = seq[i:i+k] for the starts 0 .. L-k-1 (the last k tokens themselves
-        # are not an earlier occurrence)
-        windows = np.lib.stride_tricks.sliding_window_view(seq[:-1], k)   # (L-k, k)
-        starts = np.flatnonzero((windows == seq[L - k:]).all(axis=1))
-        if len(starts):
-            follow = starts[-1] + k                                     # latest match
+        # a k-gram ending at e matches the last k tokens when seq[e - j] == seq[L-1 - j] for
+        # j < k (e = L - 1 itself is not an earlier occurrence): the candidates, narrowed
+        found = ends[ends >= k - 1]
+        for j in range(1, k):
+            found = found[seq[found - j] == seq[L - 1 - j]]
+        if len(found):
+            follow = found[-1] + 1                                      # latest match
             return seq[follow:follow + n].tolist()
     return []
 

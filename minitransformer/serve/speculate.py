@@ -51,7 +51,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from minitransformer.backend import to_numpy
-from minitransformer.generate import last_logits_alone
+from minitransformer.generate import last_logits, last_logits_alone
 from minitransformer.model import forward, head
 from minitransformer.serve.config import SpeculativeConfig
 from minitransformer.serve.drafting import Ask, Proposer, acceptance, draft_length
@@ -78,12 +78,15 @@ def verify_logits(model, cache, seq_ids, fed, batch_invariant=False):
     its proposals), counted in the books already (``append``) -> logits (R, V), R = the fed
     tokens of all, sequence by sequence (trim the rejected ones after). Default: a ragged batch
     (paged.RaggedView), the sequences feeding as many tokens one group, causal within each
-    row, the R tokens through every product at once. batch_invariant: row by row
+    row, the R tokens through every product at once; a step without drafts, the engine's decode
+    call (the very bits of a step without speculation). batch_invariant: row by row
     (``verify_view``), each the very call a batch of one makes, in order."""
     if batch_invariant:
         ids = np.array([[t] for tokens in fed for t in tokens])                # (R, 1)
         return last_logits_alone(model, ids, verify_view(cache, seq_ids, map(len, fed)))
-    # sequences feeding as many tokens attend as one group (no draft at all: a plain decode)
+    if all(len(tokens) == 1 for tokens in fed):     # no drafts: the engine's decode call
+        return last_logits(model, np.array(fed), verify_view(cache, seq_ids, [1] * len(fed)))
+    # sequences feeding as many tokens attend as one group
     by_count = {}
     for b, tokens in enumerate(fed):
         by_count.setdefault(len(tokens), []).append(b)
@@ -226,8 +229,9 @@ class Speculator:
         """This step's draft length for a row: the rule's, never past the request's end or
         the draft model's positions (the pool and the budget cut it after: ``fits``)."""
         made = len(row.tokens) - row.prompt_len
-        alpha = acceptance(*self.judged.get(row.seq_id, (0, 0)))
-        return max(0, min(draft_length(self.config, alpha, batch, self.proposer.cost),
+        books = self.judged.get(row.seq_id, (0, 0))
+        return max(0, min(draft_length(self.config, acceptance(*books), batch,
+                                       self.proposer.cost, books[1]),
                           row.max_new_tokens - made - 1, self.proposer.room(row.tokens)))
 
 

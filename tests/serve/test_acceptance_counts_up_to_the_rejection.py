@@ -67,12 +67,14 @@ def test_a_draft_rejected_at_position_i_is_judged_i_plus_one(model, i):
 
 
 def test_a_rejection_early_in_a_long_draft_leaves_alpha_high_enough_to_draft_again(model):
-    """min_acceptance 0.45, a 4-token draft rejected at position 1: 1 of 2 judged is alpha
-    (1 + 1) / (2 + 2) = 0.5, so the next step drafts again; 1 of 4 would be 2 / 6 = 0.33,
-    and it would feed its last token alone."""
+    """min_acceptance 0.45, books of 1 right of 1 judged (a lookup drafts only once judged),
+    then a 4-token draft rejected at position 1: 2 of 3 judged is alpha (2 + 1) / (3 + 2) =
+    0.6, so the next step drafts again; 2 of 5 would be 3 / 7 = 0.43, and it would feed its
+    last token alone."""
     right = greedy(model, K + 1)
     cache, spec = speculating(model, [right[0], (right[1] + 1) % model.config.vocab_size,
                                       *right[2:K]], min_acceptance=0.45)
+    spec.judged["a"] = [1, 1]
     tokens = list(PROMPT)
     for _ in range(2):
         (kept, _), = step(spec, cache, rows_of({"a": tokens}, {"a": len(PROMPT)}))

@@ -248,19 +248,23 @@ def test_default_mode_greedy_follows_the_near_tie_rule(close_calls):
 
 def test_one_verification_pass_per_step_for_the_whole_batch(close_calls, monkeypatch):
     """The step verifies every sequence's draft in a single forward call (never one sequence
-    after another): counted by wrapping the pass."""
+    after another): counted by wrapping the pass (a ragged one, or a step without drafts:
+    the plain decode's)."""
     calls = []
-    real = speculate.forward
 
-    def counted(model, ids, *args, **kw):
-        calls.append(ids.shape)
-        return real(model, ids, *args, **kw)
-    monkeypatch.setattr(speculate, "forward", counted)
+    def counted(real):
+        def call(model, ids, *args, **kw):
+            calls.append(ids.shape)
+            return real(model, ids, *args, **kw)
+        return call
+    monkeypatch.setattr(speculate, "forward", counted(speculate.forward))
+    monkeypatch.setattr(speculate, "last_logits", counted(speculate.last_logits))
     served = engine(close_calls, NGRAM, history=True, max_num_seqs=4)
     served.run(workload(n=4))
     batches = [B for B, _ in served.decode_times]
     assert len(calls) == len(batches) and max(batches) == 4
-    assert all(B == 1 for B, _ in calls) and max(R for _, R in calls) > 4   # (1, R): drafts
+    assert all(B == 1 or R == 1 for B, R in calls)          # (1, R) or a decode's (B, 1)
+    assert max(R for B, R in calls if B == 1) > 4          # (1, R): drafts
 
 
 def test_a_steps_drafts_are_counted_against_max_num_batched_tokens(close_calls, monkeypatch):

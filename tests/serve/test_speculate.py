@@ -172,6 +172,17 @@ def test_one_pass_gives_every_position_a_decode_steps_logits(model, batch_invari
         np.testing.assert_allclose(z, reference, atol=NEAR_TIE * scale, rtol=0)
 
 
+def test_a_step_without_drafts_is_a_plain_decode_bit_for_bit(model):
+    """No sequence drafts (free generation under the bar, most steps): the verification is
+    the engine's decode call, the very bits of a step without speculation, in the default
+    mode too (a ragged pass of the same rows would be shaped otherwise)."""
+    cache, plain = prefilled(model), prefilled(model)
+    cache.append(["a", "b"], 1)
+    starts = plain.append(["a", "b"], 1)
+    z = verify_logits(model, cache, ["a", "b"], [[6], [9]])
+    assert (z == last_logits(model, np.array([[6], [9]]), plain.view(["a", "b"], starts))).all()
+
+
 # ---------------------------------------------------------------------------- the step's books
 def rows_of(tokens: dict, prompt_len: dict, settings=GREEDY, max_new=40):
     return [Row(s, tokens[s], prompt_len[s], max_new, settings, np.random.default_rng(0))
@@ -362,6 +373,22 @@ def test_below_min_acceptance_a_sequence_feeds_one_token_and_its_lookup_is_judge
     spec.judged["a"] = [3, 4]                   # acceptance 4/6: above the bar
     step(spec, cache, rows_of({"a": list(prompt)}, {"a": 4}))
     assert spec.fed == [3] and spec.counters.drafts == 1   # its last token, then 2 1
+
+
+def test_a_lookup_drafts_only_once_it_has_been_judged(model):
+    """min_acceptance 0.5: before any evidence alpha is 1/2, which passes the bar; a lookup
+    is judged for free, so its first decode step only judges (one row, never a rejected
+    first draft of num_speculative_tokens rows), and it drafts from the next step on while
+    its alpha stays above the bar. A draft model, whose proposals cost a pass, starts at once."""
+    prompt = [1, 2, 1, 2, 1]                        # the lookup proposes 2 1
+    spec = Speculator(SpeculativeConfig(num_speculative_tokens=3, min_acceptance=0.5), model)
+    cache = prefilled_one(model, prompt)
+    (kept, _), = step(spec, cache, rows_of({"a": list(prompt)}, {"a": 4}))
+    assert spec.fed == [1] and spec.counters.drafts == 0 and spec.judged["a"][1] == 1
+    spec.judged["a"] = [1, 1]                   # its lookup was right: alpha 2/3
+    step(spec, cache, rows_of({"a": prompt + kept}, {"a": 4}))
+    assert spec.fed[0] > 1 and spec.counters.drafts == 1
+    assert draft_length(spec.config, 0.5, 1, cost=0.2, judged=0) == 3
 
 
 def prefilled_one(model, prompt, num_blocks=16, block_size=4) -> PagedCache:
