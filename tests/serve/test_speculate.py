@@ -177,8 +177,8 @@ def test_a_step_without_drafts_is_a_plain_decode_bit_for_bit(model):
     the engine's decode call, the very bits of a step without speculation, in the default
     mode too (a ragged pass of the same rows would be shaped otherwise)."""
     cache, plain = prefilled(model), prefilled(model)
-    cache.append(["a", "b"], 1)
-    starts = plain.append(["a", "b"], 1)
+    cache.books.append(["a", "b"], 1)
+    starts = plain.books.append(["a", "b"], 1)
     z = verify_logits(model, cache, ["a", "b"], [[6], [9]])
     assert (z == last_logits(model, np.array([[6], [9]]), plain.view(["a", "b"], starts))).all()
 
