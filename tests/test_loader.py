@@ -73,14 +73,16 @@ def test_storage_dtypes_load_to_float32(tmp_path, dtype):
 
 
 @pytest.mark.parametrize("tied", [True, False])
-@pytest.mark.parametrize("layout", ["row-major", "column-major", None])
-def test_a_loaded_model_holds_nothing_of_its_file(tmp_path, monkeypatch, tied, layout):
+@pytest.mark.parametrize("layout, products", [("row-major", None), ("column-major", None),
+                                              (None, None), (None, "flat")])
+def test_a_loaded_model_holds_nothing_of_its_file(tmp_path, monkeypatch, tied, layout, products):
     """float32 matrices reach the Model as views of the mapped file (copied once, where they
     are laid out): every array it keeps must be its own, so a file overwritten after the load
     changes nothing (each weight, laid out or not, the untied embedding, the layers' fields)."""
     from minitransformer.checkpoints.synth import make_checkpoint, qwen2_config, random_weights
     from minitransformer.kernels import blas
     monkeypatch.setattr(blas, "FIXED_LAYOUT", layout)             # None: measured (or recalled)
+    monkeypatch.setattr(blas, "FIXED", products)                  # MT_PRODUCTS: its own layout
     config = qwen2_config(tie_word_embeddings=tied)
     path = make_checkpoint(tmp_path / "ckpt", config, seed=5)
     model = mt.load(path)
