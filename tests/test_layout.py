@@ -1,6 +1,7 @@
 """The layout's promises, read from the import statements: the core never reaches up into the
 periphery (serve/, measure/, and drafts/, which trains a draft and scores it with measure/),
-and no two modules import each other, however indirectly."""
+and no two modules import each other, however indirectly; and the tests laid out like the
+package."""
 import ast
 import re
 from pathlib import Path
@@ -169,3 +170,17 @@ def test_a_forward_reference_is_found():
     assert forward_references(["a", "b", "d", "c"], edges, {"skip"}) == {}
     assert forward_references(["a", "b", "c", "d"], edges, {"skip"}) == {"c": ["d"]}
     assert forward_references(["a", "b"], edges, set()) == {"b": ["skip"]}  # named nowhere
+
+
+def test_the_tests_are_laid_out_like_the_package():
+    """Each folder of tests/ is a room of the package (a subpackage of minitransformer/, quant/,
+    sim/ or scripts/), beside fixtures/; and no two test files share a name (pytest imports a
+    test file by its name: there is no __init__.py)."""
+    tests = ROOT / "tests"
+    rooms = {p.name for p in (ROOT / "minitransformer").iterdir() if (p / "__init__.py").is_file()}
+    rooms |= {"quant", "sim", "scripts", "fixtures"}
+    folders = {p.name for p in tests.iterdir() if p.is_dir() and p.name[0] not in "._"}
+    assert folders <= rooms, folders - rooms
+    names = sorted(p.name for p in tests.rglob("*.py") if "__pycache__" not in p.parts)
+    assert len(names) == len(set(names)), [n for n in set(names) if names.count(n) > 1]
+    assert not list(tests.rglob("__init__.py"))
