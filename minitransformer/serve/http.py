@@ -104,14 +104,6 @@ class App:
     metrics: ServingMetrics
     created: int                # when the server started, Unix seconds (/v1/models)
 
-    @property
-    def model(self):
-        return self.online.engine.model
-
-    @property
-    def cache(self):
-        return self.online.engine.cache
-
 
 def check_request_bytes(max_request_bytes) -> None:
     """None (the default) or an integer >= 1, else a ValueError."""
@@ -131,7 +123,7 @@ def create_app(online: OnlineEngine, name: str, max_request_bytes: int = None,
     check_request_bytes(max_request_bytes)
     if api_key is not None:
         check_api_key(api_key)
-    model = online.engine.model
+    model = online.model
     longest = None if model.tokenizer is None else longest_token_bytes(model.tokenizer)
     app = FastAPI(title="minitransformer", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.serving = App(online, name, max_request_bytes or default_max_request_bytes(model),
@@ -209,7 +201,7 @@ async def models(http: Request):
     app = serving(http)
     return {"object": "list", "data": [{
         "id": app.name, "object": "model", "created": app.created, "owned_by": "minitransformer",
-        "max_model_len": app.model.config.max_position_embeddings}]}
+        "max_model_len": app.online.model.config.max_position_embeddings}]}
 
 
 async def prometheus(http: Request):
@@ -236,7 +228,7 @@ async def detokenize(http: Request):
 
 async def tokenizer_information(http: Request):
     try:
-        return tokenizer_info(serving(http).model)
+        return tokenizer_info(serving(http).online.model)
     except APIError as e:
         return error(e)
 
@@ -254,9 +246,9 @@ async def answer(http: Request, kind: str):
     app = serving(http)
     try:
         body = await read_json(http, app.limit)
-        jobs = await asyncio.to_thread(parse, body, kind, app.model, app.name,
-                                       app.cache.books.num_blocks * app.cache.books.block_size,
-                                       app.online.engine.config.max_num_seqs, app.longest)
+        jobs = await asyncio.to_thread(parse, body, kind, app.online.model, app.name,
+                                       app.online.sizes.pool_tokens,
+                                       app.online.sizes.max_num_seqs, app.longest)
         for job in jobs:
             check_pool(app, job.request)
         stops = await asyncio.to_thread(StopStrings, jobs[0].stop)  # tables: linear in them
@@ -300,7 +292,7 @@ async def tokenizer_endpoint(http: Request, handle):
     app = serving(http)
     try:
         body = await read_json(http, app.limit)
-        return await asyncio.to_thread(handle, body, app.model, app.name, app.longest)
+        return await asyncio.to_thread(handle, body, app.online.model, app.name, app.longest)
     except APIError as e:
         return error(e)
     except ClientDisconnect:
@@ -367,12 +359,12 @@ def raise_too_large(limit, size, at_least=""):
 def check_pool(app: App, request) -> None:
     """n samples that could never be held at once in the pool: a 400 naming n, before any
     answer starts (the prompt and max_tokens alone were checked by parse)."""
-    length, cache = len(request.prompt), app.cache
-    need = app.online.engine.pool_need(length, request.max_new_tokens, request.n)
-    if need > cache.books.num_blocks:
+    length, sizes = len(request.prompt), app.online.sizes
+    need = app.online.pool_need(length, request.max_new_tokens, request.n)
+    if need > sizes.num_blocks:
         raise APIError(f"n={request.n} samples of a {length}-token prompt need {need} KV "
-                       f"blocks of {cache.books.block_size} tokens at once (the prompt and each "
-                       f"sample's first token); the pool has {cache.books.num_blocks}: ask for "
+                       f"blocks of {sizes.block_size} tokens at once (the prompt and each "
+                       f"sample's first token); the pool has {sizes.num_blocks}: ask for "
                        f"fewer samples", "n")
 
 
@@ -451,7 +443,7 @@ async def pieces(app: App, job, stops, ticket, updates, arrival):
     (and its tokens' logprobs); echo with max_tokens 0 is the prompt alone. A sample left
     before its end (the client went away) is counted as vLLM counts it: "abort"."""
     n, online, metrics = job.request.n, app.online, app.metrics
-    samples = [Sample(app.model.tokenizer, job.request.prompt, stops) for _ in range(n)]
+    samples = [Sample(app.online.model.tokenizer, job.request.prompt, stops) for _ in range(n)]
     counts, open_, echo = [0] * n, set(range(n)), None
     try:
         while open_:
@@ -467,7 +459,7 @@ async def pieces(app: App, job, stops, ticket, updates, arrival):
             if job.echo and counts[i] == 0 and (update.tokens or prompt_only):
                 if echo is None:    # the prompt's names: as long as the prompt, off the loop
                     echo = await asyncio.to_thread(
-                        echo_named, app.model.tokenizer, job.request.prompt,
+                        echo_named, app.online.model.tokenizer, job.request.prompt,
                         update.record.prompt_logprobs if job.logprobs else None)
                 scored = echo if job.logprobs else []
                 if prompt_only:         # max_tokens 0: the prompt is the whole answer

@@ -70,6 +70,17 @@ class Snapshot:                 # the engine's state after a step, for /metrics 
     speculative: object = None  # a copy of the engine's speculate.SpecCounters, if it drafts
 
 
+@dataclass(frozen=True)
+class Sizes:                    # the engine's limits, fixed when it is built (for the HTTP layer)
+    num_blocks: int             # KV blocks in the pool
+    block_size: int             # tokens a block holds
+    max_num_seqs: int           # sequences a step may run at once (the most samples a request has)
+
+    @property
+    def pool_tokens(self) -> int:
+        return self.num_blocks * self.block_size
+
+
 @dataclass(eq=False)
 class Ticket:                   # a client's handle on its request
     listener: object
@@ -86,8 +97,12 @@ class Ticket:                   # a client's handle on its request
 class OnlineEngine:
     def __init__(self, engine, max_waiting: int = MAX_WAITING, on_failure=None):
         """on_failure(error): called once, on the loop thread, if the engine cannot go on,
-        after every request has its error (the server's cue to stop)."""
+        after every request has its error (the server's cue to stop). A client reads the
+        engine only through ``model``, ``sizes`` and ``pool_need``: its state is the loop's."""
         self.engine, self.max_waiting, self.on_failure = engine, max_waiting, on_failure
+        self.model = engine.model
+        books = engine.cache.books
+        self.sizes = Sizes(books.num_blocks, books.block_size, engine.config.max_num_seqs)
         self.start = time.perf_counter()
         self.lock = threading.Condition()   # guards inbox and closing; wakes the loop
         self.inbox, self.closing, self.abandon, self.error = [], False, False, None
@@ -102,6 +117,10 @@ class OnlineEngine:
         return time.perf_counter() - self.start
 
     # --- what clients call (any thread) ------------------------------------------------------
+    def pool_need(self, prompt_tokens: int, max_new_tokens: int, n: int = 1) -> int:
+        """KV blocks such a request may hold at once (``Engine.pool_need``: sizes alone)."""
+        return self.engine.pool_need(prompt_tokens, max_new_tokens, n)
+
     def submit(self, request, listener) -> Ticket:
         """Queue a request arriving now; listener(Update) gets its tokens. Raises ValueError
         for a request the engine would refuse (decided here, before anything is queued or

@@ -333,13 +333,13 @@ def test_the_timeout_is_per_request_and_ends_when_the_request_is_in(impatient, m
 # --- each serve flag reaches the server it starts ---------------------------------------------
 SPEC = '{"method": "ngram", "num_speculative_tokens": 2}'
 FLAGS = {  # option -> (its arguments, whether the started server `s` (below) shows them)
-    "--model": (None, lambda s: s.app.model.path == s.path),
+    "--model": (None, lambda s: s.app.online.model.path == s.path),
     "--host": (["localhost"], lambda s: s.bound[0] == "localhost"),
     "--port": (["8123"], lambda s: s.bound[1] == 8123),
     "--served-model-name": (["flagged"], lambda s: s.app.name == "flagged"),
     "--max-num-seqs": (["3"], lambda s: s.config.max_num_seqs == 3),
-    "--num-gpu-blocks-override": (["40"], lambda s: s.app.cache.books.num_blocks == 40),
-    "--block-size": (["8"], lambda s: s.app.cache.books.block_size == 8),
+    "--num-gpu-blocks-override": (["40"], lambda s: s.app.online.sizes.num_blocks == 40),
+    "--block-size": (["8"], lambda s: s.app.online.sizes.block_size == 8),
     "--policy": (["static"], lambda s: s.config.policy == "static"),
     "--max-waiting": (["5"], lambda s: s.app.online.max_waiting == 5),
     "--batch-invariant": ([], lambda s: s.config.batch_invariant),
