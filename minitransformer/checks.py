@@ -145,6 +145,14 @@ def positive_number_field(source, name: str, value) -> float:
     return float(value)
 
 
+def flag_field(source, name: str, value) -> bool:
+    """A JSON true or false -> bool (``1`` and ``"true"`` are refused: not booleans)."""
+    if not isinstance(value, bool):
+        raise CheckpointError(f"{source}: field {name!r} must be true or false, "
+                              f"got {value!r:.100}")
+    return value
+
+
 def token_ids_field(source, name: str, value) -> tuple[int, ...]:
     """An id or a list of ids (eos_token_id, ...) -> tuple of ints >= 0."""
     values = value if isinstance(value, list) else [value]

@@ -12,8 +12,8 @@ q/k/v/o only when ``attention_bias`` is true).
 from dataclasses import dataclass
 from pathlib import Path
 
-from minitransformer.checks import (integer_field, is_integer, positive_number_field,
-                                    read_json_object, token_ids_field)
+from minitransformer.checks import (flag_field, integer_field, is_integer,
+                                    positive_number_field, read_json_object, token_ids_field)
 from minitransformer.errors import CheckpointError
 
 ARCHITECTURES = {"Qwen2ForCausalLM": "qwen2", "LlamaForCausalLM": "llama"}
@@ -53,65 +53,26 @@ class ModelConfig:
     def o_bias(self) -> bool:
         return self.model_type == "llama" and self.attention_bias
 
-    @property
-    def group_size(self) -> int:
-        """Query heads that share one key/value head (H / Hkv)."""
-        return self.num_attention_heads // self.num_key_value_heads
-
     @classmethod
     def from_dict(cls, cfg: dict, source: str = "config.json") -> "ModelConfig":
         """One validation pass: types, finiteness, ranges, sizes within SIZE_LIMITS."""
-        def value(name, default=None):
-            v = cfg.get(name)
-            v = default if v is None else v  # null means "the default", as in HF
-            if v is None:
-                raise CheckpointError(f"{source}: required field {name!r} is missing")
-            return v
-
-        def size(name, default=None):
-            return integer_field(source, name, value(name, default), 1, SIZE_LIMITS[name])
+        def size(name):
+            return integer_field(source, name, field(cfg, source, name), 1, SIZE_LIMITS[name])
 
         def flag(name):
-            v = value(name, False)
-            if not isinstance(v, bool):
-                raise CheckpointError(f"{source}: field {name!r} must be true or false, "
-                                      f"got {v!r:.100}")
-            return v
+            return flag_field(source, name, field(cfg, source, name, False))
 
         if not isinstance(cfg, dict):
             raise CheckpointError(f"{source}: expected a JSON object")
         model_type = architecture(cfg, source)
-        if cfg.get("rope_scaling") not in (None, {}):
-            raise CheckpointError(f"{source}: rope_scaling={cfg['rope_scaling']!r:.100} "
-                                  "is not supported")
-        if cfg.get("hidden_act", "silu") != "silu":
-            raise CheckpointError(f"{source}: hidden_act={cfg['hidden_act']!r:.100} is not "
-                                  "supported (only silu, the SwiGLU MLP)")
-        if flag("use_sliding_window"):
-            raise CheckpointError(f"{source}: sliding-window attention is not supported")
-        if flag("mlp_bias"):
-            raise CheckpointError(f"{source}: mlp_bias=true is not supported")
-        rope = cfg.get("rope_parameters")
-        if rope is not None and not isinstance(rope, dict):
-            raise CheckpointError(f"{source}: field 'rope_parameters' must be an object, "
-                                  f"got {rope!r:.100}")
-        if rope:  # newer transformers nest RoPE settings here
-            if rope.get("rope_type", "default") != "default":
-                raise CheckpointError(f"{source}: rope_parameters.rope_type="
-                                      f"{rope['rope_type']!r:.100} (rope scaling) is not "
-                                      "supported")
-            if cfg.get("rope_theta") is None:
-                cfg = {**cfg, "rope_theta": rope.get("rope_theta", 10000.0)}
+        refuse_unsupported(cfg, source)
+        cfg = nested_rope_theta(cfg)
         for name in ("bos_token_id", "eos_token_id"):  # not kept here, but read elsewhere
             if cfg.get(name) is not None:
                 token_ids_field(source, name, cfg[name])
-        dtype = cfg.get("torch_dtype") or cfg.get("dtype") or "float32"
-        if not isinstance(dtype, str):
-            raise CheckpointError(f"{source}: field 'torch_dtype' must be a string, "
-                                  f"got {dtype!r:.100}")
-
-        heads, hidden = size("num_attention_heads"), size("hidden_size")
-        cfg = hf_fallbacks(cfg)
+        dtype = torch_dtype(cfg, source)
+        heads, hidden = size("num_attention_heads"), size("hidden_size")   # before the fallbacks
+        cfg = hf_fallbacks(cfg)                                             # that read them
         config = cls(
             model_type=model_type,
             vocab_size=size("vocab_size"),
@@ -122,8 +83,10 @@ class ModelConfig:
             num_key_value_heads=size("num_key_value_heads"),
             head_dim=size("head_dim"),
             max_position_embeddings=size("max_position_embeddings"),
-            rms_norm_eps=positive_number_field(source, "rms_norm_eps", value("rms_norm_eps", 1e-6)),
-            rope_theta=positive_number_field(source, "rope_theta", value("rope_theta", 10000.0)),
+            rms_norm_eps=positive_number_field(source, "rms_norm_eps",
+                                               field(cfg, source, "rms_norm_eps", 1e-6)),
+            rope_theta=positive_number_field(source, "rope_theta",
+                                             field(cfg, source, "rope_theta", 10000.0)),
             attention_bias=flag("attention_bias"),
             tie_word_embeddings=flag("tie_word_embeddings"),
             torch_dtype=dtype,
@@ -153,6 +116,57 @@ def architecture(cfg: dict, source) -> str:
         raise CheckpointError(f"{source}: unsupported architecture {archs or model_type!r:.100}; "
                               f"supported: {', '.join(ARCHITECTURES)}")
     return model_type
+
+
+def field(cfg: dict, source, name: str, default=None):
+    """cfg[name], where a missing field or a null means the default (as in HF); no default: an
+    error naming the field."""
+    value = cfg.get(name)
+    value = default if value is None else value
+    if value is None:
+        raise CheckpointError(f"{source}: required field {name!r} is missing")
+    return value
+
+
+def refuse_unsupported(cfg: dict, source) -> None:
+    """Refuse, by name, what this implementation does not do rather than compute something
+    else: rope scaling (in either place a config puts it), activations other than SiLU,
+    sliding-window attention, MLP biases."""
+    if cfg.get("rope_scaling") not in (None, {}):
+        raise CheckpointError(f"{source}: rope_scaling={cfg['rope_scaling']!r:.100} "
+                              "is not supported")
+    if cfg.get("hidden_act", "silu") != "silu":
+        raise CheckpointError(f"{source}: hidden_act={cfg['hidden_act']!r:.100} is not "
+                              "supported (only silu, the SwiGLU MLP)")
+    if flag_field(source, "use_sliding_window", field(cfg, source, "use_sliding_window", False)):
+        raise CheckpointError(f"{source}: sliding-window attention is not supported")
+    if flag_field(source, "mlp_bias", field(cfg, source, "mlp_bias", False)):
+        raise CheckpointError(f"{source}: mlp_bias=true is not supported")
+    rope = cfg.get("rope_parameters")
+    if rope is not None and not isinstance(rope, dict):
+        raise CheckpointError(f"{source}: field 'rope_parameters' must be an object, "
+                              f"got {rope!r:.100}")
+    if rope and rope.get("rope_type", "default") != "default":
+        raise CheckpointError(f"{source}: rope_parameters.rope_type={rope['rope_type']!r:.100} "
+                              "(rope scaling) is not supported")
+
+
+def nested_rope_theta(cfg: dict) -> dict:
+    """Newer transformers nest RoPE settings in ``rope_parameters``: its rope_theta, when the
+    config has none of its own, brought up (a copy)."""
+    rope = cfg.get("rope_parameters")
+    if rope and cfg.get("rope_theta") is None:
+        return {**cfg, "rope_theta": rope.get("rope_theta", 10000.0)}
+    return cfg
+
+
+def torch_dtype(cfg: dict, source) -> str:
+    """How the checkpoint stores its weights (``torch_dtype``, newer ``dtype``): a name."""
+    dtype = cfg.get("torch_dtype") or cfg.get("dtype") or "float32"
+    if not isinstance(dtype, str):
+        raise CheckpointError(f"{source}: field 'torch_dtype' must be a string, "
+                              f"got {dtype!r:.100}")
+    return dtype
 
 
 def hf_fallbacks(cfg: dict) -> dict:

@@ -136,6 +136,7 @@ def test_missing_directory_and_files(tmp_path, checkpoint_dir):
     (dict(rope_scaling={"type": "linear", "factor": 2.0}), "rope_scaling"),
     (dict(hidden_act="gelu"), "hidden_act"),
     (dict(use_sliding_window=True), "sliding-window"),
+    (dict(mlp_bias=True), "mlp_bias=true is not supported"),
     (dict(num_hidden_layers=0), r"must be in \[1, 1024\], got 0"),
     (dict(rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e6}), "rope_type"),
 ])
