@@ -321,6 +321,12 @@ class BlockManager:
                      for b, w in writers.items())
         return new + copies
 
+    def free_room(self, seq_id) -> int:
+        """Tokens a sequence can grow by in its own blocks and the free list's, without a
+        kept block of the prefix cache (those hold cached turns; taking one evicts it)."""
+        seq = self.seqs[seq_id]
+        return (len(seq.blocks) + len(self.free)) * self.block_size - seq.length
+
     def make_room(self, seq_ids, T: int) -> None:
         """Blocks for T more tokens in each sequence: all of it, or PoolExhausted and nothing.
         The blocks the T tokens go to are then private, and marked as being filled."""

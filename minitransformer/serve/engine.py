@@ -3,11 +3,14 @@
 Each ``step`` is plan -> run -> commit, each part in its own module:
   plan    scheduler.py decides on the block manager's books alone (blocks.py): who is
           preempted, who decodes, which prompt chunks prefill within the token budget, who
-          is admitted;
+          is admitted, and, speculating, the draft tokens each decode row may verify;
   run     here: the pool does the plan's copies and swaps (paged.py), the forward passes
-          (the decodes and every prompt, whole or a chunk, in ONE pass over a ragged batch
-          of tokens), the head, sampling, logprobs, timings;
-  commit  the scheduler stamps first tokens and retires those that made their last.
+          (the decodes with their drafts and every prompt, whole or a chunk, in ONE pass
+          over a ragged batch of tokens), the head, sampling or verification, logprobs,
+          timings; nothing is written to the books;
+  commit  the scheduler accounts for what the passes made (slots written, rows trimmed to
+          the tokens they kept, full blocks named, a failed pass's sequences ended), stamps
+          first tokens and retires those that made their last.
 A request of n > 1 samples is fanned out here, before the scheduler, into n sequences (ids
 id .. id + n - 1, seeds seed + i) that share its one prefill; its holder (``run``'s results,
 the online Ticket) gathers the n choices by id and cancels each. The policies differ twice:
@@ -20,11 +23,12 @@ the online Ticket) gathers the n choices by id and cancels each. The policies di
                                                            its batch ends
 
 Speculative decoding (``speculative_config``: vLLM's ``--speculative-config``, speculate.py):
-the decode pass becomes a verification. Each decoding sequence may carry a draft (prompt lookup
-over its prompt and output, or a draft model's proposals), and the ONE forward pass of the
-step's decodes verifies every sequence's draft, a sequence without one feeding its last token
-as in a plain decode; each keeps its accepted proposals and one token of the target's own (the
-library's rule, its own generator), and its cache is trimmed back to what it kept.
+the decode rows become a verification. The plan holds each decoding sequence's draft slots;
+the run asks the proposer for every draft at once (prompt lookup over its prompt and output,
+or a draft model's proposals), and the step's ONE forward pass verifies every sequence's
+draft, a sequence without one feeding its last token as in a plain decode; each keeps its
+accepted proposals and one token of the target's own (the library's rule, its own
+generator), and the scheduler trims its slots back to what it kept.
 
 Faults: an exception raised while a plan runs (a forward pass, the head, sampling, a draft)
 is the step's, not the engine's. The sequences it concerned end with status "error" and the
@@ -79,7 +83,7 @@ from minitransformer.serve.config import EngineConfig, check_against
 from minitransformer.serve.intake import check_request
 from minitransformer.serve.paged import PagedCache, RaggedView, check_fits
 from minitransformer.serve.records import Request, Run
-from minitransformer.serve.scheduler import Scheduler, close, fan_out
+from minitransformer.serve.scheduler import Made, Scheduler, close, fan_out
 from minitransformer.serve.speculate import Row, Speculator
 
 
@@ -189,18 +193,21 @@ class Engine:
         return self.scheduler.running()
 
     def step(self) -> None:
-        """Plan (the scheduler), run (the pool's moves, forward passes, sampling), commit. A
-        pass that raises ends the sequences it concerned (the module's docstring, Faults)."""
+        """Plan (the scheduler, speculation's drafts included), run (the pool's moves, the
+        forward pass, sampling or verification: nothing written to the books), account and
+        commit (the scheduler). A pass that raises ends the sequences it concerned (the
+        module's docstring, Faults)."""
         start = time.perf_counter()
         if not self.running() and self.waiting and self.waiting[0].result.arrival > self.clock:
             self.clock = self.waiting[0].result.arrival  # idle: jump to the next arrival
-        plan = self.scheduler.schedule(self.clock)
+        plan = self.scheduler.schedule(self.clock, None if self.speculator is None else
+                                       self._wants)
         if not self.running() and self.waiting:  # an empty pool refused the first request
             raise RuntimeError("nothing running and the first request cannot be admitted")
-        made, failed, error = self._run(plan)
-        if failed:
-            self._abort(plan, failed, error)
-        self._moves(plan)
+        made = self._run(plan)
+        for work in (plan.decode, *plan.prefill, plan):  # every move done, a failed pass's too
+            self._moves(work)
+        self.scheduler.account(made)
         synchronize()
         self.clock += time.perf_counter() - start
         self.steps += 1
@@ -212,36 +219,37 @@ class Engine:
                                    [seq.result.id for seq in self.waiting])
 
     # --- running a plan ----------------------------------------------------------------------
-    def _run(self, plan) -> tuple:
-        """The plan's passes -> (the sequences that made tokens, the passes that failed or
-        would read what a failed one was to write, the first error raised or None)."""
+    def _run(self, plan) -> Made:
+        """The plan's passes -> what they made: the sequences that made tokens, the passes
+        that ran, those that failed or would read what a failed one was to write, the first
+        error raised."""
         passes = [plan.decode] * bool(plan.decode.rows) + plan.prefill
         if self._together(passes):
             try:
-                return self._mixed(plan, passes), [], None
+                return Made(self._mixed(plan, passes), passes)
             except Exception as error:      # the step's fault, not the engine's
-                return [], passes, error
-        # a verification's drafts are tokens of the step: the plan's spare
-        spare = None if self.scheduler.budget is None else \
-            self.scheduler.budget - sum(len(work.rows) * work.n for work in passes)
-        made, failed, error = [], [], None
-        for work in [plan.decode, *plan.prefill]:
-            if failed and self._reads_unwritten(work, failed):
+                return Made([], [], passes, error)
+        made, ran, failed, error = [], [], [], None
+        for work in passes:
+            if failed and self._reads_unwritten(work, failed, ran):
                 failed.append(work)
                 continue
             try:
-                made += self._decode(work, spare) if work is plan.decode else \
-                    self._prefill(work)
+                made += self._decode(work) if work is plan.decode else self._prefill(work)
+                ran.append(work)
             except Exception as e:          # the step's fault, not the engine's
                 failed, error = failed + [work], error or e
-        return made, failed, error
+        return Made(made, ran, failed, error)
 
-    def _reads_unwritten(self, work, failed) -> bool:
+    def _reads_unwritten(self, work, failed, ran) -> bool:
         """Would this pass read a block a failed pass was to fill (one of its rows holds it,
-        found by name, or a copy takes it)?"""
+        found by name, or a copy takes it), and no pass that ran has filled?"""
         books = self.cache.books
+        filled = {b for w in ran for seq_id, start, held in w.slots()
+                  for b in books.seqs[seq_id].blocks[start // books.block_size:
+                                                     books.blocks_for(start + held)]}
         theirs = {b for f in failed for seq in f.rows for b in books.seqs[seq.result.id].blocks
-                  if b in books.filling}
+                  if b in books.filling and b not in filled}
         return any(b in theirs for seq in work.rows for b in books.seqs[seq.result.id].blocks) \
             or any(isinstance(move, Copy) and move.src in theirs for move in work.moves)
 
@@ -250,112 +258,70 @@ class Engine:
         moves, work.moves = work.moves, []
         self.cache.do(moves)
 
-    def _abort(self, plan, failed, error) -> None:
-        """A pass raised `error`: the failed passes' sequences end with it, the books made
-        whole (the module's docstring, Faults). What fails here is the engine's own."""
-        for work in (plan.decode, *plan.prefill):
-            self._moves(work)                       # a swap out or in is someone else's
-        self._moves(plan)
-        self.cache.books.drop_unwritten()
-        reason = f"the engine failed on this request's step: {error!r}"
-        for seq in dict.fromkeys(seq for work in failed for seq in (*work.rows, *work.firsts)):
-            self.scheduler.fail(seq, reason)
-        self.cache.books.check()
-
-    def _decode(self, work, spare=None) -> list:
-        """One token for every row in one batched forward pass -> the rows that sampled one
-        (a padding row's is computed and thrown away). Speculating, the drafts take at most
-        `spare` tokens of the step's budget (None: none is set)."""
-        self._moves(work)
-        rows = work.rows
-        if not rows:
-            return []
-        if self.speculator is not None:
-            return self._speculate(rows, spare)
-        start, ids = time.perf_counter(), [row.result.id for row in rows]
-        newest = np.array([[row.tokens[-1]] for row in rows])              # (B, 1)
-        view = self.cache.view(ids, work.starts)
-        if self.batch_invariant:  # each row by the very call a batch of one makes
-            logits = last_logits_alone(self.model, newest, view)
-        else:
-            logits = last_logits(self.model, newest, view)                  # (B, V)
-        for seq, row in zip(rows, logits):
-            if seq.finished:
-                self.cache.books.trim(seq.result.id, 1)   # a padding row never grows
-            else:
-                self._sample(seq, row)
-        if self.history:
-            self.decode_times.append((len(rows), time.perf_counter() - start))
-        return [seq for seq in rows if not seq.finished]
-
     def _together(self, passes) -> bool:
         """Run the step's passes as one? In the default mode (batch-invariant keeps each row's
-        own calls), whole prompts or chunks alike, not speculating (its verification is the
-        decodes' own pass); not when a later pass needs a copy of a block an earlier one
-        writes (a prompt cached in full behind the chunk filling its last block): the copies
-        come first."""
-        return not self.batch_invariant and self.speculator is None and len(passes) > 1 and \
+        own calls), the decodes (and their drafts) with whole prompts or chunks alike; not
+        when a later pass needs a copy of a block an earlier one writes (a prompt cached in
+        full behind the chunk filling its last block): the copies come first."""
+        return not self.batch_invariant and len(passes) > 1 and \
             not any(isinstance(move, Copy) for work in passes[1:] for move in work.moves)
 
+    def _decode(self, work) -> list:
+        """The decode rows in one batched forward pass, each feeding its last token and the
+        proposals of its draft -> the rows that made tokens (a padding row's are computed and
+        thrown away)."""
+        self._moves(work)
+        fed, drafts = self._propose(work)
+        start = time.perf_counter()
+        logits = decode_logits(self.model, self.cache, [seq.result.id for seq in work.rows],
+                               work.starts, fed, self.batch_invariant)               # (R, V)
+        made = [seq for seq, z, draft in zip(work.rows, split_rows(logits, map(len, fed)),
+                                             drafts) if self._take(seq, z, draft)]
+        if self.history:
+            self.decode_times.append((len(work.rows), time.perf_counter() - start))
+        return made
+
     def _mixed(self, plan, passes) -> list:
-        """The decodes and the prompt chunks of a step in ONE forward pass, a ragged batch of
-        tokens (paged.RaggedView): every weight read once -> the sequences that sampled."""
+        """The decodes (each its last token and its draft) and the prompt chunks of a step in
+        ONE forward pass, a ragged batch of tokens (paged.RaggedView): every weight read once
+        -> the sequences that made tokens."""
         for work in passes:
             self._moves(work)
+        fed, drafts = self._propose(plan.decode)
         start = time.perf_counter()
-        parts = [(seq, first, work) for work in passes for seq, first in zip(work.rows,
-                                                                             work.starts)]
-        ids = np.array([[t for seq, first, work in parts                         # (1, R)
-                         for t in seq.tokens[first:first + work.n]]])
-        view = RaggedView(self.cache, [([seq.result.id for seq in work.rows], work.starts,
-                                        work.n) for work in passes])
-        hidden = forward(self.model, ids, view)                                   # (1, R, D)
-        ends = np.cumsum([work.n for _, _, work in parts])                  # each row's end
-        picked = [i for i, (_, _, work) in enumerate(parts) if work is plan.decode or work.firsts]
-        logits = to_numpy(head(self.model, hidden[:, ends[picked] - 1]))[0]       # (m, V)
-        made = []
-        for i, (seq, first, work) in enumerate(parts):
+        decode = plan.decode
+        order, groups = decode_groups([seq.result.id for seq in decode.rows], decode.starts, fed)
+        parts = [(decode.rows[b], decode.starts[b], fed[b], decode)    # (seq, first, fed, work)
+                 for b in order]
+        for work in plan.prefill:
+            (seq,), (first,) = work.rows, work.starts
+            parts.append((seq, first, seq.tokens[first:first + work.n], work))
+            groups.append(([seq.result.id], [first], work.n))
+        ids = np.array([[t for _, _, tokens, _ in parts for t in tokens]])       # (1, R)
+        hidden = forward(self.model, ids, RaggedView(self.cache, groups))        # (1, R, D)
+        ends = np.cumsum([len(tokens) for _, _, tokens, _ in parts])       # each row's end
+        picked = [list(range(end - len(tokens), end)) if work is plan.decode else [end - 1]
+                  for (_, _, tokens, work), end in zip(parts, ends)
+                  if work is plan.decode or work.firsts]          # a row's logits wanted
+        logits = to_numpy(head(self.model, hidden[:, [i for rows in picked for i in rows]]))[0]
+        rows = iter(split_rows(logits, map(len, picked)))                          # (k, V)
+        made, of_decode = [], dict(zip(plan.decode.rows, drafts))
+        for (seq, first, tokens, work), end in zip(parts, ends):
             if work is not plan.decode and seq.result.request.prompt_logprobs is not None:
-                self._score_prompt(seq, hidden[:, ends[i] - work.n:ends[i]], first)
-        for i, z in zip(picked, logits):
-            seq, _, work = parts[i]
-            if work is not plan.decode:                  # a prompt's last chunk
+                self._score_prompt(seq, hidden[:, end - len(tokens):end], first)
+            if work is plan.decode:
+                made += [seq] * self._take(seq, next(rows), of_decode[seq])
+            elif work.firsts:                            # a prompt's last chunk
+                z = next(rows)[-1]
                 for member in work.firsts:
                     self._sample(member, z)
                 made += work.firsts
-            elif seq.finished:
-                self.cache.books.trim(seq.result.id, 1)      # a padding row never grows
-            else:
-                self._sample(seq, z)
-                made.append(seq)
         if self.history:            # one pass for both: each list gets its whole time
             seconds = time.perf_counter() - start
             self.decode_times += [(len(work.rows), seconds) for work in passes[:1]
                                   if work is plan.decode]
             self.prefill_times += [(work.n, seconds) for work in passes if work is not plan.decode]
         return made
-
-    def _speculate(self, rows, spare=None) -> list:
-        """The decode pass as a verification (speculate.py): every row's draft verified in
-        ONE forward pass over the paged cache; each row's kept tokens appended up to its end,
-        its cache trimmed back to them and their full blocks named -> the rows that made
-        tokens (a padding row's position is computed and thrown away)."""
-        start, spec = time.perf_counter(), self.speculator
-        out = spec.step(self.cache, [
-            Row(seq.result.id, seq.tokens, len(seq.tokens) - len(seq.result.tokens),
-                seq.result.request.max_new_tokens, seq.result.request.sampling, seq.rng,
-                padding=seq.finished) for seq in rows], self.batch_invariant, spare)
-        for seq, (kept, logits) in zip(rows, out):
-            for token, z in zip(kept, logits):
-                self._append(seq, token, z)
-                if seq.done:        # an eos among the kept tokens: the rest are not made
-                    break
-            spec.settle(self.cache, seq.result.id, len(seq.tokens) - 1)
-            if self.prefix_caching and not seq.finished:
-                self.cache.books.seal(seq.result.id, seq.tokens)
-        if self.history:
-            self.decode_times.append((len(rows), time.perf_counter() - start))
-        return [seq for seq in rows if not seq.finished]
 
     def _prefill(self, work) -> list:
         """A chunk of one prompt, in one forward pass -> its samples, with their first tokens
@@ -374,6 +340,42 @@ class Engine:
         if self.history:
             self.prefill_times.append((n, time.perf_counter() - start))
         return list(work.firsts)
+
+    # --- speculation's parts of a step (speculate.py) ----------------------------------------
+    def _wants(self, rows) -> list:
+        """Per decode row, the draft tokens speculation would have it verify (the plan cuts
+        them to the budget and the free blocks)."""
+        return self.speculator.wants([self._row(seq) for seq in rows])
+
+    def _propose(self, work) -> tuple:
+        """-> per decode row, the tokens it feeds (its last token, then its draft's proposals,
+        at most the slots the plan held), and its Draft (None: not speculating)."""
+        if self.speculator is None or not work.rows:
+            return [[seq.tokens[-1]] for seq in work.rows], [None] * len(work.rows)
+        drafts = self.speculator.propose([self._row(seq) for seq in work.rows], work.drafts)
+        return [[seq.tokens[-1]] + draft.tokens for seq, draft in zip(work.rows, drafts)], drafts
+
+    def _take(self, seq, logits, draft) -> bool:
+        """A decode row's tokens from its logits (k, V), one per token it fed: sampled, or its
+        draft verified (its accepted proposals and one of the target's own, appended up to
+        its end) -> whether it made any (a padding row's are thrown away)."""
+        if seq.finished:
+            return False
+        if draft is None:
+            self._sample(seq, logits[0])
+            return True
+        for token, z in zip(self.speculator.verify(self._row(seq), logits, draft), logits):
+            self._append(seq, token, z)
+            if seq.done:            # an eos among the kept tokens: the rest are not made
+                break
+        return True
+
+    @staticmethod
+    def _row(seq) -> Row:
+        """A decoding sequence as speculation sees it."""
+        request = seq.result.request
+        return Row(seq.result.id, seq.tokens, len(seq.tokens) - len(seq.result.tokens),
+                   request.max_new_tokens, request.sampling, seq.rng, padding=seq.finished)
 
     def _score_prompt(self, seq, hidden, done: int) -> None:
         """Prompt logprobs from a chunk's pass: every position through the head; position p's
@@ -423,3 +425,43 @@ class Engine:
         seq.result.tokens.append(token)
         if request.logprobs is not None:
             seq.result.logprobs.append(token_logprob(logits, token, request.logprobs))
+
+
+# --- the decode rows of a pass -----------------------------------------------------------------
+def decode_groups(seq_ids, starts, fed) -> tuple:
+    """Decode rows as groups of a ragged pass: the rows feeding as many tokens attend as one
+    group (a plain decode: all of them, one token each) -> (the rows' indices in the pass's
+    order, the RaggedView's groups)."""
+    by_count = {}
+    for b, tokens in enumerate(fed):
+        by_count.setdefault(len(tokens), []).append(b)
+    order = [b for rows in by_count.values() for b in rows]
+    return order, [([seq_ids[b] for b in rows], [starts[b] for b in rows], n)
+                   for n, rows in by_count.items()]
+
+
+def decode_logits(model, cache, seq_ids, starts, fed, batch_invariant=False):
+    """One forward pass over the decode rows' fed tokens (row b: its last token at starts[b],
+    then its proposals, in slots a plan holds) -> logits (R, V), row by row, R the tokens fed
+    in all. batch_invariant: each fed token a row of its own, one token long at its own
+    position, by the very call a batch of one makes, in order (so a verification's logits
+    are a plain decode's, bit for bit). Otherwise a plain decode is one (B, 1) batch, and a
+    verification a ragged batch (``decode_groups``): the weights read once for all R."""
+    if batch_invariant:         # each fed token by the very call a batch of one makes
+        ids = np.array([[t] for tokens in fed for t in tokens])                   # (R, 1)
+        view = cache.view([s for s, tokens in zip(seq_ids, fed) for _ in tokens],
+                          [p for first, tokens in zip(starts, fed)
+                           for p in range(first, first + len(tokens))])
+        return last_logits_alone(model, ids, view)
+    if all(len(tokens) == 1 for tokens in fed):
+        return last_logits(model, np.array(fed), cache.view(seq_ids, starts))      # (B, V)
+    order, groups = decode_groups(seq_ids, starts, fed)
+    ids = np.array([[t for b in order for t in fed[b]]])                           # (1, R)
+    logits = to_numpy(head(model, forward(model, ids, RaggedView(cache, groups))))[0]
+    mine = dict(zip(order, split_rows(logits, [len(fed[b]) for b in order])))
+    return np.concatenate([mine[b] for b in range(len(fed))])                      # (R, V)
+
+
+def split_rows(logits, counts) -> list:
+    """(R, V) -> one (count, V) array per row, in order."""
+    return np.split(logits, np.cumsum(list(counts))[:-1])

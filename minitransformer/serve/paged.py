@@ -224,9 +224,11 @@ class PagedView:
         return held(cache.k[layer], table, S), held(cache.v[layer], table, S)
 
     def advance(self, T: int) -> None:
-        """Called by forward after every layer has stored its T new tokens."""
-        self.cache.books.written(self.ids, self.starts, T)
+        """Called by forward after every layer has stored its T new tokens. A plan's rows
+        were counted when it was made, and the scheduler marks them written when it accounts
+        for the step; a view made without a plan counts its tokens here."""
         if not self.counted:
+            self.cache.books.written(self.ids, self.starts, T)
             for s in self.seqs:
                 s.length += T
         self.starts = self.starts + T

@@ -1,18 +1,24 @@
 """The scheduler: who runs in a step, decided on the books alone, as a Plan (experiment 13).
 
-It holds the waiting queue and the slots, and the block manager's books; it never sees the
-model or an array. Each ``schedule`` decides, in this order:
+It holds the waiting queue and the slots, and the block manager's books, which nobody else
+writes; it never sees the model or an array. Each ``schedule`` decides, in this order:
   1. preempt  if the pool cannot take every decoding sequence's next token, the latest
               admitted is swapped out (a move for the pool) and queued first;
   2. decode   every sequence past its prompt gets room for one token;
   3. prefill  prompts under way get a chunk first, then, while a slot is free, the next
               waiting request is admitted (its prompt given blocks, holding any cached
-              prefix) and gets one; at most ``budget`` tokens in all (None: no limit).
+              prefix) and gets one; at most ``budget`` tokens in all (None: no limit);
+  4. drafts   speculating, each decoding sequence gets slots for the draft tokens it may
+              verify (``Work.drafts``): what speculation wants, cut to the budget's tokens
+              left and to the free list's blocks (never a kept prefix block).
 The plan counts its tokens in the books at once (vLLM counts them when scheduled): the full
 blocks a chunk fills are named at once, so a prompt admitted later in the same step finds
-them. After the engine has run the plan, ``commit`` takes its new tokens: first-token times,
-and a sequence that made its last token retires (``retire``, beside ``admits``: the two
-decisions where the policies differ; the table is in engine.py).
+them. After the engine has run the plan, the scheduler takes what it made (``Made``):
+``account`` brings the books up to date (the slots written, a failed pass's sequences
+ended, each row trimmed back to the tokens it kept: rejected or unproposed draft slots go
+back, its full blocks named), then ``commit`` stamps first-token times, and a sequence that made its last
+token retires (``retire``, beside ``admits``: the two decisions where the policies differ;
+the table is in engine.py).
 
 The n samples of a request come fanned out (``fan_out``), n sequences queued one behind the
 other, each its own; the first computes the prompt, and each other ``shares_prompt_with`` it:
@@ -78,6 +84,23 @@ class Work:
     n: int
     moves: list                     # the pool's copies and swaps to do first, in order
     firsts: list = ()               # a prompt's last chunk: the sequences its logits start
+    drafts: list = ()               # speculating, per decode row: the draft tokens it may
+    #                                 verify, their slots held after its n (at most; 0: none)
+
+    def slots(self) -> list:
+        """Per row: (sequence id, first position, positions held for this pass)."""
+        extra = self.drafts or [0] * len(self.rows)
+        return [(seq.result.id, start, self.n + d)
+                for seq, start, d in zip(self.rows, self.starts, extra)]
+
+
+@dataclass
+class Made:
+    """What running a plan made, for the scheduler to account for."""
+    seqs: list                      # the sequences that made tokens
+    ran: list                       # the Works whose pass ran: their slots are written
+    failed: list = ()               # Works whose pass raised, or would read what one was to fill
+    error: Exception = None         # the first exception raised
 
 
 @dataclass
@@ -106,6 +129,22 @@ def fan_out(request, first_id: int, prompt: list, rngs, eos: set) -> list:
     return seqs
 
 
+def hold_drafts(books: BlockManager, seq_ids, wanted, spare=None) -> list:
+    """Hold the slots of each decoding sequence's draft, after its last token's -> the draft
+    tokens each may verify: what speculation wanted, cut to the budget's spare tokens (None:
+    no budget; the rows in order) and to what its blocks and the free list hold. Never a
+    kept prefix block (evicting it loses a cached turn, and a pass of this step may still
+    copy from it), never a preemption: a draft is worth less than anyone's place."""
+    drafts = []
+    for seq_id, n in zip(seq_ids, wanted):
+        n = max(0, min(n, books.free_room(seq_id), n if spare is None else spare))
+        if n:
+            books.append([seq_id], n)
+        spare = None if spare is None else spare - n
+        drafts.append(n)
+    return drafts
+
+
 class Scheduler:
     def __init__(self, blocks: BlockManager, slots: int, policy: str = "continuous",
                  budget: int = None, prefix_caching: bool = True):
@@ -123,8 +162,10 @@ class Scheduler:
         """The sequences in slots that are not over (prefilling or decoding)."""
         return [seq for seq in self.slots if seq is not None and not seq.finished]
 
-    def schedule(self, now: float) -> Plan:
-        """The step's plan: who is preempted, who decodes, which chunks prefill, who enters."""
+    def schedule(self, now: float, wants=None) -> Plan:
+        """The step's plan: who is preempted, who decodes, which chunks prefill, who enters,
+        and, speculating, each decoding row's draft slots. wants(rows) -> per decode row, the
+        draft tokens speculation would have it verify (None: no speculation)."""
         self.now = now
         rows = [seq for seq in self.running() if not seq.prefilling] + self._padding()
         preempted = self._preempt(rows)
@@ -133,14 +174,39 @@ class Scheduler:
             if not row.finished:
                 self._seal(row)
         decode = Work(rows, starts, 1, self.blocks.take_moves())
-        prefill, admitted = self._prefill(None if self.budget is None else
-                                          self.budget - len(rows))
-        return Plan(decode, prefill, admitted, preempted, self.blocks.take_moves())
+        budget = None if self.budget is None else self.budget - len(rows)
+        prefill, admitted = self._prefill(budget)
+        moves = self.blocks.take_moves()            # decided after the last forward pass
+        if wants is not None and rows:
+            spare = None if budget is None else budget - sum(work.n for work in prefill)
+            decode.drafts = hold_drafts(self.blocks, [row.result.id for row in rows],
+                                        wants(rows), spare)
+        return Plan(decode, prefill, admitted, preempted, moves)
 
-    def commit(self, made, now: float) -> None:
+    def account(self, made: Made) -> None:
+        """The books after the plan ran: its written slots are no longer being filled; a
+        failed pass's sequences end (the engine's docstring, Faults); every row that made
+        tokens holds exactly what it computed and kept (its draft slots past them, rejected
+        or never proposed, go back: ``trim``), its full blocks named."""
+        for work in made.ran:
+            for seq_id, start, held in work.slots():
+                self.blocks.written([seq_id], [start], held)
+        if made.failed:
+            self.blocks.drop_unwritten()    # no later prompt finds keys never computed
+            reason = f"the engine failed on this request's step: {made.error!r}"
+            for seq in dict.fromkeys(seq for work in made.failed
+                                     for seq in (*work.rows, *work.firsts)):
+                self.fail(seq, reason)
+        for work in made.ran:
+            for seq in dict.fromkeys((*work.rows, *work.firsts)):
+                self._keep(seq)
+        if made.failed:
+            self.blocks.check()
+
+    def commit(self, made: Made, now: float) -> None:
         """The step's tokens exist: first-token times; those that made their last retire."""
         self.now = now
-        for seq in made:
+        for seq in made.seqs:
             if len(seq.result.tokens) == 1:
                 seq.result.first_token = now
             if seq.done:
@@ -279,6 +345,16 @@ class Scheduler:
             chunks.append(Work([seq], starts, n, self.blocks.take_moves(), firsts))
             budget = None if budget is None else budget - n
         return chunks, admitted
+
+    def _keep(self, seq) -> None:
+        """After its pass: a sequence holds the tokens it has computed, all of its tokens
+        but the last made (its slots past them go back), and its full blocks are named."""
+        held = self.blocks.seqs.get(seq.result.id)
+        if held is None or not seq.result.tokens:       # over, or its prompt under way
+            return
+        self.blocks.trim(seq.result.id, held.length - (len(seq.tokens) - 1))
+        if not seq.finished:
+            self._seal(seq)
 
     def _sharers(self, seq) -> list:
         """The waiting sequences that will fork seq's prompt, in queue order."""

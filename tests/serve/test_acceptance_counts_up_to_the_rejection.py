@@ -13,7 +13,7 @@ from minitransformer.model import forward
 from minitransformer.serve.paged import PagedCache
 from minitransformer.serve.config import SpeculativeConfig
 from minitransformer.serve.speculate import Speculator
-from test_speculate import rows_of, step
+from test_speculate import keep, rows_of, step
 
 K = 4
 PROMPT = [5, 9, 2, 7, 3, 8]
@@ -79,5 +79,5 @@ def test_a_rejection_early_in_a_long_draft_leaves_alpha_high_enough_to_draft_aga
     for _ in range(2):
         (kept, _), = step(spec, cache, rows_of({"a": tokens}, {"a": len(PROMPT)}))
         tokens += kept
-        spec.settle(cache, "a", len(tokens) - 1)
+        keep(cache, "a", len(tokens) - 1)
     assert spec.counters.drafts == 2 and spec.fed == [1 + K]

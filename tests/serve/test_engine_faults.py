@@ -101,6 +101,24 @@ def test_a_prompt_the_model_cannot_take_ends_alone_and_the_others_keep_their_tok
     assert run.results[5].cached_tokens == len(STEM)  # the one before it's, written
 
 
+def test_a_block_an_earlier_pass_wrote_is_no_failed_passes_to_fill(model, fault):
+    """Batch-invariant, three prompts in one step: the first computes STEM and names its
+    blocks; the second and third find them by name. The second's pass fails. STEM's blocks
+    are held by it, but the first pass wrote them: the third, reading them, is not
+    concerned, and is served with generate's tokens."""
+    fault(poisoned)
+    requests = [Request(STEM + (60,), 8, eos_token_id=[]),
+                Request(STEM + POISON, 8, eos_token_id=[]),
+                Request(STEM + (50,), 8, eos_token_id=[])]
+    served = Engine(model, EngineConfig(max_num_seqs=3, block_size=4,
+                                        num_gpu_blocks_override=40, batch_invariant=True))
+    run = checked_run(served, requests)
+    assert [r.status for r in run.results] == ["finished", "error", "finished"]
+    assert run.results[1].cached_tokens == run.results[2].cached_tokens == len(STEM)
+    for result, request in zip(run.results[::2], requests[::2]):
+        assert result.tokens == solo(model, request)
+
+
 def test_the_samples_waiting_for_a_prompt_that_fails_end_with_it(model, fault):
     """n = 2, the prompt prefilled in chunks (a budget of 6), the poison in its first: its
     second sample, waiting to fork the prompt, ends with it (it would wait for ever)."""

@@ -120,7 +120,8 @@ def test_an_empty_pool_refuses_the_first_request_in_words(tiny_model):
     that admits nothing with nothing running: the step raises, saying so."""
     engine = Engine(tiny_model, EngineConfig(max_num_seqs=1, block_size=4, num_gpu_blocks_override=1))
     engine.submit(Request((1, 2), 1, eos_token_id=[]))
-    engine.scheduler.schedule = lambda now: SimpleNamespace(decode=None, prefill=[], moves=[])
+    engine.scheduler.schedule = lambda now, wants=None: SimpleNamespace(decode=None, prefill=[],
+                                                                     moves=[])
     with pytest.raises(RuntimeError,
                        match="^nothing running and the first request cannot be admitted$"):
         engine.step()

@@ -11,7 +11,7 @@ import minitransformer as mt
 from conftest import assert_like_solo
 from minitransformer import speculative
 from minitransformer.sampling import SamplingSettings
-from minitransformer.serve import drafting, speculate
+from minitransformer.serve import drafting
 from minitransformer.serve.config import EngineConfig, SpeculativeConfig
 from minitransformer.serve.engine import Engine
 from minitransformer.serve.records import Request
@@ -247,9 +247,10 @@ def test_default_mode_greedy_follows_the_near_tie_rule(close_calls):
 
 
 def test_one_verification_pass_per_step_for_the_whole_batch(close_calls, monkeypatch):
-    """The step verifies every sequence's draft in a single forward call (never one sequence
-    after another): counted by wrapping the pass (a ragged one, or a step without drafts:
-    the plain decode's)."""
+    """Each step is ONE forward call: every sequence's draft verified together (never one
+    sequence after another), with the step's prompts where it has some: counted by wrapping
+    the pass (a ragged one, or a step without drafts: the plain decode's)."""
+    from minitransformer.serve import engine as engine_module
     calls = []
 
     def counted(real):
@@ -257,12 +258,12 @@ def test_one_verification_pass_per_step_for_the_whole_batch(close_calls, monkeyp
             calls.append(ids.shape)
             return real(model, ids, *args, **kw)
         return call
-    monkeypatch.setattr(speculate, "forward", counted(speculate.forward))
-    monkeypatch.setattr(speculate, "last_logits", counted(speculate.last_logits))
+    monkeypatch.setattr(engine_module, "forward", counted(engine_module.forward))
+    monkeypatch.setattr(engine_module, "last_logits", counted(engine_module.last_logits))
     served = engine(close_calls, NGRAM, history=True, max_num_seqs=4)
     served.run(workload(n=4))
     batches = [B for B, _ in served.decode_times]
-    assert len(calls) == len(batches) and max(batches) == 4
+    assert len(calls) == served.steps and max(batches) == 4
     assert all(B == 1 or R == 1 for B, R in calls)          # (1, R) or a decode's (B, 1)
     assert max(R for B, R in calls if B == 1) > 4          # (1, R): drafts
 
@@ -278,7 +279,6 @@ def test_a_steps_drafts_are_counted_against_max_num_batched_tokens(close_calls, 
             tokens[-1] += ids.size
             return real(model, ids, *args, **kw)
         return forward
-    monkeypatch.setattr(speculate, "forward", counted(speculate.forward))
     monkeypatch.setattr(engine_module, "forward", counted(engine_module.forward))
     for budget, fits in ((8, True), (None, False)):
         served = engine(close_calls, NGRAM, max_num_seqs=3, max_num_batched_tokens=budget)

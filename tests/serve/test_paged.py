@@ -306,8 +306,9 @@ def test_one_view_used_for_two_passes_continues_where_the_first_ended(tiny_model
 
 def test_a_row_of_a_planned_view_writes_that_sequence_alone(tiny_model):
     """Two sequences' next tokens counted in the books (append), run row by row through
-    view.row(b) as a batch-invariant pass does: each row's block is written, none is left
-    waiting for a write, and each sequence holds the keys of its own token."""
+    view.row(b) as a batch-invariant pass does: each row's block is written (once the
+    scheduler marks the plan's slots written, none is left waiting for a write), and each
+    sequence holds the keys of its own token."""
     cache = PagedCache.allocate(tiny_model.config, 8, 2)
     for name, prompt in (("a", [1, 2]), ("b", [3, 4])):
         cache.books.add(name, prompt)
@@ -318,6 +319,8 @@ def test_a_row_of_a_planned_view_writes_that_sequence_alone(tiny_model):
         row = view.row(b)
         assert row.ids == [["a", "b"][b]]
         forward(tiny_model, np.array([[token]]), row)
+    assert cache.books.filling                          # the view writes no book
+    cache.books.written(["a", "b"], starts, 1)          # the scheduler's account
     assert not cache.books.filling
     cache.books.check()
     for name, prompt, token in (("a", [1, 2], 7), ("b", [3, 4], 8)):

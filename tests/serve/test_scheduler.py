@@ -7,7 +7,7 @@ import pytest
 
 from minitransformer.serve.blocks import BlockManager, Copy, SwapIn, SwapOut
 from minitransformer.serve.records import Request
-from minitransformer.serve.scheduler import Scheduler, fan_out
+from minitransformer.serve.scheduler import Made, Scheduler, fan_out
 
 SERVE = Path(__file__).resolve().parents[2] / "minitransformer" / "serve"
 
@@ -26,28 +26,27 @@ def queue(scheduler, first_id, prompt_len, max_new, n=1, first_token=1, arrival=
     return seqs
 
 
-def run(books, plan, token=7) -> list:
-    """What the engine's run does to the books and gives back: every forward pass's rows
-    written, a padding row's token forgotten; every decoding row and every prompt's samples
-    sample a token (here always `token`) -> those that did."""
-    made = []
-    for work in [plan.decode] + plan.prefill:
-        books.written([row.result.id for row in work.rows], work.starts, work.n)
-        made += list(work.firsts)
-    for row in plan.decode.rows:
-        if row.finished:
-            books.trim(row.result.id, 1)
-        else:
-            made.append(row)
+def run(plan, token=7) -> Made:
+    """What the engine's run gives back, writing nothing to the books: every decoding row
+    and every prompt's samples sample a token (here always `token`), a padding row's is
+    thrown away -> what the passes made, all of them run."""
+    made = [seq for work in [plan.decode] + plan.prefill for seq in work.firsts]
+    made += [row for row in plan.decode.rows if not row.finished]
     for seq in made:
         seq.tokens.append(token)
         seq.result.tokens.append(token)
-    return made
+    return Made(made, [plan.decode] + plan.prefill)
+
+
+def account_and_commit(s, plan, now):
+    made = run(plan)
+    s.account(made)                 # the books: slots written, padding rows trimmed back
+    s.commit(made, now)
 
 
 def step(s, now=0.0):
     plan = s.schedule(now)
-    s.commit(run(s.blocks, plan), now)
+    account_and_commit(s, plan, now)
     s.blocks.check()
     books = s.blocks                # readied, unwritten: only blocks past a sequence's length
     assert all(any(b in seq.blocks[books.blocks_for(seq.length):] for seq in books.seqs.values())
@@ -91,7 +90,7 @@ def test_a_free_slot_takes_the_next_request_at_once_only_under_continuous(policy
         plan = s.schedule(float(i))
         admitted.update((seq.result.id, i) for seq in plan.admitted)
         padding += [ids([row]) for row in plan.decode.rows if row.finished]
-        s.commit(run(s.blocks, plan), float(i))
+        account_and_commit(s, plan, float(i))
     assert admitted == {0: 0, 1: 0, 2: admitted_at}
     assert (padding == [[0], [0]]) == (policy == "static")   # short's row, held as padding
     assert short.result.returned == (0.0 if policy == "continuous" else 2.0)
@@ -109,7 +108,7 @@ def test_the_latest_admitted_is_preempted_to_host_and_comes_back_first():
     assert [type(m) for m in plan.decode.moves] == [SwapOut]
     assert plan.decode.moves[0].into is late.swapped and late.swapped.length == 4
     assert late.result.status == "waiting" and s.waiting[0] is late and s.preemptions == 1
-    s.commit(run(s.blocks, plan), 2.0)
+    account_and_commit(s, plan, 2.0)
     while late.swapped is not None:
         plan = step(s, 3.0)
     assert [type(m) for m in plan.moves] == [SwapIn]  # back in once early's blocks are free

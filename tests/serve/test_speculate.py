@@ -17,7 +17,9 @@ from minitransformer.sampling import GREEDY
 from minitransformer.serve.paged import PagedCache
 from minitransformer.serve.config import FIELDS, SpeculativeConfig, parse_speculative_config
 from minitransformer.serve.drafting import Ask, draft_length
-from minitransformer.serve.speculate import Row, SpecCounters, Speculator, verify_logits
+from minitransformer.serve.engine import decode_logits, split_rows
+from minitransformer.serve.scheduler import hold_drafts
+from minitransformer.serve.speculate import Row, SpecCounters, Speculator
 from minitransformer.speculative import first_layers
 
 
@@ -146,9 +148,8 @@ def test_one_pass_gives_every_position_a_decode_steps_logits(model, batch_invari
     batch-invariant mode, within the float32 rounding of other shapes otherwise."""
     fed = {"a": [6, 11, 12], "b": [9, 13]}
     cache = prefilled(model)
-    cache.books.append(["a"], 3)          # counted in the books first, as a plan counts them
-    cache.books.append(["b"], 2)
-    z = verify_logits(model, cache, ["a", "b"], [fed["a"], fed["b"]], batch_invariant)
+    starts = cache.books.append(["a"], 3) + cache.books.append(["b"], 2)   # as a plan counts them
+    z = decode_logits(model, cache, ["a", "b"], starts, [fed["a"], fed["b"]], batch_invariant)
     assert z.shape == (5, model.config.vocab_size)
     assert (cache.books.seqs["a"].length, cache.books.seqs["b"].length) == (8, 4)
     step = prefilled(model)
@@ -177,9 +178,9 @@ def test_a_step_without_drafts_is_a_plain_decode_bit_for_bit(model):
     the engine's decode call, the very bits of a step without speculation, in the default
     mode too (a ragged pass of the same rows would be shaped otherwise)."""
     cache, plain = prefilled(model), prefilled(model)
-    cache.books.append(["a", "b"], 1)
+    held = cache.books.append(["a", "b"], 1)
     starts = plain.books.append(["a", "b"], 1)
-    z = verify_logits(model, cache, ["a", "b"], [[6], [9]])
+    z = decode_logits(model, cache, ["a", "b"], held, [[6], [9]])
     assert (z == last_logits(model, np.array([[6], [9]]), plain.view(["a", "b"], starts))).all()
 
 
@@ -189,11 +190,27 @@ def rows_of(tokens: dict, prompt_len: dict, settings=GREEDY, max_new=40):
             for s in tokens]
 
 
-def step(spec, cache, rows, batch_invariant=True):
-    """A step as the engine takes it: the plan holds each row's slot for its last token
-    (scheduler: blocks.append), then the speculator drafts and verifies."""
-    cache.books.append([row.seq_id for row in rows], 1)
-    return spec.step(cache, rows, batch_invariant)
+def step(spec, cache, rows, batch_invariant=True, spare=None):
+    """A step as the engine takes it: the plan holds each row's slot for its last token and
+    its draft's (scheduler.hold_drafts: within the budget's spare tokens and the free list),
+    the speculator proposes, ONE pass (engine.decode_logits), each row verified -> per row
+    (kept tokens, the logits each was chosen from). The slots stay held until ``keep``."""
+    ids = [row.seq_id for row in rows]
+    starts = cache.books.append(ids, 1)
+    drafts = spec.propose(rows, hold_drafts(cache.books, ids, spec.wants(rows), spare))
+    fed = [[row.tokens[-1]] + draft.tokens for row, draft in zip(rows, drafts)]
+    logits = decode_logits(spec.model, cache, ids, starts, fed, batch_invariant)
+    out = []
+    for row, z, draft in zip(rows, split_rows(logits, map(len, fed)), drafts):
+        kept = [] if row.padding else spec.verify(row, z, draft)
+        out.append((kept, z[:len(kept)]))
+    return out
+
+
+def keep(cache, seq_id, valid: int) -> None:
+    """As the scheduler accounts for a step: the sequence holds its first `valid` tokens,
+    its slots past them (rejected or unproposed drafts) go back."""
+    cache.books.trim(seq_id, cache.books.seqs[seq_id].length - valid)
 
 
 @pytest.fixture(scope="module")
@@ -204,7 +221,7 @@ def close_calls(checkpoint_dir):
 
 def test_a_step_keeps_what_greedy_keeps_and_trims_the_rest_back_to_the_pool(close_calls):
     """Greedy over several steps with prompt lookup: the tokens are plain greedy's
-    (batch-invariant), each settle leaves the cache holding all but the last token and no
+    (batch-invariant), each keep leaves the cache holding all but the last token and no
     block past it (those of rejected positions are back in the pool), the books consistent."""
     model, new = close_calls, 20
     passage = np.random.default_rng(0).integers(0, 512, 12).tolist()
@@ -222,7 +239,7 @@ def test_a_step_keeps_what_greedy_keeps_and_trims_the_rest_back_to_the_pool(clos
         for row, (kept, z) in zip(rows, out):
             assert len(z) == len(kept) >= 1
             tokens[row.seq_id] += kept
-            spec.settle(cache, row.seq_id, len(tokens[row.seq_id]) - 1)
+            keep(cache, row.seq_id, len(tokens[row.seq_id]) - 1)
             seq = cache.books.seqs[row.seq_id]
             assert seq.length == len(tokens[row.seq_id]) - 1
             assert len(seq.blocks) == cache.books.blocks_for(seq.length)   # nothing past it held
@@ -254,7 +271,7 @@ def test_named_and_shared_blocks_are_never_written_by_verification(model):
     assert all((to_numpy(k[named]) == old).all() for k, old in zip(cache.k + cache.v, before))
     assert cache.books.seqs["a"].blocks[1] != cache.books.seqs["b"].blocks[1]     # copied on write
     for row, (kept, _) in zip(rows, out):
-        spec.settle(cache, row.seq_id, len(prompt) + len(kept) - 1)
+        keep(cache, row.seq_id, len(prompt) + len(kept) - 1)
     cache.books.check()
     assert out[0][0] == out[1][0] == mt.generate(model, prompt, len(out[0][0]), eos_token_id=[])
 
@@ -287,7 +304,7 @@ def test_a_draft_model_drafts_with_its_own_cache(close_calls):
         rows = rows_of(tokens, {s: len(PROMPTS[s]) for s in tokens}, max_new=30)
         for row, (kept, _) in zip(rows, step(spec, cache, rows)):
             tokens[row.seq_id] += kept
-            spec.settle(cache, row.seq_id, len(tokens[row.seq_id]) - 1)
+            keep(cache, row.seq_id, len(tokens[row.seq_id]) - 1)
             # the draft's cache holds no rejected proposal: at most the kept tokens
             held = spec.proposer.draft.pool.books.seqs[row.seq_id].length
             assert held <= len(tokens[row.seq_id]) - 1
@@ -404,6 +421,5 @@ def test_the_drafts_take_no_more_than_the_budgets_spare_tokens(model):
     cache = prefilled(model)
     spec = Speculator(SpeculativeConfig(num_speculative_tokens=4), model)
     rows = rows_of({"a": PROMPTS["a"] + [1, 2], "b": PROMPTS["b"] + [7, 8]}, {"a": 6, "b": 3})
-    cache.books.append(["a", "b"], 1)
-    spec.step(cache, rows, spare=3)
+    step(spec, cache, rows, batch_invariant=False, spare=3)
     assert spec.fed == [4, 1]                   # a: 3 proposals (of 4), b: none left
