@@ -55,11 +55,11 @@ def seeded_rng(seed) -> np.random.Generator:
     return np.random.default_rng(seed)
 
 
-def last_logits(model, ids, cache=None, attention=None) -> np.ndarray:
+def last_logits(model, ids, cache=None, way=None) -> np.ndarray:
     """Token ids (B, T) -> host logits (B, V) of each row's last position: a forward pass
-    (with the cache, if given; attention as in model.forward), then the head on the last
-    hidden state."""
-    hidden = forward(model, ids, cache, attention)                         # (B, T, D)
+    (with the cache, if given; way as in model.forward), then the head on the last hidden
+    state."""
+    hidden = forward(model, ids, cache, way)                               # (B, T, D)
     return to_numpy(head(model, hidden[:, -1:]))[:, -1]
 
 
@@ -111,7 +111,7 @@ def stream(model, ids, max_new_tokens: int, cache: bool = True,
         if cache:
             logits = last_logits(model, np.array([[token]]), kv)[0]
         else:                                                         # recompute everything
-            logits = last_logits(model, np.array([tokens]), attention=recompute)[0]
+            logits = last_logits(model, np.array([tokens]), way=recompute)[0]
 
 
 def generate(model, ids, max_new_tokens: int, cache: bool = True,

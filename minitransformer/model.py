@@ -101,7 +101,7 @@ def causal_mask(positions, S: int):
     return xp.arange(S)[None, None, :] <= positions[:, :, None]
 
 
-def attention(q, k, v, visible=None):
+def plain_attention(q, k, v, visible=None):
     """Grouped-query attention; visible (B, T, S) from causal_mask, or None: all slots seen.
 
     q (B, T, H, d); k, v (B, Hkv, S, d) where slot j holds position j. -> (B, T, H*d).
@@ -130,11 +130,11 @@ def attention(q, k, v, visible=None):
 @dataclass(frozen=True)
 class Attention:
     """A way to attend: the function, and the mask it reads, made once per forward pass."""
-    attend: object           # (q, k, v, visible) -> (B, T, H*d), as attention above
+    attend: object           # (q, k, v, visible) -> (B, T, H*d), as plain_attention
     mask: object             # (positions (B, T), S) -> visible, as causal_mask, or a stand-in
 
 
-PLAIN = Attention(attention, causal_mask)  # the other way: tiled.py
+PLAIN = Attention(plain_attention, causal_mask)  # the other way: tiled.TILED
 
 
 @dataclass(frozen=True)
@@ -145,13 +145,13 @@ class Batch:
     sin: object
     visible: object         # the mask attend reads; None: every query sees every slot
     slots: object           # the cache's own write indices (None without a cache)
-    attend: object          # (q, k, v, visible) -> (B, T, H*d): the cache's, or attention's
+    attend: object          # (q, k, v, visible) -> (B, T, H*d): the cache's, or the way's
 
 
-def prepare(model: Model, ids, cache=None, attention: Attention = None) -> Batch:
+def prepare(model: Model, ids, cache=None, way: Attention = None) -> Batch:
     """Check ids (B, T), find their positions, and prepare what every layer will need: the
     RoPE angles, and the mask, the slots and the attention of the cache (kvcache.py), or
-    without one the causal mask of ``attention`` (PLAIN unless told)."""
+    without one the causal mask of ``way`` (PLAIN unless told)."""
     c = model.config
     ids = np.asarray(ids)  # host token ids, checked here: on CuPy a bad id would wrap around
     if ids.ndim != 2 or ids.size == 0 or not np.issubdtype(ids.dtype, np.integer):
@@ -160,9 +160,9 @@ def prepare(model: Model, ids, cache=None, attention: Attention = None) -> Batch
     B, T = ids.shape
     if ids.min() < 0 or ids.max() >= c.vocab_size:
         raise ValueError(f"token ids must be in [0, {c.vocab_size}), got {ids.min()}..{ids.max()}")
-    if attention is not None and (cache is not None or not isinstance(attention, Attention)):
-        raise ValueError(f"attention={attention!r}: a pass without a cache takes a model.Attention"
-                         " (tiled.ATTENTIONS); a cache attends its own way, chosen at allocation")
+    if way is not None and (cache is not None or not isinstance(way, Attention)):
+        raise ValueError(f"way={way!r}: a pass without a cache takes a model.Attention (PLAIN, "
+                         "tiled.TILED); a cache attends its own way, chosen at allocation")
     positions = np.broadcast_to(np.arange(T), (B, T)) if cache is None else cache.positions(T)
     if positions.max() >= c.max_position_embeddings:
         raise ValueError(f"position {positions.max()} is beyond the model's "
@@ -170,7 +170,7 @@ def prepare(model: Model, ids, cache=None, attention: Attention = None) -> Batch
     on_device = to_device(positions)                                 # (B, T)
     cos, sin = rope_angles(on_device, c.head_dim, c.rope_theta)
     if cache is None:  # the T tokens are the whole sequence; alone, a token sees all (itself)
-        way = PLAIN if attention is None else attention
+        way = PLAIN if way is None else way
         return Batch(on_device, cos, sin, None if T == 1 else way.mask(on_device, T), None,
                      way.attend)
     return Batch(on_device, cos, sin, cache.mask(positions), cache.slots(positions),
@@ -226,16 +226,16 @@ def embed(model: Model, ids):
     return model.weights["model.embed_tokens.weight"][to_device(np.asarray(ids))]
 
 
-def forward(model: Model, ids, cache=None, attention: Attention = None):
+def forward(model: Model, ids, cache=None, way: Attention = None):
     """Token ids (B, T) -> final hidden states (B, T, D), after the last RMSNorm.
 
     Without a cache the T tokens are the whole sequence (positions 0..T-1), attended over by
-    ``attention`` (PLAIN, or tiled.TILED: the same numbers, the scores a tile at a time). With
+    ``way`` (PLAIN, or tiled.TILED: the same numbers, the scores a tile at a time). With
     one they are appended to what it holds: positions continue from each row's length, and it
     has grown by T when this returns. A row's last bits depend on its batch (BLAS picks its
     kernel by the number of rows): alone, it makes the very call a batch of one makes.
     """
-    batch = prepare(model, ids, cache, attention)
+    batch = prepare(model, ids, cache, way)
     h = embed(model, ids)                                            # (B, T, D)
     for i in range(model.config.num_hidden_layers):
         h = block(model, i, h, batch, cache)

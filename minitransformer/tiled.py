@@ -1,7 +1,7 @@
 """Tiled attention: softmax(Q K^T / sqrt(d)) V one block of keys at a time, the score matrix
 never written (the idea of FlashAttention, Dao et al., arXiv:2205.14135, in plain NumPy).
 
-``model.attention`` is the one to read first; this is the same function computed another way.
+``model.plain_attention`` is the one to read first; this is the same function computed another way.
 It takes the same arguments and returns the same numbers within float32 rounding. ``TILED`` is
 it with its mask, as a way to attend (model.Attention); ``ATTENTIONS`` names the two ways, as
 a cache is allocated with one (``KVCache.allocate(..., attention="tiled")``) and generate takes
@@ -9,7 +9,7 @@ one, for prefill and decode alike.
 """
 from minitransformer.backend import to_numpy, xp
 from minitransformer.kvquant import dequantize, on_floats
-from minitransformer.model import Attention, attention, causal_mask
+from minitransformer.model import Attention, causal_mask, plain_attention
 
 BLOCK = 64  # queries and keys per tile: a tile of scores is 64 x 64 floats (16 KB) per head
 
@@ -37,13 +37,13 @@ class CausalTiles:
 
 
 def tiled_attention(q, k, v, visible=None, block: int = BLOCK):
-    """Grouped-query attention tile by tile; arguments and result as model.attention's.
+    """Grouped-query attention tile by tile; arguments and result as model.plain_attention's.
 
     q (B, T, H, d); k, v (B, Hkv, S, d), float32 or a quantized cache's QuantizedArray;
     visible (B, T, S), or CausalTiles (the same mask, made a tile at a time: what forward
     passes), or None -> (B, T, H*d).
 
-    It replaces three lines of ``model.attention``: the scores of all S keys at once
+    It replaces three lines of ``model.plain_attention``: the scores of all S keys at once
     (``scores = q @ k^T / sqrt(d)``), the masking of that (B, Hkv, G*T, S) array, and
     ``softmax(scores) @ v``. Queries are taken ``block`` positions at a time, and for each
     such tile the keys ``block`` slots at a time, so the largest array of scores is
@@ -118,7 +118,7 @@ def largest_score_block(T: int, S: int, heads: int = 1, block: int = BLOCK) -> i
 TILED = Attention(tiled_attention, CausalTiles)  # dequantizes a block of keys at a time itself
 # the ways to attend, by name: the plain one reads floats (a quantized cache's blocks all
 # dequantized at once, kvquant.on_floats), the tiled one reads what the cache holds
-ATTENTIONS = {"plain": Attention(on_floats(attention), causal_mask), "tiled": TILED}
+ATTENTIONS = {"plain": Attention(on_floats(plain_attention), causal_mask), "tiled": TILED}
 
 
 def attention_named(name) -> Attention:

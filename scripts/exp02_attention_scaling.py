@@ -28,7 +28,7 @@ from _table import Table
 from minitransformer.backend import to_device, to_numpy
 from minitransformer.config import load_config
 from minitransformer.measure.timing import peak_bytes, time_together
-from minitransformer.model import attention, causal_mask
+from minitransformer.model import causal_mask, plain_attention
 from minitransformer.tiled import CausalTiles, largest_score_block, tiled_attention
 from minitransformer.measure.sanity import recheck, slower, unsteady_line
 
@@ -45,10 +45,10 @@ def step_both_ways(q, k, v):
     last_position = to_device(np.array([[n - 1]]))                    # (1, 1)
 
     def recompute():
-        return attention(Q, K, V, causal_mask(all_positions, n))[0, -1]  # n x n scores, last row
+        return plain_attention(Q, K, V, causal_mask(all_positions, n))[0, -1]  # n x n scores, last row
 
     def cached():
-        return attention(Q[:, -1:], K, V, causal_mask(last_position, n))[0, -1]  # 1 x n
+        return plain_attention(Q[:, -1:], K, V, causal_mask(last_position, n))[0, -1]  # 1 x n
 
     def tiled():  # all n queries, the scores held 64 x 64 at a time
         return tiled_attention(Q, K, V, CausalTiles(all_positions, n))[0, -1]

@@ -88,7 +88,7 @@ def test_no_float64_on_the_decode_path(tiny_model):
 def test_decode_skips_the_mask_only_where_every_slot_is_seen(tiny_model):
     """No mask is the mask that hides nothing: same bits; rows of different lengths keep one."""
     from minitransformer.kvcache import KVCache
-    from minitransformer.model import attention, causal_mask, prepare
+    from minitransformer.model import causal_mask, plain_attention, prepare
     c = tiny_model.config
     cache = KVCache.allocate(c, 2, 16)
     forward(tiny_model, np.array([[1, 2, 3], [4, 5, 6]]), cache)        # both rows 3 long
@@ -99,4 +99,5 @@ def test_decode_skips_the_mask_only_where_every_slot_is_seen(tiny_model):
     q = to_device(rng.standard_normal((2, 1, 4, 8)).astype(np.float32))
     k, v = (to_device(rng.standard_normal((2, 2, 5, 8)).astype(np.float32)) for _ in range(2))
     sees_all = causal_mask(to_device(np.array([[4], [4]])), 5)
-    assert (to_numpy(attention(q, k, v, None)) == to_numpy(attention(q, k, v, sees_all))).all()
+    assert (to_numpy(plain_attention(q, k, v, None)) ==
+            to_numpy(plain_attention(q, k, v, sees_all))).all()

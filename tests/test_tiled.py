@@ -17,7 +17,7 @@ from minitransformer.backend import to_numpy, xp
 from minitransformer.kvcache import KVCache
 from minitransformer.kvquant import dequantize, quantize
 from minitransformer.measure.timing import peak_bytes
-from minitransformer.model import attention, causal_mask, forward
+from minitransformer.model import causal_mask, forward, plain_attention
 from minitransformer.serve.config import EngineConfig
 from minitransformer.serve.engine import Engine
 from minitransformer.serve.records import Request
@@ -52,11 +52,11 @@ def test_equals_plain_attention_causal_and_unmasked(shape, block):
     q, k, v = qkv(*shape)
     positions = xp.asarray(np.broadcast_to(np.arange(S - T, S), (B, T)))  # the last T slots
     visible = causal_mask(positions, S)
-    assert_close(tiled_attention(q, k, v, visible, block), attention(q, k, v, visible), v)
-    assert_close(tiled_attention(q, k, v, None, block), attention(q, k, v, None), v)
+    assert_close(tiled_attention(q, k, v, visible, block), plain_attention(q, k, v, visible), v)
+    assert_close(tiled_attention(q, k, v, None, block), plain_attention(q, k, v, None), v)
     tiles = CausalTiles(positions, S)       # the same mask, made a tile at a time (forward's)
     np.testing.assert_array_equal(to_numpy(tiles[:, 0:T, 0:S]), to_numpy(visible))
-    assert_close(tiled_attention(q, k, v, tiles, block), attention(q, k, v, visible), v)
+    assert_close(tiled_attention(q, k, v, tiles, block), plain_attention(q, k, v, visible), v)
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
@@ -70,13 +70,14 @@ def test_equals_plain_attention_under_any_mask(shape):
     visible[np.arange(B)[:, None], np.arange(T)[None], rng.integers(0, S, (B, T))] = True
     visible = xp.asarray(visible)   # every query sees at least one key
     for block in (64, 5):
-        assert_close(tiled_attention(q, k, v, visible, block), attention(q, k, v, visible), v)
+        assert_close(tiled_attention(q, k, v, visible, block),
+                     plain_attention(q, k, v, visible), v)
     lengths = rng.integers(1, S + 1, B)                 # short rows: slots past them hidden
     positions = xp.asarray(np.maximum(lengths[:, None] - T + np.arange(T), 0))
     visible = causal_mask(positions, S)
-    assert_close(tiled_attention(q, k, v, visible, 16), attention(q, k, v, visible), v)
+    assert_close(tiled_attention(q, k, v, visible, 16), plain_attention(q, k, v, visible), v)
     assert_close(tiled_attention(q, k, v, CausalTiles(positions, S), 16),
-                 attention(q, k, v, visible), v)
+                 plain_attention(q, k, v, visible), v)
 
 
 @pytest.mark.parametrize("kv_dtype", ["f16", "q8_0", "q4_0"])
@@ -88,7 +89,7 @@ def test_reads_a_quantized_cache_block_by_block(kv_dtype):
         k_held, v_held = quantize(k, kv_dtype), quantize(v, kv_dtype)
     visible = causal_mask(xp.asarray([[147, 148, 149]] * 2), 150)
     assert_close(tiled_attention(q, k_held, v_held, visible),
-                 attention(q, dequantize(k_held), dequantize(v_held), visible), v_held)
+                 plain_attention(q, dequantize(k_held), dequantize(v_held), visible), v_held)
 
 
 def test_forward_with_tiled_attention_equals_plain(tiny_model):
@@ -97,7 +98,7 @@ def test_forward_with_tiled_attention_equals_plain(tiny_model):
     rng = np.random.default_rng(0)
     ids = rng.integers(0, tiny_model.config.vocab_size, (2, 11))
     plain = forward(tiny_model, ids)                    # hidden states: within 1e-5 of ~1
-    assert_close(forward(tiny_model, ids, attention=TILED), plain, xp.ones(1))
+    assert_close(forward(tiny_model, ids, way=TILED), plain, xp.ones(1))
     caches = {a: KVCache.allocate(tiny_model.config, 2, 16, attention=a)
               for a in ("plain", "tiled")}
     for a, cache in caches.items():
@@ -130,10 +131,10 @@ def test_an_unknown_attention_is_a_clear_error(tiny_model, bad):
         Engine(tiny_model, EngineConfig(num_gpu_blocks_override=4, attention=bad))
     if bad is not None:                                 # None: forward's default, plain
         with pytest.raises(ValueError, match="a model.Attention"):
-            forward(tiny_model, np.array([[1, 2]]), attention=bad)
+            forward(tiny_model, np.array([[1, 2]]), way=bad)
     with pytest.raises(ValueError, match="a cache attends its own way"):
         forward(tiny_model, np.array([[1, 2]]), KVCache.allocate(tiny_model.config, 1, 4),
-                attention=TILED)
+                way=TILED)
     with pytest.raises(ValueError, match="block"):
         tiled_attention(*qkv(1, 1, 1, 1, 4, 8), block=0)
 
@@ -148,7 +149,7 @@ def test_a_hidden_tile_between_visible_ones_is_skipped_not_the_rest(block):
     visible = np.ones((2, 6, 192), bool)
     visible[:, :, 64:128] = False
     visible = xp.asarray(visible)
-    assert_close(tiled_attention(q, k, v, visible, block), attention(q, k, v, visible), v)
+    assert_close(tiled_attention(q, k, v, visible, block), plain_attention(q, k, v, visible), v)
 
 
 def test_each_query_row_keeps_its_own_maximum():
@@ -161,7 +162,7 @@ def test_each_query_row_keeps_its_own_maximum():
     v = xp.asarray(rng.standard_normal((1, 1, 8, d)).astype(np.float32))
     q = xp.asarray(np.array([25.0, -25.0], np.float32)[None, :, None, None] *
                    np.ones((1, 2, 1, d), np.float32))                  # scores ~ +-25 * 16 / 4
-    plain = attention(q, k, v, None)
+    plain = plain_attention(q, k, v, None)
     assert np.isfinite(to_numpy(plain)).all()
     for block in (64, 3):
         assert_close(tiled_attention(q, k, v, None, block), plain, v)
@@ -194,7 +195,7 @@ def test_never_holds_the_score_matrix():
     q, k, v = qkv(1, n, 1, 1, n, d)
     positions = xp.arange(n)[None]
     scores = n * n * 4
-    plain = peak_bytes(lambda: attention(q, k, v, causal_mask(positions, n))).peak_bytes
+    plain = peak_bytes(lambda: plain_attention(q, k, v, causal_mask(positions, n))).peak_bytes
     tiled = peak_bytes(lambda: tiled_attention(q, k, v, CausalTiles(positions, n))).peak_bytes
     assert plain > scores
     assert tiled < scores / 8

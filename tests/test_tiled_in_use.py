@@ -25,7 +25,7 @@ from minitransformer.serve.engine import Engine
 from minitransformer.serve.records import Request
 from minitransformer.checkpoints.synth import make_checkpoint, qwen2_config
 
-WATCHED = {"plain": model_module.attention.__code__,
+WATCHED = {"plain": model_module.plain_attention.__code__,
            "tiled": tiled.tiled_attention.__code__,
            "tile of mask": tiled.CausalTiles.__getitem__.__code__,
            "whole mask": model_module.causal_mask.__code__}
@@ -53,7 +53,7 @@ def test_forward_runs_the_tiled_function_in_every_layer(tiny_model):
     cache of rows of different lengths; each pass enters tiled_attention once per layer."""
     L = tiny_model.config.num_hidden_layers
     ids = np.random.default_rng(0).integers(0, tiny_model.config.vocab_size, (2, 9))
-    tiled_run = calls(lambda: forward(tiny_model, ids, attention=tiled.TILED))
+    tiled_run = calls(lambda: forward(tiny_model, ids, way=tiled.TILED))
     assert tiled_run["tiled"] == L and tiled_run["plain"] == 0
     assert tiled_run["tile of mask"] > 0 and tiled_run["whole mask"] == 0
     plain_run = calls(lambda: forward(tiny_model, ids))          # the observation can tell
@@ -124,6 +124,6 @@ def test_a_tiled_forward_never_holds_the_score_matrix(long_model):
     scores = c.num_attention_heads * T * T * 4                     # one layer's, float32
     ids = (np.arange(T) % c.vocab_size)[None]                      # (1, T)
     plain = peak_bytes(lambda: forward(long_model, ids)).peak_bytes
-    tiled_peak = peak_bytes(lambda: forward(long_model, ids, attention=tiled.TILED)).peak_bytes
+    tiled_peak = peak_bytes(lambda: forward(long_model, ids, way=tiled.TILED)).peak_bytes
     assert plain > 2 * scores                                      # plain: scores + weights
     assert tiled_peak < scores / 4

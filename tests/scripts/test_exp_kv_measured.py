@@ -38,7 +38,7 @@ def test_exp02_both_ways_give_the_attention_of_the_newest_position():
                for i in range(3))
     scores = q[-1] @ k.T / np.sqrt(d)                     # (n,): the newest query sees all
     weights = np.exp(scores - scores.max())
-    expected = (weights / weights.sum()) @ v              # independent of model.attention
+    expected = (weights / weights.sum()) @ v              # independent of model.plain_attention
     recompute, cached, tiled = exp02.step_both_ways(q, k, v)
     np.testing.assert_allclose(to_numpy(recompute()), expected, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(to_numpy(cached()), expected, rtol=1e-5, atol=1e-6)
