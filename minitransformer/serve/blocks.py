@@ -235,8 +235,9 @@ class BlockManager:
         return self.refcount[block] == 1 and block not in self.index.name_of
 
     def may_write(self, block: int) -> bool:
-        """Writable now, or readied for a write not yet made: room was made for it while it
-        was writable, and since then only named or shared by a plan that reads it after."""
+        """True when this step may write into the block: it has one holder and no name, or
+        ``make_room`` reserved it for this step's write before a later prompt came to share it
+        (or the prefix index named it)."""
         return self._writable(block) or block in self.filling
 
     def _copy_block(self, src: int) -> int:

@@ -137,11 +137,12 @@ def create_app(online: OnlineEngine, name: str, max_request_bytes: int = None,
 
 
 class RequireKey:
-    """ASGI middleware: the API's routes (``GUARDED``: /v1/..., the tokenizer's) answer only a
-    request with ``Authorization: Bearer KEY``, compared in constant time (hmac.compare_digest:
-    how long the comparison takes says nothing of where a guess goes wrong); any other gets
-    401 in OpenAI's error body, which never shows a key. /health and /metrics stay open, as
-    vLLM's do (a supervisor and a scraper need no key)."""
+    """ASGI middleware that lets the API's routes (``GUARDED``, /v1/... and the tokenizer's)
+    answer only a request with ``Authorization: Bearer KEY``. Any other gets 401 in OpenAI's
+    error body, which never shows a key. The key is compared in constant time
+    (hmac.compare_digest), so how long a comparison takes says nothing of where a guess goes
+    wrong. /health and /metrics stay open, as vLLM's do: a supervisor and a scraper need no
+    key."""
 
     def __init__(self, app, key: str):
         self.app, self.key = app, key.encode()
@@ -312,8 +313,8 @@ def check_content_type(value, origin=None) -> None:
     under text/plain, application/x-www-form-urlencoded and multipart/form-data are what any
     web page may send to any server without asking first (no CORS preflight), so a page the
     user visits could otherwise make a local server work for it. A missing Content-Type is
-    taken as JSON, unless the request comes from a web page (it has an ``Origin``): a page
-    may send a body with no type without asking first too (a Blob of no type).
+    taken as JSON, unless the request comes from a web page (it has an ``Origin``), since a
+    page may send a body of no type (a Blob) without asking first too.
 
     >>> check_content_type("application/json; charset=utf-8")
     >>> check_content_type(None)
@@ -534,8 +535,8 @@ async def disconnected(http: Request):
 
 
 async def events(app: App, job, prompts, prompt_tokens, head, tickets, tokens):
-    """Server-Sent Events: one chunk per piece, the finish_reason, usage, [DONE]; job: the
-    settings the request's prompts share."""
+    """The answer as Server-Sent Events: one chunk per piece of text, then the finish_reason,
+    the usage and [DONE]. ``job`` holds the settings the request's prompts share."""
     def sse(reply):
         return f"data: {json.dumps(reply)}\n\n"
 
@@ -566,9 +567,10 @@ async def events(app: App, job, prompts, prompt_tokens, head, tickets, tokens):
 
 
 class Sample:
-    """One choice as it is written: its text (a TextStream: stop strings held back) and the
-    NamedLogprobs of its tokens, each sent once the text it names is: so the tokens of every
-    chunk so far join to the text sent so far, and at the end to the whole text."""
+    """One choice as it is written: its text (a TextStream, which holds back stop strings)
+    and the NamedLogprobs of its tokens. A token's logprobs are sent once the text it names
+    has been, so the tokens of the chunks sent so far join to the text sent so far, and at
+    the end to the whole text."""
 
     def __init__(self, tokenizer, prompt, stop):
         self.text = TextStream(tokenizer, prompt, stop)
@@ -627,11 +629,11 @@ def echo_named(tokenizer, prompt, scored=None) -> list:
 
 
 def decode_json(raw: bytes):
-    """A request body -> its JSON value, or a 400 saying why not: bytes that are not UTF-8
-    (UTF-16 and UTF-32 included, which Python's parser would take; a UTF-8 BOM is allowed), a
-    key given twice in one object (Python's parser keeps the last silently; the error names
-    its path, ``messages[0].role``), and what the parser refuses beyond the grammar: numbers of
-    thousands of digits, nesting too deep."""
+    """A request body -> its JSON value, or a 400 saying why not. Refused are bytes that are
+    not UTF-8 (a UTF-8 BOM is allowed; UTF-16 and UTF-32 are not, though Python's parser would
+    take them), a key given twice in one object (Python's parser silently keeps the last; the
+    error names the key's path, such as ``messages[0].role``), and what the parser refuses
+    beyond the grammar (numbers of thousands of digits, nesting too deep)."""
     encoding = json.detect_encoding(raw)
     if encoding not in ("utf-8", "utf-8-sig"):
         raise APIError(f"the request body is {encoding.upper()}, not UTF-8: send UTF-8",
@@ -791,9 +793,9 @@ def check_api_key(key) -> None:
 
 
 def bound_socket(host: str, port: int) -> socket.socket:
-    """A TCP socket bound to host:port (port 0: a free one the system picks), for uvicorn to
-    listen on: bound before the model loads, so a busy port is said at once, and the server
-    says where it serves only once the address is its own. A port out of range is a
+    """A TCP socket bound to host:port for uvicorn to listen on (port 0 lets the system pick
+    a free one). It is bound before the model loads, so a busy port is said at once, and the
+    server says where it serves only once the address is its own. A port out of range is a
     ValueError; an address that cannot be had, an OSError naming it."""
     if not is_integer(port) or not 0 <= port <= 65535:
         raise ValueError(f"port={port!r}: expected an integer in 0..65535")
@@ -809,9 +811,9 @@ def bound_socket(host: str, port: int) -> socket.socket:
 
 def serve(model_path, config: EngineConfig = None, host: str = "127.0.0.1", port: int = 8000,
           limits: ServerLimits = None, name: str = None) -> None:
-    """Load a model and serve it until interrupted (Ctrl-C drains, then cancels). config: the
-    engine's (None: EngineConfig's defaults); name: the model's name in the API (None: the
-    checkpoint's folder name)."""
+    """Load a model and serve it until interrupted (Ctrl-C drains, then cancels). ``config``
+    is the engine's (EngineConfig's defaults when None); ``name`` is the model's name in the
+    API (the checkpoint's folder name when None)."""
     try:
         import uvicorn
     except ImportError:

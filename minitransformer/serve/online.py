@@ -216,7 +216,8 @@ class OnlineEngine:
         return bool(self.engine.waiting or self.engine.running())
 
     def _apply(self, command, ticket, argument) -> None:
-        """submit (argument: the request) or cancel (argument: one sample, or None: all)."""
+        """Apply a client's command: "submit" (argument is the request) or "cancel" (argument
+        is the sample to stop, or None for all of them)."""
         if command == "cancel":
             if ticket.id is not None:   # None: its submission was refused, it is over
                 for choice, rid in enumerate(ticket.ids):

@@ -174,12 +174,13 @@ def longest_token_bytes(tokenizer) -> int:
 def parse(body, kind: str, model, name: str, pool_tokens: int, max_n: int = 1,
           longest_token=None) -> tuple:
     """A request body of /v1/completions (kind "completion") or /v1/chat/completions -> a
-    Job per prompt (a chat has one; completions may send a batch, whose choices are numbered
-    prompt x n + sample, as OpenAI orders them);
-    ``max_n``: the most samples a request may ask for (the engine's slots). Tokenizes and
-    lays out the prompt: a server runs this off its event loop. longest_token
-    (``longest_token_bytes``, computed once by the caller): text too long to fit the model's
-    positions, whatever its tokens, is refused before it is tokenized."""
+    Job per prompt. A chat has one prompt; completions may send a batch, whose choices are
+    numbered prompt x n + sample, as OpenAI orders them. ``pool_tokens`` is what the KV pool
+    holds, ``max_n`` the most samples a request may ask for (the engine's slots).
+
+    This tokenizes and lays out the prompt, so a server runs it off its event loop. With
+    ``longest_token`` (``longest_token_bytes``, computed once by the caller), text too long
+    to fit the model's positions whatever its tokens is refused before it is tokenized."""
     if not isinstance(body, dict):
         raise APIError("the request body must be a JSON object")
     check_unicode(body)         # first the fields that cost nothing to check, then the prompt
@@ -460,7 +461,7 @@ def completion_logprobs(named, offset: int = 0) -> tuple:
 
 def chat_logprobs(named) -> dict:
     """NamedLogprobs -> the chat ``logprobs`` object: per token its text, logprob, UTF-8 bytes
-    (those of its text: joined, they are the content's) and the top k alternatives."""
+    (its text's, so that joined they are the content's) and the top k alternatives."""
     def entry(text, logprob):
         return {"token": text, "logprob": finite(logprob), "bytes": list(text.encode())}
     return {"content": [entry(s.text, s.logprob) | {
@@ -557,8 +558,8 @@ def detokenize_body(body, model, name: str, longest_token=None) -> dict:
 
 
 def tokenizer_info(model) -> dict:
-    """vLLM's /tokenizer_info: what a client needs to tokenize as the server does (lm-eval
-    reads it to use /tokenize): the special tokens by name, the chat template, the class."""
+    """vLLM's /tokenizer_info: the special tokens by name, the chat template and the class,
+    what a client needs to tokenize as the server does (lm-eval reads it to use /tokenize)."""
     if model.tokenizer is None:
         raise APIError("the model has no tokenizer: it serves token ids only", status=404,
                        code="not_found")
