@@ -5,12 +5,22 @@ scripts/ is on the import path (setup.cfg's pythonpath), so a test imports a scr
 by the script's name."""
 import copy
 import importlib
+import os
 import time
 from dataclasses import replace
 from pathlib import Path
 
-import numpy as np
-import pytest
+# pytest -n N (setup.cfg's -n auto: one worker per core) runs N processes at once: each, and each
+# process a test starts, on one BLAS thread, as make -j runs one job per core (a BLAS thread
+# waiting for a busy core stalls the product). Before NumPy loads its BLAS, which reads these.
+WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if WORKERS > 1:
+    for name in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+        os.environ.setdefault(name, "1")
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+import threadpoolctl  # noqa: E402
 
 from minitransformer import load
 from minitransformer.checkpoints.synth import llama_config, make_checkpoint, qwen2_config
@@ -58,6 +68,27 @@ def write_checkpoint(path, name, seed) -> Path:
 SEEDS = {name: seed for seed, name in enumerate(sorted(SHAPES) + sorted(CLOSE_CALLS), start=1)}
 
 
+# The BLAS pools loaded with NumPy, and the thread count each started with.
+BLAS = threadpoolctl.ThreadpoolController().select(user_api="blas").lib_controllers
+if WORKERS > 1:                 # NumPy may have been loaded before the line above ran
+    for lib in BLAS:
+        lib.set_num_threads(int(os.environ["OPENBLAS_NUM_THREADS"]))
+BLAS_THREADS = [lib.num_threads for lib in BLAS]
+
+
+@pytest.fixture(autouse=True)
+def blas_threads_kept():
+    """Every test starts at the BLAS thread count the session started with, and fails if it
+    leaves another: a script run in this process (run_script) with --threads fixes the count
+    for the rest of the process, and the tests after it (a tuning key, a timing) would run
+    under a count that depends on the order."""
+    yield
+    left = [lib.num_threads for lib in BLAS]
+    for lib, threads in zip(BLAS, BLAS_THREADS):
+        lib.set_num_threads(threads)
+    assert left == BLAS_THREADS, f"the test left BLAS at {left} threads, not {BLAS_THREADS}"
+
+
 @pytest.fixture(scope="session")
 def checkpoint_dir(tmp_path_factory):
     """name -> path of a generated checkpoint (made once per session, from SEEDS[name])."""
@@ -85,6 +116,17 @@ def stories():
     return load(STORIES)
 
 
+@pytest.fixture(scope="session")
+def smollm2():
+    """SmolLM2-135M-Instruct, loaded once per session, when imported into weights/; else skip."""
+    from minitransformer.checkpoints.real_model import NAME, is_imported
+    from minitransformer.checkpoints.synth import weights_dir
+    path = weights_dir() / NAME
+    if not is_imported(path):
+        pytest.skip(f"{path} not imported (python3 scripts/import_gguf.py --smollm2)")
+    return load(path)
+
+
 @pytest.fixture
 def run_script(capsys):
     """run_script(name, *args, status=0) -> (stdout, stderr) of scripts/<name>.py, run in this
@@ -96,7 +138,8 @@ def run_script(capsys):
     def run_one(name, *args, status=0):
         module = importlib.import_module(name.removesuffix(".py"))
         capsys.readouterr()  # what came before is not this script's
-        with pytest.raises(SystemExit) as done:
+        # --threads holds for the rest of a script's process; here, for the script alone
+        with pytest.raises(SystemExit) as done, threadpoolctl.threadpool_limits(None):
             run(lambda: module.main([str(a) for a in args]))
         out, err = capsys.readouterr()
         assert (done.value.code or 0) == status, f"{name} exited {done.value.code}: {err[-2000:]}"
@@ -247,6 +290,22 @@ def assert_like_solo(model, tokens, solo_tokens, prompt, settings=None, seed=Non
         done += step + 1
         reference = solo_continuation(model, list(prompt) + tokens[:done], limit - done,
                                       settings, copy.deepcopy(rng), eos)
+
+
+def pytest_sessionfinish(session):
+    """An xdist worker hands its near-tie counts to the controller, which reports them all."""
+    if hasattr(session.config, "workeroutput"):
+        # as plain Python numbers: execnet's wire takes no NumPy scalar (a margin is one)
+        session.config.workeroutput["near_tie"] = (
+            [int(n) for n in CHECKED],
+            [(int(length), int(step), float(margin)) for length, step, margin in NEAR_TIES])
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error):
+    checked, near_ties = getattr(node, "workeroutput", {}).get("near_tie", ([], []))
+    CHECKED.extend(checked)
+    NEAR_TIES.extend(map(tuple, near_ties))
 
 
 def pytest_terminal_summary(terminalreporter):

@@ -14,7 +14,6 @@ from minitransformer.sampling import SamplingSettings
 from minitransformer.serve.config import EngineConfig
 from minitransformer.serve.engine import Engine
 from minitransformer.serve.records import Request
-from minitransformer.checkpoints.synth import weights_dir
 
 generate_module = importlib.import_module("minitransformer.generate")  # (not the function)
 TOLERANCE = 1e-4
@@ -180,14 +179,10 @@ def test_the_engine_names_a_bad_logprobs_field(tiny_model, field, value):
     assert not engine.waiting and not engine.results
 
 
-def test_smollm2_logprobs_equal_log_softmax_of_its_logits():
+def test_smollm2_logprobs_equal_log_softmax_of_its_logits(smollm2):
     """The real model: a greedy continuation and a sampled one, through generate and the
     engine, within 1e-4 of one full forward pass."""
-    from minitransformer.checkpoints.real_model import NAME, is_imported
-    path = weights_dir() / NAME
-    if not is_imported(path):
-        pytest.skip(f"{path} not imported (python3 scripts/import_gguf.py --smollm2)")
-    model = mt.load(path)
+    model = smollm2
     prompt = model.tokenizer.encode("The capital of France is")
     assert_model_logprobs(model, prompt, mt.generate(model, prompt, 8, logprobs=5), 5)
     run = Engine(model, EngineConfig(max_num_seqs=2, block_size=16)).run([

@@ -205,18 +205,13 @@ def test_never_holds_the_score_matrix():
 SMOLLM2_TIE = 1e-3  # as test_smollm2: a top-two gap under which float32 order may pick either
 
 
-def test_greedy_tokens_on_smollm2_equal_plain_up_to_a_near_tie():
+def test_greedy_tokens_on_smollm2_equal_plain_up_to_a_near_tie(smollm2):
     """The test prompts' greedy tokens (stored, with the gap between the top two logits at each
     step; plain attention gives them, test_smollm2) up to the first near tie, at most 8."""
     import json
     from pathlib import Path
 
-    from minitransformer.checkpoints.real_model import NAME, is_imported
-    from minitransformer.checkpoints.synth import weights_dir
-    path = weights_dir() / NAME
-    if not is_imported(path):
-        pytest.skip(f"{path} not imported (python3 scripts/import_gguf.py --smollm2)")
-    model = mt.load(path)
+    model = smollm2
     golden = json.loads((Path(__file__).parent / "fixtures" / "smollm2_golden.json").read_text())
     for case in golden["cases"]:
         steps = next((i for i, g in enumerate(case["greedy_gaps"]) if g < SMOLLM2_TIE),

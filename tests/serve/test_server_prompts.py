@@ -40,11 +40,7 @@ def any_served(request, model):
     if request.param == "sentencepiece-stories260K":
         model = request.getfixturevalue("stories")
     elif request.param == "bpe-SmolLM2":
-        from minitransformer.checkpoints.real_model import NAME as SMOLLM2, is_imported
-        from minitransformer.checkpoints.synth import weights_dir
-        if not is_imported(weights_dir() / SMOLLM2):
-            pytest.skip("SmolLM2-135M-Instruct is not imported")
-        model = mt.load(weights_dir() / SMOLLM2)
+        model = request.getfixturevalue("smollm2")
     online, server, client = serve_model(model)
     yield model, online, client
     server.stop()
