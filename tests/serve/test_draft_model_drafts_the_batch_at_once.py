@@ -5,6 +5,7 @@ blocks go back when a sequence is trimmed, finished or cancelled."""
 import numpy as np
 import pytest
 
+import minitransformer as mt
 from minitransformer.checkpoints.synth import qwen2_config, random_model
 from minitransformer.sampling import GREEDY, SamplingSettings
 from minitransformer.serve import drafting
@@ -12,7 +13,7 @@ from minitransformer.serve.config import EngineConfig, SpeculativeConfig
 from minitransformer.serve.drafting import Ask, DraftModel
 from minitransformer.serve.engine import Engine
 from minitransformer.serve.records import Request
-from minitransformer.speculative import first_layers
+from minitransformer.speculative import ModelDraft, first_layers
 
 PROMPTS = {"a": [1, 2, 3, 4, 5, 6, 7], "b": [9, 8], "c": [4, 4, 5, 1, 2]}
 ROUNDS = [{"a": 3, "b": 1, "c": 2}, {"a": 0, "b": 4, "c": 2}, {"a": 2, "b": 2, "c": 3}]
@@ -53,6 +54,22 @@ def test_batch_invariant_proposals_are_each_sequence_drafting_alone(draft, setti
             assert all(x is None and y is None or (x == y).all() for x, y in zip(q, own_q))
     assert [len(r[s][0]) for r in together for s in PROMPTS] == \
         [w[s] for w in ROUNDS for s in PROMPTS]
+
+
+def test_batch_invariant_proposals_are_the_librarys_one_sequence_drafts(checkpoint_dir):
+    """Against an independent reference: speculative.ModelDraft, the library's draft of one
+    sequence on a contiguous cache of its own, fed the same tokens and rolled back alike."""
+    target = mt.load(checkpoint_dir("qwen2-close-calls"))
+    together, _, _ = rounds(first_layers(target, 1), list(PROMPTS))
+    for s, prompt in PROMPTS.items():
+        alone, tokens = ModelDraft(first_layers(target, 1), target, np.array(prompt), 40), \
+            list(prompt)
+        for wanted, batch_round in zip(ROUNDS, together):
+            proposal, _ = alone.propose(tokens, wanted[s], GREEDY, None)
+            assert proposal == batch_round[s][0]
+            tokens += proposal[:1] + [(len(tokens) * 7) % 97]
+            alone.rollback(len(tokens) - 1)
+    assert len({t for r in together for tokens, _ in r.values() for t in tokens}) > 3
 
 
 def test_the_default_batch_is_one_draft_pass_per_position(draft, monkeypatch):
