@@ -38,7 +38,7 @@ import functools
 import hashlib
 import os
 import tempfile
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -86,6 +86,7 @@ class GGUFWeight:
     blocks: object = field(repr=False)  # uint8 (out, bytes per row), on the host
     error: float = 0.0                  # ||W - W_hat|| / ||W||, measured when quantized
     outlier_threshold: float | None = None  # None: weight-only; else INT8 activations too
+    floats: object = field(default=None, repr=False)  # float32 (out, in): decoded(), or None
 
     @property
     def nbytes(self) -> int:
@@ -96,15 +97,26 @@ class GGUFWeight:
         return 8 * self.nbytes / (self.shape[0] * self.shape[1])
 
     def buffers(self) -> dict:
-        """What is held, by kind (qmodel.resident_bytes): the blocks, scales inside."""
-        return {"projections": [self.blocks], "levels": []}
+        """What is held, by kind (qmodel.resident_bytes): the blocks, scales inside (and the
+        floats decoded from them, where decoded() made them)."""
+        floats = [] if self.floats is None else [self.floats]
+        return {"projections": [self.blocks] + floats, "levels": []}
 
     def dequantize(self):
         """-> float32 (out, in) on the backend: the blocks decoded as the importer does."""
         return to_device(dequantize(self.blocks, self.type_name, self.shape))
 
+    def decoded(self) -> "GGUFWeight":
+        """The same weight holding its blocks decoded once too (4 bytes a weight more, counted
+        by buffers()): a product then reads ROWS_PER_STEP rows of these floats where it would
+        decode as many rows of blocks, the same rows into the same product, so the same bits.
+        For many products of one matrix (experiment 21 evaluates each scheme over thousands),
+        where decoding at every call costs more than the products; not what llama.cpp holds."""
+        return replace(self, floats=dequantize(self.blocks, self.type_name, self.shape))
+
     def matmul(self, x):
-        """x (..., in) @ W_hat.T -> (..., out), W_hat = dequantize(), never held whole."""
+        """x (..., in) @ W_hat.T -> (..., out), W_hat = dequantize(), never held whole (unless
+        decoded() made it)."""
         if self.outlier_threshold is not None:
             x = int8_activations(x, self.outlier_threshold)
         if BACKEND == "cupy":                    # the decoders are NumPy's: decode, upload
@@ -113,13 +125,16 @@ class GGUFWeight:
 
 
 def numpy_matmul(q: GGUFWeight, x):
-    """GGUFWeight.matmul on NumPy arrays: ROWS_PER_STEP rows of blocks decoded at a time."""
+    """GGUFWeight.matmul on NumPy arrays: ROWS_PER_STEP rows of blocks decoded at a time (or
+    read from the floats decoded() holds)."""
     out, cols = q.shape
     xs = x.reshape(-1, cols)
     y = np.empty((len(xs), out), np.float32)
     for r0 in range(0, out, ROWS_PER_STEP):
         rows = q.blocks[r0:r0 + ROWS_PER_STEP]
-        y[:, r0:r0 + len(rows)] = xs @ dequantize(rows, q.type_name, (len(rows), cols)).T
+        w = dequantize(rows, q.type_name, (len(rows), cols)) if q.floats is None \
+            else q.floats[r0:r0 + len(rows)]                              # (rows, in)
+        y[:, r0:r0 + len(rows)] = xs @ w.T
     return y.reshape(*x.shape[:-1], out)
 
 

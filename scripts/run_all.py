@@ -9,7 +9,8 @@ run twice, on the model and on the chapter's Qwen2.5-0.5B shape.
 
 First use, apart: before the experiments, what the selected scripts fetch or make once per
 machine (SmolLM2's fetch and import, experiment 21's text, the distilled drafts of experiments
-22 and 23: about 3 CPU minutes of training) is made here, each timed on its own, so the
+22 and 23: about 3 CPU minutes of training, the k-quant copies of experiments 15, 16 and 21:
+about 4 CPU minutes of quantizing) is made here, each timed on its own, so the
 experiments' times are what a second run costs and the first run's extra is said apart. Every
 script runs with the BLAS threads the summary names, set in its environment
 (OPENBLAS_NUM_THREADS and its kin): --threads N for the timing scripts (their --threads too),
@@ -103,6 +104,12 @@ USES_SMOLLM2 = {  # by default (--model not given), or as experiment 4's long pr
     "exp22_speculative.py", "exp23_soft_labels.py"}
 USES_TEXT = {"exp21_quantized_quality.py", "exp21_kv_cache_quality.py"}
 USES_DRAFTS = {"exp22_speculative.py", "exp23_soft_labels.py"}
+# The k-quant copies a script makes by default (its model when --model is not given, the
+# schemes): quantized once per machine and kept under weights/quantized/ (quant/gguf_weight.py)
+KQUANTS = ("q2_k", "q3_k", "q4_k", "q5_k", "q6_k")
+USES_KQUANTS = {"exp15_weight_memory.py": ("default", KQUANTS),
+                "exp16_quant_error.py": ("smollm2", KQUANTS),
+                "exp21_quantized_quality.py": ("smollm2", ("q4_k", "q5_k", "q6_k"))}
 
 
 def command(script, takes, extra, args, step_costs):
@@ -250,6 +257,12 @@ def first_use(job, args, env) -> list:
         steps.append(("experiment 21's text: fetched", fetch_text))
     if names & USES_DRAFTS and not drafts_there(model):
         steps.append(("the distilled drafts: trained", lambda: train_drafts(model, args, env)))
+    fetching = any(what.startswith(NAME) for what, _ in steps)  # no file of it to name yet
+    for name, schemes in kquants_of(names, args.model).items():
+        if (fetching and name == "smollm2") or not kquants_there(name, schemes):
+            what = f"the k-quant copies of {model_name(name)} ({', '.join(schemes)}): quantized"
+            steps.append((what, lambda name=name, schemes=schemes: quantize_kquants(name,
+                                                                                  schemes)))
     firsts = []
     for what, make in steps:
         say(f"=== first use: {what} ... ===")
@@ -280,6 +293,53 @@ def drafts_there(model) -> bool:
     settings = Settings()
     return (load_config(path).num_hidden_layers <= settings.layers
             or students_file(SimpleNamespace(path=str(path)), settings).is_file())
+
+
+def kquants_of(names, model) -> dict:
+    """{model: the k-quant schemes the job's scripts quantize it to}, in MAIN_JOB's order;
+    empty where nothing is kept (MT_QUANT_CACHE=off: each script quantizes in its own time)."""
+    if os.environ.get("MT_QUANT_CACHE") == "off":
+        return {}
+    wanted = {}
+    for script, (own, schemes) in USES_KQUANTS.items():
+        if script in names:
+            wanted.setdefault(model or own, []).extend(
+                s for s in schemes if s not in wanted.get(model or own, []))
+    return wanted
+
+
+def kquants_stamp(model, schemes) -> Path:
+    """The note run_all leaves once it has made these k-quant copies of this model: named by
+    the quantizers' source, the schemes and the model's files (name, size, time). Only the
+    first-use line reads it; the scripts read or make each matrix's blocks themselves, so a
+    stale note costs the quantizing inside their times, never a wrong number."""
+    import hashlib
+    from minitransformer.checkpoints.synth import weights_dir
+    from quant.gguf_weight import quantizers_digest
+    path = Path(model_path(model))
+    files = sorted(p for p in ([path] if path.is_file() else path.glob("*")) if p.is_file())
+    key = repr((quantizers_digest(), sorted(schemes),
+                [(p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in files]))
+    return weights_dir() / "quantized" / f"made-{hashlib.sha1(key.encode()).hexdigest()[:20]}"
+
+
+def kquants_there(model, schemes) -> bool:
+    return kquants_stamp(model, schemes).is_file()
+
+
+def quantize_kquants(model, schemes):
+    """Every projection matrix of the model under each k-quant scheme, kept under
+    weights/quantized/ (what experiments 15, 16 and 21 would otherwise quantize in their own
+    time on first use), then the note that it was done."""
+    from minitransformer.loader import load
+    from quant.qmodel import quantize_model
+    loaded = load(model_path(model))
+    for i, scheme in enumerate(schemes, 1):
+        say(f"[{i}/{len(schemes)}] {model_name(model)}: {scheme} ...")
+        quantize_model(loaded, scheme)
+    stamp = kquants_stamp(model, schemes)
+    stamp.parent.mkdir(parents=True, exist_ok=True)
+    stamp.write_text(f"{model}: {', '.join(schemes)}\n")
 
 
 def train_drafts(model, args, env):

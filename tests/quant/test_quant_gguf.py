@@ -179,3 +179,21 @@ def test_exp16_tells_weights_already_on_a_4_bit_grid():
     from gguf.quants import quantize
     q4_1 = dequantize(quantize(w, gguf.GGMLQuantizationType.Q4_1), "Q4_1", w.shape)
     assert share_on_a_4_bit_grid(q4_1) == 1.0
+
+
+@pytest.mark.parametrize("type_name, cols", [("Q4_K", 512), ("Q6_K", 576)])  # 576: Q8_0
+def test_blocks_decoded_once_multiply_bit_for_bit_and_are_counted(type_name, cols):
+    """decoded() holds the floats the blocks decode to: every product (one row, a few, a
+    prefill's many; over more than one step of rows) gives the very bits decoding at each
+    product gives, and what is held counts the floats too."""
+    from quant import gguf_weight
+    from quant.qmodel import resident_bytes
+    rng = np.random.default_rng(3)
+    out = 2 * gguf_weight.ROWS_PER_STEP + 5
+    q = gguf_quantize(rng.standard_normal((out, cols)).astype(np.float32), type_name)
+    d = q.decoded()
+    for M in (1, 4, 40):
+        x = rng.standard_normal((M, cols)).astype(np.float32)
+        assert np.array_equal(to_numpy(d.matmul(x)), to_numpy(q.matmul(x)))
+    assert resident_bytes({"w": d})["projections"] == q.nbytes + 4 * out * cols
+    assert d.nbytes == q.nbytes and d.bits_per_weight == q.bits_per_weight   # the blocks'

@@ -95,3 +95,28 @@ def test_exp21_kv_cache_quality_table(tiny, run_script):
     assert all(r[-2] == f"{b:,}" for r, b in zip(rows, [3 * 2 * 2 * 8 * 4, 3 * 2 * 2 * 10,
                                                          3 * 2 * 2 * 6] * 2))
     assert "llama.cpp: -ctk / -ctv q8_0 and q4_0" in out
+
+
+def test_exp21_k_quant_rows_are_the_same_decoded_once(tiny, monkeypatch):
+    """Experiment 21 evaluates a k-quant model with its blocks decoded once: the row it prints
+    is the one decoding the blocks at every product gives (bytes held: the blocks alone)."""
+    import argparse
+    import exp21_quantized_quality as exp21
+    from minitransformer.loader import load
+    from minitransformer.measure.quality import reference_tokens, tokens_of
+    from quant.qmodel import quantize_model
+    model = load(tiny[0])
+    ids = tokens_of(model, tiny[1].read_text(), 33)
+    args = argparse.Namespace(window=16, questions=2, max_new_tokens=3, chat=False)
+    prefix = [1, 2, 3]
+    reference = reference_tokens(model, prefix, 6)
+    q = quantize_model(model, "q6_k")
+
+    def row():
+        label, ppl, scores, agree, proj, total = exp21.evaluate(
+            "Q6_K", q, ids, args, prefix, reference, 1.1)
+        return label, ppl.value, ppl.per_token.tolist(), scores, agree, proj, total
+    decoded = row()
+    monkeypatch.setattr(exp21, "decoded_once", lambda m: m)
+    assert row() == decoded and decoded[5] == sum(w.nbytes for w in q.weights.values()
+                                                 if hasattr(w, "blocks"))

@@ -293,6 +293,34 @@ def test_first_use_is_made_before_the_job_and_timed_apart(monkeypatch, tmp_path)
     assert run_all.first_use_line([]) == "none (everything was there)"
 
 
+def test_first_use_quantizes_the_k_quant_copies_once(tiny, monkeypatch, tmp_path):
+    """The k-quant copies experiments 15, 16 and 21 would quantize on a first run are made
+    before the job, timed apart, once: the schemes of the selected scripts only, again when
+    the model's files change, never under MT_QUANT_CACHE=off."""
+    import os
+    from minitransformer.measure import text
+    import quant.qmodel
+    monkeypatch.setenv("MT_WEIGHTS_DIR", str(tmp_path))
+    monkeypatch.setattr(text, "cache_path", lambda: Path(run_all.__file__))  # the text: there
+    made, real = [], quant.qmodel.quantize_model
+    monkeypatch.setattr(quant.qmodel, "quantize_model",
+                        lambda model, scheme: made.append(scheme) or real(model, scheme))
+    args = run_all.argparse.Namespace(model=tiny, threads=1)
+    job = [("exp21_quantized_quality.py", {run_all.MODEL}, [])]
+    (what, wall, cpu), = run_all.first_use(job, args, {})
+    assert what.startswith("the k-quant copies of ") and what.endswith(
+        "(q4_k, q5_k, q6_k): quantized") and made == ["q4_k", "q5_k", "q6_k"]
+    assert run_all.first_use(job, args, {}) == [] and len(made) == 3
+    job.append(("exp16_quant_error.py", {run_all.MODEL}, []))
+    assert len(run_all.first_use(job, args, {})) == 1 and made[3:] == list(run_all.KQUANTS)
+    weights = next(Path(tiny).glob("*.safetensors"))
+    os.utime(weights, ns=(weights.stat().st_atime_ns, weights.stat().st_mtime_ns + 10**9))
+    assert len(run_all.first_use(job, args, {})) == 1 and len(made) == 13
+    monkeypatch.setenv("MT_QUANT_CACHE", "off")
+    os.utime(weights, ns=(weights.stat().st_atime_ns, weights.stat().st_mtime_ns + 10**9))
+    assert run_all.first_use(job, args, {}) == [] and len(made) == 13
+
+
 def test_exp12_draws_no_knee_from_the_smaller_row_of_an_inverted_pair(tiny, monkeypatch,
                                                                      run_script):
     """B = 8 costs less than B = 4 (flagged, still after re-measuring): either may be the wrong
