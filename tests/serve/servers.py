@@ -1,7 +1,8 @@
 """The server under test, for the tests/serve/test_server_*.py files: a tiny chat model (the `model`
 fixture), a server of it in this process (`Background`, the `served` fixture: one per test file),
-the real `serve` command in its own process (`serve_command`), raw HTTP (`exchange`, `post`), and
-what `generate` alone makes for a prompt (`expected`, `answered`)."""
+the real `serve` command in its own process (`serve_command`), raw HTTP (`exchange`, `post`,
+`post_json`), what `generate` alone makes for a prompt (`expected`, `answered`), and the
+logprobs and token texts the model itself gives (`reference`, `names`, `TOLERANCE`)."""
 import contextlib
 import json
 import os
@@ -9,6 +10,7 @@ import socket
 import subprocess
 import sys
 import threading
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -17,6 +19,8 @@ import pytest
 from conftest import assert_like_solo, wait_for
 from engine_fuzz import exact
 import minitransformer as mt
+from minitransformer.logprobs import log_softmax
+from minitransformer.sampling import SamplingSettings
 from minitransformer.serve.config import EngineConfig
 from minitransformer.serve.engine import Engine
 from minitransformer.serve.online import OnlineEngine
@@ -240,3 +244,50 @@ def held_in_tokenization(model, read_timeout=READ_TIMEOUT_S):
         held.go.set()
         server.stop()
         online.close()
+
+
+# --- logprobs and tokens, against the model itself ---------------------------------------------
+TOLERANCE = 1e-4
+
+
+def reference(model, prompt_ids, tokens):
+    """log_softmax of one full forward pass: the rows that score each of tokens (T, V)."""
+    return log_softmax(mt.logits(model, list(prompt_ids) + list(tokens)))[len(prompt_ids) - 1:-1]
+
+
+def warm(temperature):
+    return SamplingSettings(do_sample=True, temperature=temperature)
+
+
+def names(tokenizer, context, tokens, end=True) -> list:
+    """The text each token adds to the output after ``context``, from whole decodes of every
+    prefix (not the server's windows): decode(prefix + token) minus the text so far; "" while
+    the text ends in an incomplete character, whose bytes the completing token carries (at
+    the end, the last token: the text then ends in U+FFFD)."""
+    out, done = [], tokenizer.decode(context)
+    for i in range(len(tokens)):
+        text = tokenizer.decode(list(context) + list(tokens[:i + 1]))
+        complete = len(text) > len(done) and not text.endswith("\ufffd")
+        out.append(text[len(done):] if complete else "")
+        done = text if complete else done
+    if end and out:
+        out[-1] += tokenizer.decode(list(context) + list(tokens))[len(done):]
+    return out
+
+
+def check_names_index_the_text(tokens, offsets, text):
+    """The tokens join to the text, and each text_offset points at its token."""
+    assert "".join(tokens) == text
+    assert all(text[o:].startswith(t) for o, t in zip(offsets, tokens))
+    assert offsets == [sum(map(len, tokens[:i])) for i in range(len(tokens))]
+
+
+def post_json(url, path, body):
+    """POST a JSON body -> (status, the reply's JSON), errors included."""
+    request = urllib.request.Request(url + path, json.dumps(body).encode(),
+                                     {"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request) as reply:
+            return reply.status, json.loads(reply.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())

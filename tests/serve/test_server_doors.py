@@ -19,7 +19,8 @@ openai = pytest.importorskip("openai")
 pytest.importorskip("fastapi")
 uvicorn = pytest.importorskip("uvicorn")
 from servers import (NAME, ROOT, Background, completion, exchange,  # noqa: E402,F401
-                         held_in_tokenization, inherited, model, post, serve_command, served)
+                         held_in_tokenization, inherited, model, post, post_json, serve_command,
+                         served)
 import minitransformer.__main__ as cli  # noqa: E402
 from minitransformer.chat import encode_chat  # noqa: E402
 from minitransformer.serve import http as server_module  # noqa: E402
@@ -93,7 +94,6 @@ def test_text_parts_are_joined_with_newlines_through_the_real_client(served, mod
                                              temperature=0)
     assert as_parts.choices[0].message.content == as_text.choices[0].message.content
     assert as_parts.usage.prompt_tokens == len(encode_chat(model, joined))
-    from test_server_logprobs import post as post_json
     status, reply = post_json(url, "/tokenize", {"messages": [{"role": "user",
                                                                "content": content}]})
     assert status == 200 and reply["tokens"] == encode_chat(model, joined)
@@ -115,7 +115,6 @@ def test_message_fields_the_template_reads_pass(tmp_path, model):
                                                      block_size=4)))
     server = Background(create_app(online, NAME))
     try:
-        from test_server_logprobs import post as post_json
         status, with_name = post_json(server.url, "/tokenize", {"messages": [
             {"role": "user", "content": "hi", "name": "Ada"}]})
         assert status == 200, with_name

@@ -1,60 +1,24 @@
 """Logprobs, echo and n parallel samples through the server, driven by the official ``openai``
 client on 127.0.0.1: the numbers are log_softmax of ``mt.logits`` on the same tokens (within
 1e-4), streamed or not; sample i is the single request seeded seed + i; bad fields get a 400."""
-import json
-import urllib.error
-import urllib.request
-
 import pytest
 
 import minitransformer as mt
 from minitransformer.chat import encode_chat
-from minitransformer.logprobs import MAX_LOGPROBS, log_softmax
+from minitransformer.logprobs import MAX_LOGPROBS
 from minitransformer.sampling import SamplingSettings
 
 openai = pytest.importorskip("openai")
 pytest.importorskip("fastapi")
-from servers import NAME, answered, model, served  # noqa: E402,F401 (the fixtures: one server)
+from servers import (NAME, TOLERANCE, answered, check_names_index_the_text, model,  # noqa: E402,F401
+                     names, post_json, reference, served, warm)  # (the fixtures: one server)
 
-TOLERANCE = 1e-4
 PROMPT = "The cat sat on the mat."
-
-
-def reference(model, prompt_ids, tokens):
-    """log_softmax of one full forward pass: the rows that score each of tokens (T, V)."""
-    return log_softmax(mt.logits(model, list(prompt_ids) + list(tokens)))[len(prompt_ids) - 1:-1]
-
-
-def warm(temperature):
-    return SamplingSettings(do_sample=True, temperature=temperature)
-
-
-def names(tokenizer, context, tokens, end=True) -> list:
-    """The text each token adds to the output after ``context``, from whole decodes of every
-    prefix (not the server's windows): decode(prefix + token) minus the text so far; "" while
-    the text ends in an incomplete character, whose bytes the completing token carries (at
-    the end, the last token: the text then ends in U+FFFD)."""
-    out, done = [], tokenizer.decode(context)
-    for i in range(len(tokens)):
-        text = tokenizer.decode(list(context) + list(tokens[:i + 1]))
-        complete = len(text) > len(done) and not text.endswith("\ufffd")
-        out.append(text[len(done):] if complete else "")
-        done = text if complete else done
-    if end and out:
-        out[-1] += tokenizer.decode(list(context) + list(tokens))[len(done):]
-    return out
 
 
 def name_at(tokenizer, context, tokens, i, token) -> str:
     """The text ``token`` would add in place of tokens[i]."""
     return names(tokenizer, context, list(tokens[:i]) + [token], end=False)[-1]
-
-
-def check_names_index_the_text(tokens, offsets, text):
-    """The tokens join to the text, and each text_offset points at its token."""
-    assert "".join(tokens) == text
-    assert all(text[o:].startswith(t) for o, t in zip(offsets, tokens))
-    assert offsets == [sum(map(len, tokens[:i])) for i in range(len(tokens))]
 
 
 def check_completion_logprobs(model, ids, tokens, logprobs, k, text=None):
@@ -218,16 +182,6 @@ def test_a_stop_string_ends_one_sample_not_the_others(served, model):
     assert reply.choices[1].text == made[1] and reply.choices[1].finish_reason == "length"
 
 
-def post(url, path, body):
-    request = urllib.request.Request(url + path, json.dumps(body).encode(),
-                                     {"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(request) as reply:
-            return reply.status, json.loads(reply.read())
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read())
-
-
 BOUND = f"in [0, {MAX_LOGPROBS}]"
 HOSTILE = [  # (path, fields, the param named, what the message says)
     ("completions", dict(logprobs=MAX_LOGPROBS + 1), "logprobs", BOUND),
@@ -266,7 +220,7 @@ def test_bad_logprobs_echo_and_n_get_400_naming_the_field(served, path, fields, 
     body = {"model": NAME, "max_tokens": 2} | (
         {"prompt": "hi"} if path == "completions" else
         {"messages": [{"role": "user", "content": "hi"}]})
-    status, reply = post(url, f"/v1/{path}", body | fields)
+    status, reply = post_json(url, f"/v1/{path}", body | fields)
     assert status == 400 and reply["error"]["param"] == param, reply
     assert says in reply["error"]["message"], reply
     assert online.engine.cache.books.num_free == online.engine.cache.books.num_blocks

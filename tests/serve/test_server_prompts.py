@@ -11,9 +11,8 @@ from minitransformer.chat import encode_chat
 
 openai = pytest.importorskip("openai")
 pytest.importorskip("fastapi")
-from servers import NAME, Background, model, served  # noqa: E402,F401 (the fixtures)
-from test_server_logprobs import (TOLERANCE, check_names_index_the_text, names,  # noqa: E402
-                                  post, reference, warm)
+from servers import (NAME, TOLERANCE, Background, check_names_index_the_text,  # noqa: E402,F401
+                     model, names, post_json, reference, served, warm)  # (the fixtures)
 from minitransformer.serve.config import EngineConfig  # noqa: E402
 from minitransformer.serve.engine import Engine  # noqa: E402
 from minitransformer.serve.http import create_app  # noqa: E402
@@ -180,36 +179,36 @@ def test_echo_with_max_tokens_0_is_the_prompts_logprobs_alone(served, model):
 
 def test_tokenize_and_detokenize_as_vllm(served, model):
     online, url, client = served
-    status, reply = post(url, "/tokenize", {"model": NAME, "prompt": "The cat sat"})
+    status, reply = post_json(url, "/tokenize", {"model": NAME, "prompt": "The cat sat"})
     ids = model.tokenizer.encode("The cat sat")
     assert status == 200 and reply == {"count": len(ids), "tokens": ids, "token_strs": None,
                                        "max_model_len": model.config.max_position_embeddings}
-    status, reply = post(url, "/tokenize", {"prompt": "The cat", "return_token_strs": True,
+    status, reply = post_json(url, "/tokenize", {"prompt": "The cat", "return_token_strs": True,
                                             "add_special_tokens": False})
     assert reply["token_strs"] == [model.tokenizer.backend.id_to_token(i)
                                    for i in reply["tokens"]]
     assert "".join(reply["token_strs"]).replace("\u0120", " ") == "The cat"
     messages = [{"role": "user", "content": "Hello"}]
-    status, reply = post(url, "/tokenize", {"messages": messages})
+    status, reply = post_json(url, "/tokenize", {"messages": messages})
     assert status == 200 and reply["tokens"] == encode_chat(model, messages)
-    status, reply = post(url, "/tokenize", {"messages": messages,
+    status, reply = post_json(url, "/tokenize", {"messages": messages,
                                             "add_generation_prompt": False})
     assert reply["tokens"] == encode_chat(model, messages, add_generation_prompt=False)
-    status, reply = post(url, "/detokenize", {"model": NAME, "tokens": ids})
+    status, reply = post_json(url, "/detokenize", {"model": NAME, "tokens": ids})
     assert status == 200 and reply == {"prompt": "The cat sat"}
-    assert post(url, "/detokenize", {"tokens": []}) == (200, {"prompt": ""})
+    assert post_json(url, "/detokenize", {"tokens": []}) == (200, {"prompt": ""})
 
 
 def test_stories260k_tokenize_adds_its_bos(stories):
     online, server, client = serve_model(stories)
     try:
-        status, reply = post(server.url, "/tokenize", {"prompt": "Once upon"})
+        status, reply = post_json(server.url, "/tokenize", {"prompt": "Once upon"})
         assert reply["tokens"] == stories.tokenizer.encode("Once upon")
         assert reply["tokens"][0] == stories.tokenizer.bos_token_id == 1
-        status, bare = post(server.url, "/tokenize", {"prompt": "Once upon",
+        status, bare = post_json(server.url, "/tokenize", {"prompt": "Once upon",
                                                       "add_special_tokens": False})
         assert bare["tokens"] == reply["tokens"][1:]
-        assert post(server.url, "/detokenize", {"tokens": reply["tokens"]})[1] == {
+        assert post_json(server.url, "/detokenize", {"tokens": reply["tokens"]})[1] == {
             "prompt": "<s> Once upon"}            # special tokens kept, as vLLM decodes
     finally:
         server.stop()
@@ -268,7 +267,7 @@ def test_bad_prompts_and_tokenizer_bodies_get_400_naming_the_field(served, path,
                                                                    param, says):
     online, url, client = served
     body = ({"model": NAME, "max_tokens": 2} if path == "/v1/completions" else {}) | fields
-    status, reply = post(url, path, body)
+    status, reply = post_json(url, path, body)
     expected = 404 if says == "does not exist" else 400     # an unknown model: 404
     assert status == expected and reply["error"]["param"] == param, reply
     assert says in reply["error"]["message"], reply
@@ -278,7 +277,7 @@ def test_bad_prompts_and_tokenizer_bodies_get_400_naming_the_field(served, path,
 @pytest.mark.parametrize("path, body", [("/tokenize", [1, 2]), ("/detokenize", "x")])
 def test_a_tokenizer_body_that_is_not_an_object_is_400(served, path, body):
     online, url, client = served
-    status, reply = post(url, path, body)
+    status, reply = post_json(url, path, body)
     assert status == 400 and "JSON object" in reply["error"]["message"]
 
 
@@ -298,7 +297,7 @@ def test_a_batch_the_queue_can_never_take_is_a_400_one_it_cannot_take_now_a_429(
     client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
     batch = {"model": NAME, "prompt": [[5, 6], [7, 8], [9, 10]], "max_tokens": 4}
     try:
-        status, reply = post(server.url, "/v1/completions", batch)
+        status, reply = post_json(server.url, "/v1/completions", batch)
         assert status == 400 and reply["error"]["param"] == "prompt", reply
         assert "at most 2 may wait (--max-waiting)" in reply["error"]["message"]
         wait_for(lambda: not online.engine.waiting and not online.engine.running())
@@ -306,11 +305,11 @@ def test_a_batch_the_queue_can_never_take_is_a_400_one_it_cannot_take_now_a_429(
         metrics = urllib.request.urlopen(server.url + "/metrics").read().decode()
         assert f'vllm:prompt_tokens_total{{model_name="{NAME}"}} 0' in metrics
         long, waiter = one_running_one_waiting(online, client)
-        status, reply = post(server.url, "/v1/completions", batch | {"prompt": [[5], [6]]})
+        status, reply = post_json(server.url, "/v1/completions", batch | {"prompt": [[5], [6]]})
         assert status == 429 and reply["error"]["code"] == "queue_full", reply
         long.close()
         waiter.join(20)
-        status, reply = post(server.url, "/v1/completions", batch | {"prompt": [[5], [6]]})
+        status, reply = post_json(server.url, "/v1/completions", batch | {"prompt": [[5], [6]]})
         assert status == 200 and len(reply["choices"]) == 2
     finally:
         server.stop()
