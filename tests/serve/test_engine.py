@@ -10,6 +10,7 @@ import pytest
 import minitransformer as mt
 from conftest import assert_like_solo
 from engine_fuzz import solo
+from minitransformer.generate import generate
 from minitransformer.serve.config import EngineConfig
 from minitransformer.serve.engine import Engine
 from minitransformer.serve.records import Request, Result, metrics
@@ -400,3 +401,23 @@ def test_chunked_prefill_keeps_streams_decoding_and_changes_no_token(tiny_model,
 def test_a_bad_token_budget_is_refused_naming_it(tiny_model, bad):
     with pytest.raises(ValueError, match="max_num_batched_tokens"):
         Engine(tiny_model, EngineConfig(max_num_seqs=2, max_num_batched_tokens=bad))
+
+
+def test_a_requests_own_eos_ids_end_it(tiny_model):
+    """Greedy tokens of a prompt without stopping, then the same request with its third token
+    as its eos id: it ends there, that token included, as generate does."""
+    free = Engine(tiny_model).run([Request((1, 2, 3), 6, eos_token_id=[])]).results[0].tokens
+    eos = free[2]
+    stop = next(i for i, t in enumerate(free) if t == eos)
+    run = Engine(tiny_model).run([Request((1, 2, 3), 6, eos_token_id=[eos])])
+    assert run.results[0].tokens == free[:stop + 1]
+
+
+def test_a_repetition_penalty_is_applied_as_generate_applies_it(tiny_model):
+    """A heavy penalty changes greedy tokens (checked), and the engine's are generate's."""
+    s = SamplingSettings(repetition_penalty=50.0)
+    plain = Engine(tiny_model).run([Request((1, 2, 1, 2), 8, eos_token_id=[])])
+    run = Engine(tiny_model).run([Request((1, 2, 1, 2), 8, sampling=s, eos_token_id=[])])
+    want = generate(tiny_model, np.array([1, 2, 1, 2]), 8, sampling=s, eos_token_id=[])
+    assert run.results[0].tokens != plain.results[0].tokens
+    assert run.results[0].tokens == [int(t) for t in want]

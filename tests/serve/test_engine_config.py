@@ -1,5 +1,6 @@
 """EngineConfig: every knob checked where it is made, and the one config built from the command
-line carried whole into the engine and the server."""
+line carried whole into the engine and the server: the attention asked for, the pool's memory
+priced in its own format, and a config of another type refused naming its type."""
 import dataclasses
 
 import numpy as np
@@ -129,3 +130,28 @@ def test_a_bad_server_limit_is_refused_naming_it(field, bad):
 def test_the_flags_of_a_config_give_it_back(config):
     """What a script passes to the server it starts is the config it means."""
     assert cli.engine_config(serve_args(*cli.engine_flags(config))) == config
+
+
+def test_the_engine_and_its_pool_attend_as_configured(tiny_model):
+    """Tiled attention asked for: the engine says so and its paged pool computes with it."""
+    engine = Engine(tiny_model, EngineConfig(attention="tiled"))
+    assert engine.attention == "tiled" and engine.cache.attention == "tiled"
+
+
+def test_a_config_of_another_type_is_refused_naming_its_type(tiny_model):
+    with pytest.raises(TypeError, match="^config: expected an EngineConfig, got dict$"):
+        Engine(tiny_model, {"max_num_seqs": 2})
+
+
+def test_the_memory_check_prices_the_pool_in_its_own_format(tiny_model, monkeypatch):
+    """A backend with exactly the bytes a q4_0 pool of 64 blocks x 16 tokens and 2 slots
+    needs: the engine of that pool is made, the same pool in f32 is refused."""
+    from minitransformer.serve import paged
+    per_token = paged.cache_bytes_per_token(tiny_model.config, "q4_0")
+    need = 64 * 16 * per_token + 8 * 2
+    assert paged.cache_bytes_per_token(tiny_model.config, "f32") > per_token
+    monkeypatch.setattr(paged, "memory_bytes", lambda: (need, "physical memory"))
+    sizes = dict(max_num_seqs=2, num_gpu_blocks_override=64, block_size=16)
+    Engine(tiny_model, EngineConfig(kv_cache_dtype="q4_0", **sizes))
+    with pytest.raises(ValueError, match="more than the"):
+        Engine(tiny_model, EngineConfig(**sizes))

@@ -2,7 +2,7 @@
 with an error, everyone else goes on with the tokens they get without the fault, and the
 books hold (``check()`` after every step, every block back at the end, no name left on a
 block that was never written); an error the engine cannot go on after ends everything,
-says so and stops.
+says so and stops. A step that can admit nothing with nothing running raises, in words.
 
 The faults are injected where every forward pass starts (``model.embed``): where a prompt
 holds a poison run of tokens (a request the model cannot take), or at a chosen step (a pass
@@ -15,6 +15,7 @@ import urllib.error
 import urllib.request
 from dataclasses import replace
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -331,3 +332,15 @@ def test_the_serve_command_drains_and_exits_1_when_its_engine_cannot_go_on(chat_
         process.wait()
     assert process.stderr.read().strip().splitlines()[-1] == (
         "error: the engine failed and cannot go on: RuntimeError('the books are broken')")
+
+
+def test_an_empty_pool_refuses_the_first_request_in_words(tiny_model):
+    """Submission rejects what the pool can never hold, so the scheduler stands in for a plan
+    that admits nothing with nothing running: the step raises, saying so."""
+    engine = Engine(tiny_model, EngineConfig(max_num_seqs=1, block_size=4, num_gpu_blocks_override=1))
+    engine.submit(Request((1, 2), 1, eos_token_id=[]))
+    engine.scheduler.schedule = lambda now, wants=None: SimpleNamespace(decode=None, prefill=[],
+                                                                     moves=[])
+    with pytest.raises(RuntimeError,
+                       match="^nothing running and the first request cannot be admitted$"):
+        engine.step()

@@ -1,7 +1,8 @@
 """Speculation inside the engine: every decoding sequence's draft verified in one batched pass,
 exact (batch-invariant greedy == the engine without speculation == generate; default mode by
 the near-tie rule; sampled draws from the target's distribution, chi-square), the paged cache's
-books right after every step, and what the server sees (streamed tokens, counters)."""
+books right after every step, and what the server sees (streamed tokens, counters). A draft
+named only by its path is loaded; with prefix caching off no block is named."""
 from dataclasses import replace
 
 import numpy as np
@@ -428,3 +429,29 @@ def test_exp22_prints_the_served_crossover_beside_the_formulas(run_script):
     assert "crossover (speedup below 1): predicted" in served and "; measured" in served
     assert [line.split()[0] for line in served.splitlines()
             if line.split()[-1:] in (["1/1"], ["2/2"])] == ["1", "2"]
+
+
+def test_a_draft_model_named_only_by_its_path_is_loaded_and_changes_no_token(tiny_model):
+    """speculative_config names the draft by its checkpoint's path and no draft is passed:
+    the engine loads it, and batch-invariant greedy tokens are those of no speculation."""
+    from minitransformer.serve.config import SpeculativeConfig
+    spec = SpeculativeConfig(num_speculative_tokens=2, method="draft_model",
+                             model=tiny_model.path)
+    requests = [Request((1, 2, 3), 6, eos_token_id=[]), Request((4, 5), 5, eos_token_id=[])]
+    plain = Engine(tiny_model, EngineConfig(max_num_seqs=2, batch_invariant=True)).run(requests)
+    run = Engine(tiny_model, EngineConfig(max_num_seqs=2, batch_invariant=True,
+                                          speculative_config=spec)).run(requests)
+    assert [r.tokens for r in run.results] == [r.tokens for r in plain.results]
+
+
+def test_speculating_with_prefix_caching_off_names_no_block(tiny_model):
+    from minitransformer.serve.config import SpeculativeConfig
+    spec = SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_max=2)
+    engine = Engine(tiny_model, EngineConfig(max_num_seqs=2, block_size=2,
+                                             enable_prefix_caching=False,
+                                             speculative_config=spec))
+    named = []
+    engine.run([Request((1, 2, 1, 2, 1, 2), 8, eos_token_id=[]),
+                Request((3, 4, 3, 4), 8, eos_token_id=[])],
+               on_step=lambda e: named.append(len(e.cache.books.index.name_of)))
+    assert len(named) > 2 and set(named) == {0}

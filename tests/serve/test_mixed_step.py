@@ -1,7 +1,8 @@
 """One forward pass per serving step: the step's decodes and its prompts (chunks with chunked
 prefill, whole prompts without) go through the layers as one ragged batch of tokens
 (paged.RaggedView), every weight multiplied once; tokens obey the near-tie rule, as a chunked
-prefill's do (conftest's policy), and batch-invariant mode keeps each row's own calls."""
+prefill's do (conftest's policy), and batch-invariant mode keeps each row's own calls. A
+static batch's padding row rides beside a later prompt's chunks without growing."""
 import numpy as np
 import pytest
 
@@ -125,3 +126,48 @@ def test_a_prompt_cached_in_full_behind_the_chunk_that_fills_it_copies_after_tha
         engine.step()
     assert engine.results[1].tokens == engine.results[2].tokens
     assert_solo(tiny_model, engine.results.values())
+
+
+def count_passes(monkeypatch) -> list:
+    """The engine's forward passes, a 1 for each: its own (prompts, mixed steps) and its
+    decodes' (last_logits)."""
+    calls = []
+    for name in ("forward", "last_logits"):
+        real = getattr(engine_module, name)
+        monkeypatch.setattr(engine_module, name,
+                            lambda *a, real=real, **k: calls.append(1) or real(*a, **k))
+    return calls
+
+
+@pytest.mark.parametrize("prompts", [[(3, 4, 5)], [(3, 4, 5), (6, 7)]])
+def test_a_decode_and_new_prompts_share_one_forward_pass(tiny_model, monkeypatch, prompts):
+    """A running request decodes while one or two new prompts prefill: the step is ONE
+    forward pass over them all (the default mode), and every request gets its tokens."""
+    calls = count_passes(monkeypatch)
+    engine = Engine(tiny_model, EngineConfig(max_num_seqs=1 + len(prompts)))
+    a = engine.submit(Request((1, 2), 3, eos_token_id=[]))
+    engine.step()
+    new = [engine.submit(Request(prompt, 2, eos_token_id=[])) for prompt in prompts]
+    calls.clear()
+    engine.step()
+    assert calls == [1]
+    assert [len(engine.results[i].tokens) for i in (a, *new)] == [2] + [1] * len(prompts)
+
+
+def test_a_static_padding_row_beside_a_later_chunk_holds_its_length(tiny_model):
+    """Static batching, a budget of 4: the short request finishes at its first token and
+    stays as a padding row while the long prompt prefills in chunks beside it, in the same
+    passes; the padding row never grows, and the pool is whole at the end."""
+    engine = Engine(tiny_model, EngineConfig(max_num_seqs=2, policy="static",
+                                             max_num_batched_tokens=4))
+    short = engine.submit(Request((1, 2), 1, eos_token_id=[]))
+    long = engine.submit(Request(tuple(range(3, 17)), 2, eos_token_id=[]))
+    lengths = []
+    while engine.waiting or engine.running():
+        engine.step()
+        if short in engine.cache.books.seqs:
+            lengths.append(engine.cache.books.seqs[short].length)
+        engine.cache.books.check()
+    assert len(lengths) >= 3 and set(lengths) == {2}
+    assert len(engine.results[short].tokens) == 1 and len(engine.results[long].tokens) == 2
+    assert engine.cache.books.num_free == engine.cache.books.num_blocks

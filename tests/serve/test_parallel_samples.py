@@ -1,5 +1,8 @@
 """n parallel samples of one prompt: prefilled once, its blocks shared copy-on-write, sample i
-the tokens a single request seeded seed + i gets (== in batch-invariant mode)."""
+the tokens a single request seeded seed + i gets (== in batch-invariant mode), each recording
+its choice number. The blocks they may hold at once (``pool_need``) are the longest sequence's
+or the prompt's with each sample's copy of its last block; more than the pool, and every
+sample is refused."""
 import importlib
 
 import numpy as np
@@ -212,3 +215,41 @@ def test_samples_that_cannot_fit_the_pool_are_rejected(tiny_model):
         [Request(PROMPT, 1, n=4), Request(PROMPT, 1, n=2)])
     assert [r.status for r in run.results] == ["rejected"] * 4 + ["finished"] * 2
     assert "needs up to 6 blocks" in run.results[0].reason
+
+
+@pytest.mark.parametrize("prompt, new, n, need", [
+    (7, 1, 1, 2),    # 8 tokens: 2 blocks of 4
+    (7, 1, 3, 4),    # the prompt's last block and its first token, then a copy per sample
+    (8, 1, 3, 5),    # 9 tokens: 3 blocks, and each of the 2 other samples its own copy
+    (3, 10, 2, 4),   # the longest sequence, 13 tokens, outweighs the copies
+    (4, 1, 1, 2),    # the first new token opens a block of its own
+])
+def test_pool_need_is_the_longest_sequence_or_the_prompt_with_each_samples_copy(
+        tiny_model, prompt, new, n, need):
+    engine = Engine(tiny_model, EngineConfig(max_num_seqs=4, block_size=4, num_gpu_blocks_override=32))
+    assert engine.pool_need(prompt, new, n) == need
+
+
+def test_pool_need_counts_one_sample_by_default(tiny_model):
+    engine = Engine(tiny_model, EngineConfig(max_num_seqs=4, block_size=4,
+                                             num_gpu_blocks_override=32))
+    assert engine.pool_need(8, 1) == 3 and engine.pool_need(7, 1) == 2
+
+
+def test_a_request_of_n_samples_is_refused_when_their_copies_do_not_fit(tiny_model):
+    """7 prompt tokens, 3 samples, 1 new token each: 4 blocks of 4, one more than the pool's
+    3, so every sample is rejected (one sample alone fits)."""
+    config = EngineConfig(max_num_seqs=3, block_size=4, num_gpu_blocks_override=3)
+    run = Engine(tiny_model, config).run([Request(tuple(range(1, 8)), 1, n=3,
+                                                  eos_token_id=[])])
+    assert [r.status for r in run.results] == ["rejected"] * 3
+    assert run.results[0].reason == "needs up to 4 blocks of 4 tokens; the pool has 3"
+    alone = Engine(tiny_model, config).run([Request(tuple(range(1, 8)), 1, eos_token_id=[])])
+    assert alone.results[0].status == "finished"
+
+
+def test_each_sample_records_which_choice_it_is(tiny_model):
+    run = Engine(tiny_model, EngineConfig(max_num_seqs=3)).run(
+        [Request((1, 2, 3), 2, n=3, seed=5, sampling=SamplingSettings(temperature=1.0),
+                 eos_token_id=[])])
+    assert [r.choice for r in run.results] == [0, 1, 2]
