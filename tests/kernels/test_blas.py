@@ -152,9 +152,10 @@ def test_a_way_far_slower_after_two_trials_is_timed_no_more(monkeypatch):
 
 def test_slices_stop_once_they_have_lost(monkeypatch):
     """slices, many calls, is made a slice at a time once another way has been timed, and
-    stops when it has taken PRUNE times that way's time: here flat takes 1 ms and the first
-    slice 7.5 ms, so no other is made; where slices keeps up it reads all of w, and wins at
-    0.2 ms."""
+    stops when it has taken longer than the fastest way so far: here flat takes 1 ms and the
+    first slice 7.5 ms, so no other is made; at 2 ms for all of w (under PRUNE times flat's)
+    it stops within it every trial, and flat is taken, as timing it whole would; where slices
+    keeps up it reads all of w, and wins at 0.2 ms."""
     x, w = operands(16, n=2000)
     block = blas.slice_rows(16, w.shape[1])
     assert 2000 > 2 * block
@@ -164,6 +165,11 @@ def test_slices_stop_once_they_have_lost(monkeypatch):
     assert blas.fastest(x, w) == "flat"
     read = [n for way, _, n, *_ in made if way == "slices"]
     assert read == [block] * blas.PRUNE_AFTER                # stopped each time, then pruned
+    made.clear()
+    per_row[0] = 1e-6                                        # 2 ms: lost, not pruned
+    assert blas.fastest(x, w) == "flat"
+    read = [n for way, _, n, *_ in made if way == "slices"]
+    assert 0 < sum(read) < blas.TRIALS * 2000 / 2 + blas.TRIALS * block, read
     made.clear()
     per_row[0] = 1e-7
     assert blas.fastest(x, w) == "slices"
@@ -236,14 +242,15 @@ def test_a_cold_weight_is_timed_over_copies_of_itself_in_turn(monkeypatch, order
 
 
 def test_a_small_weight_is_timed_as_it_is_and_a_larger_one_after_a_flush(monkeypatch):
-    """Under COLD_BYTES, w itself every time, no flush; over LARGE_BYTES, w itself after a
-    flush before every timing. The data read to flush is FLUSH_BYTES of the one scratch
-    memory, allocated when first needed, whatever the shapes."""
+    """Under COLD_BYTES, w itself every time, no flush; over LARGE_BYTES (and under
+    FLUSH_BYTES), w itself after a flush before every timing. The data read to flush is
+    FLUSH_BYTES of the one scratch memory, allocated when first needed, whatever the shapes,
+    and written (fresh pages never written are one zero page: reading them flushes nothing)."""
     flushes = []
     monkeypatch.setattr(blas, "flush_caches", flushes.append)
-    monkeypatch.setattr(blas, "FLUSH_BYTES", 4096)
     monkeypatch.setattr(blas, "room", None)
     x, w = operands(1, n=300)
+    monkeypatch.setattr(blas, "FLUSH_BYTES", 8 * w.nbytes)
     made = reads(monkeypatch)
     monkeypatch.setattr(blas, "COLD_BYTES", w.nbytes + 1)
     blas.fastest(x, w)
@@ -256,10 +263,42 @@ def test_a_small_weight_is_timed_as_it_is_and_a_larger_one_after_a_flush(monkeyp
     x4, w2 = operands(4, n=2 * len(w))
     blas.fastest(x4, w2)
     assert len(flushes) == blas.TRIALS * (len(blas.ONE_ROW) + len(blas.ROUTES))
-    assert all(buffer.base is blas.room for buffer in flushes)
-    assert {buffer.nbytes for buffer in flushes} == {4096}
+    assert all(np.shares_memory(buffer, blas.room) and buffer.all() for buffer in flushes)
+    assert {buffer.nbytes for buffer in flushes} == {8 * w.nbytes}
     assert {address for way, address, *_ in made if way != "slices"} == {  # slices: slice
         w.__array_interface__["data"][0], w2.__array_interface__["data"][0]}  # by slice
+
+
+@pytest.mark.parametrize("slice_ms, flushed_before", [
+    (0.6, ["flat"] + ["dots"] * 3),    # slices stops within w (lost to flat): flushed after
+    (0.1, ["flat"]),                   # slices reads all of w: a whole pass, as every way
+])
+def test_a_weight_of_flush_bytes_is_flushed_first_and_after_a_timing_that_read_part_of_it(
+        monkeypatch, slice_ms, flushed_before):
+    """A weight over LARGE_BYTES of FLUSH_BYTES or more (a vocabulary's head) is flushed from
+    the caches before its first timing and after a timing that read only a part of it (a
+    slices stopped), never after a whole pass over it: that pass evicted the caches itself."""
+    assert blas.TRIALS == 3
+    x, w = operands(4)                                        # 3 slices of w for 4 rows
+    for name, value in (("COLD_BYTES", 1), ("LARGE_BYTES", w.nbytes - 1),
+                        ("FLUSH_BYTES", w.nbytes)):
+        monkeypatch.setattr(blas, name, value)
+    events = []
+    monkeypatch.setattr(blas, "flush_caches", lambda buffer: events.append("flush"))
+    step = blas.slice_rows(4, w.shape[1])
+    costs = {"flat": 1e-3, "rows": 0.5e-3, "dots": 0.5e-3}
+    made = reads(monkeypatch, lambda way, M, n: costs.get(way, slice_ms * 1e-3 * n / step))
+    real = blas.timed
+
+    def timed(call, route, *args, **kw):
+        events.append(route)
+        return real(call, route, *args, **kw)
+    monkeypatch.setattr(blas, "timed", timed)
+    assert blas.fastest(x, w) == ("slices" if slice_ms < 0.3 else "flat")
+    # timed flushes, then calls: a flush follows the name of the way it was made for
+    assert [events[i - 1] for i, event in enumerate(events) if event == "flush"] == \
+        flushed_before
+    assert len(made) >= blas.TRIALS * 4
 
 
 @pytest.mark.parametrize("route", blas.ROUTES)
