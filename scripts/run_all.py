@@ -259,7 +259,8 @@ def first_use(job, args, env) -> list:
         steps.append(("the distilled drafts: trained", lambda: train_drafts(model, args, env)))
     fetching = any(what.startswith(NAME) for what, _ in steps)  # no file of it to name yet
     for name, schemes in kquants_of(names, args.model).items():
-        if (fetching and name == "smollm2") or not kquants_there(name, schemes):
+        if (fetching and name == "smollm2") or (keeps_kquants(name)
+                                                  and not kquants_there(name, schemes)):
             what = f"the k-quant copies of {model_name(name)} ({', '.join(schemes)}): quantized"
             steps.append((what, lambda name=name, schemes=schemes: quantize_kquants(name,
                                                                                   schemes)))
@@ -323,6 +324,18 @@ def kquants_stamp(model, schemes) -> Path:
     return weights_dir() / "quantized" / f"made-{hashlib.sha1(key.encode()).hexdigest()[:20]}"
 
 
+def keeps_kquants(model) -> bool:
+    """Whether any projection matrix of the model is large enough to be kept once quantized
+    (a tiny test model's are not: each script quantizes them in no time, nothing to note)."""
+    from minitransformer.config import load_config
+    from quant.gguf_weight import KEPT_WEIGHTS
+    path = Path(model_path(model))
+    if not (path / "config.json").is_file():
+        return True    # a .gguf file: its matrices are not known before it loads
+    c = load_config(path)
+    return c.intermediate_size * c.hidden_size >= KEPT_WEIGHTS
+
+
 def kquants_there(model, schemes) -> bool:
     return kquants_stamp(model, schemes).is_file()
 
@@ -339,7 +352,7 @@ def quantize_kquants(model, schemes):
         quantize_model(loaded, scheme)
     stamp = kquants_stamp(model, schemes)
     stamp.parent.mkdir(parents=True, exist_ok=True)
-    stamp.write_text(f"{model}: {', '.join(schemes)}\n")
+    stamp.write_text(f"{model_name(model)}: {', '.join(schemes)}\n")
 
 
 def train_drafts(model, args, env):

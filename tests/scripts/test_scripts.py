@@ -296,9 +296,11 @@ def test_first_use_is_made_before_the_job_and_timed_apart(monkeypatch, tmp_path)
 def test_first_use_quantizes_the_k_quant_copies_once(tiny, monkeypatch, tmp_path):
     """The k-quant copies experiments 15, 16 and 21 would quantize on a first run are made
     before the job, timed apart, once: the schemes of the selected scripts only, again when
-    the model's files change, never under MT_QUANT_CACHE=off."""
+    the model's files change, never under MT_QUANT_CACHE=off, nor for a model too small to
+    keep any (each script quantizes it in no time)."""
     import os
     from minitransformer.measure import text
+    import quant.gguf_weight
     import quant.qmodel
     monkeypatch.setenv("MT_WEIGHTS_DIR", str(tmp_path))
     monkeypatch.setattr(text, "cache_path", lambda: Path(run_all.__file__))  # the text: there
@@ -307,6 +309,8 @@ def test_first_use_quantizes_the_k_quant_copies_once(tiny, monkeypatch, tmp_path
                         lambda model, scheme: made.append(scheme) or real(model, scheme))
     args = run_all.argparse.Namespace(model=tiny, threads=1)
     job = [("exp21_quantized_quality.py", {run_all.MODEL}, [])]
+    assert run_all.first_use(job, args, {}) == [] and made == []    # none of its kept
+    monkeypatch.setattr(quant.gguf_weight, "KEPT_WEIGHTS", 1)        # as if each were large
     (what, wall, cpu), = run_all.first_use(job, args, {})
     assert what.startswith("the k-quant copies of ") and what.endswith(
         "(q4_k, q5_k, q6_k): quantized") and made == ["q4_k", "q5_k", "q6_k"]
