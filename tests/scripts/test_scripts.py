@@ -206,6 +206,18 @@ def test_mutation_judges_an_equivalent_only_where_its_run_checked_it():
     assert stale_equivalents("engine", dict.fromkeys(listed, "survived")) == []
 
 
+def test_every_planted_bug_names_one_line_of_today_and_tests_that_exist():
+    """A ledger's planted bug whose line is gone (or twice in its file), or whose tests were
+    moved, is caught here rather than as 'stale' in a long --planted run."""
+    from mutation import PLANTED
+    root = SCRIPTS.parent
+    for feature, bug, path, line, broken, tests in PLANTED:
+        assert (root / path).read_text().count(line) == 1, (path, line)
+        assert line != broken, bug
+        for test in tests:
+            assert (root / test.split("::")[0]).is_file(), (bug, test)
+
+
 def test_the_readme_names_the_experiments_that_take_no_model(run_script):
     """Every experiment's --help lists --model but those the README names, and no other."""
     readme = " ".join((SCRIPTS.parent / "README.md").read_text().split())
