@@ -259,8 +259,9 @@ def first_use(job, args, env) -> list:
         steps.append(("the distilled drafts: trained", lambda: train_drafts(model, args, env)))
     fetching = any(what.startswith(NAME) for what, _ in steps)  # no file of it to name yet
     for name, schemes in kquants_of(names, args.model).items():
-        if (fetching and name == "smollm2") or (keeps_kquants(name)
-                                                  and not kquants_there(name, schemes)):
+        if not (fetching and name == "smollm2"):
+            schemes = [s for s in schemes if keeps_kquants(name) and not kquants_there(name, s)]
+        if schemes:
             what = f"the k-quant copies of {model_name(name)} ({', '.join(schemes)}): quantized"
             steps.append((what, lambda name=name, schemes=schemes: quantize_kquants(name,
                                                                                   schemes)))
@@ -309,9 +310,9 @@ def kquants_of(names, model) -> dict:
     return wanted
 
 
-def kquants_stamp(model, schemes) -> Path:
-    """The note run_all leaves once it has made these k-quant copies of this model: named by
-    the quantizers' source, the schemes and the model's files (name, size, time). Only the
+def kquants_stamp(model, scheme) -> Path:
+    """The note run_all leaves once it has made this k-quant copy of this model: named by
+    the quantizers' source, the scheme and the model's files (name, size, time). Only the
     first-use line reads it; the scripts read or make each matrix's blocks themselves, so a
     stale note costs the quantizing inside their times, never a wrong number."""
     import hashlib
@@ -319,7 +320,7 @@ def kquants_stamp(model, schemes) -> Path:
     from quant.gguf_weight import quantizers_digest
     path = Path(model_path(model))
     files = sorted(p for p in ([path] if path.is_file() else path.glob("*")) if p.is_file())
-    key = repr((quantizers_digest(), sorted(schemes),
+    key = repr((quantizers_digest(), scheme,
                 [(p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in files]))
     return weights_dir() / "quantized" / f"made-{hashlib.sha1(key.encode()).hexdigest()[:20]}"
 
@@ -336,23 +337,23 @@ def keeps_kquants(model) -> bool:
     return c.intermediate_size * c.hidden_size >= KEPT_WEIGHTS
 
 
-def kquants_there(model, schemes) -> bool:
-    return kquants_stamp(model, schemes).is_file()
+def kquants_there(model, scheme) -> bool:
+    return kquants_stamp(model, scheme).is_file()
 
 
 def quantize_kquants(model, schemes):
     """Every projection matrix of the model under each k-quant scheme, kept under
     weights/quantized/ (what experiments 15, 16 and 21 would otherwise quantize in their own
-    time on first use), then the note that it was done."""
+    time on first use), each scheme's note left once it is done."""
     from minitransformer.loader import load
     from quant.qmodel import quantize_model
     loaded = load(model_path(model))
     for i, scheme in enumerate(schemes, 1):
         say(f"[{i}/{len(schemes)}] {model_name(model)}: {scheme} ...")
         quantize_model(loaded, scheme)
-    stamp = kquants_stamp(model, schemes)
-    stamp.parent.mkdir(parents=True, exist_ok=True)
-    stamp.write_text(f"{model_name(model)}: {', '.join(schemes)}\n")
+        stamp = kquants_stamp(model, scheme)
+        stamp.parent.mkdir(parents=True, exist_ok=True)
+        stamp.write_text(f"{model_name(model)}: {scheme}\n")
 
 
 def train_drafts(model, args, env):
