@@ -89,6 +89,19 @@ def blas_threads_kept():
     assert left == BLAS_THREADS, f"the test left BLAS at {left} threads, not {BLAS_THREADS}"
 
 
+@pytest.fixture(autouse=True)
+def rows_expected_kept():
+    """Every test ends with the row counts blas.py lays weights out for as the session began: a
+    server started in this process (http.serve) adds its max_num_seqs for the rest of the
+    process, and a model loaded after it would be laid out, and multiplied, otherwise than one
+    loaded before (the same weights, other last bits)."""
+    from minitransformer.kernels import blas
+    before = set(blas.rows_run)
+    yield
+    blas.rows_run.clear()
+    blas.rows_run.update(before)
+
+
 @pytest.fixture(scope="session")
 def checkpoint_dir(tmp_path_factory):
     """name -> path of a generated checkpoint (made once per session, from SEEDS[name])."""
