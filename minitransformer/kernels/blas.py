@@ -333,11 +333,11 @@ def timed(call, route: str, x, w, out, limit=float("inf"), flush=False) -> tuple
     if flush:
         flush_caches(flush_buffer())
     passes = len(x) if route in ("rows", "dots") else 1
-    step = slice_rows(len(x), w.shape[1])
     start, whole = time.perf_counter(), True
     if route != "slices" or limit == float("inf"):
         call(x[:1] if passes > 1 else x, w, out)
     else:
+        step = slice_rows(len(x), w.shape[1])
         for r0 in range(0, len(w), step):
             call(x, w[r0:r0 + step], out[:, r0:r0 + step])
             if time.perf_counter() - start > limit:
