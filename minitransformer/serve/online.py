@@ -234,7 +234,11 @@ class OnlineEngine:
 
     def _hand_over(self) -> None:
         """Give each live request its new tokens, sample by sample; a request whose samples
-        are all over leaves the live list."""
+        are all over leaves the live list. The queue's snapshot is taken first: a client that
+        has its first token, and sends another request at once, is counted running, not
+        waiting (the waiting limit's 429 would otherwise count it for a moment)."""
+        with self.lock:
+            self.snapshot = self._snapshot()
         now, still = self.now(), []
         for ticket in self.live:
             for choice, rid in enumerate(ticket.ids):
@@ -252,7 +256,6 @@ class OnlineEngine:
                 for rid in ticket.ids:
                     self.engine.release(rid)
         self.live = still
-        self.snapshot = self._snapshot()
 
     def _snapshot(self) -> Snapshot:
         cache = self.engine.cache
