@@ -10,7 +10,9 @@ matches the round proposes nothing and is a plain decode step.
 The same idea as Hugging Face transformers' `prompt_lookup_num_tokens` and vLLM's `ngram`
 speculative method: try the longest n-gram first (max_ngram down to min_ngram), since a longer
 match predicts the continuation better. This one takes the latest match (transformers takes
-the earliest): in a rewrite the nearest earlier occurrence is the one being copied.
+the earliest): in a rewrite the nearest earlier occurrence is the one being copied. The
+server's lookup (``lookup_past_insertion``) also keeps its place in a copy when the model puts
+in a token of its own (a comma): it resumes past it.
 Leaves out: suffix trees and other indexes (a scan of a few thousand tokens is cheap here).
 """
 from dataclasses import dataclass
@@ -28,9 +30,12 @@ TASK = "Rewrite the following passage exactly, word for word:\n\n"
 
 @dataclass(frozen=True)
 class PromptLookup:
-    """The draft for speculative_generate: n-grams of max_ngram down to min_ngram tokens."""
+    """The draft for speculative_generate: n-grams of max_ngram down to min_ngram tokens;
+    past_insertion: a copy resumes past one token the text put in (``lookup_past_insertion``,
+    the server's lookup), else the plain rule (``prompt_lookup``, transformers' and vLLM's)."""
     max_ngram: int = 3
     min_ngram: int = 1
+    past_insertion: bool = False
 
     def __post_init__(self):
         if not 1 <= self.min_ngram <= self.max_ngram:
@@ -38,7 +43,8 @@ class PromptLookup:
                              f"{self.max_ngram}")
 
     def propose(self, tokens, n: int) -> list:
-        return prompt_lookup(tokens, n, self.max_ngram, self.min_ngram)
+        rule = lookup_past_insertion if self.past_insertion else prompt_lookup
+        return rule(tokens, n, self.max_ngram, self.min_ngram)
 
 
 def prompt_lookup(tokens, n: int, max_ngram: int = 3, min_ngram: int = 1) -> list:
@@ -55,7 +61,41 @@ def prompt_lookup(tokens, n: int, max_ngram: int = 3, min_ngram: int = 1) -> lis
     []
     """
     seq = np.asarray(tokens)
+    k, follow = latest_match(seq, max_ngram, min_ngram)
+    return seq[follow:follow + n].tolist() if k else []
+
+
+def lookup_past_insertion(tokens, n: int, max_ngram: int = 3, min_ngram: int = 1) -> list:
+    """prompt_lookup, unless the text has just put in a token of its own while copying: where
+    the n-gram ending one token before the last has a longer earlier match than the n-gram
+    ending at the last, the last token is taken as put in (a comma the copy lacks), and the
+    proposals are what followed that longer match: the copy resumes where it was.
+
+    A model rewriting a passage adds a comma, "every evening, the keeper": the last 1-gram
+    "," matches some comma of the passage, a wrong place, and its proposals are rejected at
+    once; "bay. Every evening" (4 tokens) ending just before it matches the passage, and
+    what followed there, "the keeper", is what the model writes next.
+
+    >>> text = [5, 6, 7, 8, 9, 2, 5, 6, 7, 0]    # "5 6 7" copied, then 0 put in
+    >>> prompt_lookup(text, 3), lookup_past_insertion(text, 3)
+    ([], [8, 9, 2])
+    >>> lookup_past_insertion([1, 2, 1, 3, 1], 2)  # a longer match at the last token: as before
+    [3, 1]
+    """
+    seq = np.asarray(tokens)
+    k, follow = latest_match(seq, max_ngram, min_ngram)
+    before, resume = latest_match(seq[:-1], max_ngram, min_ngram)
+    if before > k:                                  # the last token was put in
+        k, follow = before, resume
+    return seq[follow:follow + n].tolist() if k else []
+
+
+def latest_match(seq: np.ndarray, max_ngram: int, min_ngram: int) -> tuple:
+    """The longest k (max_ngram down to min_ngram) whose last k tokens of seq occurred earlier
+    -> (k, where what followed their latest earlier occurrence starts); (0, None) if none."""
     L = len(seq)
+    if L < 2:
+        return 0, None
     ends = np.flatnonzero(seq[:-1] == seq[-1])  # where an earlier k-gram could end (its last)
     for k in range(min(max_ngram, L - 1), min_ngram - 1, -1):
         # a k-gram ending at e matches the last k tokens when seq[e - j] == seq[L-1 - j] for
@@ -64,9 +104,8 @@ def prompt_lookup(tokens, n: int, max_ngram: int = 3, min_ngram: int = 1) -> lis
         for j in range(1, k):
             found = found[seq[found - j] == seq[L - 1 - j]]
         if len(found):
-            follow = found[-1] + 1                                      # latest match
-            return seq[follow:follow + n].tolist()
-    return []
+            return k, found[-1] + 1                                     # latest match
+    return 0, None
 
 
 def replay(tokens, prompt_len: int, gamma: int, draft: PromptLookup) -> list:

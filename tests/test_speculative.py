@@ -11,7 +11,7 @@ from scipy.stats import chisquare
 import minitransformer as mt
 from minitransformer import speculative
 from minitransformer.sampling import SamplingSettings, apply_repetition_penalty, probabilities
-from minitransformer.lookup import PromptLookup, replay
+from minitransformer.lookup import PromptLookup, lookup_past_insertion, prompt_lookup, replay
 from minitransformer.speculative import first_layers, leviathan_step, speculative_generate
 from minitransformer.checkpoints.synth import default_model, make_checkpoint, qwen2_config
 from quant.qmodel import quantize_model
@@ -98,6 +98,28 @@ def test_prompt_lookup_greedy_equals_plain_greedy_and_drafts_from_repeats(tiny_m
     looped = speculative_generate(tiny_model, PromptLookup(), plain + plain, 20, gamma=4,
                                   eos_token_id=[])
     assert looped.accepted > 0
+
+
+def test_a_lookup_past_an_insertion_resumes_the_copy_and_is_otherwise_prompt_lookups():
+    """A text copying a passage puts in a token of its own (a comma the passage lacks, seen
+    elsewhere in it): the last 1-gram matches a wrong place, the longer n-gram before it the
+    right one, and the copy resumes where it was; copying with nothing put in, or a token
+    that continues the copy, the proposals are prompt_lookup's."""
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        passage = rng.permutation(np.arange(100, 140))[:30].tolist()    # no token repeats
+        cut = int(rng.integers(3, 27))                  # copied so far: passage[:cut]
+        comma = passage[int(rng.choice([i for i in range(30) if i != cut]))]
+        copying = passage + passage[:cut]
+        put_in = copying + [comma]
+        n, k = int(rng.integers(1, 6)), int(rng.integers(2, 5))
+        resumed = copying[cut:cut + n]                  # what followed passage[:cut]
+        assert prompt_lookup(put_in, n, k) != resumed   # the comma's place: a wrong one
+        assert lookup_past_insertion(put_in, n, k) == resumed
+        for tokens in (copying, copying + [passage[cut]], put_in + passage[cut:cut + 2]):
+            assert lookup_past_insertion(tokens, n, k) == prompt_lookup(tokens, n, k)
+    assert PromptLookup(past_insertion=True).propose(put_in, 2) == passage[cut:cut + 2]
+    assert lookup_past_insertion([3], 2) == prompt_lookup([3], 2) == []
 
 
 @pytest.fixture(scope="module")

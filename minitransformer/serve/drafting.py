@@ -2,7 +2,8 @@
 
     propose   every decoding sequence asks for up to n_b proposals, all in ONE call
               (``Proposer.propose``): a prompt lookup over its prompt and output (vLLM's
-              ``ngram``, lookup.py), or a draft model (``DraftModel``)
+              ``ngram``, resuming a copy past a token the model put in:
+              lookup.py's ``lookup_past_insertion``), or a draft model (``DraftModel``)
     length    ``draft_length``: how many a sequence asks for this step, from its acceptance
               so far and the batch (docs/serving.md, "The draft length")
 
@@ -88,7 +89,8 @@ class Proposer:
                       draft_model.config)
         if config.method == "ngram":
             self.lookup = LookupDraft(PromptLookup(config.prompt_lookup_max,
-                                                   config.prompt_lookup_min),
+                                                   config.prompt_lookup_min,
+                                                   past_insertion=True),
                                       target.config.vocab_size)
             self.draft, self.cost = None, 0.0
             return

@@ -11,7 +11,7 @@ from minitransformer.backend import to_numpy
 from conftest import NEAR_TIE
 from minitransformer.checkpoints.synth import qwen2_config, random_model
 from minitransformer.generate import last_logits, last_logits_alone
-from minitransformer.lookup import prompt_lookup
+from minitransformer.lookup import lookup_past_insertion, prompt_lookup
 from minitransformer.model import forward
 from minitransformer.sampling import GREEDY
 from minitransformer.serve.paged import PagedCache
@@ -322,10 +322,16 @@ def test_a_draft_model_drafts_with_its_own_cache(close_calls):
 
 
 def test_ngram_proposals_are_the_lookup_over_prompt_and_output(model):
+    """The server's lookup resumes a copy past a token put in (lookup_past_insertion): the
+    last text copied 6 7, then put in 0, which prompt_lookup finds nowhere."""
     spec = Speculator(SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_max=2), model)
-    for tokens in ([5, 6, 7, 9, 5, 6], [1, 2, 3], [4, 4, 4, 4], [1, 2, 3, 1]):  # 2-, no, 1-gram
+    for tokens in ([5, 6, 7, 9, 5, 6], [1, 2, 3], [4, 4, 4, 4], [1, 2, 3, 1],  # 2-, no, 1-gram
+                   [5, 6, 7, 8, 9, 2, 5, 6, 7, 0]):                          # 0 put in
         (drafts, dists), = spec.proposer.propose([Ask(0, tokens, 3, GREEDY, None)])
-        assert drafts == prompt_lookup(tokens, 3, 2, 1) and dists == [None] * len(drafts)
+        assert drafts == lookup_past_insertion(tokens, 3, 2, 1)
+        assert dists == [None] * len(drafts)
+    assert drafts == [8, 9, 2] and prompt_lookup(tokens, 3, 2, 1) == []
+    assert spec.proposer.shadow(tokens) == 8
 
 
 # ---------------------------------------------------------------------------- the counters
