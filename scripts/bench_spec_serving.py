@@ -27,7 +27,7 @@ Every round is timed twice: wall (the engine's decode steps, as it times them) a
 inflate, with one BLAS thread): on a shared machine the CPU ratio is the steadier figure.
 
 The default speculation drafts up to 8 tokens and stops a sequence's drafting while its
-acceptance is below 0.5 (``min_acceptance``, speculate.py). Long drafts: on a CPU most of a
+acceptance is below 0.5 (``min_acceptance``, drafting.py). Long drafts: on a CPU most of a
 verification's cost is the step from one row (a matrix-vector product) to a few (a matrix
 product), which any draft pays; the rows after it cost little, so a right draft pays most when
 long. The bar: free generation's lookups find some match most steps and are rarely right, and

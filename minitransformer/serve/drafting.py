@@ -12,8 +12,8 @@ its own (paged.py: the draft's layers and heads, the target's block size and cou
 sequence takes blocks at its first draft and gives them back when it is trimmed, forgotten,
 cancelled or over. The draft's cache lags the sequence: it holds what the draft has seen, so
 each sequence feeds what it has not (its prompt at its first draft, then the one or two
-tokens kept last round). Proposing n tokens for B sequences is n forward passes of the draft,
-whatever B:
+tokens kept last round, or all it made while it drafted nothing). Proposing n tokens for B
+sequences is n forward passes of the draft, whatever B:
 
     position 0     ONE ragged pass (paged.RaggedView): each sequence feeds its unseen tokens,
                    the sequences feeding as many one group -> every row's first proposal
@@ -38,10 +38,11 @@ drafts shorten as the batch grows and as a sequence's proposals are rejected.
 With ``min_acceptance`` = m set (either way), a sequence whose alpha is below m drafts nothing
 this step: one row, a plain decode's cost, where its drafts have mostly been rejected (free
 generation: a lookup that finds some match almost every step, and little of it right).
-And a lookup, whose proposals are judged for free (below), drafts only once one has been:
-a sequence's first decode step only judges (its alpha 1/2 before any evidence would pass
-m = 1/2), so text that does not repeat never pays for a rejected first draft, 9 rows where
-a plain step feeds 1 (on this project's CPU a 9-row pass costs about 3 one-row passes).
+And, m set, a lookup, whose proposals are judged for free (below), drafts only once one has
+been: a sequence's first decode step only judges (its alpha 1/2 before any evidence would
+pass m = 1/2), so text that does not repeat never pays for a rejected first draft, n + 1
+rows where a plain step feeds 1 (a pass over n + 1 rows costs v(n) one-row passes, well
+above 1 on a CPU: experiment 22 measures it).
 A sequence's books count, of every verified draft, its accepted tokens and the one rejected;
 and, at a step where it drafts nothing (the rule, the batch, the budget), its lookup's first
 proposal against the token the step made, free to know (a sampled token equals it with the

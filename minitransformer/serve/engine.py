@@ -5,12 +5,14 @@ Each ``step`` is plan -> run -> commit, each part in its own module:
           preempted, who decodes, which prompt chunks prefill within the token budget, who
           is admitted, and, speculating, the draft tokens each decode row may verify;
   run     here: the pool does the plan's copies and swaps (paged.py), the forward passes
-          (the decodes with their drafts and every prompt, whole or a chunk, in ONE pass
-          over a ragged batch of tokens), the head, sampling or verification, logprobs,
-          timings; nothing is written to the books;
-  commit  the scheduler accounts for what the passes made (slots written, rows trimmed to
-          the tokens they kept, full blocks named, a failed pass's sequences ended), stamps
-          first tokens and retires those that made their last.
+          (by default the decodes with their drafts and every prompt, whole or a chunk, in
+          ONE pass over a ragged batch of tokens; batch-invariant mode: each row's own
+          calls), the head, sampling or verification, logprobs, timings; nothing is written
+          to the books;
+  commit  the scheduler takes what the passes made, once the step's clock has stopped (the
+          time its tokens are stamped with): the slots written, rows trimmed to the tokens
+          they kept, full blocks named, a failed pass's sequences ended, first tokens
+          stamped, those that made their last retired.
 A request of n > 1 samples is fanned out here, before the scheduler, into n sequences (ids
 id .. id + n - 1, seeds seed + i) that share its one prefill; its holder (``run``'s results,
 the online Ticket) gathers the n choices by id and cancels each. The policies differ twice:
@@ -28,7 +30,7 @@ the run asks the proposer for every draft at once (prompt lookup over its prompt
 or a draft model's proposals), and the step's ONE forward pass verifies every sequence's
 draft, a sequence without one feeding its last token as in a plain decode; each keeps its
 accepted proposals and one token of the target's own (the library's rule, its own
-generator), and the scheduler trims its slots back to what it kept.
+generator), and the scheduler's commit trims its slots back to what it kept.
 
 Faults: an exception raised while a plan runs (a forward pass, the head, sampling, a draft)
 is the step's, not the engine's. The sequences it concerned end with status "error" and the
@@ -194,9 +196,10 @@ class Engine:
 
     def step(self) -> None:
         """Plan (the scheduler, speculation's drafts included), run (the pool's moves, the
-        forward pass, sampling or verification: nothing written to the books), account and
-        commit (the scheduler). A pass that raises ends the sequences it concerned (the
-        module's docstring, Faults)."""
+        forward pass, sampling or verification: nothing written to the books), commit (the
+        scheduler: every trim, seal, failure and retirement). The step's clock stops when
+        its tokens exist, before the commit: the time each is stamped with. A pass that
+        raises ends the sequences it concerned (the module's docstring, Faults)."""
         start = time.perf_counter()
         if not self.running() and self.waiting and self.waiting[0].result.arrival > self.clock:
             self.clock = self.waiting[0].result.arrival  # idle: jump to the next arrival
@@ -207,16 +210,18 @@ class Engine:
         made = self._run(plan)
         for work in (plan.decode, *plan.prefill, plan):  # every move done, a failed pass's too
             self._moves(work)
-        self.scheduler.account(made)
         synchronize()
-        self.clock += time.perf_counter() - start
+        self.clock += time.perf_counter() - start   # every token of this step exists now
         self.steps += 1
-        if self.history:            # after the clock: bookkeeping, not serving
-            self.memory.append(self.cache.stats())
-        self.scheduler.commit(made, self.clock)  # every token of this step exists now
+        self.scheduler.commit(made, self.clock, self._remember if self.history else None)
         if self.speculator is not None:          # the books of sequences still served
             self.speculator.retain([seq.result.id for seq in self.running()] +
                                    [seq.result.id for seq in self.waiting])
+
+    def _remember(self) -> None:
+        """History: the pool as the step left it, before anyone retires (after the clock:
+        bookkeeping, not serving)."""
+        self.memory.append(self.cache.stats())
 
     # --- running a plan ----------------------------------------------------------------------
     def _run(self, plan) -> Made:

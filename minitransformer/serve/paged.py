@@ -225,8 +225,8 @@ class PagedView:
 
     def advance(self, T: int) -> None:
         """Called by forward after every layer has stored its T new tokens. A plan's rows
-        were counted when it was made, and the scheduler marks them written when it accounts
-        for the step; a view made without a plan counts its tokens here."""
+        were counted when it was made, and the scheduler marks them written when it commits
+        the step; a view made without a plan counts its tokens here."""
         if not self.counted:
             self.cache.books.written(self.ids, self.starts, T)
             for s in self.seqs:

@@ -13,12 +13,11 @@ writes; it never sees the model or an array. Each ``schedule`` decides, in this 
               left and to the free list's blocks (never a kept prefix block).
 The plan counts its tokens in the books at once (vLLM counts them when scheduled): the full
 blocks a chunk fills are named at once, so a prompt admitted later in the same step finds
-them. After the engine has run the plan, the scheduler takes what it made (``Made``):
-``account`` brings the books up to date (the slots written, a failed pass's sequences
-ended, each row trimmed back to the tokens it kept: rejected or unproposed draft slots go
-back, its full blocks named), then ``commit`` stamps first-token times, and a sequence that made its last
-token retires (``retire``, beside ``admits``: the two decisions where the policies differ;
-the table is in engine.py).
+them. After the engine has run the plan, writing nothing to the books, ``commit`` takes what
+it made (``Made``): the slots written, a failed pass's sequences ended, each row trimmed back
+to the tokens it kept (rejected or unproposed draft slots go back) and its full blocks named;
+then first-token times, and a sequence that made its last token retires (``retire``, beside
+``admits``: the two decisions where the policies differ; the table is in engine.py).
 
 The n samples of a request come fanned out (``fan_out``), n sequences queued one behind the
 other, each its own; the first computes the prompt, and each other ``shares_prompt_with`` it:
@@ -96,7 +95,7 @@ class Work:
 
 @dataclass
 class Made:
-    """What running a plan made, for the scheduler to account for."""
+    """What running a plan made, for the scheduler's ``commit``."""
     seqs: list                      # the sequences that made tokens
     ran: list                       # the Works whose pass ran: their slots are written
     failed: list = ()               # Works whose pass raised, or would read what one was to fill
@@ -183,11 +182,15 @@ class Scheduler:
                                         wants(rows), spare)
         return Plan(decode, prefill, admitted, preempted, moves)
 
-    def account(self, made: Made) -> None:
-        """The books after the plan ran: its written slots are no longer being filled; a
-        failed pass's sequences end (the engine's docstring, Faults); every row that made
-        tokens holds exactly what it computed and kept (its draft slots past them, rejected
-        or never proposed, go back: ``trim``), its full blocks named."""
+    def commit(self, made: Made, now: float, kept=None) -> None:
+        """What the plan's run made, into the books, then the step's ends, at ``now`` (the
+        engine's clock once the step's tokens exist). The written slots are no longer being
+        filled; a failed pass's sequences end (the engine's docstring, Faults); every row
+        that made tokens holds exactly what it computed and kept (its draft slots past them,
+        rejected or never proposed, go back: ``trim``), its full blocks named. kept(), if
+        given, is called then (the engine's memory history: the books as the step left
+        them). Last, first-token times, and those that made their last token retire."""
+        self.now = now
         for work in made.ran:
             for seq_id, start, held in work.slots():
                 self.blocks.written([seq_id], [start], held)
@@ -202,10 +205,8 @@ class Scheduler:
                 self._keep(seq)
         if made.failed:
             self.blocks.check()
-
-    def commit(self, made: Made, now: float) -> None:
-        """The step's tokens exist: first-token times; those that made their last retire."""
-        self.now = now
+        if kept is not None:
+            kept()
         for seq in made.seqs:
             if len(seq.result.tokens) == 1:
                 seq.result.first_token = now

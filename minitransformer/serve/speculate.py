@@ -2,7 +2,7 @@
 
 The library's ``speculative_generate`` (speculative.py) runs one sequence: draft, verify in one
 target pass, keep, trim. An engine step does the same for the whole batch at once, each part
-where it belongs (the engine's step is plan -> run -> account and commit either way):
+where it belongs (the engine's step is plan -> run -> commit either way):
 
     want      ``wants``: the draft tokens each decoding sequence would verify, by the length
               rule (drafting.py's ``draft_length``), never past its request's end or the draft
@@ -13,15 +13,17 @@ where it belongs (the engine's step is plan -> run -> account and commit either 
     propose   ``propose``: every row's proposals from ONE call of the proposer (drafting.py:
               a prompt lookup, or a draft model whose cache is paged, one batched draft pass
               per draft position), at most the slots held
-    verify    the engine's ONE forward pass (with the step's prompt chunks where it mixes
-              them): sequence b feeds its last token and its proposals; a sequence without
-              a draft feeds its last token alone, an ordinary decode row. Then, per sequence,
-              ``verify``: the library's rule on its rows of logits (``speculative.verify``:
-              greedy keeps the longest agreeing prefix plus one token of the target's own;
-              sampling, Leviathan's rejection rule, with the sequence's own generator), the
-              counters, the acceptance books, the draft's cache kept to the same tokens
-    account   the scheduler trims each sequence back to the tokens it kept: the slots of
-              rejected (or never proposed) proposals go back to the pool
+    verify    the engine's ONE forward pass (by default with the step's prompts, whole or
+              chunks, beside them): sequence b feeds its last token and its proposals; a
+              sequence without a draft feeds its last token alone, an ordinary decode row.
+              Then, per sequence, ``verify``: the library's rule on its rows of logits
+              (``speculative.verify``: greedy keeps the longest agreeing prefix plus one
+              token of the target's own; sampling, Leviathan's rejection rule, with the
+              sequence's own generator), the counters, the acceptance books, the draft's
+              cache kept to the same tokens
+    commit    the scheduler trims each sequence back to the tokens it kept: the slots of
+              rejected (or never proposed) proposals go back to the pool, the full blocks of
+              kept tokens are named for the prefix cache
 
 The verification pass (engine.py's ``decode_logits``, or its mixed pass): by default a ragged
 batch (paged.RaggedView), the sequences feeding as many tokens one group, causal within each
@@ -38,7 +40,7 @@ The draft length, the acceptance books (a sequence's accepted and judged proposa
 step where it drafts nothing its lookup's first proposal judged against the token made) and
 the counters (``SpecCounters``, served under vLLM's names in /metrics): docs/serving.md,
 "Speculative decoding".
-Leaves out: tree drafts, EAGLE/Medusa heads.
+Leaves out: tree drafts, EAGLE/Medusa heads, a draft model's prefix cache.
 """
 from dataclasses import dataclass, field, replace
 

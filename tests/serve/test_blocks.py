@@ -213,7 +213,7 @@ def test_a_readied_block_is_written_once_even_when_shared_then_never():
     positions = view.positions(5)
     view.slots(positions)                               # a may write: room was made for it
     view.advance(5)
-    cache.books.written(["a"], starts, 5)               # as the scheduler accounts for it
+    cache.books.written(["a"], starts, 5)               # as the scheduler's commit does
     again = cache.view(["a"], [0])
     with pytest.raises(RuntimeError, match="shared or named"):
         again.slots(again.positions(4))

@@ -133,6 +133,19 @@ def test_the_samples_waiting_for_a_prompt_that_fails_end_with_it(model, fault):
     assert run.results[2].tokens == solo(model, good)
 
 
+def test_a_failed_requests_end_is_stamped_with_the_clock_of_the_step_that_failed_it(model, fault):
+    """As a finished request's end: the engine's clock as the failing step reports it, once
+    its passes are over (the step's end, not its start); returned then too."""
+    fault(poisoned)
+    clocks = []
+    served = Engine(model, EngineConfig(max_num_seqs=2))
+    run = served.run([Request(POISON + (5,), 4, n=2, eos_token_id=[])],
+                     on_step=lambda e: clocks.append(e.clock))
+    assert [r.status for r in run.results] == ["error", "error"] and len(clocks) == 1
+    assert clocks[0] > 0.0
+    assert all(r.finished == r.returned == clocks[0] for r in run.results)
+
+
 SETTINGS = {  # name -> EngineConfig fields: the ways a step may be shaped (default mode)
     "continuous": {},
     "static": {"policy": "static"},
@@ -173,7 +186,7 @@ def test_an_engine_that_cannot_go_on_ends_everything_says_so_and_stops(model, mo
                                                      num_gpu_blocks_override=40)),
                           on_failure=heard.append)
 
-    def broken(self, made, now):
+    def broken(self, made, now, kept=None):
         raise RuntimeError("the books are broken")
     updates = []
     with online.lock:           # both submitted before the first step
@@ -304,7 +317,8 @@ def test_the_serve_command_drains_and_exits_1_when_its_engine_cannot_go_on(chat_
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     code = ("import sys\nfrom minitransformer.serve.scheduler import Scheduler\n"
-            "def broken(self, made, now):\n    raise RuntimeError('the books are broken')\n"
+            "def broken(self, made, now, kept=None):\n"
+            "    raise RuntimeError('the books are broken')\n"
             "Scheduler.commit = broken\nfrom minitransformer.__main__ import main\n"
             "main(sys.argv[1:])")
     process = subprocess.Popen([sys.executable, "-c", code, "serve", "--model",

@@ -7,8 +7,9 @@ from types import SimpleNamespace
 
 import pytest
 
+import minitransformer as mt
 from minitransformer.serve import engine as engine_module
-from minitransformer.serve.config import EngineConfig
+from minitransformer.serve.config import EngineConfig, SpeculativeConfig
 from minitransformer.serve.engine import Engine
 from minitransformer.serve.records import Request
 
@@ -64,7 +65,6 @@ def test_the_run_names_its_policy(tiny_model):
 
 
 def test_a_stopped_clock_times_each_verification_at_zero(tiny_model, monkeypatch):
-    from minitransformer.serve.config import SpeculativeConfig
     monkeypatch.setattr(engine_module, "time", SimpleNamespace(perf_counter=lambda: 1000.0))
     spec = SpeculativeConfig(num_speculative_tokens=2, prompt_lookup_max=2)
     run = Engine(tiny_model, EngineConfig(max_num_seqs=2, speculative_config=spec),
@@ -73,3 +73,37 @@ def test_a_stopped_clock_times_each_verification_at_zero(tiny_model, monkeypatch
     assert {seconds for _, seconds in run.decode_times} == {0.0}
 
 
+
+
+def test_each_record_is_stamped_with_the_clock_of_the_step_that_made_it(tiny_model):
+    """A first token's time and an end's (returned then too, continuous) are the engine's
+    clock as the step that made them reports it: the step's clock stops before its commit
+    stamps them."""
+    clocks, seen = [], []
+
+    def on_step(engine):
+        clocks.append(engine.clock)
+        seen.append({r.id: (len(r.tokens), r.status) for r in engine.results.values()})
+    engine = Engine(tiny_model, EngineConfig(max_num_seqs=2), history=True)
+    run = engine.run([Request((1, 2, 3), n, eos_token_id=[]) for n in (1, 3, 2)], on_step)
+    for r in run.results:
+        first = next(i for i, step in enumerate(seen) if step[r.id][0] == 1)
+        last = next(i for i, step in enumerate(seen) if step[r.id][1] == "finished")
+        assert r.first_token == clocks[first] and r.finished == r.returned == clocks[last]
+    assert run.elapsed == clocks[-1] == engine.clock
+
+
+def test_the_memory_history_reads_each_steps_books_as_its_commit_left_them(checkpoint_dir):
+    """Speculating, with drafts rejected: each step's entry holds the sequence at the tokens
+    it kept, all but its last (no draft slot past them: the commit trimmed them back first),
+    and the step that made its last token still holds it (it retires after the entry)."""
+    model = mt.load(checkpoint_dir("qwen2-close-calls"))   # its next token is not its last
+    spec = SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_max=3)
+    engine = Engine(model, EngineConfig(max_num_seqs=2, speculative_config=spec), history=True)
+    prompt, made = (332, 467, 257, 310, 497), []    # its 10th token: a draft of 4, 3 rejected
+    run = engine.run([Request(prompt, 16, eos_token_id=[])],
+                     on_step=lambda e: made.append(len(e.results[0].tokens)))
+    counters = engine.speculator.counters
+    assert counters.draft_tokens > counters.accepted_tokens   # some draft slots went back
+    assert [(m.sequences, m.tokens_logical) for m in run.memory] == \
+        [(1, len(prompt) + k - 1) for k in made]

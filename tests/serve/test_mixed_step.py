@@ -2,7 +2,8 @@
 prefill, whole prompts without) go through the layers as one ragged batch of tokens
 (paged.RaggedView), every weight multiplied once; tokens obey the near-tie rule, as a chunked
 prefill's do (conftest's policy), and batch-invariant mode keeps each row's own calls. A
-static batch's padding row rides beside a later prompt's chunks without growing."""
+static batch's padding row rides beside a later prompt's chunks without growing; speculating,
+the decodes' drafts are verified in that same pass."""
 import numpy as np
 import pytest
 
@@ -11,7 +12,7 @@ import minitransformer.serve.engine as engine_module
 import minitransformer as mt
 from minitransformer.logprobs import log_softmax
 from minitransformer.model import forward
-from minitransformer.serve.config import EngineConfig
+from minitransformer.serve.config import EngineConfig, SpeculativeConfig
 from minitransformer.serve.engine import Engine
 from minitransformer.serve.records import Request
 from test_engine import assert_pool_whole, assert_solo
@@ -152,6 +153,25 @@ def test_a_decode_and_new_prompts_share_one_forward_pass(tiny_model, monkeypatch
     engine.step()
     assert calls == [1]
     assert [len(engine.results[i].tokens) for i in (a, *new)] == [2] + [1] * len(prompts)
+
+
+def test_a_speculating_step_verifies_its_drafts_beside_new_prompts_in_one_pass(tiny_model,
+                                                                              monkeypatch):
+    """A decoding sequence drafts 2 tokens while a 20-token prompt arrives: its verification
+    and the prompt go through the layers in ONE ragged pass (its last token, its 2
+    proposals, the prompt), and the prompt's first token comes from it."""
+    spec = SpeculativeConfig(num_speculative_tokens=2, prompt_lookup_max=2)
+    engine = Engine(tiny_model, EngineConfig(max_num_seqs=2, speculative_config=spec))
+    a = engine.submit(Request((1, 2), 12, eos_token_id=[]))
+    engine.step()
+    proposer = engine.speculator.proposer    # whatever the text, every ask gets its n
+    monkeypatch.setattr(proposer, "propose", lambda asks: [([7] * ask.n, [None] * ask.n)
+                                                           for ask in asks])
+    b = engine.submit(Request(tuple(range(5, 25)), 2, eos_token_id=[]))
+    passes, _ = counted(monkeypatch)
+    engine.step()
+    assert engine.speculator.counters.draft_tokens == 2 and passes == [(1, 1 + 2 + 20)]
+    assert len(engine.results[a].tokens) >= 2 and len(engine.results[b].tokens) == 1
 
 
 def test_a_static_padding_row_beside_a_later_chunk_holds_its_length(tiny_model):

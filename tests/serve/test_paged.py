@@ -320,7 +320,7 @@ def test_a_row_of_a_planned_view_writes_that_sequence_alone(tiny_model):
         assert row.ids == [["a", "b"][b]]
         forward(tiny_model, np.array([[token]]), row)
     assert cache.books.filling                          # the view writes no book
-    cache.books.written(["a", "b"], starts, 1)          # the scheduler's account
+    cache.books.written(["a", "b"], starts, 1)          # the scheduler's commit
     assert not cache.books.filling
     cache.books.check()
     for name, prompt, token in (("a", [1, 2], 7), ("b", [3, 4], 8)):

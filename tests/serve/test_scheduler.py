@@ -38,15 +38,9 @@ def run(plan, token=7) -> Made:
     return Made(made, [plan.decode] + plan.prefill)
 
 
-def account_and_commit(s, plan, now):
-    made = run(plan)
-    s.account(made)                 # the books: slots written, padding rows trimmed back
-    s.commit(made, now)
-
-
 def step(s, now=0.0):
     plan = s.schedule(now)
-    account_and_commit(s, plan, now)
+    s.commit(run(plan), now)        # slots written, padding rows trimmed back, retirements
     s.blocks.check()
     books = s.blocks                # readied, unwritten: only blocks past a sequence's length
     assert all(any(b in seq.blocks[books.blocks_for(seq.length):] for seq in books.seqs.values())
@@ -90,7 +84,7 @@ def test_a_free_slot_takes_the_next_request_at_once_only_under_continuous(policy
         plan = s.schedule(float(i))
         admitted.update((seq.result.id, i) for seq in plan.admitted)
         padding += [ids([row]) for row in plan.decode.rows if row.finished]
-        account_and_commit(s, plan, float(i))
+        s.commit(run(plan), float(i))
     assert admitted == {0: 0, 1: 0, 2: admitted_at}
     assert (padding == [[0], [0]]) == (policy == "static")   # short's row, held as padding
     assert short.result.returned == (0.0 if policy == "continuous" else 2.0)
@@ -108,7 +102,7 @@ def test_the_latest_admitted_is_preempted_to_host_and_comes_back_first():
     assert [type(m) for m in plan.decode.moves] == [SwapOut]
     assert plan.decode.moves[0].into is late.swapped and late.swapped.length == 4
     assert late.result.status == "waiting" and s.waiting[0] is late and s.preemptions == 1
-    account_and_commit(s, plan, 2.0)
+    s.commit(run(plan), 2.0)
     while late.swapped is not None:
         plan = step(s, 3.0)
     assert [type(m) for m in plan.moves] == [SwapIn]  # back in once early's blocks are free

@@ -208,7 +208,7 @@ def step(spec, cache, rows, batch_invariant=True, spare=None):
 
 
 def keep(cache, seq_id, valid: int) -> None:
-    """As the scheduler accounts for a step: the sequence holds its first `valid` tokens,
+    """As the scheduler's commit keeps a step: the sequence holds its first `valid` tokens,
     its slots past them (rejected or unproposed drafts) go back."""
     cache.books.trim(seq_id, cache.books.seqs[seq_id].length - valid)
 
