@@ -288,7 +288,7 @@ def planted(scratch: Path, markdown=None) -> int:
                   columns=[("feature", ""), ("bug", ""), ("tests", ""), ("outcome", ""),
                            ("seconds", ".0f")], chapter=False)
     table.header("scripts/mutation.py --planted; each bug alone, its tests stop at the first "
-                 "failure (python3 -m pytest -x)")
+                 "failure (python3 -m pytest -x -n 0: one process)", ran_on())
     env = dict(os.environ, PYTHONPATH=str(scratch))
     bad = 0
     for i, (feature, bug, path, line, broken, tests) in enumerate(PLANTED, 1):
@@ -300,7 +300,7 @@ def planted(scratch: Path, markdown=None) -> int:
         else:
             target.write_text(original.replace(line, broken))
             try:
-                done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x",
+                done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-n", "0",
                                        "-p", "no:cacheprovider", *tests, path], cwd=scratch,
                                       env=env, capture_output=True, text=True)
             finally:
@@ -309,15 +309,33 @@ def planted(scratch: Path, markdown=None) -> int:
                 done.returncode, f"error (pytest exit status {done.returncode})")
             caught = [ln for ln in done.stdout.splitlines() if ln.startswith("FAILED ")]
             if caught:
-                outcome += f" by {caught[0].split()[1].split('::', 1)[-1]}"
+                test = caught[0][len("FAILED "):].split(" - ", 1)[0]   # an id may hold spaces
+                outcome += f" by {test.split('::', 1)[-1]}"
         bad += not outcome.startswith("caught")
-        say(f"[{i}/{len(PLANTED)}] {feature}: {bug}: {outcome}")
-        table.row(feature, bug, ", ".join(Path(t).stem for t in tests), outcome,
-                  time.perf_counter() - start)
+        seconds = time.perf_counter() - start
+        say(f"[{i}/{len(PLANTED)}] {feature}: {bug}: {outcome} ({seconds:.0f} s)")
+        table.row(feature, bug, ", ".join(Path(t).stem for t in tests), outcome, seconds)
     table.show()
     if markdown:
         Path(markdown).write_text(table.markdown())
     return 1 if bad else 0
+
+
+def ran_on() -> str:
+    """When, on which commit and on what machine a run ran, for its table's header: the UTC
+    date, the tree's commit (marked where the copied files differ from it), the CPU and BLAS
+    kernel, the load."""
+    from datetime import datetime, timezone
+
+    from minitransformer.kernels.tuning import machine
+    git = lambda *a: subprocess.run(["git", *a], cwd=ROOT, capture_output=True,  # noqa: E731
+                                    text=True).stdout.strip()
+    commit = git("rev-parse", "--short", "HEAD") or "no git"
+    if git("status", "--porcelain", "--", *COPIED):
+        commit += " with uncommitted changes"
+    when = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    return (f"run {when} on commit {commit}; {machine()}; load average "
+            f"{os.getloadavg()[0]:.1f} at start")
 
 
 def module_prefix(name) -> str:
