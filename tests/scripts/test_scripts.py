@@ -4,9 +4,13 @@ These are smoke tests with teeth: each script must exit cleanly, and where its t
 exact figure (the chapter's budget and speculative formulas, identical tokens) the figure is
 checked. Timings are printed by the scripts, never asserted here.
 """
+import builtins
+import io
 import json
+import keyword
 import os
 import re
+import tokenize
 from pathlib import Path
 
 import pytest
@@ -216,6 +220,35 @@ def test_every_planted_bug_names_one_line_of_today_and_tests_that_exist():
         assert line != broken, bug
         for test in tests:
             assert (root / test.split("::")[0]).is_file(), (bug, test)
+
+
+def test_every_planted_bug_compiles_and_reads_only_names_its_file_has():
+    """A planted bug that cannot be imported (a name renamed since it was written) fails its
+    tests' collection, not a test: --planted reports an error, not the bug caught. Each broken
+    file must compile, and each name the broken line reads that the line did not (attributes
+    aside) must be a builtin or a name the file holds."""
+    from mutation import PLANTED
+    root = SCRIPTS.parent
+    known = set(keyword.kwlist) | set(dir(builtins))
+    for feature, bug, path, line, broken, tests in PLANTED:
+        original = (root / path).read_text()
+        compile(original.replace(line, broken), path, "exec")
+        unknown = read_names(broken) - read_names(line) - read_names(original) - known
+        assert not unknown, (path, bug, unknown)
+
+
+def read_names(code: str) -> set:
+    """The names a piece of code reads, attributes (after a dot) left out; a piece of a
+    statement (an open bracket) read up to where it stops."""
+    names, previous = set(), None
+    try:
+        for token in tokenize.generate_tokens(io.StringIO(code.strip() + "\n").readline):
+            if token.type == tokenize.NAME and previous != ".":
+                names.add(token.string)
+            previous = token.string
+    except (tokenize.TokenError, IndentationError):
+        pass
+    return names
 
 
 def test_the_readme_names_the_experiments_that_take_no_model(run_script):
