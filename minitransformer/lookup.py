@@ -84,28 +84,29 @@ def lookup_past_insertion(tokens, n: int, max_ngram: int = 3, min_ngram: int = 1
     """
     seq = np.asarray(tokens)
     k, follow = latest_match(seq, max_ngram, min_ngram)
-    before, resume = latest_match(seq[:-1], max_ngram, min_ngram)
-    if before > k:                                  # the last token was put in
-        k, follow = before, resume
+    if k < max_ngram:                               # (else none before it is longer)
+        before, resume = latest_match(seq[:-1], max_ngram, min_ngram)
+        if before > k:                              # the last token was put in
+            k, follow = before, resume
     return seq[follow:follow + n].tolist() if k else []
 
 
 def latest_match(seq: np.ndarray, max_ngram: int, min_ngram: int) -> tuple:
     """The longest k (max_ngram down to min_ngram) whose last k tokens of seq occurred earlier
-    -> (k, where what followed their latest earlier occurrence starts); (0, None) if none."""
-    L = len(seq)
+    -> (k, where what followed their latest earlier occurrence starts); (0, None) if none.
+    The n-gram grows back from the last token while an earlier occurrence of it remains."""
+    L, k, follow = len(seq), 0, None
     if L < 2:
-        return 0, None
-    ends = np.flatnonzero(seq[:-1] == seq[-1])  # where an earlier k-gram could end (its last)
-    for k in range(min(max_ngram, L - 1), min_ngram - 1, -1):
-        # a k-gram ending at e matches the last k tokens when seq[e - j] == seq[L-1 - j] for
-        # j < k (e = L - 1 itself is not an earlier occurrence): the candidates, narrowed
-        found = ends[ends >= k - 1]
-        for j in range(1, k):
-            found = found[seq[found - j] == seq[L - 1 - j]]
-        if len(found):
-            return k, found[-1] + 1                                     # latest match
-    return 0, None
+        return k, follow
+    found = np.flatnonzero(seq[:-1] == seq[-1])  # where an earlier 1-gram ends (e < L - 1)
+    for size in range(1, min(max_ngram, L - 1) + 1):
+        if size > 1:            # the ends whose n-gram also holds seq[L - size], size - 1 back
+            found = found[found >= size - 1]
+            found = found[seq[found - size + 1] == seq[L - size]]
+        if not len(found):
+            break
+        k, follow = size, found[-1] + 1                                 # latest match
+    return (k, follow) if k >= min_ngram else (0, None)
 
 
 def replay(tokens, prompt_len: int, gamma: int, draft: PromptLookup) -> list:
