@@ -6,12 +6,22 @@ It takes the same arguments and returns the same numbers within float32 rounding
 it with its mask, as a way to attend (model.Attention); ``ATTENTIONS`` names the two ways, as
 a cache is allocated with one (``KVCache.allocate(..., attention="tiled")``) and generate takes
 one, for prefill and decode alike.
+
+``two_pass_attention`` is the plain attention for a few queries a row (a decode step): its
+keys and values read a tile at a time too, but its scores, tiny at one query a row, written
+whole and softmaxed once over the row as plain does: no running maximum, a few calls a tile.
+``TWO_PASS`` is it with plain's mask: how a paged pool's decodes read their blocks where they
+lie (serve/paged.py).
 """
 from minitransformer.backend import to_numpy, xp
 from minitransformer.kvquant import dequantize, on_floats
-from minitransformer.model import Attention, causal_mask, plain_attention
+from minitransformer.model import Attention, causal_mask, plain_attention, softmax
 
 BLOCK = 64  # queries and keys per tile: a tile of scores is 64 x 64 floats (16 KB) per head
+# slots of keys (and values) two_pass_attention reads at a time: a row of 1,024 in 4 tiles.
+# Measured on SmolLM2's 8-row decode step at 1,024 tokens: tiles of 128 or 512 slots were
+# slower than 256 (more calls a layer; a larger copy a tile).
+DECODE_TILE = 256
 
 
 class CausalTiles:
@@ -98,6 +108,52 @@ def tiled_attention(q, k, v, visible=None, block: int = BLOCK):
     return out.transpose(0, 3, 1, 2, 4).reshape(B, T, H * d)
 
 
+def two_pass_attention(q, k, v, visible=None, tile: int = DECODE_TILE):
+    """model.plain_attention for a few queries a row, keys and values read ``tile`` slots at
+    a time; arguments and result as plain_attention's.
+
+    q (B, T, H, d); k, v (B, Hkv, S, d): arrays, a quantized cache's QuantizedArrays, or
+    anything sliced ``[:, :, j:j + n]`` (paged.InPlace: a pool's blocks where they lie, a
+    tile's blocks copied at a time); visible (B, T, S) from causal_mask, or None
+    -> (B, T, H*d).
+
+    Pass one writes the scores q k^T of every key into one (B, Hkv, G*T, S) array, a tile of
+    keys at a time; at T = 1 that is S floats a query head (8 rows of 1,024 slots, 9 heads:
+    295 KB, against 6 MB of keys and as much of values). Then plain's own lines: the scale,
+    the mask and the softmax over whole rows. Pass two sums weights @ v a tile at a time.
+    Unlike tiled_attention, no running maximum and no rescaling: a handful of calls a tile.
+
+    Bits: rows of at most ``tile`` slots are one tile, plain_attention's very calls on the
+    same shapes: its bits. Longer rows sum weights @ v over slots a tile at a time (and the
+    scores come from products over fewer keys a call): within float32 rounding.
+
+    >>> import numpy as np
+    >>> from minitransformer.backend import to_device, to_numpy
+    >>> g = np.random.default_rng(0)
+    >>> q, k, v = (to_device(g.standard_normal(s, dtype=np.float32))
+    ...            for s in ((2, 1, 4, 8), (2, 2, 40, 8), (2, 2, 40, 8)))
+    >>> whole = to_numpy(plain_attention(q, k, v))
+    >>> bool((to_numpy(two_pass_attention(q, k, v, tile=64)) == whole).all())   # one tile
+    True
+    >>> float(abs(to_numpy(two_pass_attention(q, k, v, tile=16)) - whole).max()) < 1e-6
+    True
+    """
+    B, T, H, d = q.shape
+    Hkv, S = k.shape[1], k.shape[2]
+    G = H // Hkv
+    q = q.reshape(B, T, Hkv, G, d).transpose(0, 2, 3, 1, 4).reshape(B, Hkv, G * T, d)
+    scores = xp.concatenate([q @ dequantize(k[:, :, j:j + tile]).transpose(0, 1, 3, 2)
+                             for j in range(0, S, tile)], axis=-1)  # pass one: (B, Hkv, G*T, S)
+    scores *= 1.0 / d ** 0.5
+    if visible is not None:                                          # hide the future
+        scores = xp.where(visible[:, None, None], scores.reshape(B, Hkv, G, T, S), -xp.inf)
+    weights = softmax(scores).reshape(B, Hkv, G * T, S)
+    out = weights[..., :tile] @ dequantize(v[:, :, :tile])           # pass two: (B, Hkv, G*T, d)
+    for j in range(tile, S, tile):
+        out += weights[..., j:j + tile] @ dequantize(v[:, :, j:j + tile])
+    return out.reshape(B, Hkv, G, T, d).transpose(0, 3, 1, 2, 4).reshape(B, T, H * d)
+
+
 def hidden(visible, queries: slice, keys: slice) -> bool:
     """Does the mask hide this tile's keys from all its queries?"""
     if isinstance(visible, CausalTiles):
@@ -116,6 +172,7 @@ def largest_score_block(T: int, S: int, heads: int = 1, block: int = BLOCK) -> i
 
 
 TILED = Attention(tiled_attention, CausalTiles)  # dequantizes a block of keys at a time itself
+TWO_PASS = Attention(two_pass_attention, causal_mask)  # plain's mask; dequantizes a tile at a time
 # the ways to attend, by name: the plain one reads floats (a quantized cache's blocks all
 # dequantized at once, kvquant.on_floats), the tiled one reads what the cache holds
 ATTENTIONS = {"plain": Attention(on_floats(plain_attention), causal_mask), "tiled": TILED}

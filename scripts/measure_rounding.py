@@ -33,11 +33,10 @@ from _common import progress
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                                 "tests"))
-from conftest import CLOSE_CALLS, SHAPES, STORIES, write_checkpoint  # noqa: E402
+from conftest import (CLOSE_CALLS, SHAPES, STORIES, solo_cached,  # noqa: E402
+                      write_checkpoint)
 
 import minitransformer as mt  # noqa: E402
-from minitransformer.generate import last_logits  # noqa: E402
-from minitransformer.kvcache import KVCache  # noqa: E402
 from minitransformer.measure.timing import blas_kernel  # noqa: E402
 from minitransformer.sampling import SamplingSettings  # noqa: E402
 from minitransformer.serve.config import EngineConfig  # noqa: E402
@@ -80,15 +79,6 @@ def one_pass(model, prompt, tokens) -> np.ndarray:
     """The logits each token was picked from, by one full forward pass -> (n, V)."""
     return mt.logits(model, list(prompt) + list(tokens))[len(prompt) - 1:len(prompt) - 1
                                                          + len(tokens)]
-
-
-def solo_cached(model, prompt, tokens) -> np.ndarray:
-    """The same logits as generate computes them (prompt whole, then cached decode) -> (n, V)."""
-    kv = KVCache.allocate(model.config, 1, len(prompt) + len(tokens))
-    rows = [last_logits(model, np.array([prompt]), kv)[0]]
-    for token in tokens[:-1]:
-        rows.append(last_logits(model, np.array([[token]]), kv)[0])
-    return np.array(rows)
 
 
 def differences(logits, reference) -> tuple:

@@ -261,6 +261,18 @@ def solo_margins(model, prompt, tokens, settings, rng):
     return np.array(margins)
 
 
+def solo_cached(model, prompt, tokens) -> np.ndarray:
+    """The logits generate picks each of tokens from (prompt whole, then one token at a time
+    over a contiguous KVCache) -> (n, V): the solo run's very bits."""
+    from minitransformer.generate import last_logits
+    from minitransformer.kvcache import KVCache
+    kv = KVCache.allocate(model.config, 1, len(prompt) + len(tokens))
+    rows = [last_logits(model, np.array([prompt]), kv)[0]]
+    for token in tokens[:-1]:
+        rows.append(last_logits(model, np.array([[token]]), kv)[0])
+    return np.array(rows)
+
+
 def solo_continuation(model, prompt, n, settings, rng, eos) -> list:
     """The reference run continued from prompt (the request's prompt and the tokens so far): at
     most n tokens, each from one full forward pass, chosen by generate's rule with the run's own

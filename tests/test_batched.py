@@ -31,10 +31,11 @@ def solo_decode_logits(model, prompt, token):
     return last_logits(model, np.array([[token]]), kv)[0]
 
 
-def paged_batch(model, prompts, block_size):
-    """Each prompt prefilled alone into one paged cache -> the cache."""
+def paged_batch(model, prompts, block_size, batch_invariant=False):
+    """Each prompt prefilled alone into one paged cache, allocated as the engine allocates
+    it in that mode (batch-invariant: every pass reads its blocks gathered) -> the cache."""
     cache = PagedCache.allocate(model.config, sum(len(p) // block_size + 2 for p in prompts),
-                                block_size)
+                                block_size, in_place=not batch_invariant)
     for i, prompt in enumerate(prompts):
         held = cache.books.add(i, prompt)
         forward(model, np.array([prompt[held:]]), cache.view([i]))
@@ -49,7 +50,7 @@ def test_decode_step_is_the_solo_step(tiny_model, block_size, batch_invariant):
     lengths = [1, 3, 3, 8, 17, 40]  # equal lengths share an attention call, others do not
     prompts = [rng.integers(0, V, n).tolist() for n in lengths]
     tokens = rng.integers(0, V, len(prompts)).tolist()
-    cache = paged_batch(tiny_model, prompts, block_size)
+    cache = paged_batch(tiny_model, prompts, block_size, batch_invariant)
     cache.books.make_room(range(len(prompts)), 1)
     batched = decode_step(tiny_model, tokens, cache.view(range(6)), batch_invariant)
     for row, (prompt, token) in enumerate(zip(prompts, tokens)):
@@ -108,7 +109,7 @@ def test_long_rows_past_the_blas_size_switch(tmp_path):
     rng = np.random.default_rng(1)
     prompts = [rng.integers(0, 96, n).tolist() for n in (5, 64, 64, 299, 301, 420)]
     tokens = rng.integers(0, 96, len(prompts)).tolist()
-    cache = paged_batch(model, prompts, 16)
+    cache = paged_batch(model, prompts, 16, batch_invariant=True)
     cache.books.make_room(range(len(prompts)), 1)
     batched = decode_step(model, tokens, cache.view(range(len(prompts))), batch_invariant=True)
     for row, (prompt, token) in enumerate(zip(prompts, tokens)):

@@ -21,7 +21,8 @@ from minitransformer.model import causal_mask, forward, plain_attention
 from minitransformer.serve.config import EngineConfig
 from minitransformer.serve.engine import Engine
 from minitransformer.serve.records import Request
-from minitransformer.tiled import TILED, CausalTiles, largest_score_block, tiled_attention
+from minitransformer.tiled import (TILED, CausalTiles, largest_score_block, tiled_attention,
+                                   two_pass_attention)
 
 TOLERANCE = 1e-5
 
@@ -80,16 +81,53 @@ def test_equals_plain_attention_under_any_mask(shape):
                  plain_attention(q, k, v, visible), v)
 
 
+def held_as(kv_dtype, *arrays) -> tuple:
+    """Float32 arrays as a cache of kv_dtype (f16, q8_0, q4_0) holds them."""
+    if kv_dtype == "f16":
+        return tuple(a.astype(xp.float16) for a in arrays)
+    return tuple(quantize(a, kv_dtype) for a in arrays)
+
+
 @pytest.mark.parametrize("kv_dtype", ["f16", "q8_0", "q4_0"])
 def test_reads_a_quantized_cache_block_by_block(kv_dtype):
     q, k, v = qkv(2, 3, 4, 2, 150, 64)
-    if kv_dtype == "f16":
-        k_held, v_held = k.astype(xp.float16), v.astype(xp.float16)
-    else:
-        k_held, v_held = quantize(k, kv_dtype), quantize(v, kv_dtype)
+    k_held, v_held = held_as(kv_dtype, k, v)
     visible = causal_mask(xp.asarray([[147, 148, 149]] * 2), 150)
     assert_close(tiled_attention(q, k_held, v_held, visible),
                  plain_attention(q, dequantize(k_held), dequantize(v_held), visible), v_held)
+
+
+FEW = [s for s in SHAPES if s[1] <= 16] + [(8, 1, 9, 3, 1024, 64)]  # and SmolLM2's decode
+
+
+@pytest.mark.parametrize("tile", [256, 64, 7, 1])
+@pytest.mark.parametrize("shape", FEW, ids=str)
+def test_two_passes_equal_plain_attention_and_one_tile_its_bits(shape, tile):
+    """A few queries a row (decodes): causal over rows of different lengths (slots past a
+    row's length hidden), and unmasked. Rows within one tile are plain's very calls: its
+    bits; longer ones sum weights @ v a tile at a time: within the tolerance."""
+    B, T, H, Hkv, S, d = shape
+    q, k, v = qkv(*shape, seed=5)
+    lengths = np.random.default_rng(6).integers(T, S + 1, B)
+    lengths[0] = S
+    positions = xp.asarray(lengths[:, None] - T + np.arange(T))             # (B, T)
+    for visible in (causal_mask(positions, S), None):
+        got, want = two_pass_attention(q, k, v, visible, tile), plain_attention(q, k, v, visible)
+        if S <= tile:
+            np.testing.assert_array_equal(to_numpy(got), to_numpy(want))
+        else:
+            assert_close(got, want, v)
+
+
+@pytest.mark.parametrize("kv_dtype", ["f16", "q8_0", "q4_0"])
+def test_two_passes_read_a_quantized_cache_a_tile_at_a_time(kv_dtype):
+    q, k, v = qkv(2, 1, 4, 2, 150, 64)
+    k_held, v_held = held_as(kv_dtype, k, v)
+    visible = causal_mask(xp.asarray([[149], [90]]), 150)
+    floats = plain_attention(q, dequantize(k_held), dequantize(v_held), visible)
+    np.testing.assert_array_equal(to_numpy(two_pass_attention(q, k_held, v_held, visible)),
+                                  to_numpy(floats))                          # one tile
+    assert_close(two_pass_attention(q, k_held, v_held, visible, 32), floats, v_held)
 
 
 def test_forward_with_tiled_attention_equals_plain(tiny_model):

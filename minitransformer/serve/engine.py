@@ -108,8 +108,10 @@ class Engine:
         self.prefix_caching = config.enable_prefix_caching
         self.batch_invariant = config.batch_invariant  # docs/serving.md, "Exactness"
         self.attention = config.attention
+        # batch-invariant: every pass reads its blocks gathered, a row's bits generate's
         self.cache = PagedCache.allocate(model.config, num_blocks, block_size,
-                                         config.kv_cache_dtype, config.attention)
+                                         config.kv_cache_dtype, config.attention,
+                                         in_place=not config.batch_invariant)
         self.scheduler = Scheduler(self.cache.books, slots, config.policy,
                                    config.max_num_batched_tokens, config.enable_prefix_caching)
         self.history = history

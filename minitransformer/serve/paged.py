@@ -8,19 +8,30 @@ pass's view of it (experiment 14).
             ``positions``, ``update`` (write the new keys/values into their slots, return all
             held), ``mask``, ``attend``, ``advance``
 
-What ``update`` returns depends on the way the pool is attended over. The plain attention
-reads every key at once: each row's blocks are gathered end to end, a copy per layer and step
-(``gather``). The tiled attention (tiled.py) reads 64 slots at a time, so it is handed the
-blocks where they lie (``InPlace``), and each tile gathers the few blocks its slots are in:
-PagedAttention's reading, never the whole context copied; the same tiles as a gathered copy,
-so the same bits (``in_place=False`` gathers first, to time the two side by side).
+What ``update`` returns depends on how a pass reads the pool (``PagedCache.reads_in_place``):
+
+    in place  the blocks where they lie (``InPlace``), read a tile of slots at a time, each
+              tile gathering only the few blocks its slots lie in (PagedAttention's reading:
+              never a row's whole context copied). The plain attention's decodes (at most
+              FEW_QUERIES queries a row: a decode step, a verification, a ragged pass's decode
+              groups), by tiled.two_pass_attention, 256 slots a tile (``PagedCache.way``); the
+              tiled attention's every pass, 64 slots a tile, online softmax
+    gathered  each row's blocks end to end (``gather``), a copy per layer: the plain
+              attention's prompts, and every pass of a pool made ``in_place=False`` (the
+              batch-invariant engine's; the "before" of ``bench_mixed_step.py --reads``)
+
+Bits (docs/serving.md, "Exactness"): the tiled attention in place is its gathered copy's, bit
+for bit (the same tiles, laid out alike). The plain attention in place is the gathered copy's
+for rows of up to 256 slots (one tile: plain's very calls); past that, weights @ v is summed a
+tile at a time and the last bits move: the default engine's near-tie rule covers it, and the
+batch-invariant engine, which gathers, keeps generate's bits.
 
 The books decide, the pool does: a copy on write or a swap the books queue (``moves``) is
 carried out by ``do``, when the engine asks, before the pool is read or written, in the order
 decided; reading ``k`` or ``v`` moves nothing. Shapes: N
 blocks, bs slots per block, nb blocks in a table; B, T, S, Hkv, d as in model.py. Leaves out:
-a kernel that multiplies each block where it lies (here a tile's blocks are indexed, a copy
-of B x a tile's slots).
+a kernel that multiplies each block where it lies (NumPy multiplies arrays, so a tile's blocks
+are indexed: a copy of a tile's slots of every row, bounded whatever the context).
 
 Example: blocks of 4 slots; "b" starts with a's first 4 tokens, so it holds a's first block
 and its keys, and only its fifth token is computed:
@@ -49,7 +60,9 @@ from minitransformer.kvcache import KVCache, causal
 from minitransformer.kvquant import (KVDims, QuantizedArray, cache_bytes_per_token, kv_dtype_of,
                                      zeros)
 from minitransformer.serve.blocks import BlockManager, Copy, SwapIn, SwapOut, blocks_for
-from minitransformer.tiled import attention_named
+from minitransformer.tiled import TWO_PASS, attention_named
+
+FEW_QUERIES = 16    # queries a row up to which the plain attention reads the blocks in place
 
 
 def pool_for(requests, slots: int, block_size: int) -> int:
@@ -93,20 +106,31 @@ class PagedCache:
                  in_place: bool = True):
         attention_named(attention)              # checked: how its views attend (tiled.py)
         self.books, self.k, self.v = books, k, v    # L arrays (N, Hkv, bs, d) each
-        self.attention = attention
-        self.in_place = attention == "tiled" and in_place   # update hands InPlace blocks
+        self.attention, self.in_place = attention, in_place
 
     @classmethod
     def allocate(cls, config, num_blocks: int, block_size: int, kv_dtype: str = "f32",
                  attention: str = "plain", in_place: bool = True):
         """A pool of num_blocks blocks and its books. kv_dtype: f32, f16, q8_0 or q4_0
-        (kvquant.KV_DTYPES); attention: plain or tiled; in_place: the tiled attention reads
-        the blocks where they lie (False: gathered first, as the plain one reads them)."""
+        (kvquant.KV_DTYPES); attention: plain or tiled; in_place: passes read the blocks
+        where they lie (``reads_in_place``; False: every pass reads them gathered)."""
         books = BlockManager(num_blocks, block_size)        # checks both sizes
         shape = (num_blocks, config.num_key_value_heads, block_size, config.head_dim)
         L = config.num_hidden_layers
         return cls(books, [zeros(shape, kv_dtype) for _ in range(L)],
                    [zeros(shape, kv_dtype) for _ in range(L)], attention, in_place)
+
+    def reads_in_place(self, T: int) -> bool:
+        """Does a pass of T queries a row read the blocks where they lie? The tiled
+        attention's every pass; the plain one's decodes (at most FEW_QUERIES a row)."""
+        return self.in_place and (self.attention == "tiled" or T <= FEW_QUERIES)
+
+    def way(self, T: int):
+        """How a pass of T queries a row attends (a model.Attention): the pool's, or for the plain
+        one's passes in place, tiled.TWO_PASS (the same softmax, a tile of keys at a time)."""
+        if self.attention == "plain" and self.reads_in_place(T):
+            return TWO_PASS
+        return attention_named(self.attention)
 
     @property
     def kv_dtype(self) -> str:
@@ -209,18 +233,18 @@ class PagedView:
         return causal(positions, self.cache.attention)
 
     def attend(self, q, k, v, visible):
-        return attention_named(self.cache.attention).attend(q, k, v, visible)
+        return self.cache.way(q.shape[1]).attend(q, k, v, visible)
 
     def update(self, layer: int, k, v, slots=None):
         """Write k, v (B, T, Hkv, d) into their slots -> k, v (B, Hkv, S, d), S longest row:
-        gathered, or where they lie (InPlace) for a tiled attention."""
+        where they lie (InPlace), or gathered (``PagedCache.reads_in_place``)."""
         cache = self.cache
         blocks, offsets, table, S = self.slots(self.positions(k.shape[1])) if slots is None \
             else slots
         # pool[blocks[b, t], :, offsets[b, t]] = k[b, t]: advanced indices on axes 0 and 2
         cache.k[layer][blocks, :, offsets] = k
         cache.v[layer][blocks, :, offsets] = v
-        held = InPlace if cache.in_place else gather
+        held = InPlace if cache.reads_in_place(k.shape[1]) else gather
         return held(cache.k[layer], table, S), held(cache.v[layer], table, S)
 
     def advance(self, T: int) -> None:
@@ -302,7 +326,8 @@ def on_device(held):
 class InPlace:
     """A layer's keys (or values) of B rows left where they lie in the pool, read as gather's
     (B, Hkv, S, d) would be, a slice of slots at a time: ``[:, :, j:j + n]`` gathers only the
-    blocks slots j..j+n-1 lie in (what tiled_attention asks for, tile by tile).
+    blocks slots j..j+n-1 lie in (what tiled_attention and two_pass_attention ask for, tile
+    by tile).
 
     >>> pool = xp.arange(4 * 1 * 2 * 1, dtype=xp.float32).reshape(4, 1, 2, 1)  # slot = value
     >>> table = xp.asarray([[3, 1, 0], [2, 2, 2]])           # row 0: blocks 3, 1, 0; row 1: 2

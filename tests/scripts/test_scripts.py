@@ -188,12 +188,14 @@ def test_bench_mixed_step_writes_its_table_headed_by_the_kernel(tiny, run_script
                       out).group(1)
     assert f"one pass / (decodes alone + chunk alone): {ratio} (fastest)" in written
     assert written.count("| both, one pass (ragged) |") == 1
-    reads = out.split("gathered or in place")[1]        # --reads: each context, three ways
+    reads = out.split("gathered or in place")[1]        # --reads: each context, four ways
     for context in (6, 9):
-        assert re.search(rf"\n +{context} +plain attention, blocks gathered \(the default\) .* "
+        assert re.search(rf"\n +{context} +before: plain attention, blocks gathered .* "
                          r"1\.00\n", reads)
+        assert re.search(rf"\n +{context} +after: plain attention, in place \(the default\) ",
+                         reads)
         assert re.search(rf"\n +{context} +tiled attention, blocks in place ", reads)
-    assert written.count("| tiled attention, blocks in place |") == 2
+    assert written.count("| after: plain attention, in place (the default) |") == 2
 
 
 def test_mutation_judges_an_equivalent_only_where_its_run_checked_it():
