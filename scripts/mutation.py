@@ -290,7 +290,7 @@ def planted(scratch: Path, markdown=None) -> int:
     table.header("scripts/mutation.py --planted; each bug alone, its tests stop at the first "
                  "failure (python3 -m pytest -x -n 0: one process)", ran_on())
     env = dict(os.environ, PYTHONPATH=str(scratch))
-    bad = 0
+    bad, total = 0, 0.0
     for i, (feature, bug, path, line, broken, tests) in enumerate(PLANTED, 1):
         target = scratch / path
         original = target.read_text()
@@ -315,6 +315,9 @@ def planted(scratch: Path, markdown=None) -> int:
         seconds = time.perf_counter() - start
         say(f"[{i}/{len(PLANTED)}] {feature}: {bug}: {outcome} ({seconds:.0f} s)")
         table.row(feature, bug, ", ".join(Path(t).stem for t in tests), outcome, seconds)
+        total += seconds
+    table.note(f"{len(PLANTED)} bugs: {len(PLANTED) - bad} caught, {bad} not; "
+               f"{total:.0f} s in all")
     table.show()
     if markdown:
         Path(markdown).write_text(table.markdown())
