@@ -18,7 +18,8 @@ from minitransformer.kvquant import dequantize, on_floats
 from minitransformer.model import Attention, causal_mask, plain_attention, softmax
 
 BLOCK = 64  # queries and keys per tile: a tile of scores is 64 x 64 floats (16 KB) per head
-# slots of keys (and values) two_pass_attention reads at a time: a row of 1,024 in 4 tiles.
+# slots of keys (and values) two_pass_attention reads at a time: a row of 1,024 (or 1,025)
+# in 4 tiles.
 # Measured on SmolLM2's 8-row decode step at 1,024 tokens: tiles of 128 or 512 slots were
 # slower than 256 (more calls a layer; a larger copy a tile).
 DECODE_TILE = 256
@@ -123,9 +124,11 @@ def two_pass_attention(q, k, v, visible=None, tile: int = DECODE_TILE):
     the mask and the softmax over whole rows. Pass two sums weights @ v a tile at a time.
     Unlike tiled_attention, no running maximum and no rescaling: a handful of calls a tile.
 
-    Bits: rows of at most ``tile`` slots are one tile, plain_attention's very calls on the
-    same shapes: its bits. Longer rows sum weights @ v over slots a tile at a time (and the
-    scores come from products over fewer keys a call): within float32 rounding.
+    The tiles start every ``tile`` slots; a last one shorter than half a tile joins the one
+    before (so a row of 257 slots is one tile, not a second of one slot). Bits: rows under 1.5
+    tiles are one tile, plain_attention's very calls on the same shapes: its bits. Longer rows
+    sum weights @ v over slots a tile at a time (and the scores come from products over fewer
+    keys a call): within float32 rounding.
 
     >>> import numpy as np
     >>> from minitransformer.backend import to_device, to_numpy
@@ -142,15 +145,18 @@ def two_pass_attention(q, k, v, visible=None, tile: int = DECODE_TILE):
     Hkv, S = k.shape[1], k.shape[2]
     G = H // Hkv
     q = q.reshape(B, T, Hkv, G, d).transpose(0, 2, 3, 1, 4).reshape(B, Hkv, G * T, d)
-    scores = xp.concatenate([q @ dequantize(k[:, :, j:j + tile]).transpose(0, 1, 3, 2)
-                             for j in range(0, S, tile)], axis=-1)  # pass one: (B, Hkv, G*T, S)
+    edges = [*range(0, max(S - tile // 2, 1), tile), S]  # a tail under half a tile joins the
+    spans = list(zip(edges[:-1], edges[1:]))               # tile before it: [a, b) each
+    scores = xp.concatenate([q @ dequantize(k[:, :, a:b]).transpose(0, 1, 3, 2)
+                             for a, b in spans], axis=-1)    # pass one: (B, Hkv, G*T, S)
     scores *= 1.0 / d ** 0.5
     if visible is not None:                                          # hide the future
         scores = xp.where(visible[:, None, None], scores.reshape(B, Hkv, G, T, S), -xp.inf)
     weights = softmax(scores).reshape(B, Hkv, G * T, S)
-    out = weights[..., :tile] @ dequantize(v[:, :, :tile])           # pass two: (B, Hkv, G*T, d)
-    for j in range(tile, S, tile):
-        out += weights[..., j:j + tile] @ dequantize(v[:, :, j:j + tile])
+    (a, b), *rest = spans
+    out = weights[..., a:b] @ dequantize(v[:, :, a:b])               # pass two: (B, Hkv, G*T, d)
+    for a, b in rest:
+        out += weights[..., a:b] @ dequantize(v[:, :, a:b])
     return out.reshape(B, Hkv, G, T, d).transpose(0, 3, 1, 2, 4).reshape(B, T, H * d)
 
 

@@ -22,9 +22,10 @@ What ``update`` returns depends on how a pass reads the pool (``PagedCache.reads
 
 Bits (docs/serving.md, "Exactness"): the tiled attention in place is its gathered copy's, bit
 for bit (the same tiles, laid out alike). The plain attention in place is the gathered copy's
-for rows of up to 256 slots (one tile: plain's very calls); past that, weights @ v is summed a
-tile at a time and the last bits move: the default engine's near-tie rule covers it, and the
-batch-invariant engine, which gathers, keeps generate's bits.
+for rows under 384 slots (one tile: plain's very calls; a tail under half a tile joins the
+tile before); past that, weights @ v is summed a tile at a time and the last bits move: the
+default engine's near-tie rule covers it, and the batch-invariant engine, which gathers,
+keeps generate's bits.
 
 The books decide, the pool does: a copy on write or a swap the books queue (``moves``) is
 carried out by ``do``, when the engine asks, before the pool is read or written, in the order

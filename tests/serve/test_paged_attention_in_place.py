@@ -2,11 +2,12 @@
 the blocks its slots are in, never a row's whole context. The tiled attention reads every pass
 so, and its result is the gathered copy's, bit for bit (the same tiles, laid out alike: the
 same products in the same shapes). The plain attention, the default, reads its decodes so
-(tiled.two_pass_attention, at most paged.FEW_QUERIES queries a row, 256-slot tiles): rows
-within one tile are the gathered copy's bits; longer rows within float32 rounding, their
-logits within the near-tie window of generate's and their tokens by the near-tie rule; its
-prompts still read a gathered copy (their bits unchanged). The batch-invariant engine reads
-every pass gathered: a row's logits are generate's, bit for bit, at any context."""
+(tiled.two_pass_attention, at most paged.FEW_QUERIES queries a row, 256-slot tiles, a short
+tail joining the tile before): rows within one tile are the gathered copy's bits; longer rows
+within float32 rounding, their logits within the near-tie window of generate's and their
+tokens by the near-tie rule; its prompts still read a gathered copy (their bits unchanged).
+The batch-invariant engine reads every pass gathered: a row's logits are generate's, bit for
+bit, at any context."""
 from dataclasses import replace
 
 import numpy as np
@@ -26,7 +27,8 @@ from minitransformer.tiled import DECODE_TILE
 from test_tiled import assert_close
 
 LENGTHS = (150, 70, 9)   # rows over 3, 2 and 1 tiles of 64 slots; within one of 256
-LONG = (600, 300, 9)     # rows over 3, 2 and 1 tiles of 256 slots
+TAILS = (300, 256, 9)    # one tile of 256 too: a tail under half a tile joins the tile before
+LONG = (900, 500, 9)     # rows over 4, 2 and 1 tiles of 256 slots
 
 
 @pytest.fixture
@@ -76,13 +78,15 @@ def on_a_pool(model, block_size, kv_dtype, attention, in_place, lengths) -> list
 
 @pytest.mark.parametrize("block_size", [1, 16, 48, 100])
 @pytest.mark.parametrize("kv_dtype", ["f32", "q8_0"])
+@pytest.mark.parametrize("lengths", [LENGTHS, TAILS], ids=["short", "tails"])
 def test_plain_decodes_in_place_within_a_tile_are_the_gathered_copy_bit_for_bit(
-        tiny_model, block_size, kv_dtype):
-    """Rows of at most 256 slots: the prefills read a gathered copy, the decodes and the
-    ragged pass (the 5-token chunk too: few queries) one tile in place, plain's very calls."""
-    in_place = on_a_pool(tiny_model, block_size, kv_dtype, "plain", True, LENGTHS)
-    for a, b in zip(in_place, on_a_pool(tiny_model, block_size, kv_dtype, "plain", False,
-                                        LENGTHS)):
+        long_model, block_size, kv_dtype, lengths):
+    """Rows within one tile (up to 256 slots, and rows of 257 to 302 whose tail joins it):
+    the prefills read a gathered copy, the decodes and the ragged pass (the 5-token chunk
+    too: few queries) one tile in place, plain's very calls."""
+    in_place = on_a_pool(long_model, block_size, kv_dtype, "plain", True, lengths)
+    for a, b in zip(in_place, on_a_pool(long_model, block_size, kv_dtype, "plain", False,
+                                        lengths)):
         np.testing.assert_array_equal(a, b)
 
 
@@ -90,9 +94,9 @@ def test_plain_decodes_in_place_within_a_tile_are_the_gathered_copy_bit_for_bit(
 @pytest.mark.parametrize("kv_dtype", ["f32", "q8_0"])
 def test_plain_decodes_in_place_past_a_tile_are_the_gathered_copy_within_rounding(
         long_model, block_size, kv_dtype):
-    """Rows of 600 and 300 slots: the prefills (gathered both ways) bit for bit; the decode
+    """Rows of 900 and 500 slots: the prefills (gathered both ways) bit for bit; the decode
     and the ragged pass, their weights @ v summed a tile at a time, within the tolerance."""
-    assert LONG[0] > 2 * DECODE_TILE
+    assert LONG[1] > 1.5 * DECODE_TILE
     in_place = on_a_pool(long_model, block_size, kv_dtype, "plain", True, LONG)
     gathered = on_a_pool(long_model, block_size, kv_dtype, "plain", False, LONG)
     for a, b in zip(in_place[:3], gathered[:3]):
@@ -223,14 +227,14 @@ class Recording(Engine):
 
 @pytest.mark.parametrize("batch_invariant", [True, False])
 def test_past_a_tile_the_engine_keeps_the_exactness_policy(long_model, batch_invariant):
-    """Two prompts of 290 and 250 tokens decoding together past a tile of 256 slots. The
+    """Two prompts of 450 and 400 tokens decoding together over two tiles of 256 slots. The
     batch-invariant engine: each row's logits are generate's, bit for bit. The default one:
     within the near-tie window (a quarter of it: the rounding it was measured from) of
     generate's logits, so its tokens obey the near-tie rule."""
     rng = np.random.default_rng(3)
     V = long_model.config.vocab_size
-    prompts = [tuple(rng.integers(0, V, n).tolist()) for n in (290, 250)]
-    engine = Recording(long_model, EngineConfig(max_num_seqs=2, num_gpu_blocks_override=160,
+    prompts = [tuple(rng.integers(0, V, n).tolist()) for n in (450, 400)]
+    engine = Recording(long_model, EngineConfig(max_num_seqs=2, num_gpu_blocks_override=240,
                                                 block_size=4,
                                                 batch_invariant=batch_invariant))
     run = engine.run([Request(p, 12, eos_token_id=[]) for p in prompts])
