@@ -74,13 +74,17 @@ def v_of(passes) -> dict:
     return {n: passes[n].best / passes[0].best for n in range(1, len(passes))}
 
 
-def draft_cost(target, draft, ids, repeat) -> float:
-    """c: one decode step of the draft over one of the target, timed side by side."""
-    def step(model):
-        kv = KVCache.allocate(model.config, 1, len(ids) + 1)
-        forward(model, np.array([ids[:-1]]), kv)
-        return step_with_rollback(model, kv, np.array([ids[-1:]]))     # (1, 1)
-    (t_target, undo_t), (t_draft, undo_d) = step(target), step(draft)
+def decode_step(model, ids) -> tuple:
+    """(step, rollback): the decode step of ids[-1] on a cache prefilled with ids[:-1]."""
+    kv = KVCache.allocate(model.config, 1, len(ids) + 1)
+    forward(model, np.array([ids[:-1]]), kv)
+    return step_with_rollback(model, kv, np.array([ids[-1:]]))         # (1, 1)
+
+
+def draft_cost(target_step, draft, ids, repeat) -> float:
+    """c: one decode step of the draft over one of the target, timed side by side.
+    target_step: decode_step(target, ids), prefilled once for every draft (the same prompt)."""
+    (t_target, undo_t), (t_draft, undo_d) = target_step, decode_step(draft, ids)
     times = time_together([t_target, t_draft], repeat=repeat, after=[undo_t, undo_d])
     return times[1].best / times[0].best
 
@@ -143,12 +147,13 @@ def predicted(target, ids, plain, v, args) -> list:
     rows = [("prompt lookup", lookup, kept / judged if judged else float("nan"), 0.0, 0.0,
              g, (kept + len(rounds)) / len(rounds), speedup_at_g)]
     target_bytes = decode_read_bytes(target.config, target.weights)
+    target_step = decode_step(target, ids + plain[:1])
     drafts = drafts_to_try(target, args)
     progress = Progress(len(drafts), "drafts")
     for label, make in drafts:
         draft = make()
         alpha = agreement(draft, ids, plain) / len(plain)
-        c = draft_cost(target, draft, ids + plain[:1], args.repeats)
+        c = draft_cost(target_step, draft, ids + plain[:1], args.repeats)
         c_bytes = decode_read_bytes(draft.config, draft.weights) / target_bytes
         g = best_gamma(alpha, c, v)
         rows.append((label, draft, alpha, c, c_bytes, g, expected_tokens(alpha, g),
