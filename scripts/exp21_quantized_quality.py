@@ -23,6 +23,8 @@ import argparse
 import time
 from dataclasses import replace
 
+from threadpoolctl import threadpool_limits
+
 from _common import (Progress, add_model_argument, add_schemes_argument, load_model, model_name,
                      progress, say)
 from _table import Table
@@ -36,6 +38,13 @@ from quant.gguf_weight import GGUFWeight
 from quant.qmodel import SCHEMES, quantize_model, resident_bytes
 
 PREFIX = "The history of the English theatre begins"
+# Decoding (the battery, the greedy reference) runs on DECODE_THREADS BLAS threads, whatever
+# the process was given: its products are of 1 to 16 rows, where a second thread spins more
+# than it works (measured on 2 cores, SmolLM2: a battery took 9-20 s of CPU time on 2 threads
+# at load 3.5, 2 s on 1, the same answers). The prefills (perplexity, agreement) keep the
+# process's threads: their last bits follow the thread count (on one thread INT4 per-tensor's
+# perplexity moved in its sixth digit), and the table prints them.
+DECODE_THREADS = 1
 
 
 def evaluate(label, held_model, ids, args, prefix, reference, penalty):
@@ -49,9 +58,10 @@ def evaluate(label, held_model, ids, args, prefix, reference, penalty):
     questions = BATTERY[: args.questions]
     scores, answered = [], Progress(2 * len(questions), f"{label}: battery")
     for rp in (penalty, 1.0):
-        scores.append(battery(model, rp, args.max_new_tokens, questions, args.chat,
-                              progress=lambda i, n, rp=rp: answered(
-                                  f"repetition penalty {rp:g}, question {i} of {n}")).correct)
+        with threadpool_limits(DECODE_THREADS, user_api="blas"):
+            scores.append(battery(model, rp, args.max_new_tokens, questions, args.chat,
+                                  progress=lambda i, n, rp=rp: answered(
+                                      f"repetition penalty {rp:g}, question {i} of {n}")).correct)
         say(f"{label}: battery, repetition penalty {rp:g}: {scores[-1]}/{len(questions)} "
             f"({time.perf_counter() - start:.0f} s)")
     agree = agreement(model, prefix, reference)
@@ -62,7 +72,9 @@ def decoded_once(model):
     """The model with each k-quant matrix's blocks also decoded once (GGUFWeight.decoded): the
     same products bit for bit, without decoding every block again at each of the thousands of
     products an evaluation makes (the decoding cost more than the products). The table's bytes
-    are what the quantized model holds, measured before."""
+    are what the quantized model holds, measured before. INT8/INT4/NF4 codes are left as they
+    are: their conversion, a block in cache at a time (quant/matmul.py), costs next to nothing
+    (measured, SmolLM2: a battery on NF4 2.9 s of CPU, 2.6 s decoded, and decoding it 0.7 s)."""
     return replace(model, weights={name: w.decoded() if isinstance(w, GGUFWeight) else w
                                    for name, w in model.weights.items()})
 
@@ -106,7 +118,8 @@ def main(argv=None):
     penalty = args.repetition_penalty or default_repetition_penalty(model)
     prefix = encode_prompt(model, args.prefix, "the prefix")
     say(f"full-precision greedy reference: {args.positions} tokens after {len(prefix)}")
-    reference = reference_tokens(model, prefix, args.positions)
+    with threadpool_limits(DECODE_THREADS, user_api="blas"):
+        reference = reference_tokens(model, prefix, args.positions)
 
     runs = [("fp32", lambda: model)] + [
         (SCHEMES[s].label, lambda s=s: quantize_model(model, s)) for s in schemes]
@@ -148,6 +161,8 @@ def quality_table(model, rows, penalty, source, args) -> Table:
     if any(SCHEMES[s].gguf for s in args.schemes):
         table.note("k-quant rows: evaluated with their blocks decoded to float32 once (the same "
                    "products bit for bit as decoding them at each product); MB: the blocks held")
+    table.note(f"the battery and the greedy reference decoded on {DECODE_THREADS} BLAS thread "
+               "(a few rows a product); perplexity and agreement on the process's threads")
     table.plot("scheme", ["perplexity"], "perplexity per scheme (lower is better)", kind="bar",
                logy=True, xlabel="quantization scheme", ylabel="perplexity (lower is better)",
                chapter=[("fp32", 23.08, "fp32 23.08"), ("INT8 per-row", 22.96, "22.96"),

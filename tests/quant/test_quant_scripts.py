@@ -120,3 +120,33 @@ def test_exp21_k_quant_rows_are_the_same_decoded_once(tiny, monkeypatch):
     monkeypatch.setattr(exp21, "decoded_once", lambda m: m)
     assert row() == decoded and decoded[5] == sum(w.nbytes for w in q.weights.values()
                                                  if hasattr(w, "blocks"))
+
+
+def test_exp21_decodes_on_one_blas_thread_and_gives_the_threads_back(tiny, monkeypatch):
+    """The battery runs on DECODE_THREADS BLAS threads (its products of a few rows: a second
+    thread spins more than it works); perplexity and agreement on the process's, as before."""
+    import argparse
+    import exp21_quantized_quality as exp21
+    from threadpoolctl import threadpool_info, threadpool_limits
+    from minitransformer.loader import load
+    from minitransformer.measure.quality import battery, tokens_of
+
+    def blas_threads():
+        return max(p["num_threads"] for p in threadpool_info() if p["user_api"] == "blas")
+    seen = {}
+
+    def spy(name, fn):
+        def run(*args, **kwargs):
+            seen.setdefault(name, set()).add(blas_threads())
+            return fn(*args, **kwargs)
+        monkeypatch.setattr(exp21, name, run)
+    for name, fn in (("battery", battery), ("perplexity", exp21.perplexity),
+                     ("agreement", exp21.agreement)):
+        spy(name, fn)
+    model = load(tiny[0])
+    ids = tokens_of(model, tiny[1].read_text(), 17)
+    args = argparse.Namespace(window=16, questions=1, max_new_tokens=2, chat=False)
+    with threadpool_limits(2, user_api="blas"):
+        exp21.evaluate("fp32", model, ids, args, [1, 2, 3], [4, 5], 1.1)
+        assert blas_threads() == 2                                   # given back
+    assert seen == {"battery": {exp21.DECODE_THREADS}, "perplexity": {2}, "agreement": {2}}
