@@ -184,7 +184,7 @@ def assert_same(actual, expected, rtol=None, atol=None):
 # boundary of the cumulative distribution, or a top-k / top-p cut, both through the logits). The
 # rest of the request is then checked against the reference run continued from the token taken.
 #
-# The window is 4x the largest rounding measured: scripts/measure_rounding.py computes the test
+# The window is 4x the largest rounding measured: scripts/dev/measure_rounding.py computes the test
 # models' sequences under each call shape (cached decode, fast batched decode, cached prefix,
 # chunked prefill, batch-invariant decode) and compares each step's logits with one full forward
 # pass over the sequence (docs/testing.md has its tables). On the tiny models the largest

@@ -1,7 +1,7 @@
 """The engine fuzzed: random workloads, and what must hold after every step and at the end.
 
 Shared by tests/serve/test_engine_fuzz.py (a fixed seed, a few cases, in CI) and
-scripts/fuzz_engine.py (as many cases as asked). A case draws slots, a block size, a pool
+scripts/dev/fuzz_engine.py (as many cases as asked). A case draws slots, a block size, a pool
 from tight (waiting, preemption, eviction from the prefix cache) to roomy, requests with shared
 prompt prefixes and repeated prompts, greedy or seeded sampling, eos on or off, zero-token and
 too-long requests, requests for n parallel samples (sharing the prompt's blocks) and for

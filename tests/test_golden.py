@@ -1,12 +1,12 @@
 """minitransformer's logits against Hugging Face transformers' own, in the default run (no torch).
 
-scripts/make_golden.py (optional, needs torch + transformers) built each case's random checkpoint
-with minitransformer.checkpoints.synth, ran it through HF's Qwen2/Llama in float32 with eager
-attention and stored the logits in tests/fixtures/hf_golden.{json,npz}. Here the same checkpoints
-are rebuilt from their seeds and run through minitransformer: the logits must agree to float32
-rounding (100 eps of the logit scale) and the greedy argmax exactly. The cases cover GQA, MHA and
-MQA; Qwen2's q/k/v bias, Llama with and without q/k/v/o bias; tied and untied heads; bf16, fp16
-and fp32 storage; rope_theta 100 to 1e6; a head_dim that is not hidden / heads.
+scripts/dev/make_golden.py (optional, needs torch + transformers) built each case's random
+checkpoint with minitransformer.checkpoints.synth, ran it through HF's Qwen2/Llama in float32 with
+eager attention and stored the logits in tests/fixtures/hf_golden.{json,npz}. Here the same
+checkpoints are rebuilt from their seeds and run through minitransformer: the logits must agree to
+float32 rounding (100 eps of the logit scale) and the greedy argmax exactly. The cases cover GQA,
+MHA and MQA; Qwen2's q/k/v bias, Llama with and without q/k/v/o bias; tied and untied heads; bf16,
+fp16 and fp32 storage; rope_theta 100 to 1e6; a head_dim that is not hidden / heads.
 """
 import hashlib
 import json
@@ -51,7 +51,7 @@ def test_synth_rebuilds_the_fixture_checkpoint(name, checkpoints):
     digest = hashlib.sha256((checkpoints[name] / "model.safetensors").read_bytes()).hexdigest()
     assert digest == CASES[name]["safetensors_sha256"], (
         f"{name}: minitransformer.checkpoints.synth no longer writes the checkpoint the golden "
-        "logits were made from; if that change is intended, rerun scripts/make_golden.py")
+        "logits were made from; if that change is intended, rerun scripts/dev/make_golden.py")
 
 
 @pytest.mark.parametrize("name", sorted(CASES))

@@ -19,7 +19,7 @@ Which is fastest depends on the BLAS kernel and the CPU, not on the arithmetic. 
 one thread, a (9728, 896) matrix: with OpenBLAS's SkylakeX kernel 4 rows cost 2.4 ms flat, 4.8 ms
 as rows, 1.4 ms as slices; with its Haswell kernel 2.9, 4.7 and 2.6 ms. One row is no simpler:
 on some CPUs the matrix-vector product streams a weight well below the rate of a dot product
-over the same bytes (scripts/bench_decode.py times every route: docs/benchmarks/). So nothing
+over the same bytes (scripts/dev/bench_decode.py times every route: docs/benchmarks/). So nothing
 here is tuned to one kernel: more than FEW_ROWS rows take one flat product, and for 1..FEW_ROWS
 rows the first product of each shape times the ways (for one row, `rows` is the very call
 `flat` makes, so three) on its own operands and keeps the fastest for that shape. A weight of
@@ -46,7 +46,7 @@ fastest way of each count *in the layout taken* is kept with it (one layout per 
 under MT_PRODUCTS, so that two runs compare bits over the same layout).
 `MT_LAYOUT=row-major|column-major` fixes the layout of every weight instead, and measures none
 (read at import): row-major is the checkpoint's own, the library before it measured layouts,
-for a benchmark's before and after in one run (scripts/bench_serving.py). In
+for a benchmark's before and after in one run (scripts/dev/bench_serving.py). In
 either layout `flat` is the one product that reads w untransposed: (w @ x.T).T row-major,
 x @ w.T column-major; `dots` reads rows of w, which column-major are strided: not taken there.
 

@@ -1,7 +1,7 @@
 """The real model, SmolLM2-135M-Instruct, against transformers' reading of the same GGUF file.
 
 Skipped when the model has not been fetched (python3 scripts/import_gguf.py --smollm2).
-scripts/make_smollm2_golden.py stored transformers' token ids, top-10 last-position logits
+scripts/dev/make_smollm2_golden.py stored transformers' token ids, top-10 last-position logits
 and greedy tokens (tests/fixtures/smollm2_golden.json); transformers has its own GGUF reader,
 torch dequantizers and q/k un-permutation, so agreement checks the whole import.
 """

@@ -4,7 +4,7 @@ Q8_0, Q5_0 and Q5_1 against the gguf package's own ``gguf.quants.quantize`` byte
 implements those, not the k-quants nor IQ4_NL). The k-quants and IQ4_NL against llama.cpp's
 C reference: the digests below are of the bytes ggml's ``quantize_row_q*_K_ref`` and
 ``quantize_iq4_nl`` wrote for MATRIX (ggml d99724f2, built with cc -O2, no fused multiply-add;
-scripts/measure_kquants.py rebuilds and compares from any ggml or llama.cpp checkout).
+scripts/dev/measure_kquants.py rebuilds and compares from any ggml or llama.cpp checkout).
 """
 import hashlib
 

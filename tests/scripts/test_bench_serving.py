@@ -1,4 +1,4 @@
-"""scripts/bench_serving.py end to end on a tiny model: real servers, real HTTP traffic, each
+"""scripts/dev/bench_serving.py end to end on a tiny model: real servers, real HTTP traffic, each
 workload with its feature off and on."""
 import json
 

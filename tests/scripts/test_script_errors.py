@@ -9,6 +9,10 @@ from pathlib import Path
 import pytest
 
 SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
+# the learner's scripts and the maintainers' tools (scripts/dev/), by their path under scripts/
+EVERY_SCRIPT = sorted(str(p.relative_to(SCRIPTS)) for p in [*SCRIPTS.glob("*.py"),
+                                                            *SCRIPTS.glob("dev/*.py")]
+                      if not p.name.startswith("_"))
 
 
 @pytest.fixture(scope="module")
@@ -80,8 +84,7 @@ def test_a_library_error_names_the_checkpoint_file(tiny, tmp_path, run_script):
     assert "config.json" in line and "architectures" in line
 
 
-@pytest.mark.parametrize("script", sorted(p.name for p in SCRIPTS.glob("*.py")
-                                          if not p.name.startswith("_")))
+@pytest.mark.parametrize("script", EVERY_SCRIPT)
 def test_every_script_enters_through_run(script):
     source = (SCRIPTS / script).read_text()
     main_block = source[source.index('if __name__ == "__main__":'):]
@@ -121,14 +124,13 @@ def test_an_unknown_setting_is_one_error_line(variable, message):
 PROJECT = ("minitransformer", "quant", "sim", "drafts")
 
 
-@pytest.mark.parametrize("script", sorted(p.name for p in SCRIPTS.glob("*.py")
-                                          if not p.name.startswith("_")))
+@pytest.mark.parametrize("script", EVERY_SCRIPT)
 def test_every_script_imports_common_before_the_library(script):
     """_common says a bad setting the library's import raises: only if it comes first."""
     tree = ast.parse((SCRIPTS / script).read_text())
     first = next(node for node in tree.body if isinstance(node, (ast.Import, ast.ImportFrom))
                  and (node.names[0].name if isinstance(node, ast.Import) else node.module)
                  .split(".")[0] in PROJECT + ("_common",) + tuple(
-                     p.stem for p in SCRIPTS.glob("*.py")))
+                     p.stem for p in [*SCRIPTS.glob("*.py"), *SCRIPTS.glob("dev/*.py")]))
     module = first.names[0].name if isinstance(first, ast.Import) else first.module
     assert module == "_common", f"{script} imports {module} before _common"

@@ -183,7 +183,7 @@ def test_bench_mixed_step_writes_its_table_headed_by_the_kernel(tiny, run_script
     written = markdown.read_text()
     assert written.startswith(f"# A step's decodes and prompt chunk: OpenBLAS kernel "
                               f"{blas_kernel()}\n")
-    assert "python3 scripts/bench_mixed_step.py --model " in written  # after a forced kernel
+    assert "python3 scripts/dev/bench_mixed_step.py --model " in written  # after a forced kernel
     ratio = re.search(r"one pass / \(decodes alone \+ chunk alone\): ([0-9.]+) \(fastest\)",
                       out).group(1)
     assert f"one pass / (decodes alone + chunk alone): {ratio} (fastest)" in written

@@ -1,4 +1,4 @@
-"""scripts/soak_server.py end to end, shortened: a real server, mixed traffic from several
+"""scripts/dev/soak_server.py end to end, shortened: a real server, mixed traffic from several
 clients, the server's memory read every so many requests, /metrics checked against the sends."""
 import re
 

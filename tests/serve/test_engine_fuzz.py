@@ -1,5 +1,5 @@
 """The engine fuzzed in CI: a fixed seed and a few random workloads per tiny model, every
-invariant checked after every step (tests/engine_fuzz.py; scripts/fuzz_engine.py runs more),
+invariant checked after every step (tests/engine_fuzz.py; scripts/dev/fuzz_engine.py runs more),
 in batch-invariant mode (tokens ==) and in the default fast mode (conftest's near-tie policy).
 The fast mode runs on the models of close calls (conftest.CLOSE_CALLS, and llama-gqa, whose
 top-two gaps are small too), where a logit error changes tokens: a Gaussian error of 1e-3 on
@@ -58,7 +58,7 @@ def test_the_fuzz_script_runs_and_reports(run_script):
 
 
 def test_the_rounding_script_measures_inside_the_near_tie_window(run_script):
-    """scripts/measure_rounding.py, which NEAR_TIE is derived from, runs; what it measures here
+    """scripts/dev/measure_rounding.py, which NEAR_TIE is derived from, runs; what it measures here
     (on this machine's kernel) is rounding the window forgives."""
     from conftest import NEAR_TIE
     table, _ = run_script("measure_rounding", "--models", "llama-gqa,qwen2-close-calls",

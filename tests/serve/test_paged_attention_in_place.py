@@ -214,7 +214,7 @@ def test_the_engine_reads_its_decodes_in_place_unless_batch_invariant(
 
 class Recording(Engine):
     """The engine, keeping the logits it picked each token from, by request (as
-    scripts/measure_rounding.py does)."""
+    scripts/dev/measure_rounding.py does)."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)

@@ -15,7 +15,7 @@ their reasons under the table; every survivor that is not listed as equivalent g
 with its diff, and to out/mutation/<module>/survivors.txt. Not in CI and not in the default test
 run: a minute or more per module on one core. On a shared machine:
 
-    nice -n 10 python3 scripts/mutation.py sampling speculative --markdown out/mutation.md
+    nice -n 10 python3 scripts/dev/mutation.py sampling speculative --markdown out/mutation.md
 
 The exit status is 1 when a survivor is neither killed nor listed as equivalent.
 """
@@ -29,10 +29,12 @@ import time
 from configparser import ConfigParser
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # scripts/: _common, _table
+
 from _common import run, say
 from _table import Table
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 COPIED = ("minitransformer", "quant", "sim", "tests", "scripts", "setup.cfg", "pyproject.toml",
           "README.md")
 
@@ -287,7 +289,7 @@ def planted(scratch: Path, markdown=None) -> int:
     table = Table("Planted bugs: one line of a feature broken, against the feature's tests",
                   columns=[("feature", ""), ("bug", ""), ("tests", ""), ("outcome", ""),
                            ("seconds", ".0f")], chapter=False)
-    table.header("scripts/mutation.py --planted; each bug alone, its tests stop at the first "
+    table.header("scripts/dev/mutation.py --planted; each bug alone, its tests stop at the first "
                  "failure (python3 -m pytest -x -n 0: one process)", ran_on())
     env = dict(os.environ, PYTHONPATH=str(scratch))
     bad, total = 0, 0.0

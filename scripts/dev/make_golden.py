@@ -28,12 +28,14 @@ from pathlib import Path
 
 import numpy as np
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # scripts/: _common, _table
+
 from _common import run
 import minitransformer as mt
 from minitransformer.backend import to_numpy
 from minitransformer.checkpoints.synth import llama_config, make_checkpoint, qwen2_config
 
-OUT = Path(__file__).resolve().parents[1] / "tests" / "fixtures"
+OUT = Path(__file__).resolve().parents[2] / "tests" / "fixtures"
 PROMPT_LENGTHS = (1, 7, 33)
 
 # Each family's switches, in the combinations real checkpoints use and a few they might:
@@ -111,7 +113,7 @@ def main():
     import transformers
 
     torch.manual_seed(0)  # nothing random should run in HF; this makes sure of it
-    manifest = {"generator": "scripts/make_golden.py", "torch": torch.__version__,
+    manifest = {"generator": "scripts/dev/make_golden.py", "torch": torch.__version__,
                 "transformers": transformers.__version__, "numpy": np.__version__,
                 "logits_file": "hf_golden.npz", "cases": []}
     arrays = {}

@@ -22,12 +22,14 @@ import sys
 import tempfile
 import time
 from collections import Counter
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # scripts/: _common, _table
 
 from _common import add_model_argument, load_model, progress
 import minitransformer as mt
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                                "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))
 from conftest import CLOSE_CALLS, SHAPES, write_checkpoint  # noqa: E402
 from engine_fuzz import run_case  # noqa: E402
 

@@ -36,8 +36,11 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # scripts/: _common, _table
 
 from _common import (add_threads_argument, add_timing_arguments, at_least, load_model,
                      positive_int, say, timing_header)

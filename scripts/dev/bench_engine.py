@@ -12,8 +12,12 @@ CPU through NumPy the gain is smaller than on a GPU (experiment 12 shows where t
 being cheap), and each prompt's prefill is paid the same both ways.
 """
 import argparse
+import sys
+from pathlib import Path
 
 import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # scripts/: _common, _table
 
 from _common import (Progress, add_engine_arguments, add_model_argument, add_threads_argument,
                      add_timing_arguments, load_model, positive_int, positive_ints, timing_header)

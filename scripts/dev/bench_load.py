@@ -27,12 +27,14 @@ import sys
 import tempfile
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # scripts/: _common, _table
+
 from _common import Progress, add_model_argument, add_timing_arguments, model_path, say
 from _table import Table
 from minitransformer.measure.timing import Timing, limit_threads, load_average, machine, \
     where_it_ran
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 WAYS = {"row-major": "MT_LAYOUT=row-major: the checkpoint's layout, nothing measured",
         "remembered": "the file holds every shape: read, nothing measured",
         "first": "an empty file (a new machine): every shape measured, then kept",

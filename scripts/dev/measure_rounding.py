@@ -26,13 +26,15 @@ import os
 import sys
 import tempfile
 from dataclasses import replace
+from pathlib import Path
 
 import numpy as np
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # scripts/: _common, _table
+
 from _common import progress
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                                "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))
 from conftest import (CLOSE_CALLS, SHAPES, STORIES, solo_cached,  # noqa: E402
                       write_checkpoint)
 

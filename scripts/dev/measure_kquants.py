@@ -17,10 +17,13 @@ Nothing from the checkout is kept or copied: it is compiled into a temporary fol
 import argparse
 import ctypes
 import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
 import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # scripts/: _common, _table
 
 from _common import add_model_argument, load_model, model_name, say
 from _table import Table

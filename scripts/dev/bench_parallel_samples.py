@@ -18,8 +18,12 @@ sampling saves over prefix caching is the prefill (one pass instead of n tails) 
 block until the first token, not decode memory.
 """
 import argparse
+import sys
+from pathlib import Path
 
 import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # scripts/: _common, _table
 
 from _common import (Progress, add_engine_arguments, add_model_argument, add_threads_argument,
                      add_timing_arguments, load_model, positive_int, timing_header)

@@ -38,8 +38,11 @@ import tempfile
 import threading
 import time
 import urllib.request
+from pathlib import Path
 
 import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # scripts/: _common, _table
 
 from _common import (add_engine_arguments, add_model_argument, add_server_arguments, load_model,
                      positive_int, say)

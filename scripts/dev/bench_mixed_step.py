@@ -17,9 +17,13 @@ the gathered copy and in place (64-slot tiles, an online softmax).
 for each kernel, docs/benchmarks.md).
 """
 import argparse
+import sys
 import time
+from pathlib import Path
 
 import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # scripts/: _common, _table
 
 from _common import (add_model_argument, add_threads_argument, load_model, positive_int,
                      positive_ints, timing_header)

@@ -49,8 +49,11 @@ import sys
 import threading
 import time
 import urllib.request
+from pathlib import Path
 
 import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # scripts/: _common, _table
 
 from _common import (Progress, add_engine_arguments, add_model_argument, add_server_arguments,
                      add_workload_arguments, load_model, model_name, numbers, positive_int,
@@ -61,7 +64,7 @@ from minitransformer.__main__ import engine_flags
 from minitransformer.serve.config import EngineConfig
 from sim.workload import make_workload
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = Path(__file__).resolve().parents[2]
 NAME = "bench"
 WORKLOADS = ("poisson", "chat", "long-prompt", "streams")
 # the streams' two servers: "after" measures layouts even where the caller's MT_LAYOUT is set

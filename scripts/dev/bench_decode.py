@@ -50,6 +50,8 @@ from pathlib import Path
 
 import numpy as np
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # scripts/: _common, _table
+
 from _common import (add_threads_argument, add_timing_arguments, load_model, positive_int, say,
                      timing_header)
 from _table import Table
@@ -394,7 +396,7 @@ def write_markdown(path, tables, argv, title=None, script="bench_decode.py"):
     that made them."""
     forced = [f"OPENBLAS_CORETYPE={os.environ['OPENBLAS_CORETYPE']}"] \
         if os.environ.get("OPENBLAS_CORETYPE") else []       # a kernel forced for this run
-    command = " ".join([*forced, f"python3 scripts/{script}",
+    command = " ".join([*forced, f"python3 scripts/dev/{script}",
                         *(sys.argv[1:] if argv is None else map(str, argv))])
     title = title or f"Decode benchmark: OpenBLAS kernel {blas_kernel()}"
     text = "\n".join([f"# {title}", "",
