@@ -3,11 +3,13 @@
 Field names are the config.json names, so a learner can put the file beside this class and read
 them across. Loading keeps the fields the forward pass uses, drops the rest (dropout, init
 ranges, ...), fills the documented Hugging Face defaults, and refuses what this implementation
-does not do (rope scaling, sliding-window attention, activations other than SiLU, MLP biases)
-instead of computing something else silently.
+does not do (sliding-window attention, rope scaling other than Llama 3's, linear and dynamic,
+activations other than SiLU, MLP biases) instead of computing something else silently.
 
-Two families are supported: Qwen2 (q/k/v projections always carry a bias) and Llama (biases on
-q/k/v/o only when ``attention_bias`` is true).
+Three families are supported: Qwen2 (q/k/v projections always carry a bias), Llama (biases on
+q/k/v/o only when ``attention_bias`` is true; Llama 3.x stretches RoPE for long contexts,
+``RopeScaling``) and Qwen3 (Llama's projections, plus an RMSNorm of each head's query and key
+before RoPE, and a head_dim of its own).
 """
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,7 +18,8 @@ from minitransformer.checks import (flag_field, integer_field, is_integer,
                                     positive_number_field, read_json_object, token_ids_field)
 from minitransformer.errors import CheckpointError
 
-ARCHITECTURES = {"Qwen2ForCausalLM": "qwen2", "LlamaForCausalLM": "llama"}
+ARCHITECTURES = {"Qwen2ForCausalLM": "qwen2", "LlamaForCausalLM": "llama",
+                 "Qwen3ForCausalLM": "qwen3"}
 
 # Sanity bounds on the sizes, 8x or more beyond the largest published models (vocab 256k,
 # hidden 16k, MLP 53k, 126 layers, 128 heads, head_dim 256, 10M positions), checked before
@@ -28,8 +31,33 @@ SIZE_LIMITS = {"vocab_size": 2 ** 22, "hidden_size": 2 ** 17, "intermediate_size
 
 
 @dataclass(frozen=True)
+class RopeScaling:
+    """How a long-context checkpoint stretches RoPE's angles (config.json's ``rope_scaling``,
+    ``rope_parameters`` in newer transformers); model.rope_frequencies applies it.
+
+        linear   every pair turns factor times slower: position p turns as p / factor did
+        llama3   (Llama 3.1-3.3) a pair whose wavelength 2 pi / frequency is longer than the
+                 trained context / low_freq_factor turns factor times slower; one shorter than
+                 the context / high_freq_factor is kept; those between are blended
+        dynamic  (NTK) the angles of a model without scaling up to the trained context; past
+                 it, transformers raises theta with the sequence's length, which would turn
+                 every key already cached: not done here, the model is run within the trained
+                 context (max_position_embeddings is that context)
+
+    The trained context is ``original_max_position_embeddings``. A GGUF file stores Llama 3's
+    rule worked out: the number each pair's frequency is divided by (``divisors``).
+    """
+    rope_type: str                         # "linear", "llama3" or "dynamic"
+    factor: float
+    original_max_position_embeddings: int = 0   # llama3, dynamic: the trained context
+    low_freq_factor: float = 1.0           # llama3
+    high_freq_factor: float = 4.0          # llama3
+    divisors: tuple = ()                   # llama3 from GGUF: (d/2,) frequency divisors
+
+
+@dataclass(frozen=True)
 class ModelConfig:
-    model_type: str                 # "qwen2" or "llama"
+    model_type: str                 # "qwen2", "llama" or "qwen3"
     vocab_size: int                 # V
     hidden_size: int                # D
     intermediate_size: int          # F, the SwiGLU width
@@ -43,15 +71,22 @@ class ModelConfig:
     attention_bias: bool = False    # bias on q/k/v (and o for Llama)
     tie_word_embeddings: bool = False
     torch_dtype: str = "float32"    # how the checkpoint stores its weights (information only)
+    rope_scaling: RopeScaling | None = None   # None: RoPE's plain angles
 
     @property
     def qkv_bias(self) -> bool:
-        """Qwen2 always has q/k/v biases; Llama has them (and an o_proj bias) on request."""
+        """Qwen2 always has q/k/v biases; Llama and Qwen3 have them (and an o_proj bias) on
+        request."""
         return self.model_type == "qwen2" or self.attention_bias
 
     @property
     def o_bias(self) -> bool:
-        return self.model_type == "llama" and self.attention_bias
+        return self.model_type != "qwen2" and self.attention_bias
+
+    @property
+    def qk_norm(self) -> bool:
+        """Qwen3 RMS-normalizes each head's query and key (a gain of d per layer) before RoPE."""
+        return self.model_type == "qwen3"
 
     @classmethod
     def from_dict(cls, cfg: dict, source: str = "config.json") -> "ModelConfig":
@@ -66,6 +101,7 @@ class ModelConfig:
             raise CheckpointError(f"{source}: expected a JSON object")
         model_type = architecture(cfg, source)
         refuse_unsupported(cfg, source)
+        scaling = rope_scaling(cfg, source)
         cfg = nested_rope_theta(cfg)
         for name in ("bos_token_id", "eos_token_id"):  # not kept here, but read elsewhere
             if cfg.get(name) is not None:
@@ -73,6 +109,9 @@ class ModelConfig:
         dtype = torch_dtype(cfg, source)
         heads, hidden = size("num_attention_heads"), size("hidden_size")   # before the fallbacks
         cfg = hf_fallbacks(cfg)                                             # that read them
+        positions = size("max_position_embeddings")
+        if scaling is not None and scaling.rope_type == "dynamic":  # run within the trained
+            positions = min(positions, scaling.original_max_position_embeddings)   # context
         config = cls(
             model_type=model_type,
             vocab_size=size("vocab_size"),
@@ -82,7 +121,7 @@ class ModelConfig:
             num_attention_heads=heads,
             num_key_value_heads=size("num_key_value_heads"),
             head_dim=size("head_dim"),
-            max_position_embeddings=size("max_position_embeddings"),
+            max_position_embeddings=positions,
             rms_norm_eps=positive_number_field(source, "rms_norm_eps",
                                                field(cfg, source, "rms_norm_eps", 1e-6)),
             rope_theta=positive_number_field(source, "rope_theta",
@@ -90,6 +129,7 @@ class ModelConfig:
             attention_bias=flag("attention_bias"),
             tie_word_embeddings=flag("tie_word_embeddings"),
             torch_dtype=dtype,
+            rope_scaling=scaling,
         )
         config.validate(source)
         return config
@@ -130,25 +170,76 @@ def field(cfg: dict, source, name: str, default=None):
 
 def refuse_unsupported(cfg: dict, source) -> None:
     """Refuse, by name, what this implementation does not do rather than compute something
-    else: rope scaling (in either place a config puts it), activations other than SiLU,
-    sliding-window attention, MLP biases."""
-    if cfg.get("rope_scaling") not in (None, {}):
-        raise CheckpointError(f"{source}: rope_scaling={cfg['rope_scaling']!r:.100} "
-                              "is not supported")
+    else: activations other than SiLU, sliding-window attention, MLP biases, partial RoPE
+    (rope scaling: rope_scaling)."""
     if cfg.get("hidden_act", "silu") != "silu":
         raise CheckpointError(f"{source}: hidden_act={cfg['hidden_act']!r:.100} is not "
                               "supported (only silu, the SwiGLU MLP)")
     if flag_field(source, "use_sliding_window", field(cfg, source, "use_sliding_window", False)):
         raise CheckpointError(f"{source}: sliding-window attention is not supported")
+    if any(t != "full_attention" for t in cfg.get("layer_types") or ()):
+        raise CheckpointError(f"{source}: layer_types={cfg['layer_types']!r:.100}: only "
+                              "'full_attention' layers are supported (sliding-window attention "
+                              "is not)")
     if flag_field(source, "mlp_bias", field(cfg, source, "mlp_bias", False)):
         raise CheckpointError(f"{source}: mlp_bias=true is not supported")
-    rope = cfg.get("rope_parameters")
-    if rope is not None and not isinstance(rope, dict):
-        raise CheckpointError(f"{source}: field 'rope_parameters' must be an object, "
-                              f"got {rope!r:.100}")
-    if rope and rope.get("rope_type", "default") != "default":
-        raise CheckpointError(f"{source}: rope_parameters.rope_type={rope['rope_type']!r:.100} "
-                              "(rope scaling) is not supported")
+    if cfg.get("partial_rotary_factor", 1.0) != 1.0:
+        raise CheckpointError(f"{source}: partial_rotary_factor="
+                              f"{cfg['partial_rotary_factor']!r:.100} (RoPE on part of each head) "
+                              "is not supported")
+
+
+# What each kind of rope scaling reads besides its name ("type" in old configs, "rope_type"),
+# and rope_parameters' own rope_theta; any other key is refused by name, never ignored.
+ROPE_FIELDS = {"default": (), "linear": ("factor",),
+               "dynamic": ("factor", "original_max_position_embeddings"),
+               "llama3": ("factor", "original_max_position_embeddings", "low_freq_factor",
+                          "high_freq_factor")}
+
+
+def rope_scaling(cfg: dict, source) -> RopeScaling | None:
+    """``rope_scaling`` (or newer transformers' ``rope_parameters``) -> RopeScaling, None for
+    RoPE's plain angles; a kind not in ROPE_FIELDS (yarn, longrope, ...) is refused by name.
+
+    Llama-3.2-1B's, as its config.json gives it:
+    >>> s = rope_scaling({"rope_scaling": {"rope_type": "llama3", "factor": 32.0,
+    ...     "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+    ...     "original_max_position_embeddings": 8192}}, "config.json")
+    >>> s.rope_type, s.factor, s.original_max_position_embeddings
+    ('llama3', 32.0, 8192)
+    """
+    key = "rope_scaling" if cfg.get("rope_scaling") not in (None, {}) else "rope_parameters"
+    given = cfg.get(key)
+    if given in (None, {}):
+        return None
+    if not isinstance(given, dict):
+        raise CheckpointError(f"{source}: field {key!r} must be an object, got {given!r:.100}")
+    kind = given.get("rope_type", given.get("type", "default"))
+    if not isinstance(kind, str) or kind not in ROPE_FIELDS:
+        raise CheckpointError(f"{source}: {key}.rope_type={kind!r:.100} is not supported "
+                              f"(supported: {', '.join(ROPE_FIELDS)})")
+    extra = sorted(set(given) - {"rope_type", "type", "rope_theta", *ROPE_FIELDS[kind]})
+    if extra:
+        raise CheckpointError(f"{source}: {key} field(s) {', '.join(map(repr, extra))} are not "
+                              f"supported for rope_type {kind!r}")
+    if kind == "default":
+        return None
+    read = {}
+    for f in ROPE_FIELDS[kind]:
+        value = given.get(f)
+        if value is None and f == "original_max_position_embeddings" and kind == "dynamic":
+            value = cfg.get("max_position_embeddings")      # transformers' fallback
+        if value is None:
+            raise CheckpointError(f"{source}: {key}.{f} is missing (rope_type {kind!r})")
+        read[f] = (integer_field(source, f"{key}.{f}", value, 1,
+                                 SIZE_LIMITS["max_position_embeddings"])
+                   if f == "original_max_position_embeddings"
+                   else positive_number_field(source, f"{key}.{f}", value))
+    scaling = RopeScaling(rope_type=kind, **read)
+    if kind == "llama3" and not scaling.high_freq_factor > scaling.low_freq_factor:
+        raise CheckpointError(f"{source}: {key}.high_freq_factor={scaling.high_freq_factor} "
+                              f"must be greater than low_freq_factor={scaling.low_freq_factor}")
+    return scaling
 
 
 def nested_rope_theta(cfg: dict) -> dict:

@@ -13,9 +13,14 @@ itself). Each layer makes two big multiplies instead of five (fused.py).
 Shape alphabet: B batch, T new tokens, S cached + new positions, D hidden, H query heads,
 Hkv key/value heads, G = H / Hkv queries per kv head, d head dim, F MLP width, V vocab.
 
-All math is float32. Follows Hugging Face's Qwen2/Llama modelling (half-split RoPE, repeat_kv
-head order); leaves out training, dropout, rope scaling and sliding windows.
+The families differ in three places only: Qwen2 adds a bias to q/k/v (fused.py stacks it),
+Qwen3 RMS-normalizes each head's query and key before RoPE (attention_block), and Llama 3.x
+stretches the slow RoPE frequencies for long contexts (rope_frequencies).
+
+All math is float32. Follows Hugging Face's Qwen2/Llama/Qwen3 modelling (half-split RoPE,
+repeat_kv head order); leaves out training, dropout and sliding windows.
 """
+import math
 from dataclasses import dataclass, field
 
 import numpy as np  # host-side bookkeeping only (positions); the math goes through xp
@@ -56,15 +61,39 @@ def rms_norm(x, weight, eps):
     return weight * (x / xp.sqrt(variance + eps))
 
 
-def rope_angles(positions, d, theta):
-    """Positions (B, T) on the device -> cos, sin (B, T, 1, d) of RoPE's rotation angles, the
-    first half of sin negated (see rope). Pair i of a head turns by position * theta^(-2i/d):
-    the angles depend on the positions only, so every layer's q and k reuse them."""
-    inv_freq = 1.0 / (theta ** (xp.arange(0, d, 2, dtype=xp.float32) / d))  # (d/2,)
-    angles = positions[..., None].astype(xp.float32) * inv_freq               # (B, T, d/2)
+def rope_frequencies(c: ModelConfig):
+    """-> (d/2,): pair i of a head turns by position * theta^(-2i/d) radians.
+
+    A long-context checkpoint stretches them (config.RopeScaling): linear slows every pair by
+    the factor; Llama 3's slows only the pairs whose wavelength outgrows the trained context
+    (they never saw a full turn in training), keeps the fast ones, and blends those between.
+    """
+    d = c.head_dim
+    freq = 1.0 / (c.rope_theta ** (xp.arange(0, d, 2, dtype=xp.float32) / d))  # (d/2,)
+    s = c.rope_scaling
+    if s is None or s.rope_type == "dynamic":   # dynamic: plain within the trained context
+        return freq
+    if s.rope_type == "linear":
+        return freq / s.factor
+    if s.divisors:                           # llama3 as a GGUF file stores it, worked out
+        return freq / xp.asarray(s.divisors, dtype=xp.float32)
+    context = s.original_max_position_embeddings                 # llama3
+    wavelength = 2 * math.pi / freq                              # positions per full turn
+    blend = (context / wavelength - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor)
+    between = (1 - blend) * freq / s.factor + blend * freq       # 0: slowed .. 1: kept
+    slow = wavelength > context / s.low_freq_factor
+    fast = wavelength < context / s.high_freq_factor
+    return xp.where(slow, freq / s.factor, xp.where(fast, freq, between))
+
+
+def rope_angles(positions, freq):
+    """Positions (B, T) on the device, frequencies (d/2,) -> cos, sin (B, T, 1, d) of RoPE's
+    rotation angles, the first half of sin negated (see rope). The angles depend on the
+    positions only, so every layer's q and k reuse them."""
+    angles = positions[..., None].astype(xp.float32) * freq                   # (B, T, d/2)
     angles = xp.concatenate([angles, angles], axis=-1)[:, :, None, :]          # (B, T, 1, d)
     sin = xp.sin(angles)
-    sin[..., : d // 2] *= -1
+    sin[..., : len(freq)] *= -1
     return xp.cos(angles), sin
 
 
@@ -168,7 +197,7 @@ def prepare(model: Model, ids, cache=None, way: Attention = None) -> Batch:
         raise ValueError(f"position {positions.max()} is beyond the model's "
                          f"{c.max_position_embeddings} positions")
     on_device = to_device(positions)                                 # (B, T)
-    cos, sin = rope_angles(on_device, c.head_dim, c.rope_theta)
+    cos, sin = rope_angles(on_device, rope_frequencies(c))
     if cache is None:  # the T tokens are the whole sequence; alone, a token sees all (itself)
         way = PLAIN if way is None else way
         return Batch(on_device, cos, sin, None if T == 1 else way.mask(on_device, T), None,
@@ -184,7 +213,10 @@ def attention_block(model, i, x, batch: Batch, cache):
     H, Hkv, d = c.num_attention_heads, c.num_key_value_heads, c.head_dim
     qkv = linear(x, layer.qkv, layer.qkv_bias)                      # (B, T, (H + 2Hkv) * d)
     qkv = qkv.reshape(B, T, H + 2 * Hkv, d)                          # q heads, k heads, v heads
-    qk = rope(qkv[:, :, :H + Hkv], batch.cos, batch.sin)            # q and k turn alike
+    qk = qkv[:, :, :H + Hkv]                                         # (B, T, H + Hkv, d)
+    if layer.qk_norm is not None:                                    # Qwen3: each head normed
+        qk = rms_norm(qk, layer.qk_norm, c.rms_norm_eps)            # gains (H + Hkv, d)
+    qk = rope(qk, batch.cos, batch.sin)                              # q and k turn alike
     q, k, v = qk[:, :, :H], qk[:, :, H:], qkv[:, :, H + Hkv:]       # (B, T, H|Hkv|Hkv, d)
     if cache is None:  # recompute: this call's tokens are the whole sequence
         k, v = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)     # (B, Hkv, T, d)

@@ -56,6 +56,8 @@ def tensor_shapes(c) -> dict[str, tuple[int, ...]]:
                        p + "self_attn.v_proj.bias": (Hkv * d,)}
         if c.o_bias:
             shapes[p + "self_attn.o_proj.bias"] = (D,)
+        if c.qk_norm:
+            shapes |= {p + "self_attn.q_norm.weight": (d,), p + "self_attn.k_norm.weight": (d,)}
     return shapes
 
 

@@ -16,7 +16,8 @@ from minitransformer.checkpoints.synth import qwen2_config, random_weights, trai
 GGUF_LAYER = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
               "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
               "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
-              "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+              "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+              "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm"}
 GGUF_TOP = {"model.embed_tokens.weight": "token_embd.weight",
             "model.norm.weight": "output_norm.weight", "lm_head.weight": "output.weight"}
 MATRIX_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "IQ4_NL")
@@ -37,6 +38,27 @@ def interleave_rows(w, heads):
     order = [h * d + j * (d // 2) + i for h in range(heads) for i in range(d // 2)
              for j in range(2)]
     return w[order]
+
+
+def llama3_rope_freqs(config: dict) -> np.ndarray:
+    """What llama.cpp's converter stores for Llama 3's rope scaling: per RoPE pair, the number
+    its frequency is divided by (1 for the fast pairs, factor for the slow, between them the
+    inverse of the blended frequency's ratio), float32 (d/2,)."""
+    s, d = config["rope_scaling"], config["head_dim"]
+    freqs = 1.0 / (config["rope_theta"] ** (np.arange(0, d, 2, dtype=np.float32) / d))
+    context, low, high = s["original_max_position_embeddings"], s["low_freq_factor"], \
+        s["high_freq_factor"]
+    out = []
+    for f in freqs:
+        wavelength = 2 * np.pi / f
+        if wavelength < context / high:
+            out.append(1.0)
+        elif wavelength > context / low:
+            out.append(s["factor"])
+        else:
+            smooth = (context / wavelength - low) / (high - low)
+            out.append(1 / ((1 - smooth) / s["factor"] + smooth))
+    return np.array(out, dtype=np.float32)
 
 
 def store(w, type_name):
@@ -76,8 +98,11 @@ def write_gguf(path, config: dict, weights: dict, types=None, tokenizer=None, pr
         "feed_forward_length": config["intermediate_size"],
         "attention.head_count": config["num_attention_heads"],
         "attention.head_count_kv": config["num_key_value_heads"],
-        "rope.dimension_count": config["hidden_size"] // config["num_attention_heads"],
+        "rope.dimension_count": config.get("head_dim") or
+        config["hidden_size"] // config["num_attention_heads"],
     }
+    if config.get("head_dim"):
+        keys["attention.key_length"] = keys["attention.value_length"] = config["head_dim"]
     for key, value in keys.items():
         if f"{arch}.{key}" not in drop_keys:
             writer.add_uint32(f"{arch}.{key}", value)
@@ -85,6 +110,12 @@ def write_gguf(path, config: dict, weights: dict, types=None, tokenizer=None, pr
         writer.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", config["rms_norm_eps"])
     writer.add_float32(f"{arch}.rope.freq_base", config["rope_theta"])
     writer.add_uint32(f"{arch}.vocab_size", config["vocab_size"])
+    scaling = config.get("rope_scaling") or {}
+    if scaling.get("rope_type") == "linear":
+        writer.add_string(f"{arch}.rope.scaling.type", "linear")
+        writer.add_float32(f"{arch}.rope.scaling.factor", scaling["factor"])
+    elif scaling.get("rope_type") == "llama3":
+        writer.add_tensor("rope_freqs.weight", llama3_rope_freqs(config))
     if tokenizer is not None:
         add_tokenizer(writer, tokenizer, pre, TokenType)
     expected, types = {}, dict(types or {})

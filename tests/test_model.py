@@ -4,8 +4,10 @@ import pytest
 
 import minitransformer as mt
 from minitransformer.backend import BACKEND, to_device, to_numpy
+from minitransformer.checkpoints.synth import llama_config, qwen2_config
+from minitransformer.config import ModelConfig
 from minitransformer.kvcache import KVCache
-from minitransformer.model import forward, head, rope, rope_angles
+from minitransformer.model import forward, head, rope, rope_angles, rope_frequencies
 from reference import reference_logits
 
 
@@ -55,12 +57,49 @@ def test_rope_is_a_rotation_of_half_split_pairs():
     """Pair (x[i], x[i+d/2]) turns by position * theta^(-2i/d), and norms are kept."""
     x = np.random.default_rng(3).standard_normal((1, 1, 1, 8)).astype(np.float32)
     pos = np.array([[3]])
-    y = to_numpy(rope(to_device(x), *rope_angles(to_device(pos), 8, 100.0)))
+    c = ModelConfig.from_dict(qwen2_config(hidden_size=32, num_attention_heads=4,
+                                           rope_theta=100.0))          # d = 8
+    y = to_numpy(rope(to_device(x), *rope_angles(to_device(pos), rope_frequencies(c))))
     i = np.arange(4)
     angle = 3 * 100.0 ** (-2 * i / 8)
     z = (x[0, 0, 0, :4] + 1j * x[0, 0, 0, 4:]) * np.exp(1j * angle)
     np.testing.assert_allclose(y[0, 0, 0], np.concatenate([z.real, z.imag]), rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(np.linalg.norm(y), np.linalg.norm(x), rtol=1e-6)
+
+
+def llama3_config(**scaling):
+    fields = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+              "high_freq_factor": 4.0, "original_max_position_embeddings": 64} | scaling
+    return ModelConfig.from_dict(llama_config(head_dim=16, rope_scaling=fields))
+
+
+def test_llama3_rope_slows_only_the_pairs_longer_than_the_trained_context():
+    """Llama 3's rule on d = 16, theta 1e4, a trained context of 64: pair 0 (wavelength 6.3)
+    is under 64 / 4 and kept, pairs 3.. (wavelength 199 and up) pass 64 / 1 and turn 8x
+    slower, pairs 1 and 2 (20 and 63) lie between and are blended; linear slows them all."""
+    plain = to_numpy(rope_frequencies(ModelConfig.from_dict(llama_config(head_dim=16))))
+    scaled = to_numpy(rope_frequencies(llama3_config()))
+    wavelength = 2 * np.pi / plain
+    assert scaled[0] == plain[0] and wavelength[0] < 16
+    np.testing.assert_array_equal(scaled[3:], plain[3:] / np.float32(8))
+    blend = (64 / wavelength[1:3] - 1) / 3                    # 0 at 64 .. 1 at 16
+    np.testing.assert_allclose(scaled[1:3], (1 - blend) * plain[1:3] / 8 + blend * plain[1:3],
+                               rtol=1e-6)
+    assert np.all(plain[1:3] / 8 < scaled[1:3]) and np.all(scaled[1:3] < plain[1:3])
+    linear = ModelConfig.from_dict(llama_config(head_dim=16, rope_scaling={
+        "rope_type": "linear", "factor": 4.0}))
+    np.testing.assert_array_equal(to_numpy(rope_frequencies(linear)), plain / np.float32(4))
+
+
+def test_dynamic_rope_runs_within_the_trained_context():
+    """transformers' dynamic NTK scaling changes nothing within the trained context and turns
+    every cached key past it: the model is run within it, its positions that context."""
+    c = ModelConfig.from_dict(llama_config(max_position_embeddings=256, rope_scaling={
+        "rope_type": "dynamic", "factor": 2.0, "original_max_position_embeddings": 128}))
+    assert c.max_position_embeddings == 128
+    np.testing.assert_array_equal(
+        to_numpy(rope_frequencies(c)),
+        to_numpy(rope_frequencies(ModelConfig.from_dict(llama_config()))))
 
 
 class NoFloat64(np.ndarray):

@@ -73,6 +73,14 @@ def llama_config(**fields) -> dict:
     return config | fields
 
 
+def qwen3_config(**fields) -> dict:
+    """A Qwen3 config.json as a dict: Llama's projections (no biases unless attention_bias),
+    q/k norms, a head_dim of its own (16 here, not hidden / heads = 8)."""
+    config = qwen2_config(architectures=["Qwen3ForCausalLM"], model_type="qwen3",
+                          attention_bias=False, head_dim=16)
+    return config | fields
+
+
 def qwen25_05b_config() -> dict:
     """Qwen2.5-0.5B's config.json: the chapter's model (24 x 896, 14 q heads, 2 kv heads)."""
     return qwen2_config(vocab_size=151936, hidden_size=896, intermediate_size=4864,

@@ -14,17 +14,20 @@ gguf_file.py; everything after that is done here:
    (gguf_tokenizer.py). A file with no tokenizer metadata at all loads weights-only (a model
    that takes token ids); one with part of it is an error.
 
-Supports the llama and qwen2 architectures and byte-level BPE vocabularies (``gpt2``, as
-SmolLM2, Qwen2 and Llama 3 have). Leaves out: SentencePiece vocabularies, rope scaling,
-and the tensor types gguf_types.py does not decode; each is an error that says which.
+Supports the llama, qwen2 and qwen3 architectures and byte-level BPE vocabularies (``gpt2``,
+as SmolLM2, Qwen2, Qwen3 and Llama 3 have), with rope scaling as llama.cpp's converter writes
+it: linear as ``rope.scaling.type``, Llama 3's as the tensor ``rope_freqs.weight``, the number
+each pair's frequency is divided by. Leaves out: SentencePiece vocabularies, other rope
+scalings, and the tensor types gguf_types.py does not decode; each is an error that says which.
 """
+import dataclasses
 import math
 
 import numpy as np
 
 from minitransformer.backend import to_device
 from minitransformer.checks import check_finite, check_missing, is_integer, is_real
-from minitransformer.config import ModelConfig
+from minitransformer.config import ModelConfig, RopeScaling
 from minitransformer.errors import CheckpointError
 from minitransformer.formats.gguf_file import GGUFFile
 from minitransformer.formats.gguf_tokenizer import tokenizer_from_metadata
@@ -33,19 +36,22 @@ from minitransformer.model import Model
 from minitransformer.shape import tensor_shapes
 from minitransformer.tokenizer import Tokenizer
 
-ARCHITECTURES = ("llama", "qwen2")
+ARCHITECTURES = ("llama", "qwen2", "qwen3")
+ROPE_FREQS = "rope_freqs.weight"   # Llama 3's rope scaling: each pair's frequency divisor
 
 # GGUF tensor name (after "blk.N.") -> Hugging Face name (after "model.layers.N.")
 LAYER_NAMES = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
                "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
                "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj",
-               "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}
+               "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+               "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}
 TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm",
              "output": "lm_head"}
 
 
-def config_from_metadata(meta: dict, tensor_names, source: str) -> ModelConfig:
-    """GGUF metadata -> ModelConfig, with errors that name the GGUF key."""
+def config_from_metadata(meta: dict, tensor_names, source: str, rope_freqs=None) -> ModelConfig:
+    """GGUF metadata -> ModelConfig, with errors that name the GGUF key. rope_freqs: the
+    file's rope_freqs.weight, as float32 (d/2,), when it has one."""
     arch = meta.get("general.architecture")
     if arch not in ARCHITECTURES:
         raise CheckpointError(f"{source}: general.architecture={arch!r} is not supported "
@@ -66,11 +72,11 @@ def config_from_metadata(meta: dict, tensor_names, source: str) -> ModelConfig:
         return int(value)
 
     scaling = meta.get(f"{arch}.rope.scaling.type", "none")
-    if scaling != "none" or "rope_freqs.weight" in tensor_names:
-        raise CheckpointError(f"{source}: rope scaling ({arch}.rope.scaling.type={scaling!r}) "
-                              "is not supported")
+    if scaling not in ("none", "linear"):
+        raise CheckpointError(f"{source}: rope scaling {arch}.rope.scaling.type={scaling!r:.100} "
+                              "is not supported (supported: none, linear)")
     heads, hidden = number("attention.head_count"), number("embedding_length")
-    if hidden % heads:
+    if f"{arch}.attention.key_length" not in meta and hidden % heads:
         raise CheckpointError(f"{source}: {arch}.embedding_length={hidden} is not a multiple "
                               f"of {arch}.attention.head_count={heads}")
     head_dim = number("attention.key_length", int, hidden // heads)
@@ -89,13 +95,26 @@ def config_from_metadata(meta: dict, tensor_names, source: str) -> ModelConfig:
         "head_dim": head_dim, "max_position_embeddings": number("context_length"),
         "rms_norm_eps": number("attention.layer_norm_rms_epsilon", float),
         "rope_theta": number("rope.freq_base", float, 10000.0),
-        # Llama's optional attention biases are visible only as tensors; the output head is
-        # tied to the embedding exactly when the file stores no separate output.weight.
-        "attention_bias": arch == "llama" and "blk.0.attn_q.bias" in tensor_names,
+        # Llama's and Qwen3's optional attention biases are visible only as tensors; the output
+        # head is tied to the embedding exactly when the file stores no separate output.weight.
+        "attention_bias": arch != "qwen2" and "blk.0.attn_q.bias" in tensor_names,
         "tie_word_embeddings": "output.weight" not in tensor_names,
         "torch_dtype": "float32",
     }
-    return ModelConfig.from_dict(cfg, source=f"{source} (GGUF metadata)")
+    if scaling == "linear":
+        cfg["rope_scaling"] = {"rope_type": "linear", "factor": number("rope.scaling.factor",
+                                                                       float)}
+    config = ModelConfig.from_dict(cfg, source=f"{source} (GGUF metadata)")
+    if rope_freqs is None:
+        return config
+    if scaling != "none" or rope_freqs.shape != (head_dim // 2,) or \
+            not np.all(np.isfinite(rope_freqs) & (rope_freqs > 0)):
+        raise CheckpointError(f"{source}: tensor {ROPE_FREQS!r} must hold {head_dim // 2} "
+                              "finite numbers > 0 (one per RoPE pair) and come without "
+                              f"{arch}.rope.scaling.type; got shape {rope_freqs.shape}")
+    return dataclasses.replace(config, rope_scaling=RopeScaling(
+        rope_type="llama3", factor=float(rope_freqs.max()),
+        divisors=tuple(float(f) for f in rope_freqs)))
 
 
 def hf_name(name: str) -> str | None:
@@ -132,6 +151,8 @@ def read_weights(file: GGUFFile, config: ModelConfig) -> dict:
     expected, source = tensor_shapes(config), file.path
     weights = {}
     for t in file.tensors:
+        if t.name == ROPE_FREQS:            # read into the config (read_model)
+            continue
         name = hf_name(t.name)
         if name is None or name not in expected:
             raise CheckpointError(f"{source}: unexpected tensor {t.name!r} "
@@ -139,10 +160,7 @@ def read_weights(file: GGUFFile, config: ModelConfig) -> dict:
         if t.shape != expected[name]:
             raise CheckpointError(f"{source}: tensor {t.name!r} has shape {t.shape} but the "
                                   f"metadata implies {expected[name]} for {name}")
-        try:                                # sizes were checked by GGUFFile; the scales not
-            w = dequantize(file.raw(t), t.type_name, t.shape)
-        except ValueError as e:
-            raise CheckpointError(f"{source}: tensor {t.name!r}: {e}") from None
+        w = decoded(file, t, t.shape)
         if config.model_type == "llama" and name.split(".")[-2] in ("q_proj", "k_proj"):
             heads = (config.num_attention_heads if "q_proj" in name
                      else config.num_key_value_heads)
@@ -152,11 +170,23 @@ def read_weights(file: GGUFFile, config: ModelConfig) -> dict:
     return weights
 
 
+def decoded(file: GGUFFile, t, shape) -> np.ndarray:
+    """Tensor t of the file, dequantized to float32 (sizes were checked by GGUFFile; the
+    scales not: a bad one is an error naming the tensor)."""
+    try:
+        return dequantize(file.raw(t), t.type_name, shape)
+    except ValueError as e:
+        raise CheckpointError(f"{file.path}: tensor {t.name!r}: {e}") from None
+
+
 def read_model(path) -> tuple[Model, dict, dict]:
     """A .gguf file -> (Model, its metadata, GGUF type name -> number of tensors stored so)."""
     file = GGUFFile.open(path)
     meta, source = file.metadata, file.path
-    config = config_from_metadata(meta, {t.name for t in file.tensors}, source)
+    freqs = [t for t in file.tensors if t.name == ROPE_FREQS]
+    rope_freqs = None if not freqs else check_finite(
+        source, ROPE_FREQS, decoded(file, freqs[0], freqs[0].shape))
+    config = config_from_metadata(meta, {t.name for t in file.tensors}, source, rope_freqs)
     tokenizer: Tokenizer | None = tokenizer_from_metadata(meta, config.vocab_size, source)
     weights = {n: to_device(w) for n, w in read_weights(file, config).items()}
     eos = meta.get("tokenizer.ggml.eos_token_id")

@@ -35,6 +35,8 @@ class Layer:
     input_norm: object      # input_layernorm.weight (D,)
     qkv: object             # self_attn.{q,k,v}_proj.weight stacked (H*d + 2*Hkv*d, D)
     qkv_bias: object        # self_attn.{q,k,v}_proj.bias stacked (H*d + 2*Hkv*d,), or None
+    qk_norm: object         # Qwen3: self_attn.q_norm.weight (d,) H times, k_norm's Hkv times:
+                            # (H + Hkv, d), one gain per head of q and k; None elsewhere
     o: object               # self_attn.o_proj.weight (D, H*d)
     o_bias: object          # self_attn.o_proj.bias (D,), or None
     post_norm: object       # post_attention_layernorm.weight (D,)
@@ -90,11 +92,20 @@ def fuse(config, weights: dict) -> Fused:
             input_norm=weights[p + "input_layernorm.weight"],
             qkv=stack(weights, [n + ".weight" for n in attn]),
             qkv_bias=stack(weights, [n + ".bias" for n in attn]),
+            qk_norm=head_gains(config, weights, p) if config.qk_norm else None,
             o=arranged(weights, p + "self_attn.o_proj.weight"),
             o_bias=weights.get(p + "self_attn.o_proj.bias"),
             **fuse_mlp(weights, i)))
     release()                                      # what measuring the layouts used
     return Fused({name: own(w) for name, w in weights.items()}, tuple(layers))
+
+
+def head_gains(config, weights: dict, p: str):
+    """Qwen3's query and key norm gains, one row per head of the qkv product's first H + Hkv
+    heads, so that one rms_norm call norms every head with its own gain."""
+    H, Hkv = config.num_attention_heads, config.num_key_value_heads
+    q, k = weights[p + "self_attn.q_norm.weight"], weights[p + "self_attn.k_norm.weight"]
+    return xp.concatenate([xp.broadcast_to(q, (H, len(q))), xp.broadcast_to(k, (Hkv, len(k)))])
 
 
 def own(w):

@@ -33,7 +33,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # scripts/: _commo
 from _common import run
 import minitransformer as mt
 from minitransformer.backend import to_numpy
-from minitransformer.checkpoints.synth import llama_config, make_checkpoint, qwen2_config
+from minitransformer.checkpoints.synth import (llama_config, make_checkpoint, qwen2_config,
+                                               qwen3_config)
 
 OUT = Path(__file__).resolve().parents[2] / "tests" / "fixtures"
 PROMPT_LENGTHS = (1, 7, 33)
@@ -42,6 +43,8 @@ PROMPT_LENGTHS = (1, 7, 33)
 # GQA / MHA / MQA; Qwen2's q/k/v bias, Llama with and without attention_bias (q/k/v/o);
 # tied and untied heads; bf16, fp16 and fp32 storage; rope_theta from 100 to 1e6; head_dim
 # equal to hidden / heads and not.
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
 CASES = [
     ("qwen2-gqa-tied-fp32", qwen2_config(vocab_size=128), "float32"),
     ("qwen2-mha-untied-bf16", qwen2_config(num_key_value_heads=4, tie_word_embeddings=False,
@@ -55,6 +58,16 @@ CASES = [
                                               rope_theta=500_000.0), "bfloat16"),
     ("llama-mha-headdim32-fp16", llama_config(hidden_size=64, num_key_value_heads=4, head_dim=32,
                                               rms_norm_eps=1e-6), "float16"),
+    # Llama 3.x's rope scaling over a trained context of 64 (d = 16: one pair kept, two
+    # blended, five slowed), and linear scaling; Qwen3's q/k norms, tied and untied, with and
+    # without attention_bias.
+    ("llama3-rope-gqa-fp32", llama_config(head_dim=16, rope_scaling=LLAMA3_ROPE), "float32"),
+    ("llama-linear-rope-bf16", llama_config(rope_scaling={"rope_type": "linear", "factor": 4.0},
+                                            rope_theta=500_000.0), "bfloat16"),
+    ("qwen3-gqa-headdim16-tied-fp32", qwen3_config(), "float32"),
+    ("qwen3-bias-untied-bf16", qwen3_config(attention_bias=True, tie_word_embeddings=False,
+                                            num_key_value_heads=1, rope_theta=1_000_000.0),
+     "bfloat16"),
 ]
 
 

@@ -10,7 +10,8 @@ import pytest
 import minitransformer as mt
 from minitransformer.formats import gguf_types
 from minitransformer.checkpoints.synth import (llama_config, make_checkpoint, qwen2_config,
-                                               train_tokenizer)
+                                               qwen3_config, random_weights, train_tokenizer)
+from minitransformer.errors import CheckpointError
 
 gguf = pytest.importorskip("gguf")
 from gguf_files import MATRIX_TYPES, store, write_gguf  # noqa: E402
@@ -116,6 +117,60 @@ def test_forward_pass_matches_the_same_weights_from_safetensors(tmp_path, arch):
     ids = [3, 17, 42, 5, 88, 1, 60]
     assert np.array_equal(mt.logits(model, ids), mt.logits(ref, ids))
     assert mt.generate(model, ids, 6) == mt.generate(ref, ids, 6)
+
+
+LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+          "original_max_position_embeddings": 64}
+
+
+@pytest.mark.parametrize("family", ["qwen3", "qwen3-untied-bias", "llama3-rope", "linear-rope"])
+def test_the_newer_families_load_from_gguf_as_from_safetensors(tmp_path, family):
+    """Qwen3 (q/k norms as attn_q_norm / attn_k_norm, head_dim as key_length), Llama 3's rope
+    scaling as llama.cpp stores it (rope_freqs.weight: each pair's frequency divisor) and
+    linear scaling (rope.scaling.type): the same weights give the same logits from either file.
+    Llama 3's divisors are its rule worked out in float32, so its logits agree to rounding."""
+    config = {"qwen3": qwen3_config(**SHAPE),
+              "qwen3-untied-bias": qwen3_config(**SHAPE, attention_bias=True,
+                                                tie_word_embeddings=False),
+              "llama3-rope": llama_config(**SHAPE, head_dim=16, rope_scaling=LLAMA3),
+              "linear-rope": llama_config(**SHAPE, rope_scaling={"rope_type": "linear",
+                                                                 "factor": 4.0})}[family]
+    path, reference, expected = model_files(tmp_path, config)
+    model, ref = mt.load(path), mt.load(reference)
+    for name, w in expected.items():
+        assert np.array_equal(bits(mt_numpy(model.weights[name])), bits(w)), name
+    ids = [3, 17, 42, 5, 88, 1, 60]
+    if family == "llama3-rope":
+        np.testing.assert_allclose(mt.logits(model, ids), mt.logits(ref, ids), atol=1e-5)
+        assert model.config.rope_scaling.divisors and model.config.rope_scaling.factor == 8.0
+        write_gguf(tmp_path / "plain.gguf", config | {"rope_scaling": None},
+                   random_weights(config))                # the same file, no rope_freqs
+        assert not np.allclose(mt.logits(mt.load(tmp_path / "plain.gguf"), ids),
+                               mt.logits(model, ids), atol=1e-4)
+    else:
+        assert model.config == ref.config
+        assert np.array_equal(mt.logits(model, ids), mt.logits(ref, ids))
+    assert mt.generate(model, ids, 6) == mt.generate(ref, ids, 6)
+
+
+def test_rope_freqs_of_the_wrong_length_is_named(tmp_path):
+    config = llama_config(**SHAPE, head_dim=16, rope_scaling=LLAMA3)
+    weights = random_weights(config)
+    write_gguf(tmp_path / "m.gguf", config | {"rope_scaling": None}, weights, extra_tensors={
+        "rope_freqs.weight": (np.ones(3, np.float32), gguf.GGMLQuantizationType.F32)})
+    with pytest.raises(CheckpointError, match=r"'rope_freqs.weight' must hold 8 finite"):
+        mt.load(tmp_path / "m.gguf")
+
+
+def test_an_unknown_rope_scaling_type_is_named(tmp_path):
+    config = llama_config(**SHAPE)
+    path = tmp_path / "m.gguf"
+    write_gguf(path, config | {"rope_scaling": {"rope_type": "linear", "factor": 2.0}},
+               random_weights(config))
+    raw = path.read_bytes().replace(b"linear", b"yarn\x00\x00")
+    path.write_bytes(raw)
+    with pytest.raises(CheckpointError, match=r"rope.scaling.type='yarn.*is not supported"):
+        mt.load(path)
 
 
 # A Q4_K_M file's kind of choices (Q4_K with Q6_K on v, down and the head) and every other
