@@ -1,0 +1,69 @@
+"""Every way of running the model on the newer families: Qwen3 (q/k norms, its own head_dim)
+and Llama 3.x's rope scaling, as tests/test_golden.py holds them against transformers.
+
+The cache, the paged engine with prefix caching and chunked prefill, and speculation give the
+tokens plain greedy decoding gives: the family changes what a layer computes, never how the
+machinery around it saves work. Each run's exactness is the policy's (conftest.assert_like_solo):
+== where the calls match, the near-tie rule where batching or chunking reorders a sum.
+"""
+import numpy as np
+import pytest
+
+import minitransformer as mt
+from conftest import assert_like_solo
+from minitransformer.checkpoints.synth import llama_config, qwen3_config, random_model
+from minitransformer.serve.config import EngineConfig, SpeculativeConfig
+from minitransformer.serve.engine import Engine
+from minitransformer.serve.records import Request
+
+LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+          "original_max_position_embeddings": 16}
+FAMILIES = {
+    "qwen3": qwen3_config(vocab_size=128, num_hidden_layers=3),
+    "qwen3-untied-bias": qwen3_config(vocab_size=128, attention_bias=True,
+                                      tie_word_embeddings=False),
+    "llama3-rope": llama_config(vocab_size=128, head_dim=16, rope_scaling=LLAMA3),
+}
+
+
+@pytest.fixture(scope="module", params=sorted(FAMILIES))
+def model(request):
+    return random_model(FAMILIES[request.param], seed=7)
+
+
+def prompts(model):
+    rng = np.random.default_rng(3)
+    stem = rng.integers(1, model.config.vocab_size, 9).tolist()      # a prefix worth sharing
+    return [stem + rng.integers(1, model.config.vocab_size, n).tolist() for n in (3, 11, 20)]
+
+
+def test_the_cache_gives_the_tokens_and_logprobs_of_recomputing(model):
+    """Tokens equal, and every step's log-probabilities within float32 rounding: a random
+    model's tokens hardly depend on attention, its logprobs do (a decode step that turned
+    its keys by the wrong angles moves them by ~1e-4)."""
+    for ids in prompts(model):
+        cached = mt.generate(model, ids, 12, logprobs=3)
+        recomputed = mt.generate(model, ids, 12, cache=False, logprobs=3)
+        assert [t.token for t in cached] == [t.token for t in recomputed]
+        np.testing.assert_allclose([[lp for _, lp in t.top] for t in cached],
+                                   [[lp for _, lp in t.top] for t in recomputed], atol=2e-6)
+
+
+@pytest.mark.parametrize("fields", [
+    {"max_num_seqs": 3, "block_size": 4},                                  # prefix caching
+    {"max_num_seqs": 3, "block_size": 4, "max_num_batched_tokens": 6},     # chunked prefill
+    {"max_num_seqs": 3, "block_size": 4, "batch_invariant": True},
+    {"max_num_seqs": 2, "block_size": 4, "speculative_config": SpeculativeConfig(
+        num_speculative_tokens=3, prompt_lookup_max=3)},                   # speculation
+], ids=["prefix-cache", "chunked", "batch-invariant", "ngram-speculation"])
+def test_the_paged_engine_gives_generates_tokens(model, fields):
+    engine = Engine(model, EngineConfig(**fields))
+    first = engine.run([Request(tuple(ids), 10, eos_token_id=[]) for ids in prompts(model)])
+    again = engine.run([Request(tuple(ids), 10, eos_token_id=[]) for ids in prompts(model)])
+    assert all(r.cached_tokens for r in again.results)         # the prefix cache was read
+    for result in first.results + again.results:
+        prompt = list(result.request.prompt)
+        exact = fields.get("batch_invariant") and not result.cached_tokens \
+            and result.prefill_chunks <= 1
+        assert_like_solo(model, result.tokens, mt.generate(model, prompt, 10, eos_token_id=[]),
+                         prompt, batch_invariant=exact, eos_token_id=[])
