@@ -479,6 +479,10 @@ def test_a_command_says_what_it_loads_and_measures_once_on_stderr(stories, tmp_p
                                 stories.layers[0].gate_up, stories.layers[0].down]}
     assert first[0] == second[0] == f"loading {stories.path}"
     measuring = [line for line in first if line.startswith("measuring how this machine")]
-    assert first[1:1 + len(measuring)] == measuring and len(measuring) >= len(shapes)
+    kept = f"kept in {tmp_path / 'tuning.json'}: what this machine measured, read back at the " \
+        "next load"
+    assert first[1] == measuring[0] and first[2] == kept       # said once, after it was kept
+    assert [line for line in first[1:2 + len(measuring)] if line != kept] == measuring
+    assert len(measuring) >= len(shapes)
     assert all(f"{n}x{k} float32 weight" in " ".join(measuring) for n, k in shapes)
     assert not [line for line in second if "measuring" in line]

@@ -235,7 +235,7 @@ def measured_layout(w, counts: tuple) -> tuple:
     taken, w in it); its ways go into `chosen`, both into the file."""
     rows = ", ".join(map(str, counts))
     tell(f"measuring how this machine multiplies a {w.shape[0]}x{w.shape[1]} {w.dtype} weight "
-         f"by {rows} rows, in both layouts (once: kept in {tuning.path()})")
+         f"by {rows} rows, in both layouts")
     pair = {name: in_layout(w, name) for name in LAYOUTS}
     taken, ways = faster_layout(pair, counts)
     keep_ways(w, taken, ways)

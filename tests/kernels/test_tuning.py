@@ -23,6 +23,8 @@ def file(monkeypatch, tmp_path):
     path = tmp_path / "cache" / "tuning.json"
     monkeypatch.setenv("MT_TUNING_CACHE", str(path))
     monkeypatch.setattr(tuning, "MODE", "remember")
+    monkeypatch.setattr(tuning, "read_once", {})
+    monkeypatch.setattr(tuning, "said", set())
     for name, value in (("chosen", {}), ("laid_out", {}), ("FIXED", None),
                         ("FIXED_LAYOUT", None), ("rows_run", {1, blas.FEW_ROWS})):
         monkeypatch.setattr(blas, name, value)
@@ -82,6 +84,7 @@ def test_a_layout_and_a_way_measured_once_are_read_back_not_measured(file, timed
     assert kept[f"way 3 70x24 {held} <f4 <f4"] == route
     blas.chosen.clear()
     blas.laid_out.clear()                                    # as a new process starts
+    tuning.read_once.clear()
     timed.clear()
     again = arranged(w)
     assert blas.layout(again) == held and blas.way(x, again) == route and timed == []
@@ -275,7 +278,8 @@ def test_a_load_that_measures_says_so_on_stderr_and_one_that_reads_says_nothing(
     blas.arrange(to_device(w))
     lines = capsys.readouterr().err.splitlines()
     assert lines == [f"measuring how this machine multiplies a 70x24 float32 weight by 1, "
-                     f"{blas.FEW_ROWS} rows, in both layouts (once: kept in {file})"]
+                     f"{blas.FEW_ROWS} rows, in both layouts",
+                     f"kept in {file}: what this machine measured, read back at the next load"]
     blas.laid_out.clear()
     blas.arrange(to_device(w))
     assert capsys.readouterr().err == ""
@@ -300,3 +304,253 @@ def test_a_server_asks_for_its_slots_rows_before_it_loads(monkeypatch, file):
     monkeypatch.setattr(blas, "rows_run", {1, blas.FEW_ROWS})
     with pytest.raises(Loaded, match=r"\[1, 16\]"):
         serve("some/model", EngineConfig(max_num_seqs=5, batch_invariant=True), port=0)
+
+
+# The file is input from outside (issue 48): read once, within bounds, never blocking; the
+# lock waited for a bounded time; what is said about keeping true.
+
+WAY = "way 4 70x24 row-major <f4 <f4"
+
+
+def test_the_file_is_read_once_per_process(file, timed, monkeypatch):
+    """A load looks up every weight's layout and every row count's way: the file is read at
+    the first lookup only (it was read and parsed at each, 8 times a load); what this process
+    measures after that is kept in memory too (the file is read again only to merge into it,
+    under its lock)."""
+    reads, read = [], tuning.text
+    monkeypatch.setattr(tuning, "text", lambda f: reads.append(f) or read(f))
+    shapes = [(70, 24), (24, 70), (33, 24)]
+    plant(file, {tuning.machine(): {
+        **{f"layout {n}x{k} <f4 rows 1,{blas.FEW_ROWS}": GOOD for n, k in shapes},
+        **{f"way {M} {n}x{k} column-major <f4 <f4": "rows" for n, k in shapes for M in (2, 3)}}})
+    for n, k in shapes:
+        laid = arranged(np.ones((n, k), np.float32))
+        for M in (1, 2, 3, blas.FEW_ROWS):
+            blas.way(np.ones((M, k), np.float32), laid)
+    assert reads == [file] and timed == []
+    blas.way(np.ones((5, 24), np.float32), laid)                    # measured, then kept
+    blas.chosen.clear()
+    timed.clear()
+    reads.clear()
+    blas.way(np.ones((5, 24), np.float32), laid)                   # known, not read again
+    assert timed == [] and reads == []
+
+
+def plant_text(file, text: str):
+    file.parent.mkdir(parents=True, exist_ok=True)
+    file.write_text(text)
+
+
+def good_file(**more) -> dict:
+    return {"format": tuning.FORMAT, "machines": {tuning.machine(): {WAY: "rows"}}, **more}
+
+
+def nested(levels: int):
+    value = "rows"
+    for _ in range(levels):
+        value = [value]
+    return value
+
+
+def test_a_file_over_the_size_limit_is_refused_unread(file, timed):
+    """A file of more than MAX_BYTES is not read (a 20 MB one added 16 s to a load): its
+    products are measured; one at the limit is read."""
+    text = json.dumps(good_file())
+    plant_text(file, text + " " * (tuning.MAX_BYTES - len(text)))
+    x, w = operands(4)
+    assert blas.way(x, w) == "rows" and timed == []
+    plant_text(file, text + " " * (tuning.MAX_BYTES + 1 - len(text)))
+    tuning.read_once.clear()
+    blas.chosen.clear()
+    with pytest.raises(tuning.Refused, match=f"larger than {tuning.MAX_BYTES} bytes"):
+        tuning.text(file)
+    assert blas.way(x, w) in blas.ROUTES and timed == [4]
+
+
+@pytest.mark.parametrize("levels", [tuning.MAX_DEPTH - 3, tuning.MAX_DEPTH - 2, 990, 5000,
+                                    100_000])
+def test_a_file_nested_too_deep_is_refused_before_it_is_parsed(file, timed, levels):
+    """JSON nested beyond MAX_DEPTH (the format nests 5 deep) is refused without parsing it
+    (json's parser recurses per level: 5,000 deep was a RecursionError out of the load); an
+    answer nested within the limit is only a wrong answer, measured again, the rest taken."""
+    text = json.dumps(good_file())
+    plant_text(file, text[:-2] + ', "another machine": {"way 1": ' + "[" * levels + '"rows"'
+               + "]" * levels + "}}}")
+    within = 3 + levels <= tuning.MAX_DEPTH                # format, machines, entries, lists
+    if not within:
+        with pytest.raises(tuning.Refused, match=f"nested deeper than {tuning.MAX_DEPTH}"):
+            tuning.parse(file.read_text())
+    x, w = operands(4)
+    route = blas.way(x, w)
+    assert (route, timed) == ("rows", []) if within else route in blas.ROUTES and timed == [4]
+
+
+def special_files(tmp_path) -> dict:
+    fifo = tmp_path / "a-fifo"
+    os.mkfifo(fifo)
+    links = {"a symlink to a FIFO": fifo, "a symlink to /dev/zero": Path("/dev/zero")}
+    for name, target in links.items():
+        (tmp_path / name.replace(" ", "-").replace("/", "")).symlink_to(target)
+    return {"a FIFO": fifo, "/dev/zero": Path("/dev/zero"),
+            "/dev/urandom": Path("/dev/urandom"), "a folder": tmp_path,
+            **{name: tmp_path / name.replace(" ", "-").replace("/", "") for name in links}}
+
+
+def finishes(call, seconds=10):
+    """call(), in a thread: -> its result, or fail where it is still running after seconds (a
+    read of a FIFO or a device that blocks), instead of holding the test run."""
+    import threading
+    done = []
+
+    def run():
+        try:
+            done.append((call(), None))
+        except BaseException as e:           # raised again below, in the test
+            done.append((None, e))
+    thread = threading.Thread(target=run, daemon=True)   # a blocked one never holds the exit
+    thread.start()
+    thread.join(seconds)
+    assert done, f"still running after {seconds} s"
+    result, error = done[0]
+    if error is not None:
+        raise error
+    return result
+
+
+SPECIAL = ["a FIFO", "/dev/zero", "/dev/urandom", "a folder", "a symlink to a FIFO",
+           "a symlink to /dev/zero"]
+
+
+@pytest.mark.parametrize("name", SPECIAL)
+def test_a_special_file_is_refused_without_blocking_and_never_written(file, timed, tmp_path,
+                                                                      monkeypatch, capsys,
+                                                                      name):
+    """MT_TUNING_CACHE naming a FIFO, a device or a folder (or a symlink to one): not opened
+    for reading (a FIFO hung the load, /dev/zero was a MemoryError, /dev/urandom read
+    forever), never locked or replaced by a file (the guards below fail the test before a
+    broken check could touch /dev), and said once."""
+    def guard(*args):
+        raise AssertionError(f"{name}: locked or written")
+    monkeypatch.setattr(tuning, "locked", guard)
+    monkeypatch.setattr(tuning, "write", guard)
+    special = special_files(tmp_path)[name]
+    monkeypatch.setenv("MT_TUNING_CACHE", str(special))
+    with pytest.raises(tuning.Refused, match="not a regular file"):
+        finishes(lambda: tuning.text(special))
+    x, w = operands(4)
+    assert finishes(lambda: blas.way(x, w)) in blas.ROUTES and timed == [4]
+    assert capsys.readouterr().err.splitlines() == [
+        f"not kept in {special} ({tuning.kind(os.stat(special).st_mode)}, not a regular "
+        "file): what this machine measured is measured again at the next load "
+        "(MT_TUNING_CACHE=FILE keeps it elsewhere)"]
+
+
+def test_a_fifo_swapped_in_after_the_check_is_opened_without_blocking(tmp_path, monkeypatch):
+    """Between stat and open the file may change: it is opened non-blocking, and what was
+    opened is asked again (a FIFO opened for reading blocks until a writer comes)."""
+    fifo = special_files(tmp_path)["a FIFO"]
+    regular = os.stat(__file__)
+    stats = os.stat
+    monkeypatch.setattr(tuning.os, "stat", lambda f, **k: regular if f == fifo else
+                        stats(f, **k))                    # as if a regular file, at the check
+    with pytest.raises(tuning.Refused, match="not a regular file"):
+        finishes(lambda: tuning.text(fifo))
+
+
+def test_a_symlink_to_a_regular_file_is_read_and_its_target_written(file, timed, tmp_path,
+                                                                    monkeypatch):
+    target = tmp_path / "real.json"
+    plant_text(target, json.dumps(good_file()))
+    link = tmp_path / "link.json"
+    link.symlink_to(target)
+    monkeypatch.setenv("MT_TUNING_CACHE", str(link))
+    x, w = operands(4)
+    assert blas.way(x, w) == "rows" and timed == []
+    blas.way(*operands(2))
+    assert link.is_symlink() and sorted(entries(target)) == [
+        "way 2 70x24 row-major <f4 <f4", WAY]
+
+
+def test_a_lock_held_too_long_is_given_up_the_answer_measured_and_not_written(
+        file, timed, monkeypatch, capsys):
+    """Another process holding the lock (stopped, hung): waited LOCK_SECONDS, then the answer
+    is used, not written, and that is said (the wait was forever)."""
+    import fcntl
+    monkeypatch.setattr(tuning, "LOCK_SECONDS", 0.2)
+    plant_text(file, json.dumps(good_file()))
+    lock = os.open(file.with_name(file.name + ".lock"), os.O_RDWR | os.O_CREAT)
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX)     # another open file: flock excludes it as a process
+        x, w = operands(2)
+        route = finishes(lambda: blas.way(x, w))
+    finally:
+        os.close(lock)
+    assert route in blas.ROUTES and timed == [2] and entries(file) == {WAY: "rows"}
+    assert capsys.readouterr().err.splitlines() == [
+        f"not kept in {file} (its lock {file}.lock held by another process for over 0.2 s): "
+        "what this machine measured is measured again at the next load "
+        "(MT_TUNING_CACHE=FILE keeps it elsewhere)"]
+    blas.chosen.clear()
+    tuning.read_once.clear()                                # as the next process
+    timed.clear()
+    blas.way(x, w)                                          # the lock free: kept, and said
+    assert timed == [2] and sorted(entries(file)) == ["way 2 70x24 row-major <f4 <f4", WAY]
+    assert capsys.readouterr().err.splitlines() == [
+        f"kept in {file}: what this machine measured, read back at the next load"]
+
+
+def test_kept_in_is_said_only_where_it_was_kept(file, monkeypatch, tmp_path, capsys):
+    """A load that measures and cannot write the file says so, and never that it kept it."""
+    (tmp_path / "a-file").write_text("")
+    monkeypatch.setenv("MT_TUNING_CACHE", str(tmp_path / "a-file" / "tuning.json"))
+    blas.arrange(to_device(operands(1)[1]))
+    err = capsys.readouterr().err
+    assert "kept in" not in err.replace("not kept in", "")
+    assert f"not kept in {tmp_path / 'a-file' / 'tuning.json'} (File exists: {tmp_path / 'a-file'})" in err
+
+
+POISONS = {
+    "another machine's junk": lambda d: d["machines"].update(
+        {"junk": {"way 1": {"layout": [None, {"x": -1}]}}, "more": 3, "": []}),
+    "junk keys beside the entry": lambda d: d["machines"][tuning.machine()].update(
+        {"way 4 70x24 column-major <f4 <f4": "dots", "way x": nested(4), "": None,
+         "layout 70x24 <f4 rows 1": {"layout": "diagonal"}}),
+    "unknown fields": lambda d: d.update({"extra": {"a": [1, 2.5e308]}, "format ": 2}),
+    "a long string": lambda d: d["machines"].update({"x" * (tuning.MAX_BYTES // 2): {}}),
+}
+
+
+@pytest.mark.parametrize("route", blas.ROUTES)
+@pytest.mark.parametrize("poison", sorted(POISONS))
+def test_a_poisoned_file_never_changes_the_bits_of_the_route_the_clean_file_names(
+        file, timed, poison, route):
+    """The clean file names a way for a shape; the same file with junk beside it (within the
+    limits) gives that way's product, bit for bit, unmeasured."""
+    data = good_file()
+    data["machines"][tuning.machine()][WAY] = route
+    POISONS[poison](data)
+    plant_text(file, json.dumps(data))
+    x, w = operands(4)
+    y = to_numpy(blas.multiply(to_device(x), to_device(w)))
+    assert timed == [] and blas.way(x, w) == route
+    assert np.array_equal(y, blas.CALLS[route](x, w, np.empty((4, 70), np.float32)))
+
+
+@pytest.mark.parametrize("poison", ["over the size limit", "nested too deep", "a FIFO"])
+def test_a_refused_file_gives_the_product_of_the_way_measured(file, timed, tmp_path,
+                                                              monkeypatch, poison):
+    """A file refused whole (too large, too deep, not a regular file) is as good as empty: the
+    way is measured, and the product is that way's, bit for bit."""
+    data = good_file()
+    if poison == "over the size limit":
+        plant_text(file, json.dumps(data) + " " * tuning.MAX_BYTES)
+    elif poison == "nested too deep":
+        data["machines"]["x"] = {"y": nested(tuning.MAX_DEPTH - 2)}
+        plant_text(file, json.dumps(data))
+    else:
+        monkeypatch.setenv("MT_TUNING_CACHE", str(special_files(tmp_path)["a FIFO"]))
+    x, w = operands(4)
+    y = to_numpy(finishes(lambda: blas.multiply(to_device(x), to_device(w))))
+    route = blas.way(x, w)
+    assert timed == [4]
+    assert np.array_equal(y, blas.CALLS[route](x, w, np.empty((4, 70), np.float32)))
