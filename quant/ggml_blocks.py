@@ -37,8 +37,16 @@ def nearest_int(x):
 
 
 def sums(a):
-    """(M, n) float32 -> (M,): each row added left to right, as a C loop adds it."""
-    return np.add.accumulate(a, axis=1)[:, -1]
+    """(M, n) float32 -> (M,): each row added left to right, as a C loop adds it (a column
+    at a time, each addition made for all M rows at once).
+
+    >>> sums(np.array([[1e8, 1, -1e8], [1, 2, 3]], np.float32)).tolist()  # (1e8 + 1) - 1e8
+    [0.0, 6.0]
+    """
+    total = a[:, 0].copy()
+    for j in range(1, a.shape[1]):
+        total += a[:, j]
+    return total
 
 
 def fp16_bytes(x):
@@ -114,11 +122,25 @@ def q5_1(w):
                           axis=1).reshape(len(w), -1)
 
 
+# Every midpoint between two neighbouring levels is half an integer, j / 2, so x is at or
+# above it exactly when floor(2 x) >= j (2 x is exact in float32): the nearest level's index
+# is read from a table by floor(2 x), clipped to the span of the j's.
+DOUBLED_MIDPOINTS = (KVALUES[1:] + KVALUES[:-1]).astype(np.int64)                 # (15,) j
+LOWEST, HIGHEST = int(DOUBLED_MIDPOINTS[0]) - 1, int(DOUBLED_MIDPOINTS[-1])
+LEVEL_AT = np.searchsorted(DOUBLED_MIDPOINTS, np.arange(LOWEST, HIGHEST + 1),
+                           side="right").astype(np.uint8)    # floor(2 x) - LOWEST -> index
+
+
 def nearest_level(x):
     """float32 (...) -> index 0..15 of the nearest of KVALUES (a tie goes up), as llama.cpp's
-    best_index_int8 picks it."""
-    midpoints = (KVALUES[1:] + KVALUES[:-1]) / 2                                 # (15,)
-    return np.searchsorted(midpoints, x, side="right").astype(np.uint8)
+    best_index_int8 picks it (NaN: the last, as a search of the midpoints places it).
+
+    >>> nearest_level(np.array([-1e9, -115.5, -115.6, 0.0, 112, np.nan], np.float32)).tolist()
+    [0, 1, 0, 8, 15, 15]
+    """
+    with np.errstate(over="ignore"):                     # 2 x past float32: inf, clipped
+        doubled = np.fmax(np.fmin(np.floor(np.float32(2) * x), HIGHEST), LOWEST)  # NaN: HIGHEST
+    return LEVEL_AT[doubled.astype(np.intp) - LOWEST]
 
 
 def iq4_nl(w):
@@ -130,7 +152,8 @@ def iq4_nl(w):
 
     def fit(inverse_scale):
         q = levels[nearest_level(inverse_scale[:, None] * x)]
-        return sums(weights * q * x), sums(weights * q * q)
+        wq = weights * q                              # (weights q) x, (weights q) q: C's order
+        return sums(wq * x), sums(wq * q)
 
     with np.errstate(divide="ignore", invalid="ignore"):
         sumqx, sumq2 = fit(np.float32(1) / (-big / levels[0]))

@@ -63,7 +63,8 @@ def fit_affine(x, weights, nmax, rmin, rdelta, nstep, mad=False):
             iscale = (f32(rmin) + f32(rdelta) * f32(step) + f32(nmax)) / (high - low)
             trial = codes_at(iscale, low)
             t = trial.astype(f32)
-            sum_l, sum_l2, sum_xl = sums(weights * t), sums(weights * t * t), sums(weights * t * x)
+            wt = weights * t                              # (weights t) t, (weights t) x: C's order
+            sum_l, sum_l2, sum_xl = sums(wt), sums(wt * t), sums(wt * x)
             det = sum_w * sum_l2 - sum_l * sum_l
             this_scale = (sum_w * sum_xl - sum_x * sum_l) / det
             this_min = (sum_l2 * sum_x - sum_l * sum_xl) / det
@@ -86,11 +87,12 @@ def fit_symmetric(x, nmax):
     -> scale (M,), codes + nmax (M, n)."""
     big = signed_max(x)
     w = x * x
+    wx = w * x                                                  # (w x) t: C's order
 
     def trial(iscale):
         codes = np.clip(nearest_int(iscale[:, None] * x), -nmax, nmax - 1)
         t = codes.astype(f32)
-        return codes, sums(w * x * t), sums(w * t * t)
+        return codes, sums(wx * t), sums(w * t * t)
 
     with np.errstate(divide="ignore", invalid="ignore"):
         codes, sumlx, suml2 = trial(-f32(nmax) / big)

@@ -242,36 +242,36 @@ def main(argv=None):
 
 def first_use(job, args, env) -> list:
     """Fetch or make what the job's scripts need once per machine and lack, each timed on its
-    own -> [(what, wall s, CPU s)], empty when everything was there. The model a script is
-    given (--model, else SmolLM2 for the scripts that default to it) and the drafts trained on
-    it, at the timing scripts' threads (as experiment 22 would train them)."""
+    own from its start -> [(what, wall s, CPU s)], empty when everything was there. The model a
+    script is given (--model, else SmolLM2 for the scripts that default to it) and the drafts
+    trained on it. Each need is asked after the one before is made: asking whether SmolLM2's
+    drafts or k-quant copies are there needs SmolLM2, so it is fetched first, in its own time
+    (asked before, the fetch fell outside every step's time: its line said 0 s)."""
     from minitransformer.checkpoints.real_model import NAME, is_imported
     from minitransformer.checkpoints.synth import weights_dir
     from minitransformer.measure.text import cache_path
     names = {script for script, _, _ in job}
     model = args.model or "smollm2"
-    steps = []
-    if names & USES_SMOLLM2 and model == "smollm2" and not is_imported(weights_dir() / NAME):
-        steps.append((f"{NAME}: fetched and imported", lambda: model_path("smollm2")))
-    if names & USES_TEXT and not cache_path().is_file():
-        steps.append(("experiment 21's text: fetched", fetch_text))
-    if names & USES_DRAFTS and not drafts_there(model):
-        steps.append(("the distilled drafts: trained", lambda: train_drafts(model, args, env)))
-    fetching = any(what.startswith(NAME) for what, _ in steps)  # no file of it to name yet
-    for name, schemes in kquants_of(names, args.model).items():
-        if not (fetching and name == "smollm2"):
-            schemes = [s for s in schemes if keeps_kquants(name) and not kquants_there(name, s)]
-        if schemes:
-            what = f"the k-quant copies of {model_name(name)} ({', '.join(schemes)}): quantized"
-            steps.append((what, lambda name=name, schemes=schemes: quantize_kquants(name,
-                                                                                  schemes)))
     firsts = []
-    for what, make in steps:
+
+    def make(what, action):
         say(f"=== first use: {what} ... ===")
         t, cpu = time.perf_counter(), cpu_seconds()
-        make()
+        action()
         firsts.append((what, time.perf_counter() - t, cpu_seconds() - cpu))
         say(f"=== first use: {what} in {firsts[-1][1]:.1f} s (CPU {firsts[-1][2]:.1f} s) ===")
+
+    if names & USES_SMOLLM2 and model == "smollm2" and not is_imported(weights_dir() / NAME):
+        make(f"{NAME}: fetched and imported", lambda: model_path("smollm2"))
+    if names & USES_TEXT and not cache_path().is_file():
+        make("experiment 21's text: fetched", fetch_text)
+    if names & USES_DRAFTS and not drafts_there(model):
+        make("the distilled drafts: trained", lambda: train_drafts(model, args, env))
+    for name, schemes in kquants_of(names, args.model).items():
+        schemes = [s for s in schemes if keeps_kquants(name) and not kquants_there(name, s)]
+        if schemes:
+            make(f"the k-quant copies of {model_name(name)} ({', '.join(schemes)}): quantized",
+                 lambda: quantize_kquants(name, schemes, threads_of(set(), args)))
     return firsts
 
 
@@ -341,19 +341,40 @@ def kquants_there(model, scheme) -> bool:
     return kquants_stamp(model, scheme).is_file()
 
 
-def quantize_kquants(model, schemes):
+def quantize_kquants(model, schemes, threads: int):
     """Every projection matrix of the model under each k-quant scheme, kept under
     weights/quantized/ (what experiments 15, 16 and 21 would otherwise quantize in their own
-    time on first use), each scheme's note left once it is done."""
+    time on first use), each scheme's note left once it is done; `threads` matrices at a time
+    (quantize_scheme)."""
     from minitransformer.loader import load
-    from quant.qmodel import quantize_model
     loaded = load(model_path(model))
     for i, scheme in enumerate(schemes, 1):
         say(f"[{i}/{len(schemes)}] {model_name(model)}: {scheme} ...")
-        quantize_model(loaded, scheme)
+        quantize_scheme(loaded.weights, scheme, threads)
         stamp = kquants_stamp(model, scheme)
         stamp.parent.mkdir(parents=True, exist_ok=True)
         stamp.write_text(f"{model_name(model)}: {scheme}\n")
+
+
+def quantize_scheme(weights, scheme: str, threads: int) -> None:
+    """The blocks of every projection matrix under one k-quant scheme, made and kept
+    (gguf_weight.kept_blocks: the very bytes a script's quantize_model then reads back), the
+    matrices shared among `threads` threads: NumPy lets go of the interpreter's lock inside
+    its loops over a matrix's blocks, so each thread quantizes a matrix of its own on a core
+    of its own. Each matrix is the same calls on the same floats as one thread would make."""
+    from concurrent.futures import ThreadPoolExecutor
+    from quant.gguf_weight import kept_blocks, stored_type
+    from quant.qmodel import projection_names
+    from quant.scales import check_weight
+    from quant.schemes import check_scheme
+    kind = check_scheme(scheme).gguf
+
+    def quantize(name):
+        w = check_weight(weights[name])                      # float32 (out, in), on the host
+        kept_blocks(w, stored_type(kind, w.shape[1]))
+
+    with ThreadPoolExecutor(max(1, threads)) as pool:
+        list(pool.map(quantize, projection_names(weights)))  # list(): a failure is raised
 
 
 def train_drafts(model, args, env):

@@ -340,6 +340,31 @@ def test_first_use_is_made_before_the_job_and_timed_apart(monkeypatch, tmp_path)
     assert run_all.first_use_line([]) == "none (everything was there)"
 
 
+def test_first_use_times_smollm2s_fetch_from_its_start(tiny, monkeypatch, tmp_path):
+    """SmolLM2's fetch is made in its own step and timed there, before anything asks for the
+    model (asking whether its drafts or k-quant copies are there fetched it untimed: the
+    first-use line said 0 s for a 15 s fetch)."""
+    import time
+    from minitransformer.measure import text
+    monkeypatch.setenv("MT_WEIGHTS_DIR", str(tmp_path))              # SmolLM2: not imported
+    monkeypatch.setattr(text, "cache_path", lambda: Path(run_all.__file__))  # the text: there
+    fetched = []
+
+    def model_path(spec):
+        if not fetched:                                              # the fetch: 0.2 s CPU
+            start = time.process_time()
+            while time.process_time() - start < 0.2:
+                pass
+            fetched.append(spec)
+        return tiny
+    monkeypatch.setattr(run_all, "model_path", model_path)
+    args = run_all.argparse.Namespace(model=None, threads=1)
+    job = [("exp22_speculative.py", {run_all.MODEL}, []),
+           ("exp16_quant_error.py", {run_all.MODEL}, [])]
+    firsts = run_all.first_use(job, args, {})
+    assert firsts[0][0].endswith("fetched and imported") and firsts[0][2] >= 0.2, firsts
+
+
 def test_first_use_quantizes_the_k_quant_copies_once(tiny, monkeypatch, tmp_path):
     """The k-quant copies experiments 15, 16 and 21 would quantize on a first run are made
     before the job, timed apart, once: the schemes of the selected scripts only, again when
@@ -348,12 +373,11 @@ def test_first_use_quantizes_the_k_quant_copies_once(tiny, monkeypatch, tmp_path
     import os
     from minitransformer.measure import text
     import quant.gguf_weight
-    import quant.qmodel
     monkeypatch.setenv("MT_WEIGHTS_DIR", str(tmp_path))
     monkeypatch.setattr(text, "cache_path", lambda: Path(run_all.__file__))  # the text: there
-    made, real = [], quant.qmodel.quantize_model
-    monkeypatch.setattr(quant.qmodel, "quantize_model",
-                        lambda model, scheme: made.append(scheme) or real(model, scheme))
+    made, real = [], run_all.quantize_scheme
+    monkeypatch.setattr(run_all, "quantize_scheme", lambda weights, scheme, threads:
+                        made.append(scheme) or real(weights, scheme, threads))
     args = run_all.argparse.Namespace(model=tiny, threads=1)
     job = [("exp21_quantized_quality.py", {run_all.MODEL}, [])]
     assert run_all.first_use(job, args, {}) == [] and made == []    # none of its kept
@@ -371,6 +395,28 @@ def test_first_use_quantizes_the_k_quant_copies_once(tiny, monkeypatch, tmp_path
     monkeypatch.setenv("MT_QUANT_CACHE", "off")
     os.utime(weights, ns=(weights.stat().st_atime_ns, weights.stat().st_mtime_ns + 10**9))
     assert run_all.first_use(job, args, {}) == [] and len(made) == 10
+
+
+def test_the_k_quant_copies_made_in_threads_are_each_matrixs_own_bytes(tiny, monkeypatch,
+                                                                      tmp_path):
+    """quantize_scheme's threads keep, for every projection matrix, the blocks its own floats
+    quantize to (what quantize_model then reads back), whatever thread made them."""
+    import numpy as np
+    import quant.gguf_weight as gw
+    from minitransformer.loader import load
+    from quant.qmodel import projection_names
+    monkeypatch.setenv("MT_WEIGHTS_DIR", str(tmp_path))
+    monkeypatch.setattr(gw, "KEPT_WEIGHTS", 1)                       # as if each were large
+    weights = load(tiny).weights
+    names = projection_names(weights)
+    run_all.quantize_scheme(weights, "q4_k", threads=3)
+    files = set()
+    for name in names:
+        w = np.asarray(weights[name], np.float32)
+        kind = gw.stored_type("Q4_K", w.shape[1])
+        files.add(gw.kept_file(w, kind))
+        assert np.array_equal(np.load(gw.kept_file(w, kind)), gw.QUANTIZERS[kind](w)), name
+    assert set((tmp_path / "quantized").glob("*.npy")) == files      # each matrix's, no other
 
 
 def test_exp12_draws_no_knee_from_the_smaller_row_of_an_inverted_pair(tiny, monkeypatch,
