@@ -13,9 +13,9 @@ each part serves; ../quant/ and ../sim/ sit beside this package):
     ../sim/kv_memory.py, macs.py  what the cache costs and saves, from shapes and formulas
     serve/records.py, intake.py,  batching: records, a request checked, the block manager's
       blocks.py, config.py,       books, the engine's knobs, the plan of a step, the pool and
-      scheduler.py, paged.py,     the forward pass's view of it, the engine (then the server);
-      engine.py,                  experiment 13's simulation: skewed requests, and the two
-      ../sim/workload.py,         policies a step at a time
+      scheduler.py, paged.py,     the forward pass's view of it, a pass over the pool, the
+      runner.py, engine.py,       engine (then the server); experiment 13's simulation:
+      ../sim/workload.py,         skewed requests, and the two policies a step at a time
       batching.py
     ../quant/int8.py, qweight.py, scales.py, absmax.py, nf4.py, ggml_blocks.py, kquants.py,
       gguf_weight.py, schemes.py, qmodel.py

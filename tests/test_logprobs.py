@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import minitransformer as mt
-import minitransformer.serve.engine as engine_module
+import minitransformer.serve.runner as runner_module
 from minitransformer.logprobs import MAX_LOGPROBS, check_top, log_softmax, token_logprob
 from minitransformer.model import forward
 from minitransformer.sampling import SamplingSettings
@@ -97,7 +97,7 @@ def test_the_engine_scores_new_and_prompt_tokens_as_the_model(tiny_model, monkey
     """Batched decoding and paging move logits in their last bits only: within 1e-4. The
     prompt's tokens come from its one prefill; the first has none (nothing predicts it)."""
     calls = []
-    for module in (engine_module, generate_module):    # prefills here, decodes in last_logits
+    for module in (runner_module, generate_module):    # prefills here, decodes in last_logits
         monkeypatch.setattr(module, "forward", lambda *a, **k: calls.append(1) or forward(*a, **k))
     settings = SamplingSettings(do_sample=True, temperature=0.8)
     requests = [Request(tuple(PROMPT[:n]), 9, sampling=settings, seed=n, eos_token_id=[],

@@ -55,13 +55,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from minitransformer.backend import to_numpy
-from minitransformer.generate import last_logits, last_logits_alone
 from minitransformer.lookup import PromptLookup
-from minitransformer.model import forward, head
 from minitransformer.sampling import apply_repetition_penalty, draw, next_token, probabilities
 from minitransformer.serve.config import SpeculativeConfig, check_against
-from minitransformer.serve.paged import PagedCache, RaggedView
+from minitransformer.serve.paged import PagedCache
+from minitransformer.serve.runner import Feed, Runner
 from minitransformer.shape import parameter_count
 from minitransformer.speculative import LookupDraft
 from sim.speculative import batch_verify_cost, speedup
@@ -160,8 +158,8 @@ class DraftModel:
     """A draft model over a paged pool of its own: proposals for a batch, a pass a position."""
 
     def __init__(self, model, num_blocks: int, block_size: int, batch_invariant: bool = False):
-        self.model, self.batch_invariant = model, batch_invariant
-        self.pool = PagedCache.allocate(model.config, num_blocks, block_size)
+        self.model, self.pool = model, PagedCache.allocate(model.config, num_blocks, block_size)
+        self.runner = Runner(model, self.pool, batch_invariant)
         self.passes = 0     # forward passes of the draft, one a draft position
 
     def propose(self, asks) -> list:
@@ -198,9 +196,10 @@ class DraftModel:
         return n
 
     def _first(self, asks) -> np.ndarray:
-        """Each row feeds what the draft has not seen, in ONE ragged pass -> its last
+        """Each row feeds what the draft has not seen, in ONE ragged pass (the rows feeding
+        as many tokens one group; batch-invariant: each row a pass of its own) -> its last
         position's logits (B, V)."""
-        pool, books, fresh, starts = self.pool, self.pool.books, [], []
+        books, fresh, starts = self.pool.books, [], []
         for a in asks:
             if a.seq_id not in books.seqs:
                 books.add(a.seq_id, a.tokens[:1], reuse=False)    # its blocks: none held yet
@@ -208,30 +207,18 @@ class DraftModel:
             fresh.append(a.tokens[seen:])
             starts.append(books.append([a.seq_id], len(fresh[-1]))[0])
         self.passes += 1
-        if self.batch_invariant:        # each row the very call a batch of one makes
-            return np.concatenate([last_logits(self.model, np.array([f]),
-                                               pool.view([a.seq_id], [s]))
-                                   for a, f, s in zip(asks, fresh, starts)])
-        groups = {}                     # unseen tokens -> the rows feeding as many
-        for b, f in enumerate(fresh):
-            groups.setdefault(len(f), []).append(b)
-        order = [b for rows in groups.values() for b in rows]
-        ids = np.array([[t for b in order for t in fresh[b]]])                  # (1, R)
-        view = RaggedView(pool, [([asks[b].seq_id for b in rows], [starts[b] for b in rows], T)
-                                 for T, rows in groups.items()])
-        hidden = forward(self.model, ids, view)                                 # (1, R, D)
-        ends = np.cumsum([len(fresh[b]) for b in order]) - 1          # each row's last token
-        logits = to_numpy(head(self.model, hidden[:, ends]))[0]                 # (B, V)
-        return logits[np.argsort(order)]                                   # back in ask order
+        if self.runner.batch_invariant:     # each row the very call a batch of one makes
+            return np.stack([self.runner.prompt(a.seq_id, s, f)[0]
+                             for a, f, s in zip(asks, fresh, starts)])
+        logits, _ = self.runner.ragged([Feed(a.seq_id, s, f, picks="last")
+                                        for a, f, s in zip(asks, fresh, starts)])
+        return np.concatenate(logits)                                           # (B, V)
 
     def _next(self, seq_ids, last) -> np.ndarray:
         """The rows feed their last proposals, ONE decode pass -> logits (B', V)."""
         starts = self.pool.books.append(seq_ids, 1)
-        ids = np.array(last)[:, None]                                           # (B', 1)
-        view = self.pool.view(seq_ids, starts)
         self.passes += 1
-        way = last_logits_alone if self.batch_invariant else last_logits
-        return way(self.model, ids, view)
+        return self.runner.decode(seq_ids, starts, [[t] for t in last])
 
     def rollback(self, seq_id, valid: int) -> None:
         seq = self.pool.books.seqs.get(seq_id)

@@ -3,12 +3,14 @@
 Each ``step`` is plan -> run -> commit, each part in its own module:
   plan    scheduler.py decides on the block manager's books alone (blocks.py): who is
           preempted, who decodes, which prompt chunks prefill within the token budget, who
-          is admitted, and, speculating, the draft tokens each decode row may verify;
-  run     here: the pool does the plan's copies and swaps (paged.py), the forward passes
+          is admitted, and, speculating, the draft tokens each decode row may verify (what
+          speculation wants, handed to it as data); the blocks each pass fills and reads,
+          so which passes run as one and whom a failed pass concerns are the plan's;
+  run     runner.py: the pool does the plan's copies and swaps, then the forward passes
           (by default the decodes with their drafts and every prompt, whole or a chunk, in
           ONE pass over a ragged batch of tokens; batch-invariant mode: each row's own
-          calls), the head, sampling or verification, logprobs, timings; nothing is written
-          to the books;
+          calls) -> logits; here, per pass: sampling or verification (speculate.py),
+          logprobs, timings, into ``Made``; nothing is written to the books;
   commit  the scheduler takes what the passes made, once the step's clock has stopped (the
           time its tokens are stamped with): the slots written, rows trimmed to the tokens
           they kept, full blocks named, a failed pass's sequences ended, first tokens
@@ -72,19 +74,16 @@ static 4 steps; decode batch sizes [2, 2]
 import math
 import time
 
-import numpy as np
-
-from minitransformer.backend import synchronize, to_numpy
-from minitransformer.generate import last_logits, last_logits_alone
+from minitransformer.backend import synchronize
 from minitransformer.loader import load
 from minitransformer.logprobs import token_logprob
-from minitransformer.model import forward, head
 from minitransformer.sampling import next_token
-from minitransformer.serve.blocks import Copy, blocks_for
+from minitransformer.serve.blocks import blocks_for
 from minitransformer.serve.config import EngineConfig, check_against
 from minitransformer.serve.intake import check_request
-from minitransformer.serve.paged import PagedCache, RaggedView, check_fits
+from minitransformer.serve.paged import PagedCache, check_fits
 from minitransformer.serve.records import Request, Run
+from minitransformer.serve.runner import Feed, Runner, split_rows
 from minitransformer.serve.scheduler import Made, Scheduler, close, fan_out
 from minitransformer.serve.speculate import Row, Speculator
 
@@ -112,6 +111,7 @@ class Engine:
         self.cache = PagedCache.allocate(model.config, num_blocks, block_size,
                                          config.kv_cache_dtype, config.attention,
                                          in_place=not config.batch_invariant)
+        self.runner = Runner(model, self.cache, config.batch_invariant)
         self.scheduler = Scheduler(self.cache.books, slots, config.policy,
                                    config.max_num_batched_tokens, config.enable_prefix_caching)
         self.history = history
@@ -205,12 +205,11 @@ class Engine:
         start = time.perf_counter()
         if not self.running() and self.waiting and self.waiting[0].result.arrival > self.clock:
             self.clock = self.waiting[0].result.arrival  # idle: jump to the next arrival
-        plan = self.scheduler.schedule(self.clock, None if self.speculator is None else
-                                       self._wants)
+        plan = self.scheduler.schedule(self.clock, self._wanted())
         if not self.running() and self.waiting:  # an empty pool refused the first request
             raise RuntimeError("nothing running and the first request cannot be admitted")
         made = self._run(plan)
-        for work in (plan.decode, *plan.prefill, plan):  # every move done, a failed pass's too
+        for work in (*plan.passes, plan):       # every move done, a failed pass's too
             self._moves(work)
         synchronize()
         self.clock += time.perf_counter() - start   # every token of this step exists now
@@ -228,17 +227,17 @@ class Engine:
     # --- running a plan ----------------------------------------------------------------------
     def _run(self, plan) -> Made:
         """The plan's passes -> what they made: the sequences that made tokens, the passes
-        that ran, those that failed or would read what a failed one was to write, the first
-        error raised."""
-        passes = [plan.decode] * bool(plan.decode.rows) + plan.prefill
-        if self._together(passes):
+        that ran, those that failed or would read what a failed one was to fill (the plan's
+        ``concerned``), the first error raised."""
+        passes = plan.passes
+        if plan.together and not self.batch_invariant:  # batch-invariant: each row's own calls
             try:
-                return Made(self._mixed(plan, passes), passes)
+                return Made(self._mixed(plan), passes)
             except Exception as error:      # the step's fault, not the engine's
                 return Made([], [], passes, error)
         made, ran, failed, error = [], [], [], None
         for work in passes:
-            if failed and self._reads_unwritten(work, failed, ran):
+            if work in plan.concerned(failed):
                 failed.append(work)
                 continue
             try:
@@ -248,30 +247,10 @@ class Engine:
                 failed, error = failed + [work], error or e
         return Made(made, ran, failed, error)
 
-    def _reads_unwritten(self, work, failed, ran) -> bool:
-        """Would this pass read a block a failed pass was to fill (one of its rows holds it,
-        found by name, or a copy takes it), and no pass that ran has filled?"""
-        books = self.cache.books
-        filled = {b for w in ran for seq_id, start, held in w.slots()
-                  for b in books.seqs[seq_id].blocks[start // books.block_size:
-                                                     books.blocks_for(start + held)]}
-        theirs = {b for f in failed for seq in f.rows for b in books.seqs[seq.result.id].blocks
-                  if b in books.filling and b not in filled}
-        return any(b in theirs for seq in work.rows for b in books.seqs[seq.result.id].blocks) \
-            or any(isinstance(move, Copy) and move.src in theirs for move in work.moves)
-
     def _moves(self, work) -> None:
         """Carry out a pass's moves (or the plan's last ones), once."""
         moves, work.moves = work.moves, []
-        self.cache.do(moves)
-
-    def _together(self, passes) -> bool:
-        """Run the step's passes as one? In the default mode (batch-invariant keeps each row's
-        own calls), the decodes (and their drafts) with whole prompts or chunks alike; not
-        when a later pass needs a copy of a block an earlier one writes (a prompt cached in
-        full behind the chunk filling its last block): the copies come first."""
-        return not self.batch_invariant and len(passes) > 1 and \
-            not any(isinstance(move, Copy) for work in passes[1:] for move in work.moves)
+        self.runner.do(moves)
 
     def _decode(self, work) -> list:
         """The decode rows in one batched forward pass, each feeding its last token and the
@@ -280,79 +259,78 @@ class Engine:
         self._moves(work)
         fed, drafts = self._propose(work)
         start = time.perf_counter()
-        logits = decode_logits(self.model, self.cache, [seq.result.id for seq in work.rows],
-                               work.starts, fed, self.batch_invariant)               # (R, V)
+        logits = self.runner.decode([seq.result.id for seq in work.rows], work.starts,
+                                    fed)                                          # (R, V)
         made = [seq for seq, z, draft in zip(work.rows, split_rows(logits, map(len, fed)),
                                              drafts) if self._take(seq, z, draft)]
         if self.history:
             self.decode_times.append((len(work.rows), time.perf_counter() - start))
         return made
 
-    def _mixed(self, plan, passes) -> list:
+    def _mixed(self, plan) -> list:
         """The decodes (each its last token and its draft) and the prompt chunks of a step in
-        ONE forward pass, a ragged batch of tokens (paged.RaggedView): every weight read once
+        ONE forward pass, a ragged batch of tokens (runner.ragged): every weight read once
         -> the sequences that made tokens."""
-        for work in passes:
+        for work in plan.passes:
             self._moves(work)
-        fed, drafts = self._propose(plan.decode)
-        start = time.perf_counter()
         decode = plan.decode
-        order, groups = decode_groups([seq.result.id for seq in decode.rows], decode.starts, fed)
-        parts = [(decode.rows[b], decode.starts[b], fed[b], decode)    # (seq, first, fed, work)
-                 for b in order]
+        fed, drafts = self._propose(decode)
+        start = time.perf_counter()
+        feeds = [Feed(seq.result.id, first, tokens)
+                 for seq, first, tokens in zip(decode.rows, decode.starts, fed)]
         for work in plan.prefill:
             (seq,), (first,) = work.rows, work.starts
-            parts.append((seq, first, seq.tokens[first:first + work.n], work))
-            groups.append(([seq.result.id], [first], work.n))
-        ids = np.array([[t for _, _, tokens, _ in parts for t in tokens]])       # (1, R)
-        hidden = forward(self.model, ids, RaggedView(self.cache, groups))        # (1, R, D)
-        ends = np.cumsum([len(tokens) for _, _, tokens, _ in parts])       # each row's end
-        picked = [list(range(end - len(tokens), end)) if work is plan.decode else [end - 1]
-                  for (_, _, tokens, work), end in zip(parts, ends)
-                  if work is plan.decode or work.firsts]          # a row's logits wanted
-        logits = to_numpy(head(self.model, hidden[:, [i for rows in picked for i in rows]]))[0]
-        rows = iter(split_rows(logits, map(len, picked)))                          # (k, V)
-        made, of_decode = [], dict(zip(plan.decode.rows, drafts))
-        for (seq, first, tokens, work), end in zip(parts, ends):
-            if work is not plan.decode and seq.result.request.prompt_logprobs is not None:
-                self._score_prompt(seq, hidden[:, end - len(tokens):end], first)
-            if work is plan.decode:
-                made += [seq] * self._take(seq, next(rows), of_decode[seq])
-            elif work.firsts:                            # a prompt's last chunk
-                z = next(rows)[-1]
-                for member in work.firsts:
-                    self._sample(member, z)
-                made += work.firsts
+            feeds.append(Feed(seq.result.id, first, seq.tokens[first:first + work.n],
+                              "last" if work.firsts else "none", alone=True,
+                              scored=seq.result.request.prompt_logprobs is not None))
+        logits, scored = self.runner.ragged(feeds)
+        made = [seq for seq, z, draft in zip(decode.rows, logits, drafts)
+                if self._take(seq, z, draft)]
+        for work, z, every in zip(plan.prefill, logits[len(decode.rows):],
+                                  scored[len(decode.rows):]):
+            made += self._first_tokens(work, z[-1] if work.firsts else None, every)
         if self.history:            # one pass for both: each list gets its whole time
             seconds = time.perf_counter() - start
-            self.decode_times += [(len(work.rows), seconds) for work in passes[:1]
-                                  if work is plan.decode]
-            self.prefill_times += [(work.n, seconds) for work in passes if work is not plan.decode]
+            self.decode_times += [(len(decode.rows), seconds)] * bool(decode.rows)
+            self.prefill_times += [(work.n, seconds) for work in plan.prefill]
         return made
 
     def _prefill(self, work) -> list:
         """A chunk of one prompt, in one forward pass -> its samples, with their first tokens
         when it is the prompt's last chunk."""
         self._moves(work)
-        (seq,), (done,), n = work.rows, work.starts, work.n
+        (seq,), (first,), n = work.rows, work.starts, work.n
         start = time.perf_counter()
-        hidden = forward(self.model, np.array([seq.tokens[done:done + n]]),      # (1, n, D)
-                         self.cache.view([seq.result.id], work.starts))
-        if seq.result.request.prompt_logprobs is not None:
-            self._score_prompt(seq, hidden, done)
-        if work.firsts:                              # the last prompt token's logits
-            last = to_numpy(head(self.model, hidden[:, -1:]))[0, -1]          # (V,)
-            for member in work.firsts:
-                self._sample(member, last)
+        last, every = self.runner.prompt(seq.result.id, first, seq.tokens[first:first + n],
+                                         bool(work.firsts),
+                                         seq.result.request.prompt_logprobs is not None)
+        made = self._first_tokens(work, last, every)
         if self.history:
             self.prefill_times.append((n, time.perf_counter() - start))
+        return made
+
+    def _first_tokens(self, work, last, every) -> list:
+        """A prompt chunk's pass made its logits: every position's (n, V) score its prompt
+        logprobs (None: not asked), and the last one's (V,) pick the first token of each
+        sample its last chunk starts -> those samples."""
+        (seq,), (first,) = work.rows, work.starts
+        if every is not None:       # position p's logits score prompt token p + 1
+            k = seq.result.request.prompt_logprobs
+            seq.result.prompt_logprobs += [token_logprob(row, token, k) for row, token
+                                            in zip(every, seq.tokens[first + 1:])]
+        for member in work.firsts:
+            self._sample(member, last)
         return list(work.firsts)
 
     # --- speculation's parts of a step (speculate.py) ----------------------------------------
-    def _wants(self, rows) -> list:
-        """Per decode row, the draft tokens speculation would have it verify (the plan cuts
-        them to the budget and the free blocks)."""
-        return self.speculator.wants([self._row(seq) for seq in rows])
+    def _wanted(self):
+        """Speculating, the draft tokens each decoding sequence would verify, by id (the plan
+        cuts them to the budget and the free blocks); None when not speculating."""
+        if self.speculator is None:
+            return None
+        decoding = [seq for seq in self.running() if not seq.prefilling]
+        return dict(zip([seq.result.id for seq in decoding],
+                        self.speculator.wants([self._row(seq) for seq in decoding])))
 
     def _propose(self, work) -> tuple:
         """-> per decode row, the tokens it feeds (its last token, then its draft's proposals,
@@ -383,14 +361,6 @@ class Engine:
         request = seq.result.request
         return Row(seq.result.id, seq.tokens, len(seq.tokens) - len(seq.result.tokens),
                    request.max_new_tokens, request.sampling, seq.rng, padding=seq.finished)
-
-    def _score_prompt(self, seq, hidden, done: int) -> None:
-        """Prompt logprobs from a chunk's pass: every position through the head; position p's
-        logits score prompt token p + 1 (the last prompt position's pick the first new one)."""
-        z = to_numpy(head(self.model, hidden))[0]                         # (n, V)
-        k, prompt = seq.result.request.prompt_logprobs, seq.tokens
-        seq.result.prompt_logprobs += [token_logprob(row, token, k)
-                                        for row, token in zip(z, prompt[done + 1:])]
 
     # --- small helpers -----------------------------------------------------------------------
     def _check(self, request) -> tuple:
@@ -433,42 +403,3 @@ class Engine:
         if request.logprobs is not None:
             seq.result.logprobs.append(token_logprob(logits, token, request.logprobs))
 
-
-# --- the decode rows of a pass -----------------------------------------------------------------
-def decode_groups(seq_ids, starts, fed) -> tuple:
-    """Decode rows as groups of a ragged pass: the rows feeding as many tokens attend as one
-    group (a plain decode: all of them, one token each) -> (the rows' indices in the pass's
-    order, the RaggedView's groups)."""
-    by_count = {}
-    for b, tokens in enumerate(fed):
-        by_count.setdefault(len(tokens), []).append(b)
-    order = [b for rows in by_count.values() for b in rows]
-    return order, [([seq_ids[b] for b in rows], [starts[b] for b in rows], n)
-                   for n, rows in by_count.items()]
-
-
-def decode_logits(model, cache, seq_ids, starts, fed, batch_invariant=False):
-    """One forward pass over the decode rows' fed tokens (row b: its last token at starts[b],
-    then its proposals, in slots a plan holds) -> logits (R, V), row by row, R the tokens fed
-    in all. batch_invariant: each fed token a row of its own, one token long at its own
-    position, by the very call a batch of one makes, in order (so a verification's logits
-    are a plain decode's, bit for bit). Otherwise a plain decode is one (B, 1) batch, and a
-    verification a ragged batch (``decode_groups``): the weights read once for all R."""
-    if batch_invariant:         # each fed token by the very call a batch of one makes
-        ids = np.array([[t] for tokens in fed for t in tokens])                   # (R, 1)
-        view = cache.view([s for s, tokens in zip(seq_ids, fed) for _ in tokens],
-                          [p for first, tokens in zip(starts, fed)
-                           for p in range(first, first + len(tokens))])
-        return last_logits_alone(model, ids, view)
-    if all(len(tokens) == 1 for tokens in fed):
-        return last_logits(model, np.array(fed), cache.view(seq_ids, starts))      # (B, V)
-    order, groups = decode_groups(seq_ids, starts, fed)
-    ids = np.array([[t for b in order for t in fed[b]]])                           # (1, R)
-    logits = to_numpy(head(model, forward(model, ids, RaggedView(cache, groups))))[0]
-    mine = dict(zip(order, split_rows(logits, [len(fed[b]) for b in order])))
-    return np.concatenate([mine[b] for b in range(len(fed))])                      # (R, V)
-
-
-def split_rows(logits, counts) -> list:
-    """(R, V) -> one (count, V) array per row, in order."""
-    return np.split(logits, np.cumsum(list(counts))[:-1])

@@ -41,11 +41,24 @@ and 4, and a 3-token one enters beside the second, in the 2 tokens left:
 >>> plan = scheduler.schedule(now=0.1)           # (the engine runs each plan in between)
 >>> chunks(plan), [seq.result.id for seq in plan.prefill[0].firsts]   # 0's last chunk
 ([(0, 6, 4), (1, 0, 2)], [0])
+
+Each pass of a plan knows the blocks it fills and reads, so the plan says which passes may run
+as one and whom a failed pass concerns. Two prompts admitted in one step, the second starting
+with the first's first block, found by name before it is written:
+
+>>> scheduler = Scheduler(BlockManager(num_blocks=8, block_size=4), slots=2)
+>>> for i, prompt in enumerate(((1, 2, 3, 4, 5), (1, 2, 3, 4, 9))):
+...     scheduler.waiting.append(Sequence(Result(i, 0.0, Request(prompt, 2)), list(prompt)))
+>>> plan = scheduler.schedule(now=0.0)
+>>> [(sorted(work.fills), sorted(work.reads)) for work in plan.passes], plan.together
+([([0, 1], [0, 1]), ([2], [0, 2])], True)
+>>> [[work.rows[0].result.id for work in plan.concerned([failed])] for failed in plan.passes]
+[[0, 1], [1]]
 """
 from collections import deque
 from dataclasses import dataclass, field
 
-from minitransformer.serve.blocks import BlockManager, Swapped
+from minitransformer.serve.blocks import BlockManager, Copy, Swapped
 from minitransformer.serve.records import Result
 
 @dataclass(eq=False)                # compared by identity: it is a place, not a value
@@ -75,7 +88,7 @@ class Sequence:                     # one sample of a request the engine is serv
         return self.result.status == "finished"
 
 
-@dataclass
+@dataclass(eq=False)                # compared by identity: one pass of one plan
 class Work:
     """One forward pass of a plan: rows of n new tokens each, from their starts."""
     rows: list                      # Sequences
@@ -85,6 +98,8 @@ class Work:
     firsts: list = ()               # a prompt's last chunk: the sequences its logits start
     drafts: list = ()               # speculating, per decode row: the draft tokens it may
     #                                 verify, their slots held after its n (at most; 0: none)
+    fills: frozenset = frozenset()  # the blocks its slots write (known once the plan is made)
+    reads: frozenset = frozenset()  # the blocks it reads: its rows' tables, its copies' sources
 
     def slots(self) -> list:
         """Per row: (sequence id, first position, positions held for this pass)."""
@@ -109,6 +124,32 @@ class Plan:
     admitted: list                  # entered a slot (swapped back in, or their prompt placed)
     preempted: list                 # swapped out, queued first
     moves: list                     # moves decided after the last forward pass
+
+    @property
+    def passes(self) -> list:
+        """Its forward passes, in order: the decodes (if any), then each prompt chunk."""
+        return [self.decode] * bool(self.decode.rows) + self.prefill
+
+    @property
+    def together(self) -> bool:
+        """May the step's passes run as ONE (the decodes, with their drafts, beside whole
+        prompts or chunks alike)? Not when a later pass needs a copy of a block: a prompt
+        cached in full behind the chunk filling its last block copies it once it is
+        written, so the copies come first and the passes run one by one."""
+        passes = self.passes
+        return len(passes) > 1 and not any(isinstance(move, Copy) for work in passes[1:]
+                                           for move in work.moves)
+
+    def concerned(self, failed) -> list:
+        """The passes a failure concerns: those that failed, and each later pass that reads
+        a block one of them was to fill (a prompt admitted in the same step that found a
+        chunk's full blocks by name, or copies one), in order: their sequences end with the
+        error (engine.py's docstring, Faults)."""
+        out = []
+        for work in self.passes:
+            if work in failed or any(work.reads & earlier.fills for earlier in out):
+                out.append(work)
+        return out
 
 
 def close(result, status: str, now: float, returned: bool = True, reason: str = "") -> None:
@@ -161,10 +202,11 @@ class Scheduler:
         """The sequences in slots that are not over (prefilling or decoding)."""
         return [seq for seq in self.slots if seq is not None and not seq.finished]
 
-    def schedule(self, now: float, wants=None) -> Plan:
+    def schedule(self, now: float, wanted: dict = None) -> Plan:
         """The step's plan: who is preempted, who decodes, which chunks prefill, who enters,
-        and, speculating, each decoding row's draft slots. wants(rows) -> per decode row, the
-        draft tokens speculation would have it verify (None: no speculation)."""
+        and, speculating, each decoding row's draft slots; the blocks each pass fills and
+        reads. wanted: speculating, {sequence id: the draft tokens speculation would have
+        it verify} (None: no speculation; a row it does not name: none)."""
         self.now = now
         rows = [seq for seq in self.running() if not seq.prefilling] + self._padding()
         preempted = self._preempt(rows)
@@ -176,11 +218,15 @@ class Scheduler:
         budget = None if self.budget is None else self.budget - len(rows)
         prefill, admitted = self._prefill(budget)
         moves = self.blocks.take_moves()            # decided after the last forward pass
-        if wants is not None and rows:
+        if wanted is not None and rows:
             spare = None if budget is None else budget - sum(work.n for work in prefill)
-            decode.drafts = hold_drafts(self.blocks, [row.result.id for row in rows],
-                                        wants(rows), spare)
-        return Plan(decode, prefill, admitted, preempted, moves)
+            ids = [row.result.id for row in rows]
+            decode.drafts = hold_drafts(self.blocks, ids, [wanted.get(i, 0) for i in ids],
+                                        spare)
+        plan = Plan(decode, prefill, admitted, preempted, moves)
+        for work in plan.passes:
+            self._blocks_of(work)
+        return plan
 
     def commit(self, made: Made, now: float, kept=None) -> None:
         """What the plan's run made, into the books, then the step's ends, at ``now`` (the
@@ -346,6 +392,17 @@ class Scheduler:
             chunks.append(Work([seq], starts, n, self.blocks.take_moves(), firsts))
             budget = None if budget is None else budget - n
         return chunks, admitted
+
+    def _blocks_of(self, work) -> None:
+        """A pass's blocks, once the plan is made: those its slots write (``fills``), and
+        those it reads, every block of its rows' tables and its copies' sources (``reads``)."""
+        books = self.blocks
+        tables = {seq.result.id: books.seqs[seq.result.id].blocks for seq in work.rows}
+        work.fills = frozenset(b for seq_id, start, held in work.slots() for b in
+                               tables[seq_id][start // books.block_size:
+                                              books.blocks_for(start + held)])
+        work.reads = frozenset(b for table in tables.values() for b in table) | \
+            {move.src for move in work.moves if isinstance(move, Copy)}
 
     def _keep(self, seq) -> None:
         """After its pass: a sequence holds the tokens it has computed, all of its tokens

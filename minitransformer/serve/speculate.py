@@ -25,7 +25,7 @@ where it belongs (the engine's step is plan -> run -> commit either way):
               rejected (or never proposed) proposals go back to the pool, the full blocks of
               kept tokens are named for the prefix cache
 
-The verification pass (engine.py's ``decode_logits``, or its mixed pass): by default a ragged
+The verification pass (runner.py's ``Runner.decode``, or the step's ragged pass): by default a ragged
 batch (paged.RaggedView), the sequences feeding as many tokens one group, causal within each
 row, all R tokens through every product at once: the weights are read once for the whole
 pass, as for a decode; what grows with the rows is the arithmetic and the attention's reads of

@@ -11,6 +11,7 @@ from minitransformer.sampling import GREEDY, SamplingSettings
 from minitransformer.serve import drafting
 from minitransformer.serve.config import EngineConfig, SpeculativeConfig
 from minitransformer.serve.drafting import Ask, DraftModel
+import minitransformer.serve.runner as runner_module
 from minitransformer.serve.engine import Engine
 from minitransformer.serve.records import Request
 from minitransformer.speculative import ModelDraft, first_layers
@@ -82,8 +83,8 @@ def test_the_default_batch_is_one_draft_pass_per_position(draft, monkeypatch):
             calls.append(ids.shape)
             return real(model, ids, *rest)
         return call
-    monkeypatch.setattr(drafting, "forward", counted(drafting.forward))          # the first
-    monkeypatch.setattr(drafting, "last_logits", counted(drafting.last_logits))  # the others
+    monkeypatch.setattr(runner_module, "forward", counted(runner_module.forward))          # the first
+    monkeypatch.setattr(runner_module, "last_logits", counted(runner_module.last_logits))  # the others
     made, model, _ = rounds(draft, list(PROMPTS), batch_invariant=False)
     per_round = [max(w.values()) for w in ROUNDS]
     assert len(calls) == model.passes == sum(per_round) == 3 + 4 + 3

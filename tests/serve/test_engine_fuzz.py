@@ -12,7 +12,7 @@ import pytest
 import conftest
 import minitransformer as mt
 from engine_fuzz import run_case
-from minitransformer.serve import engine as engine_module
+import minitransformer.serve.runner as runner_module
 
 CASES = 8
 
@@ -38,12 +38,12 @@ def test_a_gaussian_logit_error_of_1e_3_fails_the_fast_fuzz(checkpoint_dir, monk
     engine's batched decode (the function it calls for them) makes a token differ where the
     reference run was no near tie, in the fixed seed's cases on the close-calls model."""
     model = mt.load(checkpoint_dir("qwen2-close-calls"))
-    noise, decode_logits = np.random.default_rng(0), engine_module.last_logits
+    noise, decode_logits = np.random.default_rng(0), runner_module.last_logits
 
     def noisy(*args, **kwargs):
         logits = decode_logits(*args, **kwargs)                      # (B, V)
         return logits + noise.normal(0, 1e-3, logits.shape).astype(logits.dtype)
-    monkeypatch.setattr(engine_module, "last_logits", noisy)
+    monkeypatch.setattr(runner_module, "last_logits", noisy)
     monkeypatch.setattr(conftest, "CHECKED", [])           # not one of the run's comparisons
     with pytest.raises(AssertionError, match="not a near tie"):
         for seed in range(CASES):

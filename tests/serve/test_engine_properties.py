@@ -11,7 +11,7 @@ import pytest
 
 import minitransformer as mt
 import minitransformer.linear as linear_module
-import minitransformer.serve.engine as engine_module
+import minitransformer.serve.runner as runner_module
 from minitransformer.backend import to_numpy
 from minitransformer.kvcache import KVCache
 from minitransformer.logprobs import log_softmax, token_logprob
@@ -206,7 +206,7 @@ def decode_product_rows(monkeypatch, model, batch_invariant):
         return step
     monkeypatch.setattr(linear_module, "multiply", multiply)
     for name in ("last_logits", "last_logits_alone"):
-        monkeypatch.setattr(engine_module, name, watched(getattr(generate_module, name)))
+        monkeypatch.setattr(runner_module, name, watched(getattr(generate_module, name)))
     Engine(model, EngineConfig(max_num_seqs=3, block_size=4, batch_invariant=batch_invariant)).run(
         [Request(PROMPT[:n], 5, eos_token_id=[]) for n in (3, 7, 12)])
     return decodes, rows

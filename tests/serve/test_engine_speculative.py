@@ -251,7 +251,7 @@ def test_one_verification_pass_per_step_for_the_whole_batch(close_calls, monkeyp
     """Each step is ONE forward call: every sequence's draft verified together (never one
     sequence after another), with the step's prompts where it has some: counted by wrapping
     the pass (a ragged one, or a step without drafts: the plain decode's)."""
-    from minitransformer.serve import engine as engine_module
+    from minitransformer.serve import runner as runner_module
     calls = []
 
     def counted(real):
@@ -259,8 +259,8 @@ def test_one_verification_pass_per_step_for_the_whole_batch(close_calls, monkeyp
             calls.append(ids.shape)
             return real(model, ids, *args, **kw)
         return call
-    monkeypatch.setattr(engine_module, "forward", counted(engine_module.forward))
-    monkeypatch.setattr(engine_module, "last_logits", counted(engine_module.last_logits))
+    monkeypatch.setattr(runner_module, "forward", counted(runner_module.forward))
+    monkeypatch.setattr(runner_module, "last_logits", counted(runner_module.last_logits))
     served = engine(close_calls, NGRAM, history=True, max_num_seqs=4)
     served.run(workload(n=4))
     batches = [B for B, _ in served.decode_times]
@@ -272,7 +272,7 @@ def test_one_verification_pass_per_step_for_the_whole_batch(close_calls, monkeyp
 def test_a_steps_drafts_are_counted_against_max_num_batched_tokens(close_calls, monkeypatch):
     """Every step's tokens, its verification rows (last tokens and drafts) and its prompt
     chunks together, stay within the budget; without it the same run verifies more."""
-    from minitransformer.serve import engine as engine_module
+    from minitransformer.serve import runner as runner_module
     tokens = []                         # per step, the tokens its forward passes took
 
     def counted(real):
@@ -280,7 +280,7 @@ def test_a_steps_drafts_are_counted_against_max_num_batched_tokens(close_calls, 
             tokens[-1] += ids.size
             return real(model, ids, *args, **kw)
         return forward
-    monkeypatch.setattr(engine_module, "forward", counted(engine_module.forward))
+    monkeypatch.setattr(runner_module, "forward", counted(runner_module.forward))
     for budget, fits in ((8, True), (None, False)):
         served = engine(close_calls, NGRAM, max_num_seqs=3, max_num_batched_tokens=budget)
         tokens[:] = [0]

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import minitransformer.linear as linear_module
-import minitransformer.serve.engine as engine_module
+import minitransformer.serve.runner as runner_module
 import minitransformer as mt
 from minitransformer.logprobs import log_softmax
 from minitransformer.model import forward
@@ -38,7 +38,7 @@ def streams_and_a_prompt(model, budget=7, batch_invariant=False):
 def counted(monkeypatch):
     """-> (forward calls' ids shapes, products made) of the steps taken while counting."""
     passes, products, real_multiply = [], [], linear_module.multiply
-    monkeypatch.setattr(engine_module, "forward", lambda model, ids, *a, **k:
+    monkeypatch.setattr(runner_module, "forward", lambda model, ids, *a, **k:
                         passes.append(np.shape(ids)) or forward(model, ids, *a, **k))
     monkeypatch.setattr(linear_module, "multiply", lambda x, w, out=None:
                         products.append(x.shape[0]) or real_multiply(x, w, out))
@@ -134,8 +134,8 @@ def count_passes(monkeypatch) -> list:
     decodes' (last_logits)."""
     calls = []
     for name in ("forward", "last_logits"):
-        real = getattr(engine_module, name)
-        monkeypatch.setattr(engine_module, name,
+        real = getattr(runner_module, name)
+        monkeypatch.setattr(runner_module, name,
                             lambda *a, real=real, **k: calls.append(1) or real(*a, **k))
     return calls
 

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import minitransformer as mt
-import minitransformer.serve.engine as engine_module
+import minitransformer.serve.runner as runner_module
 from minitransformer.backend import to_numpy
 from conftest import assert_like_solo
 from engine_fuzz import check_pool, solo
@@ -67,7 +67,7 @@ def test_sample_i_is_the_single_request_seeded_seed_plus_i(tiny_model, batch_inv
 
 def test_the_prompt_is_prefilled_once_and_shared(tiny_model, monkeypatch):
     calls = []
-    for module in (engine_module, generate_module):    # prefills here, decodes in last_logits
+    for module in (runner_module, generate_module):    # prefills here, decodes in last_logits
         monkeypatch.setattr(module, "forward", lambda model, ids, *a, **k:
                             calls.append(ids.shape) or forward(model, ids, *a, **k))
     engine = Engine(tiny_model, EngineConfig(max_num_seqs=8, block_size=4), history=True)

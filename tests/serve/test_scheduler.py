@@ -182,3 +182,13 @@ def test_the_books_and_the_scheduler_never_import_the_model_or_the_device():
     assert imports("scheduler") <= {"collections", "dataclasses", "minitransformer.serve.blocks",
                                     "minitransformer.serve.records"}
     assert "minitransformer.serve.scheduler" not in imports("paged")
+
+
+def test_the_runner_is_the_one_room_of_serve_that_runs_the_model():
+    """Compute (runner): the engine and the draft model run their passes through a Runner,
+    and the runner, which samples nothing and writes no book, knows no plan."""
+    model = {"minitransformer.model", "minitransformer.generate"}
+    assert model <= imports("runner")
+    assert not model & (imports("engine") | imports("drafting") | imports("speculate"))
+    assert not {"minitransformer.serve.scheduler", "minitransformer.sampling",
+                "minitransformer.serve.speculate"} & imports("runner")

@@ -17,7 +17,7 @@ from minitransformer.sampling import GREEDY
 from minitransformer.serve.paged import PagedCache
 from minitransformer.serve.config import FIELDS, SpeculativeConfig, parse_speculative_config
 from minitransformer.serve.drafting import Ask, draft_length
-from minitransformer.serve.engine import decode_logits, split_rows
+from minitransformer.serve.runner import Runner, split_rows
 from minitransformer.serve.scheduler import hold_drafts
 from minitransformer.serve.speculate import Row, SpecCounters, Speculator
 from minitransformer.speculative import first_layers
@@ -149,7 +149,7 @@ def test_one_pass_gives_every_position_a_decode_steps_logits(model, batch_invari
     fed = {"a": [6, 11, 12], "b": [9, 13]}
     cache = prefilled(model)
     starts = cache.books.append(["a"], 3) + cache.books.append(["b"], 2)   # as a plan counts them
-    z = decode_logits(model, cache, ["a", "b"], starts, [fed["a"], fed["b"]], batch_invariant)
+    z = Runner(model, cache, batch_invariant).decode(["a", "b"], starts, [fed["a"], fed["b"]])
     assert z.shape == (5, model.config.vocab_size)
     assert (cache.books.seqs["a"].length, cache.books.seqs["b"].length) == (8, 4)
     step = prefilled(model)
@@ -180,7 +180,7 @@ def test_a_step_without_drafts_is_a_plain_decode_bit_for_bit(model):
     cache, plain = prefilled(model), prefilled(model)
     held = cache.books.append(["a", "b"], 1)
     starts = plain.books.append(["a", "b"], 1)
-    z = decode_logits(model, cache, ["a", "b"], held, [[6], [9]])
+    z = Runner(model, cache).decode(["a", "b"], held, [[6], [9]])
     assert (z == last_logits(model, np.array([[6], [9]]), plain.view(["a", "b"], starts))).all()
 
 
@@ -193,13 +193,13 @@ def rows_of(tokens: dict, prompt_len: dict, settings=GREEDY, max_new=40):
 def step(spec, cache, rows, batch_invariant=True, spare=None):
     """A step as the engine takes it: the plan holds each row's slot for its last token and
     its draft's (scheduler.hold_drafts: within the budget's spare tokens and the free list),
-    the speculator proposes, ONE pass (engine.decode_logits), each row verified -> per row
+    the speculator proposes, ONE pass (Runner.decode), each row verified -> per row
     (kept tokens, the logits each was chosen from). The slots stay held until ``keep``."""
     ids = [row.seq_id for row in rows]
     starts = cache.books.append(ids, 1)
     drafts = spec.propose(rows, hold_drafts(cache.books, ids, spec.wants(rows), spare))
     fed = [[row.tokens[-1]] + draft.tokens for row, draft in zip(rows, drafts)]
-    logits = decode_logits(spec.model, cache, ids, starts, fed, batch_invariant)
+    logits = Runner(spec.model, cache, batch_invariant).decode(ids, starts, fed)
     out = []
     for row, z, draft in zip(rows, split_rows(logits, map(len, fed)), drafts):
         kept = [] if row.padding else spec.verify(row, z, draft)
