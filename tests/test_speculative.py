@@ -6,6 +6,7 @@ from dataclasses import replace
 
 import numpy as np
 import pytest
+from hypothesis import given, settings, strategies as st
 from scipy.stats import chisquare
 
 import minitransformer as mt
@@ -120,6 +121,34 @@ def test_a_lookup_past_an_insertion_resumes_the_copy_and_is_otherwise_prompt_loo
             assert lookup_past_insertion(tokens, n, k) == prompt_lookup(tokens, n, k)
     assert PromptLookup(past_insertion=True).propose(put_in, 2) == passage[cut:cut + 2]
     assert lookup_past_insertion([3], 2) == prompt_lookup([3], 2) == []
+
+
+def longest_earlier_match(tokens, max_ngram, min_ngram):
+    """The lookup's match by brute force: the largest k in [min_ngram, max_ngram] such that
+    the last k tokens occur earlier, ending before the last token -> (k, where what followed
+    the latest such occurrence starts), or (0, None)."""
+    L = len(tokens)
+    for k in range(max_ngram, min_ngram - 1, -1):
+        ends = [s + k for s in range(L - k) if tokens[s:s + k] == tokens[L - k:]]
+        if k < L and ends:
+            return k, ends[-1]
+    return 0, None
+
+
+@settings(max_examples=400, derandomize=True, database=None, deadline=None)
+@given(st.lists(st.integers(0, 3), max_size=24), st.integers(1, 5), st.integers(1, 4),
+       st.integers(0, 3))
+def test_both_lookups_are_their_rule_by_brute_force(tokens, n, max_ngram, shorter):
+    """On random texts of 4 tokens (matches everywhere, ties common): prompt_lookup proposes
+    what followed the latest longest earlier match; lookup_past_insertion takes the match
+    ending one token before the last only where it is strictly longer, a tie is no insertion."""
+    min_ngram = max(1, max_ngram - shorter)
+    k, follow = longest_earlier_match(tokens, max_ngram, min_ngram)
+    plain = tokens[follow:follow + n] if k else []
+    assert prompt_lookup(tokens, n, max_ngram, min_ngram) == plain
+    before, resume = longest_earlier_match(tokens[:-1], max_ngram, min_ngram)
+    past = tokens[resume:resume + n] if before > k else plain
+    assert lookup_past_insertion(tokens, n, max_ngram, min_ngram) == past
 
 
 @pytest.fixture(scope="module")

@@ -27,6 +27,7 @@ import subprocess
 import sys
 import time
 from configparser import ConfigParser
+from fnmatch import fnmatch
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # scripts/: _common, _table
@@ -208,7 +209,8 @@ def main(argv=None):
     parser.add_argument("--only", action="append", default=[], metavar="PATTERN",
                         help="run only the mutants whose names match PATTERN (fnmatch, as "
                              "mutmut's own: '*x_speculative_generate__*'), the rest left as "
-                             "recorded or not run; may be given again")
+                             "recorded or not run; with --planted, only the bugs whose "
+                             "'feature: bug' matches ('prefix cache: *'); may be given again")
     parser.add_argument("--table", dest="mode", action="store_const", const="table",
                         help="run nothing: the table of the runs recorded in --out")
     parser.add_argument("--planted", action="store_true",
@@ -218,7 +220,7 @@ def main(argv=None):
     parser.add_argument("--markdown", metavar="FILE", help="also write the table as Markdown")
     args = parser.parse_args(argv)
     if args.planted:
-        return planted(Path(args.out) / "planted", args.markdown)
+        return planted(Path(args.out) / "planted", args.markdown, args.only)
     unknown = [m for m in args.modules if m not in MODULES]
     if unknown:
         parser.error(f"unknown module {', '.join(unknown)}; choose from {', '.join(MODULES)}")
@@ -278,9 +280,14 @@ def stale_equivalents(name: str, outcomes: dict) -> list:
             and outcomes.get(m) not in ("survived", "not checked")]
 
 
-def planted(scratch: Path, markdown=None) -> int:
-    """Apply each of PLANTED to a scratch copy of the tree, one at a time, and run its tests
-    (stopping at the first failure) -> 1 if a bug passed them or its line is gone, else 0."""
+def planted(scratch: Path, markdown=None, only=()) -> int:
+    """Apply each of PLANTED (those whose "feature: bug" matches a pattern of `only`, if any)
+    to a scratch copy of the tree, one at a time, and run its tests (stopping at the first
+    failure) -> 1 if a bug passed them or its line is gone, else 0."""
+    chosen = [bug for bug in PLANTED
+              if not only or any(fnmatch(f"{bug[0]}: {bug[1]}", p) for p in only)]
+    if not chosen:
+        raise ValueError(f"no planted bug matches {' or '.join(only)}")
     if scratch.exists():
         shutil.rmtree(scratch)
     scratch.mkdir(parents=True)
@@ -289,11 +296,12 @@ def planted(scratch: Path, markdown=None) -> int:
     table = Table("Planted bugs: one line of a feature broken, against the feature's tests",
                   columns=[("feature", ""), ("bug", ""), ("tests", ""), ("outcome", ""),
                            ("seconds", ".0f")], chapter=False)
-    table.header("scripts/dev/mutation.py --planted; each bug alone, its tests stop at the first "
-                 "failure (python3 -m pytest -x -n 0: one process)", ran_on())
+    chose = "".join(f" --only '{p}'" for p in only)
+    table.header(f"scripts/dev/mutation.py --planted{chose}; each bug alone, its tests stop at the "
+                 "first failure (python3 -m pytest -x -n 0: one process)", ran_on())
     env = dict(os.environ, PYTHONPATH=str(scratch))
     bad, total = 0, 0.0
-    for i, (feature, bug, path, line, broken, tests) in enumerate(PLANTED, 1):
+    for i, (feature, bug, path, line, broken, tests) in enumerate(chosen, 1):
         target = scratch / path
         original = target.read_text()
         start = time.perf_counter()
@@ -315,10 +323,10 @@ def planted(scratch: Path, markdown=None) -> int:
                 outcome += f" by {test.split('::', 1)[-1]}"
         bad += not outcome.startswith("caught")
         seconds = time.perf_counter() - start
-        say(f"[{i}/{len(PLANTED)}] {feature}: {bug}: {outcome} ({seconds:.0f} s)")
+        say(f"[{i}/{len(chosen)}] {feature}: {bug}: {outcome} ({seconds:.0f} s)")
         table.row(feature, bug, ", ".join(Path(t).stem for t in tests), outcome, seconds)
         total += seconds
-    table.note(f"{len(PLANTED)} bugs: {len(PLANTED) - bad} caught, {bad} not; "
+    table.note(f"{len(chosen)} bugs: {len(chosen) - bad} caught, {bad} not; "
                f"{total:.0f} s in all")
     table.show()
     if markdown:

@@ -126,6 +126,27 @@ def test_the_next_turn_finds_the_speculated_answer_cached(close_calls):
     assert cached["speculating"] == cached["plain"] == held // 2 * 2
 
 
+def test_a_block_is_named_only_with_the_tokens_it_finally_holds(close_calls):
+    """A rejected draft's key is written in the slot its bonus token takes next, and a held
+    draft slot nobody proposed for holds nothing: a block is named for the prefix cache only
+    after the trim, once it holds the kept tokens alone. So the next turn, served from the
+    cached conversation, reads the keys plain decoding wrote: its tokens and logprobs are the
+    engine's that never speculated, bit for bit (batch-invariant)."""
+    first = Request(workload()[0].prompt, 24, eos_token_id=[])
+    turns = {}
+    for name, config in (("plain", None), ("speculating", NGRAM)):
+        served = engine(close_calls, config, max_num_seqs=2, block_size=2, batch_invariant=True)
+        answer = served.run([first]).results[0].tokens
+        turn = Request(first.prompt + tuple(answer) + (5, 6), 8, eos_token_id=[], logprobs=3)
+        turns[name] = served.run([turn]).results[0]
+        served.cache.books.check()
+    c = served.speculator.counters
+    assert c.draft_tokens > c.accepted_tokens > 0       # drafts kept and drafts rejected
+    plain, speculating = turns["plain"], turns["speculating"]
+    assert speculating.cached_tokens == plain.cached_tokens > len(first.prompt)
+    assert (speculating.tokens, speculating.logprobs) == (plain.tokens, plain.logprobs)
+
+
 def test_a_draft_model_in_the_engine(close_calls):
     config = SpeculativeConfig(num_speculative_tokens=3, method="draft_model", model="-")
     requests = workload(n=4)

@@ -81,12 +81,13 @@ def test_a_duplicate_key_is_named_by_its_path_and_utf16_by_its_encoding(served):
 
 # --- chat content as parts --------------------------------------------------------------------
 def test_text_parts_are_joined_with_newlines_through_the_real_client(served, model):
-    """[{"type": "text"}, ...] is the text of its parts joined with "\\n" (vLLM's join): the
-    same prompt, so the same greedy answer, as that string; /tokenize lays it out the same.
-    Any other part type is a 400 naming it and where it is."""
+    """[{"type": "text"}, ...] is the text of its parts joined with "\\n" (vLLM's join),
+    each exactly as sent, its spaces and newlines kept: the same prompt, so the same greedy
+    answer, as that string; /tokenize lays it out the same. Any other part type is a 400
+    naming it and where it is."""
     online, url, client = served
-    content = [{"type": "text", "text": "The cat"}, {"type": "text", "text": "sat down."}]
-    joined = [{"role": "user", "content": "The cat\nsat down."}]
+    content = [{"type": "text", "text": " The cat\n"}, {"type": "text", "text": "\tsat down. "}]
+    joined = [{"role": "user", "content": " The cat\n\n\tsat down. "}]
     as_parts = client.chat.completions.create(
         model=NAME, messages=[{"role": "user", "content": content}], max_tokens=6,
         temperature=0)

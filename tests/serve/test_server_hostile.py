@@ -149,6 +149,10 @@ HOSTILE = {  # name -> (raw request, status, param or None, code or None)
         b'"prompt"', b'"logit_bias": {"1": 0, "1": 5}, "prompt"')), 400, "logit_bias.1", None),
     "prompt twice to /tokenize": (post("/tokenize", b'{"prompt": "a", "prompt": "b"}'), 400,
                                   "prompt", None),
+    # named where it is, not where an equal object is: the parsed first message equals the second
+    "a content twice in the first of two equal messages": (post("/v1/chat/completions", (
+        b'{"model": "tiny-chat", "messages": [{"role": "user", "content": "hi", "content": '
+        b'"hi"}, {"role": "user", "content": "hi"}]}')), 400, "messages[0].content", None),
     # every field of a message is read, or refused: nothing the prompt would drop
     "an unknown key in a message": (post("/v1/chat/completions", conversation(
         USER | {"foo": 1})), 400, "messages[0].foo", None),
