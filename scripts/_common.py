@@ -352,7 +352,7 @@ def add_engine_arguments(parser, slots=8):
 def add_server_arguments(parser, timeout):
     """--threads (BLAS threads of the server a script starts) and --timeout per request."""
     parser.add_argument("--threads", type=positive_int, default=1,
-                        help="BLAS threads of the server (default: %(default)s)")
+                        help="threads of the server (its --threads; default: %(default)s)")
     parser.add_argument("--timeout", type=float, default=timeout,
                         help="seconds per request (default: %(default)s)")
 
@@ -369,19 +369,24 @@ def finished_progress(progress, every=8):
 
 
 def add_threads_argument(parser):
-    """--threads: BLAS threads for every matrix product (timing scripts)."""
-    parser.add_argument("--threads", type=int, default=1, metavar="N",
-                        help="BLAS threads (default: 1, the steadiest timings on a small shared "
-                             "machine: a BLAS thread waiting for a busy core stalls the product; "
-                             "0 leaves the library's own choice)")
+    """--threads: the threads every product runs on (threads.py's setting: timing scripts)."""
+    parser.add_argument("--threads", type=positive_int, default=None, metavar="N",
+                        help="threads the arithmetic runs on: a decode step's products split "
+                             "across them where measured faster, BLAS's own threads for the "
+                             "rest (default: $MT_THREADS, else the cores this process may use; "
+                             "1 gives the steadiest timings on a small shared machine)")
 
 
 def timing_header(args):
-    """Apply --threads and return the header line saying where the timings ran."""
-    from minitransformer.measure.timing import limit_threads, machine
-    if args.threads < 0:
-        raise ValueError(f"--threads must be >= 0, got {args.threads}")
-    return f"machine: {machine()}; {limit_threads(args.threads or None)}"
+    """Apply --threads (threads.set_count: the step's pool and BLAS's own threads, before the
+    model loads) and return the header line saying where the timings ran."""
+    from minitransformer.kernels import threads
+    from minitransformer.measure.timing import machine
+    if args.threads is not None:
+        threads.set_count(args.threads)
+    else:                                   # the default, made BLAS's own count too
+        args.threads = threads.set_count(threads.count(), threads.SET_BY)
+    return f"machine: {machine()}; {threads.describe()}"
 
 
 def run(main):

@@ -23,6 +23,12 @@ import pytest  # noqa: E402
 import threadpoolctl  # noqa: E402
 
 from minitransformer import load
+from minitransformer.kernels import threads
+
+# Every test runs its products whole on one thread, whatever the machine's cores, unless it asks
+# for more (step_threads): what a test computes never follows the cores it ran on. A process a
+# test starts takes its own setting (the cores it may use, or the MT_THREADS it is given).
+threads.set_count(1, "the tests", blas=False)
 from minitransformer.checkpoints.synth import llama_config, make_checkpoint, qwen2_config
 
 STORIES = Path(__file__).resolve().parents[2] / "shared" / "models" / "stories260K"
@@ -87,6 +93,32 @@ def blas_threads_kept():
     for lib, threads in zip(BLAS, BLAS_THREADS):
         lib.set_num_threads(threads)
     assert left == BLAS_THREADS, f"the test left BLAS at {left} threads, not {BLAS_THREADS}"
+
+
+@pytest.fixture(autouse=True)
+def threads_kept():
+    """Every test ends at the threads setting the session began with (threads.py): a script
+    or command run in this process with --threads sets it for the rest of the process."""
+    from minitransformer.kernels import threads
+    before = threads.count(), threads.SET_BY
+    yield
+    if (threads.count(), threads.SET_BY) != before:
+        threads.set_count(*before, blas=False)   # BLAS's own: blas_threads_kept
+
+
+@pytest.fixture(params=[1, 2], ids=["1-thread", "2-threads"])
+def step_threads(request, monkeypatch):
+    """The test at 1 and at 2 threads, whatever the machine's cores: threads.py's setting and
+    BLAS's own threads both, and at 2 every product of a step split in 2 parts across the
+    pool (MT_SPLIT=parts: not left to what this machine measures)."""
+    from minitransformer.kernels import blas, threads
+    before = threads.count(), threads.SET_BY
+    threads.set_count(request.param, "the test")
+    monkeypatch.setattr(blas, "FIXED_SPLIT", "parts" if request.param > 1 else "whole")
+    yield request.param
+    threads.set_count(*before, blas=False)
+    for lib, n in zip(BLAS, BLAS_THREADS):
+        lib.set_num_threads(n)
 
 
 @pytest.fixture(autouse=True)

@@ -42,6 +42,7 @@ def paged_batch(model, prompts, block_size, batch_invariant=False):
     return cache
 
 
+@pytest.mark.usefixtures("step_threads")
 @pytest.mark.parametrize("block_size", [1, 4, 16])
 @pytest.mark.parametrize("batch_invariant", [True, False])
 def test_decode_step_is_the_solo_step(tiny_model, block_size, batch_invariant):
@@ -77,6 +78,7 @@ def test_decode_step_on_the_contiguous_cache(tiny_model):
                               solo_decode_logits(tiny_model, prompts[row].tolist(), 5 + row))
 
 
+@pytest.mark.usefixtures("step_threads")
 @pytest.mark.parametrize("batch_invariant", [True, False])
 def test_many_batched_steps_give_generate_s_tokens(tiny_model, batch_invariant):
     rng = np.random.default_rng(0)

@@ -19,6 +19,7 @@ STORIES_GREEDY_60 = [
     333, 415, 426, 13, 438, 310]
 
 
+@pytest.mark.usefixtures("step_threads")
 @pytest.mark.parametrize("length", [1, 4, 17])
 @pytest.mark.parametrize("n_new", [1, 9, 30])
 def test_cache_and_recompute_give_the_same_greedy_tokens(tiny_model, length, n_new):

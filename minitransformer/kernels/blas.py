@@ -73,7 +73,7 @@ import numpy as np
 
 from minitransformer.backend import BACKEND, numpy_kernel, xp
 from minitransformer.checks import environment_choice
-from minitransformer.kernels import tuning
+from minitransformer.kernels import threads, tuning
 from minitransformer.progress import tell
 
 ROUTES = ("flat", "rows", "slices", "dots")
@@ -82,6 +82,11 @@ FEW_ROWS = 16            # up to this many rows, the way is measured; above it, 
 FIXED = environment_choice("MT_PRODUCTS", ROUTES, "a way to multiply", "to measure")
 LAYOUTS = ("row-major", "column-major")
 FIXED_LAYOUT = environment_choice("MT_LAYOUT", LAYOUTS, "a layout", "to measure")
+SPLITS = ("whole", "parts")
+FIXED_SPLIT = environment_choice("MT_SPLIT", SPLITS, "a split", "to measure")
+SPLIT_TRIALS = 5         # timings of a product whole and in parts (the fastest of each counts)
+SPLIT_GAIN = 0.95        # the parts are taken only where this much faster than the whole
+PART_COLUMNS = 16        # a part's output columns: a multiple of this (64 bytes of float32)
 TRIALS = 3               # timings per way and layout when a shape is measured (the fastest counts)
 COLD_BYTES = 1 << 20     # a weight this large is timed from memory, as a decode step reads it
 # read between two timings of a weight from memory: twice the caches one core reads through
@@ -94,6 +99,7 @@ room = None              # the scratch memory measuring works in (scratch()), wh
 rows_run = {1, FEW_ROWS}  # the row counts a weight's layout is decided over (expect_rows adds)
 chosen = {}              # (M, n, in, layout, dtypes) -> the way measured fastest there
 laid_out = {}            # (n, in, dtype, row counts) -> the layout measured faster for that shape
+split = {}               # (M, n, in, layout, dtypes, way, T) -> parts measured fastest: 1 or T
 
 
 def multiply(x, w, out=None):
@@ -110,11 +116,15 @@ def multiply(x, w, out=None):
 
 
 def numpy_multiply(x, w, out=None):
-    """multiply on NumPy arrays: for code already running on NumPy's data (quant/matmul.py)."""
+    """multiply on NumPy arrays: for code already running on NumPy's data (quant/matmul.py).
+    More than FEW_ROWS rows: one flat product on BLAS's own threads. 1..FEW_ROWS rows: the way
+    chosen, whole on one thread or in parts on the pool's threads (`parts`, threads.py)."""
     route = way(x, w)
-    if out is None and route != "flat":
+    if len(x) > FEW_ROWS:
+        return CALLS[route](x, w, out)
+    if out is None:
         out = np.empty((len(x), len(w)), np.result_type(x, w)).view(type(x))  # (M, n)
-    return CALLS[route](x, w, out)
+    return in_parts(route, x, w, out, parts(x, w, route))
 
 
 def way(x, w) -> str:
@@ -134,9 +144,11 @@ def way(x, w) -> str:
 
 
 def measured_way(x, w, key: tuple) -> str:
-    """The fastest way for these operands, timed now (its scratch memory given back after: a
-    step of a new count of rows, once per machine) and kept in the file."""
-    route = fastest(x, w)
+    """The fastest way for these operands, timed now on one thread, as a step's product runs
+    (its scratch memory given back after: a step of a new count of rows, once per machine)
+    and kept in the file."""
+    with threads.one_blas_thread():
+        route = fastest(x, w)
     release()
     tuning.remember(way_key(key), route)
     return route
@@ -171,6 +183,84 @@ def candidates(M: int, held: str = "row-major") -> tuple:
     per row reads them badly)."""
     ways = ONE_ROW if M == 1 else ROUTES
     return ways if held == "row-major" else tuple(r for r in ways if r != "dots")
+
+
+def parts(x, w, route: str) -> int:
+    """Into how many parts the product of len(x) <= FEW_ROWS rows by w is split: T (threads.py)
+    where T parts across the pool were measured faster than the whole on one thread, for
+    this shape, rows, way and T (on this machine: tuning.py's file remembers it), else 1;
+    under MT_SPLIT=whole|parts, 1 or T for every product, and under MT_PRODUCTS (which fixes
+    the calls for a comparison of bits between runs) 1 unless MT_SPLIT=parts. A function of
+    the shape alone, never of the batch: a row of a batch-invariant step makes the very calls
+    the row alone makes."""
+    T = threads.count()
+    if T == 1 or FIXED_SPLIT is not None or FIXED is not None:
+        return T if FIXED_SPLIT == "parts" else 1
+    key = (*shape_key(x, w), route, T)
+    if key not in split:
+        answer = tuning.recall(split_key(key))
+        split[key] = answer if type(answer) is int and answer in (1, T) \
+            else measured_split(x, w, key)
+    return split[key]
+
+
+def split_key(key: tuple) -> str:
+    """A split's key as the file spells it, e.g. 'split 1 3072x576 row-major <f4 <f4 flat 2'."""
+    M, n, cols, held, x_dtype, w_dtype, route, T = key
+    return f"split {M} {n}x{cols} {held} {x_dtype} {w_dtype} {route} {T}"
+
+
+def measured_split(x, w, key: tuple) -> int:
+    """Time the product whole on one thread and in T parts on the pool, side by side, from
+    memory as a step reads w (`rings`, as the ways are timed), SPLIT_TRIALS each, interleaved
+    -> T where the parts' fastest is SPLIT_GAIN of the whole's or less, else 1 (where more
+    threads do not help, a tiny weight or a bandwidth-bound read, the product takes one
+    thread: never slower at T threads than at 1). Said on stderr, kept in the file."""
+    M, n, cols, held, _, _, route, T = key
+    tell(f"measuring whether {T} threads multiply a {n}x{cols} {held} weight by {M} row"
+         f"{'s' if M > 1 else ''} faster than one (once: kept in {tuning.path()})")
+    out = np.empty((M, n), np.result_type(x, w))
+    turns = itertools.cycle(rings([w])[0])
+    best = dict.fromkeys((1, T), float("inf"))
+    for _ in range(SPLIT_TRIALS):
+        for count in best:
+            w = next(turns)
+            if w.nbytes > LARGE_BYTES:
+                flush_caches(flush_buffer())
+            start = time.perf_counter()
+            in_parts(route, x, w, out, count)
+            best[count] = min(best[count], time.perf_counter() - start)
+    release()
+    taken = T if best[T] <= SPLIT_GAIN * best[1] else 1
+    tuning.remember(split_key(key), taken)
+    return taken
+
+
+def in_parts(route: str, x, w, out, count: int):
+    """x @ w.T into out by `route`: whole on this thread (count 1), or its output columns cut
+    into `count` parts (part_bounds), each the same way over its rows of w, on the pool's
+    threads; BLAS at one thread in either case (threads.py)."""
+    call = CALLS[route]
+    if count == 1:
+        with threads.one_blas_thread():
+            return call(x, w, out)
+    align = slice_rows(len(x), w.shape[1]) if route == "slices" else PART_COLUMNS
+    threads.run([lambda r0=r0, r1=r1: call(x, w[r0:r1], out[:, r0:r1])
+                 for r0, r1 in part_bounds(len(w), count, align)])
+    return out
+
+
+def part_bounds(n: int, count: int, align: int) -> list:
+    """[(r0, r1)]: n output columns cut into at most `count` runs of about n / count, each
+    starting at a multiple of `align` (for `slices`, its slice: every part makes the very
+    calls the whole makes over its columns).
+
+    >>> part_bounds(3072, 2, 16), part_bounds(100, 2, 16), part_bounds(20, 2, 16)
+    ([(0, 1536), (1536, 3072)], [(0, 64), (64, 100)], [(0, 16), (16, 20)])
+    """
+    step = -(-n // count)
+    step = -(-step // align) * align
+    return [(r0, min(r0 + step, n)) for r0 in range(0, n, step)]
 
 
 def expect_rows(*counts) -> None:
@@ -237,7 +327,8 @@ def measured_layout(w, counts: tuple) -> tuple:
     tell(f"measuring how this machine multiplies a {w.shape[0]}x{w.shape[1]} {w.dtype} weight "
          f"by {rows} rows, in both layouts")
     pair = {name: in_layout(w, name) for name in LAYOUTS}
-    taken, ways = faster_layout(pair, counts)
+    with threads.one_blas_thread():
+        taken, ways = faster_layout(pair, counts)
     keep_ways(w, taken, ways)
     tuning.remember(layout_key(w, counts),
                     {"layout": taken, "ways": {str(M): route for M, route in ways.items()}})
@@ -423,7 +514,7 @@ def same(a, b) -> bool:
 def flat(x, w, out=None):
     """One matrix-matrix product with w untransposed: w @ x.T is (n, M), given back transposed
     (a view), or copied into out; for a column-major w, x @ w.T (w.T is row-major)."""
-    if layout(w) == "column-major":
+    if w.strides[0] < w.strides[1]:      # column-major (or a part of one: its rows' slice)
         return np.matmul(x, w.T, out=out)                            # (M, n)
     y = (w @ x.T).T                                                  # (M, n)
     if out is None:

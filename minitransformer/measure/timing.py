@@ -42,6 +42,7 @@ import numpy as np
 
 from minitransformer.backend import BACKEND, synchronize, to_numpy, xp
 from minitransformer.generate import last_logits, last_logits_alone
+from minitransformer.kernels import threads
 from minitransformer.kernels.tuning import blas_pools, cpu
 from minitransformer.kvcache import KVCache
 from minitransformer.model import forward, head
@@ -312,7 +313,7 @@ def where_it_ran() -> str:
              f"{p.get('architecture') or '?'}, {p['num_threads']} thread"
              f"{'s' if p['num_threads'] != 1 else ''}" for p in blas_pools()]
     return (f"CPU: {c['model']} ({os.cpu_count()} cores), AVX-512: {avx}; "
-            f"BLAS: {'; '.join(pools) or 'none found'}")
+            f"BLAS: {'; '.join(pools) or 'none found'}; {threads.describe()}")
 
 
 def verification_costs(model, ids, largest: int, repeat: int = 5) -> dict:

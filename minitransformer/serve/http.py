@@ -819,6 +819,7 @@ def serve(model_path, config: EngineConfig = None, host: str = "127.0.0.1", port
     except ImportError:
         raise ImportError("the server needs the serve extra: pip install -e '.[serve]'") from None
     import minitransformer as mt
+    from minitransformer.kernels import threads
     from minitransformer.kernels.blas import expect_rows
     from minitransformer.serve.engine import Engine
 
@@ -841,7 +842,8 @@ def serve(model_path, config: EngineConfig = None, host: str = "127.0.0.1", port
               f"{engine.cache.books.num_blocks} blocks of {config.block_size}, prefix caching "
               f"{'on' if config.enable_prefix_caching else 'off'}, {chunks}, "
               f"{config.kv_cache_dtype} cache, {config.attention} attention, bodies up to "
-              f"{limit:,} bytes, {'an' if limits.api_key else 'no'} API key required) on "
+              f"{limit:,} bytes, {'an' if limits.api_key else 'no'} API key required, "
+              f"{threads.describe()}) on "
               f"http://{where}:{sock.getsockname()[1]}/v1", file=sys.stderr)
         server = uvicorn.Server(uvicorn.Config(
             create_app(online, name, limit, limits.api_key),

@@ -116,11 +116,13 @@ def test_where_it_ran_names_the_cpu_avx512_and_the_blas_kernel(monkeypatch):
     monkeypatch.setattr(measure, "blas_pools", lambda: pools)
     monkeypatch.setattr(measure, "cpu", lambda: {"model": "AMD EPYC 7B13", "avx512": False})
     monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    monkeypatch.setattr(measure.threads, "describe", lambda: "threads: 3 (MT_THREADS; ...)")
     assert measure.where_it_ran() == ("CPU: AMD EPYC 7B13 (2 cores), AVX-512: no; BLAS: "
-                                      "openblas 0.3.31 (libopenblas.so), kernel Haswell, 1 thread")
+                                      "openblas 0.3.31 (libopenblas.so), kernel Haswell, "
+                                      "1 thread; threads: 3 (MT_THREADS; ...)")
     assert measure.blas_kernel() == "Haswell"
     monkeypatch.setattr(measure, "blas_pools", lambda: [])
-    assert measure.blas_kernel() == "no-BLAS" and measure.where_it_ran().endswith("none found")
+    assert measure.blas_kernel() == "no-BLAS" and "BLAS: none found;" in measure.where_it_ran()
 
 
 def test_the_cpu_is_read_from_this_machine():

@@ -224,6 +224,7 @@ def test_batch_invariant_decodes_multiply_each_row_alone(tiny_model, monkeypatch
     assert max(rows) == 3 and len(rows) == len(decodes) * (4 * layers + 1)
 
 
+@pytest.mark.usefixtures("step_threads")
 def test_batch_invariant_requests_get_the_bits_they_get_alone(tiny_model):
     """Four requests of three lengths decode side by side, nothing cached: each one's
     logprobs (float64 from its logits) are exactly generate's for it alone."""

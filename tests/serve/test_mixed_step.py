@@ -88,6 +88,7 @@ def test_batch_invariant_mode_keeps_each_rows_own_calls(tiny_model, monkeypatch)
     assert_solo(tiny_model, engine.results.values(), batch_invariant=True)
 
 
+@pytest.mark.usefixtures("step_threads")
 @pytest.mark.parametrize("budget", [5, 9, 30, None])
 def test_mixed_steps_keep_every_token_and_logprob_within_the_rule(tiny_model, budget):
     """Prompt logprobs and token logprobs from a mixed pass's rows, and prompts that end

@@ -1,0 +1,221 @@
+"""How many threads the arithmetic runs on, and the pool that runs a product's parts on them.
+
+A learner may skip this module: it changes how fast a step runs, never what it computes. A
+decode step is a string of products of each weight with a few vectors, and each one reads the
+whole weight: on one core the step costs the time that core takes to read the weights. BLAS
+threads its large products, but not these (OpenBLAS gives a few-row product to one thread, or
+splits it so finely that a second thread costs more than it saves). So, as llama.cpp splits the
+rows of every matrix across its threads, blas.py may split the output columns of a step's
+product into T parts (the rows of the (out, in) weight, or the matching columns of a
+column-major one), each part one single-threaded BLAS call over its share of the weight, run at
+once on the threads of a `Pool` (NumPy releases the GIL inside a product, so the parts really
+run side by side). Whether a product is split is measured per shape, rows and T (blas.py), as
+its way and layout are: where the parts are no faster, the product takes one thread.
+
+The setting, T, one number for the whole process:
+
+    MT_THREADS=N      read at import (a bad value is a SettingError, as MT_BACKEND's)
+    --threads N       the command line (`generate`, `chat`, `serve`) and every timing script:
+                      set_count(N) before the model loads
+    unset             the cores this process may use, len(os.sched_getaffinity(0))
+
+How Python's threads and BLAS's threads are set, never T of each at once (T x T threads
+fighting over T cores): a split product runs its T parts on the pool's T threads (the caller's
+own and T - 1 workers) with BLAS held at one thread for the call (`run`); a step's product that
+is not split runs on the caller's thread, BLAS at one thread too (`one_blas_thread`: a second
+BLAS thread there waits for work and costs more than it brings, measured in exp21); every other
+product (a prefill's, a step of more than blas.FEW_ROWS rows, the rest of NumPy) is one call on
+BLAS's own threads: T of them where the setting was given, else BLAS's own default (OpenBLAS:
+the cores it may use, or $OPENBLAS_NUM_THREADS).
+
+The pool's workers wait on a queue, blocked in the kernel: an idle pool (an idle server) takes
+no CPU. They start at the first split product; a process forked after it starts its own.
+"""
+import os
+import queue
+import threading
+from contextlib import contextmanager
+
+from minitransformer.errors import SettingError
+
+
+def default_count() -> int:
+    """The cores this process may use (its CPU affinity), where the system says; else the
+    machine's cores."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
+def checked_count(n, name: str = "threads") -> int:
+    """n as a thread count: an integer of at least 1, else a SettingError naming it.
+
+    >>> checked_count("2")
+    2
+    >>> try:
+    ...     checked_count("0", "MT_THREADS")
+    ... except SettingError as e:
+    ...     print(e)
+    MT_THREADS='0' is not a thread count: use a whole number of at least 1
+    """
+    try:
+        value = int(str(n).strip())
+    except ValueError:
+        value = 0
+    if value < 1 or isinstance(n, bool):
+        raise SettingError(f"{name}={n!r} is not a thread count: use a whole number of at least 1")
+    return value
+
+
+def blas_controllers() -> list:
+    """threadpoolctl's handles on the BLAS libraries loaded (NumPy's among them): each sets and
+    reads its library's thread count in a microsecond."""
+    import numpy  # noqa: F401 - loads NumPy's BLAS, for threadpoolctl to find
+    from threadpoolctl import ThreadpoolController
+    return ThreadpoolController().select(user_api="blas").lib_controllers
+
+
+class Pool:
+    """T threads for the parts of a product: the caller's own and T - 1 workers.
+
+    `run(tasks)` hands tasks[1:] to the workers, runs tasks[0] itself, and returns when every
+    task is done (the first error raised again). One caller at a time: a second thread that
+    calls while the pool is busy (a server's loop while a test decodes beside it) runs its
+    tasks itself, one after another: the same calls, so the same numbers.
+
+    >>> pool, out = Pool(2), []
+    >>> pool.run([lambda: out.append(1), lambda: out.append(2)])
+    >>> sorted(out)
+    [1, 2]
+    """
+
+    def __init__(self, size: int):
+        self.size = size
+        self.busy = threading.Lock()
+        self.workers, self.pid = [], None
+
+    def run(self, tasks) -> None:
+        if len(tasks) == 1 or self.size == 1 or not self.busy.acquire(blocking=False):
+            for task in tasks:
+                task()
+            return
+        try:
+            self.start()
+            inboxes = [inbox for inbox, _ in self.workers]
+            for inbox, task in zip(inboxes, tasks[1:]):
+                inbox.put(task)
+            errors = [None]
+            try:
+                tasks[0]()
+            except BaseException as e:
+                errors[0] = e
+            errors += [self.done.get() for _ in tasks[1:len(inboxes) + 1]]
+            for task in tasks[len(inboxes) + 1:]:         # more tasks than threads: the rest here
+                task()
+            error = next((e for e in errors if e is not None), None)
+            if error is not None:
+                raise error
+        finally:
+            self.busy.release()
+
+    def start(self) -> None:
+        """Start the workers, once per process (a forked child has none of its parent's)."""
+        if self.pid == os.getpid():
+            return
+        self.done, self.pid = queue.SimpleQueue(), os.getpid()
+        self.workers = []
+        for i in range(1, self.size):
+            inbox = queue.SimpleQueue()
+            thread = threading.Thread(target=self.work, args=(inbox,), daemon=True,
+                                      name=f"product-part-{i}")
+            thread.start()
+            self.workers.append((inbox, thread))
+
+    def work(self, inbox) -> None:
+        """A worker: wait for a task (blocked, no CPU), run it, say it is done; None ends it."""
+        while (task := inbox.get()) is not None:
+            try:
+                task()
+                self.done.put(None)
+            except BaseException as e:
+                self.done.put(e)
+
+    def stop(self) -> None:
+        """End the workers (after the ones running finish their task)."""
+        if self.pid == os.getpid():
+            for inbox, _ in self.workers:
+                inbox.put(None)
+        self.workers, self.pid = [], None
+
+
+COUNT = checked_count(os.environ["MT_THREADS"], "MT_THREADS") \
+    if os.environ.get("MT_THREADS", "").strip() else default_count()
+SET_BY = "MT_THREADS" if os.environ.get("MT_THREADS", "").strip() else "default"
+pool = Pool(COUNT)
+
+
+def count() -> int:
+    """T: the threads the step's products may be split across."""
+    return COUNT
+
+
+def set_count(n, set_by: str = "--threads", blas: bool = True) -> int:
+    """Make T = n for the rest of the process: the pool's threads, and BLAS's own (unless
+    blas is False: a test putting the setting back as it found it) -> n."""
+    global COUNT, SET_BY, pool
+    n = checked_count(n)
+    if n != pool.size:
+        pool.stop()
+        pool = Pool(n)
+    COUNT, SET_BY = n, set_by
+    if blas:
+        from threadpoolctl import threadpool_limits
+        threadpool_limits(limits=n, user_api="blas")
+    return n
+
+
+def run(tasks) -> None:
+    """Run the tasks (the parts of one product) on the pool's threads, BLAS at one thread each."""
+    with one_blas_thread():
+        pool.run(tasks)
+
+
+@contextmanager
+def one_blas_thread():
+    """BLAS at one thread inside, at what it was after (a few microseconds each way)."""
+    libraries = controllers()
+    before = [lib.get_num_threads() for lib in libraries]
+    for lib, n in zip(libraries, before):
+        if n != 1:
+            lib.set_num_threads(1)
+    try:
+        yield
+    finally:
+        for lib, n in zip(libraries, before):
+            if n != 1:
+                lib.set_num_threads(n)
+
+
+held = None
+
+
+def controllers() -> list:
+    """blas_controllers, found once."""
+    global held
+    if held is None:
+        held = blas_controllers()
+    return held
+
+
+def describe() -> str:
+    """The setting in words, for every line that says where a figure ran, e.g. 'threads: 2
+    (the 2 cores this process may use; BLAS 1 in a step's products, 2 in the rest)'."""
+    source = {"default": f"the {default_count()} cores this process may use",
+              "MT_THREADS": "MT_THREADS"}.get(SET_BY, SET_BY)
+    blas = sorted({lib.get_num_threads() for lib in controllers()})
+    return (f"threads: {COUNT} ({source}; BLAS 1 in a step's products, "
+            f"{', '.join(map(str, blas)) or '?'} in the rest)")
+
+
+if SET_BY == "MT_THREADS":
+    set_count(COUNT, SET_BY)
