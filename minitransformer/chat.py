@@ -129,9 +129,9 @@ def check_messages(messages) -> list:
     checked = []
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-            raise ValueError(f"messages[{i}] must be an object with a string 'role'")
+            raise MessageError(f"messages[{i}]", "must be an object with a string 'role'")
         if not isinstance(m.get("content"), (str, list)):
-            raise ValueError(f"messages[{i}].content must be a string or a list of parts")
+            raise MessageError(f"messages[{i}].content", "must be a string or a list of parts")
         message = FieldsRead(m | {"content": content_text(m["content"], i)})
         message.read.update(("role", "content"))    # the message itself, whatever the template
         checked.append(message)                     # makes of them

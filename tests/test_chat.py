@@ -66,7 +66,7 @@ def test_special_tokens_are_in_the_text_once(chat_model):
 
 
 def test_bad_messages_and_missing_templates_are_named(chat_model, checkpoint_dir):
-    with pytest.raises(ValueError, match=r"messages\[1\].content must be a string"):
+    with pytest.raises(ValueError, match=r"messages\[1\].content: must be a string"):
         encode_chat(chat_model, [{"role": "user", "content": "a"}, {"role": "user"}])
     with pytest.raises(ValueError, match="messages must be a non-empty list"):
         encode_chat(chat_model, [])

@@ -139,7 +139,8 @@ def create_app(online: OnlineEngine, name: str, max_request_bytes: int = None,
 class RequireKey:
     """ASGI middleware that lets the API's routes (``GUARDED``, /v1/... and the tokenizer's)
     answer only a request with ``Authorization: Bearer KEY``. Any other gets 401 in OpenAI's
-    error body, which never shows a key. The key is compared in constant time
+    error body, which never shows a key; one with two Authorization headers gets 400 (servers
+    and proxies disagree on which of them counts, so none does). The key is compared in constant time
     (hmac.compare_digest), so how long a comparison takes says nothing of where a guess goes
     wrong. /health and /metrics stay open, as vLLM's do: a supervisor and a scraper need no
     key."""
@@ -149,7 +150,13 @@ class RequireKey:
 
     async def __call__(self, scope, receive, send):
         if scope["type"] == "http" and guarded(scope["path"]):
-            problem = self.refuse(dict(scope["headers"]).get(b"authorization"))
+            sent = [value for name, value in scope["headers"] if name == b"authorization"]
+            if len(sent) > 1:       # which one counts? Starlette and proxies read the first,
+                await error(APIError(   # a dict of the headers keeps the last: neither
+                    f"the request has {len(sent)} Authorization headers: send one",
+                    code="invalid_api_key"))(scope, receive, send)
+                return
+            problem = self.refuse(sent[0] if sent else None)
             if problem:
                 await error(APIError(
                     f"{problem}: send the header 'Authorization: Bearer KEY' with the key "

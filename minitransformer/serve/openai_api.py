@@ -40,6 +40,7 @@ Text must be Unicode: JSON can spell a lone UTF-16 surrogate (``"\\ud800"``), wh
 character, and a body holding one is refused. Leaves out: tools, ``best_of`` beyond ``n``, echo in
 chat.
 """
+import itertools
 import json
 import math
 from dataclasses import dataclass, replace
@@ -115,12 +116,40 @@ def refuse_unread(body: FieldsRead, within: str = "") -> None:
                        f"of the OpenAI API this server implements)", unread[0])
 
 
+class Spelled(str):
+    """Text already spelled as JSON: a closing bracket, a key and its colon, a comma."""
+
+
 def json_text(value, limit=80) -> str:
-    """A value as JSON spells it (true, null), cut short for an error message."""
-    text = json.dumps(value)
-    return text if len(text) <= limit else text[:limit] + "..."
+    """A value as JSON spells it (true, null), cut short for an error message: only its first
+    ``limit`` characters or so are ever written, without recursion, so a value of any size or
+    depth the decoder took is named by its start (json.dumps would recurse as deep as the
+    value, and fail one level short of the decoder's own limit).
 
-
+    >>> json_text({"a": [1, True, None]}), json_text([[[[[[[[[[[[]]]]]]]]]]]], limit=6)
+    ('{"a": [1, true, null]}', '[[[[[[...')
+    """
+    written, size, todo = [], 0, [value]    # todo: what is still to write, the next last
+    while todo and size <= limit:
+        item = todo.pop()
+        if isinstance(item, Spelled):
+            text = item
+        elif isinstance(item, (list, dict)):
+            pairs = item.items() if isinstance(item, dict) else ((None, v) for v in item)
+            text = "{" if isinstance(item, dict) else "["
+            todo.append(Spelled("}" if isinstance(item, dict) else "]"))
+            for i, (key, v) in reversed(list(enumerate(itertools.islice(pairs, limit)))):
+                todo.append(v)          # at most limit entries: more would not be shown
+                if key is not None:
+                    todo.append(Spelled(json.dumps(key[:limit]) + ": "))
+                if i:
+                    todo.append(Spelled(", "))
+        else:
+            text = json.dumps(item[:limit + 1] if isinstance(item, str) else item)
+        written.append(text)
+        size += len(text)
+    text = "".join(written)
+    return text if size <= limit and not todo else text[:limit] + "..."
 
 
 class APIError(Exception):

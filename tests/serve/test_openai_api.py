@@ -103,7 +103,7 @@ def test_bad_fields_are_named(model, body, field):
 def test_chat_messages_are_checked(model):
     with pytest.raises(APIError, match=r"messages\[0\].content") as caught:
         job(model, "chat", messages=[{"role": "user"}])
-    assert caught.value.param == "messages"
+    assert caught.value.param == "messages[0].content"
     with pytest.raises(APIError, match="JSON object"):
         parse([1, 2], "chat", model, "m", POOL)
 

@@ -184,6 +184,21 @@ def test_with_the_key_every_route_answers_and_health_and_metrics_need_none(keyed
         assert urllib.request.urlopen(keyed + open_path, timeout=5).status == 200
 
 
+@pytest.mark.parametrize("route", ROUTES, ids=lambda r: r[1])
+@pytest.mark.parametrize("order", ["the key first", "the key last", "the key twice"])
+def test_two_authorization_headers_are_a_400_whichever_holds_the_key(keyed, route, order):
+    """Starlette and proxies read the first of two headers, a dict of them keeps the last: a
+    request holding two is refused, so no two readers of it disagree on who sent it."""
+    method, path, body = route
+    first, last = {"the key first": (KEY, "sk-wrong"), "the key last": ("sk-wrong", KEY),
+                   "the key twice": (KEY, KEY)}[order]
+    raw = request(method, path, body, f"Bearer {first}\r\nAuthorization: Bearer {last}")
+    status, _, reply = exchange(keyed, raw)
+    assert status == 400, reply
+    assert "2 Authorization headers" in reply["error"]["message"]
+    assert reply["error"]["code"] == "invalid_api_key" and KEY not in json.dumps(reply)
+
+
 def test_the_openai_client_with_the_key_is_served_and_without_it_refused(keyed, monkeypatch):
     """The real client: api_key=KEY works for completions, chat and models; a wrong key is an
     AuthenticationError. The comparison goes through hmac.compare_digest (constant time)."""

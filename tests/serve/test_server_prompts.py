@@ -245,7 +245,7 @@ HOSTILE = [  # (path, body fields, the param named, what the message says)
     ("/tokenize", dict(prompt="a", add_generation_prompt=True), "add_generation_prompt",
      "messages"),
     ("/tokenize", dict(messages="hi"), "messages", "list"),
-    ("/tokenize", dict(messages=[{"role": "user"}]), "messages", "content"),
+    ("/tokenize", dict(messages=[{"role": "user"}]), "messages[0].content", "content"),
     ("/tokenize", dict(prompt="a", temperature=0), "temperature", "not a field"),
     ("/tokenize", dict(messages=[], chat_template="{{ x }}"), "chat_template", "not a field"),
     ("/tokenize", dict(prompt="a", model="gpt-4"), "model", "does not exist"),
