@@ -19,7 +19,7 @@ from minitransformer.checks import (flag_field, integer_field, is_integer,
 from minitransformer.errors import CheckpointError
 
 ARCHITECTURES = {"Qwen2ForCausalLM": "qwen2", "LlamaForCausalLM": "llama",
-                 "Qwen3ForCausalLM": "qwen3"}
+                 "Qwen3ForCausalLM": "qwen3", "MistralForCausalLM": "mistral"}
 
 # Sanity bounds on the sizes, 8x or more beyond the largest published models (vocab 256k,
 # hidden 16k, MLP 53k, 126 layers, 128 heads, head_dim 256, 10M positions), checked before
@@ -57,7 +57,7 @@ class RopeScaling:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    model_type: str                 # "qwen2", "llama" or "qwen3"
+    model_type: str                 # "qwen2", "llama", "qwen3" or "mistral" (Llama's layers)
     vocab_size: int                 # V
     hidden_size: int                # D
     intermediate_size: int          # F, the SwiGLU width
@@ -72,6 +72,8 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     torch_dtype: str = "float32"    # how the checkpoint stores its weights (information only)
     rope_scaling: RopeScaling | None = None   # None: RoPE's plain angles
+    layer_windows: tuple = ()       # per layer: how many positions back a query sees (its
+                                    # own included), None for all; () for none windowed
 
     @property
     def qkv_bias(self) -> bool:
@@ -82,6 +84,10 @@ class ModelConfig:
     @property
     def o_bias(self) -> bool:
         return self.model_type != "qwen2" and self.attention_bias
+
+    def window(self, layer: int) -> int | None:
+        """Layer's sliding window W: a query at position p sees p - W + 1 .. p (None: 0 .. p)."""
+        return self.layer_windows[layer] if self.layer_windows else None
 
     @property
     def qk_norm(self) -> bool:
@@ -109,6 +115,7 @@ class ModelConfig:
         dtype = torch_dtype(cfg, source)
         heads, hidden = size("num_attention_heads"), size("hidden_size")   # before the fallbacks
         cfg = hf_fallbacks(cfg)                                             # that read them
+        layers = size("num_hidden_layers")
         positions = size("max_position_embeddings")
         if scaling is not None and scaling.rope_type == "dynamic":  # run within the trained
             positions = min(positions, scaling.original_max_position_embeddings)   # context
@@ -117,7 +124,7 @@ class ModelConfig:
             vocab_size=size("vocab_size"),
             hidden_size=hidden,
             intermediate_size=size("intermediate_size"),
-            num_hidden_layers=size("num_hidden_layers"),
+            num_hidden_layers=layers,
             num_attention_heads=heads,
             num_key_value_heads=size("num_key_value_heads"),
             head_dim=size("head_dim"),
@@ -130,6 +137,7 @@ class ModelConfig:
             tie_word_embeddings=flag("tie_word_embeddings"),
             torch_dtype=dtype,
             rope_scaling=scaling,
+            layer_windows=sliding_windows(cfg, source, model_type, layers),
         )
         config.validate(source)
         return config
@@ -170,17 +178,11 @@ def field(cfg: dict, source, name: str, default=None):
 
 def refuse_unsupported(cfg: dict, source) -> None:
     """Refuse, by name, what this implementation does not do rather than compute something
-    else: activations other than SiLU, sliding-window attention, MLP biases, partial RoPE
-    (rope scaling: rope_scaling)."""
+    else: activations other than SiLU, MLP biases, partial RoPE (rope scaling: rope_scaling;
+    sliding windows: sliding_windows)."""
     if cfg.get("hidden_act", "silu") != "silu":
         raise CheckpointError(f"{source}: hidden_act={cfg['hidden_act']!r:.100} is not "
                               "supported (only silu, the SwiGLU MLP)")
-    if flag_field(source, "use_sliding_window", field(cfg, source, "use_sliding_window", False)):
-        raise CheckpointError(f"{source}: sliding-window attention is not supported")
-    if any(t != "full_attention" for t in cfg.get("layer_types") or ()):
-        raise CheckpointError(f"{source}: layer_types={cfg['layer_types']!r:.100}: only "
-                              "'full_attention' layers are supported (sliding-window attention "
-                              "is not)")
     if flag_field(source, "mlp_bias", field(cfg, source, "mlp_bias", False)):
         raise CheckpointError(f"{source}: mlp_bias=true is not supported")
     if cfg.get("partial_rotary_factor", 1.0) != 1.0:
@@ -240,6 +242,44 @@ def rope_scaling(cfg: dict, source) -> RopeScaling | None:
         raise CheckpointError(f"{source}: {key}.high_freq_factor={scaling.high_freq_factor} "
                               f"must be greater than low_freq_factor={scaling.low_freq_factor}")
     return scaling
+
+
+LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
+def sliding_windows(cfg: dict, source, model_type: str, layers: int) -> tuple:
+    """-> each layer's window (None: full attention), () when no layer slides.
+
+    Mistral slides every layer by ``sliding_window`` (null: none). Qwen2 and Qwen3 slide only
+    with ``use_sliding_window``, the layers ``layer_types`` names "sliding_attention" (older
+    configs: layers from ``max_window_layers`` on). Llama has no window.
+
+    >>> sliding_windows({"use_sliding_window": True, "sliding_window": 4096,
+    ...                  "max_window_layers": 2}, "config.json", "qwen2", 4)
+    (None, None, 4096, 4096)
+    """
+    if model_type == "llama":
+        return ()
+    if model_type == "mistral":
+        slides = [cfg.get("sliding_window") is not None] * layers
+    elif not flag_field(source, "use_sliding_window", cfg.get("use_sliding_window") or False):
+        slides = [False] * layers
+    elif cfg.get("layer_types") is not None:
+        types = cfg["layer_types"]
+        if not isinstance(types, list) or len(types) != layers or \
+                any(t not in LAYER_TYPES for t in types):
+            raise CheckpointError(f"{source}: layer_types must list {layers} of "
+                                  f"{', '.join(LAYER_TYPES)}, got {types!r:.100}")
+        slides = [t == "sliding_attention" for t in types]
+    else:
+        first = integer_field(source, "max_window_layers", field(cfg, source, "max_window_layers"),
+                              0, layers)
+        slides = [i >= first for i in range(layers)]
+    if not any(slides):
+        return ()
+    window = integer_field(source, "sliding_window", field(cfg, source, "sliding_window"), 1,
+                           SIZE_LIMITS["max_position_embeddings"])
+    return tuple(window if s else None for s in slides)
 
 
 def nested_rope_theta(cfg: dict) -> dict:

@@ -13,12 +13,13 @@ itself). Each layer makes two big multiplies instead of five (fused.py).
 Shape alphabet: B batch, T new tokens, S cached + new positions, D hidden, H query heads,
 Hkv key/value heads, G = H / Hkv queries per kv head, d head dim, F MLP width, V vocab.
 
-The families differ in three places only: Qwen2 adds a bias to q/k/v (fused.py stacks it),
-Qwen3 RMS-normalizes each head's query and key before RoPE (attention_block), and Llama 3.x
-stretches the slow RoPE frequencies for long contexts (rope_frequencies).
+The families differ in four places only: Qwen2 adds a bias to q/k/v (fused.py stacks it),
+Qwen3 RMS-normalizes each head's query and key before RoPE (attention_block), Llama 3.x
+stretches the slow RoPE frequencies for long contexts (rope_frequencies), and a sliding-window
+layer (Mistral, some Qwen2) sees only the last W positions (its mask: Batch.windowed).
 
-All math is float32. Follows Hugging Face's Qwen2/Llama/Qwen3 modelling (half-split RoPE,
-repeat_kv head order); leaves out training, dropout and sliding windows.
+All math is float32. Follows Hugging Face's Qwen2/Llama/Qwen3/Mistral modelling (half-split
+RoPE, repeat_kv head order); leaves out training and dropout.
 """
 import math
 from dataclasses import dataclass, field
@@ -173,6 +174,7 @@ class Batch:
     cos: object             # (B, T, 1, d) RoPE, see rope_angles
     sin: object
     visible: object         # the mask attend reads; None: every query sees every slot
+    windowed: object        # the sliding-window layers' mask (None: no layer slides, or all seen)
     slots: object           # the cache's own write indices (None without a cache)
     attend: object          # (q, k, v, visible) -> (B, T, H*d): the cache's, or the way's
 
@@ -198,12 +200,19 @@ def prepare(model: Model, ids, cache=None, way: Attention = None) -> Batch:
                          f"{c.max_position_embeddings} positions")
     on_device = to_device(positions)                                 # (B, T)
     cos, sin = rope_angles(on_device, rope_frequencies(c))
+    window = max(filter(None, c.layer_windows), default=None)        # W, or None
     if cache is None:  # the T tokens are the whole sequence; alone, a token sees all (itself)
         way = PLAIN if way is None else way
-        return Batch(on_device, cos, sin, None if T == 1 else way.mask(on_device, T), None,
-                     way.attend)
-    return Batch(on_device, cos, sin, cache.mask(positions), cache.slots(positions),
-                 cache.attend)
+        if window is not None and way.mask is not causal_mask:   # its mask is an array
+            raise ValueError("a sliding-window model attends with a plain causal mask "
+                             "(attention='plain')")
+        visible = windowed = None if T == 1 else way.mask(on_device, T)
+        if window is not None and T > window:       # what lies W or more back is hidden too
+            windowed = visible & (xp.arange(T)[None, None] > on_device[:, :, None] - window)
+        return Batch(on_device, cos, sin, visible, windowed, None, way.attend)
+    return Batch(on_device, cos, sin, cache.mask(positions),
+                 None if window is None else cache.mask(positions, window),
+                 cache.slots(positions), cache.attend)
 
 
 def attention_block(model, i, x, batch: Batch, cache):
@@ -222,7 +231,8 @@ def attention_block(model, i, x, batch: Batch, cache):
         k, v = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)     # (B, Hkv, T, d)
     else:              # store the new keys/values, attend over everything held
         k, v = cache.update(i, k, v, batch.slots)                    # (B, Hkv, S, d), as held
-    out = batch.attend(q, k, v, batch.visible)                       # (B, T, H*d)
+    visible = batch.visible if c.window(i) is None else batch.windowed  # (B, T, S) or None
+    out = batch.attend(q, k, v, visible)                             # (B, T, H*d)
     return linear(out, layer.o, layer.o_bias)                        # (B, T, D)
 
 

@@ -110,7 +110,7 @@ def leviathan_step(p, q, x: int, rng) -> tuple[bool, int]:
 class ModelDraft:
     """A draft model and its own cache: proposals by decode steps, undone by a trim."""
 
-    def __init__(self, model, target, ids, max_new_tokens: int):
+    def __init__(self, model, target, ids, max_new_tokens: int, gamma: int = 1):
         if model.config.vocab_size != target.config.vocab_size:
             raise ValueError(f"draft and target must share a vocabulary: the draft has "
                              f"{model.config.vocab_size} tokens, the target "
@@ -118,7 +118,10 @@ class ModelDraft:
         check_prompt(model, ids, max_new_tokens)
         self.model = model
         # It lags one token behind the sequence, as the target's: P + max_new_tokens suffice.
-        self.kv = KVCache.allocate(model.config, batch=1, max_len=len(ids) + max_new_tokens)
+        # A sliding-window layer keeps gamma + 1 slots past its window: a round's drafts (and
+        # the token before them) may be rolled back.
+        self.kv = KVCache.allocate(model.config, batch=1, max_len=len(ids) + max_new_tokens,
+                                   spare=gamma + 1)
         self.passes = 0  # forward calls, one per proposal
 
     def propose(self, tokens: list, n: int, settings, rng) -> tuple[list, list]:
@@ -213,13 +216,14 @@ def speculative_generate(target, draft, ids, max_new_tokens: int, gamma: int = 4
         raise ValueError(f"gamma (tokens drafted per round) must be an integer >= 1, got {gamma!r}")
     ids = check_prompt(target, ids, max_new_tokens)
     drafter = (LookupDraft(draft, target.config.vocab_size) if isinstance(draft, PromptLookup)
-               else ModelDraft(draft, target, ids, max_new_tokens))
+               else ModelDraft(draft, target, ids, max_new_tokens, gamma))
     eos = eos_ids(target, eos_token_id)
     rng = seeded_rng(seed)
     tokens = ids.tolist()
     P = len(tokens)
     # Each cache lags one token behind the sequence: P + max_new_tokens slots always suffice.
-    target_kv = KVCache.allocate(target.config, batch=1, max_len=P + max_new_tokens)
+    target_kv = KVCache.allocate(target.config, batch=1, max_len=P + max_new_tokens,
+                                 spare=gamma + 1)           # drafts rolled back: kvcache.py
     passes = proposed = accepted = rejected = 0
     while len(tokens) - P < max_new_tokens:
         # Never draft past the end: a round yields up to n + 1 tokens.

@@ -66,6 +66,7 @@ MAIN_JOB = [
     ("exp10_mha_gqa_mqa.py", {MODEL}, []),
     ("exp10_mha_gqa_mqa.py", set(), ["--chapter-model"]),
     ("exp11_7b_context.py", set(), []),
+    ("exp11_sliding_window.py", {MODEL}, []),
     ("exp12_batched_decode.py", {MODEL, THREADS}, ["--save-step-costs", "{step_costs}"]),
     ("exp13_batching_sim.py", set(), ["--step-costs", "{step_costs}"]),
     ("exp13_engine.py", {MODEL, THREADS}, []),

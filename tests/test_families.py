@@ -1,5 +1,6 @@
-"""Every way of running the model on the newer families: Qwen3 (q/k norms, its own head_dim)
-and Llama 3.x's rope scaling, as tests/test_golden.py holds them against transformers.
+"""Every way of running the model on the newer families: Qwen3 (q/k norms, its own head_dim),
+Llama 3.x's rope scaling and sliding windows (Mistral; Qwen2's upper layers), as
+tests/test_golden.py holds them against transformers.
 
 The cache, the paged engine with prefix caching and chunked prefill, and speculation give the
 tokens plain greedy decoding gives: the family changes what a layer computes, never how the
@@ -11,7 +12,12 @@ import pytest
 
 import minitransformer as mt
 from conftest import assert_like_solo
-from minitransformer.checkpoints.synth import llama_config, qwen3_config, random_model
+from minitransformer.checkpoints.synth import (llama_config, mistral_config, qwen2_config,
+                                               qwen3_config, random_model)
+from minitransformer.kvcache import KVCache
+from minitransformer.kvquant import cache_bytes_per_token
+from minitransformer.lookup import PromptLookup
+from minitransformer.speculative import speculative_generate
 from minitransformer.serve.config import EngineConfig, SpeculativeConfig
 from minitransformer.serve.engine import Engine
 from minitransformer.serve.records import Request
@@ -26,9 +32,28 @@ FAMILIES = {
 }
 
 
+WINDOWED = {  # a window of 6 under prompts of 12-29 tokens: the ring turns over many times
+    "mistral": mistral_config(vocab_size=128, sliding_window=6),
+    "qwen2-upper-layers": qwen2_config(vocab_size=128, num_hidden_layers=3,
+                                       use_sliding_window=True, sliding_window=6,
+                                       max_window_layers=1),
+}
+
+
 @pytest.fixture(scope="module", params=sorted(FAMILIES))
 def model(request):
     return random_model(FAMILIES[request.param], seed=7)
+
+
+@pytest.fixture(scope="module", params=sorted(WINDOWED))
+def windowed(request):
+    return random_model(WINDOWED[request.param], seed=7)
+
+
+def assert_same_steps(cached, recomputed):
+    assert [t.token for t in cached] == [t.token for t in recomputed]
+    np.testing.assert_allclose([[lp for _, lp in t.top] for t in cached],
+                               [[lp for _, lp in t.top] for t in recomputed], atol=2e-6)
 
 
 def prompts(model):
@@ -42,11 +67,43 @@ def test_the_cache_gives_the_tokens_and_logprobs_of_recomputing(model):
     model's tokens hardly depend on attention, its logprobs do (a decode step that turned
     its keys by the wrong angles moves them by ~1e-4)."""
     for ids in prompts(model):
-        cached = mt.generate(model, ids, 12, logprobs=3)
-        recomputed = mt.generate(model, ids, 12, cache=False, logprobs=3)
-        assert [t.token for t in cached] == [t.token for t in recomputed]
-        np.testing.assert_allclose([[lp for _, lp in t.top] for t in cached],
-                                   [[lp for _, lp in t.top] for t in recomputed], atol=2e-6)
+        assert_same_steps(mt.generate(model, ids, 12, logprobs=3),
+                          mt.generate(model, ids, 12, cache=False, logprobs=3))
+
+
+def test_a_rotating_cache_gives_the_tokens_of_recomputing_holding_window_slots(windowed):
+    """A windowed layer keeps W slots whatever the length (the chapter's formula with W for
+    the sequence), a full layer one per position; tokens and logprobs are recomputing's, with
+    its plain causal-and-window mask over the whole sequence."""
+    c = windowed.config
+    for ids in prompts(windowed):
+        assert_same_steps(mt.generate(windowed, ids, 12, logprobs=3),
+                          mt.generate(windowed, ids, 12, cache=False, logprobs=3))
+    kv = KVCache.allocate(c, 1, 500)
+    slots = [c.window(i) or 500 for i in range(c.num_hidden_layers)]
+    per_slot = cache_bytes_per_token(c, "f32") // c.num_hidden_layers
+    assert kv.nbytes == per_slot * sum(slots) and kv.rings
+    assert mt.generate(windowed, prompts(windowed)[2], 40) == \
+        mt.generate(windowed, prompts(windowed)[2], 40, cache=False)
+
+
+def test_speculation_rolls_back_within_the_rings_spare_slots(windowed):
+    """Rejected drafts are trimmed from a ring that kept gamma + 1 slots past its window: the
+    tokens are generate's; a ring without spare slots refuses a trim it could not undo."""
+    for ids in prompts(windowed):
+        ids = ids + ids[:9]                                  # a repeat for the lookup to find
+        made = speculative_generate(windowed, PromptLookup(max_ngram=3), ids, 16, gamma=4)
+        assert made.tokens == mt.generate(windowed, ids, 16)
+        assert made.rejected > 0 or made.accepted > 0
+    kv = KVCache.allocate(windowed.config, 1, 40)
+    mt.model.forward(windowed, np.array([prompts(windowed)[0]]), kv)
+    with pytest.raises(ValueError, match="spare=0"):
+        kv.trim(1)
+
+
+def test_the_paged_engine_refuses_a_windowed_model_by_name(windowed):
+    with pytest.raises(ValueError, match="sliding-window model .window 6. is not served"):
+        Engine(windowed)
 
 
 @pytest.mark.parametrize("fields", [

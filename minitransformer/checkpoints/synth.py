@@ -81,6 +81,14 @@ def qwen3_config(**fields) -> dict:
     return config | fields
 
 
+def mistral_config(**fields) -> dict:
+    """A Mistral config.json as a dict: Llama's layers, each seeing the last sliding_window
+    positions (8 here)."""
+    config = llama_config(architectures=["MistralForCausalLM"], model_type="mistral",
+                          sliding_window=8)
+    return config | fields
+
+
 def qwen25_05b_config() -> dict:
     """Qwen2.5-0.5B's config.json: the chapter's model (24 x 896, 14 q heads, 2 kv heads)."""
     return qwen2_config(vocab_size=151936, hidden_size=896, intermediate_size=4864,

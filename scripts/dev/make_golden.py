@@ -33,8 +33,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # scripts/: _commo
 from _common import run
 import minitransformer as mt
 from minitransformer.backend import to_numpy
-from minitransformer.checkpoints.synth import (llama_config, make_checkpoint, qwen2_config,
-                                               qwen3_config)
+from minitransformer.checkpoints.synth import (llama_config, make_checkpoint, mistral_config,
+                                               qwen2_config, qwen3_config)
 
 OUT = Path(__file__).resolve().parents[2] / "tests" / "fixtures"
 PROMPT_LENGTHS = (1, 7, 33)
@@ -68,6 +68,12 @@ CASES = [
     ("qwen3-bias-untied-bf16", qwen3_config(attention_bias=True, tie_word_embeddings=False,
                                             num_key_value_heads=1, rope_theta=1_000_000.0),
      "bfloat16"),
+    # Sliding windows of 8 under the 33-token prompt: every Mistral layer; Qwen2's from
+    # max_window_layers on (layer 0 full, layers 1-2 windowed).
+    ("mistral-window8-fp32", mistral_config(), "float32"),
+    ("qwen2-window8-from-layer1-fp32", qwen2_config(use_sliding_window=True, sliding_window=8,
+                                                    max_window_layers=1, num_hidden_layers=3),
+     "float32"),
 ]
 
 

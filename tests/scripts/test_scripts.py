@@ -36,6 +36,21 @@ def test_exp01_identical_tokens(tiny, run_script):
     assert "tokens identical: 12 of 12  -> identical output" in out
 
 
+def test_exp11_window_holds_what_the_formula_says(tiny, run_script, monkeypatch):
+    """The rotating cache's bytes against the formula, each row checked by the script (a
+    mismatch exits); planted: a ring of one slot too many fails it."""
+    out, _ = run_script("exp11_sliding_window", "--model", tiny, "--window", "4",
+                        "--lengths", "2,9")
+    assert "16.0 GB    512 MB" in out and out.count("yes") == 6
+    import minitransformer.kvcache as kvcache
+    allocate = kvcache.KVCache.allocate.__func__
+    monkeypatch.setattr(kvcache.KVCache, "allocate", classmethod(
+        lambda cls, c, b, n, *a, **k: allocate(cls, c, b, n, *a, **k | {"spare": 1})))
+    _, err = run_script("exp11_sliding_window", "--model", tiny, "--window", "4",
+                        "--lengths", "9", status=2)
+    assert "the formula says" in err
+
+
 def test_formula_scripts_print_the_chapter_figures(tiny, run_script):
     out, _ = run_script("exp24_memory_budget")
     assert "337" in out and "65,378" in out and "3,136" in out and "13.0 GB" in out
