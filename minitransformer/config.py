@@ -75,6 +75,34 @@ class ModelConfig:
     layer_windows: tuple = ()       # per layer: how many positions back a query sees (its
                                     # own included), None for all; () for none windowed
 
+    def __post_init__(self):
+        """A config built in Python (or by ``dataclasses.replace``, as a draft of the first
+        layers is) is held to from_dict's rules, under the same messages with the source
+        "ModelConfig": a ModelConfig that exists is one the forward pass can run.
+
+        >>> ModelConfig("qwen2", 100, 64, 128, 2.5, 4, 2, 16, 64)
+        Traceback (most recent call last):
+        ...
+        minitransformer.errors.CheckpointError: ModelConfig: field 'num_hidden_layers' must be an integer, got 2.5
+        """
+        source = "ModelConfig"
+        if self.model_type not in ARCHITECTURES.values():
+            raise CheckpointError(f"{source}: model_type={self.model_type!r:.100} is not one "
+                                  f"of {', '.join(map(repr, ARCHITECTURES.values()))}")
+        for name, high in SIZE_LIMITS.items():
+            integer_field(source, name, getattr(self, name), 1, high)
+        for name in ("rms_norm_eps", "rope_theta"):
+            positive_number_field(source, name, getattr(self, name))
+        for name in ("attention_bias", "tie_word_embeddings"):
+            flag_field(source, name, getattr(self, name))
+        if not isinstance(self.torch_dtype, str):
+            raise CheckpointError(f"{source}: field 'torch_dtype' must be a name, "
+                                  f"got {self.torch_dtype!r:.100}")
+        if self.rope_scaling is not None and not isinstance(self.rope_scaling, RopeScaling):
+            raise CheckpointError(f"{source}: field 'rope_scaling' must be a RopeScaling or "
+                                  f"None, got {self.rope_scaling!r:.100}")
+        check_heads(source, self.num_attention_heads, self.num_key_value_heads, self.head_dim)
+
     @property
     def qkv_bias(self) -> bool:
         """Qwen2 always has q/k/v biases; Llama and Qwen3 have them (and an o_proj bias) on
@@ -119,7 +147,8 @@ class ModelConfig:
         positions = size("max_position_embeddings")
         if scaling is not None and scaling.rope_type == "dynamic":  # run within the trained
             positions = min(positions, scaling.original_max_position_embeddings)   # context
-        config = cls(
+        check_heads(source, heads, size("num_key_value_heads"), size("head_dim"))
+        return cls(
             model_type=model_type,
             vocab_size=size("vocab_size"),
             hidden_size=hidden,
@@ -139,17 +168,15 @@ class ModelConfig:
             rope_scaling=scaling,
             layer_windows=sliding_windows(cfg, source, model_type, layers),
         )
-        config.validate(source)
-        return config
 
-    def validate(self, source: str = "config.json") -> None:
-        """The relations between fields (each field alone was checked when read)."""
-        if self.num_attention_heads % self.num_key_value_heads:
-            raise CheckpointError(
-                f"{source}: num_attention_heads={self.num_attention_heads} is not a multiple of "
-                f"num_key_value_heads={self.num_key_value_heads}")
-        if self.head_dim % 2:
-            raise CheckpointError(f"{source}: head_dim={self.head_dim} must be even for RoPE")
+
+def check_heads(source, heads: int, kv_heads: int, head_dim: int) -> None:
+    """The relations between the heads' fields (each field alone was checked when read)."""
+    if heads % kv_heads:
+        raise CheckpointError(f"{source}: num_attention_heads={heads} is not a multiple of "
+                              f"num_key_value_heads={kv_heads}")
+    if head_dim % 2:
+        raise CheckpointError(f"{source}: head_dim={head_dim} must be even for RoPE")
 
 
 def architecture(cfg: dict, source) -> str:

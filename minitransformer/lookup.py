@@ -19,6 +19,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from minitransformer.checks import is_integer
+
 # Written for this project: a passage to be copied (the task where prompt lookup pays).
 PASSAGE = ("The lighthouse stood on a rock at the mouth of the bay. Every evening the keeper "
            "climbed its one hundred and twelve steps, trimmed the wick, polished the lens and "
@@ -38,6 +40,12 @@ class PromptLookup:
     past_insertion: bool = False
 
     def __post_init__(self):
+        for name in ("max_ngram", "min_ngram"):
+            if not is_integer(getattr(self, name)):
+                raise ValueError(f"{name} must be an integer, got {getattr(self, name)!r}")
+        if not isinstance(self.past_insertion, (bool, np.bool_)):
+            raise ValueError(f"past_insertion must be True or False, "
+                             f"got {self.past_insertion!r}")
         if not 1 <= self.min_ngram <= self.max_ngram:
             raise ValueError(f"need 1 <= min_ngram <= max_ngram, got {self.min_ngram}, "
                              f"{self.max_ngram}")

@@ -32,6 +32,8 @@ class SamplingSettings:
     repetition_penalty: float = 1.0  # 1.0: off
 
     def __post_init__(self):
+        if not isinstance(self.do_sample, (bool, np.bool_)):
+            raise ValueError(f"do_sample must be True or False, got {self.do_sample!r}")
         if not is_real(self.temperature) or not 0 <= self.temperature < math.inf:
             raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
         if not is_integer(self.top_k) or self.top_k < 0:

@@ -411,3 +411,32 @@ def test_zero_size_tensors_and_metadata_are_legal(tmp_path):
     write_raw(tmp_path / "m.safetensors", header, data)
     tensors = read_tensors(tmp_path / "m.safetensors")
     assert tensors["a"][1].shape == (0, 3) and tensors["b"][1].tolist() == [1.0, 1.0]
+
+
+CONFIG_MISTAKES = [  # (field, bad value, what the message says)
+    ("num_hidden_layers", 2.5, "field 'num_hidden_layers' must be an integer, got 2.5"),
+    ("hidden_size", 0, "field 'hidden_size' must be in [1, "),
+    ("vocab_size", True, "field 'vocab_size' must be an integer, got True"),
+    ("rms_norm_eps", -1e-6, "field 'rms_norm_eps' must be a finite number > 0"),
+    ("rope_theta", float("nan"), "field 'rope_theta' must be a finite number > 0"),
+    ("tie_word_embeddings", 1, "field 'tie_word_embeddings' must be true or false"),
+    ("model_type", "gpt2", "model_type='gpt2' is not one of"),
+    ("num_key_value_heads", 3, "num_attention_heads=4 is not a multiple of num_key_value_heads=3"),
+    ("head_dim", 15, "head_dim=15 must be even for RoPE"),
+    ("torch_dtype", None, "field 'torch_dtype' must be a name"),
+]
+
+
+@pytest.mark.parametrize("name, bad, says", CONFIG_MISTAKES, ids=[c[0] for c in CONFIG_MISTAKES])
+def test_a_model_config_built_in_python_is_held_to_config_jsons_rules(name, bad, says):
+    """A ModelConfig made by hand, or changed with dataclasses.replace (a draft's first
+    layers), is refused with the message config.json's reader gives, the source named
+    "ModelConfig"."""
+    import dataclasses
+    from minitransformer.checkpoints.synth import qwen2_config
+    from minitransformer.config import ModelConfig
+    config = ModelConfig.from_dict(qwen2_config(num_attention_heads=4, num_key_value_heads=2,
+                                                hidden_size=64, head_dim=16))
+    with pytest.raises(CheckpointError) as e:
+        dataclasses.replace(config, **{name: bad})
+    assert str(e.value).startswith("ModelConfig: ") and says in str(e.value)

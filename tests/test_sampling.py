@@ -235,3 +235,11 @@ def test_sampling_is_given_as_settings_or_refused_by_name():
     assert check_sampling(settings) is settings
     with pytest.raises(ValueError, match="sampling must be a SamplingSettings, got"):
         check_sampling({"do_sample": True})
+
+
+@pytest.mark.parametrize("bad", ["no", 1, None, 0.0])
+def test_do_sample_is_a_flag_not_a_truth_value(bad):
+    """do_sample="no" is true to Python: taken as it is, it would sample silently."""
+    with pytest.raises(ValueError, match=r"^do_sample must be True or False, got "):
+        SamplingSettings(do_sample=bad)
+    assert SamplingSettings(do_sample=np.bool_(True)).do_sample

@@ -4,6 +4,7 @@ acceptance rule is caught by the same test."""
 from collections import Counter
 from dataclasses import replace
 
+import re
 import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
@@ -457,3 +458,13 @@ def test_exp22_races_every_draft_against_the_same_plain_runs(pair, monkeypatch, 
         assert measured[1][1] == pytest.approx(10.0) and "above its ceiling" in measured[1][4]
     else:
         assert measured[1][1] == pytest.approx(0.25) and measured[1][4] is None
+
+
+@pytest.mark.parametrize("fields, named", [
+    ({"max_ngram": 2.5}, "max_ngram must be an integer"),
+    ({"min_ngram": True}, "min_ngram must be an integer"),
+    ({"past_insertion": "yes"}, "past_insertion must be True or False"),
+    ({"min_ngram": 0}, "need 1 <= min_ngram <= max_ngram")], ids=str)
+def test_a_prompt_lookup_is_refused_naming_its_bad_field(fields, named):
+    with pytest.raises(ValueError, match=f"^{re.escape(named)}"):
+        PromptLookup(**fields)

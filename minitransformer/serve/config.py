@@ -31,7 +31,14 @@ FIELDS = ("method", "model", "num_speculative_tokens", "prompt_lookup_max",
 @dataclass(frozen=True)
 class SpeculativeConfig:
     """``--speculative-config``, under vLLM's field names (weight_rows and min_acceptance are
-    this project's)."""
+    this project's). Checked when made, built in Python or read from JSON, with the same
+    messages (``__post_init__``), so a bad setting never reaches an engine:
+
+    >>> SpeculativeConfig(num_speculative_tokens=2.5)
+    Traceback (most recent call last):
+    ...
+    ValueError: speculative config: num_speculative_tokens must be an integer >= 1, got 2.5
+    """
     num_speculative_tokens: int      # the longest draft
     method: str = "ngram"            # "ngram" (prompt lookup) or "draft_model"
     model: str = None                # the draft model's checkpoint (method draft_model)
@@ -40,6 +47,38 @@ class SpeculativeConfig:
     disable_by_batch_size: int = None  # no drafts while more sequences than this decode
     weight_rows: float = None        # set: draft lengths adapt (see the module's docstring)
     min_acceptance: float = None     # set: no draft while a sequence's acceptance is below it
+
+    def __post_init__(self):
+        """Each field's type and range, and the fields against each other: the one home of
+        these rules, for a config built in Python and for one read from JSON alike (a
+        ValueError starting "speculative config: ", naming the field)."""
+        where = "speculative config"
+        if not isinstance(self.method, str) or self.method not in METHODS:
+            raise ValueError(f"{where}: method {self.method!r} is not served here: use "
+                             f"{' or '.join(map(repr, METHODS))}")
+        for name in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min",
+                     "disable_by_batch_size"):
+            n = getattr(self, name)
+            if not (n is None and name == "disable_by_batch_size") and (
+                    not is_integer(n) or n < 1):
+                raise ValueError(f"{where}: {name} must be an integer >= 1, got {n!r}")
+        rows = self.weight_rows
+        if rows is not None and (not is_real(rows) or not 0 < rows < float("inf")):
+            raise ValueError(f"{where}: weight_rows must be a finite number > 0, got {rows!r}")
+        least = self.min_acceptance
+        if least is not None and (not is_real(least) or not 0 < least <= 1):
+            raise ValueError(f"{where}: min_acceptance must be a number in (0, 1], "
+                             f"got {least!r}")
+        if self.method == "ngram":
+            if self.model is not None:
+                raise ValueError(f"{where}: model {self.model!r} is for method "
+                                 f"'draft_model', not 'ngram'")
+            if self.prompt_lookup_min > self.prompt_lookup_max:
+                raise ValueError(f"{where}: prompt_lookup_min ({self.prompt_lookup_min}) is "
+                                 f"more than prompt_lookup_max ({self.prompt_lookup_max})")
+        elif not isinstance(self.model, str) or not self.model:
+            raise ValueError(f"{where}: method 'draft_model' needs model, the draft's "
+                             f"checkpoint path")
 
 
 def parse_speculative_config(value) -> SpeculativeConfig:
@@ -74,37 +113,9 @@ def parse_speculative_config(value) -> SpeculativeConfig:
               if v is not None or name == "num_speculative_tokens"}
     if fields.get("model") is not None and "method" not in fields:
         fields["method"] = "draft_model"        # vLLM infers it from the model
-    method = fields.get("method", "ngram")
-    if method not in METHODS:
-        raise ValueError(f"{where}: method {method!r} is not served here: use "
-                         f"{' or '.join(map(repr, METHODS))}")
     if "num_speculative_tokens" not in fields:
         raise ValueError(f"{where}: num_speculative_tokens is required (the longest draft)")
-    for name in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min",
-                 "disable_by_batch_size"):
-        if name not in fields:
-            continue
-        n = fields[name]
-        if not is_integer(n) or n < 1:
-            raise ValueError(f"{where}: {name} must be an integer >= 1, got {n!r}")
-    rows = fields.get("weight_rows")
-    if rows is not None and (not is_real(rows) or not 0 < rows < float("inf")):
-        raise ValueError(f"{where}: weight_rows must be a finite number > 0, got {rows!r}")
-    least = fields.get("min_acceptance")
-    if least is not None and (not is_real(least) or not 0 < least <= 1):
-        raise ValueError(f"{where}: min_acceptance must be a number in (0, 1], got {least!r}")
-    config = SpeculativeConfig(**fields)
-    if method == "ngram":
-        if config.model is not None:
-            raise ValueError(f"{where}: model {config.model!r} is for method 'draft_model', "
-                             f"not 'ngram'")
-        if config.prompt_lookup_min > config.prompt_lookup_max:
-            raise ValueError(f"{where}: prompt_lookup_min ({config.prompt_lookup_min}) is "
-                             f"more than prompt_lookup_max ({config.prompt_lookup_max})")
-    elif not isinstance(config.model, str) or not config.model:
-        raise ValueError(f"{where}: method 'draft_model' needs model, the draft's "
-                         f"checkpoint path")
-    return config
+    return SpeculativeConfig(**fields)
 
 
 def check_against(config: SpeculativeConfig, target, draft=None) -> None:

@@ -1,7 +1,9 @@
 """EngineConfig: every knob checked where it is made, and the one config built from the command
 line carried whole into the engine and the server: the attention asked for, the pool's memory
 priced in its own format, and a config of another type refused naming its type."""
+import argparse
 import dataclasses
+import json
 
 import numpy as np
 import pytest
@@ -155,3 +157,60 @@ def test_the_memory_check_prices_the_pool_in_its_own_format(tiny_model, monkeypa
     Engine(tiny_model, EngineConfig(kv_cache_dtype="q4_0", **sizes))
     with pytest.raises(ValueError, match="more than the"):
         Engine(tiny_model, EngineConfig(**sizes))
+
+
+# ------------------------------------------------ the speculative config, built in Python
+PYTHON_BAD = [  # (fields, what the message names): each was once accepted, or misnamed
+    ({"num_speculative_tokens": 2.5}, "num_speculative_tokens must be an integer >= 1, got 2.5"),
+    ({"num_speculative_tokens": 0}, "num_speculative_tokens must be an integer >= 1, got 0"),
+    ({"num_speculative_tokens": -2}, "num_speculative_tokens must be an integer >= 1, got -2"),
+    ({"num_speculative_tokens": True}, "num_speculative_tokens must be an integer >= 1, got True"),
+    ({"num_speculative_tokens": 2, "weight_rows": -1}, "weight_rows must be a finite number"),
+    ({"num_speculative_tokens": 2, "weight_rows": True}, "weight_rows must be a finite number"),
+    ({"num_speculative_tokens": 2, "min_acceptance": 1.5}, "min_acceptance must be a number"),
+    ({"num_speculative_tokens": 2, "min_acceptance": -0.1}, "min_acceptance must be a number"),
+    ({"num_speculative_tokens": 2, "method": "medusa"}, "method 'medusa' is not served here"),
+    ({"num_speculative_tokens": 2, "method": None}, "method None is not served here"),
+    ({"num_speculative_tokens": 2, "prompt_lookup_max": 2.0}, "prompt_lookup_max must be"),
+    ({"num_speculative_tokens": 2, "prompt_lookup_min": None}, "prompt_lookup_min must be"),
+    ({"num_speculative_tokens": 2, "disable_by_batch_size": False}, "disable_by_batch_size"),
+    ({"num_speculative_tokens": 2, "prompt_lookup_max": 1, "prompt_lookup_min": 2},
+     "prompt_lookup_min (2) is more than prompt_lookup_max (1)"),
+    ({"num_speculative_tokens": 2, "method": "ngram", "model": "/m"}, "is for method 'draft_model', not 'ngram'"),
+    ({"num_speculative_tokens": 2, "method": "draft_model"}, "needs model"),
+]
+
+
+@pytest.mark.parametrize("fields, named", PYTHON_BAD, ids=[m for _, m in PYTHON_BAD])
+def test_a_speculative_config_built_in_python_is_refused_as_the_server_refuses_it(fields, named):
+    """One home for each rule: the dataclass's own check, whose message the command line's
+    --speculative-config (the server's) gives for the same JSON, word for word."""
+    with pytest.raises(ValueError) as built:
+        SpeculativeConfig(**fields)
+    assert str(built.value).startswith("speculative config: ") and named in str(built.value)
+    given = {name: value for name, value in fields.items() if value is not None}
+    if given == fields:             # JSON's null is the field left out: not the same mistake
+        with pytest.raises(argparse.ArgumentTypeError) as parsed:
+            cli.speculative_config(json.dumps(fields))
+        assert str(parsed.value) == str(built.value)
+
+
+def test_the_engine_serves_generates_tokens_after_a_refused_setting(tiny_model):
+    """A refused setting never reaches the engine: a change made with dataclasses.replace is
+    checked as a new config is, and the engine it was meant for decodes on as before."""
+    import minitransformer as mt
+    from minitransformer.serve.records import Request
+    spec = SpeculativeConfig(num_speculative_tokens=3)
+    engine = Engine(tiny_model, EngineConfig(max_num_seqs=2, speculative_config=spec))
+    for change in ({"num_speculative_tokens": 2.5}, {"weight_rows": -1},
+                   {"min_acceptance": 2.0}, {"method": "medusa"}):
+        with pytest.raises(ValueError, match="^speculative config: "):
+            dataclasses.replace(spec, **change)
+        with pytest.raises(ValueError, match="^speculative config: "):
+            Engine(tiny_model, EngineConfig(speculative_config=SpeculativeConfig(
+                **{"num_speculative_tokens": 3} | change)))
+    with pytest.raises(ValueError, match="^max_num_seqs="):
+        dataclasses.replace(engine.config, max_num_seqs=0)
+    prompt = [1, 2, 3, 1, 2, 3, 1]
+    run = engine.run([Request(tuple(prompt), 8, eos_token_id=[])])
+    assert run.results[0].tokens == mt.generate(tiny_model, prompt, 8, eos_token_id=[])
