@@ -31,6 +31,12 @@ them). Attention reads floats: ``dequantize`` turns a slice of it back into floa
 tiled attention one block of keys at a time; the plain one all held keys of a layer at once,
 through ``on_floats``).
 
+Exactness: every path reads what the cache holds, a whole prompt its own keys too, so runs
+that compute each key by the same products hold the same codes. Chunked prefill and a prefix
+hit compute keys by other products, whose last bits differ; rounding to the grid turns that
+into a whole step at an element near a boundary, so those paths are held to twice the format's
+logit bound, not to the float32 near-tie window (docs/kv-cache.md, "Exactness").
+
 >>> x = xp.asarray([[0.5, -1.0, 0.25, 0.0]], dtype=xp.float32)   # one vector, d = 4
 >>> held = zeros((1, 4), "q8_0")
 >>> held[0] = x[0]                          # quantized on the way in: s = 1 / 127
