@@ -21,8 +21,9 @@ blocks of 32 are stored F16, as llama-quantize does.
 >>> q.type_name, q.nbytes, q.bits_per_weight             # 576 = 18 blocks of 32 -> Q5_0
 ('Q5_0', 792, 5.5)
 
-Quantized once, kept: the k-quants' searches take NumPy seconds a matrix (minutes for
-SmolLM2, in each of experiments 15, 16 and 21), so, as a llama.cpp user quantizes once and keeps
+Quantized a chunk of rows at a time (quantize_blocks: the same bytes, the searches' arrays in
+cache), and once, kept: the k-quants' searches take NumPy a second or so a matrix (a minute or
+more for SmolLM2, in each of experiments 15, 16 and 21), so, as a llama.cpp user quantizes once and keeps
 the GGUF file, the blocks of every matrix of KEPT_WEIGHTS weights or more are kept on disk
 under weights/quantized/ (git-ignored; $MT_WEIGHTS_DIR moves it), named by a digest of the
 matrix's bytes and shape, the type and the quantizers' own source: another matrix, another type
@@ -58,6 +59,7 @@ QUANTIZERS = {"Q2_K": kquants.q2_k, "Q3_K": kquants.q3_k, "Q4_K": kquants.q4_k,
 FALLBACK = {"Q2_K": "IQ4_NL", "Q3_K": "IQ4_NL", "Q4_K": "Q5_0", "Q5_K": "Q5_1", "Q6_K": "Q8_0"}
 ROWS_PER_STEP = 64  # rows decoded at a time by matmul: 64 x 1,536 floats, in cache
 KEPT_WEIGHTS = 1 << 16  # matrices this large are kept once quantized (the tests' tiny ones not)
+CHUNK_WEIGHTS = 1 << 17  # weights quantized at a time (whole rows): the searches' arrays in cache
 
 
 def stored_type(type_name: str, cols: int) -> str:
@@ -150,11 +152,23 @@ def gguf_quantize(w, type_name: str, label: str | None = None) -> GGUFWeight:
     return GGUFWeight(label or type_name, tuple(w.shape), stored, blocks, error)
 
 
+def quantize_blocks(w: np.ndarray, stored: str) -> np.ndarray:
+    """QUANTIZERS[stored](w), CHUNK_WEIGHTS weights (whole rows) at a time: a block's bytes
+    depend on its own weights only, so the same bytes, while every array a search makes over
+    a chunk (a few hundred KB) stays in the core's cache, where one over the whole matrix
+    (megabytes) streams from memory at every step: Q4_K 1.5x, IQ4_NL 2.2x faster."""
+    quantize, rows = QUANTIZERS[stored], max(1, CHUNK_WEIGHTS // w.shape[1])
+    if len(w) <= rows:
+        return quantize(w)
+    return np.concatenate([quantize(w[r:r + rows]) for r in range(0, len(w), rows)])
+
+
 def kept_blocks(w: np.ndarray, stored: str) -> np.ndarray:
-    """QUANTIZERS[stored](w): read from weights/quantized/ when this very matrix was quantized
-    to this type by this very code before, else quantized now and kept (module docstring)."""
+    """quantize_blocks(w, stored): read from weights/quantized/ when this very matrix was
+    quantized to this type by this very code before, else quantized now and kept (module
+    docstring)."""
     if stored == "F16" or w.size < KEPT_WEIGHTS or os.environ.get("MT_QUANT_CACHE") == "off":
-        return QUANTIZERS[stored](w)
+        return quantize_blocks(w, stored)
     file = kept_file(w, stored)
     size = (w.shape[0], stored_bytes(stored, w.shape) // w.shape[0])
     try:
@@ -163,7 +177,7 @@ def kept_blocks(w: np.ndarray, stored: str) -> np.ndarray:
             return blocks
     except (OSError, ValueError, EOFError):
         pass                                # none kept, or unreadable: quantized again
-    blocks = QUANTIZERS[stored](w)
+    blocks = quantize_blocks(w, stored)
     keep(file, blocks)
     return blocks
 

@@ -13,7 +13,7 @@ import pytest
 
 from minitransformer.backend import to_numpy
 from minitransformer.formats.gguf_types import FORMATS, dequantize
-from quant import ggml_blocks, kquants
+from quant import ggml_blocks, gguf_weight, kquants
 from quant.gguf_weight import GGUFWeight, gguf_quantize, stored_bytes, stored_type
 from quant.schemes import SCHEMES
 
@@ -90,6 +90,17 @@ def test_blocks_of_32_are_the_gguf_packages_bytes(type_name):
     for w in hard_cases():
         ours = QUANTIZE[type_name](w)
         assert np.array_equal(ours, quantize(w, gguf.GGMLQuantizationType[type_name]))
+
+
+@pytest.mark.parametrize("type_name", sorted(gguf_weight.QUANTIZERS))
+def test_a_matrix_quantized_a_chunk_of_rows_at_a_time_is_the_same_bytes(type_name,
+                                                                        monkeypatch):
+    """quantize_blocks's chunks of rows (here 3 rows of 512, the last chunk 1 row) give the
+    bytes of the whole matrix quantized at once."""
+    monkeypatch.setattr(gguf_weight, "CHUNK_WEIGHTS", 3 * 512 + 7)
+    w = matrix()[:13]
+    assert np.array_equal(gguf_weight.quantize_blocks(w, type_name),
+                          gguf_weight.QUANTIZERS[type_name](w))
 
 
 def test_more_bits_less_error():
