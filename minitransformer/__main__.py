@@ -189,16 +189,17 @@ def load_model(args):
 
 def stream_text(model, ids, tokens, out=sys.stdout) -> str:
     """Write the text of tokens (new ids after ids, as they come) as it becomes final; -> the
-    text. Stats to stderr."""
+    text written. Ctrl-C stops the answer, which ends with the marker " [stopped]" (shown, not
+    part of the text: a chat's history keeps what the model said). Stats to stderr."""
     detokenizer, pieces, start = Detokenizer(model.tokenizer, ids), [], time.perf_counter()
-    n = 0
+    n, marker = 0, ""
     try:
         for n, token in enumerate(tokens, start=1):
             pieces.append(detokenizer.add(token))
             out.write(pieces[-1])
             out.flush()
     except KeyboardInterrupt:       # Ctrl-C stops this answer, not the program
-        pieces.append(" [stopped]")
+        marker = " [stopped]"
     except BrokenPipeError:         # nobody reads on: main ends quietly
         raise
     except Exception:
@@ -207,7 +208,7 @@ def stream_text(model, ids, tokens, out=sys.stdout) -> str:
     finally:
         tokens.close()              # a generator: its own clean-up runs now
     pieces.append(detokenizer.flush())
-    out.write(pieces[-1] + "\n")
+    out.write(pieces[-1] + marker + "\n")
     seconds = time.perf_counter() - start
     print(f"[{n} tokens, {seconds:.2f} s, {n / seconds:.1f} tokens/s]", file=sys.stderr)
     return "".join(pieces)
@@ -268,8 +269,8 @@ def chat(args) -> None:
     model = load_model(args)
     encode_chat(model, [{"role": "user", "content": ""}])   # no template: fail before typing
     settings, source = sampling(args, model, CHAT_SAMPLING)
-    print(f"chatting with {Path(model.path).name}: empty line or Ctrl-D to quit, /reset to "
-          f"start over\n{describe(settings, source)}", file=sys.stderr)
+    print(f"chatting with {Path(model.path).name}: an empty line, /exit, /quit or Ctrl-D "
+          f"to quit, /reset to start over\n{describe(settings, source)}", file=sys.stderr)
     system = [{"role": "system", "content": args.system}] if args.system else []
     messages, engine = list(system), chat_engine(model, args.kv_cache_dtype, args.attention,
                                                  args.speculative_config)
@@ -281,7 +282,7 @@ def chat(args) -> None:
         except (EOFError, KeyboardInterrupt):
             print()
             return
-        if not line:
+        if not line or line in ("/exit", "/quit"):
             return
         if line == "/reset":
             messages = list(system)
@@ -422,6 +423,9 @@ def main(argv=None) -> None:
         if args.threads is not None:
             threads.set_count(args.threads)
         args.run(args)
+    except KeyboardInterrupt:   # Ctrl-C while loading, fetching or serving: one line, as a
+        print("stopped (Ctrl-C)", file=sys.stderr)  # shell reports it: 128 + SIGINT
+        sys.exit(130)
     except BrokenPipeError:     # the reader went away (generate ... | head): end quietly
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # exit flushes stdout
         sys.exit(141)           # 128 + SIGPIPE: what a shell reports of a program it stopped

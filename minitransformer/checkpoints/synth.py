@@ -164,8 +164,12 @@ def write_whole(path: Path, write, stamp: str, version: str) -> Path:
     and ``is_written`` tells a finished one of this version. -> path."""
     partial = path.with_name(path.name + ".partial")
     shutil.rmtree(partial, ignore_errors=True)
-    write(partial)
-    (partial / stamp).write_text(version)
+    try:
+        write(partial)
+        (partial / stamp).write_text(version)
+    except BaseException:       # an error, or Ctrl-C: no half-written folder is left behind
+        shutil.rmtree(partial, ignore_errors=True)
+        raise
     shutil.rmtree(path, ignore_errors=True)
     partial.rename(path)
     return path
