@@ -85,7 +85,7 @@ from minitransformer.serve.paged import PagedCache, check_fits
 from minitransformer.serve.records import Request, Run
 from minitransformer.serve.runner import Feed, Runner, split_rows
 from minitransformer.serve.scheduler import Made, Scheduler, close, fan_out
-from minitransformer.serve.speculate import Row, Speculator
+from minitransformer.serve.speculate import Speculator
 
 
 class Engine:
@@ -335,37 +335,30 @@ class Engine:
             return None
         decoding = [seq for seq in self.running() if not seq.prefilling]
         return dict(zip([seq.result.id for seq in decoding],
-                        self.speculator.wants([self._row(seq) for seq in decoding])))
+                        self.speculator.wants(decoding)))
 
     def _propose(self, work) -> tuple:
         """-> per decode row, the tokens it feeds (its last token, then its draft's proposals,
         at most the slots the plan held), and its Draft (None: not speculating)."""
         if self.speculator is None or not work.rows:
             return [[seq.tokens[-1]] for seq in work.rows], [None] * len(work.rows)
-        drafts = self.speculator.propose([self._row(seq) for seq in work.rows], work.drafts)
+        drafts = self.speculator.propose(work.rows, work.drafts)
         return [[seq.tokens[-1]] + draft.tokens for seq, draft in zip(work.rows, drafts)], drafts
 
     def _take(self, seq, logits, draft) -> bool:
         """A decode row's tokens from its logits (k, V), one per token it fed: sampled, or its
         draft verified (its accepted proposals and one of the target's own, appended up to
         its end) -> whether it made any (a padding row's are thrown away)."""
-        if seq.finished:
+        if seq.padding:
             return False
         if draft is None:
             self._sample(seq, logits[0])
             return True
-        for token, z in zip(self.speculator.verify(self._row(seq), logits, draft), logits):
+        for token, z in zip(self.speculator.verify(seq, logits, draft), logits):
             self._append(seq, token, z)
             if seq.done:            # an eos among the kept tokens: the rest are not made
                 break
         return True
-
-    @staticmethod
-    def _row(seq) -> Row:
-        """A decoding sequence as speculation sees it."""
-        request = seq.result.request
-        return Row(seq.result.id, seq.tokens, len(seq.tokens) - len(seq.result.tokens),
-                   request.max_new_tokens, request.sampling, seq.rng, padding=seq.finished)
 
     # --- small helpers -----------------------------------------------------------------------
     def _check(self, request) -> tuple:

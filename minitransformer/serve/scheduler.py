@@ -83,8 +83,9 @@ class Sequence:                     # one sample of a request the engine is serv
         return self.result.status == "running" and not self.result.tokens
 
     @property
-    def finished(self) -> bool:
-        """Static batching's mark: over, but still in its slot until its batch ends."""
+    def padding(self) -> bool:
+        """Static batching's padding row: finished, but in its slot until its batch ends (its
+        row computed and thrown away)."""
         return self.result.status == "finished"
 
 
@@ -186,11 +187,12 @@ def hold_drafts(books: BlockManager, seq_ids, wanted, spare=None) -> list:
 
 
 class Scheduler:
-    def __init__(self, blocks: BlockManager, slots: int, policy: str = "continuous",
+    def __init__(self, books: BlockManager, slots: int, policy: str = "continuous",
                  budget: int = None, prefix_caching: bool = True):
-        """policy "continuous" or "static", budget (tokens a step, None: no limit) and
+        """books: the block manager (the pool's, PagedCache.books), which only the scheduler
+        writes; policy "continuous" or "static", budget (tokens a step, None: no limit) and
         prefix_caching as an EngineConfig checked them (serve/config.py)."""
-        self.blocks, self.policy, self.budget = blocks, policy, budget
+        self.books, self.policy, self.budget = books, policy, budget
         self.prefix_caching = prefix_caching
         self.slots = [None] * slots
         self.waiting = deque()      # Sequences in arrival order; preempted ones at the front
@@ -200,7 +202,7 @@ class Scheduler:
 
     def running(self) -> list:
         """The sequences in slots that are not over (prefilling or decoding)."""
-        return [seq for seq in self.slots if seq is not None and not seq.finished]
+        return [seq for seq in self.slots if seq is not None and not seq.padding]
 
     def schedule(self, now: float, wanted: dict = None) -> Plan:
         """The step's plan: who is preempted, who decodes, which chunks prefill, who enters,
@@ -210,38 +212,38 @@ class Scheduler:
         self.now = now
         rows = [seq for seq in self.running() if not seq.prefilling] + self._padding()
         preempted = self._preempt(rows)
-        starts = self.blocks.append([row.result.id for row in rows], 1)
+        starts = self.books.append([row.result.id for row in rows], 1)
         for row in rows:
-            if not row.finished:
+            if not row.padding:
                 self._seal(row)
-        decode = Work(rows, starts, 1, self.blocks.take_moves())
+        decode = Work(rows, starts, 1, self.books.take_moves())
         budget = None if self.budget is None else self.budget - len(rows)
         prefill, admitted = self._prefill(budget)
-        moves = self.blocks.take_moves()            # decided after the last forward pass
+        moves = self.books.take_moves()            # decided after the last forward pass
         if wanted is not None and rows:
             spare = None if budget is None else budget - sum(work.n for work in prefill)
             ids = [row.result.id for row in rows]
-            decode.drafts = hold_drafts(self.blocks, ids, [wanted.get(i, 0) for i in ids],
+            decode.drafts = hold_drafts(self.books, ids, [wanted.get(i, 0) for i in ids],
                                         spare)
         plan = Plan(decode, prefill, admitted, preempted, moves)
         for work in plan.passes:
             self._blocks_of(work)
         return plan
 
-    def commit(self, made: Made, now: float, kept=None) -> None:
+    def commit(self, made: Made, now: float, on_commit=None) -> None:
         """What the plan's run made, into the books, then the step's ends, at ``now`` (the
         engine's clock once the step's tokens exist). The written slots are no longer being
         filled; a failed pass's sequences end (the engine's docstring, Faults); every row
         that made tokens holds exactly what it computed and kept (its draft slots past them,
-        rejected or never proposed, go back: ``trim``), its full blocks named. kept(), if
+        rejected or never proposed, go back: ``trim``), its full blocks named. on_commit(), if
         given, is called then (the engine's memory history: the books as the step left
         them). Last, first-token times, and those that made their last token retire."""
         self.now = now
         for work in made.ran:
             for seq_id, start, held in work.slots():
-                self.blocks.written([seq_id], [start], held)
+                self.books.written([seq_id], [start], held)
         if made.failed:
-            self.blocks.drop_unwritten()    # no later prompt finds keys never computed
+            self.books.drop_unwritten()    # no later prompt finds keys never computed
             reason = f"the engine failed on this request's step: {made.error!r}"
             for seq in dict.fromkeys(seq for work in made.failed
                                      for seq in (*work.rows, *work.firsts)):
@@ -250,9 +252,9 @@ class Scheduler:
             for seq in dict.fromkeys((*work.rows, *work.firsts)):
                 self._keep(seq)
         if made.failed:
-            self.blocks.check()
-        if kept is not None:
-            kept()
+            self.books.check()
+        if on_commit is not None:
+            on_commit()
         for seq in made.seqs:
             if len(seq.result.tokens) == 1:
                 seq.result.first_token = now
@@ -278,12 +280,12 @@ class Scheduler:
 
     def _padding(self) -> list:
         """Static: finished members whose rows still run (holding their blocks)."""
-        return [seq for seq in self.slots if seq is not None and seq.finished
-                and seq.result.id in self.blocks.seqs]
+        return [seq for seq in self.slots if seq is not None and seq.padding
+                and seq.result.id in self.books.seqs]
 
     def _end(self, seq, status: str, reason: str = "") -> None:
         """A running sequence is over: its blocks back to the pool, its slot free, returned."""
-        self.blocks.free_seq(seq.result.id)
+        self.books.free_seq(seq.result.id)
         self._leave_slot(seq)
         close(seq.result, status, self.now, reason=reason)
 
@@ -299,8 +301,8 @@ class Scheduler:
             return
         for i, member in enumerate(self.slots):
             if member is not None:
-                if member.result.id in self.blocks.seqs:
-                    self.blocks.free_seq(member.result.id)
+                if member.result.id in self.books.seqs:
+                    self.books.free_seq(member.result.id)
                 member.result.returned = self.now
                 self.slots[i] = None
 
@@ -330,10 +332,10 @@ class Scheduler:
         for sharer in self._sharers(seq):
             self.waiting.remove(sharer)
             close(sharer.result, "error", self.now, reason=reason)
-        if not seq.finished:
+        if not seq.padding:
             self._end(seq, "error", reason)
-        elif seq.result.id in self.blocks.seqs:
-            self.blocks.free_seq(seq.result.id)
+        elif seq.result.id in self.books.seqs:
+            self.books.free_seq(seq.result.id)
 
     def queued(self) -> int:
         """Requests waiting (the server's queue limit): a sequence sharing a prompt is part
@@ -348,14 +350,14 @@ class Scheduler:
         choice: the earliest keep their progress) is swapped out to host memory and queued
         first, to be swapped back in bit for bit when the pool has room."""
         preempted = []
-        while self._growth(rows) > self.blocks.num_free:
-            padding = [row for row in rows if row.finished]
+        while self._growth(rows) > self.books.num_free:
+            padding = [row for row in rows if row.padding]
             if padding:
                 victim = padding[-1]                # still returned with its batch
-                self.blocks.free_seq(victim.result.id)
+                self.books.free_seq(victim.result.id)
             else:
                 victim = max(self.running(), key=lambda seq: seq.order)
-                victim.swapped = self.blocks.swap_out(victim.result.id)
+                victim.swapped = self.books.swap_out(victim.result.id)
                 self._leave_slot(victim)
                 victim.result.status = "waiting"
                 victim.result.preemptions += 1
@@ -382,21 +384,21 @@ class Scheduler:
             if not seq.prefilling:                  # a preempted sequence swapped back in
                 continue
             rid, prompt = seq.result.id, seq.tokens
-            done = self.blocks.seqs[rid].length     # prompt tokens cached or computed
+            done = self.books.seqs[rid].length     # prompt tokens cached or computed
             n = len(prompt) - done if budget is None else min(len(prompt) - done, budget)
-            starts = self.blocks.append([rid], n)
+            starts = self.books.append([rid], n)
             self._seal(seq)
             seq.result.prefill_chunks += 1
             firsts = self._fork(seq) if done + n == len(prompt) else []
             planned.update([seq, *firsts])
-            chunks.append(Work([seq], starts, n, self.blocks.take_moves(), firsts))
+            chunks.append(Work([seq], starts, n, self.books.take_moves(), firsts))
             budget = None if budget is None else budget - n
         return chunks, admitted
 
     def _blocks_of(self, work) -> None:
         """A pass's blocks, once the plan is made: those its slots write (``fills``), and
         those it reads, every block of its rows' tables and its copies' sources (``reads``)."""
-        books = self.blocks
+        books = self.books
         tables = {seq.result.id: books.seqs[seq.result.id].blocks for seq in work.rows}
         work.fills = frozenset(b for seq_id, start, held in work.slots() for b in
                                tables[seq_id][start // books.block_size:
@@ -407,11 +409,11 @@ class Scheduler:
     def _keep(self, seq) -> None:
         """After its pass: a sequence holds the tokens it has computed, all of its tokens
         but the last made (its slots past them go back), and its full blocks are named."""
-        held = self.blocks.seqs.get(seq.result.id)
+        held = self.books.seqs.get(seq.result.id)
         if held is None or not seq.result.tokens:       # over, or its prompt under way
             return
-        self.blocks.trim(seq.result.id, held.length - (len(seq.tokens) - 1))
-        if not seq.finished:
+        self.books.trim(seq.result.id, held.length - (len(seq.tokens) - 1))
+        if not seq.padding:
             self._seal(seq)
 
     def _sharers(self, seq) -> list:
@@ -426,7 +428,7 @@ class Scheduler:
         for child in sharers:
             self.waiting.remove(child)
             self._enter(child)
-            self.blocks.fork(seq.result.id, child.result.id)
+            self.books.fork(seq.result.id, child.result.id)
             child.shares_prompt_with = None
             mine, theirs = child.result, seq.result
             mine.cached_tokens, mine.prefill_chunks = theirs.cached_tokens, theirs.prefill_chunks
@@ -452,7 +454,7 @@ class Scheduler:
             return None
         self._enter(self.waiting.popleft())
         if seq.swapped:             # a preempted sequence resumes where it was
-            self.blocks.swap_in(seq.result.id, seq.swapped)
+            self.books.swap_in(seq.result.id, seq.swapped)
             seq.swapped = None
         else:
             self._place(seq)
@@ -461,7 +463,7 @@ class Scheduler:
     def _place(self, seq) -> None:
         """A new prompt's blocks, holding the cached prefix it starts with (if it may)."""
         reuse, prompt, result = self._reuses(seq), seq.tokens, seq.result
-        held = self.blocks.add(result.id, prompt, len(prompt) + result.request.max_new_tokens,
+        held = self.books.add(result.id, prompt, len(prompt) + result.request.max_new_tokens,
                                reuse)
         result.cached_tokens = held
         if result.request.prompt_logprobs is not None:
@@ -476,17 +478,17 @@ class Scheduler:
         and every running sequence's next?"""
         then = min(1, seq.result.request.max_new_tokens)
         if seq.swapped:
-            enter = self.blocks.swap_in_cost(seq.swapped, then=then)
+            enter = self.books.swap_in_cost(seq.swapped, then=then)
         elif self._reuses(seq):
-            enter = self.blocks.add_cost(seq.tokens, then=then)
+            enter = self.books.add_cost(seq.tokens, then=then)
         else:
-            enter = self.blocks.blocks_for(len(seq.tokens) + then)
+            enter = self.books.blocks_for(len(seq.tokens) + then)
         enter += then * len(self._sharers(seq))  # each sharer's first token: a block or a copy
-        return enter + self._growth(self.running()) <= self.blocks.num_free
+        return enter + self._growth(self.running()) <= self.books.num_free
 
     def _growth(self, rows) -> int:
         """Free blocks the next token of every row takes (new blocks, copies of shared ones)."""
-        return self.blocks.room_needed([row.result.id for row in rows], 1)
+        return self.books.room_needed([row.result.id for row in rows], 1)
 
     @staticmethod
     def _reuses(seq) -> bool:
@@ -497,5 +499,5 @@ class Scheduler:
     def _seal(self, seq) -> None:
         """Prefix caching: offer the sequence's newly full blocks to later prompts."""
         if self.prefix_caching:
-            self.blocks.seal(seq.result.id, seq.tokens)
+            self.books.seal(seq.result.id, seq.tokens)
 

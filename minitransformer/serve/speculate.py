@@ -82,21 +82,12 @@ class Draft:
     shadow: int = None      # with none proposed: the lookup's first proposal, judged for free
 
 
-@dataclass(eq=False)
-class Row:
-    """A decoding sequence as a step of speculation sees it."""
-    seq_id: object
-    tokens: list            # prompt + output; the cache holds all but the last
-    prompt_len: int
-    max_new_tokens: int
-    settings: object        # its SamplingSettings
-    rng: object             # its own generator
-    padding: bool = False   # static batching's finished row: computed, thrown away
-
-
 class Speculator:
     """Speculation for one engine: the drafts it wants, its proposals, their verification,
-    the acceptance books and the counters. It holds no block of the target's pool."""
+    the acceptance books and the counters. It holds no block of the target's pool. Its rows
+    are the engine's decoding Sequences (scheduler.py): an id (``result.id``), the tokens
+    (prompt + output; the cache holds all but the last), the request's settings, its own
+    generator, and whether it is static batching's padding row (computed, thrown away)."""
 
     def __init__(self, config: SpeculativeConfig, model, draft_model=None, num_blocks: int = 64,
                  block_size: int = 16, batch_invariant: bool = False):
@@ -112,31 +103,33 @@ class Speculator:
     def wants(self, rows) -> list:
         """Per row, the draft tokens it would verify this step (a padding row: none); the
         plan cuts them to the budget and the free blocks."""
-        decoding = sum(not row.padding for row in rows)
-        return [0 if row.padding else self._length(row, decoding) for row in rows]
+        decoding = sum(not seq.padding for seq in rows)
+        return [0 if seq.padding else self._length(seq, decoding) for seq in rows]
 
     def propose(self, rows, room) -> list:
         """Every row's draft, from ONE call of the proposer, at most room[b] tokens (the
         slots the plan holds for it) -> a Draft per row. A row that proposes nothing (the
         rule, the budget, the blocks, no match) carries its lookup's first proposal, to be
         judged for free."""
-        proposals = self.proposer.propose([Ask(row.seq_id, row.tokens, n, row.settings, row.rng)
-                                           for row, n in zip(rows, room)])
-        drafts = [Draft(tokens[:n], q[:n], None if tokens[:n] or row.padding else
-                        self.proposer.shadow(row.tokens))
-                  for row, n, (tokens, q) in zip(rows, room, proposals)]
+        proposals = self.proposer.propose([Ask(seq.result.id, seq.tokens, n,
+                                               seq.result.request.sampling, seq.rng)
+                                           for seq, n in zip(rows, room)])
+        drafts = [Draft(tokens[:n], q[:n], None if tokens[:n] or seq.padding else
+                        self.proposer.shadow(seq.tokens))
+                  for seq, n, (tokens, q) in zip(rows, room, proposals)]
         self.fed = [1 + len(draft.tokens) for draft in drafts]
         return drafts
 
-    def verify(self, row, logits, draft) -> list:
+    def verify(self, seq, logits, draft) -> list:
         """A row's logits (1 + its proposals, V) from the verification pass -> the tokens it
         keeps: its accepted proposals and one of the target's own (``speculative.verify``,
         with its own generator). The counters and its acceptance books count them, and the
         draft's cache keeps what the sequence will hold."""
-        kept = verify(logits, draft.tokens, draft.q, row.tokens, row.settings, row.rng)
+        kept = verify(logits, draft.tokens, draft.q, seq.tokens, seq.result.request.sampling,
+                      seq.rng)
         self.counters.count(len(draft.tokens), len(kept) - 1)
-        self._judge(row.seq_id, len(draft.tokens), kept, draft.shadow)
-        self.proposer.rollback(row.seq_id, len(row.tokens) + len(kept) - 1)
+        self._judge(seq.result.id, len(draft.tokens), kept, draft.shadow)
+        self.proposer.rollback(seq.result.id, len(seq.tokens) + len(kept) - 1)
         return kept
 
     def _judge(self, seq_id, proposed: int, kept: list, shadow) -> None:
@@ -163,12 +156,11 @@ class Speculator:
         for seq_id in (set(self.judged) | self.proposer.holding()) - set(seq_ids):
             self.forget(seq_id)
 
-    def _length(self, row, batch: int) -> int:
-        """This step's draft length for a row: the rule's, never past the request's end or
-        the draft model's positions (the plan cuts it to the budget and the free blocks)."""
-        made = len(row.tokens) - row.prompt_len
-        books = self.judged.get(row.seq_id, (0, 0))
+    def _length(self, seq, batch: int) -> int:
+        """This step's draft length for a sequence: the rule's, never past the request's end
+        or the draft model's positions (the plan cuts it to the budget and the free blocks)."""
+        books = self.judged.get(seq.result.id, (0, 0))
         return max(0, min(draft_length(self.config, acceptance(*books), batch,
                                        self.proposer.cost, books[1]),
-                          row.max_new_tokens - made - 1, self.proposer.room(row.tokens)))
-
+                          seq.result.request.max_new_tokens - len(seq.result.tokens) - 1,
+                          self.proposer.room(seq.tokens)))

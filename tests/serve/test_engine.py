@@ -158,7 +158,7 @@ def test_cancelling_the_last_member_ends_a_static_batch(tiny_model):
         engine.submit(r)
     for _ in range(4):
         engine.step()               # request 0 finished after 2 steps: now a padding row
-    assert engine.slots[0].finished and math.isnan(engine.results[0].returned)
+    assert engine.slots[0].padding and math.isnan(engine.results[0].returned)
     engine.cancel(1)                # the batch's last running member
     while engine.waiting or engine.running():
         engine.step()
@@ -179,7 +179,7 @@ def test_cancelling_the_last_static_member_with_nothing_waiting_returns_the_batc
         engine.submit(r)
     for _ in range(4):
         engine.step()
-    assert engine.slots[0].finished and math.isnan(engine.results[0].returned)
+    assert engine.slots[0].padding and math.isnan(engine.results[0].returned)
     assert engine.cancel(1) is True
     assert not engine.waiting and not engine.running()      # no further step will run
     r0, r1 = engine.results.values()

@@ -186,7 +186,7 @@ def test_an_engine_that_cannot_go_on_ends_everything_says_so_and_stops(model, mo
                                                      num_gpu_blocks_override=40)),
                           on_failure=heard.append)
 
-    def broken(self, made, now, kept=None):
+    def broken(self, made, now, on_commit=None):
         raise RuntimeError("the books are broken")
     updates = []
     with online.lock:           # both submitted before the first step
@@ -317,7 +317,7 @@ def test_the_serve_command_drains_and_exits_1_when_its_engine_cannot_go_on(chat_
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     code = ("import sys\nfrom minitransformer.serve.scheduler import Scheduler\n"
-            "def broken(self, made, now, kept=None):\n"
+            "def broken(self, made, now, on_commit=None):\n"
             "    raise RuntimeError('the books are broken')\n"
             "Scheduler.commit = broken\nfrom minitransformer.__main__ import main\n"
             "main(sys.argv[1:])")

@@ -31,7 +31,7 @@ def run(plan, token=7) -> Made:
     and every prompt's samples sample a token (here always `token`), a padding row's is
     thrown away -> what the passes made, all of them run."""
     made = [seq for work in [plan.decode] + plan.prefill for seq in work.firsts]
-    made += [row for row in plan.decode.rows if not row.finished]
+    made += [row for row in plan.decode.rows if not row.padding]
     for seq in made:
         seq.tokens.append(token)
         seq.result.tokens.append(token)
@@ -41,8 +41,8 @@ def run(plan, token=7) -> Made:
 def step(s, now=0.0):
     plan = s.schedule(now)
     s.commit(run(plan), now)        # slots written, padding rows trimmed back, retirements
-    s.blocks.check()
-    books = s.blocks                # readied, unwritten: only blocks past a sequence's length
+    s.books.check()
+    books = s.books                 # readied, unwritten: only blocks past a sequence's length
     assert all(any(b in seq.blocks[books.blocks_for(seq.length):] for seq in books.seqs.values())
                for b in books.filling), "a planned write was not made"
     return plan
@@ -83,7 +83,7 @@ def test_a_free_slot_takes_the_next_request_at_once_only_under_continuous(policy
     for i in range(6):
         plan = s.schedule(float(i))
         admitted.update((seq.result.id, i) for seq in plan.admitted)
-        padding += [ids([row]) for row in plan.decode.rows if row.finished]
+        padding += [ids([row]) for row in plan.decode.rows if row.padding]
         s.commit(run(plan), float(i))
     assert admitted == {0: 0, 1: 0, 2: admitted_at}
     assert (padding == [[0], [0]]) == (policy == "static")   # short's row, held as padding
@@ -127,7 +127,7 @@ def test_samples_enter_when_slots_for_all_are_free_and_fork_at_the_last_chunk():
     plan = step(s)                  # chunks of 4, 4, 2: the samples fork at the last
     assert ids(plan.prefill[0].firsts) == [0, 1, 2] and ids(s.waiting) == [3]
     assert all(seq.shares_prompt_with is None for seq in group)
-    assert s.blocks.seqs[1].blocks == s.blocks.seqs[0].blocks
+    assert s.books.seqs[1].blocks == s.books.seqs[0].blocks
     assert [seq.result.tokens for seq in group] == [[7]] * 3
     plan = step(s)                  # the samples' first decode copies the shared last block
     assert ids(plan.decode.rows) == [0, 1, 2] and not plan.prefill
@@ -146,7 +146,7 @@ def test_the_first_sample_enters_only_with_a_block_for_each_sharers_first_token(
     assert ids(plan.prefill[0].firsts) == [0, 1, 2]
     plan = step(s)
     assert not plan.preempted and sum(isinstance(m, Copy) for m in plan.decode.moves) == 2
-    assert s.blocks.num_free == 0
+    assert s.books.num_free == 0
 
 
 def test_a_prompt_admitted_later_in_a_plan_finds_the_blocks_an_earlier_chunk_names():

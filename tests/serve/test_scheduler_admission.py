@@ -110,11 +110,11 @@ def test_padding_rows_are_freed_before_anyone_is_preempted():
     step(s, 1.0)
     plan = step(s, 2.0)
     assert not plan.preempted and ids(plan.decode.rows) == [1]
-    assert 0 not in s.blocks.seqs and long.result.preemptions == 0
+    assert 0 not in s.books.seqs and long.result.preemptions == 0
     while long.result.status != "finished":
         step(s, 3.0)
     assert short.result.returned == long.result.returned == 3.0
-    assert not s.blocks.seqs
+    assert not s.books.seqs
 
 
 def test_a_preempted_sequence_resumes_finishes_and_the_next_enters_beside_it():
@@ -162,4 +162,4 @@ def test_cancelling_a_computing_sample_hands_the_prompt_to_the_next_the_others_s
     while group[1].result.status == "waiting":
         plan = step(s, 2.0)
     assert ids(plan.prefill[0].firsts) == [1, 2]
-    assert s.blocks.seqs[2].blocks == s.blocks.seqs[1].blocks
+    assert s.books.seqs[2].blocks == s.books.seqs[1].blocks

@@ -31,7 +31,7 @@ def test_the_default_policy_is_continuous():
     long, = queue(s, 1, 2, 3, first_token=20)
     third, = queue(s, 2, 2, 1, first_token=40, arrival=1.0)
     step(s, 0.0)
-    assert short.result.returned == 0.0 and short.result.id not in s.blocks.seqs
+    assert short.result.returned == 0.0 and short.result.id not in s.books.seqs
     plan = step(s, 1.0)
     assert ids(plan.admitted) == [2]
 
@@ -50,7 +50,7 @@ def test_static_returns_a_finished_member_only_when_its_batch_ends():
     step(s, 3.0)
     assert short.result.returned == long.result.returned == 3.0
     assert short.result.finished == 1.0 and long.result.finished == 3.0
-    assert not s.blocks.seqs and s.blocks.num_free == 32
+    assert not s.books.seqs and s.books.num_free == 32
 
 
 def test_a_request_prefilled_in_chunks_counts_them():
@@ -92,8 +92,8 @@ def test_cancelling_records_the_time_for_a_waiting_and_a_running_request():
     for seq in (running, other):
         r = seq.result
         assert (r.status, r.reason, r.finished, r.returned) == ("cancelled", "", 2.0, 2.0)
-    assert 0 not in s.blocks.seqs and s.slots == [None]
-    assert s.blocks.num_free == 32
+    assert 0 not in s.books.seqs and s.slots == [None]
+    assert s.books.num_free == 32
     plan = step(s, 3.0)
     assert ids(plan.admitted) == [1]
     assert not s.cancel(0, 3.0)
@@ -147,4 +147,4 @@ def test_the_books_reserve_each_sequences_prompt_and_new_tokens():
     queue(s, 0, 5, 7)
     queue(s, 1, 3, 20, first_token=50)
     step(s)
-    assert s.blocks.stats().tokens_reserved == (5 + 7) + (3 + 20)
+    assert s.books.stats().tokens_reserved == (5 + 7) + (3 + 20)

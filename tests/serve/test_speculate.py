@@ -18,8 +18,9 @@ from minitransformer.serve.paged import PagedCache
 from minitransformer.serve.config import FIELDS, SpeculativeConfig, parse_speculative_config
 from minitransformer.serve.drafting import Ask, draft_length
 from minitransformer.serve.runner import Runner, split_rows
-from minitransformer.serve.scheduler import hold_drafts
-from minitransformer.serve.speculate import Row, SpecCounters, Speculator
+from minitransformer.serve.records import Request, Result
+from minitransformer.serve.scheduler import Sequence, hold_drafts
+from minitransformer.serve.speculate import SpecCounters, Speculator
 from minitransformer.speculative import first_layers
 
 
@@ -186,8 +187,12 @@ def test_a_step_without_drafts_is_a_plain_decode_bit_for_bit(model):
 
 # ---------------------------------------------------------------------------- the step's books
 def rows_of(tokens: dict, prompt_len: dict, settings=GREEDY, max_new=40):
-    return [Row(s, tokens[s], prompt_len[s], max_new, settings, np.random.default_rng(0))
-            for s in tokens]
+    """Decoding Sequences, as the engine hands them to speculation: sequence s holds
+    tokens[s], the first prompt_len[s] its prompt."""
+    return [Sequence(Result(s, 0.0, Request(tuple(tokens[s][:prompt_len[s]]), max_new,
+                                            sampling=settings),
+                            tokens=tokens[s][prompt_len[s]:], status="running"),
+                     tokens[s], np.random.default_rng(0)) for s in tokens]
 
 
 def step(spec, cache, rows, batch_invariant=True, spare=None):
@@ -195,7 +200,7 @@ def step(spec, cache, rows, batch_invariant=True, spare=None):
     its draft's (scheduler.hold_drafts: within the budget's spare tokens and the free list),
     the speculator proposes, ONE pass (Runner.decode), each row verified -> per row
     (kept tokens, the logits each was chosen from). The slots stay held until ``keep``."""
-    ids = [row.seq_id for row in rows]
+    ids = [row.result.id for row in rows]
     starts = cache.books.append(ids, 1)
     drafts = spec.propose(rows, hold_drafts(cache.books, ids, spec.wants(rows), spare))
     fed = [[row.tokens[-1]] + draft.tokens for row, draft in zip(rows, drafts)]
@@ -238,10 +243,10 @@ def test_a_step_keeps_what_greedy_keeps_and_trims_the_rest_back_to_the_pool(clos
         out = step(spec, cache, rows)
         for row, (kept, z) in zip(rows, out):
             assert len(z) == len(kept) >= 1
-            tokens[row.seq_id] += kept
-            keep(cache, row.seq_id, len(tokens[row.seq_id]) - 1)
-            seq = cache.books.seqs[row.seq_id]
-            assert seq.length == len(tokens[row.seq_id]) - 1
+            tokens[row.result.id] += kept
+            keep(cache, row.result.id, len(tokens[row.result.id]) - 1)
+            seq = cache.books.seqs[row.result.id]
+            assert seq.length == len(tokens[row.result.id]) - 1
             assert len(seq.blocks) == cache.books.blocks_for(seq.length)   # nothing past it held
         cache.books.check()
     for s, p in prompts.items():
@@ -271,7 +276,7 @@ def test_named_and_shared_blocks_are_never_written_by_verification(model):
     assert all((to_numpy(k[named]) == old).all() for k, old in zip(cache.k + cache.v, before))
     assert cache.books.seqs["a"].blocks[1] != cache.books.seqs["b"].blocks[1]     # copied on write
     for row, (kept, _) in zip(rows, out):
-        keep(cache, row.seq_id, len(prompt) + len(kept) - 1)
+        keep(cache, row.result.id, len(prompt) + len(kept) - 1)
     cache.books.check()
     assert out[0][0] == out[1][0] == mt.generate(model, prompt, len(out[0][0]), eos_token_id=[])
 
@@ -303,11 +308,11 @@ def test_a_draft_model_drafts_with_its_own_cache(close_calls):
     for _ in range(5):
         rows = rows_of(tokens, {s: len(PROMPTS[s]) for s in tokens}, max_new=30)
         for row, (kept, _) in zip(rows, step(spec, cache, rows)):
-            tokens[row.seq_id] += kept
-            keep(cache, row.seq_id, len(tokens[row.seq_id]) - 1)
+            tokens[row.result.id] += kept
+            keep(cache, row.result.id, len(tokens[row.result.id]) - 1)
             # the draft's cache holds no rejected proposal: at most the kept tokens
-            held = spec.proposer.draft.pool.books.seqs[row.seq_id].length
-            assert held <= len(tokens[row.seq_id]) - 1
+            held = spec.proposer.draft.pool.books.seqs[row.result.id].length
+            assert held <= len(tokens[row.result.id]) - 1
     for s, p in PROMPTS.items():
         made = tokens[s][len(p):]
         assert made == mt.generate(model, p, len(made), eos_token_id=[])
