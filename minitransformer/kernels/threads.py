@@ -174,6 +174,29 @@ def set_count(n, set_by: str = "--threads", blas: bool = True) -> int:
     return n
 
 
+kept = {}                # n -> the pool of n threads `using` made, kept for its next time
+
+
+@contextmanager
+def using(n: int):
+    """T = n inside, BLAS's own threads n too, and both as they were after: for a benchmark
+    timing 1 and N threads side by side in one process (a switch costs microseconds; each
+    count keeps its own pool, and blas.py its own measured splits)."""
+    global COUNT, pool
+    n = checked_count(n)
+    before, libraries = (COUNT, pool), controllers()
+    blas = [lib.get_num_threads() for lib in libraries]
+    COUNT, pool = n, kept.setdefault(n, pool if pool.size == n else Pool(n))
+    for lib in libraries:
+        lib.set_num_threads(n)
+    try:
+        yield
+    finally:
+        COUNT, pool = before
+        for lib, count_before in zip(libraries, blas):
+            lib.set_num_threads(count_before)
+
+
 def run(tasks) -> None:
     """Run the tasks (the parts of one product) on the pool's threads, BLAS at one thread each."""
     with one_blas_thread():

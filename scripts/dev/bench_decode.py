@@ -30,6 +30,14 @@ and the median of --repeat rounds are printed, ratios are built from the fastest
   products   the step's weight products alone (each projection and the head times a vector,
              nothing else), in the same rounds: what BLAS itself reaches on these shapes, so the
              step's distance from the floor splits into BLAS's and the model's own work.
+  threads    the step of 1, 8 and 16 rows at one thread and at N (--side-threads, default the
+             cores this process may use: kernels/threads.py's setting, switched round by round),
+             side by side, beside the read floor at each count (the weights' bytes over the
+             buffer streamed by that many threads, one dot product each over its share).
+             Targets: the 1-row step at N threads <= 0.6x its 1-thread time, or within 1.25x of
+             the N-thread floor; 8 and 16 rows at N threads >= 1.8x the tokens/s at 1. With the
+             CPU time of the process's idle second after them (the pool's workers block).
+             --only-threads runs this table alone.
   reference  with the `reference` extra (torch, transformers) and a checkpoint directory: the
              same decode step in transformers (eager attention, float32, the same threads),
              timed in the same rounds, and the largest logit difference against ours.
@@ -46,6 +54,7 @@ import argparse
 import inspect
 import os
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -56,7 +65,7 @@ from _common import (add_threads_argument, add_timing_arguments, load_model, pos
                      timing_header)
 from _table import Table
 from minitransformer.backend import xp
-from minitransformer.kernels import blas
+from minitransformer.kernels import blas, threads
 from minitransformer.kvcache import KVCache
 from minitransformer.measure.timing import (blas_kernel, step_with_rollback, time_together,
                                             where_it_ran)
@@ -70,6 +79,8 @@ FLOOR_TARGET, BATCH_TARGET, CEILING_SLACK, BATCH = 1.25, 4.0, 1.1, 16
 FLOOR_TARGETS = {"smollm2": 1.4}  # 135M weights: the work beside the products weighs more
 ROUTE_COLUMNS, NEAR_DOT = 896, 0.9  # the routes' matrix: Qwen2.5-0.5B's width; "near": 90%
 ROUTE_ROUNDS = 4                    # the routes are timed in 4 x --repeat rounds
+THREADS_ROWS = (1, 8, 16)            # the steps timed at 1 and N threads
+ONE_ROW_TARGET, STREAMS_TARGET = 0.6, 1.8  # N threads: 1 row <= 0.6x the time; 8, 16 >= 1.8x
 
 
 def checkpoint(spec):
@@ -247,6 +258,11 @@ def parser_of() -> argparse.ArgumentParser:
     parser.add_argument("--markdown", metavar="FILE",
                         help="also write the tables as Markdown to FILE, headed by the BLAS "
                              "kernel (e.g. docs/benchmarks/decode-SkylakeX.md)")
+    parser.add_argument("--side-threads", type=positive_int, default=None, metavar="N",
+                        help="the threads table's N, timed beside 1 thread (default: the cores "
+                             "this process may use)")
+    parser.add_argument("--only-threads", action="store_true",
+                        help="run the threads table alone")
     add_threads_argument(parser)
     return parser
 
@@ -263,6 +279,13 @@ def main(argv=None):
     if not models:
         parser.error("no model to benchmark")
 
+    if args.only_threads:
+        say("[1/1] the step at 1 and N threads, side by side ...")
+        tables = [threads_table(models, args, ran_on).show()]
+        if args.markdown:
+            write_markdown(args.markdown, tables, argv,
+                           f"Decode on 1 and N threads: OpenBLAS kernel {blas_kernel()}")
+        return
     say("[1/3] one-row product routes over one large matrix, side by side ...")
     routes, best_route, dot_route = routes_table(args, ran_on)
     tables = [routes.show()]  # every table shown, for --markdown
@@ -271,6 +294,8 @@ def main(argv=None):
     tables.append(floor.show())
     say(f"[3/3] batch 1 against batch {BATCH}, flat and row by row, side by side ...")
     tables.append(batching_table(models, args, ran_on, bandwidth).show())
+    say("[+] the step at 1 and N threads, side by side ...")
+    tables.append(threads_table(models, args, ran_on).show())
     if not args.no_quant:
         quantized_tables(models, args, ran_on, tables)
     if args.markdown:
@@ -379,6 +404,68 @@ def batching_table(models, args, ran_on, bandwidth) -> Table:
     batching.note(f"target: flat gain >= {BATCH_TARGET}, or >= the ceiling gain / "
                   f"{CEILING_SLACK} (within 10% of the ceiling) where that is lower")
     return batching
+
+
+def at_threads(n, fn):
+    """fn run with threads.py's setting at n (its pool and BLAS's own threads)."""
+    def timed():
+        with threads.using(n):
+            return fn()
+    return timed
+
+
+def read_at(buffer, n):
+    """buffer streamed once by n threads, one dot product each over its share (BLAS at one
+    thread in each): the read a step split n ways makes at best."""
+    parts = np.array_split(buffer, n)
+    return at_threads(n, lambda: threads.run([lambda p=p: np.dot(p, p) for p in parts]))
+
+
+def threads_table(models, args, ran_on) -> Table:
+    """The step of THREADS_ROWS rows at 1 and N threads, beside the read floor at each."""
+    N = args.side_threads or threads.default_count()
+    buffer = np.ones((args.buffer_mb << 20) // 4, np.float32)
+    fns, after, rows = [read_at(buffer, 1), read_at(buffer, N)], [None, None], []
+    for spec, path, model in models:
+        for B in THREADS_ROWS:
+            step, rollback = decode_steps(model, B, args.context)[:2]
+            fns += [at_threads(1, step), at_threads(N, step)]
+            after += [rollback, rollback]
+            rows.append((spec, B, decode_read_bytes(model.config, model.weights)))
+    timings = time_together(fns, warmup=1, repeat=args.repeat, after=after)
+    before = time.process_time()
+    time.sleep(1.0)                                   # the pools of 1 and N threads idle
+    idle = time.process_time() - before
+    read_1, read_n = ((args.buffer_mb << 20) / t.best for t in timings[:2])
+    table = Table(f"Threads: the decode step at 1 and {N} threads, side by side",
+                  columns=[("model", ""), ("rows", "d"), ("1 thread ms", ".1f"),
+                           ("med ms", ".1f"), (f"{N} threads ms", ".1f"), ("med ms", ".1f"),
+                           (f"{N} / 1", ".2f"), ("med / med", ".2f"),
+                           (f"{N}-thread floor ms", ".1f"), (f"/ {N}-thread floor", ".2f"),
+                           ("target", ""), ("met", "")])
+    table.header(f"time: fastest and median of {args.repeat}+ rounds after 1 warm-up, the two "
+                 f"counts switched round by round (kernels/threads.py's setting: its pool and "
+                 f"BLAS's own threads); {args.context} tokens cached per row", *ran_on,
+                 f"read floor: {args.buffer_mb} MiB streamed at {read_1 / 1e9:.2f} GB/s by 1 "
+                 f"thread, {read_n / 1e9:.2f} GB/s by {N} ({read_1 / read_n:.2f}x the time)")
+    for (spec, B, read), one, many in zip(rows, timings[2::2], timings[3::2]):
+        floor = read / read_n
+        ratio = many.best / one.best
+        if B == 1:
+            target = f"<= {ONE_ROW_TARGET}x, or <= {FLOOR_TARGET}x the floor"
+            met = ratio <= ONE_ROW_TARGET or many.best <= FLOOR_TARGET * floor
+        else:
+            target = f"tokens/s >= {STREAMS_TARGET}x"
+            met = one.best / many.best >= STREAMS_TARGET
+        table.row(spec, B, one.best * 1e3, one.median * 1e3, many.best * 1e3,
+                  many.median * 1e3, ratio, many.median / one.median, floor * 1e3,
+                  many.best / floor, target, "yes" if met else "no")
+    table.note(f"{N}-thread floor: the step's bytes (shape.decode_read_bytes) at the {N}-thread "
+               "read rate; the products of a step split across the threads only where "
+               "measured faster (kernels/blas.py: parts), so a no here is the measured choice "
+               "of one thread",
+               f"idle: {idle:.3f} s of CPU in the 1 s after, the pools' workers waiting")
+    return table
 
 
 def checkpoint_layout(model):

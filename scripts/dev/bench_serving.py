@@ -32,6 +32,14 @@ measures it, per request:
                  kernels/blas.arrange) and one that lays each out as its products run fastest
                  here (the default), --rounds rounds alternating between them; slots enough for
                  the most streams. --markdown FILE writes its table (docs/benchmarks/).
+    threads      one server at --threads 1 and one at --threads N (--side-threads, default the
+                 cores this process may use), up together, --rounds rounds alternating: a
+                 single stream's time per output token and the aggregate output tokens/s of
+                 --thread-streams streams at once (default 8, 16), best and median; then each
+                 idle server's CPU over 2 s (the pool's workers must block, not spin). Targets:
+                 a single stream at N threads <= 0.6x its time per token at 1 (or near the read
+                 floor: bench_decode.py's threads table measures it), 8 and 16 streams >= 1.8x
+                 the tokens/s. Not in the default --workloads (ask for it by name).
 
 Prompts, arrivals and lengths are seeded; the timings are the machine's (stated in the header
 with its load). Traffic goes to 127.0.0.1 only. Leaves out: a dataset of real prompts,
@@ -66,7 +74,9 @@ from sim.workload import make_workload
 
 ROOT = Path(__file__).resolve().parents[2]
 NAME = "bench"
-WORKLOADS = ("poisson", "chat", "long-prompt", "streams")
+WORKLOADS = ("poisson", "chat", "long-prompt", "streams", "threads")
+DEFAULT_WORKLOADS = WORKLOADS[:4]
+ONE_STREAM_TARGET, STREAMS_TARGET = 0.6, 1.8   # N threads against 1: time per token, tok/s
 # the streams' two servers: "after" measures layouts even where the caller's MT_LAYOUT is set
 LAYOUTS = {"before": {"MT_LAYOUT": "row-major"}, "after": {"MT_LAYOUT": ""}}
 # The chat's system message: a document the questions are about (written for this benchmark).
@@ -114,7 +124,8 @@ def start_server(args, label, config, model_path, env=None):
     port = free_port()
     say(f"starting the {label} server on 127.0.0.1:{port}")
     env = os.environ | {"OPENBLAS_NUM_THREADS": str(args.threads),
-                        "OMP_NUM_THREADS": str(args.threads)} | (env or {})
+                        "OMP_NUM_THREADS": str(args.threads),
+                        "MT_THREADS": str(args.threads)} | (env or {})
     command = [sys.executable, "-m", "minitransformer", "serve", "--model", model_path,
                "--port", str(port), "--served-model-name", NAME,
                "--max-waiting", str(args.requests + 1), *engine_flags(config)]
@@ -135,8 +146,11 @@ class Servers:
     """The servers compared, by label, up together; stopped (Ctrl-C, as a person would) on
     leaving the with block."""
 
+    last = None                  # the servers of the latest with block (for their processes)
+
     def __init__(self, args, model_path, settings, envs=None):
         self.running = {}
+        Servers.last = self
         try:
             for label, config in settings.items():
                 self.running[label] = start_server(args, label, config, model_path,
@@ -246,7 +260,7 @@ def setting_lines(args, model) -> list:
     from minitransformer.measure.timing import machine
     kernels = sorted({str(p.get("architecture")) for p in threadpool_info()
                       if p["user_api"] == "blas"}) or ["?"]
-    return [f"model {model_name(model)}; servers with {args.threads} BLAS thread(s), {args.slots} "
+    return [f"model {model_name(model)}; servers with --threads {args.threads}, {args.slots} "
             f"slots, blocks of {args.block_size}; {machine()}; BLAS kernel "
             f"{', '.join(kernels)}; times are wall-clock, client and servers sharing the cores"]
 
@@ -466,6 +480,88 @@ def streams(args, model) -> list:
     return [table.show()]
 
 
+def threads_workload(args, model) -> list:
+    """A single stream's time per token and --thread-streams streams' tokens/s, on a server at
+    1 thread and one at N, rounds alternating; each idle server's CPU after."""
+    from minitransformer.kernels.threads import default_count
+    N = args.side_threads or default_count()
+    slots = max(args.thread_streams)
+    counts = dict.fromkeys(("1 thread", f"{N} threads"))
+    envs = {label: {name: str(n) for name in ("MT_THREADS", "OPENBLAS_NUM_THREADS",
+                                              "OMP_NUM_THREADS")}
+            for label, n in zip(counts, (1, N))}
+    settings = {label: EngineConfig(max_num_seqs=slots, block_size=args.block_size)
+                for label in counts}
+    rng, ids = np.random.default_rng(args.seed), text_ids(model)
+    concurrency = [1, *args.thread_streams]
+    found = {(label, n): [] for label in counts for n in concurrency}   # tok/s; 1: s per token
+    load = os.getloadavg()[0]
+    progress_line = Progress(args.rounds * len(found), "threads")
+    with Servers(args, model.path, settings, envs) as ports:
+        for port in ports.values():
+            one_request(port, {"prompt": [1, 2, 3], "max_tokens": 2}, args.timeout)
+        for r in range(args.rounds):
+            for n in concurrency:
+                prompts = [rng.choice(ids, args.prompt_len).tolist() for _ in range(n)]
+                for label, port in ports.items():
+                    done = at_once(port, prompts, args)
+                    found[label, n].append(done["tpot_mean"] if n == 1 else done["throughput"])
+                    progress_line(f"{label}, {n} stream{'s' if n > 1 else ''}, round {r + 1}")
+        idle = {label: idle_cpu(server) for label, (server, _) in Servers.last.running.items()}
+    one, many = counts
+    table = Table(f"Threads: a server at 1 and at {N} threads, side by side", experiment=13,
+                  chapter=False,
+                  columns=[("streams", ""), ("figure", ""), ("1 thread best", ".1f"),
+                           ("median", ".1f"), (f"{N} threads best", ".1f"), ("median", ".1f"),
+                           (f"{N} / 1 best", ".2f"), ("median / median", ".2f"),
+                           ("target", ""), ("met", "")])
+    table.header(f"{args.rounds} rounds alternating between the two servers; each round: n "
+                 f"streamed /v1/completions calls at once, prompts of {args.prompt_len} random "
+                 f"text tokens, {args.stream_tokens} greedy tokens each (end of sequence "
+                 "ignored); 1 stream: its time per output token after the first (TPOT); "
+                 "more: all the streams' output tokens over the span from the first sent to "
+                 "the last done",
+                 f"servers with --threads 1 and --threads {N} (MT_THREADS and BLAS's own "
+                 f"threads alike), {slots} slots, blocks of {args.block_size}",
+                 *setting_lines(argparse.Namespace(**vars(args) | {"slots": slots,
+                                                                   "threads": f"1 and {N}"}),
+                                model)[:1],
+                 f"load average {load:.1f} before the servers started, "
+                 f"{os.getloadavg()[0]:.1f} at the end")
+    for n in concurrency:
+        a, b = found[one, n], found[many, n]
+        if n == 1:
+            a, b = [1e3 * t for t in a], [1e3 * t for t in b]
+            ratio, med = min(b) / min(a), np.median(b) / np.median(a)
+            table.row(n, "ms per token", min(a), np.median(a), min(b), np.median(b), ratio,
+                      med, f"<= {ONE_STREAM_TARGET}x", "yes" if ratio <= ONE_STREAM_TARGET
+                      else "no")
+        else:
+            ratio, med = max(b) / max(a), np.median(b) / np.median(a)
+            table.row(n, "tokens/s", max(a), np.median(a), max(b), np.median(b), ratio, med,
+                      f">= {STREAMS_TARGET}x", "yes" if ratio >= STREAMS_TARGET else "no")
+    table.note("idle: " + ", ".join(f"the {label} server {cpu:.1%} of a core over 2 s"
+                                    for label, cpu in idle.items()),
+               "a step's products split across the threads only where the server measured "
+               "them faster (kernels/blas.py: parts): a ratio near 1 is the measured choice of "
+               "one thread")
+    return [table.show()]
+
+
+def idle_cpu(server, seconds=2.0) -> float:
+    """A server process's CPU time over `seconds` of no requests, as a share of one core
+    (Linux's /proc; NaN elsewhere)."""
+    def cpu():
+        fields = Path(f"/proc/{server.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+    try:
+        before = cpu()
+        time.sleep(seconds)
+        return (cpu() - before) / seconds
+    except OSError:
+        return float("nan")
+
+
 def at_once(port, prompts, args) -> dict:
     """Every prompt sent at once, each from its own thread -> summary of their records."""
     records = [None] * len(prompts)
@@ -553,8 +649,9 @@ def percentile_table(title, what, summaries) -> Table:
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_model_argument(parser)
-    parser.add_argument("--workloads", type=workloads, default=list(WORKLOADS),
-                        help=f"comma-separated, of {', '.join(WORKLOADS)} (default: all)")
+    parser.add_argument("--workloads", type=workloads, default=list(DEFAULT_WORKLOADS),
+                        help=f"comma-separated, of {', '.join(WORKLOADS)} (default: "
+                             f"{', '.join(DEFAULT_WORKLOADS)})")
     add_engine_arguments(parser)
     add_server_arguments(parser, timeout=600)
     group = parser.add_argument_group("poisson: static vs continuous batching")
@@ -584,6 +681,13 @@ def main(argv=None):
                                       "--rounds, --prompt-len, --stream-tokens)")
     group.add_argument("--concurrency", type=counts, default=[1, 4, 8, 16],
                        help="streams at once, comma-separated (default: 1,4,8,16)")
+    group = parser.add_argument_group("threads: a server at 1 and at N threads (also "
+                                      "--rounds, --prompt-len, --stream-tokens)")
+    group.add_argument("--side-threads", type=positive_int, default=None, metavar="N",
+                       help="N, the second server's threads (default: the cores this process "
+                            "may use)")
+    group.add_argument("--thread-streams", type=counts, default=[8, 16],
+                       help="streams at once besides the single stream (default: 8,16)")
     group.add_argument("--markdown", metavar="FILE",
                        help="also write the tables as Markdown to FILE (docs/benchmarks/: "
                             "serving-streams.md, serving-prefix-chunked.md)")
@@ -604,7 +708,7 @@ def main(argv=None):
     for name in args.workloads:
         try:
             tables += {"poisson": poisson, "chat": chat, "long-prompt": long_prompt,
-                       "streams": streams}[name](args, model)
+                       "streams": streams, "threads": threads_workload}[name](args, model)
         except RuntimeError as e:   # a request refused or failed: the server's own words
             raise SystemExit(f"error: {name}: {e}") from None
     if args.markdown:

@@ -193,3 +193,17 @@ def test_the_commands_take_threads_and_refuse_a_bad_count(command, capsys):
     with pytest.raises(SystemExit):
         parser().parse_args([*command, "--threads", "0"])
     assert "--threads: expected an integer >= 1, got '0'" in capsys.readouterr().err
+
+
+def test_using_sets_both_counts_inside_and_puts_them_back():
+    libraries = threads.controllers()
+    blas_before = [lib.get_num_threads() for lib in libraries]
+    before = threads.count(), threads.pool
+    with threads.using(3):
+        assert threads.count() == threads.pool.size == 3
+        assert [lib.get_num_threads() for lib in libraries] == [3] * len(libraries)
+        three = threads.pool
+    assert (threads.count(), threads.pool) == before
+    assert [lib.get_num_threads() for lib in libraries] == blas_before
+    with threads.using(3):
+        assert threads.pool is three                 # kept: its workers started once

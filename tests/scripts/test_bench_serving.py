@@ -112,3 +112,16 @@ def test_bench_serving_streams_before_is_row_major_and_after_measures(monkeypatc
 def test_bench_serving_refuses_bad_options_naming_them(argv, message, run_script):
     _, err = run_script("bench_serving", "--model", "default", *argv, status=2)
     assert message in err
+
+
+def test_bench_serving_threads_prints_one_and_n_threads_side_by_side(tiny, run_script):
+    """Two servers, at --threads 1 and N (given, not the machine's cores): the single stream's
+    time per token and the streams' tokens/s at each, with both idle servers' CPU."""
+    out, _ = run_script("bench_serving", "--model", tiny, "--workloads", "threads",
+                        "--rounds", 1, "--thread-streams", 2, "--stream-tokens", 6,
+                        "--prompt-len", 4, "--side-threads", 3)
+    assert "Threads: a server at 1 and at 3 threads, side by side" in out
+    assert "servers with --threads 1 and --threads 3" in out
+    table = [line.split() for line in out.split("streams  figure")[1].splitlines()[1:3]]
+    assert [(r[0], r[1]) for r in table] == [("1", "ms"), ("2", "tokens/s")]
+    assert "idle: the 1 thread server" in out and "the 3 threads server" in out

@@ -158,7 +158,8 @@ def test_bench_decode_runs_and_checks_its_bits(tiny, run_script, tmp_path):
     assert where_it_ran().split("; BLAS:")[0] in out and f"kernel {blas_kernel()}" in out
     written = markdown.read_text()       # the same tables, headed by the kernel
     assert written.startswith(f"# Decode benchmark: OpenBLAS kernel {blas_kernel()}\n")
-    assert written.count("\n### ") == 5 and "| model | B=1 ms | B=16 flat ms |" in written
+    assert written.count("\n### ") == 6 and "| model | B=1 ms | B=16 flat ms |" in written
+    assert "Threads: the decode step at 1 and" in out
     routes = out.split("Product routes:")[1].split("Decode benchmark:")[0]
     assert "W (2340, 896) float32" in routes and "dot product over the same bytes" in routes
     assert all(f" {route} " in routes for route in blas.ONE_ROW)
@@ -167,6 +168,21 @@ def test_bench_decode_runs_and_checks_its_bits(tiny, run_script, tmp_path):
     assert "bit for bit" in out  # batch-invariant rows: each exactly B = 1's logits
     assert "Quantized decode" in out and "NF4 (block 64)" in out
     assert "prompt lookup on a rewrite task" in out and "yes" in out.split("rewrite task")[-1]
+
+
+def test_bench_decode_times_the_step_at_one_and_n_threads_side_by_side(tiny, run_script):
+    """--only-threads: the steps of 1, 8 and 16 rows at 1 and N threads in one table, the read
+    floor at each count and the idle CPU beside them; the threads setting put back after."""
+    from minitransformer.kernels import threads
+    before = threads.count(), threads.pool
+    out, _ = run_script("bench_decode", "--model", tiny, "--context", 8, "--repeat", 1,
+                        "--buffer-mb", 4, "--only-threads", "--side-threads", 3,
+                        "--threads", 1)
+    assert "Threads: the decode step at 1 and 3 threads, side by side" in out
+    assert "read floor: 4 MiB streamed at" in out and "idle: " in out
+    rows = [line.split() for line in out.splitlines() if line.startswith("tiny")]
+    assert [int(r[1]) for r in rows] == [1, 8, 16]
+    assert (threads.count(), threads.pool) == before
 
 
 def test_bench_decode_says_where_no_route_reaches_the_dot_product(tiny, run_script,
