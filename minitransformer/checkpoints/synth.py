@@ -14,6 +14,7 @@ model's exact shape, for benchmarks on a same-sized random checkpoint.
 import json
 import os
 import shutil
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -153,15 +154,45 @@ def make_checkpoint(path, config: dict, seed: int = 0, dtype: str = "float32",
     return path
 
 
+class WeightsFolderError(OSError):
+    """The weights folder cannot be written (read-only, not a folder, no permission): its
+    message is one line naming the folder and MT_WEIGHTS_DIR, which moves it."""
+
+
 def weights_dir() -> Path:
-    """Where checkpoints live: $MT_WEIGHTS_DIR, else weights/ beside the package."""
-    return Path(os.environ.get("MT_WEIGHTS_DIR", Path(__file__).resolve().parents[2] / "weights"))
+    """Where checkpoints live: $MT_WEIGHTS_DIR; else, run from the repository (a checkout, or
+    an editable install of one: weights/README.md is there), its weights/ folder, as the
+    README's commands expect; else (an installed wheel: never inside site-packages, which an
+    uninstall would leave half a gigabyte in) the user's cache folder,
+    $XDG_CACHE_HOME/minitransformer/weights (~/.cache/minitransformer/weights)."""
+    if os.environ.get("MT_WEIGHTS_DIR"):
+        return Path(os.environ["MT_WEIGHTS_DIR"]).expanduser()
+    checkout = Path(__file__).resolve().parents[2]
+    if (checkout / "weights" / "README.md").is_file():
+        return checkout / "weights"
+    cache = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(cache) / "minitransformer" / "weights"
+
+
+def writable(folder: Path) -> Path:
+    """folder, made where missing and written to once (a file made and removed) -> folder;
+    WeightsFolderError where it cannot be: one line, not a raw Errno from the first write."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        tempfile.TemporaryFile(dir=folder).close()
+    except OSError as e:
+        raise WeightsFolderError(f"cannot write to the weights folder {folder} "
+                                 f"({e.strerror or e}): MT_WEIGHTS_DIR=FOLDER puts the models "
+                                 f"in another") from None
+    return folder
 
 
 def write_whole(path: Path, write, stamp: str, version: str) -> Path:
     """write(folder) fills a sibling ``path.partial`` folder, which gets a file `stamp` holding
     `version` and then replaces path: a checkpoint cut off halfway is never found under path,
-    and ``is_written`` tells a finished one of this version. -> path."""
+    and ``is_written`` tells a finished one of this version. -> path. A folder that cannot be
+    written is WeightsFolderError, before anything is made."""
+    writable(path.parent)
     partial = path.with_name(path.name + ".partial")
     shutil.rmtree(partial, ignore_errors=True)
     try:
