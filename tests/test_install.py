@@ -72,10 +72,11 @@ def test_the_wheel_installs_one_top_level_name_with_quant_and_sim_inside(wheel):
     assert tops == {"minitransformer", wheel.name.split("-py3")[0] + ".dist-info"}
     top_level = next(n for n in names if n.endswith(".dist-info/top_level.txt"))
     assert zipfile.ZipFile(wheel).read(top_level).decode().split() == ["minitransformer"]
-    for folder in ("quant", "sim"):                      # every module of each, inside
-        ours = sorted(p.name for p in (ROOT / folder).glob("*.py"))
-        assert sorted(n.split("/")[-1] for n in names
-                      if n.startswith(f"minitransformer/{folder}/")) == ours
+    ours = [f"minitransformer/{p.relative_to(ROOT / 'minitransformer')}"
+            for p in (ROOT / "minitransformer").rglob("*.py")]
+    for folder in ("quant", "sim"):                      # inside: every module of each
+        ours += [f"minitransformer/{folder}/{p.name}" for p in (ROOT / folder).glob("*.py")]
+    assert sorted(n for n in names if n.endswith(".py")) == sorted(ours)
     assert not [n for n in names if "weights" in n.split("/")[:-1] or n.endswith(".safetensors")]
     # every import of the chapter's packages spelled where the wheel puts them
     sources = {n: zipfile.ZipFile(wheel).read(n).decode() for n in names if n.endswith(".py")}
