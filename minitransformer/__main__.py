@@ -395,7 +395,8 @@ def parser() -> argparse.ArgumentParser:
                    help="chunked prefill: at most N tokens a step, decodes first, then chunks "
                    "of waiting prompts (default: off, each prompt prefilled whole)")
     s.add_argument("--drain-timeout", type=float, default=30.0,
-                   help="seconds answers in flight may finish after Ctrl-C (default: 30)")
+                   help="seconds answers in flight may finish after Ctrl-C; then the rest are cut "
+                   "short, their streams ending with finish_reason abort (default: 30)")
     s.add_argument("--max-request-bytes", type=int, default=None,
                    help="request bodies above this get HTTP 413 (default: room for a prompt "
                    "filling the model's context in any language: positions x the longest "

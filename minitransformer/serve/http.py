@@ -15,8 +15,10 @@ share the engine's batch. With ``"stream": true`` each piece of text goes out at
 Server-Sent Event, ``data: {json}`` and a blank line, ending with ``data: [DONE]``, the framing
 OpenAI and vLLM use. A client that disconnects cancels its request: its blocks go back to the
 pool before the next step, and it is counted at /metrics as vLLM counts it
-(``finished_reason="abort"``). On shutdown uvicorn stops accepting, lets answers in flight
-finish for up to ``drain_timeout`` seconds, then the rest are cancelled.
+(``finished_reason="abort"``). On shutdown (Ctrl-C) uvicorn stops accepting, lets answers in
+flight finish for up to ``drain_timeout`` seconds, then the rest are cut short: each stream ends
+with finish_reason "abort" and [DONE] (``draining_server``), and serve says on one line how
+many finished and how many were cut.
 
 A client's mistake is a 4xx with OpenAI's error body, ``{"error": {"message", "type", "param",
 "code"}}``, whatever it is: a bad field (400), a body that is not UTF-8 JSON or gives a key twice
@@ -77,6 +79,7 @@ except ImportError:             # create_app says what to install
 
 RETRY_AFTER_S = 1               # what a 429 asks the client to wait
 READ_TIMEOUT_S = 60.0           # a request's head and body must arrive within this: else 408
+CUT_GRACE_S = 10.0              # after the drain, seconds the answers cut short have to end
 GUARDED = ("/v1", "/tokenize", "/detokenize", "/tokenizer_info")   # paths an API key guards
 JSON_ESCAPE = 6                 # bytes a JSON string may spend on one byte of text: "\u0001"
 SLACK_BYTES = 1 << 20           # room for a request's other fields
@@ -768,6 +771,34 @@ def http_protocol(read_timeout: float = READ_TIMEOUT_S):
     return Protocol
 
 
+def draining_server(config, online: OnlineEngine, drain_timeout: float):
+    """uvicorn's Server, whose shutdown (Ctrl-C) ends every answer rather than its task: the
+    answers in flight have ``drain_timeout`` seconds to finish, then those left are cut short
+    (``OnlineEngine.close(drain=False)``), so each stream ends with finish_reason "abort", its
+    usage and [DONE], and each whole answer with the text so far. uvicorn itself would cancel
+    the tasks writing them, mid-write: the client's stream ends with no reason, the server's
+    log with a CancelledError's traceback. ``in_flight`` and ``cut`` say what it found and cut
+    (the line serve prints)."""
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        in_flight = cut = 0
+
+        async def shutdown(self, sockets=None):
+            self.in_flight = online.in_flight()
+            timer = asyncio.get_running_loop().call_later(drain_timeout, self.cut_short)
+            try:
+                await super().shutdown(sockets)
+            finally:
+                timer.cancel()
+
+        def cut_short(self):
+            self.cut = online.in_flight()
+            online.close(drain=False, timeout=0)    # the loop cuts them and hands them over
+    config.timeout_graceful_shutdown = drain_timeout + CUT_GRACE_S
+    return Server(config)
+
+
 @dataclass(frozen=True)
 class ServerLimits:
     """What the server takes from its clients, and from whom, beside the engine's own sizes
@@ -852,14 +883,19 @@ def serve(model_path, config: EngineConfig = None, host: str = "127.0.0.1", port
               f"{limit:,} bytes, {'an' if limits.api_key else 'no'} API key required, "
               f"{threads.describe()}) on "
               f"http://{where}:{sock.getsockname()[1]}/v1", file=sys.stderr)
-        server = uvicorn.Server(uvicorn.Config(
+        server = draining_server(uvicorn.Config(
             create_app(online, name, limit, limits.api_key),
-            http=http_protocol(limits.read_timeout), log_level="warning",
-            timeout_graceful_shutdown=limits.drain_timeout))
+            http=http_protocol(limits.read_timeout), log_level="warning"), online,
+            limits.drain_timeout)
         try:
             server.run(sockets=[sock])
         except KeyboardInterrupt:   # Ctrl-C: uvicorn drained, stopped, then raised it again
             pass
+        if online.error is None:
+            print(f"stopped: of {server.in_flight} requests in flight, "
+                  f"{server.in_flight - server.cut} finished and {server.cut} were cut short "
+                  f"after the {limits.drain_timeout:g} s drain (finish_reason \"abort\")",
+                  file=sys.stderr)
     finally:
         sock.close()
         if online is not None:

@@ -157,6 +157,11 @@ class OnlineEngine:
             self.inbox.append(("cancel", ticket, choice))
             self.lock.notify()
 
+    def in_flight(self) -> int:
+        """Requests submitted and not over yet (running, waiting, or still in the inbox)."""
+        with self.lock:
+            return len(self.live) + self.taken + sum(cmd == "submit" for cmd, *_ in self.inbox)
+
     def stream(self, request):
         """Yield a request's token ids as they are made (a blocking convenience, for n = 1:
         the samples of n > 1 come through ``submit``'s listener, each update saying whose)."""

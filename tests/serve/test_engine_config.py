@@ -102,7 +102,7 @@ def test_serve_carries_the_config_and_the_limits_through(tiny_model, monkeypatch
         host=host, port=port) or socket.socket())
     monkeypatch.setattr(uvicorn.Server, "run", lambda self, sockets: seen.update(
         app=self.config.app, read_timeout=self.config.http.timeout,
-        drain=self.config.timeout_graceful_shutdown))
+        drain=self.config.timeout_graceful_shutdown - http.CUT_GRACE_S))
     config = EngineConfig(max_num_seqs=2, block_size=4, num_gpu_blocks_override=12,
                           kv_cache_dtype="f16")
     limits = http.ServerLimits(max_waiting=3, max_request_bytes=5000, drain_timeout=1.5,
