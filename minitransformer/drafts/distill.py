@@ -89,33 +89,43 @@ def _both(student_logits, teacher_logits, temperature):
 
 def distillation_loss(student_logits, teacher_logits, temperature: float) -> float:
     """T^2 * KL(p_T || q_T), averaged over positions. Logits (..., V), the same shape."""
-    log_q, log_p, T = _both(student_logits, teacher_logits, temperature)
-    kl = (np.exp(log_p) * (log_p - log_q)).sum(axis=-1)              # (N,)
-    return float(T * T * kl.mean())
+    return distillation_loss_and_grad(student_logits, teacher_logits, temperature)[0]
 
 
 def distillation_grad(student_logits, teacher_logits, temperature: float) -> np.ndarray:
     """d distillation_loss / d student_logits, (..., V) float64: T * (q_T - p_T) / N."""
+    return distillation_loss_and_grad(student_logits, teacher_logits, temperature)[1]
+
+
+def distillation_loss_and_grad(student_logits, teacher_logits, temperature: float):
+    """(distillation_loss, distillation_grad) from one log-softmax of each side: a training
+    step needs both."""
     log_q, log_p, T = _both(student_logits, teacher_logits, temperature)
-    grad = T * (np.exp(log_q) - np.exp(log_p)) / log_q.shape[0]       # (N, V)
-    return grad.reshape(np.shape(student_logits))
+    p = np.exp(log_p)                                                  # (N, V)
+    kl = (p * (log_p - log_q)).sum(axis=-1)                           # (N,)
+    grad = T * (np.exp(log_q) - p) / log_q.shape[0]                   # (N, V)
+    return float(T * T * kl.mean()), grad.reshape(np.shape(student_logits))
 
 
 def hard_label_loss(student_logits, teacher_logits) -> float:
     """Cross-entropy of the student on the teacher's argmax, averaged over positions."""
-    s = check_logits(student_logits, "student logits")
-    labels = _same_shape(s, teacher_logits)
-    log_q = log_softmax(s.reshape(-1, s.shape[-1]))                  # (N, V)
-    return float(-log_q[np.arange(len(log_q)), labels].mean())
+    return hard_label_loss_and_grad(student_logits, teacher_logits)[0]
 
 
 def hard_label_grad(student_logits, teacher_logits) -> np.ndarray:
     """d hard_label_loss / d student_logits, (..., V) float64: (q_1 - onehot(argmax z)) / N."""
+    return hard_label_loss_and_grad(student_logits, teacher_logits)[1]
+
+
+def hard_label_loss_and_grad(student_logits, teacher_logits):
+    """(hard_label_loss, hard_label_grad) from one log-softmax of the student."""
     s = check_logits(student_logits, "student logits")
     labels = _same_shape(s, teacher_logits)
-    grad = np.exp(log_softmax(s.reshape(-1, s.shape[-1])))          # (N, V)
+    log_q = log_softmax(s.reshape(-1, s.shape[-1]))                  # (N, V)
+    loss = float(-log_q[np.arange(len(log_q)), labels].mean())
+    grad = np.exp(log_q)
     grad[np.arange(len(grad)), labels] -= 1.0
-    return (grad / len(grad)).reshape(s.shape)
+    return loss, (grad / len(grad)).reshape(s.shape)
 
 
 def _same_shape(s, teacher_logits):

@@ -178,11 +178,12 @@ def distil(target, s: Settings, progress=quiet) -> Distilled:
     train_range, held_range = tuple(t["train_range"].tolist()), tuple(t["held_range"].tolist())
     frozen = tr.Frozen.of(target)
     z_held = tr.teacher_logits(frozen, teacher_held)                   # (held, V)
+    held = tr.teacher_distributions(z_held)   # the teacher's side, once for every closeness
 
     def figures(params):
         draft = tr.draft_model(target, s.layers, params)
         kept = sum(agreement(draft, p, c) for p, c in continuations)
-        return tr.closeness(params, frozen, h_held, z_held) | {
+        return tr.closeness(params, frozen, h_held, z_held, teacher=held) | {
             "greedy": kept / (len(continuations) * s.new_tokens)}
 
     own = tr.start_params(target, s.layers - 1)
@@ -204,7 +205,7 @@ def distil(target, s: Settings, progress=quiet) -> Distilled:
         for name, loss in losses.items():
             running[name] = (running[name] + [loss])[-s.eval_every:]
         if step % s.eval_every == 0 or step == s.steps:
-            kls = {name: tr.closeness(p, frozen, h_held, z_held)["kl"]
+            kls = {name: tr.closeness(p, frozen, h_held, z_held, teacher=held)["kl"]
                    for name, p in params.items()}
             curve.append([step, kls])
             tick("held-out KL " + ", ".join(f"{n} {v:.3f}" for n, v in kls.items()),

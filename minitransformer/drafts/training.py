@@ -35,8 +35,8 @@ import numpy as np
 
 from minitransformer.backend import to_device, to_numpy
 from minitransformer.checks import is_integer, is_real
-from minitransformer.drafts.distill import (check_temperature, distillation_grad, distillation_loss,
-                                     hard_label_grad, hard_label_loss)
+from minitransformer.drafts.distill import (check_temperature, distillation_loss_and_grad,
+                                            hard_label_loss_and_grad)
 from minitransformer.kernels.fused import Fused, fuse_mlp
 from minitransformer.logprobs import log_softmax
 from minitransformer.model import Model, attention_block, block, embed, mlp, prepare, rms_norm
@@ -164,8 +164,8 @@ class Labels:
         """Student logits s, teacher logits z (N, V) -> (loss, d loss / d s (N, V))."""
         if self.kind == "soft":
             T = self.temperature
-            return distillation_loss(s, z, T), distillation_grad(s, z, T)
-        return hard_label_loss(s, z), hard_label_grad(s, z)
+            return distillation_loss_and_grad(s, z, T)
+        return hard_label_loss_and_grad(s, z)
 
 
 def logits(params, frozen: Frozen, h):
@@ -334,21 +334,38 @@ def teacher_logits(frozen: Frozen, teacher_hidden, chunk: int = 128) -> np.ndarr
                            for a in range(0, len(teacher_hidden), chunk)])
 
 
-def closeness(params, frozen: Frozen, h, z, chunk: int = 128) -> dict:
+def teacher_distributions(z, chunk: int = 128) -> list:
+    """The teacher's side of closeness, made once for every student it is held against:
+    z (N, V) -> per chunk of positions (log p, p, argmax), p the teacher's distribution at
+    T = 1 (float64: 8 bytes a logit held, twice)."""
+    made = []
+    for a in range(0, len(z), chunk):
+        z_chunk = z[a:a + chunk]                                        # (n, V)
+        log_p = log_softmax(z_chunk.astype(np.float64))
+        made.append((log_p, np.exp(log_p), z_chunk.argmax(axis=-1)))
+    return made
+
+
+def closeness(params, frozen: Frozen, h, z, chunk: int = 128, teacher=None) -> dict:
     """Student against teacher over positions h (N, D) it never trained on, z (N, V) the
     teacher's logits there (teacher_logits):
     kl       mean KL(p || q) at T = 1 (nats), p the teacher's distribution, q the student's
     top1     fraction of positions where the two argmaxes agree: the acceptance rate of a
              greedy draft on this text
     alpha    mean of sum_x min(p(x), q(x)) = 1 - total variation: the per-token acceptance
-             rate of a sampling draft under Leviathan's rule (T = 1)"""
+             rate of a sampling draft under Leviathan's rule (T = 1)
+    teacher: teacher_distributions(z, chunk), where many students are held against one z
+    (the same numbers, the teacher's log-softmax not made again for each)."""
     kl = top1 = alpha = 0.0
-    for a in range(0, len(h), chunk):
+    teacher = teacher_distributions(z, chunk) if teacher is None else teacher
+    for a, (log_p, p, top_p) in zip(range(0, len(h), chunk), teacher, strict=True):
         s, _ = logits(params, frozen, h[a:a + chunk])                 # (n, V)
-        z_chunk = z[a:a + chunk]                                        # (n, V)
-        log_q, log_p = log_softmax(s.astype(np.float64)), log_softmax(z_chunk.astype(np.float64))
-        p, q = np.exp(log_p), np.exp(log_q)
+        if log_p.shape != s.shape:
+            raise ValueError(f"teacher_distributions made for chunks of {len(log_p)} "
+                             f"positions, closeness reads {len(s)} at a time")
+        log_q = log_softmax(s.astype(np.float64))
+        q = np.exp(log_q)
         kl += float((p * (log_p - log_q)).sum())
-        top1 += float((s.argmax(axis=-1) == z_chunk.argmax(axis=-1)).sum())
+        top1 += float((s.argmax(axis=-1) == top_p).sum())
         alpha += float(np.minimum(p, q).sum())
     return {"kl": kl / len(h), "top1": top1 / len(h), "alpha": alpha / len(h)}

@@ -125,3 +125,25 @@ def test_exp23_script_prints_the_square_root(stories, run_script):
                   out)
     assert m and m.group(2) == m.group(3) and float(m.group(1)) > float(m.group(2)) > 1
     assert "T^2 KL (loss)" in out
+
+
+@pytest.mark.parametrize("temperature", [1.0, 2.0])
+def test_one_pass_gives_the_loss_and_gradient_of_the_formulas(temperature):
+    """distillation_loss_and_grad and hard_label_loss_and_grad (a training step's one pass)
+    are, bit for bit, the formulas written out: T^2 KL(p_T || q_T) and T (q_T - p_T) / N; the
+    cross-entropy on the argmax and (q - onehot) / N."""
+    from minitransformer.drafts.distill import (distillation_loss_and_grad,
+                                                hard_label_loss_and_grad)
+    from minitransformer.logprobs import log_softmax
+    rng = np.random.default_rng(3)
+    s, z = rng.standard_normal((2, 6, 50)).astype(np.float32) * 3
+    T = temperature
+    log_q, log_p = (log_softmax(x.astype(np.float64) / T) for x in (s, z))
+    loss, grad = distillation_loss_and_grad(s, z, T)
+    assert loss == float(T * T * (np.exp(log_p) * (log_p - log_q)).sum(axis=-1).mean())
+    assert np.array_equal(grad, T * (np.exp(log_q) - np.exp(log_p)) / 6)
+    log_q, top = log_softmax(s.astype(np.float64)), z.argmax(axis=-1)
+    loss, grad = hard_label_loss_and_grad(s, z)
+    assert loss == float(-log_q[np.arange(6), top].mean())
+    onehot = np.eye(50)[top]
+    assert np.array_equal(grad, (np.exp(log_q) - onehot) / 6)

@@ -184,3 +184,16 @@ def test_the_verdict_when_hard_labels_win_somewhere():
     assert lines[1].startswith("soft labels do NOT beat hard labels here on alpha sampling, "
                                "top-1, alpha greedy. Why that may be: ")
     assert len(lines) == 2
+
+
+def test_closeness_refuses_a_teacher_made_for_other_chunks(small):
+    """teacher_distributions made once (as distil makes it for every student and every
+    evaluation) gives closeness's very numbers; made for other chunks it is refused by name."""
+    h, _ = tr.draft_inputs(small, 1, np.arange(1, 21) % 96)
+    frozen, params = tr.Frozen.of(small), tr.start_params(small, 0)
+    z = tr.logits(tr.start_params(small, 1), frozen, h)[0]               # another block's
+    teacher = tr.teacher_distributions(z, chunk=7)
+    assert tr.closeness(params, frozen, h, z, chunk=7, teacher=teacher) == tr.closeness(
+        params, frozen, h, z, chunk=7)
+    with pytest.raises(ValueError, match="chunks of 7 positions, closeness reads 5"):
+        tr.closeness(params, frozen, h, z, chunk=5, teacher=teacher)
