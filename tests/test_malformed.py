@@ -440,3 +440,18 @@ def test_a_model_config_built_in_python_is_held_to_config_jsons_rules(name, bad,
     with pytest.raises(CheckpointError) as e:
         dataclasses.replace(config, **{name: bad})
     assert str(e.value).startswith("ModelConfig: ") and says in str(e.value)
+
+
+def test_a_cut_safetensors_file_blames_the_tensor_cut_short_not_the_last_listed(tmp_path):
+    """'a' [0, 8) reaches past the 4 bytes stored; an empty 'b' at [8, 8) sorts after it and
+    was once blamed for it."""
+    from minitransformer.formats.safetensors_io import read_header
+    header = {"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},
+              "b": {"dtype": "F32", "shape": [0], "data_offsets": [8, 8]}}
+    blob = json.dumps(header).encode()
+    path = tmp_path / "cut.safetensors"
+    path.write_bytes(struct.pack("<Q", len(blob)) + blob + bytes(4))
+    with pytest.raises(CheckpointError, match=r"truncated: tensor 'a' at \[0, 8\) needs bytes "
+                                              r"up to 8 of the data section but the file "
+                                              r"holds only 4$"):
+        read_header(path)

@@ -27,7 +27,7 @@ import numpy as np
 
 from minitransformer.backend import to_device
 from minitransformer.checks import check_finite, check_missing, is_integer, is_real
-from minitransformer.config import ModelConfig, RopeScaling
+from minitransformer.config import SIZE_LIMITS, ModelConfig, RopeScaling
 from minitransformer.errors import CheckpointError
 from minitransformer.formats.gguf_file import GGUFFile
 from minitransformer.formats.gguf_tokenizer import tokenizer_from_metadata
@@ -47,6 +47,12 @@ LAYER_NAMES = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layer
                "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}
 TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm",
              "output": "lm_head"}
+# GGUF metadata key (after "<arch>.") -> the config.json field it fills, for the size limits
+HF_FIELDS = {"embedding_length": "hidden_size", "feed_forward_length": "intermediate_size",
+             "block_count": "num_hidden_layers", "attention.head_count": "num_attention_heads",
+             "attention.head_count_kv": "num_key_value_heads",
+             "attention.key_length": "head_dim", "vocab_size": "vocab_size",
+             "context_length": "max_position_embeddings"}
 
 
 def config_from_metadata(meta: dict, tensor_names, source: str, rope_freqs=None) -> ModelConfig:
@@ -58,7 +64,8 @@ def config_from_metadata(meta: dict, tensor_names, source: str, rope_freqs=None)
                               f"(supported: {', '.join(ARCHITECTURES)})")
 
     def number(key, kind=int, default=None):
-        """A count (an integer >= 1) or a finite number > 0, named by its key when wrong."""
+        """A count (an integer >= 1, within config.py's SIZE_LIMITS for the field it fills)
+        or a finite number > 0, named by its GGUF key when wrong."""
         value = meta.get(f"{arch}.{key}", default)
         if value is None:
             raise CheckpointError(f"{source}: GGUF metadata {arch}.{key} is missing")
@@ -67,6 +74,10 @@ def config_from_metadata(meta: dict, tensor_names, source: str, rope_freqs=None)
             raise CheckpointError(f"{source}: GGUF metadata {arch}.{key} must be "
                                   f"{'an integer >= 1' if kind is int else 'a number > 0'}, "
                                   f"got {value!r:.100}")
+        high = SIZE_LIMITS.get(HF_FIELDS.get(key))
+        if high is not None and value > high:
+            raise CheckpointError(f"{source}: GGUF metadata {arch}.{key}={value} is more "
+                                  f"than {high}, beyond any model this reads")
         if kind is float:  # GGUF keeps float32: 1e-5 reads 9.99999974e-06; take the shortest
             return float(str(np.float32(value)))  # decimal that gives the same float32 back
         return int(value)
@@ -84,6 +95,14 @@ def config_from_metadata(meta: dict, tensor_names, source: str, rope_freqs=None)
     if rotated != head_dim:
         raise CheckpointError(f"{source}: {arch}.rope.dimension_count={rotated} but the head "
                               f"dimension is {head_dim}: partial RoPE is not supported")
+    kv_heads = number("attention.head_count_kv", int, heads)
+    if heads % kv_heads:
+        raise CheckpointError(f"{source}: {arch}.attention.head_count={heads} is not a "
+                              f"multiple of {arch}.attention.head_count_kv={kv_heads}")
+    if head_dim % 2:
+        raise CheckpointError(f"{source}: the head dimension {head_dim} "
+                              f"({arch}.attention.key_length, else embedding_length / "
+                              "head_count) must be even for RoPE")
     tokens = meta.get("tokenizer.ggml.tokens")
     vocab = number("vocab_size", int, len(tokens) if isinstance(tokens, list) and tokens
                    else None)
@@ -91,7 +110,7 @@ def config_from_metadata(meta: dict, tensor_names, source: str, rope_freqs=None)
         "model_type": arch, "vocab_size": vocab, "hidden_size": hidden,
         "intermediate_size": number("feed_forward_length"),
         "num_hidden_layers": number("block_count"), "num_attention_heads": heads,
-        "num_key_value_heads": number("attention.head_count_kv", int, heads),
+        "num_key_value_heads": kv_heads,
         "head_dim": head_dim, "max_position_embeddings": number("context_length"),
         "rms_norm_eps": number("attention.layer_norm_rms_epsilon", float),
         "rope_theta": number("rope.freq_base", float, 10000.0),
@@ -125,6 +144,23 @@ def hf_name(name: str) -> str | None:
     if len(parts) == 2 and parts[0] in TOP_NAMES:
         return f"{TOP_NAMES[parts[0]]}.{parts[1]}"
     return None
+
+
+def gguf_name(name: str) -> str:
+    """Hugging Face name -> the GGUF tensor name hf_name reads as it (the inverse).
+
+    >>> gguf_name("model.layers.3.self_attn.q_proj.weight"), gguf_name("lm_head.weight")
+    ('blk.3.attn_q.weight', 'output.weight')
+    """
+    for short, long in LAYER_NAMES.items():
+        head, dot, kind = name.rpartition(".")
+        if head.startswith("model.layers.") and head.endswith("." + long):
+            layer = head[len("model.layers."):-len(long) - 1]
+            return f"blk.{layer}.{short}.{kind}"
+    for short, long in TOP_NAMES.items():
+        if name.rpartition(".")[0] == long:
+            return f"{short}.{name.rpartition('.')[2]}"
+    return name
 
 
 def unpermute(w, heads: int) -> np.ndarray:
@@ -166,7 +202,7 @@ def read_weights(file: GGUFFile, config: ModelConfig) -> dict:
                      else config.num_key_value_heads)
             w = unpermute(w, heads)
         weights[name] = check_finite(source, t.name, w)
-    check_missing(source, expected, weights)
+    check_missing(source, map(gguf_name, expected), map(gguf_name, weights))  # the file's names
     return weights
 
 

@@ -15,7 +15,8 @@ The layout (little-endian; GGUF versions 2 and 3):
 
 A string is a u64 byte length and UTF-8 bytes. Checked beyond the grammar: no key or tensor
 name twice, a tensor's offset a multiple of the alignment, its byte size exactly what its type
-and shape take, its bytes inside the file and shared with no other tensor.
+and shape take, its bytes inside the file and shared with no other tensor, and every byte of
+the data section some tensor's or the alignment's padding (``check_tiling``).
 
 >>> import struct
 >>> GGUFFile.parse(b"GGUF" + struct.pack("<IQQ", 3, 0, 0), "empty.gguf").metadata
@@ -47,11 +48,14 @@ STRING, ARRAY = 8, 9
 TYPE_NAMES = {0: "uint8", 1: "int8", 2: "uint16", 3: "int16", 4: "uint32", 5: "int32",
               6: "float32", 7: "bool", 8: "string", 9: "array", 10: "uint64", 11: "int64",
               12: "float64"}
-# GGML tensor type id -> name (ggml.h), for the error of a type gguf_types.py does not decode
+# GGML tensor type id -> name (ggml.h), for the error of a type gguf_types.py does not decode:
+# every id ggml has given out (the gguf package's GGMLQuantizationType, and those ggml since
+# retired or added), so a refused tensor's type is named, never a bare number
 GGML_TYPES = dict(enumerate(
     "F32 F16 Q4_0 Q4_1 Q4_2 Q4_3 Q5_0 Q5_1 Q8_0 Q8_1 Q2_K Q3_K Q4_K Q5_K Q6_K Q8_K IQ2_XXS "
-    "IQ2_XS IQ3_XXS IQ1_S IQ4_NL IQ3_S IQ2_S IQ4_XS I8 I16 I32 I64 F64 IQ1_M BF16".split())) | \
-    {34: "TQ1_0", 35: "TQ2_0", 39: "MXFP4", 40: "NVFP4", 41: "Q1_0"}
+    "IQ2_XS IQ3_XXS IQ1_S IQ4_NL IQ3_S IQ2_S IQ4_XS I8 I16 I32 I64 F64 IQ1_M BF16 Q4_0_4_4 "
+    "Q4_0_4_8 Q4_0_8_8 TQ1_0 TQ2_0 IQ4_NL_4_4 IQ4_NL_4_8 IQ4_NL_8_8 MXFP4 NVFP4 Q1_0 "
+    "Q2_0".split()))
 
 
 def tensor_bytes(type_name: str, shape) -> int:
@@ -76,6 +80,49 @@ class TensorRecord:
     shape: tuple                # numpy order (outermost first): GGUF lists dims innermost first
     begin: int                  # byte range in the file
     end: int
+
+
+def check_tiling(tensors, start: int, alignment: int, end: int, source: str) -> None:
+    """The tensors, in offset order, tile the data section as a GGUF writer lays them out:
+    each begins where the one before it ended, padded to the alignment, and the file ends
+    with the last one's padding. A tensor's bytes follow from its type and shape, so a
+    type that understates them (F16 written over F32 data) leaves bytes no tensor owns,
+    and a type that overstates them runs into the next tensor: either is refused naming the
+    tensors, as safetensors_io.py refuses a gap or an overlap, rather than read as garbage.
+
+    >>> t = [TensorRecord("a", "F16", (4,), 32, 40), TensorRecord("b", "F32", (4,), 64, 80)]
+    >>> check_tiling(t, 32, 8, 80, "m.gguf")      # alignment 8: b should begin at 40
+    Traceback (most recent call last):
+    ...
+    minitransformer.errors.CheckpointError: m.gguf: tensor 'a' (F16 [4]) takes 8 bytes, but the next tensor 'b' begins 32 bytes after it: bytes [40, 64) are owned by no tensor (its type or shape understates what is stored)
+    """
+    previous, position = None, start
+    for t in tensors:
+        if previous is not None and t.begin < previous.end:
+            raise CheckpointError(f"{source}: tensors {previous.name!r} [{previous.begin}, "
+                                  f"{previous.end}) and {t.name!r} [{t.begin}, {t.end}) "
+                                  "share bytes")
+        if t.begin > -(-position // alignment) * alignment:
+            if previous is None:
+                raise CheckpointError(f"{source}: bytes [{position}, {t.begin}) before the "
+                                      f"first tensor {t.name!r} are owned by no tensor")
+            raise CheckpointError(
+                f"{source}: tensor {previous.name!r} ({previous.type_name} "
+                f"{list(previous.shape)}) takes {previous.end - previous.begin} bytes, but the "
+                f"next tensor {t.name!r} begins {t.begin - previous.begin} bytes after it: "
+                f"bytes [{previous.end}, {t.begin}) are owned by no tensor (its type or shape "
+                "understates what is stored)")
+        if t.end > position:
+            previous, position = t, t.end
+    if end > -(-position // alignment) * alignment:
+        if previous is None:
+            raise CheckpointError(f"{source}: the file lists no tensor, but {end - start} "
+                                  "bytes of data follow its header")
+        raise CheckpointError(
+            f"{source}: tensor {previous.name!r} ({previous.type_name} {list(previous.shape)}), "
+            f"the last, takes {previous.end - previous.begin} bytes, but the file goes on to "
+            f"byte {end}: bytes [{previous.end}, {end}) are owned by no tensor (its type or "
+            "shape understates what is stored, or something was appended)")
 
 
 class Reader:
@@ -190,7 +237,10 @@ class GGUFFile:
             if name in seen:
                 raise CheckpointError(f"{where} appears twice")
             seen.add(name)
-            type_name = GGML_TYPES.get(type_id, f"type id {type_id}")
+            if type_id not in GGML_TYPES:
+                raise CheckpointError(f"{where}: its type id {type_id} is no GGML type "
+                                      f"(ggml's ids run 0..{max(GGML_TYPES)})")
+            type_name = GGML_TYPES[type_id]
             if type_name not in SUPPORTED:
                 raise CheckpointError(f"{where}: GGML type {type_name} is not supported "
                                       f"(supported: {', '.join(SUPPORTED)})")
@@ -208,13 +258,8 @@ class GGUFFile:
                                       f"{list(shape)}, {size} bytes) needs bytes up to "
                                       f"{begin + size} but the file ends at byte {len(data)}")
             tensors.append(TensorRecord(name, type_name, shape, begin, begin + size))
-        previous = None
-        for t in sorted(tensors, key=lambda t: (t.begin, t.end)):
-            if previous is not None and t.begin < previous.end:
-                raise CheckpointError(f"{source}: tensors {previous.name!r} [{previous.begin}, "
-                                      f"{previous.end}) and {t.name!r} [{t.begin}, {t.end}) "
-                                      "share bytes")
-            previous = t if t.end > t.begin else previous
+        check_tiling(sorted(tensors, key=lambda t: (t.begin, t.end)), start, alignment,
+                     len(data), source)
         return cls(source, version, metadata, types, tuple(tensors), data)
 
     @staticmethod

@@ -23,8 +23,10 @@ array([-8., -7., -7., -7.], dtype=float32)
 4.5
 
 Leaves out: the i-quants but IQ4_NL (IQ1_S..IQ4_XS: lattice codebooks of 256 to 2048
-entries), the ternary TQ1_0/TQ2_0, the float4 MXFP4 and Q8_1/Q8_K (llama.cpp's intermediates
-for dot products); each is refused by name.
+entries), the ternary TQ1_0/TQ2_0, the float4 MXFP4 and NVFP4, ggml's newest Q1_0 and Q2_0,
+the integer and F64 types, the interleaved layouts ggml has retired (Q4_0_4_4 ...) and Q8_1/Q8_K
+(llama.cpp's intermediates for dot products); each is refused by name (gguf_file.GGML_TYPES
+names every id ggml has given out).
 """
 from typing import Callable, NamedTuple
 

@@ -92,9 +92,10 @@ def read_header(file: Path) -> tuple[dict, int]:
             raise CheckpointError(f"{file}: tensor {name!r} at [{begin}, {end}) {what}")
         position = end
     data_bytes = size - 8 - n
-    if position > data_bytes:
-        raise CheckpointError(f"{file}: truncated: tensor {spans[-1][1]!r} needs bytes up to "
-                              f"{position} of the data section but the file holds only "
+    if position > data_bytes:       # the first tensor cut short, not the last listed
+        (begin, end), name = next(span for span in spans if span[0][1] > data_bytes)
+        raise CheckpointError(f"{file}: truncated: tensor {name!r} at [{begin}, {end}) needs "
+                              f"bytes up to {end} of the data section but the file holds only "
                               f"{data_bytes}")
     if position < data_bytes:
         raise CheckpointError(f"{file}: {data_bytes - position} trailing bytes after the last "

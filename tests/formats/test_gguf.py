@@ -289,7 +289,7 @@ def test_bad_files_are_named(tmp_path):
     weights = random_weights(config)
     weights.pop("model.layers.1.mlp.down_proj.weight")
     write_gguf(tmp_path / "m.gguf", config, weights)
-    with pytest.raises(mt.CheckpointError, match="missing tensor.*layers.1.mlp.down_proj"):
+    with pytest.raises(mt.CheckpointError, match=r"missing tensor\(s\) blk\.1\.ffn_down\.weight$"):
         mt.load(tmp_path / "m.gguf")
 
 
@@ -357,3 +357,21 @@ def test_unsupported_pre_tokenizer_is_named(tmp_path, bpe):
                pre="chatglm-bpe")
     with pytest.raises(mt.CheckpointError, match="tokenizer.ggml.pre='chatglm-bpe'"):
         mt.load(tmp_path / "m.gguf")
+
+
+def test_every_type_the_gguf_package_knows_is_decoded_or_refused_by_its_name():
+    """The table of GGML type ids holds every id of the installed gguf package under its
+    name, and each type decoded here has the block the package gives it; any other id is no
+    GGML type, said so (not "type id N")."""
+    from minitransformer.formats.gguf_file import GGML_TYPES
+    from minitransformer.formats.gguf_types import FORMATS, PLAIN_FORMATS, SUPPORTED
+    for qtype in gguf.GGMLQuantizationType:
+        assert GGML_TYPES[qtype.value] == qtype.name
+        if qtype.name in FORMATS:
+            block = FORMATS[qtype.name]
+            assert (block.weights, block.nbytes) == gguf.GGML_QUANT_SIZES[qtype]
+        elif qtype.name in PLAIN_FORMATS:
+            assert np.dtype(PLAIN_FORMATS[qtype.name]).itemsize == \
+                gguf.GGML_QUANT_SIZES[qtype][1]
+    assert set(SUPPORTED) <= set(GGML_TYPES.values())
+    assert GGML_TYPES[42] == "Q2_0"         # ggml's, after the package's last (Q1_0, 41)

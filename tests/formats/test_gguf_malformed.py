@@ -1,6 +1,7 @@
 """A corpus of broken GGUF files: each is a CheckpointError naming the file and the key or tensor
 at fault (a truncated file says where it ends), never an exception from NumPy or `tokenizers`,
-never a model loaded from bytes that do not mean what they claim.
+never a model loaded from bytes that do not mean what they claim (a type whose size
+disagrees with the bytes stored leaves bytes no tensor owns, or runs into the next tensor).
 
 The files are spelled byte by byte by tests/gguf_files.py from the parts of a valid file, so
 each case breaks one thing and the valid file is shown to load first."""
@@ -78,6 +79,21 @@ def type_id(name, new):
     return edit
 
 
+def last_typed_f16(entries, tensors):
+    tensors[-1][2] = 1                      # its F32 bytes stay: half of them owned by none
+
+
+def half_typed_f32(entries, tensors):
+    """An F32 tensor whose bytes are cut to those of F16 (and padded): typed F32 it claims
+    twice its bytes, the next tensor's."""
+    t = tensor(tensors, "blk.0.attn_q.weight")
+    t[3] = t[3][:len(t[3]) // 2]
+
+
+def append_bytes(entries, tensors):
+    tensors[-1][3] = tensors[-1][3] + bytes(64)
+
+
 CONTAINER = {  # name -> (edit of the parts, layout for gguf_bytes, the error's words)
     "bad magic": (None, dict(magic=b"GGML"), "not a GGUF file"),
     "version 1": (None, dict(version=1), "GGUF version 1 is not supported"),
@@ -103,11 +119,23 @@ CONTAINER = {  # name -> (edit of the parts, layout for gguf_bytes, the error's 
     "a shape larger than its bytes": (dims("output_norm.weight", [64, 1 << 40]), {},
                                       "truncated: tensor 'output_norm.weight'"),
     "an unknown tensor type": (type_id("output_norm.weight", 99), {},
-                               "'output_norm.weight': GGML type type id 99 is not supported"),
+                               "'output_norm.weight': its type id 99 is no GGML type"),
     "an IQ4_XS tensor": (type_id("output_norm.weight", 23), {},
                          "GGML type IQ4_XS is not supported"),
     "Q8_0 rows of 48": (dims("blk.0.ffn_up.weight", [48, 128]), {},
                         "'blk.0.ffn_up.weight': a Q8_0 row holds whole blocks of 32"),
+    # a type whose size disagrees with the bytes stored: named, never read as garbage
+    "an F32 tensor typed F16": (type_id("blk.0.attn_q.weight", 1), {},
+                                "tensor 'blk.0.attn_q.weight' (F16 [64, 64]) takes 8192 bytes, "
+                                "but the next tensor"),
+    "an F32 tensor typed F16, the last": (last_typed_f16, {}, "the last, takes"),
+    "an F16-sized tensor typed F32": (half_typed_f32, {}, "share bytes"),
+    "bytes after the last tensor": (append_bytes, {}, "are owned by no tensor"),
+    "bytes before the first tensor": (None, dict(offsets={0: 4096}), "before the first tensor"),
+    "a Q2_0 tensor": (type_id("output_norm.weight", 42), {}, "GGML type Q2_0 is not supported"),
+    "a Q1_0 tensor": (type_id("output_norm.weight", 41), {}, "GGML type Q1_0 is not supported"),
+    "a retired Q4_0_4_4 tensor": (type_id("output_norm.weight", 31), {},
+                                  "GGML type Q4_0_4_4 is not supported"),
 }
 
 
@@ -168,6 +196,17 @@ def test_flipped_header_bytes_are_errors_or_loads_never_crashes(tmp_path, parts)
 
 # --- the metadata: config and tokenizer ---------------------------------------------------------
 METADATA = {
+    # named by the GGUF key, not the config.json field it fills
+    "kv heads not dividing the heads": (set_value("qwen2.attention.head_count_kv", 3),
+                                        "qwen2.attention.head_count=4 is not a multiple of "
+                                        "qwen2.attention.head_count_kv=3"),
+    "block count 2^20": (set_value("qwen2.block_count", 2**20),
+                         "qwen2.block_count=1048576 is more than 1024"),
+    "an odd key length": (lambda e, t: (add("qwen2.attention.key_length", UINT32, 15)(e, t),
+                                        set_value("qwen2.rope.dimension_count", 15)(e, t)),
+                          "the head dimension 15 (qwen2.attention.key_length"),
+    "a tensor missing": (lambda e, t: t.remove(tensor(t, "blk.0.ffn_down.weight")),
+                         "missing tensor(s) blk.0.ffn_down.weight"),
     "head count 0": (set_value("qwen2.attention.head_count", 0),
                      "qwen2.attention.head_count must be an integer >= 1, got 0"),
     "head count -4": (set_value("qwen2.attention.head_count", -4, INT32),
