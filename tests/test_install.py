@@ -209,3 +209,19 @@ def test_a_weights_folder_that_cannot_be_written_is_one_line_naming_it(tmp_path,
         f"error: cannot write to the weights folder {folder} ({why}): MT_WEIGHTS_DIR=FOLDER "
         f"puts the models in another")
     assert "Traceback" not in done.stderr
+
+
+@pytest.mark.parametrize("call", [
+    "from minitransformer.drafts.students import save_npz; save_npz(FOLDER / 'drafts' / 'd.npz', {})",
+    "from minitransformer.measure.text import fetch; fetch(FOLDER / 'text' / 'britannica.txt')"])
+def test_the_drafts_and_the_text_say_the_same_of_a_folder_they_cannot_write(tmp_path, call):
+    """The distilled drafts' cache and the evaluation text's fetch (before it downloads) give
+    the same line as the models."""
+    folder, prefix = read_only_folder(tmp_path)
+    code = f"from pathlib import Path; FOLDER = Path({str(folder)!r})\n{call}"
+    done = subprocess.run([*prefix, sys.executable, "-c", code], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    why = "Read-only file system" if prefix else "Permission denied"
+    assert done.stderr.splitlines()[-1].endswith(
+        f"WeightsFolderError: cannot write to the weights folder {folder / call.split(chr(39))[1]}"
+        f" ({why}): MT_WEIGHTS_DIR=FOLDER puts the models in another")

