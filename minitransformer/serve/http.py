@@ -48,6 +48,7 @@ import contextlib
 import hmac
 import json
 import math
+import signal
 import socket
 import sys
 import time
@@ -773,26 +774,39 @@ def http_protocol(read_timeout: float = READ_TIMEOUT_S):
 
 def draining_server(config, online: OnlineEngine, drain_timeout: float):
     """uvicorn's Server, whose shutdown (Ctrl-C) ends every answer rather than its task: the
-    answers in flight have ``drain_timeout`` seconds to finish, then those left are cut short
-    (``OnlineEngine.close(drain=False)``), so each stream ends with finish_reason "abort", its
-    usage and [DONE], and each whole answer with the text so far. uvicorn itself would cancel
-    the tasks writing them, mid-write: the client's stream ends with no reason, the server's
-    log with a CancelledError's traceback. ``in_flight`` and ``cut`` say what it found and cut
-    (the line serve prints)."""
+    answers in flight have ``drain_timeout`` seconds to finish (or until a second Ctrl-C),
+    then those left are cut short (``OnlineEngine.close(drain=False)``), so each stream ends
+    with finish_reason "abort", its usage and [DONE], and each whole answer with the text so
+    far. uvicorn itself would cancel the tasks writing them, mid-write: the client's stream
+    ends with no reason, the server's log with a CancelledError's traceback. ``in_flight``
+    and ``cut`` say what it found and cut (the line serve prints)."""
     import uvicorn
 
     class Server(uvicorn.Server):
         in_flight = cut = 0
+        loop, hurried = None, False
+
+        def handle_exit(self, sig, frame):
+            """A second Ctrl-C ends the drain now (uvicorn's would quit at once, cutting the
+            streams mid-write); a third quits as uvicorn does."""
+            if sig == signal.SIGINT and self.should_exit and not self.hurried:
+                self.hurried = True
+                if self.loop is not None:   # shutting down: cut on the event loop, now
+                    self.loop.call_soon_threadsafe(self.cut_short)
+                return
+            super().handle_exit(sig, frame)
 
         async def shutdown(self, sockets=None):
-            self.in_flight = online.in_flight()
-            timer = asyncio.get_running_loop().call_later(drain_timeout, self.cut_short)
+            self.loop, self.in_flight = asyncio.get_running_loop(), online.in_flight()
+            timer = self.loop.call_later(0 if self.hurried else drain_timeout, self.cut_short)
             try:
                 await super().shutdown(sockets)
             finally:
                 timer.cancel()
 
         def cut_short(self):
+            if online.closing:          # cut already
+                return
             self.cut = online.in_flight()
             online.close(drain=False, timeout=0)    # the loop cuts them and hands them over
     config.timeout_graceful_shutdown = drain_timeout + CUT_GRACE_S
@@ -894,7 +908,8 @@ def serve(model_path, config: EngineConfig = None, host: str = "127.0.0.1", port
         if online.error is None:
             print(f"stopped: of {server.in_flight} requests in flight, "
                   f"{server.in_flight - server.cut} finished and {server.cut} were cut short "
-                  f"after the {limits.drain_timeout:g} s drain (finish_reason \"abort\")",
+                  f"{'at a second Ctrl-C' if server.hurried else 'after the drain of'} "
+                  f"{limits.drain_timeout:g} s (finish_reason \"abort\")",
                   file=sys.stderr)
     finally:
         sock.close()

@@ -5,6 +5,7 @@ drained and what it cut, never a traceback. The embedded default model answers 3
 (ignore_eos), which no machine makes before the signal arrives."""
 import json
 import signal
+import time
 import types
 import urllib.request
 
@@ -12,13 +13,24 @@ import pytest
 
 pytest.importorskip("openai")
 pytest.importorskip("uvicorn")
+from conftest import wait_for  # noqa: E402
 from servers import serve_command  # noqa: E402
 
 DEFAULT = types.SimpleNamespace(path="default")      # serve's --model default
 
 
-@pytest.mark.parametrize("drain", ["0", "0.5"])
-def test_ctrl_c_ends_an_open_stream_with_a_finish_reason_and_one_line(drain):
+def refused(url) -> bool:
+    try:
+        urllib.request.urlopen(url, timeout=5)
+        return False
+    except OSError:
+        return True
+
+
+@pytest.mark.parametrize("drain, twice", [("0", False), ("0.5", False), ("600", True)])
+def test_ctrl_c_ends_an_open_stream_with_a_finish_reason_and_one_line(drain, twice):
+    """Past the drain, or at a second Ctrl-C (sent once the server has stopped accepting, so
+    the first was seen), the stream still open ends with "abort"."""
     process, client = serve_command(DEFAULT, "--drain-timeout", drain)
     try:
         body = json.dumps({"model": "tiny-chat", "prompt": "Once", "max_tokens": 3000,
@@ -30,6 +42,10 @@ def test_ctrl_c_ends_an_open_stream_with_a_finish_reason_and_one_line(drain):
             first = stream.readline()
             assert first.startswith(b"data: {"), first
             process.send_signal(signal.SIGINT)
+            if twice:
+                wait_for(lambda: time.sleep(0.1) or refused(f"{client.base_url}models"),
+                         timeout=60)
+                process.send_signal(signal.SIGINT)
             events = [e.strip() for e in stream.read().decode().split("\n\n") if e.strip()]
         assert process.wait(120) == 0
         said = process.stderr.read()
@@ -43,6 +59,7 @@ def test_ctrl_c_ends_an_open_stream_with_a_finish_reason_and_one_line(drain):
     assert reasons[-1] == "abort" and reasons.count("abort") == 1, chunks[-3:]
     assert chunks[-1]["usage"]["completion_tokens"] < 3000
     assert "Traceback" not in said and "Error" not in said, said
+    when = "at a second Ctrl-C" if twice else "after the drain of"
     assert said.splitlines()[-1] == (f"stopped: of 1 requests in flight, 0 finished and 1 "
-                                     f"were cut short after the {float(drain):g} s drain "
+                                     f"were cut short {when} {float(drain):g} s "
                                      f"(finish_reason \"abort\")"), said
