@@ -117,11 +117,9 @@ def multiply(x, w, out=None):
 
 def numpy_multiply(x, w, out=None):
     """multiply on NumPy arrays: for code already running on NumPy's data (quant/matmul.py).
-    More than FEW_ROWS rows: one flat product on BLAS's own threads. 1..FEW_ROWS rows: the way
-    chosen, whole on one thread or in parts on the pool's threads (`parts`, threads.py)."""
+    The way chosen (flat for more than FEW_ROWS rows), whole on one thread or in parts on the
+    pool's threads (`parts`, threads.py)."""
     route = way(x, w)
-    if len(x) > FEW_ROWS:
-        return CALLS[route](x, w, out)
     if out is None:
         out = np.empty((len(x), len(w)), np.result_type(x, w)).view(type(x))  # (M, n)
     return in_parts(route, x, w, out, parts(x, w, route))
@@ -186,9 +184,11 @@ def candidates(M: int, held: str = "row-major") -> tuple:
 
 
 def parts(x, w, route: str) -> int:
-    """Into how many parts the product of len(x) <= FEW_ROWS rows by w is split: T (threads.py)
-    where T parts across the pool were measured faster than the whole on one thread, for
-    this shape, rows, way and T (on this machine: tuning.py's file remembers it), else 1;
+    """Into how many parts the product of len(x) rows by w is split: T (threads.py) where T
+    parts across the pool were measured faster than the whole on one thread, for this shape,
+    rows, way and T (on this machine: tuning.py's file remembers it), else 1; every count of
+    more than FEW_ROWS rows (a prefill's, a long mixed step's) takes what the first such
+    product of the shape measured (its rows spelled 'many' in the file);
     under MT_SPLIT=whole|parts, 1 or T for every product, and under MT_PRODUCTS (which fixes
     the calls for a comparison of bits between runs) 1 unless MT_SPLIT=parts. A function of
     the shape alone, never of the batch: a row of a batch-invariant step makes the very calls
@@ -197,6 +197,8 @@ def parts(x, w, route: str) -> int:
     if T == 1 or FIXED_SPLIT is not None or FIXED is not None:
         return T if FIXED_SPLIT == "parts" else 1
     key = (*shape_key(x, w), route, T)
+    if len(x) > FEW_ROWS:
+        key = ("many", *key[1:])
     if key not in split:
         answer = tuning.recall(split_key(key))
         split[key] = answer if type(answer) is int and answer in (1, T) \
@@ -218,8 +220,8 @@ def measured_split(x, w, key: tuple) -> int:
     thread: never slower at T threads than at 1). Said on stderr, kept in the file."""
     M, n, cols, held, _, _, route, T = key
     tell(f"measuring whether {T} threads multiply a {n}x{cols} {held} weight by {M} row"
-         f"{'s' if M > 1 else ''} faster than one (once: kept in {tuning.path()})")
-    out = np.empty((M, n), np.result_type(x, w))
+         f"{'s' if M != 1 else ''} faster than one (once: kept in {tuning.path()})")
+    out = np.empty((len(x), n), np.result_type(x, w))
     turns = itertools.cycle(rings([w])[0])
     best = dict.fromkeys((1, T), float("inf"))
     for _ in range(SPLIT_TRIALS):

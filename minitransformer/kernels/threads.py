@@ -21,12 +21,14 @@ The setting, T, one number for the whole process:
 
 How Python's threads and BLAS's threads are set, never T of each at once (T x T threads
 fighting over T cores): a split product runs its T parts on the pool's T threads (the caller's
-own and T - 1 workers) with BLAS held at one thread for the call (`run`); a step's product that
-is not split runs on the caller's thread, BLAS at one thread too (`one_blas_thread`: a second
-BLAS thread there waits for work and costs more than it brings, measured in exp21); every other
-product (a prefill's, a step of more than blas.FEW_ROWS rows, the rest of NumPy) is one call on
-BLAS's own threads: T of them where the setting was given, else BLAS's own default (OpenBLAS:
-the cores it may use, or $OPENBLAS_NUM_THREADS).
+own and T - 1 workers) with BLAS held at one thread for the call (`run`); a product that is
+not split runs on the caller's thread, BLAS at one thread too (`one_blas_thread`). That holds
+for every product the model makes (blas.multiply), a prefill's included: BLAS's own threads
+synchronize many times inside one product, and each time wait for a thread that waits for a
+core (measured on 2 cores at load 17-22: a 64-token SmolLM2 prefill took 9.4-10.6 s on BLAS's
+own 2 threads, 0.8-1.7 s on one, 1.1-1.6 s in 2 parts on the pool). The rest of NumPy (a
+quantizer, a draft's training) runs on BLAS's own threads: T of them where the setting was
+given, else BLAS's own default (OpenBLAS: the cores it may use, or $OPENBLAS_NUM_THREADS).
 
 The pool's workers wait on a queue, blocked in the kernel: an idle pool (an idle server) takes
 no CPU. They start at the first split product; a process forked after it starts its own.
@@ -232,11 +234,11 @@ def controllers() -> list:
 
 def describe() -> str:
     """The setting in words, for every line that says where a figure ran, e.g. 'threads: 2
-    (the 2 cores this process may use; BLAS 1 in a step's products, 2 in the rest)'."""
+    (the 2 cores this process may use; BLAS 1 in the model's products, 2 in the rest)'."""
     source = {"default": f"the {default_count()} cores this process may use",
               "MT_THREADS": "MT_THREADS"}.get(SET_BY, SET_BY)
     blas = sorted({lib.get_num_threads() for lib in controllers()})
-    return (f"threads: {COUNT} ({source}; BLAS 1 in a step's products, "
+    return (f"threads: {COUNT} ({source}; BLAS 1 in the model's products, "
             f"{', '.join(map(str, blas)) or '?'} in the rest)")
 
 

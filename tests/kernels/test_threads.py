@@ -98,7 +98,7 @@ def test_set_count_sets_the_pool_and_blas(step_threads):
 
 
 @pytest.mark.parametrize("layout", blas.LAYOUTS)
-@pytest.mark.parametrize("M", [1, 3, 16])
+@pytest.mark.parametrize("M", [1, 3, 16, 40])
 @pytest.mark.parametrize("n", [100, 1201, 2500])
 def test_a_product_in_parts_is_the_whole_product(layout, M, n):
     """Every output column is computed, once, by the way asked, whatever n (cut at multiples of
@@ -155,9 +155,13 @@ def test_the_split_is_taken_only_where_measured_faster(monkeypatch, whole, parte
     x, w = np.ones((1, 64), np.float32), np.ones((300, 64), np.float32)
     assert blas.parts(x, w, "flat") == taken
     assert kept == {"split 1 300x64 row-major <f4 <f4 flat 2": taken}
+    many = np.ones((40, 64), np.float32)              # more than FEW_ROWS: one choice for all
+    assert blas.parts(many, w, "flat") == taken
+    assert kept["split many 300x64 row-major <f4 <f4 flat 2"] == taken
     blas.split.clear()
     monkeypatch.setattr(blas, "in_parts", None)      # read back: nothing timed again
     assert blas.parts(x, w, "flat") == taken
+    assert blas.parts(many[:23], w, "flat") == taken
 
 
 @pytest.mark.parametrize("answer", [3, "2", True, None, [2]])
