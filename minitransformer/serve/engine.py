@@ -142,7 +142,8 @@ class Engine:
         """Blocks a request may hold at once: its longest sequence, or its prompt with the n
         samples' first tokens (each sample writes its own copy of the last prompt block).
         More than the whole pool, and the request is rejected at submission. A request of no
-        new tokens (prompt logprobs alone) holds its prompt's blocks, shared by its samples."""
+        new tokens (records.Request.prompt_only) holds its prompt's blocks, shared by its
+        samples."""
         bs = self.cache.books.block_size
         if max_new_tokens == 0:
             return blocks_for(prompt_tokens, bs)
@@ -378,7 +379,7 @@ class Engine:
             if need > self.cache.books.num_blocks:
                 close(seq.result, "rejected", self.clock, reason=f"needs up to {need} "
                       f"blocks of {bs} tokens; the pool has {self.cache.books.num_blocks}")
-            elif request.max_new_tokens == 0 and request.prompt_logprobs is None:
+            elif request.prompt_only and request.prompt_logprobs is None:
                 close(seq.result, "finished", self.clock)   # nothing to compute
         if seqs[0].result.status == "waiting":
             self.waiting.extend(seqs)
@@ -386,9 +387,9 @@ class Engine:
 
     def _sample(self, seq, logits) -> None:
         """Pick the next token; its logprob (when asked) from the same logits, before the
-        request's sampling settings touch them. A request of no new tokens picks none: its
-        prompt's pass made its prompt logprobs, and it is done."""
-        if seq.result.request.max_new_tokens == 0:
+        request's sampling settings touch them. A prompt-only request picks none
+        (records.Request.prompt_only)."""
+        if seq.result.request.prompt_only:
             return
         self._append(seq, next_token(logits, seq.tokens, seq.result.request.sampling, seq.rng),
                      logits)

@@ -47,6 +47,15 @@ class Request:
     logprobs: int = None            # None, or k: each new token's logprob and the top k
     prompt_logprobs: int = None     # None, or k: the same for the prompt's tokens
 
+    @property
+    def prompt_only(self) -> bool:
+        """No new token (max_new_tokens 0; the OpenAI API's max_tokens 0, an echo or the
+        prompt logprobs alone). What it does, decided here for the engine and the scheduler:
+        it holds its prompt's blocks and no room for a token (admission, ``pool_need``), its
+        prompt's pass picks no token and it is done once that pass ran, and with no prompt
+        logprobs asked there is nothing to compute: it is finished when it is queued."""
+        return self.max_new_tokens == 0
+
 
 @dataclass
 class Result:

@@ -474,9 +474,9 @@ class Scheduler:
 
     def _fits(self, seq) -> bool:
         """Memory admission: can the pool take this sequence with room for its next token
-        (else the next step could preempt it at once; none for a request of no new tokens),
-        and every running sequence's next?"""
-        then = min(1, seq.result.request.max_new_tokens)
+        (else the next step could preempt it at once; none for a prompt-only request,
+        records.Request.prompt_only), and every running sequence's next?"""
+        then = 0 if seq.result.request.prompt_only else 1
         if seq.swapped:
             enter = self.books.swap_in_cost(seq.swapped, then=then)
         elif self._reuses(seq):
