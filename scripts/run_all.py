@@ -272,7 +272,8 @@ def first_use(job, args, env) -> list:
         schemes = [s for s in schemes if keeps_kquants(name) and not kquants_there(name, s)]
         if schemes:
             make(f"the k-quant copies of {model_name(name)} ({', '.join(schemes)}): quantized",
-                 lambda: quantize_kquants(name, schemes, threads_of(set(), args)))
+                 lambda name=name, schemes=schemes: quantize_kquants(
+                     name, schemes, threads_of(set(), args)))
     return firsts
 
 
