@@ -24,20 +24,24 @@ from pathlib import Path
 
 import minitransformer as mt
 from minitransformer.chat import encode_chat
+from minitransformer.checkpoints.real_model import checkpoint
 from minitransformer.config import load_config
 from minitransformer.generate import check_prompt
 from minitransformer.kernels import threads
 from minitransformer.kvquant import KV_DTYPES
-from minitransformer.tiled import ATTENTIONS
-from minitransformer.checkpoints.real_model import checkpoint
 from minitransformer.sampling import SamplingSettings
+from minitransformer.serve.blocks import blocks_for
+from minitransformer.serve.config import (
+    POLICIES,
+    EngineConfig,
+    check_against,
+    parse_speculative_config,
+)
 from minitransformer.serve.detokenize import Detokenizer
-from minitransformer.serve.config import POLICIES, EngineConfig
 from minitransformer.serve.engine import Engine
 from minitransformer.serve.online import MAX_WAITING
-from minitransformer.serve.blocks import blocks_for
 from minitransformer.serve.records import Request
-from minitransformer.serve.config import check_against, parse_speculative_config
+from minitransformer.tiled import ATTENTIONS
 
 
 def model_path(spec) -> str:
@@ -47,7 +51,7 @@ def model_path(spec) -> str:
                       notify=lambda line: print(line, file=sys.stderr, flush=True))
 
 
-def integer(low: int, high: int = None):
+def integer(low: int, high: int | None = None):
     """argparse type: an integer in low..high (no upper bound where high is None), refused when
     parsed, before anything is loaded."""
     def parse(text):
@@ -331,7 +335,8 @@ def engine_flags(config: EngineConfig) -> list:
 
 
 def serve(args) -> None:
-    from minitransformer.serve.http import ServerLimits, serve as run_server
+    from minitransformer.serve.http import ServerLimits
+    from minitransformer.serve.http import serve as run_server
 
     config = engine_config(args)        # a bad value: refused before the model is loaded
     limits = ServerLimits(args.max_waiting, args.max_request_bytes, args.drain_timeout,

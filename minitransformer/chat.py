@@ -52,7 +52,6 @@ def render(template: str, messages: list, add_generation_prompt: bool = True,
     '<|user|>Hi\\n<|assistant|>'
     """
     try:
-        import jinja2
         from jinja2.ext import loopcontrols
         from jinja2.sandbox import ImmutableSandboxedEnvironment
     except ImportError:

@@ -14,8 +14,14 @@ before RoPE, and a head_dim of its own).
 from dataclasses import dataclass
 from pathlib import Path
 
-from minitransformer.checks import (flag_field, integer_field, is_integer,
-                                    positive_number_field, read_json_object, token_ids_field)
+from minitransformer.checks import (
+    flag_field,
+    integer_field,
+    is_integer,
+    positive_number_field,
+    read_json_object,
+    token_ids_field,
+)
 from minitransformer.errors import CheckpointError
 
 ARCHITECTURES = {"Qwen2ForCausalLM": "qwen2", "LlamaForCausalLM": "llama",

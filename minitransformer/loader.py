@@ -19,8 +19,6 @@ RoPE is recomputed from ``rope_theta``.
 from dataclasses import fields
 from pathlib import Path, PurePosixPath
 
-import numpy as np
-
 from minitransformer.backend import to_device
 from minitransformer.checks import check_finite, check_missing, read_json_object, token_ids_field
 from minitransformer.config import ModelConfig, load_config

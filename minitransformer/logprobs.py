@@ -65,4 +65,5 @@ def token_logprob(logits, token: int, k: int = 0) -> TokenLogprob:
 
 def prompt_logprobs(logits, ids, k: int = 0) -> list:
     """Logits (T, V) of a prompt's positions, its ids (T,) -> [None, TokenLogprob x T-1]."""
-    return [None] + [token_logprob(z, token, k) for z, token in zip(logits[:-1], ids[1:])]
+    return [None] + [token_logprob(z, token, k)
+                     for z, token in zip(logits[:-1], ids[1:], strict=True)]

@@ -66,7 +66,7 @@ def parameter_count(c) -> int:
     return sum(prod(shape) for shape in tensor_shapes(c).values())
 
 
-def decode_read_bytes(c, weights: dict = None) -> int:
+def decode_read_bytes(c, weights: dict | None = None) -> int:
     """Weight bytes one decode step reads at batch 1: the floor on its time is this divided
     by the memory bandwidth.
 

@@ -48,8 +48,15 @@ from minitransformer.generate import check_prompt, eos_ids, seeded_rng
 from minitransformer.kvcache import KVCache
 from minitransformer.lookup import PromptLookup
 from minitransformer.model import forward, head
-from minitransformer.sampling import (GREEDY, SamplingSettings, apply_repetition_penalty,
-                                      check_sampling, draw, next_token, probabilities)
+from minitransformer.sampling import (
+    GREEDY,
+    SamplingSettings,
+    apply_repetition_penalty,
+    check_sampling,
+    draw,
+    next_token,
+    probabilities,
+)
 
 
 @dataclass(frozen=True)

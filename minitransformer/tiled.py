@@ -13,6 +13,8 @@ whole and softmaxed once over the row as plain does: no running maximum, a few c
 ``TWO_PASS`` is it with plain's mask: how a paged pool's decodes read their blocks where they
 lie (serve/paged.py).
 """
+from itertools import pairwise
+
 from minitransformer.backend import to_numpy, xp
 from minitransformer.kvquant import dequantize, on_floats
 from minitransformer.model import Attention, causal_mask, plain_attention, softmax
@@ -146,7 +148,7 @@ def two_pass_attention(q, k, v, visible=None, tile: int = DECODE_TILE):
     G = H // Hkv
     q = q.reshape(B, T, Hkv, G, d).transpose(0, 2, 3, 1, 4).reshape(B, Hkv, G * T, d)
     edges = [*range(0, max(S - tile // 2, 1), tile), S]  # a tail under half a tile joins the
-    spans = list(zip(edges[:-1], edges[1:]))               # tile before it: [a, b) each
+    spans = list(pairwise(edges))                                   # tile before it: [a, b) each
     scores = xp.concatenate([q @ dequantize(k[:, :, a:b]).transpose(0, 1, 3, 2)
                              for a, b in spans], axis=-1)    # pass one: (B, Hkv, G*T, S)
     scores *= 1.0 / d ** 0.5

@@ -56,7 +56,7 @@ def log2_histogram(values: np.ndarray) -> list[Bin]:
     top = max(float(values.max()), 1.0)
     edges = [0.0] + [2.0 ** k for k in range(int(np.floor(np.log2(top))) + 2)]
     counts, _ = np.histogram(values, bins=edges)  # the last bin is closed: it holds the max
-    return [Bin(lo, hi, int(c)) for lo, hi, c in zip(edges[:-1], edges[1:], counts)]
+    return [Bin(lo, hi, int(c)) for lo, hi, c in zip(edges[:-1], edges[1:], counts, strict=True)]
 
 
 def top_dims(maxima: np.ndarray, k: int) -> np.ndarray:
@@ -72,7 +72,7 @@ def persistence(maxima: np.ndarray, dim: int, k: int) -> list[int]:
 def longest_run(layers: list[int]) -> tuple[int, int]:
     """The longest stretch of consecutive layers in a sorted list, as (first, last)."""
     best, start = (layers[0], layers[0]), layers[0]
-    for previous, layer in zip(layers, layers[1:] + [None]):
+    for previous, layer in zip(layers, layers[1:] + [None], strict=True):
         if layer != previous + 1:
             if previous - start > best[1] - best[0]:
                 best = (start, previous)

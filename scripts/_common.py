@@ -21,8 +21,8 @@ def fail(error):
 
 
 try:    # every script imports this module before the library: a bad setting is said here
-    from minitransformer.loader import load  # noqa: E402
-    from minitransformer.checkpoints.real_model import checkpoint  # noqa: E402
+    from minitransformer.checkpoints.real_model import checkpoint
+    from minitransformer.loader import load
 except ValueError as e:     # errors.SettingError: an MT_* environment value refused at import
     fail(e)
 
@@ -62,8 +62,8 @@ def add_chapter_model_argument(parser):
 def model_config(args):
     """-> (label, ModelConfig) for scripts that need only a model's shape, not its weights:
     --chapter-model gives Qwen2.5-0.5B's, else the config.json of --model (or the default)."""
-    from minitransformer.config import ModelConfig, load_config
     from minitransformer.checkpoints.synth import qwen25_05b_config
+    from minitransformer.config import ModelConfig, load_config
     if args.chapter_model:
         return "Qwen2.5-0.5B shape", ModelConfig.from_dict(qwen25_05b_config())
     path = model_path(args.model)
@@ -76,8 +76,8 @@ def is_chapter_model(config) -> bool:
     """True when config has Qwen2.5-0.5B's shape, the model the chapter's figures come from."""
     from dataclasses import replace
 
-    from minitransformer.config import ModelConfig
     from minitransformer.checkpoints.synth import qwen25_05b_config
+    from minitransformer.config import ModelConfig
     chapter = ModelConfig.from_dict(qwen25_05b_config())
     return replace(config, torch_dtype=chapter.torch_dtype) == chapter
 

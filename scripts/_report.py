@@ -94,12 +94,12 @@ def html_table(table) -> str:
     text = [all(isinstance(r[i], str) for r in table["rows"]) and bool(table["rows"])
             for i in range(len(table["columns"]))]
     head = "".join(f"<th class='{'text' if t else ''}'>{html.escape(c)}</th>"
-                   for c, t in zip(table["columns"], text))
+                   for c, t in zip(table["columns"], text, strict=True))
     rows = []
     for i, cells in enumerate(table["cells"]):
         warning = table["warnings"].get(str(i))
         tds = "".join(f"<td class='{'text' if t else ''}'>{html.escape(c)}</td>"
-                      for c, t in zip(cells, text))
+                      for c, t in zip(cells, text, strict=True))
         if warning:
             tds += f"<td class='text warning'>WARNING: {html.escape(warning)}</td>"
         rows.append(f"<tr class='{'warn' if warning else ''}'>{tds}</tr>")
@@ -136,15 +136,16 @@ def plot_png(plt, table, spec) -> str:
     else:
         for name in spec["ys"]:
             points = [(number(a), number(r[columns.index(name)]))
-                      for a, r in zip(x, table["rows"])]
+                      for a, r in zip(x, table["rows"], strict=True)]
             points = [(a, b) for a, b in points if math.isfinite(a) and math.isfinite(b)]
-            ax.plot(*zip(*points), marker="o", label=name)
+            ax.plot(*zip(*points, strict=True), marker="o", label=name)
         ax.set_xscale("log" if spec["logx"] else "linear")
         points = [(number(a), number(b)) for a, b, _ in chapter]
     if points:
-        ax.scatter(*zip(*points), marker="*", s=160, color="black", zorder=5, label="chapter")
-        for (a, b), (_, _, printed) in zip(points, [c for c in chapter if
-                                                     spec["kind"] != "bar" or c[0] in x]):
+        ax.scatter(*zip(*points, strict=True), marker="*", s=160, color="black", zorder=5,
+                   label="chapter")
+        shown = [c for c in chapter if spec["kind"] != "bar" or c[0] in x]
+        for (a, b), (_, _, printed) in zip(points, shown, strict=True):
             ax.annotate(printed, (a, b), textcoords="offset points", xytext=(6, 6), fontsize=8)
     ax.set_xlabel(spec.get("xlabel") or spec["x"])
     ax.set_ylabel(spec.get("ylabel") or ", ".join(spec["ys"]))

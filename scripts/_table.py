@@ -93,7 +93,8 @@ class Table:
     def text(self) -> str:
         lines = [self.title, *self.headers]
         if self.columns:
-            cells = [[cell(v, fmt) for v, (_, fmt) in zip(r, self.columns)] for r in self.rows]
+            cells = [[cell(v, fmt) for v, (_, fmt) in zip(r, self.columns, strict=True)]
+                     for r in self.rows]
             widths = [max([len(name), *(len(c[i]) for c in cells)])
                       for i, (name, _) in enumerate(self.columns)]
             left = [all(isinstance(r[i], str) for r in self.rows) and bool(self.rows)
@@ -110,7 +111,8 @@ class Table:
         for a script's --markdown file: figures in the documentation written by the script."""
         lines = [f"### {self.title}", "", *(f"{h}  " for h in self.headers)]
         if self.columns:
-            cells = [[cell(v, fmt) for v, (_, fmt) in zip(r, self.columns)] for r in self.rows]
+            cells = [[cell(v, fmt) for v, (_, fmt) in zip(r, self.columns, strict=True)]
+                     for r in self.rows]
             left = [all(isinstance(r[i], str) for r in self.rows) and bool(self.rows)
                     for i in range(len(self.columns))]
             lines += ["", "| " + " | ".join(name for name, _ in self.columns) + " |",
@@ -142,7 +144,7 @@ class Table:
                 "title": self.title, "header": self.headers,
                 "columns": [name for name, _ in self.columns],
                 "rows": [[plain(v) for v in r] for r in self.rows],
-                "cells": [[cell(v, fmt) for v, (_, fmt) in zip(r, self.columns)]
+                "cells": [[cell(v, fmt) for v, (_, fmt) in zip(r, self.columns, strict=True)]
                           for r in self.rows],
                 "warnings": {str(i): w for i, w in self.warnings.items()},
                 "notes": self.notes, "chapter": chapter[0], "differs": chapter[1],
@@ -166,7 +168,7 @@ def cell(value, fmt) -> str:
 
 def line(cells, widths, left) -> str:
     return "  ".join(c.ljust(w) if lf else c.rjust(w)
-                     for c, w, lf in zip(cells, widths, left)).rstrip()
+                     for c, w, lf in zip(cells, widths, left, strict=True)).rstrip()
 
 
 def plain(value):

@@ -40,19 +40,27 @@ from statistics import median
 
 import numpy as np
 
-from _common import (Progress, add_model_argument, add_threads_argument, load_model, model_name,
-                     positive_int, positive_ints, say, timing_header)
-from minitransformer.drafts import students
+from _common import (
+    Progress,
+    add_model_argument,
+    add_threads_argument,
+    load_model,
+    model_name,
+    positive_int,
+    positive_ints,
+    timing_header,
+)
 from _table import Table
-from minitransformer.lookup import PASSAGE, TASK
+
+from minitransformer.drafts import students
 from minitransformer.kernels.blas import FEW_ROWS
+from minitransformer.lookup import PASSAGE, TASK
 from minitransformer.measure.timing import load_average, where_it_ran
 from minitransformer.model import forward
-from minitransformer.serve.config import EngineConfig
+from minitransformer.serve.config import EngineConfig, parse_speculative_config
 from minitransformer.serve.engine import Engine
-from minitransformer.speculative import first_layers
 from minitransformer.serve.records import Request
-from minitransformer.serve.config import parse_speculative_config
+from minitransformer.speculative import first_layers
 
 WORKLOADS = ("rewrite", "free")
 DEFAULT_CONFIG = ('{"method": "ngram", "num_speculative_tokens": 8, "prompt_lookup_max": 4, '
@@ -107,7 +115,7 @@ def main(argv=None):
         parser.error(f"--speculative-config: {e}")
     if spec.method != "ngram" and args.draft is None:
         parser.error("--speculative-config: method draft_model needs --draft (the model)")
-    header = timing_header(args)
+    timing_header(args)     # --threads applied before the load; show() prints the line
     model = load_model(args.model)
     draft = None
     if args.draft is not None:
@@ -201,7 +209,7 @@ def side_by_side(model, ids, n: int, spec, repeat: int, draft=None) -> Sides:
             if spent is not None:
                 out.drafting.append(spent[0] / max(1, run.steps - 1))
         now = sum(a.tokens == b.tokens for a, b in zip(runs["plain"][0].results,
-                                                       runs["spec"][0].results))
+                                                       runs["spec"][0].results, strict=True))
         same = now if same is None else min(same, now)
         speculating = runs["spec"][1].speculator
         out.counters = speculating.counters
@@ -245,7 +253,9 @@ def summary(workload: str, rows: dict) -> str:
 
 
 def show(model, results, workloads, n, args, spec) -> None:
-    x = lambda v: f"{v:.2f}x"   # noqa: E731
+    def x(v):
+        return f"{v:.2f}x"
+
     load = max(r.load for r in results.values())
     table = Table(f"Benchmark: speculative decoding in the engine, {model_name(model)}",
                   columns=[("workload", ""), ("streams", "d"), ("plain tok/s", ".1f"),

@@ -14,8 +14,9 @@ import sys
 from pathlib import Path
 
 from _common import run
-from minitransformer.config import load_config
+
 from minitransformer.checkpoints.synth import weights_dir
+from minitransformer.config import load_config
 
 FILES = ["config.json", "generation_config.json", "tokenizer*", "*.safetensors",
          "model.safetensors.index.json"]

@@ -15,12 +15,21 @@ the numbers, so its tokens may differ: the table says so, and only f32 must be i
 """
 import argparse
 
-from _common import (Progress, add_cache_arguments, add_model_argument, add_threads_argument,
-                     add_timing_arguments, load_model, positive_int, timing_header)
+from _common import (
+    Progress,
+    add_cache_arguments,
+    add_model_argument,
+    add_threads_argument,
+    add_timing_arguments,
+    load_model,
+    positive_int,
+    timing_header,
+)
 from _table import Table, is_random
+
 import minitransformer as mt
-from minitransformer.measure.timing import time_together
 from minitransformer.measure.sanity import conclude, recheck, slower, unsteady_line
+from minitransformer.measure.timing import time_together
 from minitransformer.tokenizer import encode_prompt
 
 PROMPT = ("The key and value vectors of position seven are computed from the input at position "
@@ -69,7 +78,7 @@ def main(argv=None):
     tokens, (t_slow, t_fast), warning = both_ways(model, ids, n, args.repeat,
                                                   args.kv_cache_dtype, args.attention)
     slow, fast = tokens["recompute"], tokens["cache"]
-    same = sum(a == b for a, b in zip(slow, fast))
+    same = sum(a == b for a, b in zip(slow, fast, strict=True))
 
     table = Table(f"Experiment 1: slow vs fast generation ({len(ids)}-token prompt, {n} new "
                   "tokens, greedy)", experiment=1,

@@ -22,15 +22,23 @@ import argparse
 
 import numpy as np
 
-from _common import (Progress, add_lengths_argument, add_model_argument, add_threads_argument,
-                     add_timing_arguments, model_path, timing_header)
+from _common import (
+    Progress,
+    add_lengths_argument,
+    add_model_argument,
+    add_threads_argument,
+    add_timing_arguments,
+    model_path,
+    timing_header,
+)
 from _table import Table
+
 from minitransformer.backend import to_device, to_numpy
 from minitransformer.config import load_config
+from minitransformer.measure.sanity import recheck, slower, unsteady_line
 from minitransformer.measure.timing import peak_bytes, time_together
 from minitransformer.model import causal_mask, plain_attention
 from minitransformer.tiled import CausalTiles, largest_score_block, tiled_attention
-from minitransformer.measure.sanity import recheck, slower, unsteady_line
 
 FP32 = 4  # bytes per score: the model's math is float32
 

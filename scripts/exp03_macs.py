@@ -8,9 +8,9 @@ counted is listed in sim/macs.py and printed under the table.
 import argparse
 import time
 
-from _common import (add_chapter_model_argument, add_model_argument, model_config, positive_ints,
-                     say)
+from _common import add_chapter_model_argument, add_model_argument, model_config, positive_ints, say
 from _table import Table
+
 from sim.arch import arch
 from sim.macs import compare
 

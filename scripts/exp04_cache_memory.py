@@ -31,9 +31,19 @@ from functools import partial
 
 import numpy as np
 
-from _common import (Progress, add_model_argument, add_prompt_arguments, add_threads_argument,
-                     at_least, load_model, model_name, model_path, say)
+from _common import (
+    Progress,
+    add_model_argument,
+    add_prompt_arguments,
+    add_threads_argument,
+    at_least,
+    load_model,
+    model_name,
+    model_path,
+    say,
+)
 from _table import Table
+
 import minitransformer as mt
 from minitransformer.backend import to_numpy
 from minitransformer.config import load_config
@@ -87,7 +97,7 @@ def memory_table(model, P, N, runs, counter, threads, prefill) -> Table:
     c = model.config
     (slow, peak_slow), (fast, peak_fast) = runs["recompute"], runs["cache"]
     cache_held = (P + N) * kv_bytes_per_token(c, 4)
-    same = sum(a == b for a, b in zip(slow, fast))
+    same = sum(a == b for a, b in zip(slow, fast, strict=True))
     table = Table(f"Experiment 4: memory with and without the KV cache ({P}-token prompt, {N} "
                   "new tokens, greedy, float32)", experiment=4,
                   columns=[("method", ""), ("peak beyond weights", format_bytes),

@@ -21,9 +21,17 @@ import statistics
 
 import numpy as np
 
-from _common import (Progress, add_model_argument, add_prompt_arguments, add_threads_argument,
-                     add_timing_arguments, load_model, timing_header)
+from _common import (
+    Progress,
+    add_model_argument,
+    add_prompt_arguments,
+    add_threads_argument,
+    add_timing_arguments,
+    load_model,
+    timing_header,
+)
 from _table import Table
+
 from minitransformer.generate import last_logits
 from minitransformer.kvcache import KVCache
 from minitransformer.measure.sanity import conclude

@@ -14,14 +14,30 @@ import argparse
 
 import numpy as np
 
-from _common import (Progress, add_lengths_argument, add_model_argument, add_threads_argument,
-                     add_timing_arguments, lengths_within, load_model, timing_header)
+from _common import (
+    Progress,
+    add_lengths_argument,
+    add_model_argument,
+    add_threads_argument,
+    add_timing_arguments,
+    lengths_within,
+    load_model,
+    timing_header,
+)
 from _table import Table
+
 from minitransformer.generate import last_logits
 from minitransformer.kvcache import KVCache
+from minitransformer.measure.sanity import (
+    conclude,
+    cost_falls,
+    merged,
+    recheck_rows,
+    rests_on,
+    spikes,
+    unsteady,
+)
 from minitransformer.measure.timing import median_time
-from minitransformer.measure.sanity import (conclude, cost_falls, merged, recheck_rows, rests_on,
-                                            spikes, unsteady)
 
 
 def prefill_time(model, ids, warmup, repeat):
@@ -62,7 +78,7 @@ def main(argv=None):
                            ("ms per token", ".2f"), ("tokens/s", ".0f")])
     table.header(f"time: fastest and median of {args.repeat}+ passes after {args.warmup} "
                  "warm-up", ran_on)
-    for i, (P, t) in enumerate(zip(lengths, timings)):
+    for i, (P, t) in enumerate(zip(lengths, timings, strict=True)):
         table.row(P, t.best * 1e3, t.median * 1e3, t.best * 1e3 / P, P / t.best,
                   warning=warnings.get(i))
     (P0, t0), (P1, t1) = (lengths[0], timings[0].best), (lengths[-1], timings[-1].best)

@@ -18,14 +18,22 @@ import argparse
 
 import numpy as np
 
-from _common import (Progress, add_lengths_argument, add_model_argument, add_threads_argument,
-                     add_timing_arguments, lengths_within, load_model, timing_header)
+from _common import (
+    Progress,
+    add_lengths_argument,
+    add_model_argument,
+    add_threads_argument,
+    add_timing_arguments,
+    lengths_within,
+    load_model,
+    timing_header,
+)
 from _table import Table
+
 from minitransformer.kvcache import KVCache
+from minitransformer.measure.sanity import conclude, cost_falls, merged, recheck, rests_on, unsteady
 from minitransformer.measure.timing import median_time, step_with_rollback
 from minitransformer.model import forward
-from minitransformer.measure.sanity import (conclude, cost_falls, merged, recheck, rests_on,
-                                            unsteady)
 from minitransformer.shape import decode_read_bytes
 from sim.kv_memory import format_bytes, kv_bytes_per_token
 
@@ -75,7 +83,7 @@ def main(argv=None):
     table.header(f"time: fastest and median of {args.repeat}+ steps after {args.warmup} "
                  "warm-up; cache read: C x 2 x L x Hkv x d x 4 B", ran_on)
     base = timings[0].best
-    for i, (C, t) in enumerate(zip(lengths, timings)):
+    for i, (C, t) in enumerate(zip(lengths, timings, strict=True)):
         table.row(C, t.best * 1e3, t.median * 1e3, t.best / base, C * per_token,
                   C * per_token / weights, warning=warnings.get(i))
     ends = rests_on([f"C={C:,}" for C in lengths], timings, warnings, (0, len(lengths) - 1))

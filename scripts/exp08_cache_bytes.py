@@ -25,12 +25,13 @@ import numpy as np
 
 from _common import add_model_argument, load_model, progress
 from _table import Table
+
 from minitransformer.backend import xp
+from minitransformer.checkpoints.synth import qwen25_05b_config
 from minitransformer.config import ModelConfig
 from minitransformer.kvcache import KVCache
 from minitransformer.kvquant import KV_DTYPES, block_of, cache_bytes_per_token, vector_bytes
 from minitransformer.model import forward
-from minitransformer.checkpoints.synth import qwen25_05b_config
 from sim.kv_memory import format_bytes
 
 F32, F16, Q8, Q4 = KV_DTYPES
@@ -158,7 +159,7 @@ def main(argv=None):
                f"--model's cache per format, a real prefill of {N} tokens each; measured "
                "(nbytes / tokens) against the formula:")
     f32_bytes = formats[0][0].nbytes
-    for (held, each, text), dtype in zip(formats, KV_DTYPES):
+    for (held, each, text), dtype in zip(formats, KV_DTYPES, strict=True):
         table.note(f"  {dtype:<5} {held.nbytes // N:>9,} B/token measured, formula {text} = "
                    f"{each:,}: {'equal' if held.nbytes == N * each else 'NOT EQUAL'}; "
                    f"{held.nbytes / f32_bytes:.4f}x f32; {held_shape(held)}")

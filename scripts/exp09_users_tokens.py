@@ -8,6 +8,7 @@ import argparse
 
 from _common import add_chapter_model_argument, add_model_argument, model_config
 from _table import Table
+
 from sim.arch import kv_dims
 from sim.kv_memory import format_bytes, kv_bytes_per_token, users_tokens_table
 

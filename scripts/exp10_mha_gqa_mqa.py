@@ -12,11 +12,11 @@ from types import SimpleNamespace
 
 from _common import add_chapter_model_argument, add_model_argument, model_config
 from _table import Table
+
 from minitransformer.kvcache import KVCache
 from minitransformer.kvquant import KV_DTYPES, cache_bytes_per_token
 from sim.arch import kv_dims, query_heads
 from sim.kv_memory import attention_variants, format_bytes
-
 
 SLOTS = 16  # slots of each measured cache (bytes per slot do not depend on how many: exp. 8)
 

@@ -8,8 +8,8 @@ import argparse
 
 from _common import positive_ints
 from _table import Table
-from sim.kv_memory import (GB, context_table, crossing_tokens, format_bytes,
-                           kv_bytes_per_token)
+
+from sim.kv_memory import GB, context_table, crossing_tokens, format_bytes, kv_bytes_per_token
 from sim.memory_budget import FP16, SEVEN_B, ModelSpec, weight_bytes
 
 

@@ -20,6 +20,7 @@ import numpy as np
 
 from _common import add_model_argument, fail, load_model, positive_ints, progress
 from _table import Table
+
 from minitransformer.kvcache import KVCache
 from minitransformer.kvquant import cache_bytes_per_token
 from minitransformer.model import forward
@@ -72,8 +73,8 @@ def main(argv=None):
               (f"every layer W={args.window}", replace(c, layer_windows=(args.window,) * L)),
               (f"upper {L - L // 2} layers W={args.window}",
                replace(c, layer_windows=(None,) * (L // 2) + (args.window,) * (L - L // 2)))]
-    table = Table(f"Experiment 11, window: the rotating cache held against the formula "
-                  f"(--model's shape, f32)", experiment=11, chapter=False,
+    table = Table("Experiment 11, window: the rotating cache held against the formula "
+                  "(--model's shape, f32)", experiment=11, chapter=False,
                   columns=[("layers", ""), ("tokens", ",d"), ("formula", format_bytes),
                            ("held", format_bytes), ("equal", "")])
     rng, done = np.random.default_rng(0), 0

@@ -30,12 +30,30 @@ import time
 
 import numpy as np
 
-from _common import (Progress, add_engine_arguments, add_model_argument, add_threads_argument,
-                     add_timing_arguments, load_model, positive_int, positive_ints, progress, say,
-                     timing_header)
+from _common import (
+    Progress,
+    add_engine_arguments,
+    add_model_argument,
+    add_threads_argument,
+    add_timing_arguments,
+    load_model,
+    positive_int,
+    positive_ints,
+    progress,
+    say,
+    timing_header,
+)
 from _table import Table
-from minitransformer.measure.sanity import (conclude, cost_falls, merged, per_unit_rises,
-                                             recheck_rows, rests_on, unsteady)
+
+from minitransformer.measure.sanity import (
+    conclude,
+    cost_falls,
+    merged,
+    per_unit_rises,
+    recheck_rows,
+    rests_on,
+    unsteady,
+)
 from minitransformer.measure.timing import batched_steps, time_together
 from minitransformer.model import forward
 from minitransformer.serve.blocks import blocks_for
@@ -61,7 +79,7 @@ def fill(model, B, context, block_size, seed):
 
 def knee(sizes, tps, gain):
     """The first B whose doubling (when measured) buys less than `gain` more tokens/s."""
-    at = dict(zip(sizes, tps))
+    at = dict(zip(sizes, tps, strict=True))
     for B in sizes:
         if 2 * B in at and at[2 * B] / at[B] - 1 < gain:
             return B
@@ -101,7 +119,7 @@ def batched_timings(model, sizes, args):
 
 def batched_table(sizes, timings, warnings, args, ran_on) -> Table:
     paged = [p.best for p, _, _ in timings]
-    tps = [B / t for B, t in zip(sizes, paged)]
+    tps = [B / t for B, t in zip(sizes, paged, strict=True)]
     table = Table(f"Experiment 12: batched decode, each sequence holding a {args.context}-token "
                   "cache and decoding one token", experiment=12, columns=[
                       ("B", "d"), ("step ms", ".1f"), ("med ms", ".1f"), ("tokens/s", ".1f"),
@@ -111,12 +129,12 @@ def batched_table(sizes, timings, warnings, args, ran_on) -> Table:
     table.header(f"time: fastest and median of {args.repeat}+ steps, paged and contiguous side "
                  f"by side; paged cache, block size {args.block_size}; the contiguous column runs "
                  "model.forward on a KVCache", ran_on)
-    for i, (B, (p, _, c)) in enumerate(zip(sizes, timings)):
+    for i, (B, (p, _, c)) in enumerate(zip(sizes, timings, strict=True)):
         table.row(B, p.best * 1e3, p.median * 1e3, tps[i], p.best / paged[0], tps[i] / tps[0],
                   None if i == 0 else p.best / paged[i - 1],
                   None if i == 0 else tps[i] / tps[i - 1], c.best * 1e3,
                   warning=warnings.get(i))
-    at = dict(zip(sizes, zip(paged, tps)))
+    at = dict(zip(sizes, zip(paged, tps, strict=True), strict=True))
     pairs = [(a, b) for a, b in ((1, 16), (16, 32)) if a in at and b in at]
     parts = [f"{a} -> {b}: throughput x{at[b][1] / at[a][1]:.2f} "
              f"({at[b][1] / at[a][1] - 1:+.0%}), latency x{at[b][0] / at[a][0]:.2f}"
@@ -151,7 +169,7 @@ def ways_table(sizes, timings, logits) -> Table:
                      ("B", "d"), ("flat ms", ".1f"), ("flat tokens/s", ".1f"),
                      ("flat vs B=1", ".2f"), ("row by row ms", ".1f"),
                      ("row by row tokens/s", ".1f"), ("row by row vs B=1", ".2f")])
-    for B, t, e in zip(sizes, paged, exact):
+    for B, t, e in zip(sizes, paged, exact, strict=True):
         ways.row(B, t * 1e3, B / t, B / t / (sizes[0] / paged[0]), e * 1e3, B / e,
                  B * exact[0] / e)
     fast_logits, exact_logits = logits

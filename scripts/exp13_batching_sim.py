@@ -18,10 +18,19 @@ import numpy as np
 
 from _common import add_workload_arguments, numbers, positive_int, say, workload_lengths
 from _table import Table
+
 from minitransformer.measure.sanity import conclude_on
 from minitransformer.serve.records import metrics
-from sim.batching import (STATIC_RULE, AffineCost, TableCost, capacity_rate, first_crossing,
-                          simulate_continuous, simulate_static, sweep)
+from sim.batching import (
+    STATIC_RULE,
+    AffineCost,
+    TableCost,
+    capacity_rate,
+    first_crossing,
+    simulate_continuous,
+    simulate_static,
+    sweep,
+)
 from sim.workload import make_workload
 
 LOADS = "0.05,0.1,0.2,0.3,0.4,0.5,0.6,0.7,0.8,0.9,1,1.25,1.5,2,3,5,inf"
@@ -32,7 +41,8 @@ def describe(cost, path):
         return (f"default affine model t(B) = {cost.a * 1e3:g} ms + {cost.b * 1e3:g} ms x B, "
                 "not a measurement\n  (chosen so 1 -> 16 gives the chapter's x6.0 throughput and"
                 " x2.67 latency;\n  pass --step-costs FILE with experiment 12's measured costs)")
-    points = ", ".join(f"B={b} {s * 1e3:.1f} ms" for b, s in zip(cost.batch_sizes, cost.seconds))
+    points = ", ".join(f"B={b} {s * 1e3:.1f} ms"
+                       for b, s in zip(cost.batch_sizes, cost.seconds, strict=True))
     return (f"measured by experiment 12 (the step-cost file {Path(path).name}): {points}\n"
             "  (linear in between)")
 

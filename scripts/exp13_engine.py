@@ -22,15 +22,27 @@ from pathlib import Path
 
 import numpy as np
 
-from _common import (Progress, add_cache_arguments, add_engine_arguments, add_model_argument,
-                     add_threads_argument, add_workload_arguments, finished_progress, load_model,
-                     positive_int, say, timing_header, workload_lengths)
+from _common import (
+    Progress,
+    add_cache_arguments,
+    add_engine_arguments,
+    add_model_argument,
+    add_threads_argument,
+    add_workload_arguments,
+    finished_progress,
+    load_model,
+    positive_int,
+    say,
+    timing_header,
+    workload_lengths,
+)
 from _table import Table
+
 import minitransformer as mt
+from minitransformer.measure.sanity import conclude_on, load_seen
 from minitransformer.serve.config import EngineConfig
 from minitransformer.serve.engine import Engine
 from minitransformer.serve.paged import pool_for
-from minitransformer.measure.sanity import conclude_on, load_seen
 from minitransformer.serve.records import Request, metrics
 from sim.batching import STATIC_RULE, TableCost, simulate_continuous, simulate_static
 from sim.workload import make_workload
@@ -42,7 +54,7 @@ def workload(args, vocab_size):
     arrivals = [a.time for a in make_workload(lengths, args.rate, seed=0)]
     rng = np.random.default_rng(args.seed)
     requests = [Request(tuple(rng.integers(0, vocab_size, args.prompt_len).tolist()), n,
-                        arrival=t, eos_token_id=[]) for n, t in zip(lengths, arrivals)]
+                        arrival=t, eos_token_id=[]) for n, t in zip(lengths, arrivals, strict=True)]
     return lengths, requests
 
 
@@ -115,7 +127,8 @@ def simulation_table(runs, lengths, cost, warnings, args) -> Table:
             simulate_continuous(arrivals, args.slots, cost, prefill)]
     source = (f"from the step-cost file {Path(args.step_costs).name}" if args.step_costs else
               "measured in this run (median per batch size)")
-    points = ", ".join(f"B={b} {s * 1e3:.1f}" for b, s in zip(cost.batch_sizes, cost.seconds))
+    points = ", ".join(f"B={b} {s * 1e3:.1f}"
+                       for b, s in zip(cost.batch_sizes, cost.seconds, strict=True))
     sim = Table("Simulation (sim/batching.py) of the same workload", experiment=13,
                 columns=COLUMNS)
     sim.header(f"step costs {source}: {points} ms; prefill {prefill * 1e3:.1f} ms per "
@@ -141,7 +154,8 @@ def exactness_table(model, runs, args) -> Table:
                                              attention=args.attention)
         if i % 8 == 0 or i == len(results):
             say(f"[{i}/{len(results)}] checked against generate: {same} identical")
-    static_same = all(a.tokens == b.tokens for a, b in zip(*(run.results for run in runs)))
+    static_same = all(a.tokens == b.tokens
+                      for a, b in zip(*(run.results for run in runs), strict=True))
     return Table("Exactness", chapter=False).note(
         f"tokens identical to generating each request alone: {same} of {len(results)} "
         f"(continuous); static gave the same tokens: {static_same}")

@@ -22,17 +22,28 @@ import tempfile
 
 import numpy as np
 
-from _common import (Progress, add_engine_arguments, add_model_argument, add_threads_argument,
-                     at_least, finished_progress, load_model, positive_int, positive_ints, say,
-                     timing_header)
+from _common import (
+    Progress,
+    add_engine_arguments,
+    add_model_argument,
+    add_threads_argument,
+    at_least,
+    finished_progress,
+    load_model,
+    positive_int,
+    positive_ints,
+    say,
+    timing_header,
+)
 from _table import Table
+
 import minitransformer as mt
+from minitransformer.checkpoints.synth import make_checkpoint, qwen2_config
+from minitransformer.serve.blocks import blocks_for
 from minitransformer.serve.config import EngineConfig
 from minitransformer.serve.engine import Engine
 from minitransformer.serve.paged import pool_for
 from minitransformer.serve.records import Request
-from minitransformer.serve.blocks import blocks_for
-from minitransformer.checkpoints.synth import make_checkpoint, qwen2_config
 from sim.workload import skewed_lengths
 
 MB = 1024 ** 2
@@ -145,7 +156,7 @@ def sharing_table(stand_in, lengths, bpt, context, args) -> Table:
     shared = requests_for(lengths, args.prompt_len, V, args.seed, system)
     on = serve(stand_in, shared, args.slots, bs, share=True)
     off = serve(stand_in, shared, args.slots, bs, share=False)
-    saved = np.mean([a.blocks_held - b.blocks_held for a, b in zip(off, on)])
+    saved = np.mean([a.blocks_held - b.blocks_held for a, b in zip(off, on, strict=True)])
     full = args.system_len // bs  # the system prompt's full blocks, held once when shared
     expected = np.mean([max(m.sequences - 1, 0) * full for m in on])
     table = Table(f"Prefix sharing: the same requests behind a common {args.system_len}-token "

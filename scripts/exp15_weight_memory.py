@@ -18,6 +18,7 @@ import numpy as np
 
 from _common import Progress, add_model_argument, add_schemes_argument, load_model, model_name
 from _table import Table
+
 from minitransformer.backend import BACKEND, to_numpy
 from quant.qmodel import SCHEMES, projection_names, quantize_model, resident_bytes
 

@@ -15,6 +15,7 @@ import numpy as np
 
 from _common import add_model_argument, add_schemes_argument, load_model, model_name, progress, say
 from _table import Table
+
 from minitransformer.backend import to_numpy
 from quant.analysis import error_table
 from quant.gguf_weight import FALLBACK

@@ -14,6 +14,7 @@ import numpy as np
 
 from _common import add_model_argument, is_chapter_model, load_model, model_name, say
 from _table import Table
+
 from minitransformer.backend import to_numpy
 from quant.absmax import absmax_per_tensor
 from quant.analysis import error_table, outlier_stats

@@ -16,9 +16,17 @@ import numpy as np
 
 from _common import add_model_argument, choose_layer, load_model, model_name, say
 from _table import Table
+
 from minitransformer.tokenizer import encode_prompt
-from quant.activations import (PROMPT, capture_residuals, log2_histogram,
-                               longest_run, per_dim_max, persistence, top_dims)
+from quant.activations import (
+    PROMPT,
+    capture_residuals,
+    log2_histogram,
+    longest_run,
+    per_dim_max,
+    persistence,
+    top_dims,
+)
 
 
 def main(argv=None):

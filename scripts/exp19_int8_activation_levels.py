@@ -14,6 +14,7 @@ import numpy as np
 
 from _common import add_model_argument, choose_layer, integers, load_model, model_name, say
 from _table import Table
+
 from minitransformer.tokenizer import encode_prompt
 from quant.activations import PROMPT, capture_residuals, int8_levels, quantile_dims
 

@@ -10,6 +10,7 @@ import argparse
 
 from _common import add_model_argument, choose_layer, load_model, model_name, say
 from _table import Table
+
 from minitransformer.tokenizer import encode_prompt
 from quant.activations import PROMPT, capture_residuals
 from quant.techniques import matmul_operands, measure

@@ -22,9 +22,14 @@ import math
 
 from _common import Progress, add_model_argument, add_schemes_argument, load_model, model_name, say
 from _table import Table
+
 from minitransformer.kvquant import KV_DTYPES, cache_bytes_per_token
-from minitransformer.measure.quality import (next_token_scores, paired_ratio, tokens_of,
-                                             wilson_interval)
+from minitransformer.measure.quality import (
+    next_token_scores,
+    paired_ratio,
+    tokens_of,
+    wilson_interval,
+)
 from minitransformer.measure.text import evaluation_text
 from quant.qmodel import SCHEMES, quantize_model
 

@@ -25,14 +25,29 @@ from dataclasses import replace
 
 from threadpoolctl import threadpool_limits
 
-from _common import (Progress, add_model_argument, add_schemes_argument, load_model, model_name,
-                     progress, say)
+from _common import (
+    Progress,
+    add_model_argument,
+    add_schemes_argument,
+    load_model,
+    model_name,
+    progress,
+    say,
+)
 from _table import Table
+
+from minitransformer.measure.quality import (
+    BATTERY,
+    agreement,
+    battery,
+    default_repetition_penalty,
+    paired_ratio,
+    perplexity,
+    reference_tokens,
+    tokens_of,
+    wilson_interval,
+)
 from minitransformer.measure.text import evaluation_text
-from minitransformer.measure.quality import (BATTERY, agreement, battery,
-                                             default_repetition_penalty, paired_ratio,
-                                             perplexity, reference_tokens, tokens_of,
-                                             wilson_interval)
 from minitransformer.tokenizer import encode_prompt
 from quant.gguf_weight import GGUFWeight
 from quant.qmodel import SCHEMES, quantize_model, resident_bytes
@@ -177,7 +192,10 @@ def ratio_text(nll, base) -> str:
     reference itself (or a single token scored: no interval)."""
     if nll is base or len(nll) < 2:
         return "-"
-    digits = lambda r: f"{r:,.3f}" if r < 1000 else f"{r:,.0f}"  # noqa: E731
+
+    def digits(r):
+        return f"{r:,.3f}" if r < 1000 else f"{r:,.0f}"
+
     r, low, high = paired_ratio(nll, base)
     return f"{digits(r)} [{digits(low)}, {digits(high)}]"
 

@@ -25,27 +25,54 @@ import argparse
 
 import numpy as np
 
-from _common import (Progress, add_draft_arguments, add_model_argument, add_schemes_argument,
-                     add_threads_argument, distilled_drafts, draft_settings, load_model,
-                     model_name, positive_int, positive_ints, run, say, timing_header)
+from _common import (
+    Progress,
+    add_draft_arguments,
+    add_model_argument,
+    add_schemes_argument,
+    add_threads_argument,
+    distilled_drafts,
+    draft_settings,
+    load_model,
+    model_name,
+    positive_int,
+    positive_ints,
+    run,
+    say,
+    timing_header,
+)
 from _table import Table
 from bench_spec_serving import crossover, prime, prompts, side_by_side
+
 import minitransformer as mt
+from minitransformer.drafts.students import SHORT, drafts_of
 from minitransformer.kvcache import KVCache
 from minitransformer.lookup import PASSAGE, PromptLookup, rewrite_prompt
 from minitransformer.measure.quality import agreement, reference_tokens
-from minitransformer.measure.sanity import (NOISE_FLOOR, conclude, merged, recheck, rests_on,
-                                             speedup_bound, unsteady, unsteady_line)
-from minitransformer.drafts.students import SHORT, drafts_of
-from minitransformer.measure.timing import (step_with_rollback, time_together,
-                                            verification_timings)
+from minitransformer.measure.sanity import (
+    NOISE_FLOOR,
+    conclude,
+    merged,
+    recheck,
+    rests_on,
+    speedup_bound,
+    unsteady,
+    unsteady_line,
+)
+from minitransformer.measure.timing import step_with_rollback, time_together, verification_timings
 from minitransformer.model import forward
 from minitransformer.serve.config import SpeculativeConfig
 from minitransformer.shape import decode_read_bytes
 from minitransformer.speculative import first_layers, speculative_generate
 from quant.qmodel import SCHEMES, quantize_model
-from sim.speculative import (batched_speedup, best_gamma, best_lookup_gamma, expected_tokens,
-                             fit_weight_rows, speedup)
+from sim.speculative import (
+    batched_speedup,
+    best_gamma,
+    best_lookup_gamma,
+    expected_tokens,
+    fit_weight_rows,
+    speedup,
+)
 
 
 def disagree(t_plain, t_spec):
@@ -183,7 +210,7 @@ def races(target, ids, plain, rows, repeats) -> list:
 
     def flagged(timings):  # a speedup above what the kept tokens allow: a disturbed plain run
         t_plain, specs = timings[0], timings[1:]    # or repeats that disagree: a busy machine
-        return {i: m for i, (row, t) in enumerate(zip(rows, specs))
+        return {i: m for i, (row, t) in enumerate(zip(rows, specs, strict=True))
                 if (m := speedup_bound(t_plain.best / t.best, results[i].tokens_per_pass,
                                        row[5], row[3]) or disagree(t_plain, t))}
     fns = [lambda: mt.generate(target, ids, n, eos_token_id=[])] + [
@@ -198,7 +225,10 @@ def races(target, ids, plain, rows, repeats) -> list:
 
 def table_of(target, ids, plain, verification, rows, measured, header) -> Table:
     """verification: (passes, warnings) of v(n), as main measured them."""
-    x = lambda value: f"{value:.2f}x"  # noqa: E731
+
+    def x(value):
+        return f"{value:.2f}x"
+
     (passes, v_warnings), v = verification, v_of(verification[0])
     G, n = len(passes) - 1, len(plain)
     table = Table(f"Experiment 22 (measured): speculative decoding, {model_name(target)}",
@@ -220,7 +250,7 @@ def table_of(target, ids, plain, verification, rows, measured, header) -> Table:
                           "these costs", rests_on([f"v({k})" for k in range(G + 1)], passes,
                                                   v_warnings, range(G + 1))))
     for (label, _, alpha, c, c_bytes, g, tpp, pred), (r, best, median, same, warning) in zip(
-            rows, measured):
+            rows, measured, strict=True):
         table.row(label, alpha, c, c_bytes, g, tpp, r.tokens_per_pass, pred, best, median,
                   "yes" if same else "NO", warning=warning)
     table.note("alpha: per-proposal acceptance (lookup: kept / (kept + rejections) in its "
@@ -255,7 +285,7 @@ def main(argv=None):
     say(f"[4/4] measured: every draft at its gamma against plain greedy, {args.repeats} rounds "
         "side by side")
     measured = races(target, ids, plain, rows, args.repeats)
-    for row, (_, best, _, same, _) in zip(rows, measured):
+    for row, (_, best, _, same, _) in zip(rows, measured, strict=True):
         say(f"  {row[0]}, gamma {row[5]}: {best:.2f}x, "
             f"tokens {'identical' if same else 'DIFFERENT'}")
     table_of(target, ids, plain, (passes, v_warnings), rows, measured, header).show()

@@ -10,6 +10,7 @@ import argparse
 
 from _common import numbers, positive_ints
 from _table import Table
+
 from sim.speculative import expected_tokens, speedup
 from sim.speculative import table as formula_table
 

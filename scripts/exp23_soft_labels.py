@@ -21,13 +21,27 @@ import argparse
 
 import numpy as np
 
-from _common import (add_draft_arguments, add_model_argument, add_threads_argument,
-                     distilled_drafts, draft_settings, load_model, model_name, numbers,
-                     timing_header)
+from _common import (
+    add_draft_arguments,
+    add_model_argument,
+    add_threads_argument,
+    distilled_drafts,
+    draft_settings,
+    load_model,
+    model_name,
+    numbers,
+    timing_header,
+)
 from _table import Table
+
 import minitransformer as mt
-from minitransformer.drafts.distill import (distillation_grad, distillation_loss, rank_ratio,
-                                     soft_labels, top_tokens)
+from minitransformer.drafts.distill import (
+    distillation_grad,
+    distillation_loss,
+    rank_ratio,
+    soft_labels,
+    top_tokens,
+)
 from minitransformer.drafts.students import SCORED_BY_EXP21, STUDENTS, Distilled, source
 from minitransformer.speculative import first_layers
 from minitransformer.tokenizer import encode_prompt
@@ -135,7 +149,7 @@ def labels_table(teacher, ids, z, args) -> Table:
                                           ("T = 2", ""), ("p at T = 2", ".4f"),
                                           ("the word it starts (greedy)", "")])
     table.random_weights(teacher)
-    for rank, (a, b) in enumerate(zip(top1, top2), 1):
+    for rank, (a, b) in enumerate(zip(top1, top2, strict=True), 1):
         table.row(rank, repr(continuation(teacher.tokenizer, ids, a)), float(p1[a]),
                   repr(continuation(teacher.tokenizer, ids, b)), float(p2[b]),
                   repr(word(teacher, ids, a)))

@@ -12,11 +12,11 @@ import dataclasses
 from pathlib import Path
 
 from _common import model_path, numbers, say
-from minitransformer.config import load_config
 from _table import Table
+
+from minitransformer.config import load_config
 from sim.kv_memory import format_bytes
-from sim.memory_budget import (INT4, MODELS, PRECISIONS, Assumptions, ModelSpec,
-                               budget_table)
+from sim.memory_budget import INT4, MODELS, PRECISIONS, Assumptions, ModelSpec, budget_table
 
 
 def cells(row, gb):

@@ -14,8 +14,8 @@ from pathlib import Path
 
 from _common import say
 
-from minitransformer.errors import CheckpointError
 from minitransformer.checkpoints.real_model import import_gguf, sha256, smollm2
+from minitransformer.errors import CheckpointError
 
 
 def main(argv=None):

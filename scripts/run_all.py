@@ -31,8 +31,8 @@ import argparse
 import os
 import platform
 import re
-import shlex
 import resource
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -42,8 +42,9 @@ from pathlib import Path
 from types import SimpleNamespace
 
 from _common import add_model_argument, model_name, model_path, say
-from minitransformer.measure.timing import load_average
 from _table import RECORD_ENV, Table
+
+from minitransformer.measure.timing import load_average
 
 HERE = Path(__file__).resolve().parent
 REPORT = HERE.parent / "out" / "report"   # the default report's folder: git-ignored (/out/)
@@ -221,7 +222,8 @@ def main(argv=None):
     firsts = first_use(job, args, env)
     start, cpu_start, loads = time.perf_counter(), cpu_seconds(), [load_average()]
     timings = run_job(job, args, env, loads)
-    failed = [script for (script, _, _), (_, status, *_) in zip(job, timings) if status != "ok"]
+    failed = [script for (script, _, _), (_, status, *_) in zip(job, timings, strict=True)
+              if status != "ok"]
     total, cpu_total = time.perf_counter() - start, cpu_seconds() - cpu_start
     judged = verdict(total, cpu_total, loads, max((t[2] for t in timings), default=1))
     summary = summary_table(timings, failed, total, cpu_total, judged, firsts)
@@ -318,6 +320,7 @@ def kquants_stamp(model, scheme) -> Path:
     first-use line reads it; the scripts read or make each matrix's blocks themselves, so a
     stale note costs the quantizing inside their times, never a wrong number."""
     import hashlib
+
     from minitransformer.checkpoints.synth import weights_dir
     from quant.gguf_weight import quantizers_digest
     path = Path(model_path(model))
@@ -365,6 +368,7 @@ def quantize_scheme(weights, scheme: str, threads: int) -> None:
     its loops over a matrix's blocks, so each thread quantizes a matrix of its own on a core
     of its own. Each matrix is the same calls on the same floats as one thread would make."""
     from concurrent.futures import ThreadPoolExecutor
+
     from quant.gguf_weight import kept_blocks, stored_type
     from quant.qmodel import projection_names
     from quant.scales import check_weight

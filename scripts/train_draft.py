@@ -9,8 +9,17 @@ experiment 22 races them as drafts.
 """
 import argparse
 
-from _common import (add_draft_arguments, add_model_argument, add_threads_argument,
-                     distilled_drafts, draft_settings, load_model, run, say, timing_header)
+from _common import (
+    add_draft_arguments,
+    add_model_argument,
+    add_threads_argument,
+    distilled_drafts,
+    draft_settings,
+    load_model,
+    run,
+    say,
+    timing_header,
+)
 
 
 def main(argv=None):

@@ -40,6 +40,7 @@ continuous 3 [(1.0, 3.0), (1.0, 1.0), (2.0, 3.0)]
 """
 import json
 from dataclasses import astuple, dataclass, field
+from itertools import pairwise
 from pathlib import Path
 
 import numpy as np
@@ -107,7 +108,7 @@ class TableCost:
 8: 'B=8 15.0 ms below B=4 20.0 ms: a larger batch cannot be cheaper'}
         """
         found = {b: f"flagged where measured: {why}" for b, why in self.flagged.items()}
-        pairs = list(zip(self.batch_sizes, self.seconds))
+        pairs = list(zip(self.batch_sizes, self.seconds, strict=True))
         for i, (b1, s1) in enumerate(pairs[1:], 1):
             b0, s0 = max(pairs[:i], key=lambda pair: pair[1])     # the dearest smaller batch
             if s1 < s0 * (1 - tolerance):
@@ -124,7 +125,7 @@ class TableCost:
     def write_json(self, path) -> None:
         """{"seconds": {"batch size": seconds}, "flagged": {"batch size": why}}: from_json's."""
         Path(path).write_text(json.dumps({
-            "seconds": {str(b): s for b, s in zip(self.batch_sizes, self.seconds)},
+            "seconds": {str(b): s for b, s in zip(self.batch_sizes, self.seconds, strict=True)},
             "flagged": {str(b): why for b, why in self.flagged.items()}}, indent=1))
 
     @classmethod
@@ -170,7 +171,7 @@ def _check(arrivals, slots):
         raise ValueError(f"slots={slots!r}: expected an integer >= 1")
     if any(a.output_len < 1 for a in arrivals):
         raise ValueError("every request must generate at least one token")
-    if any(b.time < a.time for a, b in zip(arrivals, arrivals[1:])):
+    if any(b.time < a.time for a, b in pairwise(arrivals)):
         raise ValueError("requests must be in arrival order")
 
 
@@ -271,7 +272,7 @@ def sweep(lengths, rates, slots=8, step_cost=AffineCost(), prefill_s=0.0, seeds=
 
 def first_crossing(xs, ys, target):
     """Smallest x where the piecewise-linear curve (xs, ys) reaches target; None if never."""
-    for (x0, y0), (x1, y1) in zip(zip(xs, ys), zip(xs[1:], ys[1:])):
+    for (x0, y0), (x1, y1) in pairwise(zip(xs, ys, strict=True)):
         if y0 >= target:
             return x0
         if y1 >= target:

@@ -88,4 +88,4 @@ def poisson_arrivals(n, rate, seed=0):
 def make_workload(lengths, rate=math.inf, seed=0):
     """Arrivals in time order: lengths[i] arrives at the i-th Poisson arrival time."""
     times = poisson_arrivals(len(lengths), rate, seed)
-    return [Arrival(i, t, n) for i, (t, n) in enumerate(zip(times, lengths))]
+    return [Arrival(i, t, n) for i, (t, n) in enumerate(zip(times, lengths, strict=True))]

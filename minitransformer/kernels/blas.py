@@ -399,7 +399,7 @@ def timings(x, turns) -> list:
     cycles = [itertools.cycle(ring) for ring in turns]
     evicted = False          # the timing before read a whole weight of FLUSH_BYTES or more
     for trial in range(TRIALS):
-        for turn, times, ways in zip(cycles, best, live):
+        for turn, times, ways in zip(cycles, best, live, strict=True):
             for route in ways:
                 w = next(turn)
                 seconds, whole = timed(calls[route], route, x, w, out, min(times.values()),

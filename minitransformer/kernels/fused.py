@@ -73,7 +73,7 @@ def stack(weights: dict, names: list):
         return Stacked(tuple(parts))
     whole = arrange(xp.concatenate(parts))                           # (sum of outs, ...)
     start = 0
-    for name, part in zip(names, parts):
+    for name, part in zip(names, parts, strict=True):
         weights[name] = whole[start:start + len(part)]              # a view, same values
         start += len(part)
     return whole

@@ -104,7 +104,7 @@ class Pool:
         try:
             self.start()
             inboxes = [inbox for inbox, _ in self.workers]
-            for inbox, task in zip(inboxes, tasks[1:]):
+            for inbox, task in zip(inboxes, tasks[1:], strict=False):   # fewer tasks: idle workers
                 inbox.put(task)
             errors = [None]
             try:
@@ -195,7 +195,7 @@ def using(n: int):
         yield
     finally:
         COUNT, pool = before
-        for lib, count_before in zip(libraries, blas):
+        for lib, count_before in zip(libraries, blas, strict=True):
             lib.set_num_threads(count_before)
 
 
@@ -210,13 +210,13 @@ def one_blas_thread():
     """BLAS at one thread inside, at what it was after (a few microseconds each way)."""
     libraries = controllers()
     before = [lib.get_num_threads() for lib in libraries]
-    for lib, n in zip(libraries, before):
+    for lib, n in zip(libraries, before, strict=True):
         if n != 1:
             lib.set_num_threads(1)
     try:
         yield
     finally:
-        for lib, n in zip(libraries, before):
+        for lib, n in zip(libraries, before, strict=True):
             if n != 1:
                 lib.set_num_threads(n)
 

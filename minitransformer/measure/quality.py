@@ -218,7 +218,7 @@ def battery(model, repetition_penalty: float, max_new_tokens: int = 8,
             progress(reported, len(requests))
     run = engine.run(requests, on_step=answered_so_far)
     outputs = []
-    for (prompt, answers), result in zip(questions, run.results):
+    for (prompt, answers), result in zip(questions, run.results, strict=True):
         text = model.tokenizer.decode(result.tokens)
         outputs.append((prompt, text, answered(text, answers)))
     return Battery(sum(ok for *_, ok in outputs), outputs)

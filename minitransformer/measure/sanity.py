@@ -74,7 +74,7 @@ def spikes(labels, sizes, timings, unit="token", tolerance=NOISE_FLOOR) -> dict:
     >>> spikes([8, 16, 32], [8, 16, 32], runs)
     {1: 'P=16 costs 31.25 ms per token, 3.1x its neighbours: one disturbed measurement'}
     """
-    per = [t.best / n for t, n in zip(timings, sizes)]
+    per = [t.best / n for t, n in zip(timings, sizes, strict=True)]
     found = {}
     for i in range(1, len(per) - 1):
         around = max(per[i - 1], per[i + 1])
@@ -95,7 +95,7 @@ def per_unit_rises(labels, sizes, timings, what="batch", unit="token", tolerance
     batch 2 makes 48.0 tokens/s, 0.89x batch 1 (53.8)
     batching cannot be slower than taking turns
     """
-    rate = [n / t.best for t, n in zip(timings, sizes)]
+    rate = [n / t.best for t, n in zip(timings, sizes, strict=True)]
     found = {}
     for i in range(1, len(rate)):
         if rate[i] < rate[i - 1] / (1 + tolerance):
@@ -116,7 +116,7 @@ def unsteady(labels, timings, what="", max_spread=MAX_SPREAD, scale=1e3, unit="m
     {1: 'B=2: median 20.0 ms, 2.00x the fastest 10.0 ms: repeats disagree beyond 25%'}
     """
     found = {}
-    for i, (label, t) in enumerate(zip(labels, timings)):
+    for i, (label, t) in enumerate(zip(labels, timings, strict=True)):
         if t.spread > max_spread:
             found[i] = (f"{what}{label}: median {format(t.median * scale, fmt)} {unit}, "
                         f"{t.median / t.best:.2f}x the fastest {format(t.best * scale, fmt)} "

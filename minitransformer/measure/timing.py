@@ -47,7 +47,6 @@ from minitransformer.kernels.tuning import blas_pools, cpu
 from minitransformer.kvcache import KVCache
 from minitransformer.model import forward, head
 
-
 MAX_SPREAD = 0.25   # median more than 25% above the best: the machine was busy, measure again
 RETRIES = 2         # extra rounds at most, so a machine that stays busy cannot stall a script
 
@@ -110,7 +109,7 @@ def time_together(fns, warmup: int = 1, repeat: int = 5, after=None, max_spread=
     samples = [[] for _ in fns]
 
     def one_round(keep):
-        for fn, undo, kept in zip(fns, after, samples):
+        for fn, undo, kept in zip(fns, after, samples, strict=True):
             seconds = timed(fn, clock)[1]
             if keep:
                 kept.append(seconds)
@@ -336,5 +335,5 @@ def verification_timings(model, ids, largest: int, repeat: int = 5) -> list:
     forward(model, np.array([ids[:-largest - 1]]), kv)
     tail = np.array([ids[-largest - 1:]])
     passes, rollbacks = zip(*(step_with_rollback(model, kv, tail[:, :k])
-                              for k in range(1, largest + 2)))
+                              for k in range(1, largest + 2)), strict=True)
     return time_together(passes, repeat=repeat, after=rollbacks)

@@ -356,7 +356,7 @@ class BlockManager:
     def written(self, seq_ids, starts, T: int) -> None:
         """A forward pass wrote T tokens from starts into each sequence: no longer filling."""
         bs = self.block_size
-        for s, start in zip(seq_ids, starts):
+        for s, start in zip(seq_ids, starts, strict=True):
             self.filling.difference_update(self.seqs[s].blocks[start // bs:
                                                                self.blocks_for(start + T)])
 
@@ -375,7 +375,7 @@ class BlockManager:
         if full > named:
             parent = seq.names[-1] if seq.names else ROOT
             seq.names += block_names(tokens[named * bs:full * bs], bs, parent)
-            for name, block in zip(seq.names[named:], seq.blocks[named:full]):
+            for name, block in zip(seq.names[named:], seq.blocks[named:full], strict=True):
                 self.index.offer(name, block)
 
     def trim(self, seq_id, n: int) -> None:
@@ -438,7 +438,7 @@ class BlockManager:
              all(index.name_of.get(block) == name for name, block in index.block_of.items()),
              "the index's maps are not inverse"),
             (all(index.name_of.get(block, name) == name for seq in self.seqs.values()
-                 for name, block in zip(seq.names, seq.blocks)),
+                 for name, block in zip(seq.names, seq.blocks, strict=False)),  # full ones named
              "a sequence holds a block named for another prefix"),
             (all(len(seq.names) <= seq.length // self.block_size for seq in self.seqs.values()),
              "a sequence names a block it has not filled")]

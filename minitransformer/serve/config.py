@@ -20,8 +20,8 @@ import numpy as np
 
 from minitransformer.checks import is_integer, is_real, no_duplicates
 from minitransformer.kvquant import KV_DTYPES
-from minitransformer.tiled import ATTENTIONS
 from minitransformer.serve.blocks import blocks_for
+from minitransformer.tiled import ATTENTIONS
 
 METHODS = ("ngram", "draft_model")
 FIELDS = ("method", "model", "num_speculative_tokens", "prompt_lookup_max",

@@ -140,7 +140,7 @@ class StopStrings:
         """Read text -> where (an index into text; negative: in text fed before) the earliest
         stop string found in it begins, or None."""
         found = None
-        for k, (stop, table) in enumerate(zip(self.stops, self.tables)):
+        for k, (stop, table) in enumerate(zip(self.stops, self.tables, strict=True)):
             state = self.states[k]
             for i, char in enumerate(text):
                 while state and stop[state] != char:

@@ -176,7 +176,7 @@ class DraftModel:
                 rows = [b for b in rows if n[b] > j]
                 logits = self._next([asks[b].seq_id for b in rows],
                                     [out[b][0][-1] for b in rows])           # (B', V)
-            for b, z in zip(rows, logits):
+            for b, z in zip(rows, logits, strict=True):
                 choose(z, asks[b], *out[b])
         return out
 
@@ -209,9 +209,9 @@ class DraftModel:
         self.passes += 1
         if self.runner.batch_invariant:     # each row the very call a batch of one makes
             return np.stack([self.runner.prompt(a.seq_id, s, f)[0]
-                             for a, f, s in zip(asks, fresh, starts)])
+                             for a, f, s in zip(asks, fresh, starts, strict=True)])
         logits, _ = self.runner.ragged([Feed(a.seq_id, s, f, picks="last")
-                                        for a, f, s in zip(asks, fresh, starts)])
+                                        for a, f, s in zip(asks, fresh, starts, strict=True)])
         return np.concatenate(logits)                                           # (B, V)
 
     def _next(self, seq_ids, last) -> np.ndarray:
@@ -254,7 +254,7 @@ def acceptance(accepted: int, judged: int) -> float:
 
 
 def draft_length(config: SpeculativeConfig, alpha: float, batch: int, cost: float = 0.0,
-                 judged: int = None) -> int:
+                 judged: int | None = None) -> int:
     """Tokens a sequence drafts this step (see the module's docstring for the rule).
 
     batch: the decoding sequences; cost: c, a draft token's cost in target steps (0: a

@@ -268,7 +268,7 @@ class Engine:
         logits = self.runner.decode([seq.result.id for seq in work.rows], work.starts,
                                     fed)                                          # (R, V)
         made = [seq for seq, z, draft in zip(work.rows, split_rows(logits, map(len, fed)),
-                                             drafts) if self._take(seq, z, draft)]
+                                             drafts, strict=True) if self._take(seq, z, draft)]
         if self.history:
             self.decode_times.append((len(work.rows), time.perf_counter() - start))
         return made
@@ -283,17 +283,17 @@ class Engine:
         fed, drafts = self._propose(decode)
         start = time.perf_counter()
         feeds = [Feed(seq.result.id, first, tokens)
-                 for seq, first, tokens in zip(decode.rows, decode.starts, fed)]
+                 for seq, first, tokens in zip(decode.rows, decode.starts, fed, strict=True)]
         for work in plan.prefill:
             (seq,), (first,) = work.rows, work.starts
             feeds.append(Feed(seq.result.id, first, seq.tokens[first:first + work.n],
                               "last" if work.firsts else "none", alone=True,
                               scored=seq.result.request.prompt_logprobs is not None))
         logits, scored = self.runner.ragged(feeds)
-        made = [seq for seq, z, draft in zip(decode.rows, logits, drafts)
-                if self._take(seq, z, draft)]
+        made = [seq for seq, z, draft in zip(decode.rows, logits, drafts, strict=False)
+                if self._take(seq, z, draft)]                # the prefills' logits after
         for work, z, every in zip(plan.prefill, logits[len(decode.rows):],
-                                  scored[len(decode.rows):]):
+                                  scored[len(decode.rows):], strict=True):
             made += self._first_tokens(work, z[-1] if work.firsts else None, every)
         if self.history:            # one pass for both: each list gets its whole time
             seconds = time.perf_counter() - start
@@ -323,7 +323,7 @@ class Engine:
         if every is not None:       # position p's logits score prompt token p + 1
             k = seq.result.request.prompt_logprobs
             seq.result.prompt_logprobs += [token_logprob(row, token, k) for row, token
-                                            in zip(every, seq.tokens[first + 1:])]
+                                            in zip(every, seq.tokens[first + 1:], strict=False)]
         for member in work.firsts:
             self._sample(member, last)
         return list(work.firsts)
@@ -336,7 +336,7 @@ class Engine:
             return None
         decoding = [seq for seq in self.running() if not seq.prefilling]
         return dict(zip([seq.result.id for seq in decoding],
-                        self.speculator.wants(decoding)))
+                        self.speculator.wants(decoding), strict=True))
 
     def _propose(self, work) -> tuple:
         """-> per decode row, the tokens it feeds (its last token, then its draft's proposals,
@@ -344,7 +344,8 @@ class Engine:
         if self.speculator is None or not work.rows:
             return [[seq.tokens[-1]] for seq in work.rows], [None] * len(work.rows)
         drafts = self.speculator.propose(work.rows, work.drafts)
-        return [[seq.tokens[-1]] + draft.tokens for seq, draft in zip(work.rows, drafts)], drafts
+        return [[seq.tokens[-1]] + draft.tokens
+                for seq, draft in zip(work.rows, drafts, strict=True)], drafts
 
     def _take(self, seq, logits, draft) -> bool:
         """A decode row's tokens from its logits (k, V), one per token it fed: sampled, or its
@@ -355,7 +356,8 @@ class Engine:
         if draft is None:
             self._sample(seq, logits[0])
             return True
-        for token, z in zip(self.speculator.verify(seq, logits, draft), logits):
+        kept = self.speculator.verify(seq, logits, draft)
+        for token, z in zip(kept, logits, strict=False):    # fewer kept than rows: a rejection
             self._append(seq, token, z)
             if seq.done:            # an eos among the kept tokens: the rest are not made
                 break

@@ -41,7 +41,7 @@ choices numbered prompt x n + sample.
 Needs the ``serve`` extra (fastapi, uvicorn, jinja2); the library imports without it.
 Leaves out: keys per client, TLS (put a proxy in front), tools.
 """
-from __future__ import annotations      # Request below: the serve extra's, when installed
+from __future__ import annotations  # Request below: the serve extra's, when installed
 
 import asyncio
 import contextlib
@@ -62,11 +62,21 @@ from minitransformer.logprobs import TokenLogprob
 from minitransformer.serve.config import EngineConfig
 from minitransformer.serve.detokenize import Detokenizer, StopStrings, TextStream
 from minitransformer.serve.online import MAX_WAITING, Closed, OnlineEngine, QueueFull
-from minitransformer.serve.openai_api import (APIError, chat_logprobs, choice,
-                                              completion_logprobs, cut_to, detokenize_body,
-                                              longest_token_bytes, name_logprobs, parse,
-                                              response, tokenize_body, tokenizer_info,
-                                              usage)
+from minitransformer.serve.openai_api import (
+    APIError,
+    chat_logprobs,
+    choice,
+    completion_logprobs,
+    cut_to,
+    detokenize_body,
+    longest_token_bytes,
+    name_logprobs,
+    parse,
+    response,
+    tokenize_body,
+    tokenizer_info,
+    usage,
+)
 from minitransformer.serve.prometheus import ServingMetrics
 
 try:                            # the serve extra; the library imports without it
@@ -116,8 +126,8 @@ def check_request_bytes(max_request_bytes) -> None:
         raise ValueError(f"max_request_bytes={max_request_bytes!r}: expected an integer >= 1")
 
 
-def create_app(online: OnlineEngine, name: str, max_request_bytes: int = None,
-               api_key: str = None):
+def create_app(online: OnlineEngine, name: str, max_request_bytes: int | None = None,
+               api_key: str | None = None):
     """The FastAPI application serving one model through one online engine: the routes and
     their handlers below. Bodies over max_request_bytes are refused with 413 (None:
     ``default_max_request_bytes``); with an api_key, the API's routes answer only a client
@@ -393,7 +403,7 @@ def submit_all(app: App, jobs, stops):
     feeds = [feed(app) for _ in jobs]           # (listener, updates) per prompt
     try:
         tickets = app.online.submit_all([(job.request, listener)
-                                         for job, (listener, _) in zip(jobs, feeds)])
+                                         for job, (listener, _) in zip(jobs, feeds, strict=True)])
     except ValueError as e:     # the engine refuses it: a client's mistake, said before
         raise APIError(str(e)) from None    # any answer (or stream) starts
     except QueueFull as e:
@@ -405,7 +415,7 @@ def submit_all(app: App, jobs, stops):
         app.metrics.accepted(len(job.request.prompt))
     arrival = app.online.now()
     streams = [pieces(app, job, stops, ticket, updates, arrival)
-               for job, ticket, (_, updates) in zip(jobs, tickets, feeds)]
+               for job, ticket, (_, updates) in zip(jobs, tickets, feeds, strict=True)]
     return tickets, merged(streams, jobs[0].request.n)
 
 
@@ -482,7 +492,7 @@ async def pieces(app: App, job, stops, ticket, updates, arrival):
                 yield i, "".join(s.text for s in echo), scored, None, sum(counts)
             piece, used = "", 0
             scores = update.logprobs if job.logprobs else (None,) * len(update.tokens)
-            for token, scored in zip(update.tokens, scores):
+            for token, scored in zip(update.tokens, scores, strict=True):
                 used, piece = used + 1, piece + sample.add(token, scored)
                 if sample.text.stopped:
                     online.cancel(ticket, i)    # a stop string: no more tokens needed
@@ -861,8 +871,8 @@ def bound_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
-def serve(model_path, config: EngineConfig = None, host: str = "127.0.0.1", port: int = 8000,
-          limits: ServerLimits = None, name: str = None) -> None:
+def serve(model_path, config: EngineConfig | None = None, host: str = "127.0.0.1", port: int = 8000,
+          limits: ServerLimits | None = None, name: str | None = None) -> None:
     """Load a model and serve it until interrupted (Ctrl-C drains, then cancels). ``config``
     is the engine's (EngineConfig's defaults when None); ``name`` is the model's name in the
     API (the checkpoint's folder name when None)."""

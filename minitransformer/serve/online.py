@@ -145,12 +145,12 @@ class OnlineEngine:
                 raise QueueFull(f"{waiting} requests are waiting and {len(requests)} more "
                                 f"arrive (the limit is {self.max_waiting})")
             arrival = self.now()
-            for ticket, (request, _) in zip(tickets, requests):
+            for ticket, (request, _) in zip(tickets, requests, strict=True):
                 self.inbox.append(("submit", ticket, replace(request, arrival=arrival)))
             self.lock.notify()
         return tickets
 
-    def cancel(self, ticket, choice: int = None) -> None:
+    def cancel(self, ticket, choice: int | None = None) -> None:
         """Stop a request (or only its sample ``choice``) now: its blocks go back to the pool
         before the next step."""
         with self.lock:
@@ -180,7 +180,7 @@ class OnlineEngine:
         finally:
             self.cancel(ticket)     # a no-op when over; frees the blocks if the caller left
 
-    def close(self, drain: bool = True, timeout: float = None) -> None:
+    def close(self, drain: bool = True, timeout: float | None = None) -> None:
         """Take no new request; finish the ones in flight (drain) or cancel them; stop."""
         with self.lock:
             self.closing, self.abandon = True, self.abandon or not drain

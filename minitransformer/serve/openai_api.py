@@ -45,13 +45,13 @@ import json
 import math
 from dataclasses import dataclass, replace
 
-from minitransformer.checks import FieldsRead, is_integer, is_real
 from minitransformer.chat import MessageError, check_messages, encode_chat, special_tokens
+from minitransformer.checks import FieldsRead, is_integer, is_real
 from minitransformer.generate import eos_ids
 from minitransformer.logprobs import MAX_LOGPROBS, TokenLogprob
 from minitransformer.sampling import SamplingSettings
-from minitransformer.tokenizer import encode_text
 from minitransformer.serve.records import Request
+from minitransformer.tokenizer import encode_text
 
 MAX_STOP = 4                    # OpenAI's limit on stop strings
 MAX_PROMPTS = 64                # prompts of one completions request at most (the default
@@ -454,7 +454,8 @@ def name_logprobs(detokenizer, scored: TokenLogprob) -> NamedLogprob:
     others = () if scored.top is None else tuple(t for t, _ in scored.top)
     texts = [f"token_id:{t}" for t in (scored.token, *others)] if detokenizer is None else \
         detokenizer.peek([scored.token, *others])
-    top = None if scored.top is None else tuple(zip(texts[1:], (p for _, p in scored.top)))
+    top = None if scored.top is None else \
+        tuple(zip(texts[1:], (p for _, p in scored.top), strict=True))
     return NamedLogprob(texts[0], scored.logprob, top)
 
 
@@ -518,7 +519,7 @@ TOKENIZE_NEUTRAL = {"continue_final_message": False, "chat_template": None,
                     "media_io_kwargs": {}}
 
 
-def tokenizer_request(body, model, name, fields) -> str:
+def tokenizer_request(body, model, name, fields) -> None:
     """The checks /tokenize and /detokenize share: a JSON object of known fields (any other is
     refused, naming it), the served model if named, a tokenizer to use."""
     if not isinstance(body, dict):

@@ -58,8 +58,13 @@ import numpy as np
 
 from minitransformer.backend import memory_bytes, to_device, to_numpy, xp
 from minitransformer.kvcache import KVCache, causal
-from minitransformer.kvquant import (KVDims, QuantizedArray, cache_bytes_per_token, kv_dtype_of,
-                                     zeros)
+from minitransformer.kvquant import (
+    KVDims,
+    QuantizedArray,
+    cache_bytes_per_token,
+    kv_dtype_of,
+    zeros,
+)
 from minitransformer.serve.blocks import BlockManager, Copy, SwapIn, SwapOut, blocks_for
 from minitransformer.tiled import TWO_PASS, attention_named
 
@@ -150,7 +155,7 @@ class PagedCache:
         blocks before a later move or write reuses them)."""
         for move in moves:
             if isinstance(move, Copy):
-                for k, v in zip(self.k, self.v):
+                for k, v in zip(self.k, self.v, strict=True):
                     k[move.dst], v[move.dst] = k[move.src], v[move.src]
             elif isinstance(move, SwapOut):
                 index = to_device(np.array(move.blocks, dtype=np.int64))
@@ -172,7 +177,7 @@ class PagedCache:
             starts = [s.length for s in seqs]
         return PagedView(self, list(seq_ids), seqs, np.array(starts, dtype=np.int64), counted)
 
-    def to_contiguous(self, seq_ids, max_len: int = None) -> KVCache:
+    def to_contiguous(self, seq_ids, max_len: int | None = None) -> KVCache:
         """The sequences' keys and values copied into a contiguous KVCache of max_len
         positions (default: the longest row's length), row b = seq_ids[b]: the same bits in
         the other layout, e.g. to time the two layouts' decodes side by side."""
@@ -186,9 +191,9 @@ class PagedCache:
         kv = KVCache([zeros((len(seq_ids), Hkv, max_len, d), self.kv_dtype) for _ in self.k],
                      [zeros((len(seq_ids), Hkv, max_len, d), self.kv_dtype) for _ in self.v],
                      lengths, self.attention)
-        for b, (s, n) in enumerate(zip(seq_ids, lengths.tolist())):  # each row its own length
+        for b, (s, n) in enumerate(zip(seq_ids, lengths.tolist(), strict=True)):  # its own length
             table = to_device(block_table([books.seqs[s]], books.blocks_for(n)))    # (1, nb)
-            for contiguous, pool in zip(kv.k + kv.v, self.k + self.v):
+            for contiguous, pool in zip(kv.k + kv.v, self.k + self.v, strict=True):
                 contiguous[b:b + 1, :, :n] = gather(pool, table, n)
         return kv
 
@@ -276,7 +281,7 @@ class RaggedView:
     def _groups(self, flat) -> list:
         """(1, R, ...) -> per group, its (B_i, T_i, ...) rows (views)."""
         return [flat[0, a:b].reshape(B, T, *flat.shape[2:]) for (_, B, T), a, b in
-                zip(self.parts, self.edges[:-1], self.edges[1:])]
+                zip(self.parts, self.edges[:-1], self.edges[1:], strict=True)]
 
     def positions(self, T: int) -> np.ndarray:
         """(1, R): each token its own position."""
@@ -286,22 +291,24 @@ class RaggedView:
                               axis=1)
 
     def slots(self, positions: np.ndarray) -> list:
-        return [view.slots(p) for (view, _, _), p in zip(self.parts, self._groups(positions))]
+        return [view.slots(p)
+                for (view, _, _), p in zip(self.parts, self._groups(positions), strict=True)]
 
     def mask(self, positions: np.ndarray) -> list:
-        return [view.mask(p) for (view, _, _), p in zip(self.parts, self._groups(positions))]
+        return [view.mask(p)
+                for (view, _, _), p in zip(self.parts, self._groups(positions), strict=True)]
 
     def update(self, layer: int, k, v, slots):
         """k, v (1, R, Hkv, d) into each group's slots -> per group, its rows' keys and
         values (B_i, Hkv, S_i, d) (each written before it is read)."""
         held = [view.update(layer, k_i, v_i, s) for (view, _, _), k_i, v_i, s in
-                zip(self.parts, self._groups(k), self._groups(v), slots)]
+                zip(self.parts, self._groups(k), self._groups(v), slots, strict=True)]
         return [k for k, _ in held], [v for _, v in held]
 
     def attend(self, q, k, v, visible):
         """q (1, R, H, d), per group its keys, values and mask -> (1, R, H*d)."""
         out = [view.attend(q_i, k_i, v_i, m_i) for (view, _, _), q_i, k_i, v_i, m_i in
-               zip(self.parts, self._groups(q), k, v, visible)]               # (B_i, T_i, H*d)
+               zip(self.parts, self._groups(q), k, v, visible, strict=True)]   # (B_i, T_i, H*d)
         return xp.concatenate([o.reshape(1, -1, o.shape[-1]) for o in out], axis=1)
 
     def advance(self, T: int) -> None:

@@ -69,7 +69,7 @@ class Histogram:
         """Prometheus text lines, under this histogram's name or another one given."""
         name, help_text = name or self.name, help_text or self.help
         out, cumulative = header(name, help_text, "histogram"), 0
-        for bound, count in zip((*map(repr, self.buckets), "+Inf"), self.counts):
+        for bound, count in zip((*map(repr, self.buckets), "+Inf"), self.counts, strict=True):
             cumulative += count
             out.append(f'{name}_bucket{{le="{bound}",{labels}}} {cumulative}')
         return out + [f"{name}_count{{{labels}}} {self.total}",

@@ -84,14 +84,14 @@ class Runner:
         model, pool = self.model, self.pool
         if self.batch_invariant:    # each fed token by the very call a batch of one makes
             ids = np.array([[t] for tokens in fed for t in tokens])               # (R, 1)
-            view = pool.view([s for s, tokens in zip(seq_ids, fed) for _ in tokens],
-                             [p for first, tokens in zip(starts, fed)
+            view = pool.view([s for s, tokens in zip(seq_ids, fed, strict=True) for _ in tokens],
+                             [p for first, tokens in zip(starts, fed, strict=True)
                               for p in range(first, first + len(tokens))])
             return last_logits_alone(model, ids, view)
         if all(len(tokens) == 1 for tokens in fed):
             return last_logits(model, np.array(fed), pool.view(seq_ids, starts))   # (B, V)
         logits, _ = self.ragged([Feed(s, first, tokens) for s, first, tokens in
-                                 zip(seq_ids, starts, fed)])
+                                 zip(seq_ids, starts, fed, strict=True)])
         return np.concatenate(logits)                                              # (R, V)
 
     def prompt(self, seq_id, start: int, tokens, last: bool = True,
@@ -118,12 +118,13 @@ class Runner:
                 groups.append(([f.seq_id], [f.start], len(f.tokens)))
         ids = np.array([[t for b in order for t in feeds[b].tokens]])             # (1, R)
         hidden = forward(self.model, ids, RaggedView(self.pool, groups))          # (1, R, D)
-        ends = dict(zip(order, np.cumsum([len(feeds[b].tokens) for b in order])))
+        ends = dict(zip(order, np.cumsum([len(feeds[b].tokens) for b in order]), strict=True))
         spans = {b: range(ends[b] - len(feeds[b].tokens), ends[b]) for b in order}
         picked = {b: {"all": list(spans[b]), "last": [ends[b] - 1], "none": []}[feeds[b].picks]
                   for b in order}                               # a row's logits wanted
         logits = to_numpy(head(self.model, hidden[:, [i for b in order for i in picked[b]]]))[0]
-        mine = dict(zip(order, split_rows(logits, [len(picked[b]) for b in order])))  # (k, V)
+        mine = dict(zip(order, split_rows(logits, [len(picked[b]) for b in order]),
+                        strict=True))                                              # (k, V)
         scored = {b: to_numpy(head(self.model, hidden[:, spans[b].start:spans[b].stop]))[0]
                   for b in order if feeds[b].scored}                                # (n, V)
         return [mine[b] for b in range(len(feeds))], [scored.get(b) for b in range(len(feeds))]

@@ -61,6 +61,7 @@ from dataclasses import dataclass, field
 from minitransformer.serve.blocks import BlockManager, Copy, Swapped
 from minitransformer.serve.records import Result
 
+
 @dataclass(eq=False)                # compared by identity: it is a place, not a value
 class Sequence:                     # one sample of a request the engine is serving
     result: Result
@@ -106,7 +107,7 @@ class Work:
         """Per row: (sequence id, first position, positions held for this pass)."""
         extra = self.drafts or [0] * len(self.rows)
         return [(seq.result.id, start, self.n + d)
-                for seq, start, d in zip(self.rows, self.starts, extra)]
+                for seq, start, d in zip(self.rows, self.starts, extra, strict=True)]
 
 
 @dataclass
@@ -177,7 +178,7 @@ def hold_drafts(books: BlockManager, seq_ids, wanted, spare=None) -> list:
     kept prefix block (evicting it loses a cached turn, and a pass of this step may still
     copy from it), never a preemption: a draft is worth less than anyone's place."""
     drafts = []
-    for seq_id, n in zip(seq_ids, wanted):
+    for seq_id, n in zip(seq_ids, wanted, strict=True):
         n = max(0, min(n, books.free_room(seq_id), n if spare is None else spare))
         if n:
             books.append([seq_id], n)
@@ -188,7 +189,7 @@ def hold_drafts(books: BlockManager, seq_ids, wanted, spare=None) -> list:
 
 class Scheduler:
     def __init__(self, books: BlockManager, slots: int, policy: str = "continuous",
-                 budget: int = None, prefix_caching: bool = True):
+                 budget: int | None = None, prefix_caching: bool = True):
         """books: the block manager (the pool's, PagedCache.books), which only the scheduler
         writes; policy "continuous" or "static", budget (tokens a step, None: no limit) and
         prefix_caching as an EngineConfig checked them (serve/config.py)."""
@@ -204,7 +205,7 @@ class Scheduler:
         """The sequences in slots that are not over (prefilling or decoding)."""
         return [seq for seq in self.slots if seq is not None and not seq.padding]
 
-    def schedule(self, now: float, wanted: dict = None) -> Plan:
+    def schedule(self, now: float, wanted: dict | None = None) -> Plan:
         """The step's plan: who is preempted, who decodes, which chunks prefill, who enters,
         and, speculating, each decoding row's draft slots; the blocks each pass fills and
         reads. wanted: speculating, {sequence id: the draft tokens speculation would have

@@ -48,6 +48,7 @@ from minitransformer.serve.config import SpeculativeConfig
 from minitransformer.serve.drafting import Ask, Proposer, acceptance, draft_length
 from minitransformer.speculative import verify
 
+
 @dataclass
 class SpecCounters:
     """What speculation did since the engine started (vLLM's spec_decode counters)."""
@@ -113,10 +114,10 @@ class Speculator:
         judged for free."""
         proposals = self.proposer.propose([Ask(seq.result.id, seq.tokens, n,
                                                seq.result.request.sampling, seq.rng)
-                                           for seq, n in zip(rows, room)])
+                                           for seq, n in zip(rows, room, strict=True)])
         drafts = [Draft(tokens[:n], q[:n], None if tokens[:n] or seq.padding else
                         self.proposer.shadow(seq.tokens))
-                  for seq, n, (tokens, q) in zip(rows, room, proposals)]
+                  for seq, n, (tokens, q) in zip(rows, room, proposals, strict=True)]
         self.fed = [1 + len(draft.tokens) for draft in drafts]
         return drafts
 

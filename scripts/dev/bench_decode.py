@@ -61,19 +61,30 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # scripts/: _common, _table
 
-from _common import (add_threads_argument, add_timing_arguments, load_model, positive_int, say,
-                     timing_header)
+from _common import (
+    add_threads_argument,
+    add_timing_arguments,
+    load_model,
+    positive_int,
+    say,
+    timing_header,
+)
 from _table import Table
+
 from minitransformer.backend import xp
-from minitransformer.kernels import blas, threads
-from minitransformer.kvcache import KVCache
-from minitransformer.measure.timing import (blas_kernel, step_with_rollback, time_together,
-                                            where_it_ran)
-from minitransformer.linear import linear
-from minitransformer.model import Model, forward
-from minitransformer.shape import decode_read_bytes
 from minitransformer.checkpoints import real_model
 from minitransformer.checkpoints.synth import make_checkpoint, qwen25_05b_config, weights_dir
+from minitransformer.kernels import blas, threads
+from minitransformer.kvcache import KVCache
+from minitransformer.linear import linear
+from minitransformer.measure.timing import (
+    blas_kernel,
+    step_with_rollback,
+    time_together,
+    where_it_ran,
+)
+from minitransformer.model import Model, forward
+from minitransformer.shape import decode_read_bytes
 
 FLOOR_TARGET, BATCH_TARGET, CEILING_SLACK, BATCH = 1.25, 4.0, 1.1, 16
 FLOOR_TARGETS = {"smollm2": 1.4}  # 135M weights: the work beside the products weighs more
@@ -149,9 +160,9 @@ def routes_table(args, ran_on):
                            ("median GB/s", ".1f"), ("/ dot product", ".2f")])
     table.header(f"W ({len(w)}, {w.shape[1]}) float32, {w.nbytes / 1e6:.0f} MB; GB/s: W's bytes "
                  f"/ the fastest of {repeat}+ rounds after 1 warm-up, side by side", *ran_on)
-    for (name, route, _), rate, t in zip(routes, rates, timings):
+    for (name, route, _), rate, t in zip(routes, rates, timings, strict=True):
         table.row(name, route, rate / 1e9, w.nbytes / t.median / 1e9, rate / dot)
-    library = {route: rate for (_, route, _), rate in zip(routes, rates) if route}
+    library = {route: rate for (_, route, _), rate in zip(routes, rates, strict=True) if route}
     best = max(library, key=library.get)
     fastest = max(range(1, len(routes)), key=rates.__getitem__)
     pinned = " (pinned by MT_PRODUCTS)" if blas.FIXED else ", measured on this W"
@@ -182,7 +193,7 @@ def products_only(model, rows=1):
     projection and the head times a (rows, in) matrix, as linear makes them), nothing else."""
     matrices = step_matrices(model)
     vectors = [xp.ones((rows, w.shape[1]), dtype=xp.float32) for w in matrices]
-    return lambda: [linear(x, w) for x, w in zip(vectors, matrices)]
+    return lambda: [linear(x, w) for x, w in zip(vectors, matrices, strict=True)]
 
 
 def product_weights(model) -> int:
@@ -448,7 +459,7 @@ def threads_table(models, args, ran_on) -> Table:
                  f"BLAS's own threads); {args.context} tokens cached per row", *ran_on,
                  f"read floor: {args.buffer_mb} MiB streamed at {read_1 / 1e9:.2f} GB/s by 1 "
                  f"thread, {read_n / 1e9:.2f} GB/s by {N} ({read_1 / read_n:.2f}x the time)")
-    for (spec, B, read), one, many in zip(rows, timings[2::2], timings[3::2]):
+    for (spec, B, read), one, many in zip(rows, timings[2::2], timings[3::2], strict=True):
         floor = read / read_n
         ratio = many.best / one.best
         if B == 1:
@@ -519,10 +530,10 @@ def quantized_tables(models, args, ran_on, tables):
             steps = [decode_steps(m, batch, args.context)[:2] for m in variants.values()]
             times = time_together([s for s, _ in steps], warmup=1, repeat=args.repeat,
                                   after=[r for _, r in steps])
-            for label, t in zip(variants, times):
+            for label, t in zip(variants, times, strict=True):
                 ratios[label] += [t.best / times[0].best, t.median / times[0].median]
         targets = [None] + [f"<= {x}x" for x in QUANT_SCHEMES.values()]
-        for (label, m), target in zip(variants.items(), targets):
+        for (label, m), target in zip(variants.items(), targets, strict=True):
             quant.row(spec, label, sum(resident_bytes(m).values()) / 1e6, *ratios[label],
                       target or "")
     tables.append(quant.show())

@@ -19,14 +19,24 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # scripts/: _common, _table
 
-from _common import (Progress, add_engine_arguments, add_model_argument, add_threads_argument,
-                     add_timing_arguments, load_model, positive_int, positive_ints, timing_header)
+from _common import (
+    Progress,
+    add_engine_arguments,
+    add_model_argument,
+    add_threads_argument,
+    add_timing_arguments,
+    load_model,
+    positive_int,
+    positive_ints,
+    timing_header,
+)
 from _table import Table
+
 import minitransformer as mt
+from minitransformer.measure.timing import time_together
 from minitransformer.serve.config import EngineConfig
 from minitransformer.serve.engine import Engine
 from minitransformer.serve.records import Request
-from minitransformer.measure.timing import time_together
 
 
 def span(text):
@@ -90,8 +100,8 @@ def main(argv=None):
     table.row("one at a time (generate)", t_solo.best, t_solo.median, tokens / t_solo.best, 1.0,
               None, None)
     rows = []
-    for slots, t in zip(slot_counts, t_engine):
-        same = sum(r.tokens == s for r, s in zip(runs[slots].results, solo))
+    for slots, t in zip(slot_counts, t_engine, strict=True):
+        same = sum(r.tokens == s for r, s in zip(runs[slots].results, solo, strict=True))
         rows.append(same)
         table.row(f"engine, {slots} slots", t.best, t.median, tokens / t.best,
                   t_solo.best / t.best, runs[slots].steps, f"{same}/{len(requests)}")

@@ -31,8 +31,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # scripts/: _commo
 
 from _common import Progress, add_model_argument, add_timing_arguments, model_path, say
 from _table import Table
-from minitransformer.measure.timing import Timing, limit_threads, load_average, machine, \
-    where_it_ran
+
+from minitransformer.measure.timing import (
+    Timing,
+    limit_threads,
+    load_average,
+    machine,
+    where_it_ran,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 WAYS = {"row-major": "MT_LAYOUT=row-major: the checkpoint's layout, nothing measured",
@@ -142,9 +148,9 @@ def per_round(samples: dict) -> tuple:
     ({'row-major': 1.0, 'first': 2.5}, {'row-major': 0.0, 'first': 1.5})
     """
     base = [s["wall"] for s in samples["row-major"]]
-    ratio = {way: statistics.median(s["wall"] / b for s, b in zip(runs, base))
+    ratio = {way: statistics.median(s["wall"] / b for s, b in zip(runs, base, strict=True))
              for way, runs in samples.items()}
-    more = {way: statistics.median(s["wall"] - b for s, b in zip(runs, base))
+    more = {way: statistics.median(s["wall"] - b for s, b in zip(runs, base, strict=True))
             for way, runs in samples.items()}
     return ratio, more
 

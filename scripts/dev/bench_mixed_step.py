@@ -25,10 +25,17 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # scripts/: _common, _table
 
-from _common import (add_model_argument, add_threads_argument, load_model, positive_int,
-                     positive_ints, timing_header)
+from _common import (
+    add_model_argument,
+    add_threads_argument,
+    load_model,
+    positive_int,
+    positive_ints,
+    timing_header,
+)
 from _table import Table
 from bench_decode import write_markdown
+
 from minitransformer.backend import to_device
 from minitransformer.generate import last_logits
 from minitransformer.measure.timing import blas_kernel, time_together, where_it_ran
@@ -93,7 +100,7 @@ def main(argv=None):
                  where_it_ran())
     names = [f"{args.decodes} decodes alone", f"the {n}-token chunk alone",
              "both, two passes", "both, one pass (ragged)"]
-    for name, t in zip(names, timings):
+    for name, t in zip(names, timings, strict=True):
         table.row(name, 1e3 * t.best, 1e3 * t.median)
     d, c, _, mixed = timings
     table.note(f"one pass / (decodes alone + chunk alone): {mixed.best / (d.best + c.best):.2f} "
@@ -139,7 +146,7 @@ def reads_table(model, args, ran_on) -> Table:
         timings = time_together([step(a, i) for a, i, _ in READS], warmup=1,
                                 repeat=args.repeat, after=[undo] * len(READS),
                                 clock=time.process_time)
-        for (_, _, name), t in zip(READS, timings):
+        for (_, _, name), t in zip(READS, timings, strict=True):
             table.row(context, name, 1e3 * t.best, 1e3 * t.median, t.best / timings[0].best)
     table.note("/ before: fastest against the fastest of the plain attention over gathered "
                "blocks; the keys and values are random (a step's cost does not depend on them)")

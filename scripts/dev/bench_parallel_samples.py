@@ -25,9 +25,18 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # scripts/: _common, _table
 
-from _common import (Progress, add_engine_arguments, add_model_argument, add_threads_argument,
-                     add_timing_arguments, load_model, positive_int, timing_header)
+from _common import (
+    Progress,
+    add_engine_arguments,
+    add_model_argument,
+    add_threads_argument,
+    add_timing_arguments,
+    load_model,
+    positive_int,
+    timing_header,
+)
 from _table import Table
+
 from minitransformer.measure.timing import time_together
 from minitransformer.sampling import SamplingSettings
 from minitransformer.serve.config import EngineConfig
@@ -78,7 +87,7 @@ def main(argv=None):
     samples_table(ways, runs, timings, args, ran_on).show()
     reference = [r.tokens for r in runs[ways[1][0]].results]
     return 0 if all(r.tokens == ref for name, _, _ in ways
-                    for r, ref in zip(runs[name].results, reference)) else 1
+                    for r, ref in zip(runs[name].results, reference, strict=True)) else 1
 
 
 def samples_table(ways, runs, timings, args, ran_on) -> Table:
@@ -95,11 +104,11 @@ def samples_table(ways, runs, timings, args, ran_on) -> Table:
                  f"of each way, side by side", ran_on)
     reference = [r.tokens for r in runs[ways[1][0]].results]
     held = {}
-    for (name, _, _), t in zip(ways, timings):
+    for (name, _, _), t in zip(ways, timings, strict=True):
         run = runs[name]
         blocks = [m.blocks_held for m in run.memory]
         held[name] = blocks[0], max(blocks)
-        same = sum(r.tokens == ref for r, ref in zip(run.results, reference))
+        same = sum(r.tokens == ref for r, ref in zip(run.results, reference, strict=True))
         table.row(name, blocks[0], max(blocks), float(np.mean(blocks)),
                   sum(tokens for tokens, _ in run.prefill_times), t.best, t.median,
                   f"{same}/{args.n}")

@@ -63,11 +63,23 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # scripts/: _common, _table
 
-from _common import (Progress, add_engine_arguments, add_model_argument, add_server_arguments,
-                     add_workload_arguments, load_model, model_name, numbers, positive_int,
-                     progress, say, workload_lengths)
+from _common import (
+    Progress,
+    add_engine_arguments,
+    add_model_argument,
+    add_server_arguments,
+    add_workload_arguments,
+    load_model,
+    model_name,
+    numbers,
+    positive_int,
+    progress,
+    say,
+    workload_lengths,
+)
 from _table import Table
 from bench_decode import write_markdown
+
 from minitransformer.__main__ import engine_flags
 from minitransformer.serve.config import EngineConfig
 from sim.workload import make_workload
@@ -265,7 +277,10 @@ def setting_lines(args, model) -> list:
             f"{', '.join(kernels)}; times are wall-clock, client and servers sharing the cores"]
 
 
-ms = lambda v: f"{1000 * v:.0f}"  # noqa: E731
+def ms(v):
+    return f"{1000 * v:.0f}"
+
+
 PERCENTILE_COLUMNS = [("TTFT mean ms", ms), ("TTFT p50 ms", ms), ("TTFT p99 ms", ms),
                       ("TPOT mean ms", ms), ("TPOT p99 ms", ms), ("E2E mean s", ".2f"),
                       ("E2E p99 s", ".2f")]
@@ -369,8 +384,9 @@ def chat(args, model) -> list:
         ratio = np.median(off) / np.median(on)
         ratios += [ratio] if t else []
         table.row(t + 1, prompt, min(off), np.median(off), min(on), np.median(on), ratio)
-    same = sum(a["text"] == b["text"] for x, y in zip(turns["caching off"], turns["caching on"])
-               for a, b in zip(x, y))
+    same = sum(a["text"] == b["text"]
+               for x, y in zip(turns["caching off"], turns["caching on"], strict=True)
+               for a, b in zip(x, y, strict=True))
     queries = hits.get("vllm:prefix_cache_queries_total", 0)
     rate = hits.get("vllm:prefix_cache_hits_total", 0) / queries if queries else math.nan
     if ratios:
@@ -489,7 +505,7 @@ def threads_workload(args, model) -> list:
     counts = dict.fromkeys(("1 thread", f"{N} threads"))
     envs = {label: {name: str(n) for name in ("MT_THREADS", "OPENBLAS_NUM_THREADS",
                                               "OMP_NUM_THREADS")}
-            for label, n in zip(counts, (1, N))}
+            for label, n in zip(counts, (1, N), strict=True)}
     settings = {label: EngineConfig(max_num_seqs=slots, block_size=args.block_size)
                 for label in counts}
     rng, ids = np.random.default_rng(args.seed), text_ids(model)

@@ -27,12 +27,12 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # scripts/: _common, _table
 
 from _common import add_model_argument, load_model, progress
+
 import minitransformer as mt
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))
-from conftest import CLOSE_CALLS, SHAPES, write_checkpoint  # noqa: E402
-from engine_fuzz import run_case  # noqa: E402
-
+from conftest import CLOSE_CALLS, SHAPES, write_checkpoint
+from engine_fuzz import run_case
 
 COLUMNS = ("requests", "steps", "preemptions", "cancelled", "rejected", "cached", "evicted",
            "chunked")
@@ -45,7 +45,7 @@ def fuzz(label, model, seeds, batch_invariant) -> tuple:
         try:
             counts = run_case(model, seed, batch_invariant)
             totals.update({k: v for k, v in counts.items() if k in COLUMNS})
-        except Exception as e:  # noqa: BLE001 (a crash is a finding too: report, go on)
+        except Exception as e:
             first = str(e).splitlines()[0] if str(e) else ""
             failures.append((seed, f"{type(e).__name__}: {first}"))
         if i % 10 == 0 or i == len(seeds):

@@ -31,10 +31,16 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # scripts/: _common, _table
 
 from _common import run
+
 import minitransformer as mt
 from minitransformer.backend import to_numpy
-from minitransformer.checkpoints.synth import (llama_config, make_checkpoint, mistral_config,
-                                               qwen2_config, qwen3_config)
+from minitransformer.checkpoints.synth import (
+    llama_config,
+    make_checkpoint,
+    mistral_config,
+    qwen2_config,
+    qwen3_config,
+)
 
 OUT = Path(__file__).resolve().parents[2] / "tests" / "fixtures"
 PROMPT_LENGTHS = (1, 7, 33)
@@ -148,7 +154,8 @@ def main():
             check_same_weights(hf, ours)
             digest = sha256(path / "model.safetensors")
             refs = [hf_logits(hf, ids) for ids in prompts]
-        diff = max(float(np.abs(mt.logits(ours, ids) - r).max()) for ids, r in zip(prompts, refs))
+        diff = max(float(np.abs(mt.logits(ours, ids) - r).max())
+                   for ids, r in zip(prompts, refs, strict=True))
         scale = max(float(np.abs(r).max()) for r in refs)
         gap = min(top2_gap(r) for r in refs)
         # The test checks greedy argmax exactly and allows 100 float32 eps (times the scale) of

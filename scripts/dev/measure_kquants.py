@@ -27,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # scripts/: _commo
 
 from _common import add_model_argument, load_model, model_name, say
 from _table import Table
+
 from minitransformer.backend import to_numpy
 from minitransformer.formats.gguf_types import FORMATS
 from quant.gguf_weight import QUANTIZERS

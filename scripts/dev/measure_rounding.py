@@ -35,15 +35,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # scripts/: _commo
 from _common import progress
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))
-from conftest import (CLOSE_CALLS, SHAPES, STORIES, solo_cached,  # noqa: E402
-                      write_checkpoint)
-
-import minitransformer as mt  # noqa: E402
-from minitransformer.measure.timing import blas_kernel  # noqa: E402
-from minitransformer.sampling import SamplingSettings  # noqa: E402
-from minitransformer.serve.config import EngineConfig  # noqa: E402
-from minitransformer.serve.engine import Engine  # noqa: E402
-from minitransformer.serve.records import Request  # noqa: E402
+import minitransformer as mt
+from conftest import CLOSE_CALLS, SHAPES, STORIES, solo_cached, write_checkpoint
+from minitransformer.measure.timing import blas_kernel
+from minitransformer.sampling import SamplingSettings
+from minitransformer.serve.config import EngineConfig
+from minitransformer.serve.engine import Engine
+from minitransformer.serve.records import Request
 
 BASE = EngineConfig(max_num_seqs=4, block_size=4, enable_prefix_caching=False)
 ENGINES = {"fast batched": BASE,
@@ -101,11 +99,12 @@ def rounding_of(model, requests) -> dict:
             if result.id not in reference:
                 reference[result.id] = one_pass(model, result.request.prompt, result.tokens)
         figures[name] = tuple(map(max, zip(*(
-            differences(logits, reference[rid][step]) for rid, step, logits in engine.seen))))
+            differences(logits, reference[rid][step]) for rid, step, logits in engine.seen),
+            strict=True)))
         if name == "fast batched":
             figures["solo cached"] = tuple(map(max, zip(*(
                 differences(solo_cached(model, list(r.request.prompt), r.tokens),
-                            reference[r.id]) for r in run.results))))
+                            reference[r.id]) for r in run.results), strict=True)))
     figures["scale"] = max(float(np.abs(z).max()) for z in reference.values())
     return figures
 

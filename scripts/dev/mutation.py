@@ -341,8 +341,10 @@ def ran_on() -> str:
     from datetime import datetime, timezone
 
     from minitransformer.kernels.tuning import machine
-    git = lambda *a: subprocess.run(["git", *a], cwd=ROOT, capture_output=True,  # noqa: E731
-                                    text=True).stdout.strip()
+
+    def git(*a):
+        return subprocess.run(["git", *a], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+
     commit = git("rev-parse", "--short", "HEAD") or "no git"
     if git("status", "--porcelain", "--", *COPIED):
         commit += " with uncommitted changes"

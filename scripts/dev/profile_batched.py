@@ -42,17 +42,36 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # scripts/: _common, _table
 
-from _common import (add_threads_argument, add_timing_arguments, at_least, load_model,
-                     positive_int, say, timing_header)
+from _common import (
+    add_threads_argument,
+    add_timing_arguments,
+    at_least,
+    load_model,
+    positive_int,
+    say,
+    timing_header,
+)
 from _table import Table
-from bench_decode import (checkpoint, decode_cache, product_weights, products_only, read_steps,
-                          step_matrices, write_markdown)
+from bench_decode import (
+    checkpoint,
+    decode_cache,
+    product_weights,
+    products_only,
+    read_steps,
+    step_matrices,
+    write_markdown,
+)
+
 from minitransformer.backend import xp
 from minitransformer.kernels import blas
-from minitransformer.linear import linear
 from minitransformer.kernels.tuning import cpu
-from minitransformer.measure.timing import (blas_kernel, step_with_rollback, time_together,
-                                            where_it_ran)
+from minitransformer.linear import linear
+from minitransformer.measure.timing import (
+    blas_kernel,
+    step_with_rollback,
+    time_together,
+    where_it_ran,
+)
 from minitransformer.model import prepare
 from minitransformer.shape import decode_read_bytes
 

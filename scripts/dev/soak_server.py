@@ -44,8 +44,14 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # scripts/: _common, _table
 
-from _common import (add_engine_arguments, add_model_argument, add_server_arguments, load_model,
-                     positive_int, say)
+from _common import (
+    add_engine_arguments,
+    add_model_argument,
+    add_server_arguments,
+    load_model,
+    positive_int,
+    say,
+)
 from _table import Table
 from bench_serving import NAME, engine, setting_lines, start_server
 
@@ -244,7 +250,7 @@ def soak_and_report(args, model_path):
     table.header(*setting_lines(args, model),
                  f"{args.clients} clients, {args.kv_cache_dtype} KV cache, {chunks}, "
                  f"{args.prefixes} shared prefixes, seed {args.seed}; {elapsed:.0f} s")
-    for (n0, m0), (n1, m1) in zip([(None, None)] + points[:-1], points):
+    for (n0, m0), (n1, m1) in zip([(None, None)] + points[:-1], points, strict=True):
         table.row(n1, m1, (m1 - m0) / (n1 - n0) * 1000 if n0 is not None else float("nan"))
     done = sum(statuses.values())
     fitted = sum(p[0] >= args.warmup for p in points)
