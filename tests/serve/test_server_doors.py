@@ -23,6 +23,7 @@ from servers import (NAME, ROOT, Background, completion, exchange,  # noqa: E402
                          served)
 import minitransformer.__main__ as cli  # noqa: E402
 from minitransformer.chat import encode_chat  # noqa: E402
+from minitransformer.kernels import threads  # noqa: E402
 from minitransformer.serve import http as server_module  # noqa: E402
 from minitransformer.serve.config import EngineConfig  # noqa: E402
 from minitransformer.serve.engine import Engine  # noqa: E402
@@ -361,7 +362,8 @@ FLAGS = {  # option -> (its arguments, whether the started server `s` (below) sh
     "--enable-prefix-caching": ("--no-enable-prefix-caching",
                                 lambda s: s.config.enable_prefix_caching is False),
     "--max-num-batched-tokens": (["32"], lambda s: s.config.max_num_batched_tokens == 32),
-    "--drain-timeout": (["7.5"], lambda s: s.run.timeout_graceful_shutdown == 7.5),
+    "--drain-timeout": (["7.5"], lambda s: s.run.timeout_graceful_shutdown ==
+                        7.5 + server_module.CUT_GRACE_S),
     "--max-request-bytes": (["123456"], lambda s: s.app.limit == 123456),
     "--read-timeout": (["9.5"], lambda s: s.run.http.timeout == 9.5),
     "--api-key": ([KEY], lambda s: s.answers(KEY) and not s.answers("sk-wrong")),
@@ -369,6 +371,7 @@ FLAGS = {  # option -> (its arguments, whether the started server `s` (below) sh
     "--attention": (["tiled"], lambda s: s.config.attention == "tiled"),
     "--speculative-config": ([SPEC], lambda s: getattr(s.config.speculative_config,
                                                        "num_speculative_tokens", None) == 2),
+    "--threads": (["2"], lambda s: s.threads == 2),
 }
 
 
@@ -394,7 +397,13 @@ def started(model, monkeypatch, argv) -> SimpleNamespace:
     monkeypatch.setattr(server_module, "bound_socket", lambda host, port: (
         caught.update(bound=(host, port)) or real_bind("127.0.0.1", 0)))
     monkeypatch.delenv("MT_API_KEY", raising=False)
+    before = threads.count(), threads.SET_BY
+    blas = [lib.get_num_threads() for lib in threads.controllers()]
     cli.main(["serve", *argv])
+    ran_on = threads.count()                   # --threads holds for the process: put back
+    threads.set_count(*before, blas=False)
+    for lib, n in zip(threads.controllers(), blas):
+        lib.set_num_threads(n)
     asgi = caught["config"].app
 
     def answers(key) -> bool:
@@ -403,7 +412,8 @@ def started(model, monkeypatch, argv) -> SimpleNamespace:
                               ).status_code == 200
     app = asgi.state.serving
     return SimpleNamespace(app=app, config=app.online.engine.config, run=caught["config"],
-                           bound=caught["bound"], answers=answers, path=str(model.path))
+                           bound=caught["bound"], answers=answers, path=str(model.path),
+                           threads=ran_on)
 
 
 def test_every_serve_flag_reaches_the_server_it_starts(model, monkeypatch):

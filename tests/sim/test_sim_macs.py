@@ -8,9 +8,10 @@ from sim.macs import compare, generation_macs, step_macs
 QWEN25_05B = qwen25_05b_config()  # the chapter's model: 24 layers, 14 q heads, 2 kv heads
 
 TINY_GQA = {"hidden_size": 12, "intermediate_size": 20, "num_hidden_layers": 2,
-            "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 3,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 6,
             "vocab_size": 17}
-TINY_MHA = dict(TINY_GQA, num_key_value_heads=4, head_dim=5)  # H*d != D on purpose
+TINY_MHA = dict(TINY_GQA, num_key_value_heads=4, head_dim=4)  # H*d != D on purpose
+# (head dims even: a ModelConfig refuses an odd one, which RoPE cannot turn in pairs)
 
 
 class Counter:
@@ -88,7 +89,7 @@ def test_growth_orders():
 
 def test_parts_and_options():
     s = step_macs(TINY_GQA, 3, 5)
-    assert s.attention == 2 * 2 * 4 * 3 * 5 * 3  # L * 2 * H * T * S * d
+    assert s.attention == 2 * 2 * 4 * 3 * 5 * 6  # L * 2 * H * T * S * d
     assert s.lm_head == 12 * 17
     assert step_macs(TINY_GQA, 3, 5, logits_for_all=True).lm_head == 3 * 12 * 17
     c = compare(TINY_GQA, 1)
