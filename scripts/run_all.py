@@ -10,7 +10,7 @@ run twice, on the model and on the chapter's Qwen2.5-0.5B shape.
 First use, apart: before the experiments, what the selected scripts fetch or make once per
 machine (SmolLM2's fetch and import, experiment 21's text, the distilled drafts of experiments
 22 and 23: about 3 CPU minutes of training, the k-quant copies of experiments 15, 16 and 21:
-about 4 CPU minutes of quantizing) is made here, each timed on its own, so the
+about 70 CPU seconds of quantizing, a matrix per core at a time) is made here, each timed on its own, so the
 experiments' times are what a second run costs and the first run's extra is said apart. Every
 script runs with the BLAS threads the summary names, set in its environment
 (OPENBLAS_NUM_THREADS and its kin): --threads N for the timing scripts (their --threads too),
