@@ -434,6 +434,7 @@ def test_the_k_quant_copies_made_in_threads_are_each_matrixs_own_bytes(tiny, mon
     quantize to (what quantize_model then reads back), whatever thread made them."""
     import numpy as np
     import quant.gguf_weight as gw
+    from minitransformer.backend import to_numpy
     from minitransformer.loader import load
     from quant.qmodel import projection_names
     monkeypatch.setenv("MT_WEIGHTS_DIR", str(tmp_path))
@@ -443,7 +444,7 @@ def test_the_k_quant_copies_made_in_threads_are_each_matrixs_own_bytes(tiny, mon
     run_all.quantize_scheme(weights, "q4_k", threads=3)
     files = set()
     for name in names:
-        w = np.asarray(weights[name], np.float32)
+        w = np.asarray(to_numpy(weights[name]), np.float32)
         kind = gw.stored_type("Q4_K", w.shape[1])
         files.add(gw.kept_file(w, kind))
         assert np.array_equal(np.load(gw.kept_file(w, kind)), gw.QUANTIZERS[kind](w)), name
