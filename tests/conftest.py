@@ -18,9 +18,9 @@ if WORKERS > 1:
     for name in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
         os.environ.setdefault(name, "1")
 
-import numpy as np  # noqa: E402
-import pytest  # noqa: E402
-import threadpoolctl  # noqa: E402
+import numpy as np
+import pytest
+import threadpoolctl
 
 from minitransformer import load
 from minitransformer.kernels import threads
@@ -57,8 +57,8 @@ CLOSE_CALLS_GAIN = 1 / 16
 
 def write_checkpoint(path, name, seed) -> Path:
     """Write the checkpoint of a model of SHAPES or CLOSE_CALLS -> its path."""
-    from minitransformer.formats.safetensors_io import write_tensors
     from minitransformer.checkpoints.synth import random_weights
+    from minitransformer.formats.safetensors_io import write_tensors
     config, dtype = (SHAPES | CLOSE_CALLS)[name]
     path = make_checkpoint(path, config, seed=seed, dtype=dtype)
     if name in CLOSE_CALLS:
@@ -190,6 +190,86 @@ def run_script(capsys):
         assert (done.value.code or 0) == status, f"{name} exited {done.value.code}: {err[-2000:]}"
         return out, err
     return run_one
+
+
+# --- fixtures more than one test file uses -------------------------------------------------
+# Here, where pytest finds them for every test file below: a fixture imported into a test file
+# would be a second definition of it there. A file with a fixture of the same name (a `model`
+# of its own) overrides these.
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    """The server tests' model (tests/serve/test_server_*.py): a tiny Qwen2 with a real
+    byte-level BPE tokenizer and a chat template (servers.TEMPLATE)."""
+    import json
+
+    from minitransformer.checkpoints.synth import train_tokenizer
+    from servers import TEMPLATE
+    path = make_checkpoint(tmp_path_factory.mktemp("served"), qwen2_config(vocab_size=320),
+                           tokenizer=train_tokenizer(300))
+    settings = json.loads((path / "tokenizer_config.json").read_text())
+    (path / "tokenizer_config.json").write_text(json.dumps(settings | {"chat_template":
+                                                                       TEMPLATE}))
+    return load(path)
+
+
+@pytest.fixture(scope="module")
+def served(model):
+    """(online engine, url, OpenAI client) of a server of `model` in this process, one per test
+    file (servers.Background)."""
+    from minitransformer.serve.config import EngineConfig
+    from minitransformer.serve.engine import Engine
+    from minitransformer.serve.http import create_app
+    from minitransformer.serve.online import OnlineEngine
+    from servers import NAME, Background, openai
+    online = OnlineEngine(Engine(model, EngineConfig(max_num_seqs=4, num_gpu_blocks_override=48,
+                                                     block_size=4,  # 192 tokens
+                                                     batch_invariant=True),
+                                 history=True))   # records read back
+    server = Background(create_app(online, NAME))
+    yield online, server.url, openai.OpenAI(base_url=server.url + "/v1", api_key="none",
+                                            max_retries=0)
+    server.stop()
+    online.close()
+
+
+@pytest.fixture(scope="module")
+def parts(tmp_path_factory):
+    """(metadata entries, tensors) of a valid GGUF file (tests/gguf_files.py): qwen2 (CONFIG),
+    a tokenizer, F32 and Q8_0 weights, no general.alignment (the default 32)."""
+    from gguf_files import CONFIG, gguf_parts, write_gguf
+    from minitransformer.checkpoints.synth import random_weights, train_tokenizer
+    path = tmp_path_factory.mktemp("gguf") / "valid.gguf"
+    weights = random_weights(CONFIG)
+    types = {name: "Q8_0" if name.endswith("up_proj.weight") else "F32" for name in weights}
+    write_gguf(path, CONFIG, weights, types=types, tokenizer=train_tokenizer(300))
+    entries, tensors = gguf_parts(path)
+    assert all(e[0] != "general.alignment" for e in entries)
+    return entries, tensors
+
+
+@pytest.fixture(scope="module")
+def kquant_parts(tmp_path_factory):
+    """(metadata entries, tensors) of a valid GGUF file of K_CONFIG with the K_TYPES matrices
+    (tests/gguf_files.py)."""
+    from gguf_files import K_CONFIG, K_TYPES, gguf_parts, write_gguf
+    from minitransformer.checkpoints.synth import random_weights
+    path = tmp_path_factory.mktemp("gguf") / "kquants.gguf"
+    weights = random_weights(K_CONFIG)
+    types = {f"model.layers.0.{m}.weight": t for m, t in K_TYPES.items()}
+    write_gguf(path, K_CONFIG, weights, types={n: types.get(n, "F32") for n in weights})
+    return gguf_parts(path)
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    """A tiny target and a different draft over 6 tokens (untied heads, so they disagree), for
+    speculative decoding's tests (tests/test_speculative.py, tests/serve/)."""
+    config = qwen2_config(vocab_size=6, hidden_size=32, intermediate_size=64,
+                          num_hidden_layers=1, tie_word_embeddings=False)
+    root = tmp_path_factory.mktemp("pair")
+    return (load(make_checkpoint(root / "target", config, seed=1)),
+            load(make_checkpoint(root / "draft", config, seed=2)))
 
 
 def assert_same(actual, expected, rtol=None, atol=None):

@@ -9,9 +9,8 @@ package cannot quantize), the weights a reader must give back always ``gguf.quan
 import json
 
 import numpy as np
-import pytest
 
-from minitransformer.checkpoints.synth import qwen2_config, random_weights, train_tokenizer
+from minitransformer.checkpoints.synth import qwen2_config
 
 GGUF_LAYER = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
               "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
@@ -229,32 +228,9 @@ CONFIG = qwen2_config(vocab_size=320, hidden_size=64, intermediate_size=128,
                       num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2)
 
 
-@pytest.fixture(scope="module")
-def parts(tmp_path_factory):
-    """(metadata entries, tensors) of a valid file: qwen2 (CONFIG), a tokenizer, F32 and Q8_0
-    weights, no general.alignment (the default 32). A test module imports it to use it."""
-    path = tmp_path_factory.mktemp("gguf") / "valid.gguf"
-    weights = random_weights(CONFIG)
-    types = {name: "Q8_0" if name.endswith("up_proj.weight") else "F32" for name in weights}
-    write_gguf(path, CONFIG, weights, types=types, tokenizer=train_tokenizer(300))
-    entries, tensors = gguf_parts(path)
-    assert all(e[0] != "general.alignment" for e in entries)
-    return entries, tensors
-
-
 # The same with the matrices in k-quants (rows of 256: whole super-blocks), for the broken
 # k-quant files; no tokenizer (a weights-only file loads as well).
 K_CONFIG = qwen2_config(vocab_size=320, hidden_size=256, intermediate_size=256,
                         num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2)
 K_TYPES = {"mlp.up_proj": "Q4_K", "mlp.down_proj": "Q5_K", "mlp.gate_proj": "Q6_K",
            "self_attn.q_proj": "Q3_K", "self_attn.k_proj": "Q2_K"}
-
-
-@pytest.fixture(scope="module")
-def kquant_parts(tmp_path_factory):
-    """(metadata entries, tensors) of a valid file of K_CONFIG with the K_TYPES matrices."""
-    path = tmp_path_factory.mktemp("gguf") / "kquants.gguf"
-    weights = random_weights(K_CONFIG)
-    types = {f"model.layers.0.{m}.weight": t for m, t in K_TYPES.items()}
-    write_gguf(path, K_CONFIG, weights, types={n: types.get(n, "F32") for n in weights})
-    return gguf_parts(path)

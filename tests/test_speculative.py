@@ -1,21 +1,22 @@
 """Speculative decoding keeps the target's output: token for token when greedy, in
 distribution when sampling (chi-square against the target's exact distribution), and a wrong
 acceptance rule is caught by the same test."""
+import re
 from collections import Counter
 from dataclasses import replace
 
-import re
 import numpy as np
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from scipy.stats import chisquare
 
 import minitransformer as mt
 from minitransformer import speculative
-from minitransformer.sampling import SamplingSettings, apply_repetition_penalty, probabilities
+from minitransformer.checkpoints.synth import default_model
 from minitransformer.lookup import PromptLookup, lookup_past_insertion, prompt_lookup, replay
+from minitransformer.sampling import SamplingSettings, apply_repetition_penalty, probabilities
 from minitransformer.speculative import first_layers, leviathan_step, speculative_generate
-from minitransformer.checkpoints.synth import default_model, make_checkpoint, qwen2_config
 from quant.qmodel import quantize_model
 
 
@@ -228,16 +229,6 @@ def test_the_rule_alone_turns_draws_from_q_into_draws_from_p():
     assert counts[3] == counts[4] == 0
     expected = p[:3].astype(np.float64) / p[:3].sum() * n
     assert chisquare(counts[:3], expected).pvalue > 1e-3
-
-
-@pytest.fixture(scope="module")
-def pair(tmp_path_factory):
-    """A tiny target and a different draft over 6 tokens (untied heads, so they disagree)."""
-    config = qwen2_config(vocab_size=6, hidden_size=32, intermediate_size=64,
-                          num_hidden_layers=1, tie_word_embeddings=False)
-    root = tmp_path_factory.mktemp("pair")
-    return (mt.load(make_checkpoint(root / "target", config, seed=1)),
-            mt.load(make_checkpoint(root / "draft", config, seed=2)))
 
 
 def exact_joint(model, prompt, k, settings):

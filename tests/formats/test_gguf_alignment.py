@@ -14,7 +14,7 @@ import minitransformer as mt
 from minitransformer.backend import to_numpy
 
 pytest.importorskip("gguf")
-from gguf_files import STRING, UINT32, gguf_bytes, parts  # noqa: E402,F401 (parts: a fixture)
+from gguf_files import STRING, UINT32, gguf_bytes
 
 
 def header_bytes(entries, tensors) -> int:

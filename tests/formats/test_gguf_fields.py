@@ -9,12 +9,9 @@ import struct
 
 import pytest
 
+from gguf_files import ARRAY, BOOL, FLOAT32, INT32, STRING, UINT8, UINT32, encode_value, gguf_bytes
 from minitransformer.errors import CheckpointError
-from minitransformer.formats.gguf_types import SUPPORTED
 from minitransformer.formats.gguf_file import GGUFFile, tensor_bytes
-
-from gguf_files import (ARRAY, BOOL, FLOAT32, INT32, STRING, UINT8, UINT32,  # noqa: E402
-                        encode_value, gguf_bytes)
 
 UINT64 = 10
 F32, F16, Q8_0 = 0, 1, 8                                  # GGML type ids

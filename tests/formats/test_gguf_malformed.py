@@ -14,8 +14,7 @@ import pytest
 import minitransformer as mt
 
 pytest.importorskip("gguf")
-from gguf_files import (ARRAY, BOOL, FLOAT32, INT32, STRING, UINT8, UINT32,  # noqa: E402
-                        gguf_bytes, kquant_parts, parts)  # noqa: F401 (fixtures)
+from gguf_files import ARRAY, BOOL, FLOAT32, INT32, STRING, UINT8, UINT32, gguf_bytes
 
 
 def write(tmp_path, entries, tensors, **layout):

@@ -16,20 +16,19 @@ from pathlib import Path
 
 import pytest
 
+import minitransformer as mt
 from conftest import assert_like_solo, wait_for
 from engine_fuzz import exact
-import minitransformer as mt
 from minitransformer.logprobs import log_softmax
 from minitransformer.sampling import SamplingSettings
 from minitransformer.serve.config import EngineConfig
 from minitransformer.serve.engine import Engine
 from minitransformer.serve.online import OnlineEngine
-from minitransformer.checkpoints.synth import make_checkpoint, qwen2_config, train_tokenizer
 
 openai = pytest.importorskip("openai")
 pytest.importorskip("fastapi")
 uvicorn = pytest.importorskip("uvicorn")
-from minitransformer.serve.http import READ_TIMEOUT_S, create_app, http_protocol  # noqa: E402
+from minitransformer.serve.http import READ_TIMEOUT_S, create_app, http_protocol
 
 NAME = "tiny-chat"
 ROOT = Path(__file__).resolve().parents[2]
@@ -55,30 +54,6 @@ class Background:
         self.server.should_exit = True
         self.thread.join(10)
         self.sock.close()
-
-
-@pytest.fixture(scope="module")
-def model(tmp_path_factory):
-    """A tiny Qwen2 with a real byte-level BPE tokenizer and a chat template."""
-    path = make_checkpoint(tmp_path_factory.mktemp("served"), qwen2_config(vocab_size=320),
-                           tokenizer=train_tokenizer(300))
-    settings = json.loads((path / "tokenizer_config.json").read_text())
-    (path / "tokenizer_config.json").write_text(json.dumps(settings | {"chat_template":
-                                                                       TEMPLATE}))
-    return mt.load(path)
-
-
-@pytest.fixture(scope="module")
-def served(model):
-    online = OnlineEngine(Engine(model, EngineConfig(max_num_seqs=4, num_gpu_blocks_override=48,
-                                                     block_size=4,  # 192 tokens
-                                                     batch_invariant=True),
-                                 history=True))   # records read back
-    server = Background(create_app(online, NAME))
-    yield online, server.url, openai.OpenAI(base_url=server.url + "/v1", api_key="none",
-                                            max_retries=0)
-    server.stop()
-    online.close()
 
 
 def expected(model, ids, max_tokens, **sampling):

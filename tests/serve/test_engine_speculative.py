@@ -17,8 +17,7 @@ from minitransformer.serve.config import EngineConfig, SpeculativeConfig
 from minitransformer.serve.engine import Engine
 from minitransformer.serve.records import Request
 from minitransformer.speculative import first_layers
-from test_speculative import (SAMPLING_CASES, accept_always, exact_joint, goodness_of_fit,  # noqa: F401
-                              pair)   # the target and draft pair, a fixture
+from test_speculative import SAMPLING_CASES, accept_always, exact_joint, goodness_of_fit
 
 NGRAM = SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_max=3)
 
@@ -389,6 +388,7 @@ def test_a_stream_gets_the_tokens_of_each_verification_together_and_metrics_coun
     update, as they are verified; the updates add up to the request's tokens; the snapshot
     carries the counters /metrics shows under vLLM's names."""
     import queue
+
     from minitransformer.serve.online import OnlineEngine
     from minitransformer.serve.prometheus import ServingMetrics
     request = workload()[0]

@@ -20,11 +20,11 @@ from minitransformer.logprobs import log_softmax
 from minitransformer.tokenizer import encode_text
 
 pytest.importorskip("fastapi")
-from servers import NAME, Background, model  # noqa: E402,F401 (the fixture)
-from minitransformer.serve.config import EngineConfig  # noqa: E402
-from minitransformer.serve.engine import Engine  # noqa: E402
-from minitransformer.serve.http import create_app  # noqa: E402
-from minitransformer.serve.online import OnlineEngine  # noqa: E402
+from minitransformer.serve.config import EngineConfig
+from minitransformer.serve.engine import Engine
+from minitransformer.serve.http import create_app
+from minitransformer.serve.online import OnlineEngine
+from servers import NAME, Background
 
 ROOT = Path(__file__).resolve().parents[2]
 LM_EVAL = ROOT / ".venv-eval" / "bin" / "lm_eval"

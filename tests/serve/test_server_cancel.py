@@ -16,8 +16,8 @@ from minitransformer.serve.records import Request
 openai = pytest.importorskip("openai")
 pytest.importorskip("fastapi")
 uvicorn = pytest.importorskip("uvicorn")
-from minitransformer.serve.http import create_app  # noqa: E402
-from servers import Background, NAME, model, served  # noqa: E402,F401 (the fixtures)
+from minitransformer.serve.http import create_app
+from servers import NAME, Background
 
 
 def test_a_client_that_disconnects_frees_its_blocks(served):

@@ -13,7 +13,7 @@ from minitransformer.kernels import blas
 openai = pytest.importorskip("openai")
 pytest.importorskip("fastapi")
 uvicorn = pytest.importorskip("uvicorn")
-from servers import NAME, ROOT, expected, serve_command, model  # noqa: E402,F401 (the fixtures)
+from servers import NAME, ROOT, expected, serve_command
 
 
 def test_serve_command_drains_answers_in_flight_on_ctrl_c(model):

@@ -12,7 +12,7 @@ import pytest
 pytest.importorskip("openai")
 pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
-from servers import NAME, exchange, model, post, served  # noqa: E402,F401 (fixtures)
+from servers import NAME, exchange, post
 
 DEPTHS = 48         # depths tried below the decoder's limit (where json.dumps once failed:
                     # one or two below it, as deep as the error's own call sits)

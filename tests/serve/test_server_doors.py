@@ -18,17 +18,17 @@ import pytest
 openai = pytest.importorskip("openai")
 pytest.importorskip("fastapi")
 uvicorn = pytest.importorskip("uvicorn")
-from servers import (NAME, ROOT, Background, completion, exchange,  # noqa: E402,F401
-                         held_in_tokenization, inherited, model, post, post_json, serve_command,
-                         served)
-import minitransformer.__main__ as cli  # noqa: E402
-from minitransformer.chat import encode_chat  # noqa: E402
-from minitransformer.kernels import threads  # noqa: E402
-from minitransformer.serve import http as server_module  # noqa: E402
-from minitransformer.serve.config import EngineConfig  # noqa: E402
-from minitransformer.serve.engine import Engine  # noqa: E402
-from minitransformer.serve.http import create_app  # noqa: E402
-from minitransformer.serve.online import OnlineEngine  # noqa: E402
+from servers import (NAME, ROOT, Background, completion, exchange, held_in_tokenization,
+                     inherited, post, post_json, serve_command)
+
+import minitransformer.__main__ as cli
+from minitransformer.chat import encode_chat
+from minitransformer.kernels import threads
+from minitransformer.serve import http as server_module
+from minitransformer.serve.config import EngineConfig
+from minitransformer.serve.engine import Engine
+from minitransformer.serve.http import create_app
+from minitransformer.serve.online import OnlineEngine
 
 KEY = "sk-test-7f3a9c1e5b"
 

@@ -7,13 +7,10 @@ import urllib.request
 
 import pytest
 
-
 openai = pytest.importorskip("openai")
 pytest.importorskip("fastapi")
 uvicorn = pytest.importorskip("uvicorn")
-from servers import (NAME, chat, completion, conversation, exchange,  # noqa: E402,F401 (fixtures)
-                     post, model, served)
-
+from servers import NAME, chat, completion, conversation, exchange, post
 
 USER = {"role": "user", "content": "hi"}
 TOOL_CALL = {"role": "assistant", "content": "", "tool_calls": [{

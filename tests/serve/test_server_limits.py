@@ -17,10 +17,18 @@ from minitransformer.serve.online import OnlineEngine
 openai = pytest.importorskip("openai")
 pytest.importorskip("fastapi")
 uvicorn = pytest.importorskip("uvicorn")
-from minitransformer.serve.http import create_app, default_max_request_bytes  # noqa: E402
-from servers import (Background, HeldTokenizer, NAME, chat,  # noqa: E402,F401 (the fixtures)
-                     completion, exchange, held_in_tokenization, one_running_one_waiting, post,
-                     model, served)
+from minitransformer.serve.http import create_app, default_max_request_bytes
+from servers import (
+    NAME,
+    Background,
+    HeldTokenizer,
+    chat,
+    completion,
+    exchange,
+    held_in_tokenization,
+    one_running_one_waiting,
+    post,
+)
 
 
 def test_bad_requests_get_400_naming_the_field(served, model):
@@ -124,9 +132,10 @@ def test_a_prompt_filling_the_context_fits_the_default_limit(model):
 def test_smollm2_default_limit_takes_its_context_in_any_language():
     from types import SimpleNamespace
 
-    from minitransformer.config import load_config
-    from minitransformer.checkpoints.real_model import NAME as SMOLLM2, is_imported
+    from minitransformer.checkpoints.real_model import NAME as SMOLLM2
+    from minitransformer.checkpoints.real_model import is_imported
     from minitransformer.checkpoints.synth import weights_dir
+    from minitransformer.config import load_config
     from minitransformer.tokenizer import load_tokenizer
 
     path = weights_dir() / SMOLLM2

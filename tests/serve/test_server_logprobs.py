@@ -10,8 +10,16 @@ from minitransformer.sampling import SamplingSettings
 
 openai = pytest.importorskip("openai")
 pytest.importorskip("fastapi")
-from servers import (NAME, TOLERANCE, answered, check_names_index_the_text, model,  # noqa: E402,F401
-                     names, post_json, reference, served, warm)  # (the fixtures: one server)
+from servers import (
+    NAME,
+    TOLERANCE,
+    answered,
+    check_names_index_the_text,
+    names,
+    post_json,
+    reference,
+    warm,
+)
 
 PROMPT = "The cat sat on the mat."
 

@@ -7,17 +7,17 @@ from collections import deque
 import pytest
 
 from conftest import wait_for
+from minitransformer.checkpoints.synth import qwen2_config
 from minitransformer.serve.config import EngineConfig
 from minitransformer.serve.engine import Engine
 from minitransformer.serve.online import OnlineEngine
 from minitransformer.serve.records import Request
-from minitransformer.checkpoints.synth import qwen2_config
 
 openai = pytest.importorskip("openai")
 pytest.importorskip("fastapi")
 uvicorn = pytest.importorskip("uvicorn")
-from minitransformer.serve.http import create_app  # noqa: E402
-from servers import Background, NAME, model, served  # noqa: E402,F401 (the fixtures)
+from minitransformer.serve.http import create_app
+from servers import NAME, Background
 
 
 def test_models_health_and_metrics(served):

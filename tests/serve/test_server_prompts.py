@@ -11,12 +11,20 @@ from minitransformer.chat import encode_chat
 
 openai = pytest.importorskip("openai")
 pytest.importorskip("fastapi")
-from servers import (NAME, TOLERANCE, Background, check_names_index_the_text,  # noqa: E402,F401
-                     model, names, post_json, reference, served, warm)  # (the fixtures)
-from minitransformer.serve.config import EngineConfig  # noqa: E402
-from minitransformer.serve.engine import Engine  # noqa: E402
-from minitransformer.serve.http import create_app  # noqa: E402
-from minitransformer.serve.online import OnlineEngine  # noqa: E402
+from minitransformer.serve.config import EngineConfig
+from minitransformer.serve.engine import Engine
+from minitransformer.serve.http import create_app
+from minitransformer.serve.online import OnlineEngine
+from servers import (
+    NAME,
+    TOLERANCE,
+    Background,
+    check_names_index_the_text,
+    names,
+    post_json,
+    reference,
+    warm,
+)
 
 # text with spaces, punctuation, and characters outside a small vocabulary (byte fallback)
 TEXT = "Once upon a time, there was a little girl \u2014 Lily, 5\u20ac \u6f22!"

@@ -13,8 +13,7 @@ from minitransformer.sampling import SamplingSettings
 openai = pytest.importorskip("openai")
 pytest.importorskip("fastapi")
 uvicorn = pytest.importorskip("uvicorn")
-from servers import NAME, answered, expected, model, served  # noqa: E402,F401 (the fixtures)
-
+from servers import NAME, answered, expected
 
 SETTINGS = [dict(temperature=0), dict(temperature=0.9, top_p=0.9, seed=7)]
 
