@@ -79,7 +79,8 @@ def test_ctrl_c_while_loading_is_one_line_and_exit_130(tiny_chat_model, tmp_path
         process.stdout.close()
     # the line the load had begun (cut where the signal came), then the one line
     assert said.endswith("stopped (Ctrl-C)\n") and "Traceback" not in said, said
-    assert said.startswith("loading ") and len(said.splitlines()) <= 2, said
+    # (the load's line may be cut to nothing: the signal can come before any of it is written)
+    assert said.startswith(("loading ", "stopped (Ctrl-C)")) and len(said.splitlines()) <= 2, said
     assert list(tmp_path.iterdir()) == []       # nothing written, nothing half-written
 
 
@@ -132,7 +133,7 @@ def test_a_stopped_answer_shows_its_marker_and_the_history_keeps_what_was_shown(
     model, session = story_chat_model, f"mt-chat-{uuid.uuid4().hex[:8]}"
     tmux, screen, wait_for_text = tmux_session(session)
     command = f"MT_PRODUCTS={ONE_WAY['MT_PRODUCTS']} {sys.executable} -m minitransformer " \
-              f"chat --model {model.path} --max-new-tokens 480; echo EXITED $?; sleep 60"
+              f"chat --model {model.path} --max-new-tokens 400; echo EXITED $?; sleep 60"
     tmux("new-session", "-d", "-s", session, "-x", "250", "-y", "80", "-c", str(ROOT), command)
     try:
         wait_for_text("you>")
@@ -143,7 +144,7 @@ def test_a_stopped_answer_shows_its_marker_and_the_history_keeps_what_was_shown(
         wait_for_text("you>", 2)
         shown = screen()
         made = int(re.search(r"\[(\d+) tokens, ", shown).group(1))
-        assert made < 480 and " [stopped]\n" in shown, shown
+        assert made < 400 and " [stopped]\n" in shown, shown
         tmux("send-keys", "-t", session, "The dog", "Enter")
         wait_for_text("you>", 3)
         prompt = int(re.findall(r"\[prefix cache: \d+ of (\d+) prompt tokens", screen())[-1])
@@ -161,7 +162,7 @@ def test_a_stopped_answer_shows_its_marker_and_the_history_keeps_what_was_shown(
     # counting a token and showing it
     seen = [continuation(model, ids, k, **CHAT) for k in (made, made - 1)]
     shown = " ".join(shown.replace("^C", "").split())     # the terminal echoes the key
-    assert " ".join(seen[0].split()) + " [stopped]" in shown
+    assert any(" ".join(text.split()) + " [stopped]" in shown for text in seen), shown
     assert prompt in [second_prompt(text) for text in seen], (prompt, seen)
     assert prompt != second_prompt(seen[0] + " [stopped]")
 
