@@ -124,6 +124,11 @@ class ModelConfig:
         return self.layer_windows[layer] if self.layer_windows else None
 
     @property
+    def sliding_window(self) -> int | None:
+        """The window W of the layers that slide (one W per model), None where none does."""
+        return max(filter(None, self.layer_windows), default=None)
+
+    @property
     def qk_norm(self) -> bool:
         """Qwen3 RMS-normalizes each head's query and key (a gain of d per layer) before RoPE."""
         return self.model_type == "qwen3"

@@ -200,7 +200,7 @@ def prepare(model: Model, ids, cache=None, way: Attention = None) -> Batch:
                          f"{c.max_position_embeddings} positions")
     on_device = to_device(positions)                                 # (B, T)
     cos, sin = rope_angles(on_device, rope_frequencies(c))
-    window = max(filter(None, c.layer_windows), default=None)        # W, or None
+    window = c.sliding_window                                        # W, or None
     if cache is None:  # the T tokens are the whole sequence; alone, a token sees all (itself)
         way = PLAIN if way is None else way
         if window is not None and way.mask is not causal_mask:   # its mask is an array

@@ -99,9 +99,9 @@ class Engine:
         if not isinstance(config, EngineConfig):
             raise TypeError(f"config: expected an EngineConfig, got {type(config).__name__}")
         for m in (model, draft_model):
-            if m is not None and m.config.layer_windows:   # paged.py attends without one
+            if m is not None and m.config.sliding_window:  # paged.py attends without one
                 raise ValueError(f"{m.path or 'the model'}: a sliding-window model (window "
-                                 f"{max(filter(None, m.config.layer_windows))}) is not served "
+                                 f"{m.config.sliding_window}) is not served "
                                  "by the paged engine yet; generate and chat run it")
         slots, num_blocks, block_size = config.max_num_seqs, config.num_blocks, config.block_size
         check_fits(model.config, slots, num_blocks, block_size, config.kv_cache_dtype)
