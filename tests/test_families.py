@@ -101,9 +101,53 @@ def test_speculation_rolls_back_within_the_rings_spare_slots(windowed):
         kv.trim(1)
 
 
-def test_the_paged_engine_refuses_a_windowed_model_by_name(windowed):
-    with pytest.raises(ValueError, match="sliding-window model .window 6. is not served"):
-        Engine(windowed)
+LONG = 30   # new tokens: prompts of 12-29 grow to 42-59 positions, 7-10 windows of 6
+
+WINDOWED_ENGINES = {
+    "prefix-cache": {"max_num_seqs": 3, "block_size": 4},
+    "chunks-under-the-window": {"max_num_seqs": 3, "block_size": 4, "max_num_batched_tokens": 4},
+    "chunks-over-the-window": {"max_num_seqs": 3, "block_size": 4, "max_num_batched_tokens": 9},
+    "batch-invariant": {"max_num_seqs": 3, "block_size": 4, "batch_invariant": True},
+    "tiled": {"max_num_seqs": 3, "block_size": 4, "attention": "tiled"},
+    "preemption": {"max_num_seqs": 3, "block_size": 4, "num_gpu_blocks_override": 20},
+    "ngram-speculation": {"max_num_seqs": 2, "block_size": 4, "speculative_config":
+                          SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_max=3)},
+    "draft-model-speculation": {"max_num_seqs": 2, "block_size": 4, "speculative_config":
+                                SpeculativeConfig(num_speculative_tokens=3,
+                                                  method="draft_model", model="-")},
+}
+
+
+@pytest.fixture(scope="module")
+def recomputed(windowed):
+    """generate's steps without a cache (its plain causal-and-window mask over the whole
+    sequence) for each prompt, by prompt."""
+    return {tuple(ids): mt.generate(windowed, ids, LONG, cache=False, eos_token_id=[],
+                                    logprobs=1) for ids in prompts(windowed)}
+
+
+@pytest.mark.parametrize("name", sorted(WINDOWED_ENGINES))
+def test_the_paged_engine_gives_a_windowed_models_tokens(windowed, recomputed, name):
+    """Each layer's window in the paged pool's attention (a sliding layer's mask, a full
+    layer's causal one), through prefix caching, chunks shorter and longer than the window,
+    preemption and speculation: greedy tokens are recomputing's (by the near-tie policy), and
+    each token's logprob within float32 rounding of its (a random model's tokens hardly
+    depend on attention, its logprobs do: a window one too wide moves them by ~0.05)."""
+    fields = WINDOWED_ENGINES[name]
+    draft = random_model(WINDOWED["mistral"], seed=8) if "draft-model" in name else None
+    engine = Engine(windowed, EngineConfig(**fields), draft_model=draft)
+    requests = [Request(tuple(ids), LONG, eos_token_id=[], logprobs=1) for ids in recomputed]
+    first, again = engine.run(requests), engine.run(requests)
+    assert all(r.cached_tokens for r in again.results)         # the prefix cache was read
+    assert engine.preemptions > 0 or name != "preemption"
+    for result in first.results + again.results:
+        prompt, steps = list(result.request.prompt), recomputed[result.request.prompt]
+        assert_like_solo(windowed, result.tokens, [s.token for s in steps], prompt,
+                         eos_token_id=[])
+        same = next((i for i, (a, b) in enumerate(zip(result.tokens, steps, strict=True))
+                     if a != b.token), LONG)
+        np.testing.assert_allclose([t.logprob for t in result.logprobs[:same]],
+                                   [s.logprob for s in steps[:same]], atol=1e-5)
 
 
 @pytest.mark.parametrize("fields", [

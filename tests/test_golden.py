@@ -81,3 +81,30 @@ def test_the_fixture_catches_a_wrong_rope(checkpoints, golden, monkeypatch):
         model = mt.load(checkpoints[name])
         ids, ref = case["prompts"][-1], golden[f"{name}/{len(case['prompts']) - 1}"]
         assert np.abs(mt.logits(model, ids) - ref).max() > 10 * tolerance(ref), name
+
+
+WINDOWED = sorted(name for name, case in CASES.items() if case["config"].get("sliding_window"))
+
+
+@pytest.mark.parametrize("budget", [5, 16], ids=["chunks-under-the-window", "over-it"])
+@pytest.mark.parametrize("name", WINDOWED)
+def test_the_paged_engine_scores_a_windowed_prompt_as_hugging_face(name, budget, checkpoints,
+                                                                   golden):
+    """The sliding-window cases through the paged engine, their 33-token prompt in chunks of
+    at most `budget` tokens over blocks of 4: every prompt token's logprob is the one HF's
+    logits give it (the window of 8 applied in the pool's attention, a full layer's left
+    whole)."""
+    from minitransformer.serve.config import EngineConfig
+    from minitransformer.serve.engine import Engine
+    from minitransformer.serve.records import Request
+    model = mt.load(checkpoints[name])
+    ids, ref = CASES[name]["prompts"][-1], golden[f"{name}/{len(CASES[name]['prompts']) - 1}"]
+    engine = Engine(model, EngineConfig(max_num_seqs=1, block_size=4,
+                                        max_num_batched_tokens=budget))
+    (result,) = engine.run([Request(tuple(ids), 0, prompt_logprobs=0)]).results
+    assert result.prefill_chunks == -(-len(ids) // budget)
+    shifted = ref - ref.max(axis=-1, keepdims=True)
+    expected = (shifted - np.log(np.exp(shifted).sum(axis=-1, keepdims=True)))[:-1]  # (T-1, V)
+    np.testing.assert_allclose([t.logprob for t in result.prompt_logprobs[1:]],
+                               expected[np.arange(len(ids) - 1), ids[1:]],
+                               atol=tolerance(ref))

@@ -98,11 +98,6 @@ class Engine:
         config = EngineConfig() if config is None else config
         if not isinstance(config, EngineConfig):
             raise TypeError(f"config: expected an EngineConfig, got {type(config).__name__}")
-        for m in (model, draft_model):
-            if m is not None and m.config.sliding_window:  # paged.py attends without one
-                raise ValueError(f"{m.path or 'the model'}: a sliding-window model (window "
-                                 f"{m.config.sliding_window}) is not served "
-                                 "by the paged engine yet; generate and chat run it")
         slots, num_blocks, block_size = config.max_num_seqs, config.num_blocks, config.block_size
         check_fits(model.config, slots, num_blocks, block_size, config.kv_cache_dtype)
         spec = config.speculative_config

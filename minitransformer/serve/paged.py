@@ -6,7 +6,8 @@ pass's view of it (experiment 14).
     books   a blocks.BlockManager (``books``): free list, block tables, refcounts, prefix index
     view    ``view(seq_ids)`` is what ``model.forward`` talks to (kvcache.py's protocol):
             ``positions``, ``update`` (write the new keys/values into their slots, return all
-            held), ``mask``, ``attend``, ``advance``
+            held), ``mask`` (causal; a sliding-window layer's, model.Batch.windowed),
+            ``attend``, ``advance``
 
 What ``update`` returns depends on how a pass reads the pool (``PagedCache.reads_in_place``):
 
@@ -57,7 +58,7 @@ True
 import numpy as np
 
 from minitransformer.backend import memory_bytes, to_device, to_numpy, xp
-from minitransformer.kvcache import KVCache, causal
+from minitransformer.kvcache import KVCache, causal, sliding
 from minitransformer.kvquant import (
     KVDims,
     QuantizedArray,
@@ -234,9 +235,13 @@ class PagedView:
             raise RuntimeError("write into a shared or named block: make_room copies it first")
         return to_device(blocks), to_device(positions % bs), to_device(table), S
 
-    def mask(self, positions: np.ndarray):
-        """Rows laid out as the contiguous cache's once gathered: its causal mask."""
-        return causal(positions, self.cache.attention)
+    def mask(self, positions: np.ndarray, window: int | None = None):
+        """Rows laid out as the contiguous cache's once gathered (slot j holds position j):
+        its causal mask, or with a window the sliding-window layers' (model.Batch.windowed:
+        a query at p sees p - window + 1 .. p)."""
+        if window is None:
+            return causal(positions, self.cache.attention)
+        return sliding(positions, xp.arange(int(positions.max()) + 1)[None], window)
 
     def attend(self, q, k, v, visible):
         return self.cache.way(q.shape[1]).attend(q, k, v, visible)
@@ -294,8 +299,8 @@ class RaggedView:
         return [view.slots(p)
                 for (view, _, _), p in zip(self.parts, self._groups(positions), strict=True)]
 
-    def mask(self, positions: np.ndarray) -> list:
-        return [view.mask(p)
+    def mask(self, positions: np.ndarray, window: int | None = None) -> list:
+        return [view.mask(p, window)
                 for (view, _, _), p in zip(self.parts, self._groups(positions), strict=True)]
 
     def update(self, layer: int, k, v, slots):

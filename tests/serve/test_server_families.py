@@ -1,6 +1,7 @@
-"""Qwen3 and Llama 3.x checkpoints through the command line and the OpenAI server, unchanged:
-what a person sees is generate's text, as for Qwen2 (tests/test_families.py holds the engine's
-tokens; tests/test_golden.py the logits against transformers)."""
+"""Qwen3, Llama 3.x and Mistral (a sliding window of 4 positions, under a prompt and answer of
+more) checkpoints through the command line and the OpenAI server, unchanged: what a person
+sees is generate's text, as for Qwen2 (tests/test_families.py holds the engine's tokens;
+tests/test_golden.py the logits against transformers)."""
 import json
 import os
 import subprocess
@@ -9,8 +10,8 @@ import sys
 import pytest
 
 import minitransformer as mt
-from minitransformer.checkpoints.synth import (llama_config, make_checkpoint, qwen3_config,
-                                               train_tokenizer)
+from minitransformer.checkpoints.synth import (llama_config, make_checkpoint, mistral_config,
+                                               qwen3_config, train_tokenizer)
 from minitransformer.serve.config import EngineConfig
 from minitransformer.serve.engine import Engine
 from minitransformer.serve.online import OnlineEngine
@@ -23,7 +24,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
           "original_max_position_embeddings": 16}
 CONFIGS = {"qwen3": qwen3_config(vocab_size=320),
-           "llama3": llama_config(vocab_size=320, head_dim=16, rope_scaling=LLAMA3)}
+           "llama3": llama_config(vocab_size=320, head_dim=16, rope_scaling=LLAMA3),
+           "mistral": mistral_config(vocab_size=320, sliding_window=4)}
 
 
 @pytest.fixture(scope="module", params=sorted(CONFIGS))
@@ -53,6 +55,7 @@ def test_the_server_answers_with_generates_text(model):
     try:
         client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
         prompt = "Once upon a time"
+        assert len(model.tokenizer.encode(prompt)) > 4      # past a window of 4 at once
         answer = client.completions.create(model="tiny", prompt=prompt, max_tokens=10,
                                            temperature=0)
         _, text, finish = expected(model, model.tokenizer.encode(prompt), 10)
