@@ -30,7 +30,7 @@ from minitransformer.generate import check_prompt
 from minitransformer.kernels import threads
 from minitransformer.kvquant import KV_DTYPES
 from minitransformer.sampling import SamplingSettings
-from minitransformer.serve.blocks import blocks_for
+from minitransformer.serve.blocks import pool_blocks
 from minitransformer.serve.config import (
     POLICIES,
     EngineConfig,
@@ -249,7 +249,7 @@ def chat_engine(model, kv_cache_dtype="f32", attention="plain", speculative=None
     context = model.config.max_position_embeddings
     config = EngineConfig(max_num_seqs=1, kv_cache_dtype=kv_cache_dtype, attention=attention,
                           speculative_config=speculative)
-    blocks = blocks_for(context, config.block_size) + 1
+    blocks = pool_blocks(1, context, config.block_size) + 1    # + the copy
     return Engine(model, replace(config, num_gpu_blocks_override=blocks))
 
 

@@ -114,14 +114,28 @@ def leviathan_step(p, q, x: int, rng) -> tuple[bool, int]:
     return False, draw(residual, rng)  # draw normalises by the total itself
 
 
+def check_vocabulary(draft, target) -> None:
+    """A draft model must share the target's vocabulary (its token ids are the target's): a
+    ValueError naming both sizes, for generate's speculation and the engine's draft model.
+
+    >>> from minitransformer.config import ModelConfig
+    >>> from minitransformer.checkpoints.synth import qwen2_config
+    >>> check_vocabulary(ModelConfig.from_dict(qwen2_config(vocab_size=64)),
+    ...                  ModelConfig.from_dict(qwen2_config()))  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    ValueError: draft and target must share a vocabulary: the draft has 64 tokens, the target...
+    """
+    if draft.vocab_size != target.vocab_size:
+        raise ValueError(f"draft and target must share a vocabulary: the draft has "
+                         f"{draft.vocab_size} tokens, the target {target.vocab_size}")
+
+
 class ModelDraft:
     """A draft model and its own cache: proposals by decode steps, undone by a trim."""
 
     def __init__(self, model, target, ids, max_new_tokens: int, gamma: int = 1):
-        if model.config.vocab_size != target.config.vocab_size:
-            raise ValueError(f"draft and target must share a vocabulary: the draft has "
-                             f"{model.config.vocab_size} tokens, the target "
-                             f"{target.config.vocab_size}")
+        check_vocabulary(model.config, target.config)
         check_prompt(model, ids, max_new_tokens)
         self.model = model
         # It lags one token behind the sequence, as the target's: P + max_new_tokens suffice.

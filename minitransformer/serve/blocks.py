@@ -47,6 +47,17 @@ def blocks_for(tokens: int, block_size: int) -> int:
     return ceil_div(tokens, block_size)
 
 
+def pool_blocks(slots: int, tokens: int, block_size: int) -> int:
+    """Blocks of a pool in which each of `slots` sequences can hold `tokens` tokens at once:
+    what a contiguous cache would reserve, rounded up to blocks. The one sizing of a pool:
+    EngineConfig's default, ``paged.pool_for``'s for a workload, the chat's for its context.
+
+    >>> pool_blocks(slots=2, tokens=1024, block_size=16), pool_blocks(1, 17, 16)
+    (128, 2)
+    """
+    return slots * blocks_for(tokens, block_size)
+
+
 def block_names(tokens, block_size: int, parent: bytes = ROOT) -> list:
     """Names of the full blocks of tokens: block i's name is SHA-256(name of block i-1, its
     token ids), so a name stands for the whole prefix up to the block's end, as in vLLM.

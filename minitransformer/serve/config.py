@@ -20,7 +20,7 @@ import numpy as np
 
 from minitransformer.checks import is_integer, is_real, no_duplicates
 from minitransformer.kvquant import KV_DTYPES
-from minitransformer.serve.blocks import blocks_for
+from minitransformer.serve.blocks import pool_blocks
 from minitransformer.tiled import ATTENTIONS
 
 METHODS = ("ngram", "draft_model")
@@ -118,23 +118,28 @@ def parse_speculative_config(value) -> SpeculativeConfig:
     return SpeculativeConfig(**fields)
 
 
-def check_against(config: SpeculativeConfig, target, draft=None) -> None:
-    """The config against the target's ModelConfig (and the draft model's, once loaded),
-    before anything is allocated for speculation: no draft longer than the target has
-    positions (a sequence could never take it; its books, one counter a position, would be
-    that long), and a draft model's vocabulary the target's. ValueErrors naming both sizes.
-    A draft model with fewer positions than the target is served: a sequence drafts only
-    while it fits the draft's positions (``Proposer.room``), as vLLM does."""
+def check_against(config: SpeculativeConfig, target) -> None:
+    """The config against the target's ModelConfig, before anything is allocated for
+    speculation: no draft longer than the target has positions (a sequence could never take
+    it; its books, one counter a position, would be that long), a ValueError naming both.
+    Decided here, asked by each door before it spends anything: the engine before its pool,
+    the CLI before the weights load. A draft model with fewer positions than the target is
+    served: a sequence drafts only while it fits the draft's positions (``Proposer.room``), as
+    vLLM does; its vocabulary is checked once it is loaded (speculative.check_vocabulary).
+
+    >>> from minitransformer.config import ModelConfig
+    >>> from minitransformer.checkpoints.synth import qwen2_config
+    >>> check_against(SpeculativeConfig(num_speculative_tokens=300),
+    ...               ModelConfig.from_dict(qwen2_config()))
+    Traceback (most recent call last):
+    ...
+    ValueError: speculative config: num_speculative_tokens=300 is more than the model's 256 positions
+    """
     positions = target.max_position_embeddings
     if config.num_speculative_tokens > positions:
         raise ValueError(f"speculative config: num_speculative_tokens="
                          f"{config.num_speculative_tokens} is more than the model's "
                          f"{positions} positions")
-    if draft is not None and draft.vocab_size != target.vocab_size:
-        raise ValueError(f"draft and target must share a vocabulary: the draft has "
-                         f"{draft.vocab_size} tokens, the target {target.vocab_size}")
-
-
 
 
 POLICIES = ("static", "continuous")
@@ -186,4 +191,4 @@ class EngineConfig:
         """Blocks in the pool: the override, else room for TOKENS_PER_SLOT in every slot."""
         if self.num_gpu_blocks_override is not None:
             return self.num_gpu_blocks_override
-        return self.max_num_seqs * blocks_for(TOKENS_PER_SLOT, self.block_size)
+        return pool_blocks(self.max_num_seqs, TOKENS_PER_SLOT, self.block_size)

@@ -57,11 +57,11 @@ import numpy as np
 
 from minitransformer.lookup import PromptLookup
 from minitransformer.sampling import apply_repetition_penalty, draw, next_token, probabilities
-from minitransformer.serve.config import SpeculativeConfig, check_against
+from minitransformer.serve.config import SpeculativeConfig
 from minitransformer.serve.paged import PagedCache
 from minitransformer.serve.runner import Feed, Runner
 from minitransformer.shape import parameter_count
-from minitransformer.speculative import LookupDraft
+from minitransformer.speculative import LookupDraft, check_vocabulary
 from sim.speculative import batch_verify_cost, speedup
 
 
@@ -83,9 +83,8 @@ class Proposer:
     def __init__(self, config: SpeculativeConfig, target, draft_model=None,
                  num_blocks: int = 64, block_size: int = 16, batch_invariant: bool = False):
         """num_blocks, block_size: the draft model's pool (the target's); batch_invariant:
-        each draft row computed as a batch of one."""
-        check_against(config, target.config, None if draft_model is None else
-                      draft_model.config)
+        each draft row computed as a batch of one. The config's draft length was checked
+        against the target by the engine (config.check_against), before the pool was made."""
         if config.method == "ngram":
             self.lookup = LookupDraft(PromptLookup(config.prompt_lookup_max,
                                                    config.prompt_lookup_min,
@@ -95,6 +94,7 @@ class Proposer:
             return
         if draft_model is None:
             raise ValueError("method 'draft_model' needs the draft model loaded")
+        check_vocabulary(draft_model.config, target.config)
         self.lookup = None
         self.draft = DraftModel(draft_model, num_blocks, block_size, batch_invariant)
         # c of the formula: a decode step reads every weight, so a draft token costs the

@@ -133,17 +133,16 @@ class Engine:
         and no state is read but the model's and the pool's sizes, so any thread may ask."""
         self._check(request)
 
-    def pool_need(self, prompt_tokens: int, max_new_tokens: int, n: int = 1) -> int:
+    def pool_need(self, request: Request) -> int:
         """Blocks a request may hold at once: its longest sequence, or its prompt with the n
         samples' first tokens (each sample writes its own copy of the last prompt block).
         More than the whole pool, and the request is rejected at submission. A request of no
         new tokens (records.Request.prompt_only) holds its prompt's blocks, shared by its
-        samples."""
-        bs = self.cache.books.block_size
-        if max_new_tokens == 0:
-            return blocks_for(prompt_tokens, bs)
-        return max(blocks_for(prompt_tokens + max_new_tokens, bs),
-                   blocks_for(prompt_tokens + 1, bs) + n - 1)
+        samples. Sizes alone are read, so any thread may ask."""
+        bs, prompt, new = self.cache.books.block_size, len(request.prompt), request.max_new_tokens
+        if request.prompt_only:
+            return blocks_for(prompt, bs)
+        return max(blocks_for(prompt + new, bs), blocks_for(prompt + 1, bs) + request.n - 1)
 
     def run(self, requests, on_step=None) -> Run:
         """Serve requests (in arrival order) until every one is over; on_step(engine), if
@@ -371,7 +370,7 @@ class Engine:
         for seq in seqs:
             self.results[seq.result.id] = seq.result
         bs = self.cache.books.block_size
-        need = self.pool_need(len(prompt), request.max_new_tokens, len(seqs))
+        need = self.pool_need(request)
         for seq in seqs:
             if need > self.cache.books.num_blocks:
                 close(seq.result, "rejected", self.clock, reason=f"needs up to {need} "

@@ -382,7 +382,7 @@ def check_pool(app: App, request) -> None:
     """n samples that could never be held at once in the pool: a 400 naming n, before any
     answer starts (the prompt and max_tokens alone were checked by parse)."""
     length, sizes = len(request.prompt), app.online.sizes
-    need = app.online.pool_need(length, request.max_new_tokens, request.n)
+    need = app.online.pool_need(request)
     if need > sizes.num_blocks:
         raise APIError(f"n={request.n} samples of a {length}-token prompt need {need} KV "
                        f"blocks of {sizes.block_size} tokens at once (the prompt and each "
@@ -477,7 +477,7 @@ async def pieces(app: App, job, stops, ticket, updates, arrival):
             arrival = update.record.arrival
             if i not in open_:  # tokens made before its stop string's cancel took effect
                 continue
-            prompt_only = job.request.max_new_tokens == 0 and update.status == "finished"
+            prompt_only = job.request.prompt_only and update.status == "finished"
             if job.echo and counts[i] == 0 and (update.tokens or prompt_only):
                 if echo is None:    # the prompt's names: as long as the prompt, off the loop
                     echo = await asyncio.to_thread(

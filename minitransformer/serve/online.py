@@ -117,9 +117,9 @@ class OnlineEngine:
         return time.perf_counter() - self.start
 
     # --- what clients call (any thread) ------------------------------------------------------
-    def pool_need(self, prompt_tokens: int, max_new_tokens: int, n: int = 1) -> int:
-        """KV blocks such a request may hold at once (``Engine.pool_need``: sizes alone)."""
-        return self.engine.pool_need(prompt_tokens, max_new_tokens, n)
+    def pool_need(self, request) -> int:
+        """KV blocks a request may hold at once (``Engine.pool_need``: sizes alone)."""
+        return self.engine.pool_need(request)
 
     def submit(self, request, listener) -> Ticket:
         """Queue a request arriving now; listener(Update) gets its tokens. Raises ValueError

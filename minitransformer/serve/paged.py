@@ -66,7 +66,7 @@ from minitransformer.kvquant import (
     kv_dtype_of,
     zeros,
 )
-from minitransformer.serve.blocks import BlockManager, Copy, SwapIn, SwapOut, blocks_for
+from minitransformer.serve.blocks import BlockManager, Copy, SwapIn, SwapOut, pool_blocks
 from minitransformer.tiled import TWO_PASS, attention_named
 
 FEW_QUERIES = 16    # queries a row up to which the plain attention reads the blocks in place
@@ -81,7 +81,7 @@ def pool_for(requests, slots: int, block_size: int) -> int:
     8
     """
     longest = max(len(r.prompt) + r.max_new_tokens for r in requests)
-    return slots * blocks_for(longest, block_size)
+    return pool_blocks(slots, longest, block_size)
 
 
 def check_fits(config, slots: int, num_blocks: int, block_size: int,

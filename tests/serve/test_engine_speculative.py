@@ -255,6 +255,15 @@ def test_num_speculative_tokens_is_bounded_by_the_positions_and_metrics_by_the_d
     assert sum("per_pos_total{" in line for line in lines) == len(c.per_position)
 
 
+def test_a_draft_model_of_another_vocabulary_is_refused_naming_both_sizes(close_calls):
+    """The engine's draft model is held to generate's rule (speculative.check_vocabulary)."""
+    V = close_calls.config.vocab_size
+    other = replace(close_calls, config=replace(close_calls.config, vocab_size=V + 1))
+    with pytest.raises(ValueError, match=f"share a vocabulary: the draft has {V + 1} tokens, "
+                                         f"the target {V}"):
+        engine(close_calls, SpeculativeConfig(2, "draft_model", "-"), other)
+
+
 def test_default_mode_greedy_follows_the_near_tie_rule(close_calls):
     requests = workload(seed=1)
     served = engine(close_calls, NGRAM, max_num_seqs=4)

@@ -227,13 +227,14 @@ def test_samples_that_cannot_fit_the_pool_are_rejected(tiny_model):
 def test_pool_need_is_the_longest_sequence_or_the_prompt_with_each_samples_copy(
         tiny_model, prompt, new, n, need):
     engine = Engine(tiny_model, EngineConfig(max_num_seqs=4, block_size=4, num_gpu_blocks_override=32))
-    assert engine.pool_need(prompt, new, n) == need
+    assert engine.pool_need(Request(tuple(range(1, prompt + 1)), new, n=n)) == need
 
 
 def test_pool_need_counts_one_sample_by_default(tiny_model):
     engine = Engine(tiny_model, EngineConfig(max_num_seqs=4, block_size=4,
                                              num_gpu_blocks_override=32))
-    assert engine.pool_need(8, 1) == 3 and engine.pool_need(7, 1) == 2
+    assert engine.pool_need(Request((1,) * 8, 1)) == 3
+    assert engine.pool_need(Request((1,) * 7, 1)) == 2
 
 
 def test_a_request_of_n_samples_is_refused_when_their_copies_do_not_fit(tiny_model):

@@ -43,7 +43,7 @@ def test_no_new_tokens_needs_only_its_prompts_blocks(model):
     """An 8-token prompt in blocks of 4 through a pool of 2: accepted and answered, n = 2
     samples sharing its blocks too; making one token would need a third block."""
     e = engine(model, 2)
-    assert e.pool_need(len(PROMPT), 0, n=2) == 2 and e.pool_need(len(PROMPT), 1) == 3
+    assert e.pool_need(Request(PROMPT, 0, n=2)) == 2 and e.pool_need(Request(PROMPT, 1)) == 3
     run = e.run([Request(PROMPT, 0, prompt_logprobs=0, n=2)], bounded)
     assert [r.status for r in run.results] == ["finished"] * 2
     assert run.results[0].prompt_logprobs == run.results[1].prompt_logprobs
