@@ -18,6 +18,7 @@ at the boundaries; and out-of-bounds integer indices wrap around silently instea
 so indices (slots, block tables) are validated on the host before they reach the device.
 """
 import os
+from typing import TYPE_CHECKING, Any
 
 import numpy
 
@@ -27,7 +28,15 @@ from minitransformer.errors import SettingError
 BACKENDS = ("numpy", "cupy", "strict")
 BACKEND = environment_choice("MT_BACKEND", BACKENDS, "a backend", "for numpy") or "numpy"
 
-if BACKEND == "numpy":
+# An array of the backend that runs: NumPy's, CuPy's or strict's DeviceArray. The type checker
+# takes it as anything (the three share NumPy's API, not a type); the shape is the comment beside.
+Array = Any
+
+if TYPE_CHECKING:
+    # the type checker reads xp as NumPy, the API all three backends offer, and checks the
+    # model's array calls against NumPy's; the calls one backend alone has are made on it by name
+    xp = numpy
+elif BACKEND == "numpy":
     xp = numpy
 elif BACKEND == "cupy":
     try:
@@ -44,9 +53,11 @@ else:
 def to_numpy(a):
     """Any backend array (or scalar) -> a host numpy array."""
     if BACKEND == "cupy":
-        return xp.asnumpy(a)
+        import cupy
+        return cupy.asnumpy(a)
     if BACKEND == "strict":
-        return xp.to_host(a)
+        from minitransformer.kernels import strict
+        return strict.to_host(a)
     return numpy.asarray(a)
 
 
@@ -58,7 +69,10 @@ def numpy_kernel(fn):
     runs on device memory (no transfer), so strict makes NumPy's very calls, with its bits.
     CuPy takes its own route before reaching one of these.
     """
-    return xp.kernel(fn) if BACKEND == "strict" else fn
+    if BACKEND == "strict":
+        from minitransformer.kernels import strict
+        return strict.kernel(fn)
+    return fn
 
 
 def to_device(a):
@@ -69,7 +83,8 @@ def to_device(a):
 def synchronize():
     """Wait for the device to finish queued work, so wall-clock timings mean something."""
     if BACKEND == "cupy":
-        xp.cuda.Stream.null.synchronize()
+        import cupy
+        cupy.cuda.Stream.null.synchronize()
 
 
 def memory_bytes() -> tuple[int, str]:
@@ -77,5 +92,6 @@ def memory_bytes() -> tuple[int, str]:
     on CuPy, the machine's physical memory otherwise. A size checked against it fails with
     the project's own message before NumPy tries (and reports "Unable to allocate 931 TiB")."""
     if BACKEND == "cupy":
-        return int(xp.cuda.Device().mem_info[0]), "free GPU memory"
+        import cupy
+        return int(cupy.cuda.Device().mem_info[0]), "free GPU memory"
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "physical memory"

@@ -22,13 +22,14 @@ import os
 from collections import Counter
 from numbers import Integral, Real
 from pathlib import Path
+from typing import TypeGuard
 
 import numpy as np
 
 from minitransformer.errors import CheckpointError, SettingError
 
 
-def is_integer(x) -> bool:
+def is_integer(x) -> TypeGuard[int | np.integer]:
     """An int or a NumPy integer, not a bool."""
     return isinstance(x, Integral) and not isinstance(x, (bool, np.bool_))
 
@@ -167,7 +168,7 @@ def check_missing(source, expected, found) -> None:
                               + (f" and {len(missing) - 5} more" if len(missing) > 5 else ""))
 
 
-def check_finite(file: Path, name: str, w: np.ndarray) -> np.ndarray:
+def check_finite(file: Path | str, name: str, w: np.ndarray) -> np.ndarray:
     """A NaN or inf weight makes every logit NaN, and argmax of NaNs is token 0: refuse it.
 
     One sum is the cheap test (NaN and inf survive a sum); only when it is not finite, which

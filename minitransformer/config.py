@@ -13,6 +13,7 @@ before RoPE, and a head_dim of its own).
 """
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from minitransformer.checks import (
     flag_field,
@@ -264,7 +265,7 @@ def rope_scaling(cfg: dict, source) -> RopeScaling | None:
                               f"supported for rope_type {kind!r}")
     if kind == "default":
         return None
-    read = {}
+    read: dict[str, Any] = {}  # field -> its value (an int or a float, as the field is)
     for f in ROPE_FIELDS[kind]:
         value = given.get(f)
         if value is None and f == "original_max_position_embeddings" and kind == "dynamic":
@@ -349,8 +350,7 @@ def hf_fallbacks(cfg: dict) -> dict:
     heads, hidden, filled = cfg.get("num_attention_heads"), cfg.get("hidden_size"), dict(cfg)
     if filled.get("num_key_value_heads") is None:
         filled["num_key_value_heads"] = heads
-    numbers = all(is_integer(n) for n in (heads, hidden))
-    if filled.get("head_dim") is None and numbers and heads > 0:
+    if filled.get("head_dim") is None and is_integer(heads) and is_integer(hidden) and heads > 0:
         filled["head_dim"] = max(hidden // heads, 1)
     return filled
 

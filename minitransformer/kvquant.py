@@ -51,7 +51,7 @@ from math import gcd
 from numbers import Integral
 from typing import NamedTuple
 
-from minitransformer.backend import xp
+from minitransformer.backend import Array, xp
 
 KV_DTYPES = ("f32", "f16", "q8_0", "q4_0")   # llama.cpp's names (-ctk / -ctv)
 QK = 32                                     # numbers per block: llama.cpp's QK8_0 = QK4_0 = 32
@@ -86,7 +86,7 @@ def vector_bytes(d: int, kv_dtype) -> int:
     if isinstance(kv_dtype, Integral) and not isinstance(kv_dtype, bool):
         if kv_dtype <= 0:
             raise ValueError(f"bytes_per_elem={kv_dtype!r}: expected a positive size")
-        return d * kv_dtype
+        return d * int(kv_dtype)
     check_kv_dtype(kv_dtype)
     if kv_dtype in FLOATS:
         return d * xp.dtype(FLOATS[kv_dtype]).itemsize
@@ -126,8 +126,8 @@ class QuantizedArray:
     head dim is never indexed (a block's codes need their scale).
     """
     kv_dtype: str
-    codes: object            # (..., d) int8 for q8_0; (..., d / 2) uint8 for q4_0
-    scales: object           # (..., d / g) float16
+    codes: Array             # (..., d) int8 for q8_0; (..., d / 2) uint8 for q4_0
+    scales: Array            # (..., d / g) float16
 
     @property
     def shape(self) -> tuple:

@@ -48,7 +48,7 @@ def weight_files(path: Path) -> dict[Path, set | None]:
         if not isinstance(weight_map, dict) or not weight_map:
             raise CheckpointError(f"{index}: 'weight_map' must be a non-empty object "
                                   f"{{tensor name: shard file}}, got {weight_map!r:.100}")
-        shards = {}
+        shards: dict[Path, set[str]] = {}  # shard file -> the tensor names it holds
         for name, shard in weight_map.items():
             relative = PurePosixPath(shard) if isinstance(shard, str) else None
             if relative is None or not shard or relative.is_absolute() or ".." in relative.parts \
@@ -73,7 +73,7 @@ def read_checkpoint_tensors(path: Path) -> dict:
 
     A tensor stored twice (in two shards) is an error, not "the later one wins"; so is one the
     index places in another shard than the one holding it."""
-    found = {}
+    found: dict = {}
     for file, listed in weight_files(path).items():
         for name, (dtype, stored) in read_tensors(file).items():
             if name in found:

@@ -22,25 +22,28 @@ All math is float32. Follows Hugging Face's Qwen2/Llama/Qwen3/Mistral modelling 
 RoPE, repeat_kv head order); leaves out training and dropout.
 """
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np  # host-side bookkeeping only (positions); the math goes through xp
 
-from minitransformer.backend import to_device, xp
+from minitransformer.backend import Array, to_device, xp
 from minitransformer.config import ModelConfig
 from minitransformer.kernels.fused import Fused, fuse
 from minitransformer.linear import linear
+from minitransformer.tokenizer import Tokenizer
 
 
 @dataclass(frozen=True)
 class Model:
     config: ModelConfig
     weights: dict            # HF tensor name -> float32 array (or a quantized weight)
-    tokenizer: object = None  # minitransformer.tokenizer.Tokenizer, or None
+    tokenizer: Tokenizer | None = None
     eos_token_ids: tuple = ()
     sampling_defaults: dict = field(default_factory=dict)  # generation_config.json's (loader)
     path: str = ""
-    fused: Fused = field(default=None, repr=False, compare=False)  # made here (fused.py)
+    fused: Fused = field(  # type: ignore[assignment]  # None only until made here (fused.py)
+        default=None, repr=False, compare=False)
 
     def __post_init__(self):
         # once per weights dict: every Model (loaded, quantized, replaced) multiplies what its
@@ -160,8 +163,8 @@ def plain_attention(q, k, v, visible=None):
 @dataclass(frozen=True)
 class Attention:
     """A way to attend: the function, and the mask it reads, made once per forward pass."""
-    attend: object           # (q, k, v, visible) -> (B, T, H*d), as plain_attention
-    mask: object             # (positions (B, T), S) -> visible, as causal_mask, or a stand-in
+    attend: Callable[..., Array]  # (q, k, v, visible) -> (B, T, H*d), as plain_attention
+    mask: Callable[..., Array]    # (positions (B, T), S) -> visible, as causal_mask, or a stand-in
 
 
 PLAIN = Attention(plain_attention, causal_mask)  # the other way: tiled.TILED
@@ -170,16 +173,16 @@ PLAIN = Attention(plain_attention, causal_mask)  # the other way: tiled.TILED
 @dataclass(frozen=True)
 class Batch:
     """What one forward pass works out once, before its first layer, for all of them."""
-    positions: object       # (B, T) on the device: each token's position
-    cos: object             # (B, T, 1, d) RoPE, see rope_angles
-    sin: object
-    visible: object         # the mask attend reads; None: every query sees every slot
-    windowed: object        # the sliding-window layers' mask (None: no layer slides, or all seen)
-    slots: object           # the cache's own write indices (None without a cache)
-    attend: object          # (q, k, v, visible) -> (B, T, H*d): the cache's, or the way's
+    positions: Array        # (B, T) on the device: each token's position
+    cos: Array              # (B, T, 1, d) RoPE, see rope_angles
+    sin: Array
+    visible: Array          # the mask attend reads; None: every query sees every slot
+    windowed: Array         # the sliding-window layers' mask (None: no layer slides, or all seen)
+    slots: Array            # the cache's own write indices (None without a cache)
+    attend: Callable[..., Array]  # (q, k, v, visible) -> (B, T, H*d): the cache's, or the way's
 
 
-def prepare(model: Model, ids, cache=None, way: Attention = None) -> Batch:
+def prepare(model: Model, ids, cache=None, way: Attention | None = None) -> Batch:
     """Check ids (B, T), find their positions, and prepare what every layer will need: the
     RoPE angles, and the mask, the slots and the attention of the cache (kvcache.py), or
     without one the causal mask of ``way`` (PLAIN unless told)."""
@@ -268,7 +271,7 @@ def embed(model: Model, ids):
     return model.weights["model.embed_tokens.weight"][to_device(np.asarray(ids))]
 
 
-def forward(model: Model, ids, cache=None, way: Attention = None):
+def forward(model: Model, ids, cache=None, way: Attention | None = None):
     """Token ids (B, T) -> final hidden states (B, T, D), after the last RMSNorm.
 
     Without a cache the T tokens are the whole sequence (positions 0..T-1), attended over by

@@ -151,7 +151,8 @@ class ModelDraft:
         The first step also feeds whatever the draft's cache has not seen yet (the prompt at
         the start, then the one or two tokens kept last round). In greedy mode q is None.
         """
-        drafts, dists = [], []
+        drafts: list[int] = []
+        dists: list = []         # q of each draft (None in greedy mode)
         fresh = tokens[int(self.kv.lengths[0]):]
         for _ in range(n):
             hidden = forward(self.model, np.array([fresh]), self.kv)         # (1, len(fresh), D)
@@ -197,7 +198,7 @@ def verify(logits, drafts: list, dists: list, tokens: list, settings, rng) -> li
 
     logits (n+1, V): the target's logits after tokens + drafts[:i], for i = 0..n.
     """
-    kept = []
+    kept: list[int] = []
     for i, z in enumerate(logits):
         if settings.greedy:
             # The very rule plain greedy generate applies: penalty, then argmax.

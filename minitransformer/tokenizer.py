@@ -11,14 +11,18 @@ the way the model learned to answer.
 """
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from minitransformer.checks import read_json_object
 from minitransformer.errors import CheckpointError
 
+if TYPE_CHECKING:  # for the type only: load_tokenizer imports it when it runs
+    from tokenizers import Tokenizer as HFTokenizer
+
 
 @dataclass(frozen=True)
 class Tokenizer:
-    backend: object          # tokenizers.Tokenizer
+    backend: "HFTokenizer"   # the tokenizers library's
     bos_token_id: int | None  # prepended by encode() when the family expects it
     add_bos: bool
     chat_template: str | None = None  # Jinja source from tokenizer_config.json, if any

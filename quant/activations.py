@@ -72,7 +72,8 @@ def persistence(maxima: np.ndarray, dim: int, k: int) -> list[int]:
 def longest_run(layers: list[int]) -> tuple[int, int]:
     """The longest stretch of consecutive layers in a sorted list, as (first, last)."""
     best, start = (layers[0], layers[0]), layers[0]
-    for previous, layer in zip(layers, layers[1:] + [None], strict=True):
+    after = [*layers[1:], layers[-1] + 2]  # each one's next; past the last, none that runs on
+    for previous, layer in zip(layers, after, strict=True):
         if layer != previous + 1:
             if previous - start > best[1] - best[0]:
                 best = (start, previous)

@@ -29,7 +29,7 @@ class SchemeError:
 
     @property
     def worst(self) -> tuple[str, float]:
-        name = max(self.errors, key=self.errors.get)
+        name = max(self.errors, key=self.errors.__getitem__)
         return name, self.errors[name]
 
 
@@ -42,7 +42,7 @@ def error_table(weights: dict, schemes=tuple(SCHEMES), progress=None) -> list[Sc
     names = projection_names(weights)
     if not names:
         raise ValueError("no projection matrices (names like layers.N.mlp.down_proj.weight)")
-    errors = {check_scheme(s).name: {} for s in schemes}
+    errors: dict[str, dict] = {check_scheme(s).name: {} for s in schemes}
     stored = dict.fromkeys(schemes, 0)  # bytes of codes + scales
     count = 0                           # weights
     for i, name in enumerate(names):

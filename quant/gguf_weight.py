@@ -37,6 +37,7 @@ choices (a mix is a file of several of these types; the importer reads any).
 """
 import functools
 import hashlib
+import inspect
 import os
 import tempfile
 from dataclasses import dataclass, field, replace
@@ -44,7 +45,7 @@ from pathlib import Path
 
 import numpy as np
 
-from minitransformer.backend import BACKEND, numpy_kernel, to_device
+from minitransformer.backend import BACKEND, Array, numpy_kernel, to_device
 from minitransformer.checkpoints.synth import weights_dir
 from minitransformer.formats.gguf_types import FORMATS, dequantize
 from quant import ggml_blocks, kquants
@@ -85,10 +86,10 @@ class GGUFWeight:
     scheme: str                         # the label of the scheme, e.g. "Q4_K"
     shape: tuple                        # (out, in) of the float matrix this stands for
     type_name: str                      # the GGUF type of the bytes: the scheme's or fallback
-    blocks: object = field(repr=False)  # uint8 (out, bytes per row), on the host
+    blocks: Array = field(repr=False)   # uint8 (out, bytes per row), on the host
     error: float = 0.0                  # ||W - W_hat|| / ||W||, measured when quantized
     outlier_threshold: float | None = None  # None: weight-only; else INT8 activations too
-    floats: object = field(default=None, repr=False)  # float32 (out, in): decoded(), or None
+    floats: Array = field(default=None, repr=False)   # float32 (out, in): decoded(), or None
 
     @property
     def nbytes(self) -> int:
@@ -193,7 +194,7 @@ def kept_file(w: np.ndarray, stored: str) -> Path:
 @functools.cache
 def quantizers_digest() -> str:
     """A digest of the quantizers' source: a change to them makes every kept file a stranger."""
-    sources = [Path(m.__file__).read_bytes() for m in (kquants, ggml_blocks)]
+    sources = [Path(inspect.getfile(m)).read_bytes() for m in (kquants, ggml_blocks)]
     return hashlib.sha1(b"".join(sources)).hexdigest()
 
 

@@ -41,7 +41,7 @@ from quant.packing import integer_levels
 
 BLOCK_FLOATS = 1 << 17   # 512 KB of float32 per block: in L2, few Python steps (measured best)
 _scratch = threading.local()  # one reusable buffer per thread (no page faults per call)
-_tables = {}                  # id(levels) -> (levels, lookup table or None): lookup_table
+_tables: dict = {}            # id(levels) -> (levels, lookup table or None): lookup_table
 
 
 def blocked_matmul(q, x):

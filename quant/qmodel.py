@@ -25,7 +25,9 @@ PROJECTION = re.compile(r"layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|dow
 def projection_names(weights: dict) -> list[str]:
     """The names of the projection matrices, in layer order (as the checkpoint lists them)."""
     def layer(name):
-        return int(re.search(r"layers\.(\d+)\.", name).group(1))
+        found = re.search(r"layers\.(\d+)\.", name)
+        assert found, name      # it matched PROJECTION, which reads layers.N.
+        return int(found.group(1))
     return sorted((n for n in weights if PROJECTION.search(n)), key=layer)
 
 
@@ -33,7 +35,7 @@ def check_threshold(threshold):
     """None (weight-only) or a magnitude >= 0 (inf: every column INT8); else a ValueError."""
     if threshold is None:
         return None
-    if isinstance(threshold, bool) or not isinstance(threshold, Real) or not threshold >= 0:
+    if isinstance(threshold, bool) or not isinstance(threshold, Real) or not float(threshold) >= 0:
         raise ValueError(f"outlier_threshold must be None or a number >= 0 (inf allowed), "
                          f"got {threshold!r}")
     return float(threshold)

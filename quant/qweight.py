@@ -21,7 +21,7 @@ Leaves out: integer kernels, zero points (asymmetric schemes), double quantizati
 """
 from dataclasses import dataclass, field
 
-from minitransformer.backend import xp
+from minitransformer.backend import Array, xp
 from quant.int8 import int8_activations
 from quant.matmul import blocked_matmul
 from quant.packing import unpack_nibbles
@@ -33,10 +33,10 @@ class QWeight:
     shape: tuple         # (out, in) of the float matrix this stands for
     bits: int            # 8 or 4 bits per code
     group: int           # consecutive weights of a row that share one scale
-    codes: object = field(repr=False)   # uint8 (out*in,) for 8 bits;
+    codes: Array = field(repr=False)    # uint8 (out*in,) for 8 bits;
     #                                     (ceil(out*in/2),) for 4 bits, two codes per byte
-    scales: object = field(repr=False)  # float16 (out, ceil(in/group)), or (1, 1) per tensor
-    levels: object = field(repr=False)  # float32 (2**bits,): each code's value, in scale units
+    scales: Array = field(repr=False)   # float16 (out, ceil(in/group)), or (1, 1) per tensor
+    levels: Array = field(repr=False)   # float32 (2**bits,): each code's value, in scale units
     error: float = 0.0   # ||W - W_hat|| / ||W||, measured when the matrix was quantized
     outlier_threshold: float | None = None  # None: weight-only; else INT8 activations too
 

@@ -72,7 +72,7 @@ def expand(scales: np.ndarray, group: int, cols: int) -> np.ndarray:
     return np.repeat(scales.astype(np.float32), group, axis=1)[:, :cols]
 
 
-SHARED_LEVELS = {}  # id of a host level table -> (the table, its one device copy)
+SHARED_LEVELS: dict = {}  # id of a host level table -> (the table, its one device copy)
 
 
 def shared_on_device(levels: np.ndarray):

@@ -46,12 +46,13 @@ class Scheme:
         """A float matrix (out, in) -> its QWeight (or GGUFWeight) under this scheme."""
         if self.gguf is not None:
             return gguf_quantize(w, self.gguf, self.label)
-        if self.levels == "nf4":
-            return nf4(w, self.group)
         if self.group == TENSOR:
             return absmax_per_tensor(w, self.bits)
         if self.group == ROW:
             return absmax_per_row(w, self.bits)
+        assert isinstance(self.group, int), self.group  # neither TENSOR nor ROW: a group size
+        if self.levels == "nf4":
+            return nf4(w, self.group)
         return absmax_per_group(w, self.bits, self.group)
 
     def scales(self, shape) -> int:
@@ -59,7 +60,10 @@ class Scheme:
         out, cols = shape
         if self.group == TENSOR:
             return 1
-        return out * (1 if self.group == ROW else ceil_div(cols, self.group))
+        if self.group == ROW:
+            return out
+        assert isinstance(self.group, int), self.group  # neither TENSOR nor ROW: a group size
+        return out * ceil_div(cols, self.group)
 
     def nbytes(self, shape) -> int:
         """Bytes held for a matrix (out, in): codes (4-bit ones two per byte) + float16 scales;

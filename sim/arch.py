@@ -14,6 +14,7 @@ does not implement). Serves experiments 3, 8-11 and 24.
 """
 import json
 from pathlib import Path
+from typing import Any
 
 from minitransformer import shape
 from minitransformer.config import ModelConfig, hf_fallbacks
@@ -74,10 +75,11 @@ def arch(config) -> ModelConfig:
     if isinstance(config, ModelConfig):
         return config
     cfg = hf_fallbacks(_as_dict(config))
+    shapes: dict[str, Any] = {name: _positive_int(cfg, name) for name in SHAPE_FIELDS}  # ints
     model = ModelConfig(
         # Qwen2's config.json has no attention_bias key: its q/k/v bias comes with the type.
         model_type="qwen2" if cfg.get("model_type") == "qwen2" else "llama",
-        **{name: _positive_int(cfg, name) for name in SHAPE_FIELDS},
+        **shapes,
         max_position_embeddings=cfg.get("max_position_embeddings") or 1,  # costs nothing
         attention_bias=bool(cfg.get("attention_bias")),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings")))

@@ -47,7 +47,7 @@ import numpy as np
 
 from minitransformer.measure.sanity import NOISE_FLOOR
 from minitransformer.serve.records import Metrics, Result, Run, metrics
-from sim.workload import make_workload
+from sim.workload import Arrival, make_workload
 
 # The static policy in words, for the tables that use it (the engine's rule, no batching window)
 STATIC_RULE = ("static: when a batch ends, the next starts with whatever is waiting (the "
@@ -153,7 +153,7 @@ class TableCost:
         >>> TableCost.from_steps([(2, 0.03), (2, 0.01), (2, 0.02), (4, 0.05)], slots=8)
         TableCost(batch_sizes=(1, 2, 4, 8), seconds=(0.02, 0.02, 0.05, 0.05), flagged={})
         """
-        by_size = {}
+        by_size: dict[int, list[float]] = {}
         for batch, seconds in steps:
             by_size.setdefault(batch, []).append(seconds)
         if not by_size:
@@ -188,7 +188,7 @@ def simulate_static(arrivals, slots=8, step_cost=AffineCost(), prefill_s=0.0) ->
     t, steps, nxt, results = 0.0, 0, 0, []
     while nxt < len(arrivals):
         t = max(t, arrivals[nxt].time)      # idle: jump to the next arrival
-        batch = []
+        batch: list[Arrival] = []
         while nxt < len(arrivals) and len(batch) < slots and arrivals[nxt].time <= t:
             batch.append(arrivals[nxt])
             nxt += 1
@@ -205,7 +205,7 @@ def simulate_continuous(arrivals, slots=8, step_cost=AffineCost(), prefill_s=0.0
     """Iteration-level scheduling: any free slot takes the next arrived request each step."""
     _check(arrivals, slots)
     t, steps, nxt = 0.0, 0, 0
-    active = {}  # arrival index -> tokens produced so far
+    active: dict[int, int] = {}  # arrival index -> tokens produced so far
     first, done = {}, {}
     while nxt < len(arrivals) or active:
         if not active:  # idle: jump to the next arrival

@@ -86,7 +86,7 @@ def best_lookup_gamma(tokens, prompt_len: int, costs: dict, draft) -> tuple:
     from minitransformer.lookup import replay
     replays = {g: replay(tokens, prompt_len, g, draft) for g in range(1, max(costs) + 1)}
     predicted = {g: replayed_speedup(rounds, costs) for g, rounds in replays.items()}
-    gamma = max(predicted, key=predicted.get)
+    gamma = max(predicted, key=predicted.__getitem__)
     return gamma, replays[gamma], predicted[gamma]
 
 

@@ -17,6 +17,7 @@ Leaves out: printing (the scripts' tables), other student shapes than training.p
 """
 import hashlib
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -198,7 +199,7 @@ def distil(target, s: Settings, progress=quiet) -> Distilled:
         figures_of[START] = figures(start)
     kl0 = figures_of[START if s.start != "own" else "untrained cut"]["kl"]
     curve = [[0, {name: kl0 for name in STUDENTS}]]
-    running = {name: [] for name in STUDENTS}
+    running: dict[str, list[float]] = {name: [] for name in STUDENTS}
     tick, ticked = progress(s.steps, "training steps, three students side by side"), 0
 
     def on_step(step, params, losses):
@@ -243,7 +244,7 @@ def drafts_of(target, d: Distilled, chosen) -> list:
     """-> [(label, a function making the draft Model)] for the chosen SHORT names ('cut': the
     untrained cut of the same depth, the trained drafts' common start)."""
     k, L = d.settings.layers, target.config.num_hidden_layers
-    made = []
+    made: list[tuple[str, Callable]] = []
     for short in chosen:
         name = SHORT[short]
         if short == "cut":

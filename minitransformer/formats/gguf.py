@@ -74,7 +74,7 @@ def config_from_metadata(meta: dict, tensor_names, source: str, rope_freqs=None)
             raise CheckpointError(f"{source}: GGUF metadata {arch}.{key} must be "
                                   f"{'an integer >= 1' if kind is int else 'a number > 0'}, "
                                   f"got {value!r:.100}")
-        high = SIZE_LIMITS.get(HF_FIELDS.get(key))
+        high = SIZE_LIMITS.get(HF_FIELDS[key]) if key in HF_FIELDS else None
         if high is not None and value > high:
             raise CheckpointError(f"{source}: GGUF metadata {arch}.{key}={value} is more "
                                   f"than {high}, beyond any model this reads")
@@ -228,7 +228,7 @@ def read_model(path) -> tuple[Model, dict, dict]:
     eos = meta.get("tokenizer.ggml.eos_token_id")
     model = Model(config=config, weights=weights, tokenizer=tokenizer,
                   eos_token_ids=() if eos is None else (eos,), path=source)
-    types = {}
+    types: dict[str, int] = {}
     for t in file.tensors:
         types[t.type_name] = types.get(t.type_name, 0) + 1
     return model, meta, types

@@ -183,7 +183,7 @@ class GGUFFile:
     metadata: dict              # key -> str, int, float, bool or list
     types: dict                 # key -> GGUF value type name ("uint32", "array", ...)
     tensors: tuple              # TensorRecord, in the file's order
-    data: object                # the file's bytes (memory-mapped)
+    data: np.ndarray            # the file's bytes (memory-mapped, uint8)
 
     @classmethod
     def open(cls, path) -> "GGUFFile":

@@ -21,9 +21,10 @@ from minitransformer.checks import is_integer, no_duplicates
 from minitransformer.errors import CheckpointError
 
 # safetensors dtype name -> numpy dtype of the stored bytes (BF16 is read as raw uint16)
-STORED = {"F32": np.dtype("<f4"), "F16": np.dtype("<f2"), "BF16": np.dtype("<u2"),
-          "F64": np.dtype("<f8"), "I64": np.dtype("<i8"), "I32": np.dtype("<i4"),
-          "I8": np.dtype("i1"), "U8": np.dtype("u1")}
+STORED: dict[str, np.dtype] = {
+    "F32": np.dtype("<f4"), "F16": np.dtype("<f2"), "BF16": np.dtype("<u2"),
+    "F64": np.dtype("<f8"), "I64": np.dtype("<i8"), "I32": np.dtype("<i4"),
+    "I8": np.dtype("i1"), "U8": np.dtype("u1")}
 NAMES = {"float32": "F32", "float16": "F16", "bfloat16": "BF16"}
 
 
@@ -162,8 +163,8 @@ def write_tensors(file, tensors: dict[str, np.ndarray], dtype: str = "float32") 
     header, chunks, offset = {}, [], 0
     for name in sorted(tensors):
         x = np.asarray(tensors[name], dtype=np.float32)
-        raw = f32_to_bf16(x) if dtype == "bfloat16" else x.astype(STORED[NAMES[dtype]])
-        raw = np.ascontiguousarray(raw).tobytes()
+        stored = f32_to_bf16(x) if dtype == "bfloat16" else x.astype(STORED[NAMES[dtype]])
+        raw = np.ascontiguousarray(stored).tobytes()
         header[name] = {"dtype": NAMES[dtype], "shape": list(x.shape),
                         "data_offsets": [offset, offset + len(raw)]}
         chunks.append(raw)

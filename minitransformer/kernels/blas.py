@@ -97,9 +97,9 @@ COPY_ROWS = 256          # rows of w copied at a time into the column-major layo
 PRUNE, PRUNE_AFTER = 3, 2  # a way this many times slower after so many trials: timed no more
 room = None              # the scratch memory measuring works in (scratch()), when it is
 rows_run = {1, FEW_ROWS}  # the row counts a weight's layout is decided over (expect_rows adds)
-chosen = {}              # (M, n, in, layout, dtypes) -> the way measured fastest there
-laid_out = {}            # (n, in, dtype, row counts) -> the layout measured faster for that shape
-split = {}               # (M, n, in, layout, dtypes, way, T) -> parts measured fastest: 1 or T
+chosen: dict = {}        # (M, n, in, layout, dtypes) -> the way measured fastest there
+laid_out: dict = {}      # (n, in, dtype, row counts) -> the layout measured faster for that shape
+split: dict = {}         # (M, n, in, layout, dtypes, way, T) -> parts measured fastest: 1 or T
 
 
 def multiply(x, w, out=None):
@@ -340,7 +340,8 @@ def measured_layout(w, counts: tuple) -> tuple:
 def keep_ways(w, taken: str, ways: dict) -> None:
     """{M: way} for w's shape held in layout `taken`, into `chosen`: not measured again."""
     for M, route in ways.items():
-        chosen[(M, *w.shape, taken, w.dtype.str, w.dtype.str)] = route
+        key = (M, *w.shape, taken, w.dtype.str, w.dtype.str)  # (M, n, in, layout, dtypes)
+        chosen[key] = route
 
 
 def in_layout(w, name: str):

