@@ -29,7 +29,9 @@ import numpy as np  # host-side bookkeeping only (positions); the math goes thro
 
 from minitransformer.backend import Array, to_device, xp
 from minitransformer.config import ModelConfig
+from minitransformer.kernels.attention import on_threads
 from minitransformer.kernels.fused import Fused, fuse
+from minitransformer.kernels.threads import on_one_blas_thread
 from minitransformer.linear import linear
 from minitransformer.tokenizer import Tokenizer
 
@@ -167,7 +169,8 @@ class Attention:
     mask: Callable[..., Array]    # (positions (B, T), S) -> visible, as causal_mask, or a stand-in
 
 
-PLAIN = Attention(plain_attention, causal_mask)  # the other way: tiled.TILED
+# on_threads: whole, or in parts across the threads, the same bits (kernels/attention.py)
+PLAIN = Attention(on_threads(plain_attention), causal_mask)  # the other way: tiled.TILED
 
 
 @dataclass(frozen=True)
@@ -271,6 +274,7 @@ def embed(model: Model, ids):
     return model.weights["model.embed_tokens.weight"][to_device(np.asarray(ids))]
 
 
+@on_one_blas_thread   # BLAS's own threads held at one for the pass (kernels/threads.py)
 def forward(model: Model, ids, cache=None, way: Attention | None = None):
     """Token ids (B, T) -> final hidden states (B, T, D), after the last RMSNorm.
 

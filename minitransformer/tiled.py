@@ -16,6 +16,7 @@ lie (serve/paged.py).
 from itertools import pairwise
 
 from minitransformer.backend import to_numpy, xp
+from minitransformer.kernels.attention import on_threads
 from minitransformer.kvquant import dequantize, on_floats
 from minitransformer.model import Attention, causal_mask, plain_attention, softmax
 
@@ -34,6 +35,8 @@ class CausalTiles:
     >>> tiles = CausalTiles(xp.asarray([[1, 2]]), 3)    # the doctest of model.causal_mask
     >>> to_numpy(tiles[:, 0:2, 1:3]).astype(int).tolist()
     [[[1, 0], [1, 1]]]
+    >>> to_numpy(tiles[0:1][:, 1:2, 0:3]).astype(int).tolist()       # row 0's, a tile of it
+    [[[1, 1, 1]]]
     """
     def __init__(self, positions, S: int):
         self.positions, self.S = positions, S                      # (B, T) on the device
@@ -44,6 +47,8 @@ class CausalTiles:
         return keys.start > self.latest[queries].max()
 
     def __getitem__(self, index):
+        if isinstance(index, slice):                    # [r0:r1]: those rows' mask, as tiles
+            return CausalTiles(self.positions[index], self.S)
         rows, queries, keys = index                                 # [:, i:i+t, j:j+b]
         slots = xp.arange(keys.start, min(keys.stop, self.S))       # (b,)
         return slots[None, None, :] <= self.positions[rows, queries][:, :, None]  # (B, t, b)
@@ -179,11 +184,14 @@ def largest_score_block(T: int, S: int, heads: int = 1, block: int = BLOCK) -> i
     return heads * min(block, T) * min(block, S) * 4
 
 
-TILED = Attention(tiled_attention, CausalTiles)  # dequantizes a block of keys at a time itself
-TWO_PASS = Attention(two_pass_attention, causal_mask)  # plain's mask; dequantizes a tile at a time
+# each way on the threads (kernels/attention.py: whole, or in parts across sequences or kv
+# heads, the same bits)
+TILED = Attention(on_threads(tiled_attention), CausalTiles)  # dequantizes a block at a time
+TWO_PASS = Attention(on_threads(two_pass_attention), causal_mask)  # plain's mask; a tile at a time
 # the ways to attend, by name: the plain one reads floats (a quantized cache's blocks all
 # dequantized at once, kvquant.on_floats), the tiled one reads what the cache holds
-ATTENTIONS = {"plain": Attention(on_floats(plain_attention), causal_mask), "tiled": TILED}
+ATTENTIONS = {"plain": Attention(on_threads(on_floats(plain_attention)), causal_mask),
+              "tiled": TILED}
 
 
 def attention_named(name) -> Attention:

@@ -23,7 +23,10 @@ How Python's threads and BLAS's threads are set, never T of each at once (T x T 
 fighting over T cores): a split product runs its T parts on the pool's T threads (the caller's
 own and T - 1 workers) with BLAS held at one thread for the call (`run`); a product that is
 not split runs on the caller's thread, BLAS at one thread too (`one_blas_thread`). That holds
-for every product the model makes (blas.multiply), a prefill's included: BLAS's own threads
+for every product the model makes (blas.multiply) and for its attention (kernels/attention.py:
+whole, or in parts across sequences or kv heads), a prefill's included; a forward pass holds
+BLAS at one thread from its start to its end (model.forward), so that each product's own hold
+costs a lock, not a get and a set of BLAS's count. BLAS's own threads
 synchronize many times inside one product, and each time wait for a thread that waits for a
 core (measured on 2 cores at load 17-22: a 64-token SmolLM2 prefill took 9.4-10.6 s on BLAS's
 own 2 threads, 0.8-1.7 s on one, 1.1-1.6 s in 2 parts on the pool). The rest of NumPy (a
@@ -37,6 +40,7 @@ import os
 import queue
 import threading
 from contextlib import contextmanager
+from functools import wraps
 
 from minitransformer.errors import SettingError
 
@@ -207,20 +211,43 @@ def run(tasks) -> None:
         pool.run(tasks)
 
 
+holding = 0              # the one_blas_thread blocks open now, in every thread
+kept_counts: list = []   # BLAS's own counts when the first of them opened, put back by the last
+holding_lock = threading.Lock()
+
+
 @contextmanager
 def one_blas_thread():
-    """BLAS at one thread inside, at what it was after (a few microseconds each way)."""
-    libraries = controllers()
-    before = [lib.get_num_threads() for lib in libraries]
-    for lib, n in zip(libraries, before, strict=True):
-        if n != 1:
-            lib.set_num_threads(1)
+    """BLAS at one thread inside, at what it was after: the first block to open (in any thread)
+    sets it (a few microseconds), the last to close puts it back, and one opened inside
+    another costs a lock (a forward pass holds it for its products, model.forward)."""
+    global holding, kept_counts
+    with holding_lock:
+        if holding == 0:
+            kept_counts = [lib.get_num_threads() for lib in controllers()]
+            for lib, n in zip(controllers(), kept_counts, strict=True):
+                if n != 1:
+                    lib.set_num_threads(1)
+        holding += 1
     try:
         yield
     finally:
-        for lib, n in zip(libraries, before, strict=True):
-            if n != 1:
-                lib.set_num_threads(n)
+        with holding_lock:
+            holding -= 1
+            if holding == 0:
+                for lib, n in zip(controllers(), kept_counts, strict=True):
+                    if n != 1:
+                        lib.set_num_threads(n)
+
+
+def on_one_blas_thread(fn):
+    """fn with BLAS held at one thread for the whole call (one_blas_thread): its products'
+    own holds then cost a lock each, not BLAS's get and set."""
+    @wraps(fn)
+    def held_throughout(*args, **kwargs):
+        with one_blas_thread():
+            return fn(*args, **kwargs)
+    return held_throughout
 
 
 held = None

@@ -340,13 +340,15 @@ class InPlace:
     """A layer's keys (or values) of B rows left where they lie in the pool, read as gather's
     (B, Hkv, S, d) would be, a slice of slots at a time: ``[:, :, j:j + n]`` gathers only the
     blocks slots j..j+n-1 lie in (what tiled_attention and two_pass_attention ask for, tile
-    by tile).
+    by tile); ``[r0:r1, h0:h1]`` is rows r0:r1's kv heads h0:h1, still in place.
 
     >>> pool = xp.arange(4 * 1 * 2 * 1, dtype=xp.float32).reshape(4, 1, 2, 1)  # slot = value
     >>> table = xp.asarray([[3, 1, 0], [2, 2, 2]])           # row 0: blocks 3, 1, 0; row 1: 2
     >>> keys = InPlace(pool, table, 5)
     >>> keys.shape, to_numpy(keys[:, :, 1:4])[:, 0, :, 0].tolist()          # slots 1..3
     ((2, 1, 5, 1), [[7.0, 2.0, 3.0], [5.0, 4.0, 5.0]])
+    >>> to_numpy(keys[1:, :][:, :, 1:4])[:, 0, :, 0].tolist()                 # row 1 alone
+    [[5.0, 4.0, 5.0]]
     """
 
     def __init__(self, pool, table, S: int):
@@ -355,9 +357,12 @@ class InPlace:
         self.shape = (table.shape[0], Hkv, S, d)
 
     def __getitem__(self, index):
+        if len(index) == 2:              # [rows, kv heads]: a part of a pass (kernels/attention.py)
+            rows, heads = index
+            return InPlace(self.pool[:, heads], self.table[rows], self.S)
         rows, heads, slots = index
         if (rows, heads) != (slice(None), slice(None)) or slots.step is not None:
-            raise IndexError(f"InPlace reads [:, :, start:stop], not {index}")
+            raise IndexError(f"InPlace reads [:, :, start:stop] or [rows, heads], not {index}")
         bs = self.pool.shape[2]
         start, stop = slots.start or 0, min(self.S, self.S if slots.stop is None else slots.stop)
         first, last = start // bs, -(-stop // bs)                     # the blocks they lie in
