@@ -32,8 +32,10 @@ from minitransformer.backend import BACKEND, xp
 from minitransformer.kernels import blas, threads
 
 TRIALS = 3               # timed passes whole and in parts (alternating) before a kind is decided
-taken = {}               # (way, B, T, H, Hkv, d, S bits, threads) -> parts kept: 1 or the count
-timings = {}             # the same keys -> {1: [seconds], count: [seconds]} while measured
+# (way, B, T, H, Hkv, d, S's bits, threads) -> the parts kept: 1 or the count
+taken: dict[tuple, int] = {}
+# the same keys -> {1: [seconds], count: [seconds]}, while a kind is measured
+timings: dict[tuple, dict[int, list[float]]] = {}
 
 
 def on_threads(attend):
