@@ -44,6 +44,7 @@ from types import SimpleNamespace
 from _common import add_model_argument, model_name, model_path, say
 from _table import RECORD_ENV, Table
 
+from minitransformer.kernels import threads
 from minitransformer.measure.timing import load_average
 
 HERE = Path(__file__).resolve().parent
@@ -127,8 +128,9 @@ def command(script, takes, extra, args, step_costs):
 def threads_of(takes, args) -> int:
     """The BLAS threads a script of the job runs with: --threads for the timing scripts (0:
     every core, the library's own choice), every core for the others (no timings in their
-    tables: the cores only shorten the wait)."""
-    return args.threads if THREADS in takes and args.threads > 0 else os.cpu_count() or 1
+    tables: the cores only shorten the wait). Every core is the library's one count
+    (kernels/threads.py: $MT_THREADS, else the cores this process may use)."""
+    return args.threads if THREADS in takes and args.threads > 0 else threads.count()
 
 
 def with_threads(env, threads: int) -> dict:
@@ -198,7 +200,8 @@ def main(argv=None):
                              "one that matches none is an error listing them)")
     parser.add_argument("--threads", type=int, default=1, metavar="N",
                         help="BLAS threads of every timing script (default: 1; 0: every core); "
-                             "the others run on every core")
+                             "the others run on every core ($MT_THREADS, else the cores this "
+                             "process may use)")
     parser.add_argument("--report", default=str(REPORT), metavar="DIR",
                         help="where the HTML report (DIR/index.html) and every table as JSON "
                              "go (default: out/report in the checkout, ignored by git)")
