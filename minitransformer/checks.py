@@ -187,14 +187,14 @@ def environment_choice(name: str, allowed: tuple, what: str, unset: str):
     does ("to measure").
 
     >>> os.environ["MT_EXAMPLE"] = " Flat "
-    >>> environment_choice("MT_EXAMPLE", ("flat", "rows"), "a way", "to measure")
+    >>> environment_choice("MT_EXAMPLE", ("flat", "rows"), "a route", "to measure")
     'flat'
     >>> os.environ["MT_EXAMPLE"] = "fastest"
     >>> try:
-    ...     environment_choice("MT_EXAMPLE", ("flat", "rows"), "a way", "to measure")
+    ...     environment_choice("MT_EXAMPLE", ("flat", "rows"), "a route", "to measure")
     ... except SettingError as e:
     ...     print(e)
-    MT_EXAMPLE='fastest' is not a way: use one of flat, rows, or leave it unset to measure
+    MT_EXAMPLE='fastest' is not a route: use one of flat, rows, or leave it unset to measure
     >>> del os.environ["MT_EXAMPLE"]
     """
     value = os.environ.get(name, "").strip().lower() or None

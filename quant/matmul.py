@@ -25,8 +25,9 @@ scheme here (a compiled kernel keeps its 16 levels in a SIMD register and looks 
 speed of a cast).
 The cost that is left is NumPy's: the cast writes 4 bytes a weight into the buffer and BLAS
 reads them back, at cache speed but not free, where a compiled kernel converts in registers.
-Each block's product goes into BLAS by minitransformer/kernels/blas.py's way for its shape (timed on
-the BLAS running here). The strict test backend runs this very code on the data it wraps.
+Each block's product goes into BLAS by the route minitransformer/kernels/blas.py takes for its
+shape (timed on the BLAS running here). The strict test backend runs this very code on the data
+it wraps.
 Leaves out: integer matmuls (the activations stay float), multithreaded blocks, CuPy (on a
 GPU the whole-matrix path is used: bandwidth there makes the temporary cheap).
 """

@@ -159,8 +159,8 @@ def draft_model(target, name: str):
 
 
 def prime(model) -> None:
-    """One pass over every row count the products measure (blas.FEW_ROWS): the way each
-    shape multiplies is timed on its first use, and a verification pass meets row counts a
+    """One pass over every row count the products measure (blas.FEW_ROWS): the route each
+    shape takes is timed on its first use, and a verification pass meets row counts a
     plain decode never does; timed here, before either side is."""
     for rows in range(1, FEW_ROWS + 1):
         forward(model, np.zeros((rows, 1), dtype=np.int64))

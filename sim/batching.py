@@ -175,10 +175,10 @@ def _check(arrivals, slots):
         raise ValueError("requests must be in arrival order")
 
 
-def _result(a, first, finished, returned):
+def _result(a, first, ended, returned):
     """The serving record of a simulated request (no token ids: None for each token)."""
     return Result(a.id, a.time, tokens=[None] * a.output_len, status="finished",
-                  first_token=first, finished=finished, returned=returned)
+                  first_token=first, ended=ended, returned=returned)
 
 
 def simulate_static(arrivals, slots=8, step_cost=AffineCost(), prefill_s=0.0) -> Run:

@@ -146,7 +146,7 @@ def run_case(model, seed, batch_invariant=True) -> dict:
         where = f"case {seed}, request {result.id}"
         assert result.request is request, where
         assert result.status in ("finished", "cancelled", "rejected"), where
-        assert not math.isnan(result.returned) and result.returned >= result.finished, where
+        assert not math.isnan(result.returned) and result.returned >= result.ended, where
         if result.status == "rejected":
             bs, P = config.block_size, len(request.prompt)
             need = max(blocks_for(P + request.max_new_tokens, bs),
@@ -172,7 +172,7 @@ def run_case(model, seed, batch_invariant=True) -> dict:
                 assert abs(mine.logprob - alone.logprob) < 1e-4, where
                 assert len(mine.top) == request.logprobs, where
         if result.tokens:
-            assert request.arrival <= result.first_token <= result.finished, where
+            assert request.arrival <= result.first_token <= result.ended, where
     if any(r.status == "finished" and r.tokens for r in engine.results.values()):
         m = metrics(engine.results.values())
         assert all(math.isfinite(x) for x in (m.throughput, m.latency_mean, m.ttft_mean))

@@ -26,25 +26,25 @@ STORY_TEMPLATE = ("{{ bos_token }}{% for m in messages %}{{ m['content'] }}"
                   "{% if not loop.last %} {% endif %}{% endfor %}")
 
 
-# The command's text is compared with generate's here by ==. The way a product of a few rows
-# goes into BLAS is measured once per process (blas.py), and the ways sum in different orders
+# The command's text is compared with generate's here by ==. The route a product of a few rows
+# takes into BLAS is measured once per process (blas.py), and the routes sum in different orders
 # (stories260K's logits differ by up to 1.1e-5 between them), so two processes left to measure
-# agree only by luck. Both sides take the flat way: the same BLAS calls on the same shapes, the
+# agree only by luck. Both sides take the flat route: the same BLAS calls on the same shapes, the
 # same bits, the same tokens, and == is exact.
-ONE_WAY = {"MT_PRODUCTS": "flat"}
+ONE_ROUTE = {"MT_PRODUCTS": "flat"}
 
 
 @pytest.fixture(autouse=True)
 def flat_products(monkeypatch):
-    """This process multiplies as the commands it runs do (ONE_WAY)."""
-    monkeypatch.setattr(blas, "FIXED", ONE_WAY["MT_PRODUCTS"])
+    """This process multiplies as the commands it runs do (ONE_ROUTE)."""
+    monkeypatch.setattr(blas, "FIXED", ONE_ROUTE["MT_PRODUCTS"])
 
 
 def cli(*args, stdin=""):
     """Run the command; stdout and stderr as str, decoded without newline translation."""
     done = subprocess.run([sys.executable, "-m", "minitransformer", *args], cwd=ROOT,
                           input=stdin.encode(), capture_output=True, timeout=120,
-                          env=os.environ | {"PYTHONIOENCODING": "utf-8"} | ONE_WAY)
+                          env=os.environ | {"PYTHONIOENCODING": "utf-8"} | ONE_ROUTE)
     done.stdout, done.stderr = done.stdout.decode(), done.stderr.decode()
     return done
 
@@ -267,7 +267,7 @@ def test_generate_into_a_closed_pipe_ends_quietly(tiny_chat_model):
         done = subprocess.run([sys.executable, "-m", "minitransformer", "generate", "--model",
                                tiny_chat_model.path, "The cat", "--max-new-tokens", "30"],
                               cwd=ROOT, stdout=write, stderr=subprocess.PIPE, text=True,
-                              timeout=120, env=os.environ | ONE_WAY)
+                              timeout=120, env=os.environ | ONE_ROUTE)
     finally:
         os.close(write)
     assert done.returncode == 141 and "Traceback" not in done.stderr, done.stderr

@@ -26,7 +26,7 @@ import pytest
 
 from conftest import wait_for
 from minitransformer.chat import encode_chat
-from test_cli import (CHAT, ONE_WAY, ROOT, continuation, flat_products,  # noqa: F401 (fixtures)
+from test_cli import (CHAT, ONE_ROUTE, ROOT, continuation, flat_products,  # noqa: F401 (fixtures)
                       story_chat_model, tiny_chat_model, tmux_session)
 
 WRITE = {"x86_64": "1", "aarch64": "64"}.get(os.uname().machine)    # write(2)'s number
@@ -61,7 +61,7 @@ def test_ctrl_c_while_loading_is_one_line_and_exit_130(tiny_chat_model, tmp_path
     process = subprocess.Popen(
         [sys.executable, "-m", "minitransformer", *command[:1], "--model",
          tiny_chat_model.path, *command[1:]], cwd=ROOT, stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE, stderr=write, env=os.environ | ONE_WAY | {
+        stdout=subprocess.PIPE, stderr=write, env=os.environ | ONE_ROUTE | {
             "MT_WEIGHTS_DIR": str(tmp_path)})
     os.close(write)
     try:
@@ -132,7 +132,7 @@ def test_a_stopped_answer_shows_its_marker_and_the_history_keeps_what_was_shown(
         story_chat_model):
     model, session = story_chat_model, f"mt-chat-{uuid.uuid4().hex[:8]}"
     tmux, screen, wait_for_text = tmux_session(session)
-    command = f"MT_PRODUCTS={ONE_WAY['MT_PRODUCTS']} {sys.executable} -m minitransformer " \
+    command = f"MT_PRODUCTS={ONE_ROUTE['MT_PRODUCTS']} {sys.executable} -m minitransformer " \
               f"chat --model {model.path} --max-new-tokens 400; echo EXITED $?; sleep 60"
     tmux("new-session", "-d", "-s", session, "-x", "250", "-y", "80", "-c", str(ROOT), command)
     try:

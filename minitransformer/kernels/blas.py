@@ -1,9 +1,9 @@
 """How a product x @ w.T goes into BLAS: the call that is fastest on the BLAS running here.
 
 A learner may skip this module: `multiply(x, w)` is `x @ w.T`. It exists because a decode step
-is a string of products of a weight matrix with a few vectors, and the way they go into BLAS
-decides what the step costs. For M rows of x there are four ways to make the same numbers, all
-over the one copy of w the model holds:
+is a string of products of a weight matrix with a few vectors, and the route they take into
+BLAS decides what the step costs. For M rows of x there are four routes to the same numbers,
+all over the one copy of w the model holds:
 
     flat     one matrix-matrix product, (w @ x.T).T: every weight read once for all M rows
              (with many rows OpenBLAS runs it faster this way round than x @ w.T); for one
@@ -21,7 +21,7 @@ as rows, 1.4 ms as slices; with its Haswell kernel 2.9, 4.7 and 2.6 ms. One row 
 on some CPUs the matrix-vector product streams a weight well below the rate of a dot product
 over the same bytes (scripts/dev/bench_decode.py times every route: docs/benchmarks/). So nothing
 here is tuned to one kernel: more than FEW_ROWS rows take one flat product, and for 1..FEW_ROWS
-rows the first product of each shape times the ways (for one row, `rows` is the very call
+rows the first product of each shape times the routes (for one row, `rows` is the very call
 `flat` makes, so three) on its own operands and keeps the fastest for that shape. A weight of
 COLD_BYTES or more is timed as a decode step reads it, from memory (a decode step reads every
 weight once, so none of them is still cached when its turn comes): each timing takes the next
@@ -30,19 +30,19 @@ that copy's last timing; a weight over LARGE_BYTES (a vocabulary's head), too la
 often, is timed after FLUSH_BYTES of other data are read, or after a whole pass over a
 weight of FLUSH_BYTES or more, which evicts what the caches held itself (the copies and that
 data are one scratch memory, in small pages, given back once the model is built). rows and
-dots, M alike passes over w, are timed as one pass, counted M times; a way far slower than the
+dots, M alike passes over w, are timed as one pass, counted M times; a route far slower than the
 fastest after two trials is timed no more, and slices, many small products, stops as soon as
-it has taken longer than the fastest way so far (it has lost: the way taken is the same).
+it has taken longer than the fastest route so far (it has lost: the route taken is the same).
 
 The weight's own layout matters as much: BLAS reads a row-major (n, in) w and the same values
 laid out column-major (w.T row-major, so x @ w.T is BLAS's plain untransposed product) at
 different speeds, and for a few rows the column-major one can be the faster (measured here,
 Haswell kernel, 16 rows times a (3072, 576) matrix: about 1.3x). So each weight matrix the
 model multiplies is laid out once, where the model is built (`arrange`, called by fused.py): the
-ways for each row count the process will run (`rows_run`: 1 and FEW_ROWS; a server adds its
+routes for each row count the process will run (`rows_run`: 1 and FEW_ROWS; a server adds its
 max_num_seqs through `expect_rows` before it loads) are timed over both layouts side by side,
 the weight is copied column-major only where that layout is the faster at every count, and the
-fastest way of each count *in the layout taken* is kept with it (one layout per shape; never
+fastest route of each count *in the layout taken* is kept with it (one layout per shape; never
 under MT_PRODUCTS, so that two runs compare bits over the same layout).
 `MT_LAYOUT=row-major|column-major` fixes the layout of every weight instead, and measures none
 (read at import): row-major is the checkpoint's own, the library before it measured layouts,
@@ -51,14 +51,14 @@ either layout `flat` is the one product that reads w untransposed: (w @ x.T).T r
 x @ w.T column-major; `dots` reads rows of w, which column-major are strided: not taken there.
 
 Measured once, remembered: timing every shape takes seconds, so what was measured (a layout
-with its ways, a way) is kept per machine in a small file (tuning.py: the CPU, the BLAS, its
+with its routes, a route) is kept per machine in a small file (tuning.py: the CPU, the BLAS, its
 kernel and threads decide the answer) and read back at the next load; only what the file lacks
 is timed, and a load that times says so on stderr. The file is data: a name in it that is not
-a layout or a way taken there is measured again, never used. MT_TUNING=remeasure measures
+a layout or a route taken there is measured again, never used. MT_TUNING=remeasure measures
 again on purpose; MT_TUNING=off keeps nothing (each process measures for itself).
 
-The ways sum in different orders, so their last bits differ. Within a process a shape always
-takes the same way, so the same calls give the same bits (a row of a batch-invariant step makes
+The routes sum in different orders, so their last bits differ. Within a process a shape always
+takes the same route, so the same calls give the same bits (a row of a batch-invariant step makes
 the very call the row alone makes, linear.py); across processes it is the same where they read
 one file, but may differ where each measured, and `MT_PRODUCTS=flat|rows|slices|dots` fixes it
 for every shape of 1..FEW_ROWS rows (read at import, as MT_BACKEND) for a comparison of bits
@@ -78,8 +78,8 @@ from minitransformer.progress import tell
 
 ROUTES = ("flat", "rows", "slices", "dots")
 ONE_ROW = ("flat", "slices", "dots")  # for one row, `rows` is `flat`'s own matrix-vector call
-FEW_ROWS = 16            # up to this many rows, the way is measured; above it, flat
-FIXED = environment_choice("MT_PRODUCTS", ROUTES, "a way to multiply", "to measure")
+FEW_ROWS = 16            # up to this many rows, the route is measured; above it, flat
+FIXED = environment_choice("MT_PRODUCTS", ROUTES, "a BLAS route", "to measure")
 LAYOUTS = ("row-major", "column-major")
 FIXED_LAYOUT = environment_choice("MT_LAYOUT", LAYOUTS, "a layout", "to measure")
 SPLITS = ("whole", "parts")
@@ -87,23 +87,23 @@ FIXED_SPLIT = environment_choice("MT_SPLIT", SPLITS, "a split", "to measure")
 SPLIT_TRIALS = 5         # timings of a product whole and in parts (the fastest of each counts)
 SPLIT_GAIN = 0.95        # the parts are taken only where this much faster than the whole
 PART_COLUMNS = 16        # a part's output columns: a multiple of this (64 bytes of float32)
-TRIALS = 3               # timings per way and layout when a shape is measured (the fastest counts)
+TRIALS = 3               # timings per route and layout when a shape is measured (the fastest)
 COLD_BYTES = 1 << 20     # a weight this large is timed from memory, as a decode step reads it
 # read between two timings of a weight from memory: twice the caches one core reads through
 # (at least 16 MiB), 128 MiB where the system does not say how large they are
 FLUSH_BYTES = max(2 * tuning.cache_bytes(), 1 << 24) if tuning.cache_bytes() else 1 << 27
 LARGE_BYTES = FLUSH_BYTES // 4  # up to this a weight is timed over copies of itself, above flushed
 COPY_ROWS = 256          # rows of w copied at a time into the column-major layout
-PRUNE, PRUNE_AFTER = 3, 2  # a way this many times slower after so many trials: timed no more
+PRUNE, PRUNE_AFTER = 3, 2  # a route this many times slower after so many trials: timed no more
 room = None              # the scratch memory measuring works in (scratch()), when it is
 rows_run = {1, FEW_ROWS}  # the row counts a weight's layout is decided over (expect_rows adds)
-chosen: dict = {}        # (M, n, in, layout, dtypes) -> the way measured fastest there
+chosen: dict = {}        # (M, n, in, layout, dtypes) -> the route measured fastest there
 laid_out: dict = {}      # (n, in, dtype, row counts) -> the layout measured faster for that shape
-split: dict = {}         # (M, n, in, layout, dtypes, way, T) -> parts measured fastest: 1 or T
+split: dict = {}         # (M, n, in, layout, dtypes, route, T) -> parts measured fastest: 1 or T
 
 
 def multiply(x, w, out=None):
-    """x (M, in) @ w (n, in).T -> (M, n), by the way chosen for M rows (see the docstring).
+    """x (M, in) @ w (n, in).T -> (M, n), by the route chosen for M rows (see the docstring).
 
     >>> from minitransformer.backend import to_device, to_numpy
     >>> a, b = xp.ones((2, 3), xp.float32), to_device(np.arange(12.0, dtype=np.float32))
@@ -117,18 +117,19 @@ def multiply(x, w, out=None):
 
 def numpy_multiply(x, w, out=None):
     """multiply on NumPy arrays: for code already running on NumPy's data (quant/matmul.py).
-    The way chosen (flat for more than FEW_ROWS rows), whole on one thread or in parts on the
+    The route chosen (flat for more than FEW_ROWS rows), whole on one thread or in parts on the
     pool's threads (`parts`, threads.py)."""
-    route = way(x, w)
+    route = route_for(x, w)
     if out is None:
         out = np.empty((len(x), len(w)), np.result_type(x, w)).view(type(x))  # (M, n)
     return in_parts(route, x, w, out, parts(x, w, route))
 
 
-def way(x, w) -> str:
-    """The way M rows of x multiply w here: flat for more than FEW_ROWS rows; for 1..FEW_ROWS,
-    FIXED, or the way measured fastest for this shape (on this machine: tuning.py's file
-    remembers it; else measured the first time the shape comes, and kept there)."""
+def route_for(x, w) -> str:
+    """The route M rows of x take to multiply w here: flat for more than FEW_ROWS rows; for
+    1..FEW_ROWS, FIXED, or the route measured fastest for this shape (on this machine:
+    tuning.py's file remembers it; else measured the first time the shape comes, and kept
+    there)."""
     M = len(x)
     if M > FEW_ROWS:
         return "flat"
@@ -136,37 +137,37 @@ def way(x, w) -> str:
         return FIXED
     key = shape_key(x, w)
     if key not in chosen:
-        chosen[key] = known(tuning.recall(way_key(key)), candidates(M, layout(w))) \
-            or measured_way(x, w, key)
+        chosen[key] = known(tuning.recall(route_key(key)), candidates(M, layout(w))) \
+            or measured_route(x, w, key)
     return chosen[key]
 
 
-def measured_way(x, w, key: tuple) -> str:
-    """The fastest way for these operands, timed now on one thread, as a step's product runs
+def measured_route(x, w, key: tuple) -> str:
+    """The fastest route for these operands, timed now on one thread, as a step's product runs
     (its scratch memory given back after: a step of a new count of rows, once per machine)
     and kept in the file."""
     with threads.one_blas_thread():
         route = fastest(x, w)
     release()
-    tuning.remember(way_key(key), route)
+    tuning.remember(route_key(key), route)
     return route
 
 
 def known(answer, names: tuple):
     """answer where it is one of names, else None: what the file holds is checked, never
-    trusted (a way or layout blas.py does not know, or may not take there, is measured again)."""
+    trusted (a route or layout blas.py does not know, or may not take there, is measured again)."""
     return answer if isinstance(answer, str) and answer in names else None
 
 
 def shape_key(x, w) -> tuple:
-    """What a measured way belongs to: the rows, w's shape and layout, the dtypes."""
+    """What a measured route belongs to: the rows, w's shape and layout, the dtypes."""
     return len(x), *w.shape, layout(w), x.dtype.str, w.dtype.str
 
 
-def way_key(key: tuple) -> str:
-    """A shape_key as the file spells it, e.g. 'way 8 3072x576 row-major <f4 <f4'."""
+def route_key(key: tuple) -> str:
+    """A shape_key as the file spells it, e.g. 'route 8 3072x576 row-major <f4 <f4'."""
     M, n, cols, held, x_dtype, w_dtype = key
-    return f"way {M} {n}x{cols} {held} {x_dtype} {w_dtype}"
+    return f"route {M} {n}x{cols} {held} {x_dtype} {w_dtype}"
 
 
 def layout(w) -> str:
@@ -176,17 +177,17 @@ def layout(w) -> str:
 
 
 def candidates(M: int, held: str = "row-major") -> tuple:
-    """The ways worth timing for M rows over a w held in layout `held`: every way, but for one
+    """The routes worth timing for M rows over a w held in layout `held`: every route, but for one
     row `rows` is `flat`; over a column-major w not `dots` (its rows are strided: a dot product
     per row reads them badly)."""
-    ways = ONE_ROW if M == 1 else ROUTES
-    return ways if held == "row-major" else tuple(r for r in ways if r != "dots")
+    routes = ONE_ROW if M == 1 else ROUTES
+    return routes if held == "row-major" else tuple(r for r in routes if r != "dots")
 
 
 def parts(x, w, route: str) -> int:
     """Into how many parts the product of len(x) rows by w is split: T (threads.py) where T
     parts across the pool were measured faster than the whole on one thread, for this shape,
-    rows, way and T (on this machine: tuning.py's file remembers it), else 1; every count of
+    rows, route and T (on this machine: tuning.py's file remembers it), else 1; every count of
     more than FEW_ROWS rows (a prefill's, a long mixed step's) takes what the first such
     product of the shape measured (its rows spelled 'many' in the file);
     under MT_SPLIT=whole|parts, 1 or T for every product, and under MT_PRODUCTS (which fixes
@@ -214,7 +215,7 @@ def split_key(key: tuple) -> str:
 
 def measured_split(x, w, key: tuple) -> int:
     """Time the product whole on one thread and in T parts on the pool, side by side, from
-    memory as a step reads w (`rings`, as the ways are timed), SPLIT_TRIALS each, interleaved
+    memory as a step reads w (`rings`, as the routes are timed), SPLIT_TRIALS each, interleaved
     -> T where the parts' fastest is SPLIT_GAIN of the whole's or less, else 1 (where more
     threads do not help, a tiny weight or a bandwidth-bound read, the product takes one
     thread: never slower at T threads than at 1). Said on stderr, kept in the file."""
@@ -240,7 +241,7 @@ def measured_split(x, w, key: tuple) -> int:
 
 def in_parts(route: str, x, w, out, count: int):
     """x @ w.T into out by `route`: whole on this thread (count 1), or its output columns cut
-    into `count` parts (part_bounds), each the same way over its rows of w, on the pool's
+    into `count` parts (part_bounds), each the same route over its rows of w, on the pool's
     threads; BLAS at one thread in either case (threads.py)."""
     call = CALLS[route]
     if count == 1:
@@ -267,7 +268,7 @@ def part_bounds(n: int, count: int, align: int) -> list:
 
 def expect_rows(*counts) -> None:
     """The process will also multiply this many rows at once (a server's max_num_seqs): the
-    weights laid out from now on are decided over these counts too, and their ways for them
+    weights laid out from now on are decided over these counts too, and their routes for them
     measured at load, not at the first step that makes them. Above FEW_ROWS a product is one
     flat product: nothing to measure."""
     rows_run.update(M for M in counts if 1 <= M <= FEW_ROWS)
@@ -276,7 +277,7 @@ def expect_rows(*counts) -> None:
 def arrange(w):
     """A weight matrix w (n, in) as the model should hold it here: w itself, or the same values
     laid out column-major where its products of every row count of rows_run (1 and FEW_ROWS,
-    and any expect_rows added) are faster that way (timed side by side, once per shape and dtype
+    and any expect_rows added) are faster in it (timed side by side, once per shape and dtype
     on this machine; see the docstring); a read-only w (a view of the checkpoint's file) is
     copied, once, into the layout taken. Anything else (a quantized weight, a vector, CuPy's
     arrays) is given back as it is; under MT_LAYOUT, w in that layout; under a fixed
@@ -308,38 +309,38 @@ def layout_key(w, counts: tuple) -> str:
 
 
 def recalled_layout(w, counts: tuple):
-    """The layout the file holds for w's shape and these row counts, with the way of each count
-    in that layout (put into `chosen`); None unless the file names a layout and a way for every
+    """The layout the file holds for w's shape and these row counts, with the route of each count
+    in that layout (put into `chosen`); None unless the file names a layout and a route for every
     count, each one that blas.py takes there."""
     answer = tuning.recall(layout_key(w, counts))
-    if not isinstance(answer, dict) or not isinstance(answer.get("ways"), dict):
+    if not isinstance(answer, dict) or not isinstance(answer.get("routes"), dict):
         return None
     taken = known(answer.get("layout"), LAYOUTS)
-    ways = {M: known(answer["ways"].get(str(M)), candidates(M, taken)) for M in counts}
-    if taken is None or None in ways.values():
+    routes = {M: known(answer["routes"].get(str(M)), candidates(M, taken)) for M in counts}
+    if taken is None or None in routes.values():
         return None
-    keep_ways(w, taken, ways)
+    keep_routes(w, taken, routes)
     return taken
 
 
 def measured_layout(w, counts: tuple) -> tuple:
     """Time w's shape in both layouts (faster_layout), saying so on stderr -> (the layout
-    taken, w in it); its ways go into `chosen`, both into the file."""
+    taken, w in it); its routes go into `chosen`, both into the file."""
     rows = ", ".join(map(str, counts))
     tell(f"measuring how this machine multiplies a {w.shape[0]}x{w.shape[1]} {w.dtype} weight "
          f"by {rows} rows, in both layouts")
     pair = {name: in_layout(w, name) for name in LAYOUTS}
     with threads.one_blas_thread():
-        taken, ways = faster_layout(pair, counts)
-    keep_ways(w, taken, ways)
+        taken, routes = faster_layout(pair, counts)
+    keep_routes(w, taken, routes)
     tuning.remember(layout_key(w, counts),
-                    {"layout": taken, "ways": {str(M): route for M, route in ways.items()}})
+                    {"layout": taken, "routes": {str(M): route for M, route in routes.items()}})
     return taken, pair[taken]
 
 
-def keep_ways(w, taken: str, ways: dict) -> None:
-    """{M: way} for w's shape held in layout `taken`, into `chosen`: not measured again."""
-    for M, route in ways.items():
+def keep_routes(w, taken: str, routes: dict) -> None:
+    """{M: route} for w's shape held in layout `taken`, into `chosen`: not measured again."""
+    for M, route in routes.items():
         key = (M, *w.shape, taken, w.dtype.str, w.dtype.str)  # (M, n, in, layout, dtypes)
         chosen[key] = route
 
@@ -362,32 +363,32 @@ def in_layout(w, name: str):
 
 
 def faster_layout(pair: dict, counts: tuple = (1, FEW_ROWS)) -> tuple:
-    """Time a weight's ways for each row count in both layouts ({layout: w}), side by side ->
-    (the layout taken, {M: the way measured fastest for M rows in that layout}): row-major
+    """Time a weight's routes for each row count in both layouts ({layout: w}), side by side ->
+    (the layout taken, {M: the route measured fastest for M rows in that layout}): row-major
     unless column-major is the faster at every count."""
     w = pair["row-major"]
     x = np.ones((max(counts), w.shape[1]), w.dtype)
     turns = rings([pair[name] for name in LAYOUTS])
-    best = {M: timings(x[:M], turns) for M in counts}                # M -> [{way: seconds}]
+    best = {M: timings(x[:M], turns) for M in counts}                # M -> [{route: seconds}]
     times = {M: [min(t.values()) for t in best[M]] for M in best}
     taken = "column-major" if all(t[1] < t[0] for t in times.values()) else "row-major"
-    ways = {M: per_layout[LAYOUTS.index(taken)] for M, per_layout in best.items()}
-    return taken, {M: min(ways[M], key=ways[M].get) for M in ways}
+    routes = {M: per_layout[LAYOUTS.index(taken)] for M, per_layout in best.items()}
+    return taken, {M: min(routes[M], key=routes[M].get) for M in routes}
 
 
 def fastest(x, w) -> str:
-    """Time the ways for len(x) rows on these operands (TRIALS each, interleaved) -> the fastest.
-    """
-    ways = timings(x, rings([w]))[0]
-    return min(ways, key=ways.get)
+    """Time the routes for len(x) rows on these operands (TRIALS each, interleaved) -> the
+    fastest."""
+    routes = timings(x, rings([w]))[0]
+    return min(routes, key=routes.get)
 
 
 def timings(x, turns) -> list:
-    """Time the ways for len(x) rows over each matrix of turns (a list per matrix: the copies
+    """Time the routes for len(x) rows over each matrix of turns (a list per matrix: the copies
     of it that its timings take in turn, `rings`; all of one shape), TRIALS each, interleaved
-    -> per matrix, {way: its fastest time}. After PRUNE_AFTER trials, a way more than PRUNE
+    -> per matrix, {route: its fastest time}. After PRUNE_AFTER trials, a route more than PRUNE
     times slower than the fastest over its matrix is timed no more: two timings that slow are
-    no spike, and it cannot win (a slow way can cost a second a trial). A weight over
+    no spike, and it cannot win (a slow route can cost a second a trial). A weight over
     LARGE_BYTES is flushed from the caches before its timings, but not after a timing that
     read all of a weight of FLUSH_BYTES or more: a pass over twice the caches has evicted what
     they held (a vocabulary's head: 30 flushes of FLUSH_BYTES saved).
@@ -400,26 +401,26 @@ def timings(x, turns) -> list:
     cycles = [itertools.cycle(ring) for ring in turns]
     evicted = False          # the timing before read a whole weight of FLUSH_BYTES or more
     for trial in range(TRIALS):
-        for turn, times, ways in zip(cycles, best, live, strict=True):
-            for route in ways:
+        for turn, times, routes in zip(cycles, best, live, strict=True):
+            for route in routes:
                 w = next(turn)
                 seconds, whole = timed(calls[route], route, x, w, out, min(times.values()),
                                        flush=w.nbytes > LARGE_BYTES and not evicted)
                 times[route] = min(times[route], seconds)
                 evicted = whole and w.nbytes >= FLUSH_BYTES
             if trial + 1 >= PRUNE_AFTER:
-                ways[:] = [r for r in ways if times[r] <= PRUNE * min(times.values())]
+                routes[:] = [r for r in routes if times[r] <= PRUNE * min(times.values())]
     return best
 
 
 def timed(call, route: str, x, w, out, limit=float("inf"), flush=False) -> tuple:
-    """One call of a way for len(x) rows over w, as `timings` counts it -> (seconds, whether
+    """One call of a route for len(x) rows over w, as `timings` counts it -> (seconds, whether
     it read all of w).
 
     `rows` and `dots` make M alike passes over w: timed as one pass, times M (on a large
     matrix, such as a vocabulary's head, that keeps the measuring short). `slices`, many
-    calls, is made a slice at a time where a limit is set (the fastest time of another way),
-    and stopped once it has taken longer: it has lost, and the way taken is the one timing
+    calls, is made a slice at a time where a limit is set (the fastest time of another route),
+    and stopped once it has taken longer: it has lost, and the route taken is the one timing
     it whole would give (a head's 655 small products for 16 rows took seconds on a busy
     machine). A weight of COLD_BYTES or more is timed from memory, as a decode step
     reads it: up to LARGE_BYTES over its copies in turn (`rings`); above, where `flush`,
@@ -472,7 +473,7 @@ def scratch():
     """The memory measuring works in: the FLUSH_BYTES read to flush the caches, then room for
     a ring of copies of a weight in each of the two layouts (2 x (FLUSH_BYTES + LARGE_BYTES)
     in all). Allocated when first needed; release() gives it back once a model is built, and
-    after a way measured later, at a new count of rows."""
+    after a route measured later, at a new count of rows."""
     global room
     if room is None:
         floats = 2 * (FLUSH_BYTES + LARGE_BYTES) // 4
@@ -485,7 +486,7 @@ def small_pages(size: int):
     """size bytes of fresh memory, advised against huge pages where the system takes advice:
     memory NumPy allocates is advised to huge pages, whose first touch cost this VM 0.6-1.6 s
     of kernel time for the 162 MiB of scratch, against 0.15-0.19 s in 4 KiB pages (products
-    over copies in them measured 0-12% slower here, in either layout and every way)."""
+    over copies in them measured 0-12% slower here, in either layout and every route)."""
     memory = mmap.mmap(-1, size)
     if hasattr(memory, "madvise") and hasattr(mmap, "MADV_NOHUGEPAGE"):
         memory.madvise(mmap.MADV_NOHUGEPAGE)
@@ -494,7 +495,7 @@ def small_pages(size: int):
 
 def release() -> None:
     """Give back the scratch memory: fused.fuse once a model's weights are laid out,
-    measured_way once a way is measured."""
+    measured_route once a route is measured."""
     global room
     room = None
 

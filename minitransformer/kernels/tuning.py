@@ -1,6 +1,6 @@
 """What blas.py measured, kept on disk per machine: measured once, remembered.
 
-A learner may skip this module. blas.py times the ways a product can go into BLAS and the two
+A learner may skip this module. blas.py times the routes a product can take into BLAS and the two
 layouts a weight can be held in, and takes the fastest; the answer depends on the machine, and
 timing it takes seconds at every load (a SmolLM2 load: 7.9 s against 1.2 s without). So, as
 FFTW keeps its "wisdom" and Triton its autotuning cache, the answers are kept in a small JSON
@@ -51,7 +51,8 @@ import numpy as np
 from minitransformer.checks import environment_choice
 from minitransformer.progress import tell
 
-FORMAT = 1                      # the file's layout; a file of another is measured again
+FORMAT = 2                      # the file's layout; a file of another is measured again
+                                # (format 1 spelled blas.py's routes 'way')
 MODES = ("remember", "remeasure", "off")
 MODE = environment_choice("MT_TUNING", MODES, "a tuning mode", "to remember") or "remember"
 MAX_BYTES = 1 << 20             # a larger file is refused (a machine's answers: a few KB)

@@ -7,9 +7,10 @@ One vocabulary for the real engine (minitransformer/serve/engine.py) and the sim
               how to sample. (The simulation has no prompts: its workload is a list of
               sim.workload.Arrival, an arrival time and an output length.)
     Result    what happened to one request, filled in as it is served: its new tokens, its
-              status, and three times on the serving clock: first token, last token
-              (``finished``) and ``returned``, when the answer was handed back (static
-              batching returns a batch as a whole, so that can be later than finished).
+              status, and three times on the serving clock: ``first_token``, ``ended``
+              (its last token, or its cancelling) and ``returned``, when the answer was
+              handed back (static batching returns a batch as a whole, so that can be later
+              than it ended).
     Run       a whole run: the results and what each step cost.
     metrics   throughput and latencies over the finished results.
 
@@ -18,7 +19,7 @@ Percentiles are numpy's (linear interpolation). Leaves out: streaming (time per 
 request), queueing statistics beyond TTFT, anything about cancelled requests.
 
 >>> r = Result(0, arrival=1.0, tokens=[7, 8, 9], status="finished",
-...            first_token=2.0, finished=4.0, returned=5.0)
+...            first_token=2.0, ended=4.0, returned=5.0)
 >>> r.ttft, r.per_token, r.latency         # 1 s to the first token, 1 s between tokens
 (1.0, 1.0, 4.0)
 >>> m = metrics([r])
@@ -68,7 +69,7 @@ class Result:
     status: str = "waiting"         # one of STATUSES
     reason: str = ""                # why it was rejected, or what error ended it
     first_token: float = math.nan   # times on the serving clock (seconds)
-    finished: float = math.nan      # last token made (or cancelled)
+    ended: float = math.nan         # its last token made (or when it was cancelled, failed)
     returned: float = math.nan      # handed back: static batching returns a batch as a whole
     cached_tokens: int = 0          # prompt tokens found in the prefix cache
     prefill_chunks: int = 0         # forward passes its prompt took (1: prefilled whole)
@@ -91,7 +92,7 @@ class Result:
     def per_token(self) -> float:
         """Seconds between consecutive tokens after the first (nan for one token)."""
         n = len(self.tokens)
-        return (self.finished - self.first_token) / (n - 1) if n > 1 else math.nan
+        return (self.ended - self.first_token) / (n - 1) if n > 1 else math.nan
 
 
 @dataclass(frozen=True)

@@ -156,7 +156,7 @@ class Plan:
 
 def close(result, status: str, now: float, returned: bool = True, reason: str = "") -> None:
     """Over: its last token (or its cancel) is now; returned now unless held back."""
-    result.status, result.reason, result.finished = status, reason, now
+    result.status, result.reason, result.ended = status, reason, now
     if returned:
         result.returned = now
 

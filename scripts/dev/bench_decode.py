@@ -123,7 +123,7 @@ def read_steps(nbytes=1 << 30):
 
 def product_routes(nbytes, cols=ROUTE_COLUMNS):
     """One float32 matrix W (N, cols) of about nbytes and one row x -> [(product, the library's
-    route or "", function)]: the dot-product probe over W's bytes first, then every way one row
+    route or "", function)]: the dot-product probe over W's bytes first, then every route one row
     can multiply W, the library's own (blas.py, on this very W) and others beside them."""
     rng = np.random.default_rng(0)
     w = rng.standard_normal((max(1, nbytes // (4 * cols)), cols), dtype=np.float32)  # (N, K)
@@ -150,7 +150,7 @@ def routes_table(args, ran_on):
     """The table of one-row product routes -> (Table, the best library route's GB/s, the dot
     product's GB/s). Timed side by side, like everything here."""
     routes, (x, w) = product_routes(args.matrix_mb << 20)
-    chosen = blas.way(x, w)                  # measured here as for any weight (or MT_PRODUCTS)
+    chosen = blas.route_for(x, w)        # measured here as for any weight (or MT_PRODUCTS)
     repeat = ROUTE_ROUNDS * args.repeat                  # each round is milliseconds: many
     timings = time_together([fn for _, _, fn in routes], warmup=1, repeat=repeat)
     rates = [w.nbytes / t.best for t in timings]

@@ -1,11 +1,11 @@
-"""Benchmark: what a model's load costs with the layouts and ways measured, remembered, or not.
+"""Benchmark: what a model's load costs with the layouts and routes measured, remembered, or not.
 
 Building a model lays out each weight as its products run fastest on this machine and times
-the ways to multiply it (minitransformer/kernels/blas.py), and keeps the answers in a file per
+the routes to multiply it (minitransformer/kernels/blas.py), and keeps the answers in a file per
 machine (kernels/tuning.py). Each load here runs in a fresh process, as a command's does, with
-its own file, in four ways side by side (each round loads once each way, so a burst of load
+its own file, in four settings side by side (each round loads once in each, so a burst of load
 elsewhere hits them alike); the fastest and the median of --repeat rounds are printed, wall and
-CPU seconds of `mt.load` alone (not Python's start nor the import), and each way against
+CPU seconds of `mt.load` alone (not Python's start nor the import), and each setting against
 row-major in the same round (the median over rounds: on a busy machine the steadier figure):
 
   row-major    MT_LAYOUT=row-major: the checkpoint's layout, nothing measured (the baseline)
@@ -41,10 +41,10 @@ from minitransformer.measure.timing import (
 )
 
 ROOT = Path(__file__).resolve().parents[2]
-WAYS = {"row-major": "MT_LAYOUT=row-major: the checkpoint's layout, nothing measured",
-        "remembered": "the file holds every shape: read, nothing measured",
-        "first": "an empty file (a new machine): every shape measured, then kept",
-        "unkept": "MT_TUNING=off: measured at every load (before the file)"}
+SETTINGS = {"row-major": "MT_LAYOUT=row-major: the checkpoint's layout, nothing measured",
+            "remembered": "the file holds every shape: read, nothing measured",
+            "first": "an empty file (a new machine): every shape measured, then kept",
+            "unkept": "MT_TUNING=off: measured at every load (before the file)"}
 # One load in a fresh process: wall and CPU seconds of mt.load alone, as JSON on stdout.
 LOAD = """
 import json, sys, time
@@ -61,17 +61,17 @@ print(json.dumps({"wall": time.perf_counter() - wall, "cpu": time.process_time()
 """
 
 
-def environment(way: str, folder: Path, round_: int) -> dict:
-    """The child's environment for one way: its own tuning file in `folder` (an empty one per
-    round for 'first'), and nothing of the caller's that would fix a layout or a way."""
+def environment(setting: str, folder: Path, round_: int) -> dict:
+    """The child's environment for one setting: its own tuning file in `folder` (an empty one per
+    round for 'first'), and nothing of the caller's that would fix a layout or a route."""
     env = {k: v for k, v in os.environ.items()
            if k not in ("MT_LAYOUT", "MT_PRODUCTS", "MT_TUNING", "MT_TUNING_CACHE")}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
-    name = f"first-{round_}.json" if way == "first" else "tuning.json"
+    name = f"first-{round_}.json" if setting == "first" else "tuning.json"
     env["MT_TUNING_CACHE"] = str(folder / name)
-    if way == "row-major":
+    if setting == "row-major":
         env["MT_LAYOUT"] = "row-major"
-    if way == "unkept":
+    if setting == "unkept":
         env["MT_TUNING"] = "off"
     return env
 
@@ -99,24 +99,25 @@ def main(argv=None):
     if args.threads < 0 or (args.max_num_seqs is not None and args.max_num_seqs < 1):
         parser.error("--threads must be >= 0 and --max-num-seqs >= 1")
     path = model_path(args.model)
-    samples, ran_on = {way: [] for way in WAYS}, machine()
+    samples, ran_on = {setting: [] for setting in SETTINGS}, machine()
     with tempfile.TemporaryDirectory(prefix="bench-load-") as folder:
-        say("filling the 'remembered' way's file (one load, not timed) ...")
+        say("filling the 'remembered' setting's file (one load, not timed) ...")
         load_once(path, args, environment("remembered", Path(folder), 0))
-        progress = Progress(args.repeat * len(WAYS), "loads")
+        progress = Progress(args.repeat * len(SETTINGS), "loads")
         for round_ in range(args.repeat):
-            for way in WAYS:
-                samples[way].append(load_once(path, args, environment(way, Path(folder), round_)))
-                progress(way)
+            for setting in SETTINGS:
+                child = environment(setting, Path(folder), round_)
+                samples[setting].append(load_once(path, args, child))
+                progress(setting)
     show(args, path, samples, ran_on)
 
 
 def show(args, path, samples, ran_on):
-    wall = {way: Timing(tuple(s["wall"] for s in runs)) for way, runs in samples.items()}
-    cpu = {way: Timing(tuple(s["cpu"] for s in runs)) for way, runs in samples.items()}
+    wall = {setting: Timing(tuple(s["wall"] for s in runs)) for setting, runs in samples.items()}
+    cpu = {setting: Timing(tuple(s["cpu"] for s in runs)) for setting, runs in samples.items()}
     base = wall["row-major"].best
     ratio, more = per_round(samples)
-    table = Table(f"Benchmark: loading {Path(path).name}, layouts and ways measured, "
+    table = Table(f"Benchmark: loading {Path(path).name}, layouts and routes measured, "
                   "remembered or not", columns=[
                       ("load", ""), ("best s", ".2f"), ("median s", ".2f"),
                       ("CPU s", ".2f"), ("x row-major", lambda v: f"{v:.2f}x"),
@@ -124,13 +125,14 @@ def show(args, path, samples, ran_on):
                       ("+ s per round", "+.2f")], chapter=False)
     rows = f", measured for {args.max_num_seqs} rows too (serve)" if args.max_num_seqs else ""
     threads = limit_threads(None) if not args.threads else f"BLAS threads: {args.threads} (set)"
-    table.header(f"mt.load in a fresh process per load, four ways side by side, the fastest and "
-                 f"the median of {args.repeat} rounds (wall), CPU the fastest{rows}",
+    table.header(f"mt.load in a fresh process per load, four settings side by side, the fastest "
+                 f"and the median of {args.repeat} rounds (wall), CPU the fastest{rows}",
                  f"machine: {ran_on}, {load_average():.1f} at end; {threads} "
                  f"in the loads", where_it_ran())
-    for way, text in WAYS.items():
-        table.row(f"{way}: {text}", wall[way].best, wall[way].median, cpu[way].best,
-                  wall[way].best / base, wall[way].best - base, ratio[way], more[way])
+    for setting, text in SETTINGS.items():
+        best = wall[setting].best
+        table.row(f"{setting}: {text}", best, wall[setting].median, cpu[setting].best,
+                  best / base, best - base, ratio[setting], more[setting])
     table.note("x row-major, + s: the fastest load against row-major's fastest; per round: "
                "against row-major's load of the same round, the median over rounds",
                f"targets: remembered <= 1.5x row-major (here {wall['remembered'].best / base:.2f}"
@@ -140,18 +142,18 @@ def show(args, path, samples, ran_on):
 
 
 def per_round(samples: dict) -> tuple:
-    """Each way's wall seconds against row-major's of the same round -> ({way: the median
-    ratio}, {way: the median difference in seconds}).
+    """Each setting's wall seconds against row-major's of the same round -> ({setting: the median
+    ratio}, {setting: the median difference in seconds}).
 
     >>> per_round({"row-major": [{"wall": 1.0}, {"wall": 2.0}, {"wall": 1.0}],
     ...            "first": [{"wall": 3.0}, {"wall": 3.0}, {"wall": 2.5}]})
     ({'row-major': 1.0, 'first': 2.5}, {'row-major': 0.0, 'first': 1.5})
     """
     base = [s["wall"] for s in samples["row-major"]]
-    ratio = {way: statistics.median(s["wall"] / b for s, b in zip(runs, base, strict=True))
-             for way, runs in samples.items()}
-    more = {way: statistics.median(s["wall"] - b for s, b in zip(runs, base, strict=True))
-            for way, runs in samples.items()}
+    ratio = {setting: statistics.median(s["wall"] / b for s, b in zip(runs, base, strict=True))
+             for setting, runs in samples.items()}
+    more = {setting: statistics.median(s["wall"] - b for s, b in zip(runs, base, strict=True))
+            for setting, runs in samples.items()}
     return ratio, more
 
 

@@ -1,5 +1,5 @@
-"""The ways a product x @ w.T goes into BLAS (blas.py): each is the product, up to the order of
-its sums; the way a shape takes is measured (one row too) and fixed once per process, so the same
+"""The routes a product x @ w.T takes into BLAS (blas.py): each is the product, up to the order of
+its sums; the route a shape takes is measured (one row too) and fixed once per process, so the same
 calls give the same bits. What is measured here is kept in a file of the test's own (tuning.py:
 test_tuning.py tests the file), so every test measures afresh.
 """
@@ -71,7 +71,7 @@ def test_a_shape_keeps_its_way_so_the_same_calls_give_the_same_bits(monkeypatch)
     assert len(blas.chosen) == 2 and blas.chosen[(1, *w.shape, "row-major", "<f4", "<f4")] in blas.ONE_ROW
     assert all(np.array_equal(to_numpy(blas.multiply(to_device(x[:1]), to_device(w))), one)
                for _ in range(3))
-    assert blas.way(np.ones((17, 96), np.float32), w) == "flat" and len(blas.chosen) == 2
+    assert blas.route_for(np.ones((17, 96), np.float32), w) == "flat" and len(blas.chosen) == 2
 
 
 def test_a_fixed_way_is_taken_for_every_shape(monkeypatch):
@@ -80,13 +80,13 @@ def test_a_fixed_way_is_taken_for_every_shape(monkeypatch):
         monkeypatch.setattr(blas, "FIXED", route)
         for M in (1, 4, 40):
             x, w = operands(M, n=50)
-            assert blas.way(x, w) == (route if M <= blas.FEW_ROWS else "flat")
+            assert blas.route_for(x, w) == (route if M <= blas.FEW_ROWS else "flat")
             within_summation_error(to_numpy(blas.multiply(to_device(x), to_device(w))), x, w)
     assert blas.chosen == {}                                  # nothing measured
 
 
 @pytest.mark.parametrize("variable, value, message", [
-    ("MT_PRODUCTS", "fastest", "MT_PRODUCTS='fastest' is not a way to multiply: use one of "
+    ("MT_PRODUCTS", "fastest", "MT_PRODUCTS='fastest' is not a BLAS route: use one of "
                                "flat, rows, slices, dots"),
     ("MT_LAYOUT", "diagonal", "MT_LAYOUT='diagonal' is not a layout: use one of row-major, "
                               "column-major")])
@@ -97,14 +97,14 @@ def test_an_unknown_fixed_way_or_layout_is_refused_at_import(variable, value, me
     assert done.returncode != 0 and message in done.stderr
 
 
-def slowed(monkeypatch, ways, seconds=0.003):
-    """Make each of `ways` (blas.py's functions) cost `seconds` a call (or ways[name] where ways
-    is a dict: a cost, or a list of costs for its calls in turn) on a virtual clock -> the
+def slowed(monkeypatch, routes, seconds=0.003):
+    """Make each of `routes` (blas.py's functions) cost `seconds` a call (or routes[name] where
+    routes is a dict: a cost, or a list of costs for its calls in turn) on a virtual clock -> the
     calls made. The chooser's clock reads that clock alone: a call advances it by its cost and
     by nothing else, so the real product's microseconds, and a call preempted on a busy
     machine, count for nothing and the timings are exact (no sleeps)."""
     made, now = [], [0.0]
-    delays = ways if isinstance(ways, dict) else dict.fromkeys(ways, seconds)
+    delays = routes if isinstance(routes, dict) else dict.fromkeys(routes, seconds)
     monkeypatch.setattr(blas, "time", SimpleNamespace(perf_counter=lambda: now[0]))
     for name in blas.ROUTES:
         real = getattr(blas, name)
@@ -120,8 +120,8 @@ def slowed(monkeypatch, ways, seconds=0.003):
 
 @pytest.mark.parametrize("M", [1, 4])
 def test_the_way_measured_fastest_is_taken(monkeypatch, M):
-    """For each way the chooser may take for M rows: all the others cost 3 ms a call (one pass
-    of rows or dots: 3 ms / M), that way 2 ms -> that way is chosen; for one row `rows` is not
+    """For each route the chooser may take for M rows: all the others cost 3 ms a call (one pass
+    of rows or dots: 3 ms / M), that route 2 ms -> that route is chosen; for one row `rows` is not
     timed (it is flat's own matrix-vector call)."""
     x, w = operands(M, n=300)
     assert blas.candidates(M) == (blas.ONE_ROW if M == 1 else blas.ROUTES)
@@ -137,8 +137,8 @@ def test_the_way_measured_fastest_is_taken(monkeypatch, M):
 
 
 def test_a_way_far_slower_after_two_trials_is_timed_no_more(monkeypatch):
-    """After PRUNE_AFTER trials a way more than PRUNE times slower than the fastest is not
-    timed again (a slow way can cost a second a trial); one at PRUNE times is, and one slow
+    """After PRUNE_AFTER trials a route more than PRUNE times slower than the fastest is not
+    timed again (a slow route can cost a second a trial); one at PRUNE times is, and one slow
     in its first trial only (a spike) is timed on, and wins."""
     assert blas.TRIALS > blas.PRUNE_AFTER
     x, w = operands(4, n=300)
@@ -151,8 +151,8 @@ def test_a_way_far_slower_after_two_trials_is_timed_no_more(monkeypatch):
 
 
 def test_slices_stop_once_they_have_lost(monkeypatch):
-    """slices, many calls, is made a slice at a time once another way has been timed, and
-    stops when it has taken longer than the fastest way so far: here flat takes 1 ms and the
+    """slices, many calls, is made a slice at a time once another route has been timed, and
+    stops when it has taken longer than the fastest route so far: here flat takes 1 ms and the
     first slice 7.5 ms, so no other is made; at 2 ms for all of w (under PRUNE times flat's)
     it stops within it every trial, and flat is taken, as timing it whole would; where slices
     keeps up it reads all of w, and wins at 0.2 ms."""
@@ -160,25 +160,25 @@ def test_slices_stop_once_they_have_lost(monkeypatch):
     block = blas.slice_rows(16, w.shape[1])
     assert 2000 > 2 * block
     per_row = [1e-4]
-    made = reads(monkeypatch, lambda way, M, n: {"flat": 1e-3, "slices": n * per_row[0]}.get(
-        way, 1.0))
+    made = reads(monkeypatch, lambda route, M, n: {"flat": 1e-3, "slices": n * per_row[0]}.get(
+        route, 1.0))
     assert blas.fastest(x, w) == "flat"
-    read = [n for way, _, n, *_ in made if way == "slices"]
+    read = [n for route, _, n, *_ in made if route == "slices"]
     assert read == [block] * blas.PRUNE_AFTER                # stopped each time, then pruned
     made.clear()
     per_row[0] = 1e-6                                        # 2 ms: lost, not pruned
     assert blas.fastest(x, w) == "flat"
-    read = [n for way, _, n, *_ in made if way == "slices"]
+    read = [n for route, _, n, *_ in made if route == "slices"]
     assert 0 < sum(read) < blas.TRIALS * 2000 / 2 + blas.TRIALS * block, read
     made.clear()
     per_row[0] = 1e-7
     assert blas.fastest(x, w) == "slices"
-    read = [n for way, _, n, *_ in made if way == "slices"]
+    read = [n for route, _, n, *_ in made if route == "slices"]
     assert sum(read) == blas.TRIALS * 2000                    # all of w, every trial
 
 
 def test_the_fastest_trial_of_a_way_counts(monkeypatch):
-    """Each way is timed TRIALS times and its fastest trial counts: slices slow in every trial
+    """Each route is timed TRIALS times and its fastest trial counts: slices slow in every trial
     but its second (page faults, preemption) beats flat at a steady middle cost."""
     x, w = operands(4, n=300)
     slowed(monkeypatch, {"slices": [0.05, 0.001] + [0.05] * (blas.TRIALS - 2), "flat": 0.002,
@@ -198,8 +198,8 @@ def test_rows_and_dots_count_one_pass_over_w_per_row(monkeypatch):
 
 
 def reads(monkeypatch, costs=None):
-    """Record, for every call of a way, (way, the address of w's data, w's rows, w's bytes,
-    w's layout, w's values); on the virtual clock a call costs costs(way, rows of x, rows of w)
+    """Record, for every call of a route, (route, the address of w's data, w's rows, w's bytes,
+    w's layout, w's values); on the virtual clock a call costs costs(route, rows of x, rows of w)
     where given -> the records."""
     made, now = [], [0.0]
     monkeypatch.setattr(blas, "time", SimpleNamespace(perf_counter=lambda: now[0]))
@@ -265,13 +265,13 @@ def test_a_small_weight_is_timed_as_it_is_and_a_larger_one_after_a_flush(monkeyp
     assert len(flushes) == blas.TRIALS * (len(blas.ONE_ROW) + len(blas.ROUTES))
     assert all(np.shares_memory(buffer, blas.room) and buffer.all() for buffer in flushes)
     assert {buffer.nbytes for buffer in flushes} == {8 * w.nbytes}
-    assert {address for way, address, *_ in made if way != "slices"} == {  # slices: slice
+    assert {address for route, address, *_ in made if route != "slices"} == {  # slices: slice
         w.__array_interface__["data"][0], w2.__array_interface__["data"][0]}  # by slice
 
 
 @pytest.mark.parametrize("slice_ms, flushed_before", [
     (0.6, ["flat"] + ["dots"] * 3),    # slices stops within w (lost to flat): flushed after
-    (0.1, ["flat"]),                   # slices reads all of w: a whole pass, as every way
+    (0.1, ["flat"]),                   # slices reads all of w: a whole pass, as every route
 ])
 def test_a_weight_of_flush_bytes_is_flushed_first_and_after_a_timing_that_read_part_of_it(
         monkeypatch, slice_ms, flushed_before):
@@ -287,7 +287,7 @@ def test_a_weight_of_flush_bytes_is_flushed_first_and_after_a_timing_that_read_p
     monkeypatch.setattr(blas, "flush_caches", lambda buffer: events.append("flush"))
     step = blas.slice_rows(4, w.shape[1])
     costs = {"flat": 1e-3, "rows": 0.5e-3, "dots": 0.5e-3}
-    made = reads(monkeypatch, lambda way, M, n: costs.get(way, slice_ms * 1e-3 * n / step))
+    made = reads(monkeypatch, lambda route, M, n: costs.get(route, slice_ms * 1e-3 * n / step))
     real = blas.timed
 
     def timed(call, route, *args, **kw):
@@ -295,7 +295,7 @@ def test_a_weight_of_flush_bytes_is_flushed_first_and_after_a_timing_that_read_p
         return real(call, route, *args, **kw)
     monkeypatch.setattr(blas, "timed", timed)
     assert blas.fastest(x, w) == ("slices" if slice_ms < 0.3 else "flat")
-    # timed flushes, then calls: a flush follows the name of the way it was made for
+    # timed flushes, then calls: a flush follows the name of the route it was made for
     assert [events[i - 1] for i, event in enumerate(events) if event == "flush"] == \
         flushed_before
     assert len(made) >= blas.TRIALS * 4
@@ -304,7 +304,7 @@ def test_a_weight_of_flush_bytes_is_flushed_first_and_after_a_timing_that_read_p
 @pytest.mark.parametrize("route", blas.ROUTES)
 def test_a_row_of_a_per_row_product_has_the_bits_it_has_alone(monkeypatch, route):
     """Batch-invariant mode (each row multiplied as a batch of one, as the engine's decode
-    does) under each way, one row's included: every row of a 5-row product made row by row is
+    does) under each route, one row's included: every row of a 5-row product made row by row is
     bit for bit the product of that row alone, made again, and within summation error."""
     monkeypatch.setattr(blas, "FIXED", route)
     x, w = operands(5, n=300)
@@ -317,8 +317,8 @@ def test_a_row_of_a_per_row_product_has_the_bits_it_has_alone(monkeypatch, route
 
 
 def layouts_slowed(monkeypatch, costs):
-    """Make every way cost costs[(layout, rows)] a call on the chooser's virtual clock (as
-    slowed) -> the (way, layout) of each call made."""
+    """Make every route cost costs[(layout, rows)] a call on the chooser's virtual clock (as
+    slowed) -> the (route, layout) of each call made."""
     made, now = [], [0.0]
     monkeypatch.setattr(blas, "time", SimpleNamespace(perf_counter=lambda: now[0]))
     for name in blas.ROUTES:
@@ -339,10 +339,10 @@ def layouts_slowed(monkeypatch, costs):
 ])
 def test_a_weight_is_laid_out_column_major_only_where_that_is_faster_for_1_and_few_rows(
         monkeypatch, one, few, taken):
-    """Row-major ways cost 2 ms a call (1 row) and 8 ms (FEW_ROWS rows); the column-major ones
+    """Row-major routes cost 2 ms a call (1 row) and 8 ms (FEW_ROWS rows); the column-major ones
     `one` and `few`. arrange gives the same values in the layout both counts run faster in,
     times both layouts in the same trials, never `dots` over column-major (strided rows), and
-    keeps the fastest way of each count in the layout taken: nothing measured again."""
+    keeps the fastest route of each count in the layout taken: nothing measured again."""
     monkeypatch.setattr(blas, "FIXED", None)
     monkeypatch.setattr(blas, "chosen", {})
     monkeypatch.setattr(blas, "laid_out", {})
@@ -378,7 +378,7 @@ def test_a_fixed_way_keeps_the_checkpoint_s_layout_and_a_fixed_layout_is_taken(m
     assert blas.laid_out == {}                                # nothing measured
 
 
-# Per (layout, way, rows in the call) on the virtual clock, in ms: the two layouts' winners
+# Per (layout, route, rows in the call) on the virtual clock, in ms: the two layouts' winners
 # differ at every count (1, 8 and FEW_ROWS rows), and column-major is the faster at each.
 # `rows` and `dots` are timed on one row (their cost per call), counted M times.
 WINNERS = {"column-major": {1: "slices", 8: "flat", 16: "rows"},
@@ -393,8 +393,8 @@ COSTS = {("column-major", "flat"): {1: 2, 8: 1, 16: 9},     # slices 1 | flat 1 
 
 
 def winners_differ_by_layout(monkeypatch):
-    """Every way costs COSTS on the chooser's virtual clock, and the products multiply calls
-    (blas.CALLS) are the timed ones too -> the (way, layout, rows) of each call made."""
+    """Every route costs COSTS on the chooser's virtual clock, and the products multiply calls
+    (blas.CALLS) are the timed ones too -> the (route, layout, rows) of each call made."""
     made, now = [], [0.0]
     monkeypatch.setattr(blas, "time", SimpleNamespace(perf_counter=lambda: now[0]))
     wrapped = {}
@@ -449,8 +449,8 @@ def test_the_scratch_memory_is_given_back_once_a_model_is_built(monkeypatch, tin
     assert blas.room is not None
     fuse(tiny_model.config, tiny_model.weights)
     assert blas.room is None
-    blas.flush_buffer()                          # a way measured at a new count of rows
+    blas.flush_buffer()                          # a route measured at a new count of rows
     monkeypatch.setattr(blas, "FIXED", None)
     monkeypatch.setattr(blas, "chosen", {})
-    blas.way(*operands(3))
+    blas.route_for(*operands(3))
     assert blas.room is None

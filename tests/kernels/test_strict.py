@@ -67,9 +67,9 @@ def test_the_model_under_strict_gives_numpys_logits_bit_for_bit(checkpoint_dir, 
                                                                  route):
     """One subprocess with MT_BACKEND=strict: the wrapper changes no bit of the math, float or
     quantized. Same bits because both sides make the same calls: strict runs NumPy's own
-    routes on the data it wraps (backend.numpy_kernel), and the way each product goes into
+    calls on the data it wraps (backend.numpy_kernel), and the route each product takes into
     BLAS, which a process otherwise measures for itself (blas.py), is fixed alike on both
-    sides (MT_PRODUCTS there, blas.FIXED here), once for each way."""
+    sides (MT_PRODUCTS there, blas.FIXED here), once for each route."""
     import minitransformer as mt
     from quant.qmodel import quantize_model
     path = checkpoint_dir("llama-bias-headdim")

@@ -76,18 +76,18 @@ def test_the_default_file_is_in_the_user_s_cache_folder(monkeypatch, tmp_path):
 def test_a_layout_and_a_way_measured_once_are_read_back_not_measured(file, timed):
     x, w = operands(3)
     laid = arranged(w)
-    route = blas.way(x, laid)
+    route = blas.route_for(x, laid)
     assert sorted(timed) == [1, 3, blas.FEW_ROWS]           # the layout's counts, then 3 rows
     held = blas.layout(laid)
     kept = entries(file)
     assert kept[f"layout 70x24 <f4 rows 1,{blas.FEW_ROWS}"]["layout"] == held
-    assert kept[f"way 3 70x24 {held} <f4 <f4"] == route
+    assert kept[f"route 3 70x24 {held} <f4 <f4"] == route
     blas.chosen.clear()
     blas.laid_out.clear()                                    # as a new process starts
     tuning.read_once.clear()
     timed.clear()
     again = arranged(w)
-    assert blas.layout(again) == held and blas.way(x, again) == route and timed == []
+    assert blas.layout(again) == held and blas.route_for(x, again) == route and timed == []
 
 
 def test_the_machine_names_numpys_blas_only(monkeypatch):
@@ -116,7 +116,7 @@ def test_another_machine_s_entries_are_not_taken(file, timed, monkeypatch):
     """The file keeps each machine's answers apart: the same shape on another CPU, BLAS
     version, kernel or thread count is measured again."""
     x, w = operands(3)
-    blas.way(x, w)
+    blas.route_for(x, w)
     here = tuning.machine()
     pools = [{"internal_api": "openblas", "version": "0.3.31", "architecture": "Haswell",
               "num_threads": 2}]
@@ -131,7 +131,7 @@ def test_another_machine_s_entries_are_not_taken(file, timed, monkeypatch):
     assert here not in elsewhere and len(elsewhere) == 6
     blas.chosen.clear()
     timed.clear()
-    blas.way(x, w)                                           # under "Another CPU"
+    blas.route_for(x, w)                                           # under "Another CPU"
     assert timed == [3]
     assert set(json.loads(file.read_text())["machines"]) == {here, tuning.machine()}
 
@@ -139,23 +139,23 @@ def test_another_machine_s_entries_are_not_taken(file, timed, monkeypatch):
 @pytest.mark.parametrize("route", blas.ROUTES)
 def test_a_product_through_a_planted_way_is_the_product_of_the_way_it_names(file, timed,
                                                                            route):
-    """An entry naming a way blas.py takes there is taken as it is, unmeasured: its product is
-    that way's, bit for bit (not another way's: their sums run in other orders)."""
+    """An entry naming a route blas.py takes there is taken as it is, unmeasured: its product is
+    that route's, bit for bit (not another route's: their sums run in other orders)."""
     x, w = operands(4)
-    plant(file, {tuning.machine(): {f"way 4 70x24 row-major <f4 <f4": route}})
+    plant(file, {tuning.machine(): {f"route 4 70x24 row-major <f4 <f4": route}})
     y = to_numpy(blas.multiply(to_device(x), to_device(w)))
-    assert timed == [] and blas.way(x, w) == route
+    assert timed == [] and blas.route_for(x, w) == route
     assert np.array_equal(y, blas.CALLS[route](x, w, np.empty((4, 70), np.float32)))
 
 
-@pytest.mark.parametrize("entry", ["warp", "FLAT", "dots ", None, 3, ["flat"], {"way": "flat"}])
+@pytest.mark.parametrize("entry", ["warp", "FLAT", "dots ", None, 3, ["flat"], {"route": "flat"}])
 def test_a_way_the_file_names_wrongly_is_measured_again(file, timed, entry):
     x, w = operands(4)
-    key = "way 4 70x24 row-major <f4 <f4"
+    key = "route 4 70x24 row-major <f4 <f4"
     plant(file, {tuning.machine(): {key: entry}})
     y = to_numpy(blas.multiply(to_device(x), to_device(w)))
     assert timed == [4]
-    route = blas.way(x, w)
+    route = blas.route_for(x, w)
     assert route in blas.ROUTES and entries(file)[key] == route       # written over
     assert np.array_equal(y, blas.CALLS[route](x, w, np.empty((4, 70), np.float32)))
 
@@ -164,20 +164,20 @@ def test_dots_over_a_column_major_weight_is_not_taken_from_the_file(file, timed)
     """dots is never measured over strided rows: an entry naming it there is wrong."""
     x, w = operands(4)
     w = np.asfortranarray(w)
-    plant(file, {tuning.machine(): {"way 4 70x24 column-major <f4 <f4": "dots"}})
-    assert blas.way(x, w) in blas.candidates(4, "column-major") and timed == [4]
+    plant(file, {tuning.machine(): {"route 4 70x24 column-major <f4 <f4": "dots"}})
+    assert blas.route_for(x, w) in blas.candidates(4, "column-major") and timed == [4]
 
 
 LAYOUT = f"layout 70x24 <f4 rows 1,{blas.FEW_ROWS}"
-GOOD = {"layout": "column-major", "ways": {"1": "slices", str(blas.FEW_ROWS): "rows"}}
+GOOD = {"layout": "column-major", "routes": {"1": "slices", str(blas.FEW_ROWS): "rows"}}
 
 
 @pytest.mark.parametrize("entry", [
     GOOD | {"layout": "diagonal"}, GOOD | {"layout": None}, {"layout": "row-major"},
-    GOOD | {"ways": {"1": "slices"}},                                   # a count missing
-    GOOD | {"ways": {"1": "rows", str(blas.FEW_ROWS): "rows"}},        # rows is flat for 1
-    GOOD | {"ways": {"1": "dots", str(blas.FEW_ROWS): "rows"}},        # no dots column-major
-    GOOD | {"ways": ["slices", "rows"]}, "column-major", None])
+    GOOD | {"routes": {"1": "slices"}},                                   # a count missing
+    GOOD | {"routes": {"1": "rows", str(blas.FEW_ROWS): "rows"}},        # rows is flat for 1
+    GOOD | {"routes": {"1": "dots", str(blas.FEW_ROWS): "rows"}},        # no dots column-major
+    GOOD | {"routes": ["slices", "rows"]}, "column-major", None])
 def test_a_layout_the_file_holds_wrongly_is_measured_again(file, timed, entry):
     _, w = operands(1)
     plant(file, {tuning.machine(): {LAYOUT: entry}})
@@ -192,8 +192,8 @@ def test_a_good_layout_entry_is_taken_with_its_ways(file, timed):
     laid = arranged(w)
     assert blas.layout(laid) == "column-major" and timed == []
     assert np.array_equal(laid, w)
-    assert blas.way(x[:1], laid) == "slices"
-    assert blas.way(x, laid) == "rows" and timed == []
+    assert blas.route_for(x[:1], laid) == "slices"
+    assert blas.route_for(x, laid) == "rows" and timed == []
 
 
 @pytest.mark.parametrize("text", ["", "{", "\x00\xff garbage", "[]", '{"format": 1}',
@@ -203,36 +203,40 @@ def test_a_malformed_file_is_measured_again_and_replaced(file, timed, text):
     file.parent.mkdir(parents=True)
     file.write_text(text)
     x, w = operands(2)
-    route = blas.way(x, w)
-    assert timed == [2] and entries(file) == {"way 2 70x24 row-major <f4 <f4": route}
+    route = blas.route_for(x, w)
+    assert timed == [2] and entries(file) == {"route 2 70x24 row-major <f4 <f4": route}
 
 
-def test_a_file_of_another_format_is_stale(file, timed):
+@pytest.mark.parametrize("format, key", [
+    (1, "way 2 70x24 row-major <f4 <f4"),               # format 1 spelled a route 'way'
+    (tuning.FORMAT + 1, "route 2 70x24 row-major <f4 <f4")])
+def test_a_file_of_another_format_is_stale(file, timed, format, key):
+    """An older file (or a newer one) is measured again and replaced in this format."""
     x, w = operands(2)
-    plant(file, {tuning.machine(): {"way 2 70x24 row-major <f4 <f4": "flat"}},
-          format=tuning.FORMAT + 1)
-    blas.way(x, w)
+    plant(file, {tuning.machine(): {key: "flat"}}, format=format)
+    route = blas.route_for(x, w)
     assert timed == [2] and json.loads(file.read_text())["format"] == tuning.FORMAT
+    assert entries(file) == {"route 2 70x24 row-major <f4 <f4": route}
 
 
 def test_a_file_that_cannot_be_written_is_no_error(file, timed, monkeypatch, tmp_path):
     (tmp_path / "a-file").write_text("")
     monkeypatch.setenv("MT_TUNING_CACHE", str(tmp_path / "a-file" / "tuning.json"))
     x, w = operands(2)
-    assert blas.way(x, w) in blas.ROUTES and timed == [2]
+    assert blas.route_for(x, w) in blas.ROUTES and timed == [2]
 
 
 def test_remeasure_measures_again_and_off_leaves_the_file_alone(file, timed, monkeypatch):
     x, w = operands(2)
-    key = "way 2 70x24 row-major <f4 <f4"
-    plant(file, {tuning.machine(): {key: "planted"}})      # no way: only remeasure replaces it
+    key = "route 2 70x24 row-major <f4 <f4"
+    plant(file, {tuning.machine(): {key: "planted"}})      # no route: only remeasure replaces it
     monkeypatch.setattr(tuning, "MODE", "off")
-    blas.way(x, w)
+    blas.route_for(x, w)
     assert timed == [2] and entries(file) == {key: "planted"}
     monkeypatch.setattr(tuning, "MODE", "remeasure")
     plant(file, {tuning.machine(): {key: "rows"}})
     blas.chosen.clear()
-    route = blas.way(x, w)
+    route = blas.route_for(x, w)
     assert timed == [2, 2] and entries(file) == {key: route}
 
 
@@ -249,7 +253,7 @@ WRITER = """
 import sys
 from minitransformer.kernels import tuning
 for i in range(40):
-    tuning.remember(f"way {sys.argv[1]}-{i}", "flat")
+    tuning.remember(f"route {sys.argv[1]}-{i}", "flat")
 """
 
 
@@ -268,7 +272,7 @@ def test_processes_writing_at_once_keep_every_answer_and_a_whole_file(file):
     assert [p.wait() for p in writers] == [0] * 4 and reads > 0
     # the writers' machine, as they named it (this process may run another BLAS thread count)
     (kept,) = json.loads(file.read_text())["machines"].values()
-    assert sorted(kept) == sorted(f"way {k}-{i}" for k in range(4) for i in range(40))
+    assert sorted(kept) == sorted(f"route {k}-{i}" for k in range(4) for i in range(40))
     assert not [p for p in file.parent.iterdir() if p.suffix == ".tmp"]
 
 
@@ -309,11 +313,11 @@ def test_a_server_asks_for_its_slots_rows_before_it_loads(monkeypatch, file):
 # The file is input from outside (issue 48): read once, within bounds, never blocking; the
 # lock waited for a bounded time; what is said about keeping true.
 
-WAY = "way 4 70x24 row-major <f4 <f4"
+ROUTE_KEY = "route 4 70x24 row-major <f4 <f4"
 
 
 def test_the_file_is_read_once_per_process(file, timed, monkeypatch):
-    """A load looks up every weight's layout and every row count's way: the file is read at
+    """A load looks up every weight's layout and every row count's route: the file is read at
     the first lookup only (it was read and parsed at each, 8 times a load); what this process
     measures after that is kept in memory too (the file is read again only to merge into it,
     under its lock)."""
@@ -322,17 +326,17 @@ def test_the_file_is_read_once_per_process(file, timed, monkeypatch):
     shapes = [(70, 24), (24, 70), (33, 24)]
     plant(file, {tuning.machine(): {
         **{f"layout {n}x{k} <f4 rows 1,{blas.FEW_ROWS}": GOOD for n, k in shapes},
-        **{f"way {M} {n}x{k} column-major <f4 <f4": "rows" for n, k in shapes for M in (2, 3)}}})
+        **{f"route {M} {n}x{k} column-major <f4 <f4": "rows" for n, k in shapes for M in (2, 3)}}})
     for n, k in shapes:
         laid = arranged(np.ones((n, k), np.float32))
         for M in (1, 2, 3, blas.FEW_ROWS):
-            blas.way(np.ones((M, k), np.float32), laid)
+            blas.route_for(np.ones((M, k), np.float32), laid)
     assert reads == [file] and timed == []
-    blas.way(np.ones((5, 24), np.float32), laid)                    # measured, then kept
+    blas.route_for(np.ones((5, 24), np.float32), laid)                    # measured, then kept
     blas.chosen.clear()
     timed.clear()
     reads.clear()
-    blas.way(np.ones((5, 24), np.float32), laid)                   # known, not read again
+    blas.route_for(np.ones((5, 24), np.float32), laid)                   # known, not read again
     assert timed == [] and reads == []
 
 
@@ -342,7 +346,7 @@ def plant_text(file, text: str):
 
 
 def good_file(**more) -> dict:
-    return {"format": tuning.FORMAT, "machines": {tuning.machine(): {WAY: "rows"}}, **more}
+    return {"format": tuning.FORMAT, "machines": {tuning.machine(): {ROUTE_KEY: "rows"}}, **more}
 
 
 def nested(levels: int):
@@ -358,13 +362,13 @@ def test_a_file_over_the_size_limit_is_refused_unread(file, timed):
     text = json.dumps(good_file())
     plant_text(file, text + " " * (tuning.MAX_BYTES - len(text)))
     x, w = operands(4)
-    assert blas.way(x, w) == "rows" and timed == []
+    assert blas.route_for(x, w) == "rows" and timed == []
     plant_text(file, text + " " * (tuning.MAX_BYTES + 1 - len(text)))
     tuning.read_once.clear()
     blas.chosen.clear()
     with pytest.raises(tuning.Refused, match=f"larger than {tuning.MAX_BYTES} bytes"):
         tuning.text(file)
-    assert blas.way(x, w) in blas.ROUTES and timed == [4]
+    assert blas.route_for(x, w) in blas.ROUTES and timed == [4]
 
 
 @pytest.mark.parametrize("levels", [tuning.MAX_DEPTH - 3, tuning.MAX_DEPTH - 2, 990, 5000,
@@ -374,14 +378,14 @@ def test_a_file_nested_too_deep_is_refused_before_it_is_parsed(file, timed, leve
     (json's parser recurses per level: 5,000 deep was a RecursionError out of the load); an
     answer nested within the limit is only a wrong answer, measured again, the rest taken."""
     text = json.dumps(good_file())
-    plant_text(file, text[:-2] + ', "another machine": {"way 1": ' + "[" * levels + '"rows"'
+    plant_text(file, text[:-2] + ', "another machine": {"route 1": ' + "[" * levels + '"rows"'
                + "]" * levels + "}}}")
     within = 3 + levels <= tuning.MAX_DEPTH                # format, machines, entries, lists
     if not within:
         with pytest.raises(tuning.Refused, match=f"nested deeper than {tuning.MAX_DEPTH}"):
             tuning.parse(file.read_text())
     x, w = operands(4)
-    route = blas.way(x, w)
+    route = blas.route_for(x, w)
     assert (route, timed) == ("rows", []) if within else route in blas.ROUTES and timed == [4]
 
 
@@ -438,7 +442,7 @@ def test_a_special_file_is_refused_without_blocking_and_never_written(file, time
     with pytest.raises(tuning.Refused, match="not a regular file"):
         finishes(lambda: tuning.text(special))
     x, w = operands(4)
-    assert finishes(lambda: blas.way(x, w)) in blas.ROUTES and timed == [4]
+    assert finishes(lambda: blas.route_for(x, w)) in blas.ROUTES and timed == [4]
     assert capsys.readouterr().err.splitlines() == [
         f"not kept in {special} ({tuning.kind(os.stat(special).st_mode)}, not a regular "
         "file): what this machine measured is measured again at the next load "
@@ -465,10 +469,10 @@ def test_a_symlink_to_a_regular_file_is_read_and_its_target_written(file, timed,
     link.symlink_to(target)
     monkeypatch.setenv("MT_TUNING_CACHE", str(link))
     x, w = operands(4)
-    assert blas.way(x, w) == "rows" and timed == []
-    blas.way(*operands(2))
+    assert blas.route_for(x, w) == "rows" and timed == []
+    blas.route_for(*operands(2))
     assert link.is_symlink() and sorted(entries(target)) == [
-        "way 2 70x24 row-major <f4 <f4", WAY]
+        "route 2 70x24 row-major <f4 <f4", ROUTE_KEY]
 
 
 def test_a_lock_held_too_long_is_given_up_the_answer_measured_and_not_written(
@@ -482,10 +486,10 @@ def test_a_lock_held_too_long_is_given_up_the_answer_measured_and_not_written(
     try:
         fcntl.flock(lock, fcntl.LOCK_EX)     # another open file: flock excludes it as a process
         x, w = operands(2)
-        route = finishes(lambda: blas.way(x, w))
+        route = finishes(lambda: blas.route_for(x, w))
     finally:
         os.close(lock)
-    assert route in blas.ROUTES and timed == [2] and entries(file) == {WAY: "rows"}
+    assert route in blas.ROUTES and timed == [2] and entries(file) == {ROUTE_KEY: "rows"}
     assert capsys.readouterr().err.splitlines() == [
         f"not kept in {file} (its lock {file}.lock held by another process for over 0.2 s): "
         "what this machine measured is measured again at the next load "
@@ -493,8 +497,8 @@ def test_a_lock_held_too_long_is_given_up_the_answer_measured_and_not_written(
     blas.chosen.clear()
     tuning.read_once.clear()                                # as the next process
     timed.clear()
-    blas.way(x, w)                                          # the lock free: kept, and said
-    assert timed == [2] and sorted(entries(file)) == ["way 2 70x24 row-major <f4 <f4", WAY]
+    blas.route_for(x, w)                                          # the lock free: kept, and said
+    assert timed == [2] and sorted(entries(file)) == ["route 2 70x24 row-major <f4 <f4", ROUTE_KEY]
     assert capsys.readouterr().err.splitlines() == [
         f"kept in {file}: what this machine measured, read back at the next load"]
 
@@ -511,9 +515,9 @@ def test_kept_in_is_said_only_where_it_was_kept(file, monkeypatch, tmp_path, cap
 
 POISONS = {
     "another machine's junk": lambda d: d["machines"].update(
-        {"junk": {"way 1": {"layout": [None, {"x": -1}]}}, "more": 3, "": []}),
+        {"junk": {"route 1": {"layout": [None, {"x": -1}]}}, "more": 3, "": []}),
     "junk keys beside the entry": lambda d: d["machines"][tuning.machine()].update(
-        {"way 4 70x24 column-major <f4 <f4": "dots", "way x": nested(4), "": None,
+        {"route 4 70x24 column-major <f4 <f4": "dots", "route x": nested(4), "": None,
          "layout 70x24 <f4 rows 1": {"layout": "diagonal"}}),
     "unknown fields": lambda d: d.update({"extra": {"a": [1, 2.5e308]}, "format ": 2}),
     "a long string": lambda d: d["machines"].update({"x" * (tuning.MAX_BYTES // 2): {}}),
@@ -524,15 +528,15 @@ POISONS = {
 @pytest.mark.parametrize("poison", sorted(POISONS))
 def test_a_poisoned_file_never_changes_the_bits_of_the_route_the_clean_file_names(
         file, timed, poison, route):
-    """The clean file names a way for a shape; the same file with junk beside it (within the
-    limits) gives that way's product, bit for bit, unmeasured."""
+    """The clean file names a route for a shape; the same file with junk beside it (within the
+    limits) gives that route's product, bit for bit, unmeasured."""
     data = good_file()
-    data["machines"][tuning.machine()][WAY] = route
+    data["machines"][tuning.machine()][ROUTE_KEY] = route
     POISONS[poison](data)
     plant_text(file, json.dumps(data))
     x, w = operands(4)
     y = to_numpy(blas.multiply(to_device(x), to_device(w)))
-    assert timed == [] and blas.way(x, w) == route
+    assert timed == [] and blas.route_for(x, w) == route
     assert np.array_equal(y, blas.CALLS[route](x, w, np.empty((4, 70), np.float32)))
 
 
@@ -540,7 +544,7 @@ def test_a_poisoned_file_never_changes_the_bits_of_the_route_the_clean_file_name
 def test_a_refused_file_gives_the_product_of_the_way_measured(file, timed, tmp_path,
                                                               monkeypatch, poison):
     """A file refused whole (too large, too deep, not a regular file) is as good as empty: the
-    way is measured, and the product is that way's, bit for bit."""
+    route is measured, and the product is that route's, bit for bit."""
     data = good_file()
     if poison == "over the size limit":
         plant_text(file, json.dumps(data) + " " * tuning.MAX_BYTES)
@@ -551,6 +555,6 @@ def test_a_refused_file_gives_the_product_of_the_way_measured(file, timed, tmp_p
         monkeypatch.setenv("MT_TUNING_CACHE", str(special_files(tmp_path)["a FIFO"]))
     x, w = operands(4)
     y = to_numpy(finishes(lambda: blas.multiply(to_device(x), to_device(w))))
-    route = blas.way(x, w)
+    route = blas.route_for(x, w)
     assert timed == [4]
     assert np.array_equal(y, blas.CALLS[route](x, w, np.empty((4, 70), np.float32)))

@@ -104,7 +104,7 @@ def test_the_real_entry_point(tmp_path):
 BAD_SETTINGS = [
     ("MT_BACKEND", "MT_BACKEND='tensorflow' is not a backend: use one of numpy, cupy, strict, "
                    "or leave it unset for numpy"),
-    ("MT_PRODUCTS", "MT_PRODUCTS='tensorflow' is not a way to multiply: use one of flat, rows, "
+    ("MT_PRODUCTS", "MT_PRODUCTS='tensorflow' is not a BLAS route: use one of flat, rows, "
                     "slices, dots, or leave it unset to measure"),
     ("MT_LAYOUT", "MT_LAYOUT='tensorflow' is not a layout: use one of row-major, column-major, "
                   "or leave it unset to measure"),

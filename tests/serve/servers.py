@@ -111,7 +111,7 @@ def serve_command(model, *options, env=None, api_key="none"):
     """`python3 -m minitransformer serve` in its own process on a free port of 127.0.0.1, once
     /health answers -> (process, an openai client of it, sending api_key). The caller kills
     the process. env: variables added to this process's.
-    Its products of a few rows take the flat way (MT_PRODUCTS): the way is otherwise measured
+    Its products of a few rows take the flat route (MT_PRODUCTS): the route is otherwise measured
     per process (blas.py), and a test comparing its text with this process's generate bit for
     bit pins blas.FIXED to the same."""
     with socket.socket() as s:

@@ -74,7 +74,7 @@ def test_a_request_waits_while_the_pool_is_short(tiny_model):
                                              block_size=4))
     run = engine.run([a, b])
     assert run.preemptions == 0
-    assert run.results[1].first_token > run.results[0].finished  # b waited for a's blocks
+    assert run.results[1].first_token > run.results[0].ended  # b waited for a's blocks
     assert_solo(tiny_model, run.results)
     assert_pool_whole(engine)
 
@@ -199,9 +199,9 @@ def test_static_admits_only_when_every_slot_is_free(tiny_model):
     assert [B for B, _ in static.decode_times] == [2] * 6
     assert [B for B, _ in cont.decode_times] == [2, 1, 2, 1, 2]  # newcomers prefill first
     s, c = static.results, cont.results
-    assert s[2].first_token > s[1].finished and c[2].first_token < c[1].finished
-    assert s[0].returned == s[1].returned > s[0].finished   # returned with its batch
-    assert c[0].returned == c[0].finished
+    assert s[2].first_token > s[1].ended and c[2].first_token < c[1].ended
+    assert s[0].returned == s[1].returned > s[0].ended   # returned with its batch
+    assert c[0].returned == c[0].ended
     assert_solo(tiny_model, s)
     assert_solo(tiny_model, c)
 
@@ -225,8 +225,8 @@ def test_late_arrivals_wait_for_their_time(tiny_model, monkeypatch):
                 Request((3, 4), 3, arrival=100.0, eos_token_id=[])]
     run = Engine(tiny_model, EngineConfig(max_num_seqs=2)).run(requests)
     early, late = run.results
-    assert early.first_token == early.finished == 0.0
-    assert late.first_token == late.finished == 100.0 and late.ttft == 0.0
+    assert early.first_token == early.ended == 0.0
+    assert late.first_token == late.ended == 100.0 and late.ttft == 0.0
     assert run.elapsed == 100.0 and len(late.tokens) == 3
 
 
@@ -335,7 +335,7 @@ def test_run_is_atomic_and_serves_each_request_once(tiny_model):
 def test_metrics_of_known_results():
     def result(i, arrival, first, finished, returned, n):
         r = Result(i, arrival, Request((1,), n, arrival=arrival), [0] * n, "finished")
-        r.first_token, r.finished, r.returned = first, finished, returned
+        r.first_token, r.ended, r.returned = first, finished, returned
         return r
     m = metrics([result(0, 0.0, 1.0, 3.0, 3.0, 3), result(1, 1.0, 2.0, 2.0, 5.0, 1),
                  Result(2, 0.0, Request((1,), 4), status="cancelled")])

@@ -143,7 +143,7 @@ def test_a_failed_requests_end_is_stamped_with_the_clock_of_the_step_that_failed
                      on_step=lambda e: clocks.append(e.clock))
     assert [r.status for r in run.results] == ["error", "error"] and len(clocks) == 1
     assert clocks[0] > 0.0
-    assert all(r.finished == r.returned == clocks[0] for r in run.results)
+    assert all(r.ended == r.returned == clocks[0] for r in run.results)
 
 
 SETTINGS = {  # name -> EngineConfig fields: the ways a step may be shaped (default mode)

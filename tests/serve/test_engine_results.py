@@ -89,7 +89,7 @@ def test_each_record_is_stamped_with_the_clock_of_the_step_that_made_it(tiny_mod
     for r in run.results:
         first = next(i for i, step in enumerate(seen) if step[r.id][0] == 1)
         last = next(i for i, step in enumerate(seen) if step[r.id][1] == "finished")
-        assert r.first_token == clocks[first] and r.finished == r.returned == clocks[last]
+        assert r.first_token == clocks[first] and r.ended == r.returned == clocks[last]
     assert run.elapsed == clocks[-1] == engine.clock
 
 

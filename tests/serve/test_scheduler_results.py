@@ -20,7 +20,7 @@ def test_a_finished_request_records_when_its_first_and_last_tokens_were_made():
         step(s, now)
     r = seq.result
     assert (r.status, r.reason) == ("finished", "")
-    assert (r.first_token, r.finished, r.returned) == (1.0, 3.0, 3.0)
+    assert (r.first_token, r.ended, r.returned) == (1.0, 3.0, 3.0)
 
 
 def test_the_default_policy_is_continuous():
@@ -43,13 +43,13 @@ def test_static_returns_a_finished_member_only_when_its_batch_ends():
     short, = queue(s, 0, 2, 1)
     long, = queue(s, 1, 2, 3, first_token=20)
     step(s, 1.0)
-    assert short.result.status == "finished" and short.result.finished == 1.0
+    assert short.result.status == "finished" and short.result.ended == 1.0
     assert math.isnan(short.result.returned)
     step(s, 2.0)
     assert math.isnan(short.result.returned)
     step(s, 3.0)
     assert short.result.returned == long.result.returned == 3.0
-    assert short.result.finished == 1.0 and long.result.finished == 3.0
+    assert short.result.ended == 1.0 and long.result.ended == 3.0
     assert not s.books.seqs and s.books.num_free == 32
 
 
@@ -91,7 +91,7 @@ def test_cancelling_records_the_time_for_a_waiting_and_a_running_request():
     assert s.cancel(0, 2.0)
     for seq in (running, other):
         r = seq.result
-        assert (r.status, r.reason, r.finished, r.returned) == ("cancelled", "", 2.0, 2.0)
+        assert (r.status, r.reason, r.ended, r.returned) == ("cancelled", "", 2.0, 2.0)
     assert 0 not in s.books.seqs and s.slots == [None]
     assert s.books.num_free == 32
     plan = step(s, 3.0)

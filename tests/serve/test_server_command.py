@@ -35,7 +35,7 @@ def test_serve_command_drains_answers_in_flight_on_ctrl_c(model):
 
 def test_serve_command_with_a_quantized_cache_and_tiled_attention(model, monkeypatch):
     """--kv-cache-dtype q8_0 --attention tiled: the client's text is generate's with the same
-    cache format and attention (batch-invariant, and both processes multiplying the flat way:
+    cache format and attention (batch-invariant, and both processes multiplying by the flat route:
     the same BLAS calls, bit for bit); a bad format is refused."""
     monkeypatch.setattr(blas, "FIXED", "flat")
     bad = subprocess.run([sys.executable, "-m", "minitransformer", "serve", "--model", model.path,

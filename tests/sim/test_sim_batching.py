@@ -74,8 +74,8 @@ def test_hand_checked_all_at_once():
     cont = simulate_continuous(requests, 2, unit_cost)
     assert [(r.first_token, r.returned) for r in static.results] == [(1, 3), (1, 3), (4, 5)]
     assert [(r.first_token, r.returned) for r in cont.results] == [(1, 3), (1, 1), (2, 3)]
-    assert [r.finished for r in static.results] == [3, 1, 5]   # r1's last token, padded after
-    assert all(r.finished == r.returned for r in cont.results)
+    assert [r.ended for r in static.results] == [3, 1, 5]   # r1's last token, padded after
+    assert all(r.ended == r.returned for r in cont.results)
     assert (static.steps, cont.steps) == (5, 3)
     s, c = metrics(static.results), metrics(cont.results)
     assert (s.throughput, c.throughput) == (6 / 5, 6 / 3)
