@@ -405,7 +405,6 @@ def test_first_use_quantizes_the_k_quant_copies_once(tiny, monkeypatch, tmp_path
     before the job, timed apart, once: the schemes of the selected scripts only, again when
     the model's files change, never under MT_QUANT_CACHE=off, nor for a model too small to
     keep any (each script quantizes it in no time)."""
-    import os
     from minitransformer.measure import text
     import quant.gguf_weight
     monkeypatch.setenv("MT_WEIGHTS_DIR", str(tmp_path))
