@@ -36,8 +36,8 @@ MAX_LOGPROBS = 20   # top alternatives per token at most (vLLM's default bound)
 @dataclass(frozen=True)
 class TokenLogprob:
     token: int          # the token id
-    logprob: float      # its log-probability under the model (natural log)
-    top: tuple = ()     # ((token id, logprob), ...): the k most likely, most likely first
+    logprob: float | None  # its log-probability under the model (natural log; None: unscored)
+    top: tuple | None = ()  # ((token id, logprob), ...): the k most likely, most likely first
 
 
 def check_top(k, name: str = "logprobs") -> int:

@@ -153,8 +153,8 @@ class Swapped:
     length: int
     max_len: int
     blocks: int
-    k: list = None
-    v: list = None
+    k: list | None = None           # None until the pool does the swap-out
+    v: list | None = None
 
 
 @dataclass(frozen=True)
@@ -205,10 +205,10 @@ class BlockManager:
         self.num_blocks, self.block_size = num_blocks, block_size
         self.refcount = np.zeros(num_blocks, dtype=np.int64)   # (N,) host ints
         self.free = list(range(num_blocks - 1, -1, -1))  # unheld, unnamed; pop() gives 0, 1 ..
-        self.seqs = {}                  # seq id -> SeqBlocks
+        self.seqs: dict = {}            # seq id -> SeqBlocks
         self.index = PrefixIndex()      # named full blocks
-        self.moves = []                 # Copy / SwapOut / SwapIn decided, not yet done
-        self.filling = set()            # blocks readied for a write not yet made (make_room)
+        self.moves: list = []           # Copy / SwapOut / SwapIn decided, not yet done
+        self.filling: set[int] = set()  # blocks readied for a write not yet made (make_room)
 
     @property
     def num_free(self) -> int:
@@ -323,7 +323,8 @@ class BlockManager:
         copy for every writer of a named or shared block, but for the last writer of an
         unnamed block that only the writers hold (the others copied it: it is its own now,
         as for the samples of one prompt writing their first tokens into its last block)."""
-        new, writers = 0, {}
+        new = 0
+        writers: dict[int, int] = {}    # block -> the rows about to write it
         for s in seq_ids:
             seq = self.seqs[s]
             new += max(self.blocks_for(seq.length + T) - len(seq.blocks), 0)
@@ -458,7 +459,7 @@ class BlockManager:
                 raise RuntimeError(f"paged cache books: {broken}")
 
     def stats(self, bytes_per_token: int = 0) -> PagedStats:
-        filled = {}  # physical block -> slots filled in it (a shared block counted once)
+        filled: dict[int, int] = {}  # physical block -> slots filled (a shared one counted once)
         for seq in self.seqs.values():
             for i, block in enumerate(seq.blocks):
                 used = min(self.block_size, max(seq.length - i * self.block_size, 0))

@@ -41,12 +41,12 @@ class SpeculativeConfig:
     """
     num_speculative_tokens: int      # the longest draft
     method: str = "ngram"            # "ngram" (prompt lookup) or "draft_model"
-    model: str = None                # the draft model's checkpoint (method draft_model)
+    model: str | None = None         # the draft model's checkpoint (method draft_model)
     prompt_lookup_max: int = 3       # ngram: the longest n-gram looked up
     prompt_lookup_min: int = 1       # ngram: the shortest
-    disable_by_batch_size: int = None  # no drafts while more sequences than this decode
-    weight_rows: float = None        # set: draft lengths adapt (see the module's docstring)
-    min_acceptance: float = None     # set: no draft while a sequence's acceptance is below it
+    disable_by_batch_size: int | None = None  # no drafts while more sequences than this decode
+    weight_rows: float | None = None     # set: draft lengths adapt (see the module's docstring)
+    min_acceptance: float | None = None  # set: no draft while a sequence's acceptance is below it
 
     def __post_init__(self):
         """Each field's type and range, and the fields against each other: the one home of
@@ -150,14 +150,14 @@ TOKENS_PER_SLOT = 1024      # the default pool: room for this many tokens in eve
 class EngineConfig:
     max_num_seqs: int = 8       # slots: sequences decoded together (the chapter's experiment 13)
     block_size: int = 16        # tokens per KV block: vLLM's default
-    num_gpu_blocks_override: int = None     # blocks in the pool; None: TOKENS_PER_SLOT a slot
+    num_gpu_blocks_override: int | None = None  # blocks in the pool; None: TOKENS_PER_SLOT a slot
     policy: str = "continuous"  # or "static" (the two policies: engine.py's table)
     enable_prefix_caching: bool = True      # keep full blocks for later prompts (paged.py)
-    max_num_batched_tokens: int = None      # chunked prefill: tokens a step; None: off
+    max_num_batched_tokens: int | None = None   # chunked prefill: tokens a step; None: off
     kv_cache_dtype: str = "f32"  # the pool's format: f32, f16, q8_0 or q4_0 (kvquant.py)
     attention: str = "plain"    # ours: "plain" or "tiled" (tiled.ATTENTIONS)
     batch_invariant: bool = False   # ours: per-row-exact decode (engine.py, "Exactness")
-    speculative_config: SpeculativeConfig = None    # drafts verified in the batch (speculate.py)
+    speculative_config: SpeculativeConfig | None = None  # drafts verified in the batch
 
     def __post_init__(self):
         if self.policy not in POLICIES:

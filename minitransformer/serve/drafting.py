@@ -56,7 +56,13 @@ from dataclasses import dataclass
 import numpy as np
 
 from minitransformer.lookup import PromptLookup
-from minitransformer.sampling import apply_repetition_penalty, draw, next_token, probabilities
+from minitransformer.sampling import (
+    SamplingSettings,
+    apply_repetition_penalty,
+    draw,
+    next_token,
+    probabilities,
+)
 from minitransformer.serve.config import SpeculativeConfig
 from minitransformer.serve.paged import PagedCache
 from minitransformer.serve.runner import Feed, Runner
@@ -71,14 +77,16 @@ class Ask:
     seq_id: object
     tokens: list            # prompt + output so far
     n: int                  # the most proposals wanted (0: none)
-    settings: object        # its SamplingSettings: greedy proposals, or draws with their q
-    rng: object             # its own generator
+    settings: SamplingSettings  # greedy proposals, or draws with their q
+    rng: np.random.Generator    # its own
 
 
 class Proposer:
     """Where one engine's drafts come from: a prompt lookup for all, or a draft model over a
     paged pool of its own. A draft model proposes only within its own positions (``room``),
     however long the target's are."""
+    lookup: LookupDraft | None          # the one, or
+    draft: "DraftModel | None"          # the other
 
     def __init__(self, config: SpeculativeConfig, target, draft_model=None,
                  num_blocks: int = 64, block_size: int = 16, batch_invariant: bool = False):
@@ -107,6 +115,7 @@ class Proposer:
         if self.lookup is not None:
             return [self.lookup.propose(a.tokens, a.n, a.settings, a.rng) if a.n > 0
                     else ([], []) for a in asks]
+        assert self.draft is not None   # no lookup: a draft model
         for a in asks:                  # past the draft's positions: it drafts no more
             if self.room(a.tokens) < 1:
                 self.forget(a.seq_id)
@@ -128,6 +137,7 @@ class Proposer:
         """
         if self.lookup is not None:
             return math.inf
+        assert self.draft is not None   # no lookup: a draft model
         return max(0, self.draft.model.config.max_position_embeddings - len(tokens) + 1)
 
     def shadow(self, tokens: list):
@@ -166,7 +176,7 @@ class DraftModel:
         """Per ask, up to ask.n proposals and their q: ONE pass for every row's first, then
         ONE pass a position over the rows asking for more (the module's docstring)."""
         n = self._fit(asks)                              # per ask, what its blocks allow
-        out = [([], []) for _ in asks]
+        out: list[tuple[list, list]] = [([], []) for _ in asks]  # (proposals, q)
         rows = [b for b, a in enumerate(asks) if n[b] > 0]
         if not rows:
             return out

@@ -82,14 +82,14 @@ from minitransformer.serve.blocks import blocks_for
 from minitransformer.serve.config import EngineConfig, check_against
 from minitransformer.serve.intake import check_request
 from minitransformer.serve.paged import PagedCache, check_fits
-from minitransformer.serve.records import Request, Run
+from minitransformer.serve.records import Request, Result, Run
 from minitransformer.serve.runner import Feed, Runner, split_rows
-from minitransformer.serve.scheduler import Made, Scheduler, close, fan_out
+from minitransformer.serve.scheduler import Made, Scheduler, Work, close, fan_out
 from minitransformer.serve.speculate import Speculator
 
 
 class Engine:
-    def __init__(self, model, config: EngineConfig = None, history: bool = False,
+    def __init__(self, model, config: EngineConfig | None = None, history: bool = False,
                  draft_model=None):
         """config: the engine's knobs (serve/config.py; None: the defaults); history: keep
         every record and every step's timings (docs/serving.md, "Records"), for an
@@ -115,9 +115,11 @@ class Engine:
         self.scheduler = Scheduler(self.cache.books, slots, config.policy,
                                    config.max_num_batched_tokens, config.enable_prefix_caching)
         self.history = history
-        self.results = {}           # request id -> Result, until released
+        self.results: dict[int, Result] = {}  # request id -> Result, until released
         self.next_id, self.clock, self.steps = 0, 0.0, 0
-        self.decode_times, self.prefill_times, self.memory = [], [], []   # with history only
+        self.decode_times: list[tuple[int, float]] = []   # (rows, seconds), with history only
+        self.prefill_times: list[tuple[int, float]] = []  # (tokens, seconds)
+        self.memory: list = []                            # the pool's PagedStats, a step each
         self.speculator = None if spec is None else Speculator(
             spec, model, draft_model if draft_model is not None or
             spec.method != "draft_model" else load(spec.model), num_blocks, block_size,
@@ -233,9 +235,10 @@ class Engine:
         if plan.together and not self.batch_invariant:  # batch-invariant: each row's own calls
             try:
                 return Made(self._mixed(plan), passes)
-            except Exception as error:      # the step's fault, not the engine's
-                return Made([], [], passes, error)
-        made, ran, failed, error = [], [], [], None
+            except Exception as e:          # the step's fault, not the engine's
+                return Made([], [], passes, e)
+        made, ran, error = [], [], None
+        failed: list[Work] = []
         for work in passes:
             if work in plan.concerned(failed):
                 failed.append(work)
@@ -350,6 +353,7 @@ class Engine:
         if draft is None:
             self._sample(seq, logits[0])
             return True
+        assert self.speculator is not None  # a draft: the engine speculates
         kept = self.speculator.verify(seq, logits, draft)
         for token, z in zip(kept, logits, strict=False):    # fewer kept than rows: a rejection
             self._append(seq, token, z)

@@ -86,7 +86,7 @@ try:                            # the serve extra; the library imports without i
     from starlette.exceptions import HTTPException
     from starlette.requests import ClientDisconnect
 except ImportError:             # create_app says what to install
-    FastAPI = None
+    FastAPI = None  # type: ignore[misc, assignment]  # the serve extra absent: no class
 
 RETRY_AFTER_S = 1               # what a 429 asks the client to wait
 READ_TIMEOUT_S = 60.0           # a request's head and body must arrive within this: else 408
@@ -114,7 +114,7 @@ class App:
     online: OnlineEngine
     name: str                   # the model's name in the API
     limit: int                  # bytes a request body may have: 413 above
-    longest: int                # bytes of the vocabulary's longest token (None: no tokenizer)
+    longest: int | None         # bytes of the vocabulary's longest token (None: no tokenizer)
     metrics: ServingMetrics
     created: int                # when the server started, Unix seconds (/v1/models)
 
@@ -142,7 +142,8 @@ def create_app(online: OnlineEngine, name: str, max_request_bytes: int | None = 
     app = FastAPI(title="minitransformer", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.serving = App(online, name, max_request_bytes or default_max_request_bytes(model),
                             longest, ServingMetrics(name), int(time.time()))
-    app.add_exception_handler(HTTPException, framework_error)
+    app.add_exception_handler(HTTPException,    # Starlette types a handler for any Exception:
+                              framework_error)  # type: ignore[arg-type]  # this one's, HTTP's
     for method, path, handler in ROUTES:
         app.add_api_route(path, handler, methods=[method])
     if api_key is not None:
@@ -287,7 +288,8 @@ async def answer(http: Request, kind: str):
                                         tokens), media_type="text/event-stream",
                                  background=BackgroundTask(drain, app, tickets, tokens))
     count = len(jobs) * job.request.n
-    texts, named, reasons, total = [""] * count, [[] for _ in range(count)], {}, 0
+    texts, reasons, total = [""] * count, {}, 0
+    named: list[list] = [[] for _ in range(count)]  # per choice, its NamedLogprobs
     try:
         async for i, piece, lps, reason, total in watch(app, http, tickets, tokens):
             texts[i] += piece
@@ -446,8 +448,9 @@ async def merged(streams, n):
 def feed(app: App):
     """-> (a listener for the engine's updates of one prompt, the queue it fills on this
     event loop), observing the tokens' timings for /metrics on the way."""
-    loop, updates = asyncio.get_running_loop(), asyncio.Queue()
-    previous = {}               # per sample: when its last tokens were handed over
+    loop = asyncio.get_running_loop()
+    updates: asyncio.Queue = asyncio.Queue()  # the engine's Updates of this prompt, in order
+    previous: dict[int, float] = {}  # per sample: when its last tokens were handed over
 
     def listener(update):       # runs on the engine's loop thread: observe, pass on
         if update.tokens:
@@ -555,7 +558,8 @@ async def disconnected(http: Request):
         await asyncio.sleep(0.1)
 
 
-async def events(app: App, job, prompts, prompt_tokens, head, tickets, tokens):
+async def events(app: App, job, prompts, prompt_tokens, head: tuple[str, int, str], tickets,
+                 tokens):
     """The answer as Server-Sent Events: one chunk per piece of text, then the finish_reason,
     the usage and [DONE]. ``job`` holds the settings the request's prompts share."""
     def sse(reply):
@@ -664,7 +668,7 @@ def decode_json(raw: bytes):
     except UnicodeDecodeError as e:
         raise APIError(f"the request body is not UTF-8 ({e.reason} at byte {e.start})",
                        code="invalid_json") from None
-    twice = []                  # (the first object holding a key twice, the key)
+    twice: list[tuple] = []     # (the first object holding a key twice, the key)
 
     def unique(pairs):
         value = dict(pairs)
@@ -828,10 +832,10 @@ class ServerLimits:
     """What the server takes from its clients, and from whom, beside the engine's own sizes
     (EngineConfig)."""
     max_waiting: int = MAX_WAITING      # waiting requests beyond which a new one gets 429
-    max_request_bytes: int = None       # bodies above it get 413; None: the default (above)
+    max_request_bytes: int | None = None  # bodies above it get 413; None: the default (above)
     drain_timeout: float = 30.0         # seconds answers in flight may finish on shutdown
     read_timeout: float = READ_TIMEOUT_S    # seconds a request may take to arrive: then 408
-    api_key: str = field(default=None, repr=False)  # None: any client is served
+    api_key: str | None = field(default=None, repr=False)  # None: any client is served
 
     def __post_init__(self):
         if not is_integer(self.max_waiting) or self.max_waiting < 1:
@@ -890,12 +894,15 @@ def serve(model_path, config: EngineConfig | None = None, host: str = "127.0.0.1
         expect_rows(config.max_num_seqs)
     sock = bound_socket(host, port)
     online = None
+
+    def stop(error):                # a failed engine: the server (made below) stops
+        server.should_exit = True
+
     try:
         model = mt.load(model_path)
         name = name or Path(model.path).name
         engine = Engine(model, config)
-        online = OnlineEngine(engine, max_waiting=limits.max_waiting,   # a failed engine:
-                              on_failure=lambda error: setattr(server, "should_exit", True))
+        online = OnlineEngine(engine, max_waiting=limits.max_waiting, on_failure=stop)
         budget = config.max_num_batched_tokens
         chunks = "whole prompts" if budget is None else f"chunked prefill, {budget} tokens a step"
         limit = limits.max_request_bytes or default_max_request_bytes(model)

@@ -32,7 +32,7 @@ import math
 import queue
 import threading
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 
 class QueueFull(Exception):
@@ -85,9 +85,9 @@ class Sizes:                    # the engine's limits, fixed when it is built (f
 class Ticket:                   # a client's handle on its request
     listener: object
     n: int = 1                  # samples: the engine's ids id .. id + n - 1
-    id: int = None              # the engine's request id, once the loop has submitted it
-    sent: list = None           # per sample, tokens already handed to the listener
-    over: list = None           # per sample, whether its last update was sent
+    id: int = None  # type: ignore[assignment]  # the engine's request id, once submitted (ids)
+    sent: list[int] = field(default_factory=list)   # per sample, tokens already handed over
+    over: list[bool] = field(default_factory=list)  # per sample, whether its last update was sent
 
     @property
     def ids(self) -> range:
@@ -105,8 +105,9 @@ class OnlineEngine:
         self.sizes = Sizes(books.num_blocks, books.block_size, engine.config.max_num_seqs)
         self.start = time.perf_counter()
         self.lock = threading.Condition()   # guards inbox and closing; wakes the loop
-        self.inbox, self.closing, self.abandon, self.error = [], False, False, None
-        self.live = []              # tickets whose request is in the engine and not over
+        self.inbox: list = []       # (request, ticket) submitted, not yet in the engine
+        self.closing, self.abandon, self.error = False, False, None
+        self.live: list[Ticket] = []  # tickets whose request is in the engine and not over
         self.snapshot = self._snapshot()
         self.taken = 0              # submissions the loop took from the inbox, not yet in it
         self.thread = threading.Thread(target=self._loop, name="engine-loop", daemon=True)
@@ -167,7 +168,7 @@ class OnlineEngine:
         the samples of n > 1 come through ``submit``'s listener, each update saying whose)."""
         if request.n != 1:
             raise ValueError(f"stream serves one sample, got n={request.n!r}: use submit")
-        updates = queue.Queue()
+        updates: queue.Queue[Update] = queue.Queue()
         ticket = self.submit(request, updates.put)
         try:
             while True:

@@ -133,7 +133,7 @@ def json_text(value, limit=80) -> str:
     while todo and size <= limit:
         item = todo.pop()
         if isinstance(item, Spelled):
-            text = item
+            text: str = item
         elif isinstance(item, (list, dict)):
             pairs = item.items() if isinstance(item, dict) else ((None, v) for v in item)
             text = "{" if isinstance(item, dict) else "["
@@ -442,8 +442,8 @@ def choice(kind, text, finish_reason, delta=False, first=False, index=0,
 class NamedLogprob:
     """A token's log-probability with the text that names it (and its alternatives)."""
     text: str                   # what the token adds to the output
-    logprob: float              # None: a prompt's first token (nothing predicts it)
-    top: tuple = ()             # ((text, logprob), ...) of the top k; None with logprob None
+    logprob: float | None       # None: a prompt's first token (nothing predicts it)
+    top: tuple | None = ()      # ((text, logprob), ...) of the top k; None with logprob None
 
 
 def name_logprobs(detokenizer, scored: TokenLogprob) -> NamedLogprob:
@@ -478,7 +478,8 @@ def completion_logprobs(named, offset: int = 0) -> tuple:
     """NamedLogprobs -> (the completions ``logprobs`` object, the text offset after them).
     ``top_logprobs`` maps text -> logprob for the top k and the token itself (vLLM's rule);
     a prompt's first token has null for both (nothing predicts it)."""
-    out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    out: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [],
+                            "text_offset": []}
     for s in named:
         out["tokens"].append(s.text)
         out["token_logprobs"].append(finite(s.logprob))
@@ -514,9 +515,9 @@ TOKENIZE_FIELDS = {         # field -> (kind of request it belongs to, its defau
     "add_special_tokens": ("both", None),      # default: true for a prompt, false for a chat
     "add_generation_prompt": ("chat", True),
 }
-TOKENIZE_NEUTRAL = {"continue_final_message": False, "chat_template": None,
-                    "chat_template_kwargs": {}, "tools": [], "mm_processor_kwargs": {},
-                    "media_io_kwargs": {}}
+TOKENIZE_NEUTRAL: dict[str, object] = {
+    "continue_final_message": False, "chat_template": None, "chat_template_kwargs": {},
+    "tools": [], "mm_processor_kwargs": {}, "media_io_kwargs": {}}
 
 
 def tokenizer_request(body, model, name, fields) -> None:
@@ -566,6 +567,7 @@ def tokenize_body(body, model, name: str, longest_token=None) -> dict:
             ids = [model.tokenizer.bos_token_id] + ids
     else:
         prompt = text(body, "prompt")
+        assert prompt is not None       # a prompt or messages, one of them (above)
         ids = model.tokenizer.encode(prompt) if special else \
             encode_text(model.tokenizer.backend, prompt, add_special_tokens=False)
     strs = [model.tokenizer.backend.id_to_token(i) for i in ids] \

@@ -164,6 +164,7 @@ class PagedCache:
                 move.into.v = [on_host(v[index]) for v in self.v]
             elif isinstance(move, SwapIn):
                 index = to_device(np.array(move.blocks, dtype=np.int64))  # host-made, in range
+                assert move.source.k is not None and move.source.v is not None  # swapped out
                 for layer in range(len(self.k)):
                     self.k[layer][index] = on_device(move.source.k[layer])
                     self.v[layer][index] = on_device(move.source.v[layer])

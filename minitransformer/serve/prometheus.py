@@ -127,7 +127,7 @@ class ServingMetrics:
         with self.lock:
             self.prompt_tokens += prompt_tokens
 
-    def tokens(self, arrival: float, previous: float, now: float, n: int) -> None:
+    def tokens(self, arrival: float, previous: float | None, now: float, n: int) -> None:
         """n tokens handed over at now; previous: when the last ones were (None: first).
         Gaps are what a client sees: tokens handed over together are 0 s apart."""
         with self.lock:

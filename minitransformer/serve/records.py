@@ -42,11 +42,11 @@ class Request:
     max_new_tokens: int
     arrival: float = 0.0            # seconds on the serving clock
     sampling: SamplingSettings = GREEDY
-    seed: int = None                # of the request's own numpy Generator
+    seed: int | None = None         # of the request's own numpy Generator
     eos_token_id: object = None     # as generate: None = the model's ids, [] = never stop
     n: int = 1                      # parallel samples of the prompt; choice i seeded seed + i
-    logprobs: int = None            # None, or k: each new token's logprob and the top k
-    prompt_logprobs: int = None     # None, or k: the same for the prompt's tokens
+    logprobs: int | None = None     # None, or k: each new token's logprob and the top k
+    prompt_logprobs: int | None = None  # None, or k: the same for the prompt's tokens
 
     @property
     def prompt_only(self) -> bool:
@@ -64,7 +64,7 @@ class Result:
     hold None for each."""
     id: int
     arrival: float                  # seconds on the serving clock (the request's)
-    request: Request = None         # what was asked (the engine's; None in the simulation)
+    request: Request = None  # type: ignore[assignment]  # the engine's (None: sim/'s, unread)
     tokens: list = field(default_factory=list)   # new tokens only, as generate returns them
     status: str = "waiting"         # one of STATUSES
     reason: str = ""                # why it was rejected, or what error ended it
@@ -76,7 +76,7 @@ class Result:
     preemptions: int = 0
     choice: int = 0                 # which of the request's n samples (results id - choice ..)
     logprobs: list = field(default_factory=list)  # a TokenLogprob per token, when asked
-    prompt_logprobs: list = None    # [None, TokenLogprob, ...] per prompt token, when asked
+    prompt_logprobs: list | None = None  # [None, TokenLogprob, ...] per prompt token, when asked
 
     @property
     def ttft(self) -> float:

@@ -138,7 +138,7 @@ def decode_groups(seq_ids, starts, fed, rows=None) -> tuple:
     >>> decode_groups(["a", "b", "c"], [4, 9, 2], [[1], [2, 3], [4]])
     ([0, 2, 1], [(['a', 'c'], [4, 2], 1), (['b'], [9], 2)])
     """
-    by_count = {}
+    by_count: dict[int, list] = {}
     for b in range(len(fed)) if rows is None else rows:
         by_count.setdefault(len(fed[b]), []).append(b)
     order = [b for rows in by_count.values() for b in rows]

@@ -69,8 +69,8 @@ class Sequence:                     # one sample of a request the engine is serv
     rng: object = None              # its numpy Generator (the engine samples with it)
     eos: set = field(default_factory=set)
     order: int = 0                  # admission counter: the latest admitted is preempted first
-    swapped: Swapped = None         # its books and host copy while preempted
-    shares_prompt_with: "Sequence" = None   # the sibling whose prompt's blocks it will fork
+    swapped: Swapped | None = None  # its books and host copy while preempted
+    shares_prompt_with: "Sequence | None" = None  # the sibling whose prompt's blocks it will fork
 
     @property
     def done(self) -> bool:
@@ -93,12 +93,12 @@ class Sequence:                     # one sample of a request the engine is serv
 @dataclass(eq=False)                # compared by identity: one pass of one plan
 class Work:
     """One forward pass of a plan: rows of n new tokens each, from their starts."""
-    rows: list                      # Sequences
-    starts: list                    # where each row's new tokens go
+    rows: list[Sequence]
+    starts: list[int]               # where each row's new tokens go
     n: int
     moves: list                     # the pool's copies and swaps to do first, in order
-    firsts: list = ()               # a prompt's last chunk: the sequences its logits start
-    drafts: list = ()               # speculating, per decode row: the draft tokens it may
+    firsts: list[Sequence] | tuple = ()  # a prompt's last chunk: the sequences its logits start
+    drafts: list[int] | tuple = ()  # speculating, per decode row: the draft tokens it may
     #                                 verify, their slots held after its n (at most; 0: none)
     fills: frozenset = frozenset()  # the blocks its slots write (known once the plan is made)
     reads: frozenset = frozenset()  # the blocks it reads: its rows' tables, its copies' sources
@@ -113,10 +113,10 @@ class Work:
 @dataclass
 class Made:
     """What running a plan made, for the scheduler's ``commit``."""
-    seqs: list                      # the sequences that made tokens
-    ran: list                       # the Works whose pass ran: their slots are written
-    failed: list = ()               # Works whose pass raised, or would read what one was to fill
-    error: Exception = None         # the first exception raised
+    seqs: list[Sequence]            # the sequences that made tokens
+    ran: list[Work]                 # the Works whose pass ran: their slots are written
+    failed: list[Work] | tuple = ()  # Works whose pass raised, or would read what one was to fill
+    error: Exception | None = None  # the first exception raised
 
 
 @dataclass
@@ -147,7 +147,7 @@ class Plan:
         a block one of them was to fill (a prompt admitted in the same step that found a
         chunk's full blocks by name, or copies one), in order: their sequences end with the
         error (engine.py's docstring, Faults)."""
-        out = []
+        out: list[Work] = []
         for work in self.passes:
             if work in failed or any(work.reads & earlier.fills for earlier in out):
                 out.append(work)
@@ -196,7 +196,7 @@ class Scheduler:
         self.books, self.policy, self.budget = books, policy, budget
         self.prefix_caching = prefix_caching
         self.slots = [None] * slots
-        self.waiting = deque()      # Sequences in arrival order; preempted ones at the front
+        self.waiting: deque[Sequence] = deque()  # in arrival order; preempted ones at the front
         self.now, self.admitted = 0.0, 0
         self.preemptions = 0        # since the start, over all requests
         self.prefix_queries = self.prefix_hits = 0   # prompt tokens looked up / found cached

@@ -78,9 +78,9 @@ class SpecCounters:
 @dataclass
 class Draft:
     """A row's proposals for one step."""
-    tokens: list            # the proposed tokens (maybe none)
+    tokens: list[int]       # the proposed tokens (maybe none)
     q: list                 # the distributions they were drawn from (None each when greedy)
-    shadow: int = None      # with none proposed: the lookup's first proposal, judged for free
+    shadow: int | None = None  # with none proposed: the lookup's first proposal, judged free
 
 
 class Speculator:
@@ -98,8 +98,8 @@ class Speculator:
         self.proposer = Proposer(config, model, draft_model, num_blocks, block_size,
                                  batch_invariant)
         self.counters = SpecCounters()
-        self.judged = {}    # sequence id -> [accepted, judged] proposals, for its alpha
-        self.fed = []       # the last step's tokens fed per row (its last token + drafts)
+        self.judged: dict[int, list[int]] = {}  # sequence id -> [accepted, judged] proposals
+        self.fed: list[int] = []  # per row, the last step's tokens fed (its last + drafts)
 
     def wants(self, rows) -> list:
         """Per row, the draft tokens it would verify this step (a padding row: none); the
