@@ -130,6 +130,14 @@ class ModelConfig:
         return max(filter(None, self.layer_windows), default=None)
 
     @property
+    def cache_window(self) -> int | None:
+        """How far back any layer looks when every layer slides (the widest W): a sequence's
+        keys older than that are read by no later query, so the paged engine frees their
+        blocks. None where a layer attends fully: its queries read back to position 0."""
+        windows = self.layer_windows
+        return self.sliding_window if windows and all(windows) else None
+
+    @property
     def qk_norm(self) -> bool:
         """Qwen3 RMS-normalizes each head's query and key (a gain of d per layer) before RoPE."""
         return self.model_type == "qwen3"

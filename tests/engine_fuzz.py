@@ -181,7 +181,7 @@ def run_case(model, seed, batch_invariant=True) -> dict:
                 cancelled=sum(r.status == "cancelled" for r in engine.results.values()),
                 rejected=sum(r.status == "rejected" for r in engine.results.values()),
                 cached=sum(r.cached_tokens > 0 for r in engine.results.values()),
-                evicted=engine.cache.books.index.evicted,
+                evicted=engine.cache.books.index.evicted, slid=engine.cache.books.slid_out,
                 forked=sum(r.choice > 0 and r.tokens != [] for r in engine.results.values()),
                 chunked=config.max_num_batched_tokens is not None,
                 caching=config.enable_prefix_caching, static=config.policy == "static")

@@ -109,7 +109,6 @@ WINDOWED_ENGINES = {
     "chunks-over-the-window": {"max_num_seqs": 3, "block_size": 4, "max_num_batched_tokens": 9},
     "batch-invariant": {"max_num_seqs": 3, "block_size": 4, "batch_invariant": True},
     "tiled": {"max_num_seqs": 3, "block_size": 4, "attention": "tiled"},
-    "preemption": {"max_num_seqs": 3, "block_size": 4, "num_gpu_blocks_override": 20},
     "ngram-speculation": {"max_num_seqs": 2, "block_size": 4, "speculative_config":
                           SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_max=3)},
     "draft-model-speculation": {"max_num_seqs": 2, "block_size": 4, "speculative_config":
@@ -129,8 +128,9 @@ def recomputed(windowed):
 @pytest.mark.parametrize("name", sorted(WINDOWED_ENGINES))
 def test_the_paged_engine_gives_a_windowed_models_tokens(windowed, recomputed, name):
     """Each layer's window in the paged pool's attention (a sliding layer's mask, a full
-    layer's causal one), through prefix caching, chunks shorter and longer than the window,
-    preemption and speculation: greedy tokens are recomputing's (by the near-tie policy), and
+    layer's causal one) and the blocks that slid out of every layer's window released,
+    through prefix caching (the second run finds the first's blocks, kept after they slid
+    out), chunks shorter and longer than the window and speculation: greedy tokens are recomputing's (by the near-tie policy), and
     each token's logprob within float32 rounding of its (a random model's tokens hardly
     depend on attention, its logprobs do: a window one too wide moves them by ~0.05)."""
     fields = WINDOWED_ENGINES[name]
@@ -139,7 +139,6 @@ def test_the_paged_engine_gives_a_windowed_models_tokens(windowed, recomputed, n
     requests = [Request(tuple(ids), LONG, eos_token_id=[], logprobs=1) for ids in recomputed]
     first, again = engine.run(requests), engine.run(requests)
     assert all(r.cached_tokens for r in again.results)         # the prefix cache was read
-    assert engine.preemptions > 0 or name != "preemption"
     for result in first.results + again.results:
         prompt, steps = list(result.request.prompt), recomputed[result.request.prompt]
         assert_like_solo(windowed, result.tokens, [s.token for s in steps], prompt,
@@ -168,3 +167,75 @@ def test_the_paged_engine_gives_generates_tokens(model, fields):
             and result.prefill_chunks <= 1
         assert_like_solo(model, result.tokens, mt.generate(model, prompt, 10, eos_token_id=[]),
                          prompt, batch_invariant=exact, eos_token_id=[])
+
+
+FAR = 100   # new tokens: a prompt of 20 grows to 119 positions, about 20 windows of 6
+
+
+@pytest.mark.parametrize("prefix_caching", [False, True], ids=["no-prefix-cache", "prefix-cache"])
+def test_a_windowed_sequence_holds_one_windows_blocks_however_long_it_runs(windowed,
+                                                                          prefix_caching):
+    """Where every layer slides (Mistral), a sequence's blocks that slid out of its next
+    query's window go back as it runs: past its prompt it holds ceil(W / bs) + 1 blocks at
+    every step, a pool of 6 blocks (its prompt's) serves 119 positions (30 blocks' worth),
+    and every block it released is counted: (119 - W + 1) // bs = 28 of them, on the free list
+    (with prefix caching, kept by name until evicted: a second run of the same prompt is
+    still recomputing's). Where a layer attends fully (Qwen2 from layer 1) nothing can be
+    released: the sequence holds a block per 4 positions, 30 at the end."""
+    W, bs, prompt = 6, 4, prompts(windowed)[1]                      # 20 tokens
+    slides = windowed.config.cache_window is not None
+    N = 6 if slides else 30
+    engine = Engine(windowed, EngineConfig(max_num_seqs=1, block_size=bs,
+                                           num_gpu_blocks_override=N,
+                                           enable_prefix_caching=prefix_caching), history=True)
+    books, schedule, planned = engine.cache.books, engine.scheduler.schedule, []
+
+    def plan(*args):                 # blocks held once a decode step has made its room
+        made = schedule(*args)
+        if not made.prefill:
+            planned.append(books.stats().blocks_held)
+        return made
+
+    engine.scheduler.schedule = plan
+    reference = mt.generate(windowed, prompt, FAR, cache=False, eos_token_id=[], logprobs=1)
+    for _ in range(2):
+        (result,) = engine.run([Request(tuple(prompt), FAR, eos_token_id=[], logprobs=1)]).results
+        assert_like_solo(windowed, result.tokens, [s.token for s in reference], prompt,
+                         eos_token_id=[])
+        if result.tokens == [s.token for s in reference]:
+            np.testing.assert_allclose([t.logprob for t in result.logprobs],
+                                       [s.logprob for s in reference], atol=1e-5)
+        books.check()
+        assert books.num_free == N and not books.seqs           # all of it back
+        if not prefix_caching:
+            break
+    kept = [stats.blocks_held for stats in engine.memory]     # at each step's end
+    if slides:
+        assert max(planned) == -(-W // bs) + 1 and max(kept) <= -(-W // bs) + 1
+        assert books.slid_out == (119 - W + 1) // bs * (1 + prefix_caching)
+        assert len(books.free) == N or prefix_caching
+    else:
+        assert kept[-1] == 30 and books.slid_out == 0
+
+
+def test_preempted_windowed_sequences_come_back_with_their_holes(windowed, monkeypatch):
+    """Four sequences in a pool too small for them all: the latest admitted is swapped out,
+    its released blocks staying released (a swapped-out table keeps its holes, only the
+    blocks it holds are copied out and back), and every token is recomputing's."""
+    from minitransformer.serve.blocks import BlockManager
+    rng = np.random.default_rng(5)
+    ps = [rng.integers(1, 128, 8).tolist() for _ in range(4)]    # 8 tokens: past the window
+    slid, swap_out = [], BlockManager.swap_out
+    monkeypatch.setattr(BlockManager, "swap_out",
+                        lambda books, seq_id: slid.append(books.seqs[seq_id].slid) or
+                        swap_out(books, seq_id))
+    slides = windowed.config.cache_window is not None
+    engine = Engine(windowed, EngineConfig(max_num_seqs=4, block_size=4,
+                                           num_gpu_blocks_override=9 if slides else 14))
+    run = engine.run([Request(tuple(p), LONG, eos_token_id=[], logprobs=1) for p in ps])
+    assert engine.preemptions > 0 and any(slid) == slides
+    for result, ids in zip(run.results, ps, strict=True):
+        steps = mt.generate(windowed, ids, LONG, cache=False, eos_token_id=[], logprobs=1)
+        assert_like_solo(windowed, result.tokens, [s.token for s in steps], ids, eos_token_id=[])
+        np.testing.assert_allclose([t.logprob for t in result.logprobs],
+                                   [s.logprob for s in steps], atol=1e-5)

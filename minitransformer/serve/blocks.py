@@ -14,6 +14,21 @@ write, swap a preempted sequence out or back in) is queued as ``moves``, host in
 device pool (paged.py) carries out in order; the scheduler takes them into its plan. The books
 never hold a key or a value. docs/serving.md has prefix caching and copy on write in full.
 
+Sliding windows (``window``: a model whose every layer slides, config.ModelConfig.cache_window):
+a query at position p reads p - W + 1 .. p only, so once a sequence's next query is at position
+L, a block whose last slot is before L - W + 1 is read by no later query of it. ``slide``
+releases such blocks from the front of its block table, whose entries become SLID (a hole:
+the table stays indexed by position, p in entry p // bs), so what a sequence holds stops
+growing at the blocks of one window, ceil((W - 1) / bs) + 1 (``window_blocks``), however long
+it runs. Released is what a finished sequence's blocks are: an unnamed block goes back to the
+free list, a named one is kept by the prefix cache (its keys intact until evicted, so a later
+prompt with the same prefix still finds it by name; evicted, its name goes with it). The
+scheduler slides each sequence at the commit, from the tokens it kept: a rejected draft's
+slots lie past them, so no trim ever needs a released block (``trim`` refuses one that
+would), and the books need no spare slots for speculation as a rotating cache does. When a
+layer attends fully (``window`` None: Qwen2 with windows from layer 1 on), its queries read
+back to position 0 and nothing is released.
+
 Shapes: N blocks, bs slots per block. Leaves out: naming partial blocks, the extra keys vLLM
 hashes in (adapters, images).
 
@@ -36,6 +51,8 @@ import numpy as np
 from minitransformer.shape import ceil_div
 
 ROOT = b""                  # the parent name of a sequence's first block
+SLID = -1                   # a block table's entry for a block released as it slid out of
+#                             the window: no key of those positions is read again
 
 
 def blocks_for(tokens: int, block_size: int) -> int:
@@ -144,6 +161,12 @@ class SeqBlocks:
     length: int = 0         # tokens held (written, or counted by a plan that writes them)
     max_len: int = 0        # the most it may grow to (what a reservation would hold)
     names: list = field(default_factory=list)   # names of its first full blocks (see seal)
+    slid: int = 0           # its first entries released as they slid out of the window (SLID)
+
+    @property
+    def held(self) -> list:
+        """The blocks it holds: its table past the entries that slid out."""
+        return self.blocks[self.slid:]
 
 
 @dataclass
@@ -152,9 +175,10 @@ class Swapped:
     memory, (blocks, Hkv, bs, d) per layer, which the pool fills when it does the move."""
     length: int
     max_len: int
-    blocks: int
+    blocks: int                     # blocks held (copied out); ``slid`` holes before them
     k: list | None = None           # None until the pool does the swap-out
     v: list | None = None
+    slid: int = 0
 
 
 @dataclass(frozen=True)
@@ -196,13 +220,17 @@ class PagedStats:
 
 
 class BlockManager:
-    """The books of a pool of num_blocks blocks of block_size slots (host integers only)."""
+    """The books of a pool of num_blocks blocks of block_size slots (host integers only);
+    window: the W of a model whose every layer slides (``slide``), None when a layer does not."""
 
-    def __init__(self, num_blocks: int, block_size: int):
+    def __init__(self, num_blocks: int, block_size: int, window: int | None = None):
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"a paged cache needs num_blocks >= 1 and block_size >= 1, "
                              f"got {num_blocks}, {block_size}")
-        self.num_blocks, self.block_size = num_blocks, block_size
+        if window is not None and window < 1:
+            raise ValueError(f"a sliding window is at least 1 position, got {window}")
+        self.num_blocks, self.block_size, self.window = num_blocks, block_size, window
+        self.slid_out = 0               # blocks released as they slid out, since the start
         self.refcount = np.zeros(num_blocks, dtype=np.int64)   # (N,) host ints
         self.free = list(range(num_blocks - 1, -1, -1))  # unheld, unnamed; pop() gives 0, 1 ..
         self.seqs: dict = {}            # seq id -> SeqBlocks
@@ -217,6 +245,16 @@ class BlockManager:
 
     def blocks_for(self, tokens: int) -> int:
         return blocks_for(tokens, self.block_size)
+
+    @property
+    def window_blocks(self) -> int | None:
+        """The most blocks a sequence holds once it slides (None: it never does): the window
+        of its next query, W positions ending at it, lies in ceil((W - 1) / bs) + 1 blocks.
+
+        >>> BlockManager(8, 4, window=6).window_blocks     # positions 3..8: blocks 0, 1, 2
+        3
+        """
+        return None if self.window is None else self.blocks_for(self.window - 1) + 1
 
     def take_moves(self) -> list:
         """The moves decided since the last call, in order, for the pool to carry out."""
@@ -309,10 +347,10 @@ class BlockManager:
         if child_id in self.seqs:
             raise ValueError(f"sequence {child_id!r} is already in the cache")
         seq = self.seqs[seq_id]
-        for block in seq.blocks:
+        for block in seq.held:
             self._hold(block)
         self.seqs[child_id] = SeqBlocks(list(seq.blocks), seq.length, seq.max_len,
-                                        list(seq.names))
+                                        list(seq.names), seq.slid)
 
     def blocks_needed(self, seq_id, T: int) -> int:
         """Free blocks that appending T tokens to a sequence takes (new ones, copies)."""
@@ -388,13 +426,17 @@ class BlockManager:
             parent = seq.names[-1] if seq.names else ROOT
             seq.names += block_names(tokens[named * bs:full * bs], bs, parent)
             for name, block in zip(seq.names[named:], seq.blocks[named:full], strict=True):
-                self.index.offer(name, block)
+                if block != SLID:       # (swapped back in, its table keeps its holes)
+                    self.index.offer(name, block)
 
     def trim(self, seq_id, n: int) -> None:
         """Forget a sequence's last n tokens (rejected drafts, a benchmark's rollback)."""
         seq = self.seqs[seq_id]
         if not 0 <= n <= seq.length:
             raise ValueError(f"cannot trim {n} tokens from a sequence of {seq.length}")
+        if seq.slid > self.gone(seq.length - n):
+            raise ValueError(f"cannot trim {n} tokens from a sequence of {seq.length}: the "
+                             f"window of its next query would reach back into blocks released")
         seq.length -= n
         del seq.names[seq.length // self.block_size:]   # a named block it keeps is copied
         while len(seq.blocks) > self.blocks_for(seq.length):   # before it is written again
@@ -403,22 +445,55 @@ class BlockManager:
     def free_seq(self, seq_id) -> None:
         """Drop a sequence: each of its blocks loses a holder; unheld ones are free (kept
         for the prefix cache if named)."""
-        for block in self.seqs.pop(seq_id).blocks:
+        for block in self.seqs.pop(seq_id).held:
             self._release(block)
+
+    # --- sliding windows ---------------------------------------------------------------------
+    def gone(self, length: int) -> int:
+        """Leading blocks of a sequence of `length` tokens that no later query reads: its next
+        query, at position length, sees length - W + 1 on; a block lies wholly before that
+        when its last slot does (0 without a window).
+
+        >>> books = BlockManager(8, 4, window=6)
+        >>> [books.gone(n) for n in (8, 9, 12, 13)]      # 13 tokens: the query at 13 sees 8..13
+        [0, 1, 1, 2]
+        """
+        if self.window is None:
+            return 0
+        return max(0, length - self.window + 1) // self.block_size
+
+    def slide(self, seq_id) -> int:
+        """Release the blocks of a sequence that slid out of its next query's window (the
+        module's docstring) -> how many. Called once the tokens it holds are the ones it
+        keeps (the scheduler's commit): a later trim would need them back otherwise.
+
+        >>> books = BlockManager(8, 4, window=6)
+        >>> _ = books.add("a", list(range(1, 14))), books.append(["a"], 13)  # in blocks 0..3
+        >>> books.slide("a"), books.seqs["a"].blocks, books.num_free      # 0, 1: read no more
+        (2, [-1, -1, 2, 3], 6)
+        """
+        seq = self.seqs[seq_id]
+        gone = self.gone(seq.length)
+        for i in range(seq.slid, gone):
+            self._release(seq.blocks[i])
+            seq.blocks[i] = SLID
+        released, seq.slid = max(0, gone - seq.slid), max(seq.slid, gone)
+        self.slid_out += released
+        return released
 
     # --- preemption by swapping --------------------------------------------------------------
     def swap_out(self, seq_id) -> Swapped:
         """Free a sequence's blocks, its keys and values to be copied to host memory first
         (a SwapOut move) -> its record, to bring it back with ``swap_in``."""
         seq = self.seqs[seq_id]
-        swapped = Swapped(seq.length, seq.max_len, len(seq.blocks))
-        self.moves.append(SwapOut(tuple(seq.blocks), swapped))
+        swapped = Swapped(seq.length, seq.max_len, len(seq.held), slid=seq.slid)
+        self.moves.append(SwapOut(tuple(seq.held), swapped))
         self.free_seq(seq_id)
         return swapped
 
     def swap_in_cost(self, swapped: Swapped, then: int = 0) -> int:
         """Free blocks ``swap_in(swapped)`` would take, and ``then`` more tokens after it."""
-        return max(swapped.blocks, self.blocks_for(swapped.length + then))
+        return max(swapped.blocks, self.blocks_for(swapped.length + then) - swapped.slid)
 
     def swap_in(self, seq_id, swapped: Swapped) -> None:
         """Bring a swapped-out sequence back, bit for bit, into fresh private blocks."""
@@ -426,7 +501,8 @@ class BlockManager:
             raise PoolExhausted(f"{swapped.blocks} blocks needed, {self.num_free} free")
         blocks = [self._take() for _ in range(swapped.blocks)]
         self.moves.append(SwapIn(tuple(blocks), swapped))
-        self.seqs[seq_id] = SeqBlocks(blocks, swapped.length, swapped.max_len)  # unnamed:
+        self.seqs[seq_id] = SeqBlocks([SLID] * swapped.slid + blocks, swapped.length,
+                                      swapped.max_len, slid=swapped.slid)  # unnamed:
         # seal names its blocks again (the copies are private; the index may keep originals)
 
     # --- the books, checked ------------------------------------------------------------------
@@ -435,12 +511,17 @@ class BlockManager:
         RuntimeError names the first broken rule:
         every block's refcount is the number of block tables holding it; every unheld block
         is on the free list or kept by the index, once; a free-listed block has no name; the
-        index's two maps are inverse; a sequence's named blocks carry its own prefix's names."""
+        index's two maps are inverse; a sequence's named blocks carry its own prefix's names;
+        its table's holes are its first ``slid`` entries, none still in its next query's window.
+        """
         holders = np.zeros(self.num_blocks, dtype=np.int64)
         for seq in self.seqs.values():
-            np.add.at(holders, seq.blocks, 1)
+            np.add.at(holders, seq.held, 1)
         index = self.index
-        rules = [
+        rules = [   # its holes first: a hole held would count as block -1
+            (all(seq.blocks[:seq.slid] == [SLID] * seq.slid and SLID not in seq.held
+                 for seq in self.seqs.values()),
+             "a block table's holes are not exactly its first entries"),
             ((self.refcount == holders).all(), "a refcount differs from its block tables"),
             (sorted(self.free + list(index.unheld)) == np.flatnonzero(holders == 0).tolist(),
              "the free list and the kept blocks are not exactly the unheld blocks"),
@@ -453,7 +534,9 @@ class BlockManager:
                  for name, block in zip(seq.names, seq.blocks, strict=False)),  # full ones named
              "a sequence holds a block named for another prefix"),
             (all(len(seq.names) <= seq.length // self.block_size for seq in self.seqs.values()),
-             "a sequence names a block it has not filled")]
+             "a sequence names a block it has not filled"),
+            (all(seq.slid <= self.gone(seq.length) for seq in self.seqs.values()),
+             "a sequence released a block its next query's window still reads")]
         for holds, broken in rules:
             if not holds:
                 raise RuntimeError(f"paged cache books: {broken}")
@@ -461,7 +544,7 @@ class BlockManager:
     def stats(self, bytes_per_token: int = 0) -> PagedStats:
         filled: dict[int, int] = {}  # physical block -> slots filled (a shared one counted once)
         for seq in self.seqs.values():
-            for i, block in enumerate(seq.blocks):
+            for i, block in enumerate(seq.held, seq.slid):
                 used = min(self.block_size, max(seq.length - i * self.block_size, 0))
                 filled[block] = max(filled.get(block, 0), used)
         return PagedStats(self.block_size, bytes_per_token, self.num_blocks,

@@ -140,11 +140,17 @@ class Engine:
         samples' first tokens (each sample writes its own copy of the last prompt block).
         More than the whole pool, and the request is rejected at submission. A request of no
         new tokens (records.Request.prompt_only) holds its prompt's blocks, shared by its
-        samples. Sizes alone are read, so any thread may ask."""
-        bs, prompt, new = self.cache.books.block_size, len(request.prompt), request.max_new_tokens
+        samples. Sizes alone are read, so any thread may ask. A sequence of a model whose
+        every layer slides holds, past its prompt, one window's blocks at most (blocks.py,
+        ``window_blocks``), however long it runs."""
+        books = self.cache.books
+        bs, prompt, new = books.block_size, len(request.prompt), request.max_new_tokens
         if request.prompt_only:
             return blocks_for(prompt, bs)
-        return max(blocks_for(prompt + new, bs), blocks_for(prompt + 1, bs) + request.n - 1)
+        longest = blocks_for(prompt + new, bs)
+        if books.window is not None:
+            longest = min(longest, max(blocks_for(prompt + 1, bs), books.window_blocks))
+        return max(longest, blocks_for(prompt + 1, bs) + request.n - 1)
 
     def run(self, requests, on_step=None) -> Run:
         """Serve requests (in arrival order) until every one is over; on_step(engine), if

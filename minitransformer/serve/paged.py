@@ -121,7 +121,7 @@ class PagedCache:
         """A pool of num_blocks blocks and its books. kv_dtype: f32, f16, q8_0 or q4_0
         (kvquant.KV_DTYPES); attention: plain or tiled; in_place: passes read the blocks
         where they lie (``reads_in_place``; False: every pass reads them gathered)."""
-        books = BlockManager(num_blocks, block_size)        # checks both sizes
+        books = BlockManager(num_blocks, block_size, config.cache_window)  # checks the sizes
         shape = (num_blocks, config.num_key_value_heads, block_size, config.head_dim)
         L = config.num_hidden_layers
         return cls(books, [zeros(shape, kv_dtype) for _ in range(L)],
@@ -189,14 +189,17 @@ class PagedCache:
         max_len = S if max_len is None else max_len
         if max_len < S:
             raise ValueError(f"max_len={max_len} is shorter than the longest row ({S})")
+        bs = books.block_size
         _, Hkv, _, d = self.k[0].shape
         kv = KVCache([zeros((len(seq_ids), Hkv, max_len, d), self.kv_dtype) for _ in self.k],
                      [zeros((len(seq_ids), Hkv, max_len, d), self.kv_dtype) for _ in self.v],
                      lengths, self.attention)
         for b, (s, n) in enumerate(zip(seq_ids, lengths.tolist(), strict=True)):  # its own length
-            table = to_device(block_table([books.seqs[s]], books.blocks_for(n)))    # (1, nb)
+            seq = books.seqs[s]        # slots of blocks that slid out of the window stay 0
+            base = seq.slid * bs
+            table = to_device(block_table([seq], books.blocks_for(n) - seq.slid))  # (1, nb)
             for contiguous, pool in zip(kv.k + kv.v, self.k + self.v, strict=True):
-                contiguous[b:b + 1, :, :n] = gather(pool, table, n)
+                contiguous[b:b + 1, :, base:n] = gather(pool, table, n - base)
         return kv
 
 
@@ -221,17 +224,26 @@ class PagedView:
                              f"(slots {rooms.tolist()}): call make_room first")
         return self.starts[:, None] + np.arange(T)
 
+    def held(self, positions: np.ndarray) -> tuple:
+        """What the rows' passes attend over: -> (per row, its first block held (B,), S the
+        slots of the longest row from there). Slot j of row b holds position
+        first[b] * bs + j; the blocks before first[b] slid out of the window (blocks.py)."""
+        first = np.array([s.slid for s in self.seqs], dtype=np.int64)      # (B,)
+        bs = self.cache.books.block_size
+        return first, int((positions.max(axis=1) + 1 - first * bs).max())
+
     def slots(self, positions: np.ndarray):
         """Where positions (B, T) go and where each row's blocks are, worked out once per
-        forward pass -> (blocks (B, T), offsets (B, T), block tables (B, nb), S) on the device.
-        """
+        forward pass -> (blocks (B, T), offsets (B, T), block tables (B, nb), S) on the device:
+        each row's table from its first block held (``held``)."""
         books = self.cache.books
-        bs, S, N = books.block_size, int(positions.max()) + 1, books.num_blocks
+        bs, N = books.block_size, books.num_blocks
+        first, S = self.held(positions)
         table = block_table(self.seqs, books.blocks_for(S))                  # (B, nb)
         # Checked here: CuPy would wrap a bad id around silently.
         if table.min() < 0 or table.max() >= N:
             raise ValueError(f"block ids {table.min()}..{table.max()} outside a pool of {N}")
-        blocks = np.take_along_axis(table, positions // bs, axis=1)       # (B, T)
+        blocks = np.take_along_axis(table, positions // bs - first[:, None], axis=1)  # (B, T)
         if not all(map(books.may_write, blocks.ravel())):  # shared or named: never changed
             raise RuntimeError("write into a shared or named block: make_room copies it first")
         return to_device(blocks), to_device(positions % bs), to_device(table), S
@@ -239,10 +251,15 @@ class PagedView:
     def mask(self, positions: np.ndarray, window: int | None = None):
         """Rows laid out as the contiguous cache's once gathered (slot j holds position j):
         its causal mask, or with a window the sliding-window layers' (model.Batch.windowed:
-        a query at p sees p - window + 1 .. p)."""
-        if window is None:
-            return causal(positions, self.cache.attention)
-        return sliding(positions, xp.arange(int(positions.max()) + 1)[None], window)
+        a query at p sees p - window + 1 .. p). A row whose first blocks slid out holds
+        position first * bs + j in slot j (``held``): the same rules over those positions."""
+        first, S = self.held(positions)
+        if not first.any():
+            if window is None:
+                return causal(positions, self.cache.attention)
+            return sliding(positions, xp.arange(S)[None], window)
+        held = to_device(first[:, None] * self.cache.books.block_size + np.arange(S))  # (B, S)
+        return sliding(positions, held, int(positions.max()) + 1 if window is None else window)
 
     def attend(self, q, k, v, visible):
         return self.cache.way(q.shape[1]).attend(q, k, v, visible)
@@ -323,9 +340,10 @@ class RaggedView:
 
 
 def block_table(seqs, nb: int) -> np.ndarray:
-    """The rows' block tables as one (B, nb) host array. Short rows are padded with their own
-    first block: slots past a row's length, which the attention mask hides."""
-    return np.array([(s.blocks + s.blocks[:1] * nb)[:nb] for s in seqs])
+    """The rows' block tables from their first block held (the ones before slid out of the
+    window) as one (B, nb) host array. Short rows are padded with their own first block:
+    slots past a row's length, which the attention mask hides."""
+    return np.array([(s.held + s.held[:1] * nb)[:nb] for s in seqs])
 
 
 def on_host(held):

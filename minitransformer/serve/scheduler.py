@@ -15,8 +15,8 @@ The plan counts its tokens in the books at once (vLLM counts them when scheduled
 blocks a chunk fills are named at once, so a prompt admitted later in the same step finds
 them. After the engine has run the plan, writing nothing to the books, ``commit`` takes what
 it made (``Made``): the slots written, a failed pass's sequences ended, each row trimmed back
-to the tokens it kept (rejected or unproposed draft slots go back) and its full blocks named;
-then first-token times, and a sequence that made its last token retires (``retire``, beside
+to the tokens it kept (rejected or unproposed draft slots go back) and its full blocks named,
+and a windowed model's blocks that slid out of the row's window released (blocks.py); then first-token times, and a sequence that made its last token retires (``retire``, beside
 ``admits``: the two decisions where the policies differ; the table is in engine.py).
 
 The n samples of a request come fanned out (``fan_out``), n sequences queued one behind the
@@ -58,7 +58,7 @@ with the first's first block, found by name before it is written:
 from collections import deque
 from dataclasses import dataclass, field
 
-from minitransformer.serve.blocks import BlockManager, Copy, Swapped
+from minitransformer.serve.blocks import SLID, BlockManager, Copy, Swapped
 from minitransformer.serve.records import Result
 
 
@@ -404,18 +404,22 @@ class Scheduler:
         work.fills = frozenset(b for seq_id, start, held in work.slots() for b in
                                tables[seq_id][start // books.block_size:
                                               books.blocks_for(start + held)])
-        work.reads = frozenset(b for table in tables.values() for b in table) | \
+        work.reads = frozenset(b for table in tables.values() for b in table if b != SLID) | \
             {move.src for move in work.moves if isinstance(move, Copy)}
 
     def _keep(self, seq) -> None:
         """After its pass: a sequence holds the tokens it has computed, all of its tokens
-        but the last made (its slots past them go back), and its full blocks are named."""
+        but the last made (its slots past them go back), and its full blocks are named;
+        then, the tokens it holds being those it keeps, the blocks that slid out of its next
+        query's window go back (blocks.py, ``slide``: a windowed model's)."""
         held = self.books.seqs.get(seq.result.id)
-        if held is None or not seq.result.tokens:       # over, or its prompt under way
+        if held is None:                                # over
             return
-        self.books.trim(seq.result.id, held.length - (len(seq.tokens) - 1))
-        if not seq.padding:
-            self._seal(seq)
+        if seq.result.tokens:                           # past its prompt
+            self.books.trim(seq.result.id, held.length - (len(seq.tokens) - 1))
+            if not seq.padding:
+                self._seal(seq)
+        self.books.slide(seq.result.id)
 
     def _sharers(self, seq) -> list:
         """The waiting sequences that will fork seq's prompt, in queue order."""

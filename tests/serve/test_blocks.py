@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 
 from minitransformer.backend import to_numpy
-from minitransformer.serve.blocks import BlockManager, Copy, PoolExhausted, SwapIn, SwapOut
+from minitransformer.serve.blocks import (SLID, BlockManager, Copy, PoolExhausted, SwapIn,
+                                          SwapOut)
 from minitransformer.serve.paged import PagedCache
 from test_paged import check_invariants, prefill
 
@@ -81,6 +82,64 @@ def test_check_names_each_broken_rule_alone():
     for rule, how in rules.items():
         assert broken(sealed(), how) == f"paged cache books: {rule}"
     assert books.index.block_of[name] == named
+
+
+WINDOWED = list(range(1, 14))      # 13 tokens: the query at 13 sees 8..13, in blocks 2 and 3
+
+
+def slid():
+    """A sequence "a" of WINDOWED written and sealed in books of a window of 6, then slid: its
+    blocks 0 and 1 (positions 0..7) released, named, so kept by the prefix cache."""
+    books = BlockManager(num_blocks=8, block_size=4, window=6)
+    books.add("a", WINDOWED)
+    books.written(["a"], books.append(["a"], 13), 13)
+    books.seal("a", WINDOWED)
+    assert books.slide("a") == 2 and books.slide("a") == 0           # once
+    return books
+
+
+def test_blocks_that_slid_out_of_the_window_leave_holes_the_books_keep():
+    """Released as a finished sequence's are (named: kept, found again by a later prompt),
+    the table's entries SLID, counted in slid_out; a fork holds only the blocks held; a swap
+    copies only those and brings the holes back; a trim whose next query would read a
+    released block is refused, changing nothing; every rule of check holds."""
+    books = slid()
+    seq = books.seqs["a"]
+    assert (seq.blocks, seq.slid, seq.held, books.slid_out) == ([SLID, SLID, 2, 3], 2, [2, 3], 2)
+    stats = books.stats()
+    assert (stats.blocks_held, stats.blocks_cached, stats.slots_filled, books.num_free) == \
+        (2, 2, 5, 6)
+    books.check()
+    with pytest.raises(ValueError, match="reach back into blocks released"):
+        books.trim("a", 1)                      # the query at 12 would see 7..12: block 1
+    assert seq.length == 13
+    books.fork("a", "b")
+    assert books.seqs["b"].blocks == seq.blocks and books.refcount[[2, 3]].tolist() == [2, 2]
+    books.free_seq("b")
+    out = books.swap_out("a")
+    assert (out.blocks, out.slid) == (2, 2) and books.take_moves()[0].blocks == (2, 3)
+    assert books.swap_in_cost(out, then=4) == 3           # positions 8..16: blocks 2, 3, 4
+    books.swap_in("a", out)
+    books.seal("a", WINDOWED)                              # names again, offers no hole
+    assert books.seqs["a"].blocks[:2] == [SLID, SLID] and SLID not in books.index.name_of
+    books.check()
+    assert books.add("c", WINDOWED[:9]) == 8              # the kept blocks found by name
+    books.check()
+
+
+def test_a_full_layer_releases_nothing_and_check_names_a_hole_out_of_place():
+    books = BlockManager(num_blocks=8, block_size=4)     # window None: a layer attends fully
+    books.add("a", WINDOWED)
+    books.append(["a"], 13)
+    assert books.slide("a") == 0 and books.window_blocks is None
+    rules = {
+        "a block table's holes are not exactly its first entries":
+            lambda b: setattr(b.seqs["a"], "slid", 1),
+        "a sequence released a block its next query's window still reads":
+            lambda b: setattr(b.seqs["a"], "length", 12),    # the query at 12 sees 7..12
+    }
+    for rule, how in rules.items():
+        assert broken(slid(), how) == f"paged cache books: {rule}"
 
 
 def test_a_fork_is_its_parents_books_and_a_taken_id_is_refused():

@@ -12,6 +12,7 @@ import pytest
 import conftest
 import minitransformer as mt
 from engine_fuzz import run_case
+from minitransformer.checkpoints.synth import mistral_config, random_model
 import minitransformer.serve.runner as runner_module
 
 CASES = 8
@@ -31,6 +32,17 @@ def test_random_workloads_keep_every_invariant(checkpoint_dir, name, batch_invar
     assert any(s["chunked"] for s in seen) and any(not s["chunked"] for s in seen)
     assert any(not s["caching"] for s in seen)
     assert any(s["forked"] for s in seen)
+
+
+def test_random_workloads_on_a_windowed_model_keep_every_invariant():
+    """Mistral with a window of 6, every layer sliding: the blocks that slide out released as
+    sequences run (the books' holes checked after every step, check's rules), under chunks,
+    prefix caching, forks, cancels and both policies; tokens by the near-tie policy (generate's
+    rotating cache sums in another order, so no mode is bit for bit)."""
+    model = random_model(mistral_config(sliding_window=6), seed=1)
+    seen = [run_case(model, seed, batch_invariant=False) for seed in range(CASES)]
+    assert any(s["slid"] for s in seen) and any(s["cached"] for s in seen)
+    assert any(s["chunked"] for s in seen) and any(s["forked"] for s in seen)
 
 
 def test_a_gaussian_logit_error_of_1e_3_fails_the_fast_fuzz(checkpoint_dir, monkeypatch):
