@@ -109,7 +109,7 @@ class Proposer:
         # draft's parameters over the target's
         self.cost = parameter_count(draft_model.config) / parameter_count(target.config)
 
-    def propose(self, asks) -> list:
+    def propose(self, asks: list[Ask]) -> list:
         """Every ask's proposals at once -> per ask (tokens, their q), q None when greedy; at
         most ask.n tokens (a lookup may find fewer, a draft model's full pool gives fewer)."""
         if self.lookup is not None:
@@ -172,7 +172,7 @@ class DraftModel:
         self.runner = Runner(model, self.pool, batch_invariant)
         self.passes = 0     # forward passes of the draft, one a draft position
 
-    def propose(self, asks) -> list:
+    def propose(self, asks: list[Ask]) -> list:
         """Per ask, up to ask.n proposals and their q: ONE pass for every row's first, then
         ONE pass a position over the rows asking for more (the module's docstring)."""
         n = self._fit(asks)                              # per ask, what its blocks allow
@@ -190,7 +190,7 @@ class DraftModel:
                 choose(z, asks[b], *out[b])
         return out
 
-    def _fit(self, asks) -> list:
+    def _fit(self, asks: list[Ask]) -> list[int]:
         """Per ask, its n cut to what the draft's free blocks hold (in order; 0 where even its
         unseen tokens do not fit): it feeds its unseen tokens and all but its last proposal."""
         books, n = self.pool.books, []
@@ -205,7 +205,7 @@ class DraftModel:
                 free -= max(0, books.blocks_for(len(a.tokens) + fits - 1) - held)
         return n
 
-    def _first(self, asks) -> np.ndarray:
+    def _first(self, asks: list[Ask]) -> np.ndarray:
         """Each row feeds what the draft has not seen, in ONE ragged pass (the rows feeding
         as many tokens one group; batch-invariant: each row a pass of its own) -> its last
         position's logits (B, V)."""
@@ -224,7 +224,7 @@ class DraftModel:
                                         for a, f, s in zip(asks, fresh, starts, strict=True)])
         return np.concatenate(logits)                                           # (B, V)
 
-    def _next(self, seq_ids, last) -> np.ndarray:
+    def _next(self, seq_ids: list, last) -> np.ndarray:
         """The rows feed their last proposals, ONE decode pass -> logits (B', V)."""
         starts = self.pool.books.append(seq_ids, 1)
         self.passes += 1

@@ -73,7 +73,7 @@ class Runner:
         """A plan's copies and swaps, in order, before its passes read the pool."""
         self.pool.do(moves)
 
-    def decode(self, seq_ids, starts, fed) -> np.ndarray:
+    def decode(self, seq_ids: list, starts: list[int], fed: list[list[int]]) -> np.ndarray:
         """One forward pass over the decode rows' fed tokens (row b: its last token at
         starts[b], then its proposals, in slots a plan holds) -> logits (R, V), row by row, R
         the tokens fed in all. Batch-invariant: each fed token a row of its own, one token
@@ -94,7 +94,7 @@ class Runner:
                                  zip(seq_ids, starts, fed, strict=True)])
         return np.concatenate(logits)                                              # (R, V)
 
-    def prompt(self, seq_id, start: int, tokens, last: bool = True,
+    def prompt(self, seq_id, start: int, tokens: list[int], last: bool = True,
                scored: bool = False) -> tuple:
         """One row's prompt tokens from start, in one pass -> (its last position's logits
         (V,), None unless last; every position's (n, V), None unless scored). Each is a head
@@ -105,7 +105,7 @@ class Runner:
         final = to_numpy(head(self.model, hidden[:, -1:]))[0, -1] if last else None  # (V,)
         return final, every
 
-    def ragged(self, feeds) -> tuple:
+    def ragged(self, feeds: list[Feed]) -> tuple:
         """Rows of any lengths in ONE forward pass (the module's docstring) -> (per feed, the
         logits it picks, (k, V) for k tokens picked; per feed, every position's logits (n, V)
         if scored, else None), in the feeds' order."""
@@ -130,7 +130,8 @@ class Runner:
         return [mine[b] for b in range(len(feeds))], [scored.get(b) for b in range(len(feeds))]
 
 
-def decode_groups(seq_ids, starts, fed, rows=None) -> tuple:
+def decode_groups(seq_ids: list, starts: list[int], fed: list[list[int]],
+                  rows: list[int] | None = None) -> tuple:
     """Rows of a ragged pass as its groups: the rows feeding as many tokens attend as one
     group (a plain decode: all of them, one token each) -> (the rows' indices in the pass's
     order, the RaggedView's groups). rows: the indices to group (None: all).

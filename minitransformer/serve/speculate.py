@@ -46,6 +46,7 @@ from dataclasses import dataclass, field, replace
 
 from minitransformer.serve.config import SpeculativeConfig
 from minitransformer.serve.drafting import Ask, Proposer, acceptance, draft_length
+from minitransformer.serve.scheduler import Sequence
 from minitransformer.speculative import verify
 
 
@@ -101,13 +102,13 @@ class Speculator:
         self.judged: dict[int, list[int]] = {}  # sequence id -> [accepted, judged] proposals
         self.fed: list[int] = []  # per row, the last step's tokens fed (its last + drafts)
 
-    def wants(self, rows) -> list:
+    def wants(self, rows: list[Sequence]) -> list[int]:
         """Per row, the draft tokens it would verify this step (a padding row: none); the
         plan cuts them to the budget and the free blocks."""
         decoding = sum(not seq.padding for seq in rows)
         return [0 if seq.padding else self._length(seq, decoding) for seq in rows]
 
-    def propose(self, rows, room) -> list:
+    def propose(self, rows, room: list[int]) -> list[Draft]:
         """Every row's draft, from ONE call of the proposer, at most room[b] tokens (the
         slots the plan holds for it) -> a Draft per row. A row that proposes nothing (the
         rule, the budget, the blocks, no match) carries its lookup's first proposal, to be
@@ -121,7 +122,7 @@ class Speculator:
         self.fed = [1 + len(draft.tokens) for draft in drafts]
         return drafts
 
-    def verify(self, seq, logits, draft) -> list:
+    def verify(self, seq: Sequence, logits, draft: Draft) -> list[int]:
         """A row's logits (1 + its proposals, V) from the verification pass -> the tokens it
         keeps: its accepted proposals and one of the target's own (``speculative.verify``,
         with its own generator). The counters and its acceptance books count them, and the
@@ -157,7 +158,7 @@ class Speculator:
         for seq_id in (set(self.judged) | self.proposer.holding()) - set(seq_ids):
             self.forget(seq_id)
 
-    def _length(self, seq, batch: int) -> int:
+    def _length(self, seq: Sequence, batch: int) -> int:
         """This step's draft length for a sequence: the rule's, never past the request's end
         or the draft model's positions (the plan cuts it to the budget and the free blocks)."""
         books = self.judged.get(seq.result.id, (0, 0))
