@@ -142,8 +142,8 @@ def create_app(online: OnlineEngine, name: str, max_request_bytes: int | None = 
     app = FastAPI(title="minitransformer", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.serving = App(online, name, max_request_bytes or default_max_request_bytes(model),
                             longest, ServingMetrics(name), int(time.time()))
-    app.add_exception_handler(HTTPException,    # Starlette types a handler for any Exception:
-                              framework_error)  # type: ignore[arg-type]  # this one's, HTTP's
+    app.add_exception_handler(HTTPException,    # Starlette types a handler for any Exception,
+                              framework_error)  # type: ignore[arg-type]  # this: HTTPException's
     for method, path, handler in ROUTES:
         app.add_api_route(path, handler, methods=[method])
     if api_key is not None:

@@ -85,12 +85,13 @@ class Sizes:                    # the engine's limits, fixed when it is built (f
 class Ticket:                   # a client's handle on its request
     listener: object
     n: int = 1                  # samples: the engine's ids id .. id + n - 1
-    id: int = None  # type: ignore[assignment]  # the engine's request id, once submitted (ids)
+    id: int | None = None       # the engine's request id, once the loop has submitted it
     sent: list[int] = field(default_factory=list)   # per sample, tokens already handed over
     over: list[bool] = field(default_factory=list)  # per sample, whether its last update was sent
 
     @property
     def ids(self) -> range:
+        assert self.id is not None, "a ticket's ids are known once the loop submitted it"
         return range(self.id, self.id + self.n)
 
 
