@@ -12,6 +12,16 @@ same formula against the bytes a real ``KVCache`` holds (its rotating layers kee
 full ones one per position: kvcache.py), on --model's shape given a window of --window, all its
 layers windowed and (Qwen2's way) only the upper half, filled by a real forward pass over
 --model's tokens at each length: equal, or the script fails.
+
+Last the paged engine's blocks (serve/blocks.py), the same shapes: a block spans every layer,
+so it can go back only once it slid out of every layer's window, and a sequence of n tokens
+then holds
+
+    blocks = ceil(n / bs) - floor((n - W + 1) / bs)    (at most ceil((W - 1) / bs) + 1)
+
+where every layer slides (the window rounded out to whole blocks), ceil(n / bs) where one
+attends fully. Against it the blocks the engine holds once a prompt of n tokens has run, and
+the blocks it released: counted, and all of them back in the pool when the request ends.
 """
 import argparse
 from dataclasses import replace
@@ -24,6 +34,9 @@ from _table import Table
 from minitransformer.kvcache import KVCache
 from minitransformer.kvquant import cache_bytes_per_token
 from minitransformer.model import forward
+from minitransformer.serve.config import EngineConfig
+from minitransformer.serve.engine import Engine
+from minitransformer.serve.records import Request
 from sim.kv_memory import GB, format_bytes
 from sim.memory_budget import ModelSpec
 
@@ -37,18 +50,46 @@ def windowed_bytes(config, tokens: int, kv_dtype: str = "f32") -> int:
                           for i in range(config.num_hidden_layers))
 
 
+def paged_blocks(config, tokens: int, block_size: int) -> int:
+    """The formula: a sequence's blocks, less those wholly before its next query's window
+    (tokens - W + 1 on) where every layer slides; all of them where a layer attends fully."""
+    held = -(-tokens // block_size)
+    if config.layer_windows and all(config.layer_windows):
+        held -= max(0, tokens - max(config.layer_windows) + 1) // block_size
+    return held
+
+
+def engine_blocks(model, tokens, block_size: int) -> tuple:
+    """A prompt of `tokens` through a paged engine of one slot (its first token made) -> the
+    blocks it held once the prompt's step was committed, and those it released; all back in
+    the pool when it ends, or the script fails."""
+    pool = -(-(len(tokens) + 1) // block_size)
+    engine = Engine(model, EngineConfig(max_num_seqs=1, block_size=block_size,
+                                        num_gpu_blocks_override=pool,
+                                        enable_prefix_caching=False), history=True)
+    engine.run([Request(tuple(tokens), 1, eos_token_id=[])])
+    books = engine.cache.books
+    if books.num_free != pool or len(books.free) != pool:
+        fail(f"{len(tokens)} tokens: {pool - len(books.free)} blocks not back on the free list")
+    return engine.memory[0].blocks_held, books.slid_out
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_model_argument(parser)
     parser.add_argument("--window", type=int, default=64, help="--model's window (%(default)s)")
-    parser.add_argument("--lengths", type=positive_ints, default="16,64,128,256,512",
+    parser.add_argument("--lengths", type=positive_ints, default="16,64,129,256,513",
                         help="--model's lengths in tokens (default: %(default)s)")
+    parser.add_argument("--block-size", type=int, default=16,
+                        help="the paged engine's tokens per block (%(default)s)")
     parser.add_argument("--contexts", type=positive_ints,
                         default="1024,4096,8192,32768,131072",
                         help="Mistral-7B's context lengths (default: %(default)s)")
     args = parser.parse_args(argv)
     if args.window < 1:
         parser.error(f"--window must be >= 1, got {args.window}")
+    if args.block_size < 1:
+        parser.error(f"--block-size must be >= 1, got {args.block_size}")
 
     m, W = MISTRAL_7B, 4096
     per_token = 2 * m.num_hidden_layers * m.num_key_value_heads * m.head_dim * 2
@@ -77,12 +118,12 @@ def main(argv=None):
                   "(--model's shape, f32)", experiment=11, chapter=False,
                   columns=[("layers", ""), ("tokens", ",d"), ("formula", format_bytes),
                            ("held", format_bytes), ("equal", "")])
-    rng, done = np.random.default_rng(0), 0
+    rng, done, units = np.random.default_rng(0), 0, 2 * len(shapes) * len(args.lengths)
     for name, config in shapes:
         windowed = replace(model, config=config, fused=model.fused)
         for n in args.lengths:
             done += 1
-            progress(done, len(shapes) * len(args.lengths), f"{name}: {n} tokens")
+            progress(done, units, f"{name}: {n} tokens")
             cache = KVCache.allocate(config, 1, n)
             forward(windowed, rng.integers(0, c.vocab_size, (1, n)), cache)
             held, formula = cache.nbytes, windowed_bytes(config, n)
@@ -92,6 +133,35 @@ def main(argv=None):
             table.row(name, n, formula, held, "yes")
     table.note("a windowed layer's bytes stop at its window; a full layer's grow with every "
                "token: a model windowed in half its layers saves half past the window")
+    table.show()
+
+    bs = args.block_size
+    per_block = cache_bytes_per_token(c, "f32") * bs      # a block: bs slots of every layer
+    table = Table(f"Experiment 11, window: the paged engine's blocks held against the formula "
+                  f"(--model's shape, blocks of {bs} tokens, f32)", experiment=11,
+                  chapter=False,
+                  columns=[("layers", ""), ("tokens", ",d"), ("formula", ",d"),
+                           ("held", ",d"), ("released", ",d"), ("held bytes", format_bytes),
+                           ("equal", "")])
+    table.header(f"a block: {bs} slots x {per_block // bs:,} B/token = {per_block:,} B; "
+                 f"every layer windowed: at most ceil(({args.window} - 1) / {bs}) + 1 = "
+                 f"{-(-(args.window - 1) // bs) + 1} blocks")
+    for name, config in shapes:
+        windowed = replace(model, config=config, fused=model.fused)
+        for n in args.lengths:
+            done += 1
+            progress(done, units, f"{name}: {n} tokens through the paged engine")
+            held, released = engine_blocks(windowed, rng.integers(0, c.vocab_size, n).tolist(),
+                                           bs)
+            formula = paged_blocks(config, n, bs)
+            if held != formula or held + released != -(-n // bs):
+                fail(f"{name}, {n} tokens: the engine holds {held} blocks and released "
+                     f"{released}, the formula says {formula} of {-(-n // bs)}")
+            table.row(name, n, formula, held, released, held * per_block, "yes")
+    table.note("a block holds every layer's keys of its slots: it goes back only once it slid "
+               "out of every layer's window, so half the layers windowed releases none; all "
+               "windowed, the blocks stop at the window rounded out to blocks, a block more "
+               "than the rotating cache's slots at most")
     table.show()
 
 

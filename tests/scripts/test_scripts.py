@@ -37,11 +37,19 @@ def test_exp01_identical_tokens(tiny, run_script):
 
 
 def test_exp11_window_holds_what_the_formula_says(tiny, run_script, monkeypatch):
-    """The rotating cache's bytes against the formula, each row checked by the script (a
-    mismatch exits); planted: a ring of one slot too many fails it."""
+    """The rotating cache's bytes and the paged engine's blocks against their formulas, each
+    row checked by the script (a mismatch exits); planted: a ring of one slot too many, and
+    an engine that releases no block, each fail it."""
     out, _ = run_script("exp11_sliding_window", "--model", tiny, "--window", "4",
-                        "--lengths", "2,9")
-    assert "16.0 GB    512 MB" in out and out.count("yes") == 6
+                        "--lengths", "2,9", "--block-size", "2")
+    assert "16.0 GB    512 MB" in out and out.count("yes") == 12
+    assert "every layer W=4          9        2     2         3" in out   # 5 blocks, 3 released
+    import minitransformer.serve.blocks as blocks
+    monkeypatch.setattr(blocks.BlockManager, "slide", lambda books, seq_id: 0)
+    _, err = run_script("exp11_sliding_window", "--model", tiny, "--window", "4",
+                        "--lengths", "9", "--block-size", "2", status=2)
+    assert "the engine holds 5 blocks and released 0, the formula says 2 of 5" in err
+    monkeypatch.undo()
     import minitransformer.kvcache as kvcache
     allocate = kvcache.KVCache.allocate.__func__
     monkeypatch.setattr(kvcache.KVCache, "allocate", classmethod(
