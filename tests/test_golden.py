@@ -6,7 +6,9 @@ eager attention and stored the logits in tests/fixtures/hf_golden.{json,npz}. He
 checkpoints are rebuilt from their seeds and run through minitransformer: the logits must agree to
 float32 rounding (100 eps of the logit scale) and the greedy argmax exactly. The cases cover GQA,
 MHA and MQA; Qwen2's q/k/v bias, Llama with and without q/k/v/o bias; tied and untied heads; bf16,
-fp16 and fp32 storage; rope_theta 100 to 1e6; a head_dim that is not hidden / heads.
+fp16 and fp32 storage; rope_theta 100 to 1e6; a head_dim that is not hidden / heads. The
+sliding-window cases also go through the paged engine: their prompt's logprobs in chunks
+against HF's logits, and a generation far past the window against recomputing's.
 """
 import hashlib
 import json
@@ -108,3 +110,30 @@ def test_the_paged_engine_scores_a_windowed_prompt_as_hugging_face(name, budget,
     np.testing.assert_allclose([t.logprob for t in result.prompt_logprobs[1:]],
                                expected[np.arange(len(ids) - 1), ids[1:]],
                                atol=tolerance(ref))
+
+
+@pytest.mark.parametrize("name", WINDOWED)
+def test_the_paged_engine_generates_a_windowed_checkpoints_tokens(name, checkpoints):
+    """The sliding-window cases' 33-token prompt and 40 new tokens, far past the window of 8,
+    through the paged engine (blocks of 4, chunks of at most 6 tokens, prompt lookup drafting
+    3), twice (the second run finds the first's blocks cached): greedy tokens are
+    recomputing's, by the near-tie policy, and each one's logprob within float32 rounding of
+    its (the tokens of a random model hardly depend on attention; a window one too wide moves
+    the logprobs)."""
+    from conftest import assert_like_solo
+    from minitransformer.serve.config import EngineConfig, SpeculativeConfig
+    from minitransformer.serve.engine import Engine
+    from minitransformer.serve.records import Request
+    model = mt.load(checkpoints[name])
+    ids = CASES[name]["prompts"][-1]
+    engine = Engine(model, EngineConfig(max_num_seqs=2, block_size=4, max_num_batched_tokens=6,
+                                        speculative_config=SpeculativeConfig(
+                                            num_speculative_tokens=3, prompt_lookup_max=3)))
+    steps = mt.generate(model, ids, 40, cache=False, eos_token_id=[], logprobs=1)
+    expected = [s.token for s in steps]
+    for result in engine.run([Request(tuple(ids), 40, eos_token_id=[], logprobs=1)] * 2).results:
+        assert_like_solo(model, result.tokens, expected, ids, eos_token_id=[])
+        same = next((i for i, (a, b) in enumerate(zip(result.tokens, expected, strict=True))
+                     if a != b), 40)
+        np.testing.assert_allclose([t.logprob for t in result.logprobs[:same]],
+                                   [s.logprob for s in steps[:same]], atol=1e-5)

@@ -362,3 +362,34 @@ def test_a_ragged_view_given_the_wrong_number_of_tokens_says_how_many_it_holds(t
     assert ragged.positions(5).shape == (1, 5)
     with pytest.raises(ValueError, match="^a ragged view of 5 tokens was given 4$"):
         ragged.positions(4)
+
+
+@pytest.mark.parametrize("in_place", [True, False], ids=["in-place", "gathered"])
+def test_a_pass_over_tables_with_holes_reads_each_row_from_its_first_block_held(in_place):
+    """Mistral with a window of 6, blocks of 4: rows of 13 and 9 tokens, their blocks that slid
+    out of the window released (2 and 1), decode together, each row's table from its own
+    first block held: their logits are those of the same pool with nothing released (the
+    window's mask hides those positions either way), and the contiguous copy holds zeros where
+    the released blocks were, the same keys after."""
+    from minitransformer.checkpoints.synth import mistral_config
+    from minitransformer.model import head
+    model = random_model(mistral_config(sliding_window=6), seed=3)
+
+    def decode(release):
+        cache = PagedCache.allocate(model.config, 16, block_size=4, in_place=in_place)
+        for seq_id, prompt in (("a", list(range(1, 14))), ("b", list(range(20, 29)))):
+            prefill(model, cache, seq_id, prompt, seal=False)
+        if release:
+            assert (cache.books.slide("a"), cache.books.slide("b")) == (2, 1)
+        logits = head(model, forward(model, np.array([[7], [8]]), cache.view(["a", "b"])))
+        check_invariants(cache)
+        return cache, to_numpy(logits)
+
+    (slid, with_holes), (whole, without) = decode(True), decode(False)
+    np.testing.assert_allclose(with_holes, without, rtol=1e-5, atol=1e-5)
+    short, full = slid.to_contiguous(["a", "b"]), whole.to_contiguous(["a", "b"])
+    for layer in range(model.config.num_hidden_layers):
+        mine, theirs = to_numpy(short.k[layer]), to_numpy(full.k[layer])
+        assert not mine[0, :, :8].any() and not mine[1, :, :4].any()
+        assert (mine[0, :, 8:14] == theirs[0, :, 8:14]).all()
+        assert (mine[1, :, 4:10] == theirs[1, :, 4:10]).all()
