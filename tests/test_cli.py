@@ -422,12 +422,15 @@ def test_keys_typed_while_the_model_answers_are_discarded(story_chat_model):
 
 
 @pytest.mark.skipif(shutil.which("tmux") is None, reason="tmux is not installed")
-def test_chat_in_a_real_terminal(story_chat_model):
-    """Type into the chat under tmux, as a person would, and read the screen."""
+def test_chat_in_a_real_terminal(story_chat_model, tmp_path):
+    """Type into the chat under tmux, as a person would, and read the screen: the answers as
+    the model makes them, and nothing else in their lines. With a tuning file of its own, so
+    that what a step measures the first time (blas.measured_split) is measured during the
+    answers, as on a fresh machine (it printed its lines into them: seen in a clean run)."""
     model, session = story_chat_model, f"mt-chat-{uuid.uuid4().hex[:8]}"
     tmux, screen, wait_for = tmux_session(session)
-    command = f"{sys.executable} -m minitransformer chat --model {model.path} " \
-              f"--max-new-tokens 16"
+    command = f"env MT_TUNING_CACHE={tmp_path / 'tuning.json'} {sys.executable} -m " \
+              f"minitransformer chat --model {model.path} --max-new-tokens 16"
     tmux("new-session", "-d", "-s", session, "-x", "200", "-y", "50", "-c", str(ROOT), command)
     try:
         turns = ["Once upon a time", "The dog was happy"]

@@ -218,10 +218,11 @@ def measured_split(x, w, key: tuple) -> int:
     memory as a step reads w (`rings`, as the routes are timed), SPLIT_TRIALS each, interleaved
     -> T where the parts' fastest is SPLIT_GAIN of the whole's or less, else 1 (where more
     threads do not help, a tiny weight or a bandwidth-bound read, the product takes one
-    thread: never slower at T threads than at 1). Said on stderr, kept in the file."""
+    thread: never slower at T threads than at 1). Kept in the file, quietly: it is measured
+    when a step first makes the product (for M rows, where a layout is measured at load), a few
+    products long, so no pause to explain, and a line would land in the middle of the tokens a
+    chat or `generate` is showing."""
     M, n, cols, held, _, _, route, T = key
-    tell(f"measuring whether {T} threads multiply a {n}x{cols} {held} weight by {M} row"
-         f"{'s' if M != 1 else ''} faster than one (once: kept in {tuning.path()})")
     out = np.empty((len(x), n), np.result_type(x, w))
     turns = itertools.cycle(rings([w])[0])
     best = dict.fromkeys((1, T), float("inf"))
@@ -235,7 +236,7 @@ def measured_split(x, w, key: tuple) -> int:
             best[count] = min(best[count], time.perf_counter() - start)
     release()
     taken = T if best[T] <= SPLIT_GAIN * best[1] else 1
-    tuning.remember(split_key(key), taken)
+    tuning.remember(split_key(key), taken, quiet=True)
     return taken
 
 

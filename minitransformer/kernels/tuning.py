@@ -93,9 +93,11 @@ def known(file: Path) -> dict:
     return read_once[str(file)]
 
 
-def remember(key: str, answer) -> bool:
+def remember(key: str, answer, quiet: bool = False) -> bool:
     """Keep an answer for this machine, merged into what the file holds now (see the
-    docstring) -> whether it was kept. Where it was kept, or why not, is said once."""
+    docstring) -> whether it was kept. Where it was kept is said once (unless quiet: an answer
+    measured in the middle of a step, whose line would land in the middle of an answer on a
+    person's screen); why not, always once."""
     if MODE == "off":
         return False
     file, here = path(), machine()
@@ -107,7 +109,8 @@ def remember(key: str, answer) -> bool:
         say_once(f"not kept in {file} ({why}): what this machine measured is measured again "
                  f"at the next load (MT_TUNING_CACHE=FILE keeps it elsewhere)")
         return False
-    say_once(f"kept in {target}: what this machine measured, read back at the next load")
+    if not quiet:
+        say_once(f"kept in {target}: what this machine measured, read back at the next load")
     return True
 
 

@@ -289,6 +289,18 @@ def test_a_load_that_measures_says_so_on_stderr_and_one_that_reads_says_nothing(
     assert capsys.readouterr().err == ""
 
 
+def test_an_answer_kept_quietly_is_kept_and_said_nowhere(file, capsys):
+    """blas.measured_split keeps its answer mid-step: written to the file as any other, no
+    line on stderr (it would land among a chat's tokens); the next loud answer says where."""
+    assert tuning.remember("split 1 8x8 row-major <f4 <f4 flat 2", 2, quiet=True)
+    assert json.loads(file.read_text())["machines"][tuning.machine()] == {
+        "split 1 8x8 row-major <f4 <f4 flat 2": 2}
+    assert capsys.readouterr().err == ""
+    assert tuning.remember("route 1-0", "flat")
+    assert capsys.readouterr().err == (f"kept in {file}: what this machine measured, read back "
+                                       "at the next load\n")
+
+
 def test_a_server_asks_for_its_slots_rows_before_it_loads(monkeypatch, file):
     """serve measures the products of max_num_seqs rows (its full decode step) at load, with
     the layouts decided over them too; a batch-invariant server multiplies one row at a time."""
