@@ -22,8 +22,9 @@ Whether to cut at all is measured, not assumed: the first TRIALS passes of each 
 as they run (the bits are the same, so the choice moves only the time), and the parts are kept
 only where their fastest is blas.SPLIT_GAIN of the whole's or less: a tiny model's attention,
 where waking a thread costs more than the part, stays whole (kept for the process, not in the
-tuning file: a kind is decided within its first forward pass, one per layer). MT_SPLIT (blas.py) fixes the choice, as it fixes the products'. On CuPy the
-attention is one call per product on the device, never cut.
+tuning file: a kind is decided within its first forward pass, one per layer). MT_SPLIT
+(blas.py) fixes the choice, as it fixes the products'. On CuPy the attention is one call per
+product on the device, never cut.
 """
 import time
 from functools import wraps

@@ -35,9 +35,17 @@ and the median of --repeat rounds are printed, ratios are built from the fastest
              side by side, beside the read floor at each count (the weights' bytes over the
              buffer streamed by that many threads, one dot product each over its share).
              Targets: the 1-row step at N threads <= 0.6x its 1-thread time, or within 1.25x of
-             the N-thread floor; 8 and 16 rows at N threads >= 1.8x the tokens/s at 1. With the
-             CPU time of the process's idle second after them (the pool's workers block).
-             --only-threads runs this table alone.
+             the N-thread floor; 8 and 16 rows at N threads >= 1.8x the tokens/s at 1. A
+             64-token prefill beside them, at N threads not slower than at 1 (within 5%). With
+             the CPU time of the process's idle second after them (the pool's workers block).
+  shares     where the step of 1 and 8 rows spends its time at 1 and N threads, side by side:
+             its products alone, its attention alone, the rest (the step less those: norms,
+             RoPE, SiLU, residual adds, cache writes, one thread by construction) and a draw of
+             each row's token (sampling.next_token, temperature 0.8, top-p 0.95), each one's
+             share, and the step were the rest and the draw split perfectly across the N
+             threads: the most moving them into the threads could save. Below it, what holding
+             BLAS at one thread once per pass saves (threads.one_blas_thread, model.forward).
+             --only-threads runs this table and the one before alone.
   reference  with the `reference` extra (torch, transformers) and a checkpoint directory: the
              same decode step in transformers (eager attention, float32, the same threads),
              timed in the same rounds, and the largest logit difference against ours.
@@ -71,7 +79,7 @@ from _common import (
 )
 from _table import Table
 
-from minitransformer.backend import xp
+from minitransformer.backend import to_numpy, xp
 from minitransformer.checkpoints import real_model
 from minitransformer.checkpoints.synth import make_checkpoint, qwen25_05b_config, weights_dir
 from minitransformer.kernels import blas, threads
@@ -83,7 +91,8 @@ from minitransformer.measure.timing import (
     time_together,
     where_it_ran,
 )
-from minitransformer.model import Model, forward
+from minitransformer.model import Model, forward, head, prepare
+from minitransformer.sampling import SamplingSettings, next_token
 from minitransformer.shape import decode_read_bytes
 
 FLOOR_TARGET, BATCH_TARGET, CEILING_SLACK, BATCH = 1.25, 4.0, 1.1, 16
@@ -92,6 +101,10 @@ ROUTE_COLUMNS, NEAR_DOT = 896, 0.9  # the routes' matrix: Qwen2.5-0.5B's width; 
 ROUTE_ROUNDS = 4                    # the routes are timed in 4 x --repeat rounds
 THREADS_ROWS = (1, 8, 16)            # the steps timed at 1 and N threads
 ONE_ROW_TARGET, STREAMS_TARGET = 0.6, 1.8  # N threads: 1 row <= 0.6x the time; 8, 16 >= 1.8x
+PREFILL_TOKENS = 64                  # the prompt of the threads table's prefill
+NO_SLOWER = 1.05                     # a prefill at N threads "not slower": within 5% of at 1
+SHARE_ROWS = (1, 8)                  # the steps whose time is taken apart at 1 and N threads
+SAMPLED = SamplingSettings(do_sample=True, temperature=0.8, top_p=0.95)  # the sampling timed
 
 
 def checkpoint(spec):
@@ -291,8 +304,10 @@ def main(argv=None):
         parser.error("no model to benchmark")
 
     if args.only_threads:
-        say("[1/1] the step at 1 and N threads, side by side ...")
+        say("[1/2] the step and a prefill at 1 and N threads, side by side ...")
         tables = [threads_table(models, args, ran_on).show()]
+        say("[2/2] where a step's time goes at 1 and N threads, side by side ...")
+        tables.append(shares_table(models, args, ran_on).show())
         if args.markdown:
             write_markdown(args.markdown, tables, argv,
                            f"Decode on 1 and N threads: OpenBLAS kernel {blas_kernel()}")
@@ -305,8 +320,10 @@ def main(argv=None):
     tables.append(floor.show())
     say(f"[3/3] batch 1 against batch {BATCH}, flat and row by row, side by side ...")
     tables.append(batching_table(models, args, ran_on, bandwidth).show())
-    say("[+] the step at 1 and N threads, side by side ...")
+    say("[+] the step and a prefill at 1 and N threads, side by side ...")
     tables.append(threads_table(models, args, ran_on).show())
+    say("[+] where a step's time goes at 1 and N threads, side by side ...")
+    tables.append(shares_table(models, args, ran_on).show())
     if not args.no_quant:
         quantized_tables(models, args, ran_on, tables)
     if args.markdown:
@@ -442,14 +459,18 @@ def threads_table(models, args, ran_on) -> Table:
             step, rollback = decode_steps(model, B, args.context)[:2]
             fns += [at_threads(1, step), at_threads(N, step)]
             after += [rollback, rollback]
-            rows.append((spec, B, decode_read_bytes(model.config, model.weights)))
+            rows.append((spec, f"decode, {B} row{'s' if B > 1 else ''}", B,
+                         decode_read_bytes(model.config, model.weights)))
+        fns += [at_threads(1, prefill(model)), at_threads(N, prefill(model))]
+        after += [None, None]
+        rows.append((spec, f"prefill, {PREFILL_TOKENS} tokens", 0, None))
     timings = time_together(fns, warmup=1, repeat=args.repeat, after=after)
     before = time.process_time()
     time.sleep(1.0)                                   # the pools of 1 and N threads idle
     idle = time.process_time() - before
     read_1, read_n = ((args.buffer_mb << 20) / t.best for t in timings[:2])
-    table = Table(f"Threads: the decode step at 1 and {N} threads, side by side",
-                  columns=[("model", ""), ("rows", "d"), ("1 thread ms", ".1f"),
+    table = Table(f"Threads: the decode step and a prefill at 1 and {N} threads, side by side",
+                  columns=[("model", ""), ("pass", ""), ("1 thread ms", ".1f"),
                            ("med ms", ".1f"), (f"{N} threads ms", ".1f"), ("med ms", ".1f"),
                            (f"{N} / 1", ".2f"), ("med / med", ".2f"),
                            (f"{N}-thread floor ms", ".1f"), (f"/ {N}-thread floor", ".2f"),
@@ -459,24 +480,140 @@ def threads_table(models, args, ran_on) -> Table:
                  f"BLAS's own threads); {args.context} tokens cached per row", *ran_on,
                  f"read floor: {args.buffer_mb} MiB streamed at {read_1 / 1e9:.2f} GB/s by 1 "
                  f"thread, {read_n / 1e9:.2f} GB/s by {N} ({read_1 / read_n:.2f}x the time)")
-    for (spec, B, read), one, many in zip(rows, timings[2::2], timings[3::2], strict=True):
-        floor = read / read_n
+    for (spec, name, B, read), one, many in zip(rows, timings[2::2], timings[3::2], strict=True):
+        floor = None if read is None else read / read_n
         ratio = many.best / one.best
-        if B == 1:
+        if B == 0:                                        # the prefill: never slower at N
+            target = f"not slower (<= {NO_SLOWER}x)"
+            met = ratio <= NO_SLOWER
+        elif B == 1:
             target = f"<= {ONE_ROW_TARGET}x, or <= {FLOOR_TARGET}x the floor"
             met = ratio <= ONE_ROW_TARGET or many.best <= FLOOR_TARGET * floor
         else:
             target = f"tokens/s >= {STREAMS_TARGET}x"
             met = one.best / many.best >= STREAMS_TARGET
-        table.row(spec, B, one.best * 1e3, one.median * 1e3, many.best * 1e3,
-                  many.median * 1e3, ratio, many.median / one.median, floor * 1e3,
-                  many.best / floor, target, "yes" if met else "no")
+        table.row(spec, name, one.best * 1e3, one.median * 1e3, many.best * 1e3,
+                  many.median * 1e3, ratio, many.median / one.median,
+                  None if floor is None else floor * 1e3,
+                  None if floor is None else many.best / floor, target, "yes" if met else "no")
     table.note(f"{N}-thread floor: the step's bytes (shape.decode_read_bytes) at the {N}-thread "
                "read rate; the products of a step split across the threads only where "
                "measured faster (kernels/blas.py: parts), so a no here is the measured choice "
                "of one thread",
                f"idle: {idle:.3f} s of CPU in the 1 s after, the pools' workers waiting")
     return table
+
+
+def prefill(model, tokens=PREFILL_TOKENS, seed=0):
+    """-> a function prefilling a fresh cache with the same `tokens` random tokens and taking
+    the last position's logits: a prompt's pass, products of many rows and attention over them."""
+    c = model.config
+    prompt = np.random.default_rng(seed).integers(0, c.vocab_size, (1, tokens))
+
+    def run():
+        cache = KVCache.allocate(c, 1, tokens)
+        return to_numpy(head(model, forward(model, prompt, cache)[:, -1:]))     # (1, 1, V)
+    return run
+
+
+def attention_only(model, cache, token):
+    """-> a function making every layer's attention of the step on this cache, nothing else:
+    a random query per row and head over the keys and values the cache holds (the step's
+    own shapes and mask, from model.prepare)."""
+    c = model.config
+    batch = prepare(model, token, cache)
+    S = batch.slots[-1]                                  # the longest row, after the step
+    rng = np.random.default_rng(0)
+    q = xp.asarray(rng.standard_normal((len(token), 1, c.num_attention_heads, c.head_dim),
+                                       dtype=np.float32))                       # (B, 1, H, d)
+    held = [(cache.k[i][:, :, :S], cache.v[i][:, :, :S]) for i in range(c.num_hidden_layers)]
+    return lambda: [batch.attend(q, k, v, batch.visible) for k, v in held]
+
+
+def sampling_only(model, B, seed=0):
+    """-> a function drawing a token for each of B rows from random logits (V,) each, by
+    SAMPLED (the penalty, the softmax, top-p's sort and the draw: sampling.next_token)."""
+    rng = np.random.default_rng(seed)
+    logits = rng.standard_normal((B, model.config.vocab_size), dtype=np.float32)
+    return lambda: [next_token(row, [], SAMPLED, rng) for row in logits]
+
+
+def shares_table(models, args, ran_on) -> Table:
+    """Where a decode step's time goes at 1 and N threads, side by side: the step, its
+    products alone, its attention alone, the rest (the step less those two: the norms, RoPE,
+    SiLU, the residual adds, the cache writes), and sampling's draw beside it; with what the
+    step would take were the rest and the sampling split perfectly across the N threads."""
+    N = args.side_threads or threads.default_count()
+    fns, after, rows = [], [], []
+    for spec, _, model in models:
+        for B in SHARE_ROWS:
+            cache, _, token = decode_cache(model, B, args.context)
+            step, rollback = step_with_rollback(model, cache, token)
+            parts = [step, products_only(model, B), attention_only(model, cache, token),
+                     sampling_only(model, B)]
+            for n in (1, N):
+                fns += [at_threads(n, fn) for fn in parts]
+                after += [rollback, None, None, None]
+                rows.append((spec, B, n))
+    timings = time_together(fns, warmup=1, repeat=args.repeat, after=after)
+    table = Table(f"Threads: where a decode step's time goes at 1 and {N} threads",
+                  columns=[("model", ""), ("rows", "d"), ("threads", "d"), ("step ms", ".2f"),
+                           ("products ms", ".2f"), ("attention ms", ".2f"),
+                           ("the rest ms", ".2f"), ("rest share", ".0%"),
+                           ("sampling ms", ".2f"), ("sampling share", ".0%"),
+                           ("both split ms", ".2f"), ("split / step", ".2f")])
+    table.header(f"time: fastest of {args.repeat}+ rounds after 1 warm-up, all side by side; "
+                 f"{args.context} tokens cached per row; step: forward and head "
+                 "(measure.timing.step_with_rollback); products: the step's weight products "
+                 "alone; attention: every layer's, alone; the rest: the step less those two; "
+                 "sampling: sampling.next_token at temperature 0.8, top-p 0.95, each row",
+                 *ran_on)
+    for (spec, B, n), i in zip(rows, range(0, len(fns), 4), strict=True):
+        step, products, attention, sampled = (t.best for t in timings[i:i + 4])
+        rest = max(step - products - attention, 0.0)
+        split = step + sampled - (rest + sampled) * (1 - 1 / n)   # the rest and the draw / n
+        table.row(spec, B, n, step * 1e3, products * 1e3, attention * 1e3, rest * 1e3,
+                  rest / step, sampled * 1e3, sampled / (step + sampled), split * 1e3,
+                  split / (step + sampled))
+    table.note(f"both split: the step and its draw, were the rest and the sampling split "
+               f"perfectly across the threads (1/{N} of their time): 'split / step' is the most "
+               "that moving them into the threads could save", holds_line(models[0][2], N))
+    return table
+
+
+def holds_line(model, N) -> str:
+    """What holding BLAS at one thread once per pass saves (threads.one_blas_thread, held by
+    model.forward): the holds a 1-row step makes inside its pass's, each timed nested and on
+    its own (BLAS's count got and set), side by side at N threads."""
+    cache, _, token = decode_cache(model, 1, 8)
+    step, rollback = step_with_rollback(model, cache, token)
+    made, hold = {True: 0, False: 0}, threads.one_blas_thread   # nested: one open already
+
+    def counted():
+        made[threads.holding > 0] += 1
+        return hold()
+    threads.one_blas_thread = counted
+    try:
+        step()
+    finally:
+        threads.one_blas_thread = hold
+        rollback()
+
+    def holds(n=1000):
+        for _ in range(n):
+            with hold():
+                pass
+
+    def nested():
+        with hold():
+            holds()
+    own, inner = time_together([at_threads(N, holds), at_threads(N, nested)], warmup=1,
+                               repeat=5)
+    saved = made[True] * (own.best - inner.best) / 1000
+    return (f"BLAS held once per pass: a 1-row step makes {made[True]} holds inside its pass's "
+            f"own ({made[False]} not: the pass's, the head's), {inner.best * 1e3:.2f} us each "
+            f"against {own.best * 1e3:.2f} us on its own (BLAS's count got and set, at {N} "
+            f"threads): {saved * 1e3:.2f} ms a step saved")
 
 
 def checkpoint_layout(model):

@@ -53,6 +53,7 @@ from _common import (
 )
 from _table import Table
 from bench_decode import (
+    attention_only,
     checkpoint,
     decode_cache,
     product_weights,
@@ -72,7 +73,6 @@ from minitransformer.measure.timing import (
     time_together,
     where_it_ran,
 )
-from minitransformer.model import prepare
 from minitransformer.shape import decode_read_bytes
 
 BATCHES = (1, 4, 16, 32)
@@ -111,20 +111,6 @@ def products_in_cache(model, rows):
                 slabs[key] = w[:size].copy(order="F" if key[2] == "column-major" else "C")
             calls.append((x, slabs[key]))
     return lambda: [linear(x, slab) for x, slab in calls]
-
-
-def attention_only(model, cache, token):
-    """-> a function making every layer's attention of the step on this cache, nothing else:
-    a random query per row and head over the keys and values the cache holds (the step's
-    own shapes and mask, from model.prepare)."""
-    c = model.config
-    batch = prepare(model, token, cache)
-    S = batch.slots[-1]                                  # the longest row, after the step
-    rng = np.random.default_rng(0)
-    q = xp.asarray(rng.standard_normal((len(token), 1, c.num_attention_heads, c.head_dim),
-                                       dtype=np.float32))                       # (B, 1, H, d)
-    held = [(cache.k[i][:, :, :S], cache.v[i][:, :, :S]) for i in range(c.num_hidden_layers)]
-    return lambda: [batch.attend(q, k, v, batch.visible) for k, v in held]
 
 
 def attention_work(config, lengths) -> tuple:

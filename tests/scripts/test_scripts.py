@@ -166,8 +166,9 @@ def test_bench_decode_runs_and_checks_its_bits(tiny, run_script, tmp_path):
     assert where_it_ran().split("; BLAS:")[0] in out and f"kernel {blas_kernel()}" in out
     written = markdown.read_text()       # the same tables, headed by the kernel
     assert written.startswith(f"# Decode benchmark: OpenBLAS kernel {blas_kernel()}\n")
-    assert written.count("\n### ") == 6 and "| model | B=1 ms | B=16 flat ms |" in written
-    assert "Threads: the decode step at 1 and" in out
+    assert written.count("\n### ") == 7 and "| model | B=1 ms | B=16 flat ms |" in written
+    assert "Threads: the decode step and a prefill at 1 and" in out
+    assert "Threads: where a decode step's time goes at 1 and" in out
     routes = out.split("Product routes:")[1].split("Decode benchmark:")[0]
     assert "W (2340, 896) float32" in routes and "dot product over the same bytes" in routes
     assert all(f" {route} " in routes for route in blas.ONE_ROW)
@@ -179,17 +180,25 @@ def test_bench_decode_runs_and_checks_its_bits(tiny, run_script, tmp_path):
 
 
 def test_bench_decode_times_the_step_at_one_and_n_threads_side_by_side(tiny, run_script):
-    """--only-threads: the steps of 1, 8 and 16 rows at 1 and N threads in one table, the read
-    floor at each count and the idle CPU beside them; the threads setting put back after."""
+    """--only-threads: the steps of 1, 8 and 16 rows and a prefill at 1 and N threads in one
+    table, the read floor at each count and the idle CPU beside them; then where the steps of
+    1 and 8 rows spend their time at each count (the rest's share, sampling's, and what the
+    holds of BLAS at one thread save); the threads setting put back after."""
     from minitransformer.kernels import threads
     before = threads.count(), threads.pool
     out, _ = run_script("bench_decode", "--model", tiny, "--context", 8, "--repeat", 1,
                         "--buffer-mb", 4, "--only-threads", "--side-threads", 3,
                         "--threads", 1)
-    assert "Threads: the decode step at 1 and 3 threads, side by side" in out
-    assert "read floor: 4 MiB streamed at" in out and "idle: " in out
-    rows = [line.split() for line in out.splitlines() if line.startswith("tiny")]
-    assert [int(r[1]) for r in rows] == [1, 8, 16]
+    timed, shares = out.split("Threads: where a decode step's time goes at 1 and 3 threads")
+    assert "Threads: the decode step and a prefill at 1 and 3 threads, side by side" in timed
+    assert "read floor: 4 MiB streamed at" in timed and "idle: " in timed
+    rows = [line.split(None, 1)[1] for line in timed.splitlines() if line.startswith("tiny")]
+    assert [r.split("  ")[0] for r in rows] == ["decode, 1 row", "decode, 8 rows",
+                                                 "decode, 16 rows", "prefill, 64 tokens"]
+    assert "not slower" in rows[-1]
+    rows = [line.split() for line in shares.splitlines() if line.startswith("tiny")]
+    assert [(int(r[1]), int(r[2])) for r in rows] == [(1, 1), (1, 3), (8, 1), (8, 3)]
+    assert re.search(r"a 1-row step makes [1-9]\d* holds inside its pass's own", shares)
     assert (threads.count(), threads.pool) == before
 
 
