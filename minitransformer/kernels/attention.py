@@ -17,26 +17,19 @@ in another order. Each part's (B', T, H'*d) lands in its place of the (B, T, H*d
 Which cut: as many parts as threads, at most one per sequence or kv head: the sequences where
 the batch has one for each part (a decode step of many streams: parts of equal work), else the
 kv heads (a prefill, a single stream; SmolLM2's 3 kv heads on 2 threads are parts of 2 and 1).
-Whether to cut at all is measured, not assumed: the first TRIALS passes of each kind of call
-(the way, B, T, the heads, and S to within a power of two) alternate whole and in parts, timed
-as they run (the bits are the same, so the choice moves only the time), and the parts are kept
-only where their fastest is blas.SPLIT_GAIN of the whole's or less: a tiny model's attention,
-where waking a thread costs more than the part, stays whole (kept for the process, not in the
-tuning file: a kind is decided within its first forward pass, one per layer). MT_SPLIT
+Whether to cut at all is measured, not assumed (threads.whole_or_parts): the first passes of
+each kind of call (the way, B, T, the heads, and S to within a power of two) alternate whole
+and in parts, timed as they run (the bits are the same, so the choice moves only the time), and
+the parts are kept only where they were threads.SPLIT_GAIN of the whole's time or less: a tiny
+model's attention, where waking a thread costs more than the part, stays whole (kept for the
+process, not in the tuning file: a kind is decided within its first forward pass). MT_SPLIT
 (blas.py) fixes the choice, as it fixes the products'. On CuPy the attention is one call per
 product on the device, never cut.
 """
-import time
 from functools import wraps
 
 from minitransformer.backend import BACKEND, xp
 from minitransformer.kernels import blas, threads
-
-TRIALS = 3               # timed passes whole and in parts (alternating) before a kind is decided
-# (way, B, T, H, Hkv, d, S's bits, threads) -> the parts kept: 1 or the count
-taken: dict[tuple, int] = {}
-# the same keys -> {1: [seconds], count: [seconds]}, while a kind is measured
-timings: dict[tuple, dict[int, list[float]]] = {}
 
 
 def on_threads(attend):
@@ -60,11 +53,12 @@ def on_threads(attend):
         if count == 1:
             with threads.one_blas_thread():
                 return attend(q, k, v, visible)
-        key = (attend.__qualname__, *q.shape[:3], k.shape[1], q.shape[3], k.shape[2].bit_length(),
-               count)
-        if key in taken or blas.FIXED_SPLIT == "parts":
-            return in_parts(attend, q, k, v, visible, taken.get(key, count))
-        return measured(key, attend, q, k, v, visible, count)
+        if blas.FIXED_SPLIT == "parts":
+            return in_parts(attend, q, k, v, visible, count)
+        kind = (attend.__qualname__, *q.shape[:3], k.shape[1], q.shape[3],
+                k.shape[2].bit_length(), count)                  # S to within a power of two
+        return threads.whole_or_parts(kind, lambda n: in_parts(attend, q, k, v, visible, n),
+                                      count)
     return attend_on_threads
 
 
@@ -80,20 +74,6 @@ def axis(B: int, count: int) -> str:
     """What a pass of B sequences is cut along into count parts: the sequences where it has a
     sequence a part, else the kv heads."""
     return "sequences" if B >= count else "kv heads"
-
-
-def measured(key: tuple, attend, q, k, v, visible, count: int):
-    """One of a kind's first passes, whole or in parts (the fewer timed so far), timed; once
-    each is timed TRIALS times, the faster kept in `taken` (the parts only at SPLIT_GAIN)."""
-    seen = timings.setdefault(key, {1: [], count: []})
-    n = 1 if len(seen[1]) <= len(seen[count]) else count
-    start = time.perf_counter()
-    out = in_parts(attend, q, k, v, visible, n)
-    seen[n].append(time.perf_counter() - start)
-    if len(seen[count]) >= TRIALS:
-        taken[key] = count if min(seen[count]) <= blas.SPLIT_GAIN * min(seen[1]) else 1
-        del timings[key]
-    return out
 
 
 def in_parts(attend, q, k, v, visible, count: int):

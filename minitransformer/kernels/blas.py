@@ -85,7 +85,6 @@ FIXED_LAYOUT = environment_choice("MT_LAYOUT", LAYOUTS, "a layout", "to measure"
 SPLITS = ("whole", "parts")
 FIXED_SPLIT = environment_choice("MT_SPLIT", SPLITS, "a split", "to measure")
 SPLIT_TRIALS = 5         # timings of a product whole and in parts (the fastest of each counts)
-SPLIT_GAIN = 0.95        # the parts are taken only where this much faster than the whole
 PART_COLUMNS = 16        # a part's output columns: a multiple of this (64 bytes of float32)
 TRIALS = 3               # timings per route and layout when a shape is measured (the fastest)
 COLD_BYTES = 1 << 20     # a weight this large is timed from memory, as a decode step reads it
@@ -216,12 +215,12 @@ def split_key(key: tuple) -> str:
 def measured_split(x, w, key: tuple) -> int:
     """Time the product whole on one thread and in T parts on the pool, side by side, from
     memory as a step reads w (`rings`, as the routes are timed), SPLIT_TRIALS each, interleaved
-    -> T where the parts' fastest is SPLIT_GAIN of the whole's or less, else 1 (where more
-    threads do not help, a tiny weight or a bandwidth-bound read, the product takes one
-    thread: never slower at T threads than at 1). Kept in the file, quietly: it is measured
-    when a step first makes the product (for M rows, where a layout is measured at load), a few
-    products long, so no pause to explain, and a line would land in the middle of the tokens a
-    chat or `generate` is showing."""
+    -> T where the parts' fastest is threads.SPLIT_GAIN of the whole's or less, else 1
+    (where more threads do not help, a tiny weight or a bandwidth-bound read, the product
+    takes one thread: never slower at T threads than at 1). Kept in the file, quietly: it is
+    measured when a step first makes the product (for M rows, where a layout is measured at
+    load), a few products long, so no pause to explain, and a line would land in the middle of
+    the tokens a chat or `generate` is showing."""
     M, n, cols, held, _, _, route, T = key
     out = np.empty((len(x), n), np.result_type(x, w))
     turns = itertools.cycle(rings([w])[0])
@@ -235,7 +234,7 @@ def measured_split(x, w, key: tuple) -> int:
             in_parts(route, x, w, out, count)
             best[count] = min(best[count], time.perf_counter() - start)
     release()
-    taken = T if best[T] <= SPLIT_GAIN * best[1] else 1
+    taken = T if best[T] <= threads.SPLIT_GAIN * best[1] else 1
     tuning.remember(split_key(key), taken, quiet=True)
     return taken
 

@@ -39,6 +39,7 @@ no CPU. They start at the first split product; a process forked after it starts 
 import os
 import queue
 import threading
+import time
 from contextlib import contextmanager
 from functools import wraps
 
@@ -203,6 +204,70 @@ def using(n: int):
         COUNT, pool = before
         for lib, count_before in zip(libraries, blas, strict=True):
             lib.set_num_threads(count_before)
+
+
+SPLIT_GAIN = 0.95        # parts are taken only where this much faster than the whole
+TRIALS = 3               # timed calls whole and in parts (alternating) before a kind is decided
+# what was measured as it ran (whole_or_parts): kind -> the parts kept, 1 or the count
+taken: dict[tuple, int] = {}
+# the same kinds -> {1: [seconds], count: [seconds]}, while a kind is measured
+timings: dict[tuple, dict[int, list[float]]] = {}
+
+
+def whole_or_parts(kind: tuple, run, count: int):
+    """run(1) or run(count): work that gives the same result whole on this thread or in count
+    parts on the pool, whichever was measured faster for this kind of call. The first TRIALS
+    calls of each kind alternate whole and in parts, timed as they run (the result is the same,
+    so the choice moves only the time); then the parts are kept only where their fastest was
+    SPLIT_GAIN of the whole's or less (waking a thread costs more than a small part saves).
+    Kept for the process (`taken`): a kind's first calls come within its first steps.
+
+    >>> kind = ("a doctest's squares", 4)
+    >>> [whole_or_parts(kind, lambda n: [x * x for x in range(4)], 2)[-1] for _ in range(8)]
+    [9, 9, 9, 9, 9, 9, 9, 9]
+    >>> taken[kind] in (1, 2) and kind not in timings
+    True
+    """
+    if kind in taken:
+        return run(taken[kind])
+    seen = timings.setdefault(kind, {1: [], count: []})
+    n = 1 if len(seen[1]) <= len(seen[count]) else count
+    start = time.perf_counter()
+    out = run(n)
+    seen[n].append(time.perf_counter() - start)
+    if len(seen[count]) >= TRIALS:
+        taken[kind] = count if min(seen[count]) <= SPLIT_GAIN * min(seen[1]) else 1
+        del timings[kind]
+    return out
+
+
+def map_in_parts(fn, items, kind=None) -> list:
+    """[fn(item) for item in items], the items cut into at most T runs in order, each run on a
+    thread of the pool: for items that share nothing (each decode row's draw of its token, from
+    its own logits and its own generator), whose results are then the same whichever thread
+    made them. NumPy lets go of the interpreter's lock inside its loops (a top-p draw's sort
+    over the vocabulary), so the runs really run side by side. kind: what the call is, for
+    whole_or_parts to cut only where cutting was measured faster; None: always cut.
+
+    >>> map_in_parts(lambda x: x * x, range(5))
+    [0, 1, 4, 9, 16]
+    """
+    items = list(items)
+    n = min(COUNT, len(items))
+    if n <= 1:
+        return [fn(item) for item in items]
+    out: list = [None] * len(items)
+
+    def part(a: int, b: int) -> None:
+        for i in range(a, b):
+            out[i] = fn(items[i])
+
+    def runs(count: int) -> list:
+        pool.run([lambda a=a, b=b: part(a, b) for a, b in
+                  ((i * len(items) // count, (i + 1) * len(items) // count)
+                   for i in range(count))])
+        return out
+    return runs(n) if kind is None else whole_or_parts((*kind, len(items), n), runs, n)
 
 
 def run(tasks) -> None:

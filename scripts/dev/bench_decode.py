@@ -40,11 +40,12 @@ and the median of --repeat rounds are printed, ratios are built from the fastest
              the CPU time of the process's idle second after them (the pool's workers block).
   shares     where the step of 1 and 8 rows spends its time at 1 and N threads, side by side:
              its products alone, its attention alone, the rest (the step less those: norms,
-             RoPE, SiLU, residual adds, cache writes, one thread by construction) and a draw of
-             each row's token (sampling.next_token, temperature 0.8, top-p 0.95), each one's
-             share, and the step were the rest and the draw split perfectly across the N
-             threads: the most moving them into the threads could save. Below it, what holding
-             BLAS at one thread once per pass saves (threads.one_blas_thread, model.forward).
+             RoPE, SiLU, residual adds, cache writes, one thread by construction), its share,
+             and the step were the rest split perfectly across the N threads: the most moving
+             it into the threads could save; beside them a draw of each row's token
+             (sampling.next_token, temperature 0.8, top-p 0.95; the rows side by side on the
+             threads, as the engine draws them). Below it, what holding BLAS at one thread
+             once per pass saves (threads.one_blas_thread, model.forward).
              --only-threads runs this table and the one before alone.
   reference  with the `reference` extra (torch, transformers) and a checkpoint directory: the
              same decode step in transformers (eager attention, float32, the same threads),
@@ -532,17 +533,22 @@ def attention_only(model, cache, token):
 
 def sampling_only(model, B, seed=0):
     """-> a function drawing a token for each of B rows from random logits (V,) each, by
-    SAMPLED (the penalty, the softmax, top-p's sort and the draw: sampling.next_token)."""
+    SAMPLED (the penalty, the softmax, top-p's sort and the draw: sampling.next_token), each
+    row by its own generator, the rows side by side on the threads where measured faster, as
+    the engine draws them (threads.map_in_parts)."""
     rng = np.random.default_rng(seed)
-    logits = rng.standard_normal((B, model.config.vocab_size), dtype=np.float32)
-    return lambda: [next_token(row, [], SAMPLED, rng) for row in logits]
+    rows = [(z, np.random.default_rng([seed, b])) for b, z in
+            enumerate(rng.standard_normal((B, model.config.vocab_size), dtype=np.float32))]
+    return lambda: threads.map_in_parts(lambda row: next_token(row[0], [], SAMPLED, row[1]),
+                                        rows, ("draws", True))
 
 
 def shares_table(models, args, ran_on) -> Table:
     """Where a decode step's time goes at 1 and N threads, side by side: the step, its
     products alone, its attention alone, the rest (the step less those two: the norms, RoPE,
-    SiLU, the residual adds, the cache writes), and sampling's draw beside it; with what the
-    step would take were the rest and the sampling split perfectly across the N threads."""
+    SiLU, the residual adds, the cache writes), with what the step would take were the rest
+    split perfectly across the N threads; and the draw of each row's token beside it (the
+    rows side by side on the threads, as the engine draws them)."""
     N = args.side_threads or threads.default_count()
     fns, after, rows = [], [], []
     for spec, _, model in models:
@@ -560,24 +566,25 @@ def shares_table(models, args, ran_on) -> Table:
                   columns=[("model", ""), ("rows", "d"), ("threads", "d"), ("step ms", ".2f"),
                            ("products ms", ".2f"), ("attention ms", ".2f"),
                            ("the rest ms", ".2f"), ("rest share", ".0%"),
-                           ("sampling ms", ".2f"), ("sampling share", ".0%"),
-                           ("both split ms", ".2f"), ("split / step", ".2f")])
+                           ("rest split ms", ".2f"), ("split / step", ".2f"),
+                           ("draw ms", ".2f"), ("draw share", ".0%")])
     table.header(f"time: fastest of {args.repeat}+ rounds after 1 warm-up, all side by side; "
                  f"{args.context} tokens cached per row; step: forward and head "
                  "(measure.timing.step_with_rollback); products: the step's weight products "
                  "alone; attention: every layer's, alone; the rest: the step less those two; "
-                 "sampling: sampling.next_token at temperature 0.8, top-p 0.95, each row",
-                 *ran_on)
+                 "draw: sampling.next_token at temperature 0.8, top-p 0.95, for each row "
+                 "(its share: of the step and the draw)", *ran_on)
     for (spec, B, n), i in zip(rows, range(0, len(fns), 4), strict=True):
         step, products, attention, sampled = (t.best for t in timings[i:i + 4])
         rest = max(step - products - attention, 0.0)
-        split = step + sampled - (rest + sampled) * (1 - 1 / n)   # the rest and the draw / n
+        split = step - rest * (1 - 1 / n)                       # the rest in 1/n of its time
         table.row(spec, B, n, step * 1e3, products * 1e3, attention * 1e3, rest * 1e3,
-                  rest / step, sampled * 1e3, sampled / (step + sampled), split * 1e3,
-                  split / (step + sampled))
-    table.note(f"both split: the step and its draw, were the rest and the sampling split "
-               f"perfectly across the threads (1/{N} of their time): 'split / step' is the most "
-               "that moving them into the threads could save", holds_line(models[0][2], N))
+                  rest / step, split * 1e3, split / step, sampled * 1e3,
+                  sampled / (step + sampled))
+    table.note(f"rest split: the step, were the rest split perfectly across the threads (1/{N} "
+               "of its time): 'split / step' is the most that moving it into the threads could "
+               "save (it is many small NumPy calls on a few rows, each dispatched holding the "
+               "interpreter's lock)", holds_line(models[0][2], N))
     return table
 
 

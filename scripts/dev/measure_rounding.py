@@ -58,9 +58,9 @@ class Recording(Engine):
         super().__init__(*args, **kwargs)
         self.seen = []
 
-    def _sample(self, live, logits):
+    def _sample(self, live, logits, token=None):
         self.seen.append((live.result.id, len(live.result.tokens), np.array(logits)))
-        super()._sample(live, logits)
+        super()._sample(live, logits, token)
 
 
 def workload(vocab_size, requests, new_tokens, seed) -> list:

@@ -122,26 +122,26 @@ class Clock:
 
 @pytest.mark.parametrize("whole, part, kept", [(10.0, 4.0, 2), (10.0, 6.0, 1)])
 def test_a_kind_of_pass_is_cut_only_where_measured_faster(monkeypatch, whole, part, kept):
-    """The first TRIALS passes of a kind alternate whole and in parts, then the faster is kept
-    (the parts only at SPLIT_GAIN of the whole's or less: 8 of 10 is, 12 of 10 is not), and
-    every later pass of that kind is made so, measuring no more."""
+    """The first TRIALS passes of a kind alternate whole and in parts (threads.whole_or_parts),
+    then the faster is kept (the parts only at SPLIT_GAIN of the whole's or less: 8 of 10 is,
+    12 of 10 is not), and every later pass of that kind is made so, measuring no more."""
     clock = Clock(whole, part)
-    monkeypatch.setattr(attention, "time", clock)
+    monkeypatch.setattr(threads, "time", clock)
     monkeypatch.setattr(blas, "FIXED_SPLIT", None)
-    monkeypatch.setattr(attention, "taken", {})
-    monkeypatch.setattr(attention, "timings", {})
+    monkeypatch.setattr(threads, "taken", {})
+    monkeypatch.setattr(threads, "timings", {})
     attend = attention.on_threads(clock.attend)
     q, k, v, positions = operands(3, 1, 6, 3, 40)
     visible = causal_mask(positions, 40)
     with threads.using(2):
         made = []
-        for _ in range(2 * attention.TRIALS + 3):
+        for _ in range(2 * threads.TRIALS + 3):
             before = clock.now
             assert same_bits(attend(q, k, v, visible), plain_attention(q, k, v, visible))
             made.append(1 if clock.now - before == whole else 2)
-    assert made[:2 * attention.TRIALS] == [1, 2] * attention.TRIALS      # alternating, timed
-    assert made[2 * attention.TRIALS:] == [kept] * 3
-    assert list(attention.taken.values()) == [kept] and attention.timings == {}
+    assert made[:2 * threads.TRIALS] == [1, 2] * threads.TRIALS      # alternating, timed
+    assert made[2 * threads.TRIALS:] == [kept] * 3
+    assert list(threads.taken.values()) == [kept] and threads.timings == {}
 
 
 def test_one_blas_thread_nests_and_puts_blas_back_once_the_last_closes():

@@ -224,6 +224,36 @@ def test_batch_invariant_decodes_multiply_each_row_alone(tiny_model, monkeypatch
     assert max(rows) == 3 and len(rows) == len(decodes) * (4 * layers + 1)
 
 
+def test_a_steps_rows_draw_their_tokens_side_by_side_on_the_threads(tiny_model, monkeypatch):
+    """At 2 threads the rows of a decode step that sample draw on the caller's thread and the
+    pool's worker at once (threads.map_in_parts; its first steps' draws are cut, while it
+    measures), each the token it draws at 1 thread: a draw reads only its own row's logits
+    and generator. Top-p's sort is the costly draw."""
+    import threading
+
+    from minitransformer.kernels import threads
+    drawn_on, draw = [], Engine._draw
+
+    def spy(self, seq, logits):
+        drawn_on.append(threading.current_thread().name)
+        return draw(self, seq, logits)
+    monkeypatch.setattr(Engine, "_draw", spy)
+    monkeypatch.setattr(threads, "taken", {})    # measured afresh: the first steps alternate
+    monkeypatch.setattr(threads, "timings", {})  # whole and in parts (whole_or_parts)
+    top_p = SamplingSettings(do_sample=True, temperature=0.9, top_p=0.9)
+    requests = [Request(PROMPT[:n], 6, sampling=top_p, seed=n + i, eos_token_id=[])
+                for i, n in enumerate((3, 6, 6, 11))]
+    tokens, names = {}, {}
+    for n in (1, 2):
+        drawn_on.clear()
+        with threads.using(n):
+            run = Engine(tiny_model, EngineConfig(max_num_seqs=4, block_size=4)).run(requests)
+        tokens[n], names[n] = [r.tokens for r in run.results], set(drawn_on)
+    assert tokens[1] == tokens[2] and all(len(t) == 6 for t in tokens[1])
+    here = threading.current_thread().name
+    assert names[1] == {here} and names[2] == {here, "product-part-1"}
+
+
 @pytest.mark.usefixtures("step_threads")
 def test_batch_invariant_requests_get_the_bits_they_get_alone(tiny_model):
     """Four requests of three lengths decode side by side, nothing cached: each one's

@@ -220,9 +220,9 @@ class Recording(Engine):
         super().__init__(*args, **kwargs)
         self.seen = {}
 
-    def _sample(self, seq, logits):
+    def _sample(self, seq, logits, token=None):
         self.seen.setdefault(seq.result.id, []).append(np.array(logits))
-        super()._sample(seq, logits)
+        super()._sample(seq, logits, token)
 
 
 @pytest.mark.parametrize("batch_invariant", [True, False])
