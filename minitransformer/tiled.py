@@ -23,8 +23,9 @@ from minitransformer.model import Attention, causal_mask, plain_attention, softm
 BLOCK = 64  # queries and keys per tile: a tile of scores is 64 x 64 floats (16 KB) per head
 # slots of keys (and values) two_pass_attention reads at a time: a row of 1,024 (or 1,025)
 # in 4 tiles.
-# Measured on SmolLM2's 8-row decode step at 1,024 tokens: tiles of 128 or 512 slots were
-# slower than 256 (more calls a layer; a larger copy a tile).
+# 256 trades calls for copies: a smaller tile makes more calls a layer, a larger one copies
+# more a tile (on SmolLM2's 8-row decode step at 1,024 tokens, where it was chosen, 128 and
+# 512 were both the slower: time that step again before moving it).
 DECODE_TILE = 256
 
 

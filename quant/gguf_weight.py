@@ -157,7 +157,7 @@ def quantize_blocks(w: np.ndarray, stored: str) -> np.ndarray:
     """QUANTIZERS[stored](w), CHUNK_WEIGHTS weights (whole rows) at a time: a block's bytes
     depend on its own weights only, so the same bytes, while every array a search makes over
     a chunk (a few hundred KB) stays in the core's cache, where one over the whole matrix
-    (megabytes) streams from memory at every step: Q4_K 1.5x, IQ4_NL 2.2x faster."""
+    (megabytes) streams from memory at every step."""
     quantize, rows = QUANTIZERS[stored], max(1, CHUNK_WEIGHTS // w.shape[1])
     if len(w) <= rows:
         return quantize(w)

@@ -7,7 +7,8 @@ bitsandbytes its own: minitransformer/kvquant.py names llama.cpp's and this one 
 
 Unpacking turns each byte straight into its two *values* through a 256-entry table built from
 the 16 levels, so the forward pass pays one gather per weight matrix, not bit twiddling per
-nibble (`take` rather than `table[packed]`: NumPy's fancy indexing is ~10x slower here).
+nibble (`take` rather than `table[packed]`: NumPy's fancy indexing checks and converts more per
+element, and is the slower).
 Unpacking to the codes themselves is the same call with levels = 0..15.
 Leaves out: 2-, 3- and 6-bit packings, and packing along blocks (llama.cpp's block layout).
 """

@@ -15,11 +15,12 @@ all over the one copy of w the model holds:
     dots     one dot product per row of w and row of x: the read a BLAS dot product makes,
              the fastest streaming read on some CPUs, where the matrix-vector kernel is not
 
-Which is fastest depends on the BLAS kernel and the CPU, not on the arithmetic. Measured here,
-one thread, a (9728, 896) matrix: with OpenBLAS's SkylakeX kernel 4 rows cost 2.4 ms flat, 4.8 ms
-as rows, 1.4 ms as slices; with its Haswell kernel 2.9, 4.7 and 2.6 ms. One row is no simpler:
-on some CPUs the matrix-vector product streams a weight well below the rate of a dot product
-over the same bytes (scripts/dev/bench_decode.py times every route: docs/benchmarks/). So nothing
+Which is fastest depends on the BLAS kernel and the CPU, not on the arithmetic: for a few rows
+times one large matrix, slices can beat flat by far on a kernel with a small-matrix path
+(OpenBLAS's SkylakeX) and only just on one without (its Haswell), with rows behind both. One
+row is no simpler: on some CPUs the matrix-vector product streams a weight well below the rate
+of a dot product over the same bytes (scripts/dev/bench_decode.py times every route per kernel
+and writes docs/benchmarks/decode-<kernel>.md, its routes table). So nothing
 here is tuned to one kernel: more than FEW_ROWS rows take one flat product, and for 1..FEW_ROWS
 rows the first product of each shape times the routes (for one row, `rows` is the very call
 `flat` makes, so three) on its own operands and keeps the fastest for that shape. A weight of
@@ -36,8 +37,9 @@ it has taken longer than the fastest route so far (it has lost: the route taken 
 
 The weight's own layout matters as much: BLAS reads a row-major (n, in) w and the same values
 laid out column-major (w.T row-major, so x @ w.T is BLAS's plain untransposed product) at
-different speeds, and for a few rows the column-major one can be the faster (measured here,
-Haswell kernel, 16 rows times a (3072, 576) matrix: about 1.3x). So each weight matrix the
+different speeds, and for a few rows the column-major one can be the faster (on some kernels;
+bench_decode.py's batching table times the row-major model beside the laid-out one, in the same
+docs/benchmarks/ files). So each weight matrix the
 model multiplies is laid out once, where the model is built (`arrange`, called by fused.py): the
 routes for each row count the process will run (`rows_run`: 1 and FEW_ROWS; a server adds its
 max_num_seqs through `expect_rows` before it loads) are timed over both layouts side by side,
@@ -351,7 +353,7 @@ def in_layout(w, name: str):
     copied once, straight into the layout the model keeps (a copy row-major first and then
     column-major would touch twice the memory). A column-major copy is made COPY_ROWS rows at a
     time: both sides of a block stay in the cache (one strided copy of a vocabulary's head
-    misses it at every read: 10x slower)."""
+    misses it at every read)."""
     if layout(w) == name and w.flags.writeable:
         return w
     if name == "row-major":
@@ -484,9 +486,9 @@ def scratch():
 
 def small_pages(size: int):
     """size bytes of fresh memory, advised against huge pages where the system takes advice:
-    memory NumPy allocates is advised to huge pages, whose first touch cost this VM 0.6-1.6 s
-    of kernel time for the 162 MiB of scratch, against 0.15-0.19 s in 4 KiB pages (products
-    over copies in them measured 0-12% slower here, in either layout and every route)."""
+    memory NumPy allocates is advised to huge pages, whose first touch can cost a virtual
+    machine several times the kernel time of the same bytes in 4 KiB pages, while products
+    over copies in small pages run at about the same speed, in either layout and every route."""
     memory = mmap.mmap(-1, size)
     if hasattr(memory, "madvise") and hasattr(mmap, "MADV_NOHUGEPAGE"):
         memory.madvise(mmap.MADV_NOHUGEPAGE)

@@ -2,7 +2,8 @@
 
 A learner may skip this module. blas.py times the routes a product can take into BLAS and the two
 layouts a weight can be held in, and takes the fastest; the answer depends on the machine, and
-timing it takes seconds at every load (a SmolLM2 load: 7.9 s against 1.2 s without). So, as
+timing it takes seconds at every load, several times the load itself (scripts/dev/bench_load.py
+times a load with the file, without it and with it empty, side by side). So, as
 FFTW keeps its "wisdom" and Triton its autotuning cache, the answers are kept in a small JSON
 file and read back at the next load: only what the file lacks is timed.
 

@@ -15,8 +15,8 @@ hits them alike and their ratio holds up. On CuPy the device is synchronized bef
 read: kernels are queued, not finished, when a CuPy call returns.
 
 Threads. BLAS splits a matrix product over every core, and a thread that waits for a core another
-process holds stalls the whole product: on a 2-core machine with one core busy a decode step was
-measured 20x slower with 2 BLAS threads than with 1. ``limit_threads`` fixes the count (through
+process holds stalls the whole product: on a 2-core machine with one core busy a decode step on
+2 BLAS threads can take many times as long as on 1. ``limit_threads`` fixes the count (through
 threadpoolctl) and says what it set, for the table's header.
 
 Memory. ``peak_bytes`` runs a function and reports the most bytes that were held at once by
