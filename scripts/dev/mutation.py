@@ -100,6 +100,7 @@ def prepare(name, scratch: Path, mode: str) -> Path:
         # mutmut copies the tree into scratch/mutants/ and runs from there; it must exist
         # before Python starts, or the import system remembers it as missing
         (scratch / "mutants").mkdir()
+        link_shared(scratch)                          # ../shared of scratch/mutants/
     else:
         refresh(scratch, path)
         records = json.loads(meta.read_text())
@@ -129,6 +130,17 @@ def refresh(scratch: Path, path: str) -> None:
                     file.unlink()
         else:
             item.unlink()
+
+
+def link_shared(folder: Path) -> None:
+    """The checkout's ../shared (the tiny real model the tests load, when it is there) made
+    visible from `folder` as folder/shared: a copy's tests look for it two folders above
+    their conftest.py, as the checkout's do (tests/conftest.py's STORIES). Without it, every
+    test of the real model skips in the copy, and a bug only they catch passes."""
+    shared, link = ROOT.parent / "shared", folder / "shared"
+    if shared.is_dir() and not link.exists():
+        link.parent.mkdir(parents=True, exist_ok=True)
+        link.symlink_to(shared.resolve(), target_is_directory=True)
 
 
 def copy(source: Path, target: Path) -> None:
@@ -293,6 +305,7 @@ def planted(scratch: Path, markdown=None, only=()) -> int:
     scratch.mkdir(parents=True)
     for item in COPIED:
         copy(ROOT / item, scratch / item)
+    link_shared(scratch.parent)                       # ../shared of the copy
     table = Table("Planted bugs: one line of a feature broken, against the feature's tests",
                   columns=[("feature", ""), ("bug", ""), ("tests", ""), ("outcome", ""),
                            ("seconds", ".0f")], chapter=False)
