@@ -260,6 +260,44 @@ def test_mutation_judges_an_equivalent_only_where_its_run_checked_it():
     assert stale_equivalents("engine", dict.fromkeys(listed, "survived")) == []
 
 
+def test_mutation_shows_a_copy_the_checkouts_shared_folder(tmp_path):
+    """A scratch copy's tests find stories260K two folders above their conftest.py, as the
+    checkout's do: without the link every real-model test skips there, and a bug only they
+    catch passes as 'not caught'."""
+    from mutation import ROOT, link_shared
+    if not (ROOT.parent / "shared").is_dir():
+        pytest.skip("no ../shared beside the checkout")
+    link_shared(tmp_path)
+    assert (tmp_path / "shared").resolve() == (ROOT.parent / "shared").resolve()
+
+
+def report_folder(path, cells, header="machine: load average 0.5 at start") -> Path:
+    """A run_all report folder holding one table of exp05's shape: rows of (phase, tokens,
+    time s), as the main job records them."""
+    (path / "tables").mkdir(parents=True)
+    table = {"title": "Experiment 5", "header": [header], "columns": ["phase", "tokens",
+             "time s"], "rows": cells, "notes": [], "chapter": "", "differs": ""}
+    (path / "tables" / "exp05_prefill_vs_decode.json").write_text(json.dumps([table]))
+    return path
+
+
+def test_compare_tables_masks_timings_and_rounding_and_names_the_rest(tmp_path, run_script):
+    """Two runs alike but for their times (a timed column, the load in a header line) and a
+    float's last bits are the same; a count that moved, or a table on one side only, is named
+    with both values, and the exit status is 1."""
+    old = report_folder(tmp_path / "old", [["prefill", 40, 0.5], ["decode", 1.25, 0.1]])
+    timed = report_folder(tmp_path / "timed", [["prefill", 40, 0.7], ["decode", 1.2500001, 0.2]],
+                          header="machine: load average 3.1 at start")
+    out, _ = run_script("compare_tables", old, timed)
+    assert "same but for 3 timings and 1 rounding" in out
+    moved = report_folder(tmp_path / "moved", [["prefill", 41, 0.5], ["decode", 1.25, 0.1]])
+    out, _ = run_script("compare_tables", old, moved, status=1)
+    assert "DIFFERS in 1 place" in out and "old: 40\n      new: 41" in out
+    (moved / "tables" / "exp01_kv_cache.json").write_text("[]")
+    out, _ = run_script("compare_tables", old, moved, status=1)
+    assert "exp01_kv_cache: only in the new run" in out
+
+
 def test_every_planted_bug_names_one_line_of_today_and_tests_that_exist():
     """A ledger's planted bug whose line is gone (or twice in its file), or whose tests were
     moved, is caught here rather than as 'stale' in a long --planted run."""
