@@ -25,9 +25,12 @@ from minitransformer.serve.config import EngineConfig
 from minitransformer.serve.engine import Engine
 from minitransformer.serve.online import OnlineEngine
 
-openai = pytest.importorskip("openai")
+pytest.importorskip("openai")
 pytest.importorskip("fastapi")
-uvicorn = pytest.importorskip("uvicorn")
+pytest.importorskip("uvicorn")
+import openai
+import uvicorn
+
 from minitransformer.serve.http import READ_TIMEOUT_S, create_app, http_protocol
 
 NAME = "tiny-chat"
@@ -253,7 +256,7 @@ def names(tokenizer, context, tokens, end=True) -> list:
 def check_names_index_the_text(tokens, offsets, text):
     """The tokens join to the text, and each text_offset points at its token."""
     assert "".join(tokens) == text
-    assert all(text[o:].startswith(t) for o, t in zip(offsets, tokens))
+    assert all(text[o:].startswith(t) for o, t in zip(offsets, tokens, strict=True))
     assert offsets == [sum(map(len, tokens[:i])) for i in range(len(tokens))]
 
 

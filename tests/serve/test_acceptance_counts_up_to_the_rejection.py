@@ -10,8 +10,8 @@ import pytest
 import minitransformer as mt
 from minitransformer.checkpoints.synth import qwen2_config, random_model
 from minitransformer.model import forward
-from minitransformer.serve.paged import PagedCache
 from minitransformer.serve.config import SpeculativeConfig
+from minitransformer.serve.paged import PagedCache
 from minitransformer.serve.speculate import Speculator
 from test_speculate import keep, rows_of, step
 

@@ -21,7 +21,8 @@ Deterministic (derandomize, no example database) and a few seconds long; failing
 shrinks to a short sequence of rules and prints it.
 """
 import numpy as np
-from hypothesis import HealthCheck, settings, strategies as st
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from minitransformer.backend import to_numpy
@@ -65,7 +66,7 @@ class BlockBooks(RuleBasedStateMachine):
     def assert_unchanged(self, before):
         after = self.snapshot()
         assert before[:5] == after[:5], "a refused operation changed the books"
-        assert all(np.array_equal(a, b) for a, b in zip(before[5], after[5]))
+        assert all(np.array_equal(a, b) for a, b in zip(before[5], after[5], strict=True))
 
     def named_prefixes(self) -> set:
         """The prefix each named block holds, read from its stamps."""

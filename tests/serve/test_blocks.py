@@ -235,6 +235,7 @@ def test_a_swapped_sequences_cost_counts_the_tokens_to_come():
 
 def test_a_blocks_name_is_its_tokens_whatever_holds_them():
     import numpy as np
+
     from minitransformer.serve.blocks import block_names
     names = block_names(PROMPT + [2, 6], 4)
     assert block_names(np.array(PROMPT + [2, 6], np.int32), 4) == names

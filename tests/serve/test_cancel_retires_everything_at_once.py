@@ -1,7 +1,6 @@
 """A cancel retires everything the sequence held, at the cancel: its blocks, and what
 speculation keeps for it (its acceptance books, a draft model's cache of it). When the cancel
 leaves nothing running no step follows, so nothing left for "the next step" would ever go."""
-import numpy as np
 import pytest
 
 from minitransformer.checkpoints.synth import qwen2_config, random_model

@@ -6,12 +6,11 @@ import numpy as np
 import pytest
 
 import minitransformer as mt
+import minitransformer.serve.runner as runner_module
 from minitransformer.checkpoints.synth import qwen2_config, random_model
 from minitransformer.sampling import GREEDY, SamplingSettings
-from minitransformer.serve import drafting
 from minitransformer.serve.config import EngineConfig, SpeculativeConfig
 from minitransformer.serve.drafting import Ask, DraftModel
-import minitransformer.serve.runner as runner_module
 from minitransformer.serve.engine import Engine
 from minitransformer.serve.records import Request
 from minitransformer.speculative import ModelDraft, first_layers
@@ -35,7 +34,7 @@ def rounds(draft_model, ids, settings=GREEDY, batch_invariant=True):
     made = []
     for wanted in ROUNDS:
         asks = [Ask(s, tokens[s], wanted[s], settings, rngs[s]) for s in ids]
-        out = dict(zip(ids, model.propose(asks)))
+        out = dict(zip(ids, model.propose(asks), strict=True))
         made.append(out)
         for s, (proposal, _) in out.items():
             tokens[s] += proposal[:1] + [(len(tokens[s]) * 7) % 97]
@@ -49,10 +48,11 @@ def test_batch_invariant_proposals_are_each_sequence_drafting_alone(draft, setti
     together, _, _ = rounds(draft, list(PROMPTS), settings)
     for s in PROMPTS:
         alone, _, _ = rounds(draft, [s], settings)
-        for batch_round, own in zip(together, alone):
+        for batch_round, own in zip(together, alone, strict=True):
             (tokens, q), (own_tokens, own_q) = batch_round[s], own[s]
             assert tokens == own_tokens
-            assert all(x is None and y is None or (x == y).all() for x, y in zip(q, own_q))
+            assert all(x is None and y is None or (x == y).all()
+                       for x, y in zip(q, own_q, strict=True))
     assert [len(r[s][0]) for r in together for s in PROMPTS] == \
         [w[s] for w in ROUNDS for s in PROMPTS]
 
@@ -65,7 +65,7 @@ def test_batch_invariant_proposals_are_the_librarys_one_sequence_drafts(checkpoi
     for s, prompt in PROMPTS.items():
         alone, tokens = ModelDraft(first_layers(target, 1), target, np.array(prompt), 40), \
             list(prompt)
-        for wanted, batch_round in zip(ROUNDS, together):
+        for wanted, batch_round in zip(ROUNDS, together, strict=True):
             proposal, _ = alone.propose(tokens, wanted[s], GREEDY, None)
             assert proposal == batch_round[s][0]
             tokens += proposal[:1] + [(len(tokens) * 7) % 97]
@@ -142,6 +142,6 @@ def test_the_ragged_first_pass_gives_each_row_its_own_logits(draft):
     prompts = {"a": PROMPTS["a"], "b": PROMPTS["b"], "c": [3, 1, 4, 1, 5, 9, 2]}
     together = DraftModel(draft, 32, 4)._first([Ask(s, p, 1, GREEDY, None)
                                                  for s, p in prompts.items()])
-    for row, (s, p) in zip(together, prompts.items()):
+    for row, (s, p) in zip(together, prompts.items(), strict=True):
         alone = DraftModel(draft, 32, 4)._first([Ask(s, p, 1, GREEDY, None)])[0]
         np.testing.assert_allclose(row, alone, rtol=0, atol=1e-5 * np.abs(alone).max())

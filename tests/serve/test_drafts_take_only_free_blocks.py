@@ -9,8 +9,8 @@ import pytest
 from minitransformer.backend import to_numpy
 from minitransformer.checkpoints.synth import qwen2_config, random_model
 from minitransformer.model import forward
-from minitransformer.serve.paged import PagedCache
 from minitransformer.serve.config import SpeculativeConfig
+from minitransformer.serve.paged import PagedCache
 from minitransformer.serve.speculate import Speculator
 from test_speculate import rows_of, step
 
@@ -51,6 +51,6 @@ def test_a_draft_never_takes_a_kept_block_nor_one_a_pending_copy_reads(model):
     cache.do(moves)                                          # the plan's copy, after the pass
     copy = cache.books.seqs["new"].blocks[1]
     assert copy != kept[1]
-    for pool, old in zip(cache.k + cache.v, before):
+    for pool, old in zip(cache.k + cache.v, before, strict=True):
         assert (to_numpy(pool[copy]) == old).all()
     cache.books.check()

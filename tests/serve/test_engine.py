@@ -3,6 +3,7 @@ bit in batch-invariant mode, up to near ties in the default fast mode (conftest'
 
 Scenarios, one situation each; random workloads are the fuzz's (tests/serve/test_engine_fuzz.py)."""
 import math
+from itertools import pairwise
 
 import numpy as np
 import pytest
@@ -11,10 +12,10 @@ import minitransformer as mt
 from conftest import assert_like_solo
 from engine_fuzz import solo
 from minitransformer.generate import generate
+from minitransformer.sampling import SamplingSettings
 from minitransformer.serve.config import EngineConfig
 from minitransformer.serve.engine import Engine
 from minitransformer.serve.records import Request, Result, metrics
-from minitransformer.sampling import SamplingSettings
 
 
 def assert_solo(model, results, batch_invariant=False):
@@ -391,7 +392,7 @@ def test_chunked_prefill_keeps_streams_decoding_and_changes_no_token(tiny_model,
     assert chunks == [room] * (20 // room) + [20 % room] * (20 % room > 0) if room < 20 \
         else chunks == [20]
     assert engine.results[2].prefill_chunks == len(chunks)
-    for previous, now in zip(made, made[1:len(chunks)]):  # both streams flowed meanwhile
+    for previous, now in pairwise(made[:len(chunks)]):  # both streams flowed meanwhile
         assert now[:2] == [previous[0] + 1, previous[1] + 1]
     assert_solo(tiny_model, engine.results.values())     # the near-tie rule
     assert_pool_whole(engine)

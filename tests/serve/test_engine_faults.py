@@ -94,7 +94,7 @@ def test_a_prompt_the_model_cannot_take_ends_alone_and_the_others_keep_their_tok
     assert [r.status for r in run.results] == ["finished", "error", "error"] + ["finished"] * 3
     for failed in run.results[1:3]:
         assert failed.tokens == [] and "Injected" in failed.reason
-    for result, request in zip(run.results, requests):
+    for result, request in zip(run.results, requests, strict=True):
         if result.status == "finished":
             assert result.tokens == solo(model, request)
     assert run.results[2].cached_tokens == len(STEM)  # it found the unwritten ones then
@@ -116,7 +116,7 @@ def test_a_block_an_earlier_pass_wrote_is_no_failed_passes_to_fill(model, fault)
     run = checked_run(served, requests)
     assert [r.status for r in run.results] == ["finished", "error", "finished"]
     assert run.results[1].cached_tokens == run.results[2].cached_tokens == len(STEM)
-    for result, request in zip(run.results[::2], requests[::2]):
+    for result, request in zip(run.results[::2], requests[::2], strict=True):
         assert result.tokens == solo(model, request)
 
 
@@ -213,7 +213,7 @@ def test_online_a_poisoned_stream_fails_alone_and_the_loop_goes_on(model, fault)
                 Request((5, 6), 10, eos_token_id=[])]
     updates = [[] for _ in requests]
     with online.lock:
-        for request, got in zip(requests, updates):
+        for request, got in zip(requests, updates, strict=True):
             online.submit(request, got.append)
     wait_for(lambda: all(got and got[-1].done for got in updates))
     tokens = [[t for u in got for t in u.tokens] for got in updates]
@@ -229,6 +229,7 @@ def test_a_chat_turn_whose_step_fails_is_an_error_not_a_short_answer(model, faul
     """The chat command's engine: a failed turn raises the error (the command's one error
     line), never an answer cut short as if it were whole."""
     from types import SimpleNamespace
+
     from minitransformer.__main__ import chat_engine, turn
     from minitransformer.sampling import GREEDY
     fault(poisoned)
@@ -253,8 +254,8 @@ def server(chat_model):
     """-> start(online): an in-process server of it -> an openai client; stopped after."""
     openai = pytest.importorskip("openai")
     pytest.importorskip("fastapi")
-    from servers import NAME, Background
     from minitransformer.serve.http import create_app
+    from servers import NAME, Background
     started = []
 
     def start(online):
@@ -273,6 +274,7 @@ def test_the_server_answers_a_failed_request_with_an_error_and_serves_on(chat_mo
     (its 200 and first bytes are sent at once), an error event. A stream in flight beside
     them ends with generate's text, and the server stays healthy."""
     import openai
+
     from servers import NAME, expected
     fault(poisoned)
     client = server(OnlineEngine(Engine(chat_model, EngineConfig(
@@ -296,6 +298,7 @@ def test_the_server_answers_a_failed_request_with_an_error_and_serves_on(chat_mo
 def test_a_server_whose_engine_cannot_go_on_says_so_at_health(chat_model, server,
                                                               monkeypatch):
     import openai
+
     from servers import NAME
     monkeypatch.setattr(Scheduler, "commit", lambda *_: 1 / 0)
     client = server(OnlineEngine(Engine(chat_model, EngineConfig(max_num_seqs=2))))

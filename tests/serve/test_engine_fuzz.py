@@ -11,9 +11,9 @@ import pytest
 
 import conftest
 import minitransformer as mt
+import minitransformer.serve.runner as runner_module
 from engine_fuzz import run_case
 from minitransformer.checkpoints.synth import mistral_config, random_model
-import minitransformer.serve.runner as runner_module
 
 CASES = 8
 

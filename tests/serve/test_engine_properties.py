@@ -140,7 +140,7 @@ def test_a_sample_writing_into_the_shared_block_copies_it_first(tiny_model):
     assert len(set(tokens)) > 1, "the samples drew one first token: nothing to tell apart"
     tables = [engine.cache.books.seqs[i].blocks for i in ids]
     assert all(t[:2] == leader[:2] for t in tables) and len({t[2] for t in tables}) == 4
-    for i, token in zip(ids, tokens):
+    for i, token in zip(ids, tokens, strict=True):
         mine = held(engine.cache, i, 0)
         assert np.array_equal(mine[:, :10], prompt_keys)
         alone = to_numpy(whole_prefill(tiny_model, prompt + [token]).k[0][0])[:, 10]
@@ -172,7 +172,7 @@ def test_the_engine_scores_the_token_it_drew_not_the_likeliest(tiny_model):
     result = run.results[0]
     ref = log_softmax(mt.logits(tiny_model, list(PROMPT) + result.tokens))[len(PROMPT) - 1:-1]
     off_top = 0
-    for row, token, scored in zip(ref, result.tokens, result.logprobs):
+    for row, token, scored in zip(ref, result.tokens, result.logprobs, strict=True):
         assert scored.token == token
         assert scored.logprob == pytest.approx(row[token], abs=LOGPROB_TOLERANCE)
         ids, values = [i for i, _ in scored.top], [lp for _, lp in scored.top]
@@ -262,7 +262,7 @@ def test_batch_invariant_requests_get_the_bits_they_get_alone(tiny_model):
                         logprobs=0) for i, n in enumerate((3, 6, 6, 11))]
     run = Engine(tiny_model, EngineConfig(max_num_seqs=4, block_size=4, batch_invariant=True,
                                           enable_prefix_caching=False)).run(requests)
-    for request, result in zip(requests, run.results):
+    for request, result in zip(requests, run.results, strict=True):
         alone = mt.generate(tiny_model, list(request.prompt), 8, sampling=SAMPLED,
                             seed=request.seed, eos_token_id=[], logprobs=0)
         assert result.tokens == [s.token for s in alone]

@@ -72,7 +72,7 @@ def test_batch_invariant_greedy_is_the_engine_without_speculation(close_calls, s
     plain = checked_run(engine(model, batch_invariant=True, **kw), requests)
     served = engine(model, NGRAM, batch_invariant=True, **kw)
     run = checked_run(served, requests)
-    for r, p, request in zip(run.results, plain.results, requests):
+    for r, p, request in zip(run.results, plain.results, requests, strict=True):
         assert r.status == p.status == "finished"
         assert r.tokens == p.tokens == mt.generate(model, list(request.prompt),
                                                    request.max_new_tokens, eos_token_id=[])
@@ -152,7 +152,7 @@ def test_a_draft_model_in_the_engine(close_calls):
     served = engine(close_calls, config, first_layers(close_calls, 1), max_num_seqs=2,
                     batch_invariant=True)
     run = checked_run(served, requests)
-    for r, request in zip(run.results, requests):
+    for r, request in zip(run.results, requests, strict=True):
         assert r.tokens == mt.generate(close_calls, list(request.prompt),
                                        request.max_new_tokens, eos_token_id=[])
     assert served.speculator.counters.accepted_tokens > 0 and not served.speculator.proposer.holding()
@@ -184,7 +184,7 @@ def test_a_draft_with_fewer_positions_drafts_only_while_a_sequence_fits_them(clo
 
     def propose(self, asks):
         out = original(self, asks)
-        for a, (drafts, _) in zip(asks, out):
+        for a, (drafts, _) in zip(asks, out, strict=True):
             steps.append((a.seq_id, len(a.tokens), a.n))
             made.append((a.seq_id, len(a.tokens), len(drafts)))
         return out
@@ -195,7 +195,7 @@ def test_a_draft_with_fewer_positions_drafts_only_while_a_sequence_fits_them(clo
         run = checked_run(served, requests)
     finally:
         drafting.DraftModel.propose = original
-    for r, p, request in zip(run.results, plain.results, requests):
+    for r, p, request in zip(run.results, plain.results, requests, strict=True):
         assert r.status == "finished" and r.tokens == p.tokens == mt.generate(
             close_calls, list(request.prompt), request.max_new_tokens, eos_token_id=[])
     drafted = {i: [(length, n) for seq, length, n in made if seq == i and n] for i in range(3)}
@@ -268,7 +268,7 @@ def test_default_mode_greedy_follows_the_near_tie_rule(close_calls):
     requests = workload(seed=1)
     served = engine(close_calls, NGRAM, max_num_seqs=4)
     run = checked_run(served, requests)
-    for r, request in zip(run.results, requests):
+    for r, request in zip(run.results, requests, strict=True):
         prompt = list(request.prompt)
         assert_like_solo(close_calls, r.tokens,
                          mt.generate(close_calls, prompt, request.max_new_tokens,

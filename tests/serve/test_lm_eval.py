@@ -125,7 +125,7 @@ def test_lm_eval_loglikelihoods_equal_the_librarys(model, tmp_path):
     worst = 0.0
     for sample in samples:
         context, choices, _ = DOCS[sample["doc_id"]]
-        for choice, response in zip(choices, sample["resps"]):
+        for choice, response in zip(choices, sample["resps"], strict=True):
             theirs = float(response[0][0])         # lm-eval logs the number as text
             ours = library_loglikelihood(model, context, " " + choice)
             worst = max(worst, abs(theirs - ours))

@@ -7,9 +7,9 @@ the decodes' drafts are verified in that same pass."""
 import numpy as np
 import pytest
 
+import minitransformer as mt
 import minitransformer.linear as linear_module
 import minitransformer.serve.runner as runner_module
-import minitransformer as mt
 from minitransformer.logprobs import log_softmax
 from minitransformer.model import forward
 from minitransformer.serve.config import EngineConfig, SpeculativeConfig

@@ -5,14 +5,14 @@ import time
 import numpy as np
 import pytest
 
-from conftest import wait_for
 import minitransformer as mt
+from conftest import wait_for
 from engine_fuzz import solo
+from minitransformer.sampling import SamplingSettings
 from minitransformer.serve.config import EngineConfig
 from minitransformer.serve.engine import Engine
-from minitransformer.serve.records import Request
 from minitransformer.serve.online import Closed, OnlineEngine, QueueFull
-from minitransformer.sampling import SamplingSettings
+from minitransformer.serve.records import Request
 
 
 @pytest.fixture()

@@ -5,8 +5,8 @@ import json
 import pytest
 
 import minitransformer as mt
-from minitransformer.serve.openai_api import MAX_STOP_CHARS, APIError, parse
 from minitransformer.checkpoints.synth import make_checkpoint, qwen2_config, train_tokenizer
+from minitransformer.serve.openai_api import MAX_STOP_CHARS, APIError, parse
 
 POOL = 128                      # KV pool tokens of the imagined server
 

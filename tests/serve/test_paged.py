@@ -85,7 +85,7 @@ def test_a_prompt_held_in_full_copies_its_last_block_on_write(tiny_model):
     a, b = cache.books.seqs["a"].blocks, cache.books.seqs["b"].blocks
     assert a[:2] == b[:2] and a[2] != b[2]                 # two shared, the third copied
     assert cache.books.refcount[a[:2]].tolist() == [2, 2] and cache.books.refcount[b[2]] == 1
-    for k, k0 in zip(cache.k, before):                     # a's blocks untouched
+    for k, k0 in zip(cache.k, before, strict=True):                     # a's blocks untouched
         assert np.array_equal(to_numpy(k[np.array(a)]), to_numpy(k0[np.array(a)]))
     np.testing.assert_allclose(keys(cache, "b"), keys(cache, "a"), rtol=1e-5, atol=1e-6)
     check_invariants(cache)
@@ -181,7 +181,7 @@ def test_to_contiguous_holds_each_rows_keys_and_values_bit_for_bit(tiny_model, k
     assert kv.lengths.tolist() == [3, 10] and kv.max_len == 12
     for row, seq_id in enumerate(["short", "long"]):
         n = len(prompts[seq_id])
-        for mine, theirs in zip(kv.k + kv.v, alone[seq_id].k + alone[seq_id].v):
+        for mine, theirs in zip(kv.k + kv.v, alone[seq_id].k + alone[seq_id].v, strict=True):
             np.testing.assert_array_equal(to_numpy(unpack(mine)[row, :, :n]),
                                           to_numpy(unpack(theirs)[0, :, :n]))
             assert not to_numpy(unpack(mine)[row, :, n:]).any()  # nothing past the row

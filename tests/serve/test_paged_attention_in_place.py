@@ -62,9 +62,9 @@ def test_in_place_is_the_gathered_copy_bit_for_bit(tiny_model, block_size, kv_dt
     def run(attention, in_place):
         return on_a_pool(tiny_model, block_size, kv_dtype, attention, in_place, LENGTHS)
     in_place, gathered = run("tiled", True), run("tiled", False)
-    for a, b in zip(in_place, gathered):
+    for a, b in zip(in_place, gathered, strict=True):
         np.testing.assert_array_equal(a, b)
-    for a, b in zip(in_place, run("plain", True)):    # the plain one: its own softmax
+    for a, b in zip(in_place, run("plain", True), strict=True):    # the plain one: its own softmax
         assert_close(a, b, xp.ones(1))
 
 
@@ -86,7 +86,7 @@ def test_plain_decodes_in_place_within_a_tile_are_the_gathered_copy_bit_for_bit(
     too: few queries) one tile in place, plain's very calls."""
     in_place = on_a_pool(long_model, block_size, kv_dtype, "plain", True, lengths)
     for a, b in zip(in_place, on_a_pool(long_model, block_size, kv_dtype, "plain", False,
-                                        lengths)):
+                                        lengths), strict=True):
         np.testing.assert_array_equal(a, b)
 
 
@@ -99,9 +99,9 @@ def test_plain_decodes_in_place_past_a_tile_are_the_gathered_copy_within_roundin
     assert LONG[1] > 1.5 * DECODE_TILE
     in_place = on_a_pool(long_model, block_size, kv_dtype, "plain", True, LONG)
     gathered = on_a_pool(long_model, block_size, kv_dtype, "plain", False, LONG)
-    for a, b in zip(in_place[:3], gathered[:3]):
+    for a, b in zip(in_place[:3], gathered[:3], strict=True):
         np.testing.assert_array_equal(a, b)
-    for a, b in zip(in_place[3:], gathered[3:]):
+    for a, b in zip(in_place[3:], gathered[3:], strict=True):
         assert_close(a, b, xp.ones(1))
 
 
@@ -238,7 +238,7 @@ def test_past_a_tile_the_engine_keeps_the_exactness_policy(long_model, batch_inv
                                                 block_size=4,
                                                 batch_invariant=batch_invariant))
     run = engine.run([Request(p, 12, eos_token_id=[]) for p in prompts])
-    for prompt, result in zip(prompts, run.results):
+    for prompt, result in zip(prompts, run.results, strict=True):
         alone = solo_cached(long_model, list(prompt), result.tokens)        # (12, V)
         mine = np.array(engine.seen[result.id])
         if batch_invariant:

@@ -10,9 +10,9 @@ import pytest
 
 import minitransformer as mt
 import minitransformer.serve.runner as runner_module
-from minitransformer.backend import to_numpy
 from conftest import assert_like_solo
 from engine_fuzz import check_pool, solo
+from minitransformer.backend import to_numpy
 from minitransformer.model import forward
 from minitransformer.sampling import SamplingSettings
 from minitransformer.serve.config import EngineConfig
@@ -40,11 +40,11 @@ def test_a_fork_shares_every_block_until_one_side_writes(tiny_model):
     cache.do(cache.books.take_moves())
     a, b = cache.books.seqs["a"].blocks, cache.books.seqs["b"].blocks
     assert a[:2] == b[:2] and a[2] != b[2] and cache.books.num_free == free - 1
-    for k, old in zip(map(to_numpy, cache.k), before):
+    for k, old in zip(map(to_numpy, cache.k), before, strict=True):
         assert np.array_equal(k[b[2]], old[a[2]]) and np.array_equal(k[a[2]], old[a[2]])
     forward(tiny_model, np.array([[3]]), cache.view(["b"]))
     assert all(np.array_equal(k[a[2]], old[a[2]])
-               for k, old in zip(map(to_numpy, cache.k), before))
+               for k, old in zip(map(to_numpy, cache.k), before, strict=True))
     with pytest.raises(ValueError, match="already in the cache"):
         cache.books.fork("a", "b")
 

@@ -5,9 +5,9 @@ first and only once the free list is empty, a named or shared block is never wri
 write), and a block's refcount is the number of block tables holding it."""
 import pytest
 
+from minitransformer.serve.blocks import ROOT, block_names
 from minitransformer.serve.config import EngineConfig
 from minitransformer.serve.engine import Engine
-from minitransformer.serve.blocks import ROOT, block_names
 from minitransformer.serve.records import Request
 from stamps import Stamps, block_stamps, expected, holders, pool, read, write
 

@@ -13,9 +13,11 @@ from minitransformer.serve.engine import Engine
 from minitransformer.serve.online import OnlineEngine
 from minitransformer.serve.records import Request
 
-openai = pytest.importorskip("openai")
+pytest.importorskip("openai")
 pytest.importorskip("fastapi")
-uvicorn = pytest.importorskip("uvicorn")
+pytest.importorskip("uvicorn")
+import openai
+
 from minitransformer.serve.http import create_app
 from servers import NAME, Background
 

@@ -10,9 +10,9 @@ import pytest
 
 from minitransformer.kernels import blas
 
-openai = pytest.importorskip("openai")
+pytest.importorskip("openai")
 pytest.importorskip("fastapi")
-uvicorn = pytest.importorskip("uvicorn")
+pytest.importorskip("uvicorn")
 from servers import NAME, ROOT, expected, serve_command
 
 

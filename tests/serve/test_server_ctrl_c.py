@@ -13,8 +13,8 @@ import pytest
 
 pytest.importorskip("openai")
 pytest.importorskip("uvicorn")
-from conftest import wait_for  # noqa: E402
-from servers import serve_command  # noqa: E402
+from conftest import wait_for
+from servers import serve_command
 
 DEFAULT = types.SimpleNamespace(path="default")      # serve's --model default
 

@@ -15,11 +15,11 @@ from types import SimpleNamespace
 
 import pytest
 
-openai = pytest.importorskip("openai")
+pytest.importorskip("openai")
 pytest.importorskip("fastapi")
-uvicorn = pytest.importorskip("uvicorn")
-from servers import (NAME, ROOT, Background, completion, exchange, held_in_tokenization,
-                     inherited, post, post_json, serve_command)
+pytest.importorskip("uvicorn")
+import openai
+import uvicorn
 
 import minitransformer.__main__ as cli
 from minitransformer.chat import encode_chat
@@ -29,6 +29,18 @@ from minitransformer.serve.config import EngineConfig
 from minitransformer.serve.engine import Engine
 from minitransformer.serve.http import create_app
 from minitransformer.serve.online import OnlineEngine
+from servers import (
+    NAME,
+    ROOT,
+    Background,
+    completion,
+    exchange,
+    held_in_tokenization,
+    inherited,
+    post,
+    post_json,
+    serve_command,
+)
 
 KEY = "sk-test-7f3a9c1e5b"
 
@@ -326,7 +338,7 @@ def test_the_timeout_is_per_request_and_ends_when_the_request_is_in(impatient, m
     takes (its tokenization held open here past the timeout)."""
     online, url = impatient
     host, port = url.removeprefix("http://").split(":")
-    ask = (f"GET /health HTTP/1.1\r\nHost: x\r\n\r\n").encode()
+    ask = b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n"
     with socket.create_connection((host, int(port)), timeout=10) as sock:
         begun = time.monotonic()
         while time.monotonic() - begun < 2.5 * TIMEOUT:
@@ -405,7 +417,7 @@ def started(model, monkeypatch, argv) -> SimpleNamespace:
     cli.main(["serve", *argv])
     ran_on = threads.count()                   # --threads holds for the process: put back
     threads.set_count(*before, blas=False)
-    for lib, n in zip(threads.controllers(), blas):
+    for lib, n in zip(threads.controllers(), blas, strict=True):
         lib.set_num_threads(n)
     asgi = caught["config"].app
 

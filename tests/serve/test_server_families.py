@@ -10,15 +10,22 @@ import sys
 import pytest
 
 import minitransformer as mt
-from minitransformer.checkpoints.synth import (llama_config, make_checkpoint, mistral_config,
-                                               qwen3_config, train_tokenizer)
+from minitransformer.checkpoints.synth import (
+    llama_config,
+    make_checkpoint,
+    mistral_config,
+    qwen3_config,
+    train_tokenizer,
+)
 from minitransformer.serve.config import EngineConfig
 from minitransformer.serve.engine import Engine
 from minitransformer.serve.online import OnlineEngine
 from servers import TEMPLATE, Background, expected
 
-openai = pytest.importorskip("openai")
-from minitransformer.serve.http import create_app  # noqa: E402  (needs fastapi: after the skip)
+pytest.importorskip("openai")
+import openai
+
+from minitransformer.serve.http import create_app
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,

@@ -7,9 +7,9 @@ import urllib.request
 
 import pytest
 
-openai = pytest.importorskip("openai")
+pytest.importorskip("openai")
 pytest.importorskip("fastapi")
-uvicorn = pytest.importorskip("uvicorn")
+pytest.importorskip("uvicorn")
 from servers import NAME, chat, completion, conversation, exchange, post
 
 USER = {"role": "user", "content": "hi"}

@@ -8,8 +8,10 @@ from minitransformer.chat import encode_chat
 from minitransformer.logprobs import MAX_LOGPROBS
 from minitransformer.sampling import SamplingSettings
 
-openai = pytest.importorskip("openai")
+pytest.importorskip("openai")
 pytest.importorskip("fastapi")
+import openai
+
 from servers import (
     NAME,
     TOLERANCE,
@@ -34,9 +36,9 @@ def check_completion_logprobs(model, ids, tokens, logprobs, k, text=None):
     text: the choice's text, which the tokens must index."""
     ref = reference(model, ids, tokens)
     assert logprobs.tokens == names(model.tokenizer, ids, tokens)
-    assert logprobs.token_logprobs == pytest.approx([row[t] for row, t in zip(ref, tokens)],
-                                                    abs=TOLERANCE)
-    for i, (row, t, top) in enumerate(zip(ref, tokens, logprobs.top_logprobs)):
+    assert logprobs.token_logprobs == pytest.approx(
+        [row[t] for row, t in zip(ref, tokens, strict=True)], abs=TOLERANCE)
+    for i, (row, t, top) in enumerate(zip(ref, tokens, logprobs.top_logprobs, strict=True)):
         best = sorted(range(len(row)), key=lambda i: -row[i])[:k]
         expected = {name_at(model.tokenizer, ids, tokens, i, j): row[j] for j in best + [t]}
         assert top.keys() == expected.keys()
@@ -99,7 +101,7 @@ def test_echo_returns_the_prompt_and_its_tokens_logprobs(served, model):
         assert got["token_logprobs"][0] is None and got["top_logprobs"][0] is None
         ref = reference(model, ids[:1], ids[1:] + tokens)
         assert got["token_logprobs"][1:] == pytest.approx(
-            [row[t] for row, t in zip(ref, ids[1:] + tokens)], abs=TOLERANCE)
+            [row[t] for row, t in zip(ref, ids[1:] + tokens, strict=True)], abs=TOLERANCE)
     plain = client.completions.create(model=NAME, prompt=ids, max_tokens=2, temperature=0,
                                       echo=True)
     assert plain.choices[0].text.startswith(PROMPT) and plain.choices[0].logprobs is None
@@ -123,7 +125,7 @@ def test_chat_logprobs_and_top_logprobs_streamed_or_not(served, model):
         ref = reference(model, ids, tokens)
         assert [e.token for e in entries] == names(model.tokenizer, ids, tokens)
         assert b"".join(bytes(e.bytes) for e in entries) == text.encode()  # they rebuild it
-        for i, (e, row, t) in enumerate(zip(entries, ref, tokens)):
+        for i, (e, row, t) in enumerate(zip(entries, ref, tokens, strict=True)):
             assert abs(e.logprob - row[t]) < TOLERANCE
             best = sorted(range(len(row)), key=lambda i: -row[i])[:4]
             assert [a.token for a in e.top_logprobs] == [
@@ -167,7 +169,7 @@ def test_n_samples_are_the_single_requests_seeded_seed_plus_i(served, model):
                                           temperature=0.8, seed=5, logprobs=True)
     chat_ids = encode_chat(model, messages)
     made = answered(online, model, chat_ids, 6, n=2, seed=5, sampling=warm(0.8))
-    for c, (tokens, text, _) in zip(chat.choices, made):
+    for c, (tokens, text, _) in zip(chat.choices, made, strict=True):
         assert c.message.content == text
         assert [e.token for e in c.logprobs.content] == names(model.tokenizer, chat_ids, tokens)
     assert chat.usage.completion_tokens == sum(len(c.logprobs.content) for c in chat.choices)

@@ -9,8 +9,10 @@ import pytest
 import minitransformer as mt
 from minitransformer.chat import encode_chat
 
-openai = pytest.importorskip("openai")
+pytest.importorskip("openai")
 pytest.importorskip("fastapi")
+import openai
+
 from minitransformer.serve.config import EngineConfig
 from minitransformer.serve.engine import Engine
 from minitransformer.serve.http import create_app
@@ -173,13 +175,13 @@ def test_echo_with_max_tokens_0_is_the_prompts_logprobs_alone(served, model):
     reply = client.completions.create(model=NAME, prompt=prompts, max_tokens=0, echo=True,
                                       logprobs=1)
     assert reply.usage.completion_tokens == 0
-    for ids, c in zip(prompts, reply.choices):
+    for ids, c in zip(prompts, reply.choices, strict=True):
         assert c.text == model.tokenizer.decode(ids) and c.finish_reason == "length"
         assert c.logprobs.tokens == names(model.tokenizer, [], ids)
         ref = reference(model, ids[:1], ids[1:])
         assert c.logprobs.token_logprobs[0] is None
         assert c.logprobs.token_logprobs[1:] == pytest.approx(
-            [row[t] for row, t in zip(ref, ids[1:])], abs=TOLERANCE)
+            [row[t] for row, t in zip(ref, ids[1:], strict=True)], abs=TOLERANCE)
     plain = client.completions.create(model=NAME, prompt="Hi there", max_tokens=0, echo=True)
     assert plain.choices[0].text == "Hi there" and plain.choices[0].logprobs is None
     assert online.engine.cache.books.num_free == online.engine.cache.books.num_blocks

@@ -10,9 +10,9 @@ import pytest
 from minitransformer.chat import encode_chat
 from minitransformer.sampling import SamplingSettings
 
-openai = pytest.importorskip("openai")
+pytest.importorskip("openai")
 pytest.importorskip("fastapi")
-uvicorn = pytest.importorskip("uvicorn")
+pytest.importorskip("uvicorn")
 from servers import NAME, answered, expected
 
 SETTINGS = [dict(temperature=0), dict(temperature=0.9, top_p=0.9, seed=7)]

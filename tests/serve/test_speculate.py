@@ -7,18 +7,18 @@ import numpy as np
 import pytest
 
 import minitransformer as mt
-from minitransformer.backend import to_numpy
 from conftest import NEAR_TIE
+from minitransformer.backend import to_numpy
 from minitransformer.checkpoints.synth import qwen2_config, random_model
 from minitransformer.generate import last_logits, last_logits_alone
 from minitransformer.lookup import lookup_past_insertion, prompt_lookup
 from minitransformer.model import forward
 from minitransformer.sampling import GREEDY
-from minitransformer.serve.paged import PagedCache
 from minitransformer.serve.config import FIELDS, SpeculativeConfig, parse_speculative_config
 from minitransformer.serve.drafting import Ask, draft_length
-from minitransformer.serve.runner import Runner, split_rows
+from minitransformer.serve.paged import PagedCache
 from minitransformer.serve.records import Request, Result
+from minitransformer.serve.runner import Runner, split_rows
 from minitransformer.serve.scheduler import Sequence, hold_drafts
 from minitransformer.serve.speculate import SpecCounters, Speculator
 from minitransformer.speculative import first_layers
@@ -159,7 +159,7 @@ def test_one_pass_gives_every_position_a_decode_steps_logits(model, batch_invari
         step.books.make_room(ids, 1)
         decode = last_logits_alone if batch_invariant else last_logits   # the engine's
         logits = decode(model, np.array([[fed[s][t]] for s in ids]), step.view(ids))
-        for s, row in zip(ids, logits):
+        for s, row in zip(ids, logits, strict=True):
             rows[s].append(row)
     reference = np.array(rows["a"] + rows["b"])
     if batch_invariant:
@@ -203,10 +203,10 @@ def step(spec, cache, rows, batch_invariant=True, spare=None):
     ids = [row.result.id for row in rows]
     starts = cache.books.append(ids, 1)
     drafts = spec.propose(rows, hold_drafts(cache.books, ids, spec.wants(rows), spare))
-    fed = [[row.tokens[-1]] + draft.tokens for row, draft in zip(rows, drafts)]
+    fed = [[row.tokens[-1]] + draft.tokens for row, draft in zip(rows, drafts, strict=True)]
     logits = Runner(spec.model, cache, batch_invariant).decode(ids, starts, fed)
     out = []
-    for row, z, draft in zip(rows, split_rows(logits, map(len, fed)), drafts):
+    for row, z, draft in zip(rows, split_rows(logits, map(len, fed)), drafts, strict=True):
         kept = [] if row.padding else spec.verify(row, z, draft)
         out.append((kept, z[:len(kept)]))
     return out
@@ -241,7 +241,7 @@ def test_a_step_keeps_what_greedy_keeps_and_trims_the_rest_back_to_the_pool(clos
         live = {s: t for s, t in tokens.items() if len(t) - len(prompts[s]) < new}
         rows = rows_of(live, {s: len(prompts[s]) for s in live}, max_new=new)
         out = step(spec, cache, rows)
-        for row, (kept, z) in zip(rows, out):
+        for row, (kept, z) in zip(rows, out, strict=True):
             assert len(z) == len(kept) >= 1
             tokens[row.result.id] += kept
             keep(cache, row.result.id, len(tokens[row.result.id]) - 1)
@@ -273,9 +273,10 @@ def test_named_and_shared_blocks_are_never_written_by_verification(model):
     rows = rows_of({"a": list(prompt), "b": list(prompt)}, {"a": 6, "b": 6})
     out = step(spec, cache, rows)
     assert spec.counters.draft_tokens == 6
-    assert all((to_numpy(k[named]) == old).all() for k, old in zip(cache.k + cache.v, before))
+    assert all((to_numpy(k[named]) == old).all()
+               for k, old in zip(cache.k + cache.v, before, strict=True))
     assert cache.books.seqs["a"].blocks[1] != cache.books.seqs["b"].blocks[1]     # copied on write
-    for row, (kept, _) in zip(rows, out):
+    for row, (kept, _) in zip(rows, out, strict=True):
         keep(cache, row.result.id, len(prompt) + len(kept) - 1)
     cache.books.check()
     assert out[0][0] == out[1][0] == mt.generate(model, prompt, len(out[0][0]), eos_token_id=[])
@@ -307,7 +308,7 @@ def test_a_draft_model_drafts_with_its_own_cache(close_calls):
     tokens = {s: list(p) for s, p in PROMPTS.items()}
     for _ in range(5):
         rows = rows_of(tokens, {s: len(PROMPTS[s]) for s in tokens}, max_new=30)
-        for row, (kept, _) in zip(rows, step(spec, cache, rows)):
+        for row, (kept, _) in zip(rows, step(spec, cache, rows), strict=True):
             tokens[row.result.id] += kept
             keep(cache, row.result.id, len(tokens[row.result.id]) - 1)
             # the draft's cache holds no rejected proposal: at most the kept tokens

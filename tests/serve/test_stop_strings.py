@@ -1,8 +1,11 @@
 """OpenAI's stop strings in a stream of text (detokenize.TextStream, StopStrings): the text sent
 is exactly what a search of the whole text with ``str.find`` keeps, however the text arrives,
 what is held back is exactly what may still begin a stop string, and the work is linear."""
+from itertools import pairwise
+
 import numpy as np
-from hypothesis import example, given, settings, strategies as st
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
 
 from minitransformer.serve.detokenize import StopStrings, TextStream
 from minitransformer.serve.openai_api import MAX_STOP_CHARS
@@ -62,7 +65,7 @@ def streams(draw):
 def chunked(text, cuts) -> list:
     """text cut at these places (any order, repeats: empty chunks) -> its chunks."""
     bounds = [0, *sorted(cuts), len(text)]
-    return [text[i:j] for i, j in zip(bounds, bounds[1:])]
+    return [text[i:j] for i, j in pairwise(bounds)]
 
 
 def sent(stops, chunks) -> str:
