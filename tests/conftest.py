@@ -90,8 +90,8 @@ def blas_threads_kept():
     under a count that depends on the order."""
     yield
     left = [lib.num_threads for lib in BLAS]
-    for lib, threads in zip(BLAS, BLAS_THREADS):
-        lib.set_num_threads(threads)
+    for lib, count in zip(BLAS, BLAS_THREADS, strict=True):
+        lib.set_num_threads(count)
     assert left == BLAS_THREADS, f"the test left BLAS at {left} threads, not {BLAS_THREADS}"
 
 
@@ -117,7 +117,7 @@ def step_threads(request, monkeypatch):
     monkeypatch.setattr(blas, "FIXED_SPLIT", "parts" if request.param > 1 else "whole")
     yield request.param
     threads.set_count(*before, blas=False)
-    for lib, n in zip(BLAS, BLAS_THREADS):
+    for lib, n in zip(BLAS, BLAS_THREADS, strict=True):
         lib.set_num_threads(n)
 
 
@@ -272,6 +272,60 @@ def pair(tmp_path_factory):
             load(make_checkpoint(root / "draft", config, seed=2)))
 
 
+# A story model has no chat template; this one makes a conversation one running story.
+STORY_TEMPLATE = ("{{ bos_token }}{% for m in messages %}{{ m['content'] }}"
+                  "{% if not loop.last %} {% endif %}{% endfor %}")
+
+
+@pytest.fixture(scope="module")
+def story_chat_model(tmp_path_factory, stories):
+    """stories260K with a chat template added to its tokenizer_config.json (the command line's
+    tests: tests/test_cli.py, tests/test_ctrl_c.py)."""
+    import json
+    import shutil
+
+    path = tmp_path_factory.mktemp("stories-chat")
+    for file in Path(stories.path).iterdir():
+        shutil.copy(file, path / file.name)
+    settings = json.loads((path / "tokenizer_config.json").read_text())
+    settings["chat_template"] = STORY_TEMPLATE
+    (path / "tokenizer_config.json").write_text(json.dumps(settings))
+    return load(path)
+
+
+@pytest.fixture(scope="module")
+def tiny_chat_model(tmp_path_factory):
+    """A tiny random Qwen2 with a byte-level tokenizer and a chat template (always present; the
+    command line's tests)."""
+    import json
+
+    from minitransformer.checkpoints.synth import train_tokenizer
+
+    path = make_checkpoint(tmp_path_factory.mktemp("tiny-chat"), qwen2_config(vocab_size=320),
+                           tokenizer=train_tokenizer(300))
+    settings = json.loads((path / "tokenizer_config.json").read_text())
+    settings["chat_template"] = "<|endoftext|>" + STORY_TEMPLATE
+    (path / "tokenizer_config.json").write_text(json.dumps(settings))
+    return load(path)
+
+
+# A test comparing a command's text with generate's does so by ==. The route a product of a few
+# rows takes into BLAS is measured once per process (blas.py), and the routes sum in different
+# orders (stories260K's logits differ by up to 1.1e-5 between them), so two processes left to
+# measure agree only by luck. Both sides take the flat route: the same BLAS calls on the same
+# shapes, the same bits, the same tokens, and == is exact. The command gets ONE_ROUTE in its
+# environment; the test's own process, flat_products (pytest.mark.usefixtures("flat_products")).
+ONE_ROUTE = {"MT_PRODUCTS": "flat"}
+
+
+@pytest.fixture
+def flat_products(monkeypatch):
+    """This process multiplies as the commands it runs do (ONE_ROUTE)."""
+    from minitransformer.kernels import blas
+
+    monkeypatch.setattr(blas, "FIXED", ONE_ROUTE["MT_PRODUCTS"])
+
+
 def assert_same(actual, expected, rtol=None, atol=None):
     """Shape, then dtype, then values: == for integers, a dtype-scaled allclose for floats."""
     actual, expected = np.asarray(actual), np.asarray(expected)
@@ -414,7 +468,10 @@ def assert_like_solo(model, tokens, solo_tokens, prompt, settings=None, seed=Non
     limit, eos = max(len(tokens), len(reference)), eos_ids(model, eos_token_id)
     while tokens[done:] != reference:
         rest = tokens[done:]
-        step = next(i for i, (a, b) in enumerate(zip(rest + [None], reference + [None]))
+        # the first step they differ at, None past the end of either: the shorter one (its None)
+        # ends the pairing
+        step = next(i for i, (a, b) in enumerate(zip(rest + [None], reference + [None],
+                                                    strict=False))
                     if a != b)
         assert step < min(len(rest), len(reference)), \
             f"same tokens up to step {done + step}, then one run stopped and the other did not"

@@ -14,30 +14,15 @@ from pathlib import Path
 
 import pytest
 
-from conftest import wait_for
 import minitransformer as mt
-from minitransformer.kernels import blas
+from conftest import ONE_ROUTE, wait_for
 from minitransformer.chat import encode_chat
 from minitransformer.sampling import SamplingSettings
 
 ROOT = Path(__file__).resolve().parents[1]
-# A story model has no chat template; this one makes a conversation one running story.
-STORY_TEMPLATE = ("{{ bos_token }}{% for m in messages %}{{ m['content'] }}"
-                  "{% if not loop.last %} {% endif %}{% endfor %}")
-
-
-# The command's text is compared with generate's here by ==. The route a product of a few rows
-# takes into BLAS is measured once per process (blas.py), and the routes sum in different orders
-# (stories260K's logits differ by up to 1.1e-5 between them), so two processes left to measure
-# agree only by luck. Both sides take the flat route: the same BLAS calls on the same shapes, the
-# same bits, the same tokens, and == is exact.
-ONE_ROUTE = {"MT_PRODUCTS": "flat"}
-
-
-@pytest.fixture(autouse=True)
-def flat_products(monkeypatch):
-    """This process multiplies as the commands it runs do (ONE_ROUTE)."""
-    monkeypatch.setattr(blas, "FIXED", ONE_ROUTE["MT_PRODUCTS"])
+# The command's text is compared with generate's by ==: this process multiplies as the
+# commands do (conftest.ONE_ROUTE).
+pytestmark = pytest.mark.usefixtures("flat_products")
 
 
 def cli(*args, stdin=""):
@@ -57,31 +42,6 @@ def continuation(model, ids, n, seed=None, **settings):
 
 
 CHAT = {"repetition_penalty": 1.1}  # chat's built-in default where the checkpoint gives none
-
-
-@pytest.fixture(scope="module")
-def story_chat_model(tmp_path_factory, stories):
-    """stories260K with a chat template added to its tokenizer_config.json."""
-    path = tmp_path_factory.mktemp("stories-chat")
-    for file in Path(stories.path).iterdir():
-        shutil.copy(file, path / file.name)
-    settings = json.loads((path / "tokenizer_config.json").read_text())
-    settings["chat_template"] = STORY_TEMPLATE
-    (path / "tokenizer_config.json").write_text(json.dumps(settings))
-    return mt.load(path)
-
-
-@pytest.fixture(scope="module")
-def tiny_chat_model(tmp_path_factory):
-    """A tiny random Qwen2 with a byte-level tokenizer and a chat template (always present)."""
-    from minitransformer.checkpoints.synth import make_checkpoint, qwen2_config, train_tokenizer
-
-    path = make_checkpoint(tmp_path_factory.mktemp("tiny-chat"), qwen2_config(vocab_size=320),
-                           tokenizer=train_tokenizer(300))
-    settings = json.loads((path / "tokenizer_config.json").read_text())
-    settings["chat_template"] = "<|endoftext|>" + STORY_TEMPLATE
-    (path / "tokenizer_config.json").write_text(json.dumps(settings))
-    return mt.load(path)
 
 
 def test_generate_and_chat_on_a_tiny_model(tiny_chat_model):
@@ -445,7 +405,7 @@ def test_chat_in_a_real_terminal(story_chat_model, tmp_path):
             replies.append(continuation(model, ids, 16, **CHAT))
             messages.append({"role": "assistant", "content": replies[-1]})
         shown = screen()
-        for line, reply in zip(turns, replies):
+        for line, reply in zip(turns, replies, strict=True):
             assert f"you> {line}\nmodel> {reply}\n" in shown, shown
     finally:
         subprocess.run(["tmux", "kill-session", "-t", session], capture_output=True)

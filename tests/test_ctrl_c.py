@@ -9,25 +9,24 @@ A load is caught in the act without timing: the command's stderr is a pipe this 
 filled, so the load's first line ("loading ...") blocks in write() until the test reads; the
 test waits until the process sits in that write (its /proc/PID/syscall), sends SIGINT, then
 reads on."""
-import fcntl
-import json
 import os
 import re
 import shutil
 import signal
 import subprocess
 import sys
-import textwrap
 import time
 import uuid
 from pathlib import Path
 
 import pytest
 
-from conftest import wait_for
+from conftest import ONE_ROUTE, wait_for
 from minitransformer.chat import encode_chat
-from test_cli import (CHAT, ONE_ROUTE, ROOT, continuation, flat_products,  # noqa: F401 (fixtures)
-                      story_chat_model, tiny_chat_model, tmux_session)
+from test_cli import CHAT, ROOT, continuation, tmux_session
+
+# This process multiplies as the commands do (conftest.ONE_ROUTE): their text is compared by ==.
+pytestmark = pytest.mark.usefixtures("flat_products")
 
 WRITE = {"x86_64": "1", "aarch64": "64"}.get(os.uname().machine)    # write(2)'s number
 
@@ -138,7 +137,11 @@ def test_a_stopped_answer_shows_its_marker_and_the_history_keeps_what_was_shown(
     try:
         wait_for_text("you>")
         tmux("send-keys", "-t", session, "Once upon a time", "Enter")
-        begun = lambda: time.sleep(0.05) or re.search(r"model> \S", screen())  # noqa: E731
+
+        def begun():
+            time.sleep(0.05)
+            return re.search(r"model> \S", screen())
+
         wait_for(begun, timeout=60)         # the answer has begun: stop it
         tmux("send-keys", "-t", session, "C-c")
         wait_for_text("you>", 2)
