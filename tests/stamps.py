@@ -12,9 +12,9 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from minitransformer.backend import to_device, to_numpy
+from minitransformer.checkpoints.synth import qwen2_config
 from minitransformer.config import ModelConfig
 from minitransformer.serve.paged import PagedCache
-from minitransformer.checkpoints.synth import qwen2_config
 
 CONFIG = ModelConfig.from_dict(qwen2_config())    # 2 layers, Hkv 2, d 8: only shapes matter
 
@@ -51,14 +51,14 @@ def write(cache: PagedCache, stamps: Stamps, tokens: dict, T: int) -> list:
     view = cache.view(ids)
     positions = view.positions(T)                                      # (B, T)
     targets = [[cache.books.seqs[s].blocks[p // cache.books.block_size] for p in row]
-               for s, row in zip(ids, positions)]
-    for s, row in zip(ids, targets):
+               for s, row in zip(ids, positions, strict=True)]
+    for s, row in zip(ids, targets, strict=True):
         for block in row:
             assert cache.books.refcount[block] == 1, f"{s!r} writes block {block}, shared " \
                 f"by {cache.books.refcount[block]}"
             assert block not in cache.books.index.name_of, f"{s!r} writes named block {block}"
     values = np.array([[stamps(tokens[s][:p + 1]) for p in row]
-                       for s, row in zip(ids, positions)], dtype=np.float32)   # (B, T)
+                       for s, row in zip(ids, positions, strict=True)], dtype=np.float32)   # (B, T)
     _, Hkv, _, d = cache.k[0].shape
     kv = to_device(np.broadcast_to(values[:, :, None, None], (*values.shape, Hkv, d)).copy())
     slots = view.slots(positions)

@@ -24,7 +24,7 @@ def test_unknown_backend_is_a_clear_error():
 
 def test_missing_cupy_is_a_clear_error():
     try:
-        import cupy  # noqa: F401
+        import cupy  # noqa: F401 (imported only to learn whether CuPy imports here)
         pytest.skip("CuPy is installed here")
     except ImportError:
         pass

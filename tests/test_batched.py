@@ -1,20 +1,19 @@
 """Batched decode: B sequences of different lengths in one step. Batch-invariant mode gives each
 row the bits it gets alone; the default fast mode gives the same logits within float rounding
 and the same tokens except at near ties (conftest.assert_like_solo)."""
-import itertools
 
 import numpy as np
 import pytest
 
-import minitransformer as mt
 import conftest
+import minitransformer as mt
 from conftest import assert_like_solo
+from minitransformer.checkpoints.synth import make_checkpoint, qwen2_config
 from minitransformer.generate import last_logits, last_logits_alone
 from minitransformer.kvcache import KVCache
 from minitransformer.model import forward
-from minitransformer.serve.paged import PagedCache
 from minitransformer.sampling import SamplingSettings, next_token
-from minitransformer.checkpoints.synth import make_checkpoint, qwen2_config
+from minitransformer.serve.paged import PagedCache
 
 
 def decode_step(model, tokens, cache, batch_invariant=False):
@@ -54,7 +53,7 @@ def test_decode_step_is_the_solo_step(tiny_model, block_size, batch_invariant):
     cache = paged_batch(tiny_model, prompts, block_size, batch_invariant)
     cache.books.make_room(range(len(prompts)), 1)
     batched = decode_step(tiny_model, tokens, cache.view(range(6)), batch_invariant)
-    for row, (prompt, token) in enumerate(zip(prompts, tokens)):
+    for row, (prompt, token) in enumerate(zip(prompts, tokens, strict=True)):
         expected = solo_decode_logits(tiny_model, prompt, token)
         assert batched[row].dtype == expected.dtype
         if batch_invariant:  # bit for bit
@@ -95,7 +94,7 @@ def test_many_batched_steps_give_generate_s_tokens(tiny_model, batch_invariant):
                              batch_invariant)
         for row, row_logits in enumerate(logits):
             tokens[row].append(int(np.argmax(row_logits)))
-    for prompt, made in zip(prompts, tokens):
+    for prompt, made in zip(prompts, tokens, strict=True):
         assert_like_solo(tiny_model, made, mt.generate(tiny_model, prompt, 20, eos_token_id=[]),
                          prompt, batch_invariant=batch_invariant, eos_token_id=[])
 
@@ -114,7 +113,7 @@ def test_long_rows_past_the_blas_size_switch(tmp_path):
     cache = paged_batch(model, prompts, 16, batch_invariant=True)
     cache.books.make_room(range(len(prompts)), 1)
     batched = decode_step(model, tokens, cache.view(range(len(prompts))), batch_invariant=True)
-    for row, (prompt, token) in enumerate(zip(prompts, tokens)):
+    for row, (prompt, token) in enumerate(zip(prompts, tokens, strict=True)):
         assert np.array_equal(batched[row], solo_decode_logits(model, prompt, token)), row
 
 

@@ -12,15 +12,20 @@ import pytest
 
 import minitransformer as mt
 from conftest import assert_like_solo
-from minitransformer.checkpoints.synth import (llama_config, mistral_config, qwen2_config,
-                                               qwen3_config, random_model)
+from minitransformer.checkpoints.synth import (
+    llama_config,
+    mistral_config,
+    qwen2_config,
+    qwen3_config,
+    random_model,
+)
 from minitransformer.kvcache import KVCache
 from minitransformer.kvquant import cache_bytes_per_token
 from minitransformer.lookup import PromptLookup
-from minitransformer.speculative import speculative_generate
 from minitransformer.serve.config import EngineConfig, SpeculativeConfig
 from minitransformer.serve.engine import Engine
 from minitransformer.serve.records import Request
+from minitransformer.speculative import speculative_generate
 
 LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
           "original_max_position_embeddings": 16}

@@ -12,17 +12,21 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-torch = pytest.importorskip("torch")
-transformers = pytest.importorskip("transformers")
+pytest.importorskip("torch")
+pytest.importorskip("transformers")
+import torch
+import transformers
+from transformers.generation.logits_process import (
+    RepetitionPenaltyLogitsProcessor,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
 
-import minitransformer as mt  # noqa: E402
-from conftest import STORIES, assert_same  # noqa: E402
-from minitransformer.sampling import (SamplingSettings, apply_repetition_penalty,  # noqa: E402
-                                      probabilities)
-from minitransformer.checkpoints.synth import make_checkpoint  # noqa: E402
-from transformers.generation.logits_process import (  # noqa: E402
-    RepetitionPenaltyLogitsProcessor, TemperatureLogitsWarper, TopKLogitsWarper,
-    TopPLogitsWarper)
+import minitransformer as mt
+from conftest import STORIES, assert_same
+from minitransformer.checkpoints.synth import make_checkpoint
+from minitransformer.sampling import SamplingSettings, apply_repetition_penalty, probabilities
 
 EPS = np.finfo(np.float32).eps
 CASES = {c["name"]: c for c in json.loads(

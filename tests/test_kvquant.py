@@ -12,15 +12,20 @@ import pytest
 import minitransformer as mt
 from minitransformer.backend import to_numpy, xp
 from minitransformer.kvcache import KVCache
-from minitransformer.kvquant import (KV_DTYPES, QuantizedArray, dequantize, quantize, vector_bytes,
-                                     zeros)
+from minitransformer.kvquant import (
+    KV_DTYPES,
+    QuantizedArray,
+    dequantize,
+    quantize,
+    vector_bytes,
+    zeros,
+)
 from minitransformer.model import forward
 from minitransformer.sampling import SamplingSettings
 from minitransformer.serve.config import EngineConfig
 from minitransformer.serve.engine import Engine
 from minitransformer.serve.paged import PagedCache
 from minitransformer.serve.records import Request
-
 
 QUANTIZED = ("q8_0", "q4_0")
 
@@ -170,7 +175,7 @@ def test_copy_on_write_and_swap_move_codes_and_scales_bit_for_bit(tiny_model, kv
     cache.books.swap_in("a", swapped)
     cache.do(cache.books.take_moves())
     a1 = cache.books.seqs["a"].blocks[1]
-    for (codes, scales), held in zip(before, cache.k + cache.v):
+    for (codes, scales), held in zip(before, cache.k + cache.v, strict=True):
         np.testing.assert_array_equal(to_numpy(held.codes[a1]), codes)
         np.testing.assert_array_equal(to_numpy(held.scales[a1]), scales)
 

@@ -25,10 +25,10 @@ import pytest
 import minitransformer as mt
 from conftest import NEAR_TIE
 from minitransformer.backend import to_numpy, xp
+from minitransformer.checkpoints.synth import llama_config, make_checkpoint
 from minitransformer.kvcache import KVCache
 from minitransformer.kvquant import dequantize
 from minitransformer.model import forward, head
-from minitransformer.checkpoints.synth import llama_config, make_checkpoint
 
 FORMATS = ("f16", "q8_0", "q4_0")
 IDS = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3]
@@ -98,7 +98,7 @@ def assert_held_within_bound(model, kv_dtype):
     for layer in range(model.config.num_hidden_layers):
         k, v = exact.k[layer], exact.v[layer]                       # (1, Hkv, S, d)
         back = held.update(layer, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3))
-        for x, got in zip((k, v), back):
+        for x, got in zip((k, v), back, strict=True):
             x, error = to_numpy(x), np.abs(to_numpy(dequantize(got)) - to_numpy(x))
             ratio = error / bound(x, kv_dtype)
             assert (ratio <= 1).all(), f"layer {layer}: error {ratio.max():.3f} x its bound"
@@ -248,7 +248,7 @@ def paths(model, kv_dtype, ids=IDS):
             first = []
         starts = [0, *edges] if name != "prefix hit" else [CACHED]
         logits = first + [to_numpy(head(model, forward(model, np.array([ids[a:b]]), cache)))[0]
-                          for a, b in zip(starts, [*starts[1:], len(ids)])]
+                          for a, b in zip(starts, [*starts[1:], len(ids)], strict=True)]
         out[name], caches[name] = np.concatenate(logits), cache
     return out, caches
 

@@ -9,8 +9,12 @@ import pytest
 import minitransformer as mt
 from minitransformer import CheckpointError
 from minitransformer.backend import to_numpy
-from minitransformer.formats.safetensors_io import (bf16_to_f32, f32_to_bf16, read_tensors,
-                                                    write_tensors)
+from minitransformer.formats.safetensors_io import (
+    bf16_to_f32,
+    f32_to_bf16,
+    read_tensors,
+    write_tensors,
+)
 
 
 def copy(checkpoint_dir, tmp_path, name="qwen2-gqa-tied-bf16"):

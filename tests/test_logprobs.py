@@ -31,7 +31,7 @@ def assert_model_logprobs(model, prompt, scored, k):
     """Each TokenLogprob against the reference: its own logprob and its top k (the k largest,
     in order)."""
     ref = reference(model, prompt, [s.token for s in scored])
-    for row, s in zip(ref, scored):
+    for row, s in zip(ref, scored, strict=True):
         assert abs(s.logprob - row[s.token]) < TOLERANCE
         assert len(s.top) == k
         top_ids = [t for t, _ in s.top]

@@ -433,6 +433,7 @@ def test_a_model_config_built_in_python_is_held_to_config_jsons_rules(name, bad,
     layers), is refused with the message config.json's reader gives, the source named
     "ModelConfig"."""
     import dataclasses
+
     from minitransformer.checkpoints.synth import qwen2_config
     from minitransformer.config import ModelConfig
     config = ModelConfig.from_dict(qwen2_config(num_attention_heads=4, num_key_value_heads=2,

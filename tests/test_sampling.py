@@ -8,9 +8,14 @@ import warnings
 import numpy as np
 import pytest
 
-from minitransformer.sampling import (SamplingSettings, apply_repetition_penalty, check_sampling,
-                                      draw, next_token, probabilities)
-
+from minitransformer.sampling import (
+    SamplingSettings,
+    apply_repetition_penalty,
+    check_sampling,
+    draw,
+    next_token,
+    probabilities,
+)
 
 LOGITS = np.log(np.array([0.5, 0.2, 0.15, 0.1, 0.05], dtype=np.float32))
 

@@ -432,7 +432,7 @@ def test_exp22_races_every_draft_against_the_same_plain_runs(pair, monkeypatch, 
 
     def fake_time_together(fns, warmup, repeat, after):
         calls.append(len(fns))
-        for fn, undo in zip(fns, after):
+        for fn, undo in zip(fns, after, strict=True):
             fn()
             if undo is not None:
                 undo()

@@ -21,8 +21,13 @@ from minitransformer.model import causal_mask, forward, plain_attention
 from minitransformer.serve.config import EngineConfig
 from minitransformer.serve.engine import Engine
 from minitransformer.serve.records import Request
-from minitransformer.tiled import (TILED, CausalTiles, largest_score_block, tiled_attention,
-                                   two_pass_attention)
+from minitransformer.tiled import (
+    TILED,
+    CausalTiles,
+    largest_score_block,
+    tiled_attention,
+    two_pass_attention,
+)
 
 TOLERANCE = 1e-5
 

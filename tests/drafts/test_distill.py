@@ -1,10 +1,17 @@
 """Distillation: soft labels under temperature, and the T^2-scaled KL loss and its gradient."""
+from itertools import pairwise
+
 import numpy as np
 import pytest
 from scipy.stats import entropy
 
-from minitransformer.drafts.distill import (distillation_grad, distillation_loss, rank_ratio,
-                                     soft_labels, top_tokens)
+from minitransformer.drafts.distill import (
+    distillation_grad,
+    distillation_loss,
+    rank_ratio,
+    soft_labels,
+    top_tokens,
+)
 
 # The chapter's soft label for "She poured the milk into the" (its top 5; the rest of the mass
 # is spread here over other tokens, each below the fifth).
@@ -37,7 +44,7 @@ def test_ratio_by_hand():
 def test_temperature_flattens_and_soft_labels_are_distributions():
     z = np.random.default_rng(0).normal(0, 3, (4, 50))
     ents = [entropy(soft_labels(z, T), axis=-1) for T in (0.5, 1, 2, 4, 100)]
-    assert all((a < b).all() for a, b in zip(ents, ents[1:]))
+    assert all((a < b).all() for a, b in pairwise(ents))
     assert ents[-1] == pytest.approx(np.log(50), rel=1e-2)  # very high T: nearly uniform
     np.testing.assert_allclose(soft_labels(z, 3).sum(axis=-1), 1.0, rtol=1e-14)
     # huge logits do not overflow
@@ -132,8 +139,7 @@ def test_one_pass_gives_the_loss_and_gradient_of_the_formulas(temperature):
     """distillation_loss_and_grad and hard_label_loss_and_grad (a training step's one pass)
     are, bit for bit, the formulas written out: T^2 KL(p_T || q_T) and T (q_T - p_T) / N; the
     cross-entropy on the argmax and (q - onehot) / N."""
-    from minitransformer.drafts.distill import (distillation_loss_and_grad,
-                                                hard_label_loss_and_grad)
+    from minitransformer.drafts.distill import distillation_loss_and_grad, hard_label_loss_and_grad
     from minitransformer.logprobs import log_softmax
     rng = np.random.default_rng(3)
     s, z = rng.standard_normal((2, 6, 50)).astype(np.float32) * 3

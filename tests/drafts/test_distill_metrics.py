@@ -5,8 +5,8 @@ import numpy as np
 import pytest
 
 import minitransformer as mt
-from minitransformer.drafts import training as tr
 from minitransformer.checkpoints.synth import make_checkpoint, qwen2_config
+from minitransformer.drafts import training as tr
 
 # Two positions over a vocabulary of 3, the teacher's p and the student's q written out:
 P = np.array([[0.7, 0.2, 0.1], [0.1, 0.6, 0.3]])
@@ -156,7 +156,7 @@ def test_the_training_and_held_out_ranges_are_disjoint(n_tokens, settings):
 # ---- the verdict, as the figures decide it ---------------------------------------------------
 def figures(soft1, soft2, hard):
     """Student -> kl, alpha, top1, greedy, from three (kl, alpha, top1, greedy) tuples."""
-    return {name: dict(zip(("kl", "alpha", "top1", "greedy"), f))
+    return {name: dict(zip(("kl", "alpha", "top1", "greedy"), f, strict=True))
             for name, f in (("soft, T = 1", soft1), ("soft, T = 2", soft2), ("hard", hard))}
 
 

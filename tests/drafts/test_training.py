@@ -78,7 +78,10 @@ def test_piece_backward(rng):
     params, h, c = small_piece(rng), rng.normal(size=(3, 6)), rng.normal(size=(3, 6))
     o, saved = tr.piece(params, h, 1e-5)
     dh, grads = tr.piece_backward(params, saved, c)
-    loss = lambda: (tr.piece(params, h, 1e-5)[0] * c).sum()  # noqa: E731
+
+    def loss():
+        return (tr.piece(params, h, 1e-5)[0] * c).sum()
+
     close(dh, numeric_grad(loss, h))
     assert set(grads) == set(params) == set(tr.PIECE)
     for name in params:
@@ -240,7 +243,7 @@ def test_the_scripts_train_cache_and_use_the_drafts(tmp_path, monkeypatch, run_s
                 "soft, T = 2", "hard", "KL soft, T = 2", "soft (soft, T = "):
         assert row in out
     assert "Held-out KL to the teacher against training steps" in out
-    import exp23_soft_labels            # the verdict printed is the one the figures decide
+    import exp23_soft_labels  # the verdict printed is the one the figures decide
     from minitransformer.drafts import students as st
     students, = (tmp_path / "weights" / "drafts").glob("*-students-*.npz")
     figures = st.load(students, st.Settings()).figures

@@ -19,7 +19,9 @@ from minitransformer.checkpoints.synth import (
 from minitransformer.errors import CheckpointError
 from minitransformer.formats import gguf_types
 
-gguf = pytest.importorskip("gguf")
+pytest.importorskip("gguf")
+import gguf
+
 from gguf_files import MATRIX_TYPES, store, write_gguf
 
 SHAPE = dict(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,

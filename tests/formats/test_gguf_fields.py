@@ -118,7 +118,7 @@ def message_at_cut(whole: bytes, cut: int) -> str:
             return (f"{SRC}: truncated: {what} needs bytes [{start}, {start + n}) but the file "
                     f"ends at byte {cut}")
     data_start = len(whole) - 66                      # 24 + padding to 32 + 34
-    for (name, dims, type_id, raw), offset in zip(TENSORS, (0, 32)):
+    for (name, dims, type_id, raw), offset in zip(TENSORS, (0, 32), strict=True):
         end = data_start + offset + len(raw)
         if end > cut:
             kind = {F32: "F32", Q8_0: "Q8_0"}[type_id]

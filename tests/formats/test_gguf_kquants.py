@@ -121,9 +121,9 @@ def hand_q4_k(five):
     top = 32 if five else 16
     codes = [(7 * i + 3) % top for i in range(256)]
     d, dmin = 0.5, 0.25
-    nibbles = [codes[64 * c + l] & 15 | (codes[64 * c + 32 + l] & 15) << 4
-               for c in range(4) for l in range(32)]
-    high = [sum((codes[32 * r + l] >> 4) << r for r in range(8)) for l in range(32)]
+    nibbles = [codes[64 * c + pos] & 15 | (codes[64 * c + 32 + pos] & 15) << 4
+               for c in range(4) for pos in range(32)]
+    high = [sum((codes[32 * r + pos] >> 4) << r for r in range(8)) for pos in range(32)]
     raw = f16(d) + f16(dmin) + pack_scales_mins(SCALES8, MINS8) + (high if five else []) + \
         nibbles
     expected = [f32(d) * f32(SCALES8[i // 32]) * f32(c) - f32(dmin) * f32(MINS8[i // 32])
@@ -132,9 +132,9 @@ def hand_q4_k(five):
 
 
 def low_crumbs(codes):
-    """64 bytes: bits 0-1 of weight 128h + 32p + l in bits 2p, 2p + 1 of byte 32h + l."""
-    return [sum((codes[128 * h + 32 * p + l] & 3) << 2 * p for p in range(4))
-            for h in range(2) for l in range(32)]
+    """64 bytes: bits 0-1 of weight 128h + 32p + pos in bits 2p, 2p + 1 of byte 32h + pos."""
+    return [sum((codes[128 * h + 32 * p + pos] & 3) << 2 * p for p in range(4))
+            for h in range(2) for pos in range(32)]
 
 
 SCALES16 = [1, 15, 0, 9, 4, 7, 12, 3, 14, 2, 8, 11, 5, 13, 6, 10]
@@ -144,7 +144,8 @@ def hand_q2_k():
     codes = [(i * 5 + i // 7) % 4 for i in range(256)]
     mins = [(5 * j + 2) % 16 for j in range(16)]
     d, dmin = 0.125, -0.75                   # a negative dmin: allowed by the format
-    raw = [s | m << 4 for s, m in zip(SCALES16, mins)] + low_crumbs(codes) + f16(d) + f16(dmin)
+    raw = [s | m << 4 for s, m in zip(SCALES16, mins, strict=True)] + low_crumbs(codes) + \
+        f16(d) + f16(dmin)
     expected = [f32(d) * f32(SCALES16[i // 16]) * f32(c) - f32(dmin) * f32(mins[i // 16])
                 for i, c in enumerate(codes)]
     return raw, expected
@@ -155,7 +156,7 @@ def hand_q3_k():
     scales = [-32, 31, 0, -1, 17, -16, 5, -9, 30, -31, 1, 2, -20, 12, 8, -3]
     stored = [s + 32 for s in scales]
     d = 0.0625
-    hmask = [sum((codes[32 * r + l] >> 2) << r for r in range(8)) for l in range(32)]
+    hmask = [sum((codes[32 * r + pos] >> 2) << r for r in range(8)) for pos in range(32)]
     packed = [(stored[j] & 15) | (stored[j + 8] & 15) << 4 for j in range(8)]
     packed += [sum(((stored[4 * p + b] >> 4) & 3) << 2 * p for p in range(4)) for b in range(4)]
     raw = hmask + low_crumbs(codes) + packed + f16(d)
@@ -170,9 +171,9 @@ def hand_q6_k():
     ql, qh = [], []
     for h in range(2):
         c = codes[128 * h:128 * (h + 1)]
-        ql += [(c[l] & 15) | (c[l + 64] & 15) << 4 for l in range(32)]
-        ql += [(c[l + 32] & 15) | (c[l + 96] & 15) << 4 for l in range(32)]
-        qh += [sum((c[32 * k + l] >> 4) << 2 * k for k in range(4)) for l in range(32)]
+        ql += [(c[pos] & 15) | (c[pos + 64] & 15) << 4 for pos in range(32)]
+        ql += [(c[pos + 32] & 15) | (c[pos + 96] & 15) << 4 for pos in range(32)]
+        qh += [sum((c[32 * k + pos] >> 4) << 2 * k for k in range(4)) for pos in range(32)]
     raw = ql + qh + list(np.array(scales, np.int8).view(np.uint8)) + f16(d)
     d16 = f32(np.float16(d))
     expected = [d16 * f32(scales[i // 16]) * f32(c - 32) for i, c in enumerate(codes)]

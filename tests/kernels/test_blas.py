@@ -11,8 +11,8 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from minitransformer.kernels import blas, tuning
 from minitransformer.backend import to_device, to_numpy
+from minitransformer.kernels import blas, tuning
 from minitransformer.linear import linear
 
 

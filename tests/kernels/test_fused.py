@@ -5,8 +5,8 @@ from pathlib import Path
 import numpy as np
 
 from minitransformer.backend import to_device, to_numpy
-from minitransformer.loader import load_weights
 from minitransformer.linear import linear
+from minitransformer.loader import load_weights
 from minitransformer.model import Model
 from minitransformer.shape import tensor_shapes
 from minitransformer.speculative import first_layers

@@ -91,6 +91,6 @@ def test_the_model_under_strict_gives_numpys_logits_bit_for_bit(checkpoint_dir, 
     assert kind == "DeviceArray"
     assert bytes.fromhex(logits) == mt.logits(model, ids).tobytes()
     assert tokens == mt.generate(model, [3, 1, 4], 6, eos_token_id=[])
-    for scheme, hexed in zip(schemes, quantized):
+    for scheme, hexed in zip(schemes, quantized, strict=True):
         assert bytes.fromhex(hexed) == mt.logits(quantize_model(model, scheme), ids).tobytes(), \
             scheme

@@ -6,6 +6,7 @@ import subprocess
 import sys
 import threading
 import time
+from itertools import pairwise
 
 import numpy as np
 import pytest
@@ -119,7 +120,7 @@ def test_part_bounds_cover_the_columns_once():
             for align in (16, 1200):
                 bounds = blas.part_bounds(n, count, align)
                 assert bounds[0][0] == 0 and bounds[-1][1] == n and len(bounds) <= count
-                assert all(a[1] == b[0] for a, b in zip(bounds, bounds[1:]))
+                assert all(a[1] == b[0] for a, b in pairwise(bounds))
                 assert all(r0 % align == 0 for r0, _ in bounds)
 
 

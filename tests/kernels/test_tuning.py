@@ -142,7 +142,7 @@ def test_a_product_through_a_planted_way_is_the_product_of_the_way_it_names(file
     """An entry naming a route blas.py takes there is taken as it is, unmeasured: its product is
     that route's, bit for bit (not another route's: their sums run in other orders)."""
     x, w = operands(4)
-    plant(file, {tuning.machine(): {f"route 4 70x24 row-major <f4 <f4": route}})
+    plant(file, {tuning.machine(): {"route 4 70x24 row-major <f4 <f4": route}})
     y = to_numpy(blas.multiply(to_device(x), to_device(w)))
     assert timed == [] and blas.route_for(x, w) == route
     assert np.array_equal(y, blas.CALLS[route](x, w, np.empty((4, 70), np.float32)))

@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 
 from conftest import NEAR_TIE, clock_of_durations, fake_clock
+from minitransformer.backend import BACKEND
 from minitransformer.kernels import tuning
 from minitransformer.measure import timing as measure
-from minitransformer.backend import BACKEND
 from minitransformer.measure.timing import median_time, peak_bytes, time_together, timed
 
 
@@ -164,7 +164,8 @@ def test_batched_steps_are_one_decode_step_each_way_and_roll_back(tiny_model):
         forward(tiny_model, prompts[b:b + 1], one)
         alone.append(last_logits(tiny_model, tokens[b:b + 1, None], one)[0])
     for _ in range(2):                         # the second time round sees the same caches
-        flat, exact, contiguous = [(step(), undo())[0] for step, undo in zip(steps, rollbacks)]
+        flat, exact, contiguous = [(step(), undo())[0]
+                                   for step, undo in zip(steps, rollbacks, strict=True)]
         assert [cache.books.seqs[b].length for b in range(B)] == [T] * B
         assert kv.lengths.tolist() == [T] * B
         np.testing.assert_array_equal(exact, np.array(alone))

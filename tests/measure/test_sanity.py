@@ -1,9 +1,15 @@
 """The sanity checks fire on impossible timings, injected through fake clocks, and stay quiet
 on plausible ones; a check that fires once is measured again before it is believed."""
 from conftest import clock_of_durations
+from minitransformer.measure.sanity import (
+    NOISE_FLOOR,
+    cost_falls,
+    recheck,
+    slower,
+    speedup_bound,
+    spikes,
+)
 from minitransformer.measure.timing import Timing, time_together
-from minitransformer.measure.sanity import (NOISE_FLOOR, cost_falls, recheck, slower, speedup_bound,
-                                    spikes)
 
 
 def quiet(seconds):

@@ -8,8 +8,17 @@ from minitransformer.backend import to_numpy
 from minitransformer.model import forward
 from minitransformer.shape import ceil_div
 from quant.absmax import absmax_per_group, absmax_per_row, absmax_per_tensor
-from quant.activations import (capture_residuals, default_layer, int8_levels, log2_histogram,
-                               longest_run, per_dim_max, persistence, quantile_dims, top_dims)
+from quant.activations import (
+    capture_residuals,
+    default_layer,
+    int8_levels,
+    log2_histogram,
+    longest_run,
+    per_dim_max,
+    persistence,
+    quantile_dims,
+    top_dims,
+)
 from quant.analysis import default_outlier_matrix, error_table, outlier_stats
 from quant.gguf_weight import gguf_quantize
 from quant.nf4 import nf4

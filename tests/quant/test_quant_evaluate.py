@@ -14,8 +14,15 @@ import minitransformer as mt
 from minitransformer.backend import to_device, to_numpy
 from minitransformer.checkpoints.synth import make_checkpoint, qwen2_config, train_tokenizer
 from minitransformer.measure import text as data
-from minitransformer.measure.quality import (BATTERY, agreement, answered, battery, perplexity,
-                                             reference_tokens, tokens_of)
+from minitransformer.measure.quality import (
+    BATTERY,
+    agreement,
+    answered,
+    battery,
+    perplexity,
+    reference_tokens,
+    tokens_of,
+)
 from minitransformer.sampling import SamplingSettings
 from quant.qmodel import projection_names, quantize_model
 

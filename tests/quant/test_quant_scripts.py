@@ -59,7 +59,7 @@ def test_exp21_quality_table(tiny, run_script):
              for line in lines]
     assert cells[0][1] == "-"
     ppl = [float(c[0].replace(",", "")) for c in cells]
-    for c, p in zip(cells[1:], ppl[1:]):
+    for c, p in zip(cells[1:], ppl[1:], strict=True):
         r, low, high = map(float, c[2:])
         assert low <= r <= high and r == pytest.approx(p / ppl[0], abs=1e-3 + 1e-3 * r)
 
@@ -93,7 +93,7 @@ def test_exp21_kv_cache_quality_table(tiny, run_script):
     assert "40/40 [" in " ".join(rows[0])                 # the f32 cache agrees with itself
     assert "1.0000 [1.0000, 1.0000]" in " ".join(rows[0])
     assert all(r[-2] == f"{b:,}" for r, b in zip(rows, [3 * 2 * 2 * 8 * 4, 3 * 2 * 2 * 10,
-                                                         3 * 2 * 2 * 6] * 2))
+                                                         3 * 2 * 2 * 6] * 2, strict=True))
     assert "llama.cpp: -ctk / -ctv q8_0 and q4_0" in out
 
 
@@ -101,6 +101,7 @@ def test_exp21_k_quant_rows_are_the_same_decoded_once(tiny, monkeypatch):
     """Experiment 21 evaluates a k-quant model with its blocks decoded once: the row it prints
     is the one decoding the blocks at every product gives (bytes held: the blocks alone)."""
     import argparse
+
     import exp21_quantized_quality as exp21
     from minitransformer.loader import load
     from minitransformer.measure.quality import reference_tokens, tokens_of
@@ -126,8 +127,10 @@ def test_exp21_decodes_on_one_blas_thread_and_gives_the_threads_back(tiny, monke
     """The battery runs on DECODE_THREADS BLAS threads (its products of a few rows: a second
     thread spins more than it works); perplexity and agreement on the process's, as before."""
     import argparse
-    import exp21_quantized_quality as exp21
+
     from threadpoolctl import threadpool_info, threadpool_limits
+
+    import exp21_quantized_quality as exp21
     from minitransformer.loader import load
     from minitransformer.measure.quality import battery, tokens_of
 

@@ -14,8 +14,9 @@ from pathlib import Path
 import pytest
 
 import _report
-import run_all
 from _table import Table
+
+import run_all
 
 SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
 

@@ -410,6 +410,7 @@ def test_first_use_is_made_before_the_job_and_timed_apart(monkeypatch, tmp_path)
     """What a script fetches once (here experiment 21's text) is made before the job, timed on
     its own; nothing when it is already there."""
     import time
+
     from minitransformer.measure import text
     made = []
 
@@ -435,6 +436,7 @@ def test_first_use_times_smollm2s_fetch_from_its_start(tiny, monkeypatch, tmp_pa
     model (asking whether its drafts or k-quant copies are there fetched it untimed: the
     first-use line said 0 s for a 15 s fetch)."""
     import time
+
     from minitransformer.measure import text
     monkeypatch.setenv("MT_WEIGHTS_DIR", str(tmp_path))              # SmolLM2: not imported
     monkeypatch.setattr(text, "cache_path", lambda: Path(run_all.__file__))  # the text: there
@@ -460,8 +462,8 @@ def test_first_use_quantizes_the_k_quant_copies_once(tiny, monkeypatch, tmp_path
     before the job, timed apart, once: the schemes of the selected scripts only, again when
     the model's files change, never under MT_QUANT_CACHE=off, nor for a model too small to
     keep any (each script quantizes it in no time)."""
-    from minitransformer.measure import text
     import quant.gguf_weight
+    from minitransformer.measure import text
     monkeypatch.setenv("MT_WEIGHTS_DIR", str(tmp_path))
     monkeypatch.setattr(text, "cache_path", lambda: Path(run_all.__file__))  # the text: there
     made, real = [], run_all.quantize_scheme
@@ -491,6 +493,7 @@ def test_the_k_quant_copies_made_in_threads_are_each_matrixs_own_bytes(tiny, mon
     """quantize_scheme's threads keep, for every projection matrix, the blocks its own floats
     quantize to (what quantize_model then reads back), whatever thread made them."""
     import numpy as np
+
     import quant.gguf_weight as gw
     from minitransformer.backend import to_numpy
     from minitransformer.loader import load
@@ -647,8 +650,10 @@ def test_profile_batched_splits_the_step_under_two_kernels(tiny, run_script, tmp
 
 def test_profile_batched_rest_is_the_step_less_its_parts(tiny):
     import argparse
-    from profile_batched import COLUMNS, profile
+
     from threadpoolctl import threadpool_limits
+
+    from profile_batched import COLUMNS, profile
     with threadpool_limits(None):       # its threads=1 holds for the profile alone
         result = profile(argparse.Namespace(model=[tiny], context=8, repeat=1, buffer_mb=16,
                                             threads=1))
@@ -667,8 +672,10 @@ def test_products_in_cache_make_the_steps_products_over_slabs_that_stay_in_cache
     flops), the same rows and in-dims, each over a slab under blas.COLD_BYTES: here made
     small, so every weight of the tiny model is split, the last slab the remainder."""
     import numpy as np
-    import profile_batched
+
     from bench_decode import product_weights
+
+    import profile_batched
     from minitransformer.backend import to_numpy
     from minitransformer.loader import load
     model = load(tiny)
@@ -686,6 +693,7 @@ def test_products_in_cache_make_the_steps_products_over_slabs_that_stay_in_cache
 
 def test_profile_batched_runs_the_second_kernel_in_a_child_that_forces_it(monkeypatch):
     import subprocess
+
     import profile_batched
     ran = []
 
@@ -705,6 +713,7 @@ def test_attention_work_counts_what_the_rows_hold():
     """Bytes: every key and value each row holds after its new token, the cache's own arrays
     measured; flops: 2 for q.k and 2 for p.v per held token, query head and dimension."""
     from types import SimpleNamespace
+
     from minitransformer.kvcache import KVCache
     from profile_batched import attention_work, row_lengths
     config = SimpleNamespace(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -744,6 +753,7 @@ def test_first_use_knows_when_the_drafts_are_trained(monkeypatch, tmp_path):
     """The drafts count as a first use only when their cache file is missing and the model has
     layers enough to cut a draft from."""
     from types import SimpleNamespace
+
     from minitransformer.checkpoints.synth import make_checkpoint, qwen2_config
     from minitransformer.drafts.students import Settings, students_file
     monkeypatch.setenv("MT_WEIGHTS_DIR", str(tmp_path / "weights"))

@@ -4,11 +4,11 @@ import pytest
 
 import exp08_cache_bytes as exp08
 from minitransformer.backend import to_numpy
+from minitransformer.checkpoints.synth import qwen25_05b_config
 from minitransformer.config import ModelConfig
 from minitransformer.kvcache import KVCache
 from minitransformer.kvquant import KV_DTYPES, QuantizedArray, cache_bytes_per_token
 from minitransformer.model import forward
-from minitransformer.checkpoints.synth import qwen25_05b_config
 from sim.kv_memory import kv_bytes_per_token
 
 QWEN = ModelConfig.from_dict(qwen25_05b_config())

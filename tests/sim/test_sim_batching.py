@@ -5,8 +5,15 @@ import numpy as np
 import pytest
 
 from minitransformer.serve.records import metrics
-from sim.batching import (AffineCost, TableCost, capacity_rate, first_crossing,
-                          simulate_continuous, simulate_static, sweep)
+from sim.batching import (
+    AffineCost,
+    TableCost,
+    capacity_rate,
+    first_crossing,
+    simulate_continuous,
+    simulate_static,
+    sweep,
+)
 from sim.workload import Arrival, make_workload, poisson_arrivals, skewed_lengths
 
 
@@ -130,7 +137,8 @@ def test_one_slot_policies_agree():
     requests = make_workload(skewed_lengths(seed=2), 2.0, seed=2)
     static, cont = simulate_static(requests, 1), simulate_continuous(requests, 1)
     assert static.steps == cont.steps == sum(r.output_len for r in requests)
-    for s, c in zip(static.results, cont.results):  # same times, up to float summation order
+    # same times, up to float summation order
+    for s, c in zip(static.results, cont.results, strict=True):
         assert (s.first_token, s.returned) == pytest.approx((c.first_token, c.returned))
 
 
@@ -197,9 +205,10 @@ def test_the_simulated_static_policy_forms_the_engines_batches(tiny_model):
     from minitransformer.serve.engine import Engine
     from minitransformer.serve.records import Request
     times, lengths = [0, 0, 0, 100, 200, 200, 300], [2, 3, 1, 2, 4, 1, 2]
-    arrivals = [Arrival(i, float(t), n) for i, (t, n) in enumerate(zip(times, lengths))]
+    arrivals = [Arrival(i, float(t), n)
+                for i, (t, n) in enumerate(zip(times, lengths, strict=True))]
     requests = [Request((i + 1, 2), n, arrival=float(t), eos_token_id=[])
-                for i, (t, n) in enumerate(zip(times, lengths))]
+                for i, (t, n) in enumerate(zip(times, lengths, strict=True))]
     engine = Engine(tiny_model, EngineConfig(max_num_seqs=2, policy="static")).run(requests)
     sim = simulate_static(arrivals, 2, AffineCost(a=0.001, b=0.0))
 

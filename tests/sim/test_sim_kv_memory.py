@@ -5,11 +5,20 @@ from types import SimpleNamespace
 
 import pytest
 
-from minitransformer.config import ModelConfig
 from minitransformer.checkpoints.synth import qwen25_05b_config
+from minitransformer.config import ModelConfig
 from sim.arch import arch, kv_dims, parameter_count, read_config_json
-from sim.kv_memory import (GB, KB, MB, attention_variants, cache_bytes, context_table,
-                           crossing_tokens, kv_bytes_per_token, users_tokens_table)
+from sim.kv_memory import (
+    GB,
+    KB,
+    MB,
+    attention_variants,
+    cache_bytes,
+    context_table,
+    crossing_tokens,
+    kv_bytes_per_token,
+    users_tokens_table,
+)
 from sim.memory_budget import FP16, SEVEN_B, THIRTEEN_B, weight_bytes
 
 QWEN25_05B = qwen25_05b_config()  # the chapter's model: 24 layers, 14 q heads, 2 kv heads

@@ -6,8 +6,20 @@ import pytest
 from minitransformer.checkpoints.synth import qwen25_05b_config
 from sim.arch import parameter_count
 from sim.kv_memory import GB
-from sim.memory_budget import (FP16, INT4, INT8, MODELS, SEVEN_B, THIRTEEN_B, Assumptions,
-                               ModelSpec, Precision, budget, budget_table, weight_bytes)
+from sim.memory_budget import (
+    FP16,
+    INT4,
+    INT8,
+    MODELS,
+    SEVEN_B,
+    THIRTEEN_B,
+    Assumptions,
+    ModelSpec,
+    Precision,
+    budget,
+    budget_table,
+    weight_bytes,
+)
 
 QWEN25_05B = qwen25_05b_config()  # the chapter's model: 24 layers, 14 q heads, 2 kv heads
 
