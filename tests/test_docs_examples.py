@@ -1,4 +1,6 @@
-"""The docs pages whose examples are Python sessions run as doctests, as the modules' do."""
+"""The docs pages whose examples are Python sessions run as doctests, as the modules' do.
+
+A file of its own, one test long: what it tests is docs/, which no module's test file covers."""
 import doctest
 from pathlib import Path
 

@@ -2,7 +2,8 @@
 exact (batch-invariant greedy == the engine without speculation == generate; default mode by
 the near-tie rule; sampled draws from the target's distribution, chi-square), the paged cache's
 books right after every step, and what the server sees (streamed tokens, counters). A draft
-named only by its path is loaded; with prefix caching off no block is named."""
+named only by its path is loaded; with prefix caching off no block is named; a cancel retires
+what speculation keeps for the sequence."""
 from dataclasses import replace
 
 import numpy as np
@@ -11,6 +12,7 @@ import pytest
 import minitransformer as mt
 from conftest import assert_like_solo
 from minitransformer import speculative
+from minitransformer.checkpoints.synth import qwen2_config, random_model
 from minitransformer.sampling import SamplingSettings
 from minitransformer.serve import drafting
 from minitransformer.serve.config import EngineConfig, SpeculativeConfig
@@ -332,6 +334,42 @@ def test_min_acceptance_drafts_less_and_changes_no_greedy_token(close_calls):
         assert c.accepted_tokens > 0
     rejected = {bar: c.draft_tokens - c.accepted_tokens for bar, c in counters.items()}
     assert rejected[0.8] < rejected[None]
+
+
+# ---------------------------------------------------------------------------- a cancel
+PROMPT = (1, 2, 3, 1, 2, 3, 1, 2)      # repeats: the lookup proposes
+
+
+@pytest.fixture(scope="module")
+def model():
+    """A random Qwen2 (this file's own: conftest's `model` is the server tests')."""
+    return random_model(qwen2_config())
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_a_cancel_leaving_nothing_running_retires_speculations_books_and_draft(model, method):
+    """A cancel retires everything the sequence held, at the cancel: its blocks, and what
+    speculation keeps for it (its acceptance books, a draft model's cache of it). When the
+    cancel leaves nothing running no step follows, so nothing left for "the next step" would
+    ever go."""
+    spec = SpeculativeConfig(num_speculative_tokens=3, method=method,
+                             model="-" if method == "draft_model" else None)
+    engine = Engine(model, EngineConfig(max_num_seqs=2, num_gpu_blocks_override=16,
+                                        block_size=4, speculative_config=spec),
+                    draft_model=first_layers(model, 1) if method == "draft_model" else None)
+    rid = engine.submit(Request(PROMPT, 20, eos_token_id=[]))
+    for _ in range(3):                          # the prefill, then verifications
+        engine.step()
+    speculator = engine.speculator
+    assert rid in speculator.judged and speculator.counters.draft_tokens > 0
+    if method == "draft_model":
+        assert rid in speculator.proposer.holding()
+    assert engine.cancel(rid)
+    assert not engine.running() and not engine.waiting
+    assert speculator.judged == {} and speculator.proposer.holding() == set()
+    books = engine.cache.books
+    assert books.seqs == {} and books.num_free == books.num_blocks
+    assert engine.results[rid].status == "cancelled"
 
 
 # ---------------------------------------------------------------------------- sampling

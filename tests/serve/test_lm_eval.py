@@ -7,7 +7,10 @@ torch 2.13.0's CPU build and lm-eval 0.4.13); the server runs from this one. The
 skipped where that environment is absent, and fails under CI (CI=true), which makes it.
 lm-eval, as it does against vLLM, finds /tokenizer_info and tokenizes through the server's
 /tokenize; with --batch_size 8 it sends 8 token-id prompts a request, each with echo, logprobs
-1 and max_tokens 1, and sums the logprobs of the continuation's tokens."""
+1 and max_tokens 1, and sums the logprobs of the continuation's tokens.
+
+A file of its own, one test long: `.ci/run` runs it apart, by this path, once the environment
+it needs is made (its AFTER_INSTALLS), while every other test runs meanwhile."""
 import json
 import os
 import subprocess
