@@ -5,7 +5,7 @@ alone. A stamp is the same: one number per distinct prefix, written into every l
 values at that slot. So a block's contents say which prefix it holds, exactly, and a block
 handed to the wrong sequence (a bad name, a missed copy on write, a block given out while held)
 shows up as a wrong stamp. Shared by tests/serve/test_prefix_cache.py and
-tests/serve/test_block_state.py.
+tests/serve/test_blocks.py (its state machine, BlockBooks).
 """
 from dataclasses import dataclass, field
 
