@@ -148,7 +148,10 @@ def test_one_blas_thread_nests_and_puts_blas_back_once_the_last_closes():
     libraries = threadpoolctl.ThreadpoolController().select(user_api="blas").lib_controllers
     if not libraries:
         pytest.skip("no BLAS library loaded")
-    counts = lambda: {lib.get_num_threads() for lib in libraries}  # noqa: E731
+
+    def counts():
+        return {lib.get_num_threads() for lib in libraries}
+
     with threadpoolctl.threadpool_limits(2, user_api="blas"):
         with threads.one_blas_thread():
             with threads.one_blas_thread():
