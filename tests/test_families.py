@@ -244,3 +244,22 @@ def test_preempted_windowed_sequences_come_back_with_their_holes(windowed, monke
         assert_like_solo(windowed, result.tokens, [s.token for s in steps], ids, eos_token_id=[])
         np.testing.assert_allclose([t.logprob for t in result.logprobs],
                                    [s.logprob for s in steps], atol=1e-5)
+
+
+def test_a_windowed_draft_model_releases_its_blocks_as_the_target_does(windowed):
+    """A Mistral draft (window 6) over a pool of its own as small as the target's, 6 blocks:
+    rolled back to the tokens kept, its blocks that slid out go back too, so it drafts to the
+    end of a 100-token answer (holding every block, it would stop once its 6 were full,
+    after 3 drafts); the tokens are recomputing's."""
+    prompt = prompts(windowed)[1]                                   # 20 tokens
+    draft = random_model(WINDOWED["mistral"], seed=8)
+    spec = SpeculativeConfig(num_speculative_tokens=3, method="draft_model", model="-")
+    N = 6 if windowed.config.cache_window else 30
+    engine = Engine(windowed, EngineConfig(max_num_seqs=1, block_size=4, speculative_config=spec,
+                                           num_gpu_blocks_override=N), draft_model=draft)
+    (result,) = engine.run([Request(tuple(prompt), FAR, eos_token_id=[])]).results
+    assert_like_solo(windowed, result.tokens,
+                     mt.generate(windowed, prompt, FAR, cache=False, eos_token_id=[]), prompt,
+                     eos_token_id=[])
+    books = engine.speculator.proposer.draft.pool.books
+    assert books.slid_out >= 20 and engine.speculator.counters.drafts >= FAR // 2

@@ -231,9 +231,13 @@ class DraftModel:
         return self.runner.decode(seq_ids, starts, [[t] for t in last])
 
     def rollback(self, seq_id, valid: int) -> None:
+        """Keep the draft's cache of a sequence to its first `valid` tokens; a windowed draft's
+        blocks that slid out of the window go back then (its next feed starts at those)."""
         seq = self.pool.books.seqs.get(seq_id)
         if seq is not None and seq.length > valid:
             self.pool.books.trim(seq_id, seq.length - valid)
+        if seq is not None:
+            self.pool.books.slide(seq_id)
 
     def forget(self, seq_id) -> None:
         if seq_id in self.pool.books.seqs:

@@ -243,6 +243,8 @@ class PagedView:
         # Checked here: CuPy would wrap a bad id around silently.
         if table.min() < 0 or table.max() >= N:
             raise ValueError(f"block ids {table.min()}..{table.max()} outside a pool of {N}")
+        if (positions // bs < first[:, None]).any():
+            raise RuntimeError("a write into a block that slid out of the window")
         blocks = np.take_along_axis(table, positions // bs - first[:, None], axis=1)  # (B, T)
         if not all(map(books.may_write, blocks.ravel())):  # shared or named: never changed
             raise RuntimeError("write into a shared or named block: make_room copies it first")
