@@ -279,30 +279,82 @@ def run(tasks) -> None:
 holding = 0              # the one_blas_thread blocks open now, in every thread
 kept_counts: list = []   # BLAS's own counts when the first of them opened, put back by the last
 holding_lock = threading.Lock()
+here = threading.local()  # .depth: the blocks open in this thread
+# The names OpenBLAS's builds export its openblas_set_num_threads_local by: a count that every
+# thread takes, set from any thread; it gives back the count it replaced (0 is not "as before":
+# it sets as many as the library has threads).
+LOCAL_SETTERS = ("openblas_set_num_threads_local", "scipy_openblas_set_num_threads_local64_",
+                 "openblas_set_num_threads_local64_")
+
+
+def depth() -> int:
+    """How many one_blas_thread blocks this thread has open."""
+    return getattr(here, "depth", 0)
 
 
 @contextmanager
 def one_blas_thread():
-    """BLAS at one thread inside, at what it was after: the first block to open (in any thread)
-    sets it (a few microseconds), the last to close puts it back, and one opened inside
-    another costs a lock (a forward pass holds it for its products, model.forward)."""
+    """BLAS at one thread inside, as it was after: the first block to open (in any thread) sets
+    it (a few microseconds), the last to close puts it back, and one opened inside another
+    costs a lock (a forward pass holds it for its products, model.forward).
+
+    It is set by openblas_set_num_threads_local where every BLAS library has it
+    (`local_setters`), else by the library's own count: OpenBLAS 0.3.31 ignores
+    openblas_set_num_threads called from a thread that is not the main one, and a server's
+    engine loop runs in a thread of its own: there every product ran on BLAS's own T threads
+    and each split part on T more (measured 5-10x slower at 2 threads than at 1 on a loaded
+    2-core machine)."""
     global holding, kept_counts
+    n = depth()
+    here.depth = n + 1
     with holding_lock:
         if holding == 0:
-            kept_counts = [lib.get_num_threads() for lib in controllers()]
-            for lib, n in zip(controllers(), kept_counts, strict=True):
-                if n != 1:
-                    lib.set_num_threads(1)
+            setters = local_setters()
+            if setters is not None:                  # each gives back the count it replaced
+                kept_counts = [set_every(1) for set_every in setters]
+            else:
+                kept_counts = [lib.get_num_threads() for lib in controllers()]
+                for lib, count_before in zip(controllers(), kept_counts, strict=True):
+                    if count_before != 1:
+                        lib.set_num_threads(1)
         holding += 1
     try:
         yield
     finally:
+        here.depth = n
         with holding_lock:
             holding -= 1
             if holding == 0:
-                for lib, n in zip(controllers(), kept_counts, strict=True):
-                    if n != 1:
-                        lib.set_num_threads(n)
+                setters = local_setters()
+                if setters is not None:
+                    for set_every, count_before in zip(setters, kept_counts, strict=True):
+                        set_every(count_before)
+                else:
+                    for lib, count_before in zip(controllers(), kept_counts, strict=True):
+                        if count_before != 1:
+                            lib.set_num_threads(count_before)
+
+
+setters_found: list = []  # [the setters, or None], once found
+
+
+def local_setters():
+    """Each BLAS library's openblas_set_num_threads_local (LOCAL_SETTERS), as ctypes
+    functions; None where a library has none (an older OpenBLAS, another BLAS)."""
+    if not setters_found:
+        import ctypes
+        found: list | None = []
+        for lib in controllers():
+            dll = getattr(lib, "dynlib", None)
+            name = next((n for n in LOCAL_SETTERS if dll is not None and hasattr(dll, n)), None)
+            if name is None or found is None:
+                found = None
+                continue
+            setter = getattr(dll, name)
+            setter.argtypes, setter.restype = [ctypes.c_int], ctypes.c_int
+            found.append(setter)
+        setters_found.append(found or None)
+    return setters_found[0]
 
 
 def on_one_blas_thread(fn):

@@ -597,7 +597,7 @@ def holds_line(model, N) -> str:
     made, hold = {True: 0, False: 0}, threads.one_blas_thread   # nested: one open already
 
     def counted():
-        made[threads.holding > 0] += 1
+        made[threads.depth() > 0] += 1
         return hold()
     threads.one_blas_thread = counted
     try:

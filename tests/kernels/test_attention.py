@@ -170,3 +170,28 @@ def test_a_quantized_cache_and_a_pool_in_place_are_cut_as_arrays():
         assert part.shape == (1, 1, 9, 8)
         got = dequantize(part if kind == "q8_0" else part[:, :, 0:9])
         np.testing.assert_allclose(to_numpy(got), to_numpy(k[1:2, 1:2]), atol=0.05)
+
+
+def test_a_hold_in_a_thread_not_the_main_one_holds_blas_at_one_there_and_in_its_parts():
+    """A server's engine loop runs in a thread of its own: a hold there, and the parts it hands
+    the pool, run BLAS at one thread while BLAS's own count is 2 (OpenBLAS 0.3.31 ignores
+    openblas_set_num_threads called from such a thread: every product ran on BLAS's own
+    threads, 5-10x slower at 2 threads than at 1), and BLAS's count is as it was after."""
+    libraries = threadpoolctl.ThreadpoolController().select(user_api="blas").lib_controllers
+    if not libraries:
+        pytest.skip("no BLAS library loaded")
+    counts = lambda: {lib.get_num_threads() for lib in libraries}  # noqa: E731
+    seen = {}
+
+    def loop():
+        with threads.one_blas_thread():
+            seen["held"] = counts()
+            threads.pool.run([lambda: seen.setdefault("caller's part", counts()),
+                              lambda: seen.setdefault("worker's part", counts())])
+        seen["after"] = counts()
+    with threads.using(2):
+        thread = threading.Thread(target=loop)
+        thread.start()
+        thread.join()
+        assert counts() == {2}
+    assert seen == {"held": {1}, "caller's part": {1}, "worker's part": {1}, "after": {2}}
