@@ -36,8 +36,10 @@ from _common import run, say
 from _table import Table
 
 ROOT = Path(__file__).resolve().parents[2]
-COPIED = ("minitransformer", "quant", "sim", "tests", "scripts", "setup.cfg", "pyproject.toml",
-          "README.md")
+# what the tests read of the checkout (test_install builds the wheel from setup.py and copies
+# weights/README.md, the one tracked file of the weights folder)
+COPIED = ("minitransformer", "quant", "sim", "tests", "scripts", "setup.cfg", "setup.py",
+          "pyproject.toml", "README.md", "weights/README.md")
 
 # The ledgers, kept as data beside the tests they describe: each room's mutants.json (LEDGERS, in
 # this order) holds the modules mutated there (module -> its file, the test files that cover it,
@@ -149,6 +151,7 @@ def copy(source: Path, target: Path) -> None:
     if source.is_dir():
         shutil.copytree(source, target, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
     elif source.is_file():
+        target.parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(source, target)
 
 
@@ -323,9 +326,11 @@ def planted(scratch: Path, markdown=None, only=()) -> int:
         else:
             target.write_text(original.replace(line, broken))
             try:
+                # the broken file's doctests too; not setup.py's (importing it runs setup())
+                doctests = [path] if path != "setup.py" else []
                 done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-n", "0",
-                                       "-p", "no:cacheprovider", *tests, path], cwd=scratch,
-                                      env=env, capture_output=True, text=True)
+                                       "-p", "no:cacheprovider", *tests, *doctests],
+                                      cwd=scratch, env=env, capture_output=True, text=True)
             finally:
                 target.write_text(original)
             outcome = {0: "PASSED: not caught", 1: "caught"}.get(
@@ -334,6 +339,9 @@ def planted(scratch: Path, markdown=None, only=()) -> int:
             if caught:
                 test = caught[0][len("FAILED "):].split(" - ", 1)[0]   # an id may hold spaces
                 outcome += f" by {test.split('::', 1)[-1]}"
+            elif done.returncode == 1:  # a test's setup broke, none failed: not caught by it
+                errors = [ln for ln in done.stdout.splitlines() if ln.startswith("ERROR ")]
+                outcome = f"error (no test failed; {errors[0] if errors else 'no line'})"
         bad += not outcome.startswith("caught")
         seconds = time.perf_counter() - start
         say(f"[{i}/{len(chosen)}] {feature}: {bug}: {outcome} ({seconds:.0f} s)")
