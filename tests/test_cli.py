@@ -343,9 +343,13 @@ def test_help_is_plain_text_with_each_default_once():
 
 
 def tmux_session(name):
-    """-> (tmux(*args), screen(), wait_for(text, count)) for one detached session."""
+    """-> (tmux(*args), screen(), wait_for(text, count)) for one detached session, on a tmux
+    server of its own (-L name; ended by `tmux -L name kill-server`): on the one default server,
+    a test in another worker killing the last session ends the server while this one starts
+    its session (a CalledProcessError seen in a whole-suite run)."""
     def tmux(*args):
-        return subprocess.run(["tmux", *args], capture_output=True, text=True, check=True).stdout
+        return subprocess.run(["tmux", "-L", name, *args], capture_output=True, text=True,
+                              check=True).stdout
 
     def screen():
         return tmux("capture-pane", "-p", "-J", "-t", name)
@@ -357,6 +361,15 @@ def tmux_session(name):
             time.sleep(0.1)
         raise AssertionError(f"{text!r} never appeared; the screen:\n{screen()}")
     return tmux, screen, wait_for
+
+
+def end_tmux(name):
+    """End the session's own tmux server and remove its socket (tmux leaves the file)."""
+    path = subprocess.run(["tmux", "-L", name, "display-message", "-p", "#{socket_path}"],
+                          capture_output=True, text=True).stdout.strip()
+    subprocess.run(["tmux", "-L", name, "kill-server"], capture_output=True)
+    if path:
+        Path(path).unlink(missing_ok=True)
 
 
 @pytest.mark.skipif(shutil.which("tmux") is None, reason="tmux is not installed")
@@ -378,7 +391,7 @@ def test_keys_typed_while_the_model_answers_are_discarded(story_chat_model):
         wait_for("you>", 3)                 # still chatting: the typed-ahead lines were dropped
         assert "you> The dog was happy\nmodel> " in screen()
     finally:
-        subprocess.run(["tmux", "kill-session", "-t", session], capture_output=True)
+        end_tmux(session)
 
 
 @pytest.mark.skipif(shutil.which("tmux") is None, reason="tmux is not installed")
@@ -408,7 +421,7 @@ def test_chat_in_a_real_terminal(story_chat_model, tmp_path):
         for line, reply in zip(turns, replies, strict=True):
             assert f"you> {line}\nmodel> {reply}\n" in shown, shown
     finally:
-        subprocess.run(["tmux", "kill-session", "-t", session], capture_output=True)
+        end_tmux(session)
 
 
 def test_model_names_and_the_offline_fallback(monkeypatch, capsys):

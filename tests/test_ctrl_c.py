@@ -23,7 +23,7 @@ import pytest
 
 from conftest import ONE_ROUTE, wait_for
 from minitransformer.chat import encode_chat
-from test_cli import CHAT, ROOT, continuation, tmux_session
+from test_cli import CHAT, ROOT, continuation, end_tmux, tmux_session
 
 # This process multiplies as the commands do (conftest.ONE_ROUTE): their text is compared by ==.
 pytestmark = pytest.mark.usefixtures("flat_products")
@@ -154,7 +154,7 @@ def test_a_stopped_answer_shows_its_marker_and_the_history_keeps_what_was_shown(
         tmux("send-keys", "-t", session, "/exit", "Enter")
         wait_for_text("EXITED 0")
     finally:
-        subprocess.run(["tmux", "kill-session", "-t", session], capture_output=True)
+        end_tmux(session)
     first = [{"role": "user", "content": "Once upon a time"}]
     ids = encode_chat(model, first)
 
