@@ -10,7 +10,7 @@ product into T parts (the rows of the (out, in) weight, or the matching columns 
 column-major one), each part one single-threaded BLAS call over its share of the weight, run at
 once on the threads of a `Pool` (NumPy releases the GIL inside a product, so the parts really
 run side by side). Whether a product is split is measured per shape, rows and T (blas.py), as
-its way and layout are: where the parts are no faster, the product takes one thread.
+its route and layout are: where the parts are no faster, the product takes one thread.
 
 The setting, T, one number for the whole process:
 
@@ -28,8 +28,8 @@ whole, or in parts across sequences or kv heads), a prefill's included; a forwar
 BLAS at one thread from its start to its end (model.forward), so that each product's own hold
 costs a lock, not a get and a set of BLAS's count. BLAS's own threads
 synchronize many times inside one product, and each time wait for a thread that waits for a
-core (measured on 2 cores at load 17-22: a 64-token SmolLM2 prefill took 9.4-10.6 s on BLAS's
-own 2 threads, 0.8-1.7 s on one, 1.1-1.6 s in 2 parts on the pool). The rest of NumPy (a
+core, on a busy machine many times over (bench_decode.py --only-threads times a prefill at 1
+and N threads side by side: docs/benchmarks/threads-<kernel>.md). The rest of NumPy (a
 quantizer, a draft's training) runs on BLAS's own threads: T of them where the setting was
 given, else BLAS's own default (OpenBLAS: the cores it may use, or $OPENBLAS_NUM_THREADS).
 
